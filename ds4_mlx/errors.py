@@ -1,0 +1,32 @@
+"""User-facing error types: one per layer, each with a message that says what was expected.
+
+The CLI prints these as one line without a traceback; the server maps them to a 4xx JSON body.
+Anything else that escapes is an internal fault.
+"""
+
+
+class Ds4Error(Exception):
+    """Base of every error a user can cause (bad file, bad flag, bad request)."""
+
+
+class GGUFError(Ds4Error):
+    """The file is not a readable GGUF v3 container (bad magic, version, truncation, data past the end)."""
+
+
+class LayoutError(GGUFError):
+    """The GGUF is readable but is not the DeepSeek V4 Flash layout: a key or tensor is missing or wrong.
+
+    The message names the key or tensor and what was expected.
+    """
+
+
+class ModelFileMissing(Ds4Error):
+    """No model file at the given path."""
+
+
+class ResourceError(Ds4Error):
+    """The device does not have room for the weights plus the session state at the requested context."""
+
+
+class RequestError(Ds4Error):
+    """A generation request that cannot be served as given (e.g. prompt longer than the context)."""

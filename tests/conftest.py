@@ -1,0 +1,17 @@
+"""Shared fixtures. Tests run on MLX's CPU backend unless marked `gpu`."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _mlx_device():
+    """Pin MLX to the CPU for the default suite so results do not depend on the host's accelerator."""
+    import mlx.core as mx
+
+    if os.environ.get("DS4_TEST_DEVICE", "cpu") == "cpu":
+        mx.set_default_device(mx.cpu)
+    yield
