@@ -1,0 +1,102 @@
+"""The one event stream every front end consumes (CLI, chat, OpenAI, Anthropic).
+
+The engine turns sampled token ids into these events through the incremental detokenizer and the DSML
+parser; the `serve/` translators only reshape them into wire formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed tool call. `arguments` is a compact JSON object text in the order the model wrote the keys."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedMessage:
+    """The final parse of one generated message.
+
+    `raw_dsml` is the exact sampled tool block (from its leading "\\n\\n" when present to the closing tag),
+    kept so that a later request can replay it byte for byte. `error` names a parse problem that did not
+    stop the request (e.g. "invalid tool call", "unterminated tool call").
+    """
+
+    reasoning: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    raw_dsml: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    """A tool call was recognised (its invoke tag is complete); `index` counts calls from 0 in this message."""
+
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgsDelta:
+    """A fragment of the call's JSON arguments text; the fragments concatenate to a JSON object."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallEnd:
+    index: int
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """Emitted between prefill chunks so that front ends can show progress or send keep-alives."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last event of a generation.
+
+    finish_reason is one of "stop", "length", "tool_calls", "error" (behavior.md §3.6).
+    """
+
+    finish_reason: str
+    message: ParsedMessage
+    usage: Usage
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    error: str = ""
+    token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+
+Event = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | PrefillProgress | Done
