@@ -30,3 +30,14 @@ class ResourceError(Ds4Error):
 
 class RequestError(Ds4Error):
     """A generation request that cannot be served as given (e.g. prompt longer than the context)."""
+
+
+class ContextOverflow(RequestError):
+    """The prompt does not fit: one free slot after the prompt is required (behavior.md §3.7)."""
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(
+            f"Prompt has {n_prompt_tokens} tokens, but the configured context size is {n_ctx} tokens"
+        )
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
