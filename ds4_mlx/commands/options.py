@@ -1,0 +1,89 @@
+"""Flags shared by the commands that load a model (run, chat, serve, bench), and what they turn into."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "ds4flash.gguf"
+
+
+def add_model_options(p: argparse.ArgumentParser, default_ctx: int = 32768) -> None:
+    p.add_argument("-m", "--model", type=Path, default=Path(DEFAULT_MODEL), help="GGUF file (default ./ds4flash.gguf)")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="use the built-in tiny demo model (real tokenizer, random weights: its text is meaningless)",
+    )
+    p.add_argument("-c", "--ctx", type=int, default=default_ctx, help=f"context size in tokens (default {default_ctx})")
+    p.add_argument("--backend", choices=("cpu", "gpu"), help="MLX device (default: MLX's default device)")
+    p.add_argument("--no-quant-sim", action="store_true", help="turn off the FP8 KV / FP4 indexer simulation")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_const", const="high", help="thinking (the default)")
+    think.add_argument("--think-max", dest="think", action="store_const", const="max", help="Think Max (ctx >= 393216)")
+    think.add_argument("--nothink", dest="think", action="store_const", const="none", help="no thinking")
+    p.set_defaults(think="high")
+    p.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (default 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = off (default)")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x the top one (default 0.05)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty (default 0)")
+
+
+def think_mode_from_args(args: argparse.Namespace):
+    from ..chat import ThinkMode
+
+    return {"high": ThinkMode.HIGH, "max": ThinkMode.MAX, "none": ThinkMode.NONE}[args.think]
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from ..sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
+
+
+def select_backend(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
+    if args.backend == "cpu":
+        mx.set_default_device(mx.cpu)
+    elif args.backend == "gpu":
+        mx.set_default_device(mx.gpu)
+
+
+def open_engine(args: argparse.Namespace, **opts):
+    """Loads the engine from --model, or the demo model with --demo (saying in one line what the demo is)."""
+    from ..engine import Engine, ensure_demo_model
+
+    select_backend(args)
+    path = args.model
+    if args.demo:
+        print(
+            "ds4-mlx: --demo uses a tiny random-weight model with the real tokenizer: its text is meaningless",
+            file=sys.stderr,
+        )
+        path = ensure_demo_model()
+    return Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet, **opts)
+
+
+def encode_cli_prompt(tokenizer, pieces) -> list[int]:
+    """Tokenizes the CLI prompt pieces: special markers as specials, system and user text as plain BPE."""
+    ids: list[int] = []
+    for text, special in pieces:
+        ids += tokenizer.encode(text, specials=special)
+    return ids

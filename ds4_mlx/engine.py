@@ -1,0 +1,255 @@
+"""The Engine: one model, one live session, and generation as a stream of events.
+
+Every front end (`ds4-mlx run`, `ds4-mlx chat`, the HTTP server, notebooks) calls `Engine.generate` and consumes
+the same events. Rendering happens above (chat.py), wire formats happen above (serve/); tokenizing, prefix reuse,
+sampling, stop rules and tool-call parsing happen here, once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import dsml
+from .chat import ToolMemory
+from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError
+from .events import Done, Event, ParsedMessage, PrefillProgress, Usage
+from .model.model import Model
+from .model.weights import ModelWeights, open_weights
+from .sampling import Sampler, SamplingParams
+from .session import Session
+from .stop import StopStrings
+from .tokenizer import StreamDecoder, Tokenizer
+
+DEMO_PRESET = "tiny"
+DEMO_SEED = 0
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate from.
+
+    `prompt` is rendered text in which the special strings are recognised, or token ids when the caller has
+    tokenized it itself (the CLI does, so that special strings typed by a user stay plain text).
+    """
+
+    prompt: str | list[int]
+    max_tokens: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    thinking: bool = True
+    tools_active: bool = False
+
+
+def demo_model_path() -> Path:
+    """Where the built-in demo model is cached (built once, then reused)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ds4-mlx"
+    return root / f"demo-{DEMO_PRESET}-real-vocab-seed{DEMO_SEED}.gguf"
+
+
+def ensure_demo_model() -> Path:
+    """Builds the tiny demo model with the real V4 tokenizer on first use; its text is meaningless."""
+    path = demo_model_path()
+    if not path.exists():
+        from .model.factory import write_model
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        write_model(tmp, preset=DEMO_PRESET, experts="q2", vocab="real", seed=DEMO_SEED)
+        tmp.replace(path)
+    return path
+
+
+def device_memory_bytes() -> int:
+    """Memory the current MLX device can use: the GPU's memory, or the machine's RAM for the CPU backend."""
+    info = mx.device_info()
+    if "memory_size" in info:
+        return int(info["memory_size"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, available: int) -> None:
+    """Stops with a clear message, before anything big is allocated, when weights + state at ctx do not fit."""
+    from .model.cache import session_bytes
+
+    def need(c: int) -> int:
+        return model_bytes + session_bytes(weights.config, c)
+
+    budget = int(available * 0.9)
+    if need(ctx) <= budget:
+        return
+    gib = 1024**3
+    if need(1) > budget:
+        raise ResourceError(
+            f"the model needs {model_bytes / gib:.1f} GiB for its weights but this device has "
+            f"{available / gib:.1f} GiB; no context size fits"
+        )
+    lo, hi = 1, ctx
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+    raise ResourceError(
+        f"--ctx {ctx} needs {need(ctx) / gib:.1f} GiB (weights {model_bytes / gib:.1f} GiB + session state "
+        f"{session_bytes(weights.config, ctx) / gib:.1f} GiB) but this device has {available / gib:.1f} GiB; "
+        f"a context of {lo} tokens would fit"
+    )
+
+
+class Engine:
+    """One loaded model with one live session, shared by every front end."""
+
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        ctx: int,
+        model_name: str = "deepseek-v4-flash",
+        default_max_tokens: int = 393216,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.ctx = ctx
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.tool_memory = ToolMemory()
+        self.session = Session(model, ctx)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        ctx: int = 32768,
+        *,
+        simulate_quant: bool = True,
+        quiet: bool = True,
+        **opts,
+    ) -> Engine:
+        """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model."""
+        path = Path(path)
+        if not path.exists():
+            raise ModelFileMissing(
+                f"no model file at {path}: download one with ./download_model.sh q2 (or q4), "
+                f"or try the built-in tiny model with --demo"
+            )
+        weights = open_weights(path)
+        check_memory(weights, weights.file_nbytes, ctx, device_memory_bytes())
+        model = Model(weights, simulate_quant=simulate_quant)
+        tokenizer = Tokenizer.from_gguf(weights.file.metadata)
+        return cls(model, tokenizer, ctx, **opts)
+
+    @classmethod
+    def demo(cls, ctx: int = 4096, **opts) -> Engine:
+        return cls.load(ensure_demo_model(), ctx, **opts)
+
+    def count_tokens(self, prompt: str) -> int:
+        return len(self.tokenizer.encode(prompt))
+
+    def _reuse_live(self, prompt: str, tokens: list[int]) -> tuple[list[int], int]:
+        """Prefix reuse (behavior.md §5.2): returns the effective prompt tokens and how many are already live.
+
+        The live tokens are reused when they are a token prefix of the new prompt, or when their text is a byte
+        prefix of it (then only the remaining text is tokenized, never slicing the canonical tokens, since BPE
+        may merge across the boundary). Otherwise the live session is replaced.
+        """
+        live = self.session.tokens
+        if live and len(tokens) >= len(live) and tokens[: len(live)] == live:
+            return tokens, len(live)
+        if live:
+            live_text = self.tokenizer.decode(live)
+            if prompt.startswith(live_text):
+                return live + self.tokenizer.encode(prompt[len(live_text) :]), len(live)
+        self.session.reset()
+        return tokens, 0
+
+    def generate(self, req: GenerationRequest, cancel: Callable[[], bool] | None = None) -> Iterator[Event]:
+        """Prefills what the live session lacks, then samples until a stop rule fires. Yields events; Done last."""
+        if isinstance(req.prompt, str):
+            text, tokens = req.prompt, self.tokenizer.encode(req.prompt)
+        else:
+            text, tokens = self.tokenizer.decode(req.prompt), list(req.prompt)
+        if not tokens:
+            raise RequestError("the prompt is empty")
+        if len(tokens) >= self.ctx:
+            raise ContextOverflow(len(tokens), self.ctx)
+        canonical = tokens
+        tokens, cached = self._reuse_live(text, tokens)
+        if len(tokens) >= self.ctx:
+            self.session.reset()
+            tokens, cached = canonical, 0
+
+        t0 = time.perf_counter()
+        suffix = tokens[cached:]
+        for done, total in self.session.prefill_steps(suffix):
+            if total > self.session.chunk_size:
+                yield PrefillProgress(done, total)
+        logits = self.session.logits
+        t1 = time.perf_counter()
+
+        sampler = Sampler(req.sampling)
+        decoder = StreamDecoder(self.tokenizer)
+        parser = dsml.StreamParser(thinking=req.thinking, tools_active=req.tools_active)
+        greedy = dsml.GreedyTracker() if req.tools_active else None
+        stops = StopStrings(req.stop)
+        limit = self.default_max_tokens if req.max_tokens is None else max(0, req.max_tokens)
+        limit = min(limit, self.session.room)
+        generated: list[int] = []
+        text_parts: list[str] = []
+        finish = "length"
+
+        def emit(text: str) -> Iterator[Event]:
+            text_parts.append(text)
+            if greedy is not None:
+                greedy.feed(text)
+            yield from parser.feed(text)
+
+        while len(generated) < limit:
+            if cancel is not None and cancel():
+                finish = "error"
+                break
+            use_greedy = greedy is not None and greedy.greedy
+            token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
+            if token == self.tokenizer.eos_id:
+                finish = "stop"
+                break
+            generated.append(token)
+            sampler.record(token)
+            yield from emit(stops.feed(decoder.feed(token)))
+            if stops.hit:
+                finish = "stop"
+                break
+            if req.tools_active and parser.tool_block_closed:
+                finish = "tool_calls"
+                break
+            if len(generated) < limit:
+                logits = self.session.decode(token)
+        yield from emit(stops.feed(decoder.flush()) + stops.flush())
+        yield from parser.finish()
+        t2 = time.perf_counter()
+
+        if stops.hit:
+            self.session.reset()
+        message = dsml.parse_message("".join(text_parts), thinking=req.thinking, tools_active=req.tools_active)
+        finish = _final_finish_reason(finish, message)
+        yield Done(
+            finish_reason=finish,
+            message=message,
+            usage=Usage(prompt_tokens=len(tokens), cached_tokens=cached, completion_tokens=len(generated)),
+            prefill_seconds=t1 - t0,
+            decode_seconds=t2 - t1,
+            error="cancelled" if finish == "error" and not message.error else message.error,
+            token_ids=tuple(generated),
+        )
+
+
+def _final_finish_reason(finish: str, message: ParsedMessage) -> str:
+    """behavior.md §3.6: parsed tool calls make `tool_calls`; an unterminated tool block makes `error`."""
+    if message.error == "unterminated tool call":
+        return "error"
+    if message.tool_calls and finish in ("stop", "tool_calls"):
+        return "tool_calls"
+    return finish
