@@ -47,13 +47,16 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 # The "joyai-llm" pre-tokenizer: the three splits of the V4 tokenizer.json, then the byte-level mapping.
 _DIGIT_RUNS = r"\p{N}{1,3}"
 _CJK_RUNS = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"  # CJK ideographs, Hiragana, Katakana
-_WORDS = (
-    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
-    r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-    r"| ?[\p{P}\p{S}]+[\r\n]*"
-    r"|\s*[\r\n]+"
-    r"|\s+(?!\S)"
-    r"|\s+"
+# Alternatives of the word split, byte for byte as in tokenizer.json (whose CR and LF are literal characters).
+_WORDS = "|".join(
+    [
+        r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+""",  # one ASCII punctuation mark + ASCII letters
+        "[^\r\n" r"\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+",  # letters/marks, led by at most one other non-newline
+        " ?" r"[\p{P}\p{S}]+" "[\r\n]*",  # punctuation/symbol runs with trailing newlines
+        r"\s*" "[\r\n]+",  # whitespace ending in newlines
+        r"\s+(?!\S)",  # whitespace, leaving the last space to the next word
+        r"\s+",
+    ]
 )
 
 
