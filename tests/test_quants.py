@@ -13,7 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.kernels.quants import BLOCK_SIZES, dequantize, reference_matmul
+from ds4_mlx.kernels.quants import dequantize, reference_matmul
+from ds4_mlx.model.gguf import BLOCK_SIZES
 
 # Byte offsets of the f16 scale fields inside one block (spec §4); F16 tensors are all f16 values.
 F16_FIELDS = {
@@ -129,7 +130,7 @@ def test_partial_block_row_is_a_clear_error() -> None:
 
 
 def test_unsupported_type_is_a_clear_error() -> None:
-    with pytest.raises(LayoutError, match="unsupported ggml type 30; expected one of F32=0"):
+    with pytest.raises(LayoutError, match=r"unsupported ggml type BF16 \(30\); expected one of F32=0"):
         dequantize(mx.zeros((4,), dtype=mx.uint8), 30, (2,))
 
 

@@ -15,24 +15,10 @@ from functools import cache
 from math import prod
 
 import mlx.core as mx
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as GGMLType
 from gguf.quants import IQ2_XXS
 
-from ds4_mlx.errors import LayoutError
-
-SUPPORTED_TYPES = (
-    GGMLType.F32,
-    GGMLType.F16,
-    GGMLType.Q8_0,
-    GGMLType.Q2_K,
-    GGMLType.Q4_K,
-    GGMLType.IQ2_XXS,
-    GGMLType.I32,
-)
-
-# (elements, bytes) per block for the types above; plain types count as blocks of one element.
-BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {t: GGML_QUANT_SIZES[t] for t in SUPPORTED_TYPES}
+from ..errors import LayoutError
+from ..model.gguf import BLOCK_SIZES, GGMLType, type_name
 
 
 def _f16(pair: mx.array) -> mx.array:
@@ -146,9 +132,9 @@ def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
 
 
 def _supported(ggml_type: int) -> GGMLType:
-    if ggml_type not in SUPPORTED_TYPES:
-        names = ", ".join(f"{t.name}={int(t)}" for t in SUPPORTED_TYPES)
-        raise LayoutError(f"unsupported ggml type {int(ggml_type)}; expected one of {names}")
+    if ggml_type not in BLOCK_SIZES:
+        names = ", ".join(f"{t.name}={int(t)}" for t in GGMLType)
+        raise LayoutError(f"unsupported ggml type {type_name(ggml_type)} ({int(ggml_type)}); expected one of {names}")
     return GGMLType(ggml_type)
 
 
