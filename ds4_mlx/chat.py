@@ -362,9 +362,7 @@ def render_cli_prompt(
 
 def render_tool_calls(calls: Sequence[ToolCallSpec], tool_memory: ToolMemory | None = None) -> str:
     """A message's tool-call block: the remembered sampled block when every id maps to it, else canonical."""
-    if not calls:
-        return ""
-    if tool_memory is not None:
+    if calls and tool_memory is not None:
         block = tool_memory.lookup([call.id for call in calls])
         if block is not None:
             return block
@@ -376,8 +374,10 @@ def canonical_tool_calls(calls: Sequence[ToolCallSpec]) -> str:
 
     Parameters keep the client's key order. String values are written raw and non-string values as
     minified JSON; only a literal closing parameter tag inside a value is escaped. Arguments that are
-    not a JSON object become one raw `arguments` string parameter.
+    not a JSON object become one raw `arguments` string parameter. No calls, no block.
     """
+    if not calls:
+        return ""
     out = [f"\n\n{DSML_TOOL_CALLS}\n"]
     for call in calls:
         out.append(f'<{DSML}invoke name="{_escape_attribute(call.name)}">\n')
