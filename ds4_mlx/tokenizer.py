@@ -164,7 +164,7 @@ class Tokenizer:
             return token.encode("utf-8")
         try:
             return bytes(CHAR_TO_BYTE[c] for c in token)
-        except KeyError:  # not a byte-level string (e.g. an added token of a small test vocab): its own text
+        except KeyError:  # outside the byte alphabet (no such V4 token lacks U+FF5C): its own UTF-8 text
             return token.encode("utf-8")
 
     # -- encoding ------------------------------------------------------------------------------------------------
@@ -177,24 +177,17 @@ class Tokenizer:
         """
         text = _SURROGATES.sub("\ufffd", text)
         if not specials:
-            return self._bpe.encode(text, add_special_tokens=False).ids
-        pieces: list[str | int] = []
+            return self._bpe_ids(text)
+        ids: list[int] = []
         start = 0
         for m in self._special_re.finditer(text):
-            if m.start() > start:
-                pieces.append(text[start : m.start()])
-            pieces.append(self._special_ids[m.group()])
+            ids += self._bpe_ids(text[start : m.start()])
+            ids.append(self._special_ids[m.group()])
             start = m.end()
-        if start < len(text):
-            pieces.append(text[start:])
-        spans = iter(self._bpe.encode_batch([p for p in pieces if isinstance(p, str)], add_special_tokens=False))
-        ids: list[int] = []
-        for p in pieces:
-            if isinstance(p, int):
-                ids.append(p)
-            else:
-                ids.extend(next(spans).ids)
-        return ids
+        return ids + self._bpe_ids(text[start:])
+
+    def _bpe_ids(self, text: str) -> list[int]:
+        return self._bpe.encode(text, add_special_tokens=False).ids if text else []
 
     # -- decoding ------------------------------------------------------------------------------------------------
 
