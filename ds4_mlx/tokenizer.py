@@ -9,6 +9,7 @@ Special tokens follow ds4, not Hugging Face: in rendered chat text exactly seven
 `<｜User｜>`, `<｜Assistant｜>`, `<think>`, `</think>`, `｜DSML｜`), wherever they appear. Every other added token of
 the HF tokenizer (fim, `<|EOT|>`, `<｜latest_reminder｜>`, `<dsml:`, task tokens, placeholders) is plain text here
 and goes through BPE, where HF would emit its single id. The two agree on any text free of those other strings.
+Nothing is added implicitly (no BOS): the chat renderer writes BOS as text.
 """
 
 from __future__ import annotations
