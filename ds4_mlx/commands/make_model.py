@@ -1,0 +1,88 @@
+"""`ds4-mlx make-model OUT.gguf`: write a DeepSeek V4 Flash-layout GGUF with random weights.
+
+For tests and demos without the 81 GB download: `tiny` builds in a second, `small` is a ~250 MB CPU demo with the
+real vocabulary, `flash` has exactly the published shapes (81 GB with q2 experts; `--sparse` leaves the data as a
+file hole so the layout can be inspected without writing it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import Ds4Error
+from ..model.factory import (EXPERT_KINDS, PRESET_VOCAB, PRESETS, VOCAB_KINDS, Progress,
+                             export_reference, model_tensors, preset_config, write_model)
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", metavar="OUT.gguf", type=Path, help="file to write")
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                        help="tiny: reference tests; small: CPU demo; flash: the published shapes (default tiny)")
+    parser.add_argument("--experts", choices=EXPERT_KINDS, default="q2",
+                        help="routed expert types: q2 (IQ2_XXS/Q2_K), q4 (Q4_K), mixed (q2, last third q4)")
+    parser.add_argument("--vocab", choices=VOCAB_KINDS, default=None,
+                        help="small (512 ids) or real (the V4 tokenizer, 129280 ids); default: small for tiny, "
+                             "real otherwise")
+    parser.add_argument("--seed", type=_seed, default=0, help="random seed (default 0); same seed, same bytes")
+    parser.add_argument("--sparse", action="store_true",
+                        help="leave tensor data as a file hole (all zeros): the layout only, written instantly")
+    parser.add_argument("--reference-dir", type=Path, metavar="DIR",
+                        help="also write the weights dequantized to float32 under the published DeepSeek names "
+                             "(model.safetensors + config.json, loadable by transformers)")
+
+
+def run(args: argparse.Namespace) -> int:
+    data = "sparse" if args.sparse else "random"
+    vocab = args.vocab or PRESET_VOCAB[args.preset]
+    try:
+        with _progress_bar(f"writing {args.out.name}") as progress:
+            path = write_model(args.out, preset=args.preset, experts=args.experts, vocab=vocab, seed=args.seed,
+                               data=data, progress=progress)
+    except OSError as e:
+        raise Ds4Error(f"cannot write {args.out}: {e.strerror or e}") from e
+    n_tensors = len(model_tensors(preset_config(args.preset), args.experts))
+    size = path.stat().st_size
+    print(f"wrote {path}: {_human(size)} ({size} bytes), {n_tensors} tensors; preset {args.preset}, "
+          f"experts {args.experts}, vocab {vocab}, seed {args.seed}{', sparse' if args.sparse else ''}")
+    if args.reference_dir:
+        try:
+            out = export_reference(path, args.reference_dir)
+        except OSError as e:
+            raise Ds4Error(f"cannot write the reference export to {args.reference_dir}: {e.strerror or e}") from e
+        print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'} (float32, DeepSeek checkpoint names)")
+    return 0
+
+
+@contextmanager
+def _progress_bar(description: str) -> Iterator[Progress | None]:
+    """A rich byte progress bar on stderr, or nothing when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress as Bar, TimeRemainingColumn, TransferSpeedColumn
+
+    with Bar("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+             TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _human(n_bytes: int) -> str:
+    size = float(n_bytes)
+    for unit in ("B", "KB", "MB"):
+        if size < 1000:
+            return f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"
