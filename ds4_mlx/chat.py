@@ -174,7 +174,8 @@ class Message:
     """One normalised chat message.
 
     Roles: system, developer (both hoisted to the system region), user, assistant, tool, function
-    (tool results); anything else, e.g. latest_reminder, is dropped by the renderer.
+    (tool results); anything else, e.g. latest_reminder, is dropped by the renderer. `tool_call_id` (the
+    call a tool result answers) is never printed; the server uses it to bind results to a live turn.
     """
 
     role: str
