@@ -1,0 +1,174 @@
+"""The attention sublayer (spec §3.3, §3.7, §3.8).
+
+Queries come through a low-rank path (q_a, norm, q_b) and get a per-head RMSNorm without weight. One shared
+head serves as both key and value (K = V). A query at position p attends to
+
+* the raw window: the KV rows of positions p-W+1..p (its own included), and
+* on compressed layers, compressed rows c < floor((p+1)/ratio): all of them on ratio-128 layers; on ratio-4 layers
+  all of them while there are at most top_k, else the top_k the lightning indexer picks,
+
+plus a per-head sink logit that only adds to the softmax denominator. Because values are rotated keys, the
+output is de-rotated at the query position, then projected per group of heads to a low rank and mixed back to
+the model width.
+
+A chunk of T tokens is computed at once; masks give every query exactly the rows it would see if the tokens were
+fed one at a time. Queries run in blocks to bound the memory of scores and gathered rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from ds4_mlx.model.cache import LayerState
+from ds4_mlx.model.compressor import Compressor
+from ds4_mlx.model.linear import Linear
+from ds4_mlx.model.norm import rms_norm
+from ds4_mlx.model.quant_sim import round_to_f16, simulate_indexer_fp4, simulate_kv_fp8
+from ds4_mlx.model.rope import RoPE
+from ds4_mlx.model.topk import mask_to_indices, top_k_mask
+
+QUERY_BLOCK = 128
+
+
+@dataclass
+class Indexer:
+    """Lightning indexer: scores compressed rows per query, sum_h w_h * relu(q_h . k_c), and keeps the top k."""
+
+    q_b: Linear  # (n_head * head_dim, q_lora_rank)
+    proj: Linear  # (n_head, n_embd)
+    compressor: Compressor  # produces the indexer rows k_c
+    n_head: int
+    head_dim: int
+    top_k: int
+    rope: RoPE
+    simulate_quant: bool
+
+    def queries(self, q_latent: mx.array, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """Indexer queries (T, n_head, head_dim) and head weights (T, n_head) for a chunk."""
+        q = self.q_b(q_latent).reshape(x.shape[0], self.n_head, self.head_dim)
+        q = self.rope(q, positions)
+        if self.simulate_quant:
+            q = simulate_indexer_fp4(q)
+        weights = self.proj(x) * (1.0 / math.sqrt(self.head_dim * self.n_head))
+        return q, weights
+
+    def select(self, q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
+        """Mask (B, n_rows) of the rows each query attends: its top_k visible rows by score (ties to lower c)."""
+        dots = mx.maximum(q @ rows.T, 0)  # (B, n_head, n_rows)
+        scores = mx.sum(weights[:, :, None] * dots, axis=1)
+        scores = mx.where(visible, scores, -mx.inf)
+        return top_k_mask(scores, self.top_k) & visible
+
+
+@dataclass
+class Attention:
+    q_a: Linear
+    q_a_norm: mx.array
+    q_b: Linear
+    kv: Linear
+    kv_norm: mx.array
+    sinks: mx.array  # (n_head,)
+    out_a: Linear  # (o_groups * o_lora_rank, n_head * head_dim / o_groups)
+    out_b: Linear  # (n_embd, o_groups * o_lora_rank)
+    n_head: int
+    head_dim: int
+    n_rot: int
+    window: int
+    o_groups: int
+    rope: RoPE
+    compressor: Compressor | None
+    indexer: Indexer | None
+    simulate_quant: bool
+    eps: float
+
+    @property
+    def ratio(self) -> int:
+        return 0 if self.compressor is None else self.compressor.ratio
+
+    def __call__(self, x: mx.array, n_past: int, state: LayerState) -> tuple[mx.array, LayerState]:
+        """Attention output (T, n_embd) for normed inputs x (T, n_embd) at positions n_past.., and the new state."""
+        t = x.shape[0]
+        positions = mx.arange(n_past, n_past + t, dtype=mx.int32)
+
+        q_latent = rms_norm(self.q_a(x), self.q_a_norm, self.eps)
+        q = self.q_b(q_latent).reshape(t, self.n_head, self.head_dim)
+        q = self.rope(rms_norm(q, None, self.eps), positions)
+
+        kv = self.rope(rms_norm(self.kv(x), self.kv_norm, self.eps), positions)
+        if self.simulate_quant:
+            kv = round_to_f16(simulate_kv_fp8(kv, self.n_rot))
+
+        n_prev = min(n_past, self.window - 1)
+        raw_keys = mx.concatenate([state.raw[self.window - n_prev :], kv])  # positions n_past - n_prev ..
+        state = replace(state, raw=mx.concatenate([state.raw, kv])[-self.window :])
+
+        comp_keys = index_queries = None
+        if self.compressor is not None:
+            rows, frontier = self.compressor(x, n_past, state.comp_frontier)
+            comp = _append_rows(state.comp, n_past // self.ratio, rows)
+            state = replace(state, comp=comp, comp_frontier=frontier)
+            comp_keys = comp[: (n_past + t) // self.ratio]
+        if self.indexer is not None:
+            rows, frontier = self.indexer.compressor(x, n_past, state.index_frontier)
+            index = _append_rows(state.index, n_past // self.ratio, rows)
+            state = replace(state, index=index, index_frontier=frontier)
+            index_rows = index[: (n_past + t) // self.ratio]
+            if (n_past + t) // self.ratio > self.indexer.top_k:
+                index_queries = self.indexer.queries(q_latent, x, positions)
+
+        blocks = []
+        for start in range(0, t, QUERY_BLOCK):
+            stop = min(start + QUERY_BLOCK, t)
+            block_pos = positions[start:stop]
+            keys, masks = [], []
+            # raw window: key j sits at position n_past - n_prev + j
+            first = max(0, start - self.window + 1 + n_prev)
+            raw = raw_keys[first : stop + n_prev]
+            raw_pos = mx.arange(n_past - n_prev + first, n_past + stop, dtype=mx.int32)
+            keys.append(raw)
+            masks.append((raw_pos[None, :] <= block_pos[:, None]) & (raw_pos[None, :] > block_pos[:, None] - self.window))
+            if comp_keys is not None and comp_keys.shape[0]:
+                visible = mx.arange(comp_keys.shape[0])[None, :] < ((block_pos + 1) // self.ratio)[:, None]
+                if index_queries is not None and (n_past + stop) // self.ratio > self.indexer.top_k:
+                    iq, iw = index_queries
+                    chosen = self.indexer.select(iq[start:stop], iw[start:stop], index_rows, visible)
+                    picked = mask_to_indices(chosen, self.indexer.top_k)
+                    keys.append(comp_keys[picked])  # (B, top_k, head_dim)
+                    masks.append(mx.take_along_axis(chosen, picked, axis=-1))
+                else:
+                    keys.append(comp_keys)
+                    masks.append(visible)
+            blocks.append(self._attend(q[start:stop], keys, masks))
+        out = mx.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+
+        out = self.rope(out, positions, inverse=True)
+        group_in = self.n_head * self.head_dim // self.o_groups
+        w_a = self.out_a.weight.reshape(self.o_groups, -1, group_in)
+        low = mx.einsum("tgi,goi->tgo", out.reshape(t, self.o_groups, group_in), w_a)
+        return self.out_b(low.reshape(t, -1)), state
+
+    def _attend(self, q: mx.array, keys: list[mx.array], masks: list[mx.array]) -> mx.array:
+        """Softmax attention with sinks over several key sets (each (N, d) shared or (B, N, d) per query)."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = []
+        for k, mask in zip(keys, masks):
+            s = q @ (k.T if k.ndim == 2 else mx.swapaxes(k, 1, 2)) * scale  # (B, H, N)
+            scores.append(mx.where(mask[:, None, :], s, -mx.inf))
+        sinks = self.sinks[None, :, None]
+        top = mx.maximum(mx.max(mx.concatenate(scores, axis=-1), axis=-1, keepdims=True), sinks)
+        probs = [mx.exp(s - top) for s in scores]
+        denom = mx.exp(sinks - top) + sum(mx.sum(p, axis=-1, keepdims=True) for p in probs)
+        out = sum(p @ k for p, k in zip(probs, keys))
+        return out / denom
+
+
+def _append_rows(buffer: mx.array, n_rows: int, rows: mx.array) -> mx.array:
+    """Write `rows` after the first n_rows rows of a fixed-capacity row buffer."""
+    if rows.shape[0] == 0:
+        return buffer
+    if n_rows + rows.shape[0] > buffer.shape[0]:
+        raise ValueError(f"compressed-row buffer of {buffer.shape[0]} rows is full; the context size is exceeded")
+    return mx.slice_update(buffer, rows, mx.array([n_rows]), axes=(0,))

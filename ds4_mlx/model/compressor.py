@@ -1,0 +1,99 @@
+"""KV compressors (spec §3.6): pool every `ratio` tokens into one compressed row.
+
+Every token t contributes a_t = W_kv x_t and a score s_t = W_gate x_t + ape[t mod ratio]; a row pools its
+tokens with a softmax over tokens taken separately for every dim.
+
+* Ratio 128: row c pools tokens 128c..128c+127.
+* Ratio 4 (overlapping, two lanes of width d): row c pools the previous window 4c-4..4c-1 through lane 0 (dims
+  0..d-1) together with its own window 4c..4c+3 through lane 1 (dims d..2d-1), a softmax over 8 candidates.
+
+A row is finished with RMSNorm, RoPE at position c*ratio and the caller's quantisation simulation, and becomes
+visible when its last token is processed. Tokens of an unfinished window wait in the frontier (state_kv,
+state_score: coff*ratio rows of coff*d, coff = 2 for ratio 4), laid out as ds4 lays it out: for ratio 4, rows
+0..3 hold the last complete window and rows 4+(t mod 4) the current one; for ratio 128, row t mod 128. Rows that
+hold no token have kv 0 and score -inf. A chunk of any length leaves the frontier exactly as feeding its tokens
+one at a time would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ds4_mlx.model.linear import Linear
+from ds4_mlx.model.norm import rms_norm
+from ds4_mlx.model.rope import RoPE
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """The tokens of the unfinished window (and, for ratio 4, the last complete one)."""
+
+    kv: mx.array
+    score: mx.array
+
+    @classmethod
+    def empty(cls, ratio: int, width: int) -> Frontier:
+        coff = 2 if ratio == 4 else 1
+        return cls(mx.zeros((coff * ratio, coff * width)), mx.full((coff * ratio, coff * width), -mx.inf))
+
+
+@dataclass
+class Compressor:
+    """One compressor: attention rows (width head_dim) or indexer rows (width indexer_head_dim)."""
+
+    kv: Linear
+    gate: Linear
+    ape: mx.array  # (ratio, coff * width)
+    norm: mx.array  # (width,)
+    ratio: int
+    width: int
+    rope: RoPE
+    finish: Callable[[mx.array], mx.array]  # quantisation simulation of finished rows (identity when off)
+    eps: float
+
+    @property
+    def overlap(self) -> bool:
+        return self.ratio == 4
+
+    def __call__(self, x: mx.array, n_past: int, frontier: Frontier) -> tuple[mx.array, Frontier]:
+        """Feed normed inputs x (T, D) at positions n_past.. ; return the rows they finish and the new frontier."""
+        r, d = self.ratio, self.width
+        t = x.shape[0]
+        positions = mx.arange(n_past, n_past + t)
+        kv = self.kv(x)
+        score = self.gate(x) + self.ape[positions % r]
+
+        waiting = n_past % r  # tokens of the current window already in the frontier
+        current = r if self.overlap else 0  # first frontier row of the current window
+        kv = mx.concatenate([frontier.kv[current : current + waiting], kv])
+        score = mx.concatenate([frontier.score[current : current + waiting], score])
+        n_rows = (waiting + t) // r
+        done = n_rows * r
+
+        if n_rows:
+            windows_kv = kv[:done].reshape(n_rows, r, -1)
+            windows_score = score[:done].reshape(n_rows, r, -1)
+            if self.overlap:
+                prev_kv = mx.concatenate([frontier.kv[None, :r, :d], windows_kv[:-1, :, :d]])
+                prev_score = mx.concatenate([frontier.score[None, :r, :d], windows_score[:-1, :, :d]])
+                windows_kv = mx.concatenate([prev_kv, windows_kv[:, :, d:]], axis=1)
+                windows_score = mx.concatenate([prev_score, windows_score[:, :, d:]], axis=1)
+            pooled = mx.sum(mx.softmax(windows_score, axis=1) * windows_kv, axis=1)
+            first_row = (n_past - waiting) // r
+            row_positions = (mx.arange(first_row, first_row + n_rows) * r).astype(mx.int32)
+            rows = self.finish(self.rope(rms_norm(pooled, self.norm, self.eps), row_positions))
+        else:
+            rows = mx.zeros((0, d))
+
+        left = waiting + t - done
+        pad = r - left
+        new_kv = [kv[done:], mx.zeros((pad, kv.shape[1]))]
+        new_score = [score[done:], mx.full((pad, kv.shape[1]), -mx.inf)]
+        if self.overlap:
+            last = (kv[done - r : done], score[done - r : done]) if n_rows else (frontier.kv[:r], frontier.score[:r])
+            new_kv.insert(0, last[0])
+            new_score.insert(0, last[1])
+        return rows, Frontier(mx.concatenate(new_kv), mx.concatenate(new_score))

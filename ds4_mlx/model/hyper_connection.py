@@ -1,0 +1,79 @@
+"""Manifold-constrained hyper-connections (mHC, spec §3.2 and the final collapse of §3.10).
+
+The residual is `n_hc` parallel streams H (T, n_hc, D). Before each sublayer a learned, input-dependent
+mix collapses them into one input (`pre`); afterwards the sublayer output is spread back with `post` while the
+streams themselves are mixed by `comb`, a Sinkhorn-projected (near doubly-stochastic) matrix that keeps the
+residual from growing with depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ds4_mlx.model.norm import rms_norm
+
+
+def sinkhorn(logits: mx.array, iters: int, eps: float) -> mx.array:
+    """Row softmax plus eps, then alternate column/row normalisation, `iters` column steps in all.
+
+    Ends on a column step, so columns sum to 1 exactly and rows only approximately (as the reference does).
+    """
+    comb = mx.softmax(logits, axis=-1) + eps
+    comb = comb / (mx.sum(comb, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (mx.sum(comb, axis=-1, keepdims=True) + eps)
+        comb = comb / (mx.sum(comb, axis=-2, keepdims=True) + eps)
+    return comb
+
+
+@dataclass
+class HyperConnection:
+    """One sublayer's mHC parameters: fn ((2 + n) n, n D), scale (3,), base ((2 + n) n,)."""
+
+    fn: mx.array
+    scale: mx.array
+    base: mx.array
+    n_hc: int
+    sinkhorn_iters: int
+    hc_eps: float
+    norm_eps: float
+
+    def pre(self, streams: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Collapse streams (T, n, D) into the sublayer input (T, D); also return post (T, n) and comb (T, n, n).
+
+        comb[t, r, c] is the weight of source stream r in destination stream c.
+        """
+        n = self.n_hc
+        flat = streams.reshape(streams.shape[0], -1)
+        mix = rms_norm(flat, None, self.norm_eps) @ self.fn.T
+        pre = mx.sigmoid(mix[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps
+        post = 2 * mx.sigmoid(mix[:, n : 2 * n] * self.scale[1] + self.base[n : 2 * n])
+        comb_logits = (mix[:, 2 * n :] * self.scale[2] + self.base[2 * n :]).reshape(-1, n, n)
+        comb = sinkhorn(comb_logits, self.sinkhorn_iters, self.hc_eps)
+        collapsed = mx.sum(pre[:, :, None] * streams, axis=1)
+        return collapsed, post, comb
+
+    @staticmethod
+    def post(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+        """New streams: H'_c = post_c * output + sum_r comb[r, c] * H_r."""
+        mixed = mx.swapaxes(comb, -1, -2) @ streams
+        return post[:, :, None] * output[:, None, :] + mixed
+
+
+@dataclass
+class HyperHead:
+    """Final collapse of the streams before the output norm: weights sigmoid(fn f * scale + base) + eps."""
+
+    fn: mx.array
+    scale: mx.array
+    base: mx.array
+    hc_eps: float
+    norm_eps: float
+
+    def __call__(self, streams: mx.array) -> mx.array:
+        flat = streams.reshape(streams.shape[0], -1)
+        mix = rms_norm(flat, None, self.norm_eps) @ self.fn.T
+        pre = mx.sigmoid(mix * self.scale[0] + self.base) + self.hc_eps
+        return mx.sum(pre[:, :, None] * streams, axis=1)

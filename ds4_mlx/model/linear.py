@@ -1,0 +1,90 @@
+"""How the forward pass reads its weights: the one place that turns GGUF tensors into matrix products.
+
+Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF ne = [IN, OUT], spec §2.1).
+Small matrices are dequantized to float32 once, at load. Large ones stay as their raw GGUF blocks and are
+dequantized per call, so memory stays close to the file size. Routed experts always stay raw and only the
+experts a token selects are dequantized. Fused dequant-matmul kernels slot in here without touching the model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from ds4_mlx.errors import LayoutError
+from ds4_mlx.kernels.quants import dequantize
+
+if TYPE_CHECKING:
+    from ds4_mlx.model.weights import ModelWeights
+
+RESIDENT_BYTES = 64 << 20
+"""Matrices whose float32 form is at most this many bytes are dequantized once at load."""
+
+
+def _row_major_shape(weights: ModelWeights, name: str) -> tuple[int, ...]:
+    return tuple(reversed(weights.info(name).shape))
+
+
+def load_dense(weights: ModelWeights, name: str) -> mx.array:
+    """A whole tensor as float32 (int32 for I32 tables), in row-major (torch) order."""
+    info = weights.info(name)
+    return dequantize(mx.array(weights.tensor_bytes(name)), info.ggml_type, _row_major_shape(weights, name))
+
+
+class Linear:
+    """A stored weight matrix W (OUT, IN) applied as x @ W.T in float32."""
+
+    def __init__(self, weights: ModelWeights, name: str, resident_bytes: int = RESIDENT_BYTES):
+        info = weights.info(name)
+        shape = _row_major_shape(weights, name)
+        if len(shape) != 2:
+            raise LayoutError(f"tensor {name} has ne {list(info.shape)}, expected a 2-D matrix")
+        self.name = name
+        self.shape = shape
+        self.ggml_type = info.ggml_type
+        raw = mx.array(weights.tensor_bytes(name))
+        if shape[0] * shape[1] * 4 <= resident_bytes:
+            self._dense: mx.array | None = dequantize(raw, info.ggml_type, shape)
+            self._raw: mx.array | None = None
+        else:
+            self._dense = None
+            self._raw = raw.reshape(shape[0], -1)
+
+    @property
+    def weight(self) -> mx.array:
+        """W as float32 (dequantized now if it is kept raw)."""
+        if self._dense is not None:
+            return self._dense
+        return dequantize(self._raw, self.ggml_type, self.shape)
+
+    def rows(self, index: mx.array) -> mx.array:
+        """Selected rows of W as float32 (index (N,) -> (N, IN)); dequantizes only those rows."""
+        if self._dense is not None:
+            return self._dense[index]
+        return dequantize(self._raw[index], self.ggml_type, (index.size, self.shape[1]))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x @ self.weight.T
+
+
+class ExpertBank:
+    """The routed experts of one projection, (E, OUT, IN), kept as raw blocks; only used experts are dequantized."""
+
+    def __init__(self, weights: ModelWeights, name: str):
+        info = weights.info(name)
+        shape = _row_major_shape(weights, name)
+        if len(shape) != 3:
+            raise LayoutError(f"tensor {name} has ne {list(info.shape)}, expected [IN, OUT, n_expert]")
+        self.name = name
+        self.shape = shape
+        self.ggml_type = info.ggml_type
+        self._raw = mx.array(weights.tensor_bytes(name)).reshape(shape[0], -1)
+
+    @property
+    def n_expert(self) -> int:
+        return self.shape[0]
+
+    def experts(self, ids: mx.array) -> mx.array:
+        """Float32 weights of the experts `ids` (K,) -> (K, OUT, IN)."""
+        return dequantize(self._raw[ids], self.ggml_type, (ids.size, *self.shape[1:]))

@@ -1,0 +1,217 @@
+"""DeepSeek V4 Flash forward pass (spec §3), from token ids to logits.
+
+One token's path: its embedding row is copied into `n_hc` hyper-connection streams (§3.1); every layer runs
+HC-pre -> attention -> HC-post -> HC-pre -> MoE -> HC-post (§3.2, §3.3, §3.9); the final HC collapse, RMSNorm and
+LM head give the logits (§3.10). A chunk of tokens runs layer-major (all tokens through layer 0, then layer 1, ...)
+and gives the same result as feeding them one at a time.
+
+`simulate_quant` (default on) applies the activation quantisation DeepSeek V4 was trained with, as ds4 does:
+FP8 E4M3 on the non-RoPE dims of raw and compressed KV rows, Hadamard + FP4 E2M1 on indexer queries and rows,
+and half-precision storage of the raw KV window. Compressed rows stay float32 (ds4's GPU path; its CPU path also
+rounds them to f16). With it off the model computes exactly what transformers' `DeepseekV4ForCausalLM` computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ds4_mlx.errors import RequestError
+from ds4_mlx.model.attention import Attention, Indexer
+from ds4_mlx.model.cache import LayerState, SessionCache
+from ds4_mlx.model.compressor import Compressor
+from ds4_mlx.model.config import ModelConfig
+from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead
+from ds4_mlx.model.linear import ExpertBank, Linear, load_dense
+from ds4_mlx.model.moe import MoE, RoutedExperts, Router, SharedExpert
+from ds4_mlx.model.norm import rms_norm
+from ds4_mlx.model.quant_sim import simulate_indexer_fp4, simulate_kv_fp8
+from ds4_mlx.model.rope import RoPE, Yarn
+from ds4_mlx.model.weights import ModelWeights
+
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+@dataclass
+class Block:
+    """One transformer layer: attention and MoE sublayers, each wrapped in a hyper-connection."""
+
+    attn_hc: HyperConnection
+    attn_norm: mx.array
+    attention: Attention
+    ffn_hc: HyperConnection
+    ffn_norm: mx.array
+    moe: MoE
+    eps: float
+
+    def __call__(
+        self, streams: mx.array, tokens: mx.array, n_past: int, state: LayerState
+    ) -> tuple[mx.array, LayerState]:
+        x, post, comb = self.attn_hc.pre(streams)
+        out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
+        streams = HyperConnection.post(out, streams, post, comb)
+        x, post, comb = self.ffn_hc.pre(streams)
+        out = self.moe(rms_norm(x, self.ffn_norm, self.eps), tokens)
+        return HyperConnection.post(out, streams, post, comb), state
+
+
+class Model:
+    """DeepSeek V4 Flash over the tensors of a validated GGUF file."""
+
+    def __init__(self, weights: ModelWeights, simulate_quant: bool = True):
+        self.config: ModelConfig = weights.config
+        self.simulate_quant = simulate_quant
+        c = self.config
+        self.main_rope = RoPE(c.n_rot, c.rope_freq_base)
+        self.compressed_rope = RoPE(
+            c.n_rot,
+            c.compress_rope_freq_base,
+            Yarn(c.rope_scaling_factor, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow),
+        )
+        self.embedding = Linear(weights, "token_embd.weight")
+        self.blocks = [self._block(weights, layer) for layer in range(c.n_layer)]
+        self.head_hc = HyperHead(
+            fn=load_dense(weights, "output_hc_fn.weight"),
+            scale=load_dense(weights, "output_hc_scale.weight"),
+            base=load_dense(weights, "output_hc_base.weight"),
+            hc_eps=c.hc_eps,
+            norm_eps=c.rms_eps,
+        )
+        self.output_norm = load_dense(weights, "output_norm.weight")
+        self.output = Linear(weights, "output.weight")
+
+    def _block(self, weights: ModelWeights, layer: int) -> Block:
+        c = self.config
+        p = f"blk.{layer}."
+
+        def dense(name: str) -> mx.array:
+            return load_dense(weights, p + name)
+
+        def hc(kind: str) -> HyperConnection:
+            return HyperConnection(
+                fn=dense(f"hc_{kind}_fn.weight"), scale=dense(f"hc_{kind}_scale.weight"),
+                base=dense(f"hc_{kind}_base.weight"), n_hc=c.n_hc, sinkhorn_iters=c.sinkhorn_iters,
+                hc_eps=c.hc_eps, norm_eps=c.rms_eps,
+            )
+
+        ratio = c.compress_ratio(layer)
+        rope = self.compressed_rope if ratio else self.main_rope
+        compressor = indexer = None
+        if ratio:
+            compressor = Compressor(
+                kv=Linear(weights, p + "attn_compressor_kv.weight"),
+                gate=Linear(weights, p + "attn_compressor_gate.weight"),
+                ape=dense("attn_compressor_ape.weight"), norm=dense("attn_compressor_norm.weight"),
+                ratio=ratio, width=c.head_dim, rope=rope, finish=self._finish_kv_row, eps=c.rms_eps,
+            )
+        if ratio == 4:
+            indexer = Indexer(
+                q_b=Linear(weights, p + "indexer.attn_q_b.weight"),
+                proj=Linear(weights, p + "indexer.proj.weight"),
+                compressor=Compressor(
+                    kv=Linear(weights, p + "indexer_compressor_kv.weight"),
+                    gate=Linear(weights, p + "indexer_compressor_gate.weight"),
+                    ape=dense("indexer_compressor_ape.weight"), norm=dense("indexer_compressor_norm.weight"),
+                    ratio=ratio, width=c.indexer_head_dim, rope=rope, finish=self._finish_index_row,
+                    eps=c.rms_eps,
+                ),
+                n_head=c.indexer_n_head, head_dim=c.indexer_head_dim, top_k=c.indexer_top_k, rope=rope,
+                simulate_quant=self.simulate_quant,
+            )
+        attention = Attention(
+            q_a=Linear(weights, p + "attn_q_a.weight"), q_a_norm=dense("attn_q_a_norm.weight"),
+            q_b=Linear(weights, p + "attn_q_b.weight"), kv=Linear(weights, p + "attn_kv.weight"),
+            kv_norm=dense("attn_kv_a_norm.weight"), sinks=dense("attn_sinks.weight"),
+            out_a=Linear(weights, p + "attn_output_a.weight"), out_b=Linear(weights, p + "attn_output_b.weight"),
+            n_head=c.n_head, head_dim=c.head_dim, n_rot=c.n_rot, window=c.sliding_window, o_groups=c.o_groups,
+            rope=rope, compressor=compressor, indexer=indexer, simulate_quant=self.simulate_quant, eps=c.rms_eps,
+        )
+        clamp = c.swiglu_clamp[layer]
+        router = Router(
+            gate=Linear(weights, p + "ffn_gate_inp.weight"),
+            bias=dense("exp_probs_b.bias") if weights.has(p + "exp_probs_b.bias") else None,
+            tid2eid=dense("ffn_gate_tid2eid.weight") if c.is_hash_layer(layer) else None,
+            n_used=c.n_expert_used, scale=c.expert_weights_scale,
+        )
+        moe = MoE(
+            router=router,
+            experts=RoutedExperts(
+                gate=ExpertBank(weights, p + "ffn_gate_exps.weight"), up=ExpertBank(weights, p + "ffn_up_exps.weight"),
+                down=ExpertBank(weights, p + "ffn_down_exps.weight"), clamp=clamp,
+            ),
+            shared=SharedExpert(
+                gate=Linear(weights, p + "ffn_gate_shexp.weight"), up=Linear(weights, p + "ffn_up_shexp.weight"),
+                down=Linear(weights, p + "ffn_down_shexp.weight"), clamp=clamp,
+            ),
+        )
+        return Block(hc("attn"), dense("attn_norm.weight"), attention, hc("ffn"), dense("ffn_norm.weight"), moe,
+                     eps=c.rms_eps)
+
+    def _finish_kv_row(self, rows: mx.array) -> mx.array:
+        return simulate_kv_fp8(rows, self.config.n_rot) if self.simulate_quant else rows
+
+    def _finish_index_row(self, rows: mx.array) -> mx.array:
+        return simulate_indexer_fp4(rows) if self.simulate_quant else rows
+
+    def new_cache(self, ctx: int) -> SessionCache:
+        """Empty session state for a context of `ctx` tokens."""
+        return SessionCache(self.config, ctx)
+
+    def __call__(self, tokens: mx.array, cache: SessionCache, all_logits: bool = False) -> mx.array:
+        """Run tokens (T,) at positions cache.n_tokens.. and update the cache.
+
+        Returns the logits for the token after the last one, (n_vocab,), or for every position, (T, n_vocab).
+        """
+        tokens = self._check(tokens, cache)
+        n_past = cache.n_tokens
+        streams = mx.broadcast_to(self.embedding.rows(tokens)[:, None, :],
+                                  (tokens.size, self.config.n_hc, self.config.n_embd))
+        for layer, block in enumerate(self.blocks):
+            streams, cache.layers[layer] = block(streams, tokens, n_past, cache.layers[layer])
+        cache.n_tokens = n_past + tokens.size
+        if not all_logits:
+            streams = streams[-1:]
+        logits = self.output(rms_norm(self.head_hc(streams), self.output_norm, self.config.rms_eps))
+        return logits if all_logits else logits[0]
+
+    def prefill(
+        self,
+        tokens: mx.array,
+        cache: SessionCache,
+        chunk_size: int = DEFAULT_PREFILL_CHUNK,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> mx.array:
+        """Feed tokens in chunks of `chunk_size`; returns the logits after the last token.
+
+        `progress(done, total)` is called after each chunk, once its results are computed.
+        """
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        tokens = self._check(tokens, cache)
+        total = tokens.size
+        logits = None
+        for start in range(0, total, chunk_size):
+            logits = self(tokens[start : start + chunk_size], cache)
+            mx.eval(logits, *cache.arrays())
+            if progress is not None:
+                progress(min(start + chunk_size, total), total)
+        return logits
+
+    def _check(self, tokens: mx.array, cache: SessionCache) -> mx.array:
+        """Validate a token batch: 1-D, non-empty, ids in the vocabulary, and room left in the context."""
+        tokens = mx.array(tokens).astype(mx.int32) if not isinstance(tokens, mx.array) else tokens
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise RequestError(f"expected a non-empty 1-D array of token ids, got shape {tuple(tokens.shape)}")
+        if tokens.dtype not in (mx.int32, mx.int64, mx.uint32):
+            raise RequestError(f"token ids must be integers, got {tokens.dtype}")
+        tokens = tokens.astype(mx.int32)
+        low, high = mx.min(tokens).item(), mx.max(tokens).item()
+        if low < 0 or high >= self.config.n_vocab:
+            raise RequestError(f"token id {low if low < 0 else high} is outside the vocabulary [0, "
+                               f"{self.config.n_vocab})")
+        if cache.n_tokens + tokens.size > cache.ctx:
+            raise RequestError(f"{tokens.size} tokens do not fit: the cache holds {cache.n_tokens} of a "
+                               f"{cache.ctx}-token context")
+        return tokens

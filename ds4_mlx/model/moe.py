@@ -1,0 +1,119 @@
+"""The FFN sublayer: routed mixture of experts plus one shared expert (spec §3.9).
+
+The router scores experts with sqrt(softplus(logit)) (no softmax). The first `n_hash_layer` layers take their
+experts from a fixed token-id table instead; every layer weights its experts by the normalised, unbiased router
+scores times 1.5. Each expert is a SwiGLU whose gate is clamped above at 10 and whose up projection is clamped to
+[-10, 10]; the shared expert is the same SwiGLU with weight 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.model.linear import ExpertBank, Linear
+from ds4_mlx.model.topk import top_k_indices
+
+WEIGHT_SUM_FLOOR = 6.103515625e-5  # ds4 divides by max(sum of selected scores, 2^-14)
+GATHER_LIMIT = 32
+"""At most this many (token, expert) pairs dequantize one expert copy per pair; more are grouped by expert."""
+
+
+def softplus(x: mx.array) -> mx.array:
+    """ln(1 + e^x), linear above 20 like torch and ds4."""
+    return mx.where(x > 20, x, mx.log1p(mx.exp(mx.minimum(x, 20))))
+
+
+def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
+    """silu(min(gate, clamp)) * clip(up, -clamp, clamp)."""
+    gate = mx.minimum(gate, clamp)
+    return gate * mx.sigmoid(gate) * mx.clip(up, -clamp, clamp)
+
+
+@dataclass
+class Router:
+    """Chooses n_used experts per token and their weights."""
+
+    gate: Linear
+    bias: mx.array | None  # exp_probs_b: selection bias, never part of the weights
+    tid2eid: mx.array | None  # (n_vocab, n_used) int32 on hash layers
+    n_used: int
+    scale: float
+
+    def __call__(self, x: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D)."""
+        probs = mx.sqrt(softplus(self.gate(x)))
+        if self.tid2eid is not None:
+            ids = self.tid2eid[tokens]
+        else:
+            score = probs if self.bias is None else probs + self.bias
+            ids = top_k_indices(score, self.n_used)
+        chosen = mx.take_along_axis(probs, ids, axis=-1)
+        total = mx.maximum(mx.sum(chosen, axis=-1, keepdims=True), WEIGHT_SUM_FLOOR)
+        return ids, chosen / total * self.scale
+
+
+@dataclass
+class SharedExpert:
+    gate: Linear
+    up: Linear
+    down: Linear
+    clamp: float
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down(swiglu(self.gate(x), self.up(x), self.clamp))
+
+
+@dataclass
+class RoutedExperts:
+    """The routed SwiGLU experts of one layer, read from raw GGUF blocks."""
+
+    gate: ExpertBank
+    up: ExpertBank
+    down: ExpertBank
+    clamp: float
+
+    def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
+        """sum_i weights[:, i] * expert_{ids[:, i]}(x) for x (T, D)."""
+        if ids.size <= GATHER_LIMIT:
+            return self._gathered(x, ids, weights)
+        return self._grouped(x, ids, weights)
+
+    def _gathered(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
+        """Dequantize one expert copy per (token, slot); no host sync, for decode."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        xs = mx.repeat(x, k, axis=0)[:, None, :]  # (T*k, 1, D)
+        g = xs @ mx.swapaxes(self.gate.experts(flat), 1, 2)
+        u = xs @ mx.swapaxes(self.up.experts(flat), 1, 2)
+        h = swiglu(g, u, self.clamp) * weights.reshape(-1, 1, 1)
+        y = h @ mx.swapaxes(self.down.experts(flat), 1, 2)
+        return mx.sum(y.reshape(t, k, -1), axis=1)
+
+    def _grouped(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
+        """Dequantize each used expert once and run all its tokens through it, for prefill."""
+        ids_np = np.array(ids)
+        out = mx.zeros(x.shape, dtype=mx.float32)
+        for expert in np.unique(ids_np):
+            token, slot = np.nonzero(ids_np == expert)
+            token_ix = mx.array(token.astype(np.int32))
+            w = weights[token_ix, mx.array(slot.astype(np.int32))][:, None]
+            e = mx.array([int(expert)], dtype=mx.int32)
+            xs = x[token_ix]
+            h = swiglu(xs @ self.gate.experts(e)[0].T, xs @ self.up.experts(e)[0].T, self.clamp) * w
+            out = out.at[token_ix].add(h @ self.down.experts(e)[0].T)
+            mx.eval(out)
+        return out
+
+
+@dataclass
+class MoE:
+    router: Router
+    experts: RoutedExperts
+    shared: SharedExpert
+
+    def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
+        ids, weights = self.router(x, tokens)
+        return self.experts(x, ids, weights) + self.shared(x)

@@ -1,0 +1,11 @@
+"""RMSNorm, the only normalisation in the model (eps 1e-6 everywhere)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """x / sqrt(mean(x^2) + eps) over the last axis, times `weight` when given; float32 throughout."""
+    y = x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * weight
