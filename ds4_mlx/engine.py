@@ -137,7 +137,7 @@ class Engine:
                 f"or try the built-in tiny model with --demo"
             )
         weights = open_weights(path)
-        check_memory(weights, weights.file_nbytes, ctx, device_memory_bytes())
+        check_memory(weights, weights.nbytes, ctx, device_memory_bytes())
         model = Model(weights, simulate_quant=simulate_quant)
         tokenizer = Tokenizer.from_gguf(weights.file.metadata)
         return cls(model, tokenizer, ctx, **opts)

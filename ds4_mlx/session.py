@@ -76,7 +76,7 @@ class Session:
         for start in range(0, len(tokens), self.chunk_size):
             chunk = tokens[start : start + self.chunk_size]
             self.logits = self.model(mx.array(chunk, dtype=mx.int32), self.cache)
-            mx.eval(self.logits)
+            mx.eval(self.logits, *self.cache.arrays())
             self.tokens.extend(chunk)
             yield start + len(chunk), len(tokens)
 
