@@ -357,3 +357,28 @@ def test_mtp_for_other_dims_is_rejected(tmp_path):
     path = write(mtp_spec(TINY), tmp_path / "mtp.gguf")
     with pytest.raises(LayoutError, match="expected"):
         open_mtp_weights(path, FLASH)
+
+
+# ---- the factory's files (written independently from the spec) --------------------------------------------------
+
+
+@pytest.mark.parametrize(("preset", "experts", "data", "variant"), [
+    ("tiny", "q2", "random", "test model (6 layers, n_embd 256, 4 heads, 8 experts, vocab 512, q2 experts)"),
+    ("tiny", "q4", "random", "test model (6 layers, n_embd 256, 4 heads, 8 experts, vocab 512, q4 experts)"),
+    ("tiny", "mixed", "random", "test model (6 layers, n_embd 256, 4 heads, 8 experts, vocab 512, mixed experts)"),
+    ("small", "q2", "sparse", "test model (8 layers, n_embd 512, 8 heads, 16 experts, vocab 129280, q2 experts)"),
+    ("flash", "q2", "sparse", "q2"),
+    ("flash", "q4", "sparse", "q4"),
+    ("flash", "mixed", "sparse", "mixed"),
+])
+def test_factory_presets_validate(tmp_path, preset, experts, data, variant):
+    from ds4_mlx.model.factory import preset_config, write_model
+
+    path = write_model(tmp_path / f"{preset}.gguf", preset=preset, experts=experts, data=data)
+    with open_weights(path) as w:
+        assert w.variant == variant
+        expected = preset_config(preset)
+        assert all(getattr(w.config, n) == getattr(expected, n) for n in ("n_layer", "n_embd", "n_expert",
+                                                                           "compress_ratios", "indexer_top_k"))
+        if experts == "mixed":
+            assert len(set(w.expert_types)) == 2

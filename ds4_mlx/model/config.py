@@ -220,10 +220,6 @@ class ModelConfig:
         """Whether every dimension equals DeepSeek V4 Flash's (the constants are equal once validated)."""
         return all(getattr(self, name) == getattr(FLASH, name) for name in SHAPE_FIELDS)
 
-    def dims(self) -> dict[str, Any]:
-        """The dimension fields, for display."""
-        return {name: getattr(self, name) for name in SHAPE_FIELDS if name != "compress_ratios"}
-
 
 SHAPE_FIELDS: tuple[str, ...] = tuple(name for name, _ in _DIM_KEYS) + ("compress_ratios",)
 
@@ -370,6 +366,6 @@ class _Reader:
 
     def string_array(self, key: str) -> list[str]:
         values = self._get(key, ("array[string]",), "an array of strings")
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values[:1]):
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
             raise LayoutError(f"metadata key {key} is not an array of strings")
         return values

@@ -5,7 +5,8 @@ wrong file fails in milliseconds with a message naming the tensor instead of dee
 global, per-layer, compressor and indexer tensor present, each with the shape the config implies (ggml ne order,
 ne0 fastest) and its published type, nothing unknown under `blk.`. Only the routed experts may change type from
 layer to layer (IQ2_XXS, Q2_K or Q4_K, with gate type == up type), which is what tells the published variants
-apart. Tensor data stays in the mapped file; nothing is dequantized here.
+apart. Tensors outside `blk.` that the layout does not name are ignored, as ds4 ignores tensors it does not bind.
+Tensor data stays in the mapped file; nothing is dequantized here.
 """
 
 from __future__ import annotations
