@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..model.config import ModelConfig, default_raw_cap, memory_estimate
+from ..model.config import ModelConfig, memory_estimate
 from ..model.weights import ModelWeights, MTPWeights, open_mtp_weights, open_weights
 
 
@@ -83,7 +83,7 @@ def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> 
         lines.append(f"mtp         {mtp.file.path} ({len(mtp.file.tensors)} tensors, {format_bytes(mtp.nbytes)}, "
                      f"{mtp.variant})")
         weight_bytes += mtp.nbytes
-        mtp_ring = default_raw_cap(c, ctx) * c.head_dim * 4  # the draft block's own raw ring (spec §5.1)
+        mtp_ring = c.sliding_window * c.head_dim * 4  # the draft block's own raw ring (spec §5.1)
     note = f" (beyond the trained context {c.context_length})" if c.context_length and ctx > c.context_length else ""
     lines += [
         f"memory at ctx {ctx}{note}",

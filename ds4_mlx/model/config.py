@@ -251,27 +251,17 @@ class SessionMemory:
         return self.raw + self.compressed + self.indexer + self.frontiers + self.logits
 
 
-def default_prefill_cap(ctx: int) -> int:
-    """ds4's prefill chunk: 2048 tokens, or the whole context when it is smaller."""
-    return 2048 if ctx > 2048 else ctx
-
-
-def default_raw_cap(config: ModelConfig, ctx: int) -> int:
-    """Rows of the raw ring as ds4's GPU path sizes it: the window plus one prefill chunk, rounded up to 256."""
-    want = min(ctx, config.sliding_window + default_prefill_cap(ctx))
-    return min(8192, -(-want // 256) * 256)
-
-
 def memory_estimate(config: ModelConfig, ctx: int, raw_cap: int | None = None) -> SessionMemory:
     """Session-state bytes at context `ctx`: raw rings, compressed and indexer rows, compressor frontiers, logits.
 
     Compressed caches hold ctx/ratio + 2 rows; a frontier holds state_kv and state_score, each coff*ratio rows of
-    coff*width floats (coff = 2 for ratio 4, else 1). `raw_cap` defaults to ds4's GPU ring size.
+    coff*width floats (coff = 2 for ratio 4, else 1). The raw ring holds `raw_cap` rows per layer, by default the
+    sliding window (what our session cache keeps; ds4's GPU ring adds a prefill chunk: 2304 rows for Flash).
     """
     if ctx <= 0:
         raise ValueError(f"context size must be positive, got {ctx}")
     f32 = 4
-    rows = default_raw_cap(config, ctx) if raw_cap is None else raw_cap
+    rows = config.sliding_window if raw_cap is None else raw_cap
     raw = compressed = indexer = frontiers = 0
     for layer in range(config.n_layer):
         raw += rows * config.head_dim * f32
