@@ -32,8 +32,6 @@ ARCH = "deepseek4"
 
 _U32 = ("u32",)
 _FLOAT = ("f32", "f64", "u32", "i32")
-_INT_TYPES = {"u8", "i8", "u16", "i16", "u32", "i32", "u64", "i64"}
-_FLOAT_TYPES = {"f32", "f64"}
 
 # (field, key suffix after "deepseek4.") for the u32 dimensions.
 _DIM_KEYS: tuple[tuple[str, str], ...] = (
