@@ -237,7 +237,12 @@ class _Cursor:
 
 
 class GGUFFile:
-    """A memory-mapped GGUF v3 file: header, metadata and tensor directory parsed, tensor data left on disk."""
+    """A memory-mapped GGUF v3 file: header, metadata and tensor directory parsed, tensor data left on disk.
+
+    `metadata` holds scalars as Python values, numeric arrays as numpy arrays and string arrays as lists of str;
+    `metadata_types` gives each key's GGUF type name ("u32", "f32", "array[string]", ...); `tensors` is in file
+    order, with absolute data offsets.
+    """
 
     def __init__(self, path: Path, buf: mmap.mmap, version: int, metadata: dict[str, Any],
                  metadata_types: dict[str, str], tensors: dict[str, TensorInfo], alignment: int,
