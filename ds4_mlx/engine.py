@@ -193,7 +193,7 @@ class Engine:
         sampler = Sampler(req.sampling)
         decoder = StreamDecoder(self.tokenizer)
         parser = dsml.StreamParser(thinking=req.thinking, tools_active=req.tools_active)
-        greedy = dsml.GreedyTracker() if req.tools_active else None
+        greedy = dsml.GreedyTracker(thinking=req.thinking) if req.tools_active else None
         stops = StopStrings(req.stop)
         limit = self.default_max_tokens if req.max_tokens is None else max(0, req.max_tokens)
         limit = min(limit, self.session.room)
