@@ -1,0 +1,49 @@
+"""`ds4-mlx serve`: the OpenAI- and Anthropic-compatible HTTP server over one live model session."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .options import add_model_options
+
+DEFAULT_MAX_QUEUE = 64
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("-n", "--tokens", type=int, default=393216,
+                   help="most tokens to generate when a request sets no limit (default 393216)")
+    p.add_argument("--cors", action="store_true", help="allow browser clients from any origin (CORS headers)")
+    p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
+                   help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                        "(default: $DS4_API_KEY; none = no authentication)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="append rendered prompts, cache decisions, generated text and tool-parser events to FILE")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests that may wait behind the running one; more get 429 (default {DEFAULT_MAX_QUEUE})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import Ds4Error
+    from ..serve.app import HttpServer, ServerOptions, create_app
+    from ..serve.worker import Worker
+    from .options import open_engine
+
+    if args.max_queue < 0:
+        raise Ds4Error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.tokens < 1:
+        raise Ds4Error(f"--tokens must be >= 1, got {args.tokens}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%m%d %H:%M:%S",
+                        stream=sys.stderr)
+    worker = Worker(lambda: open_engine(args, default_max_tokens=args.tokens), args.max_queue)
+    engine = worker.start()
+    app = create_app(worker, ServerOptions(cors=args.cors, api_key=args.api_key or None, trace=args.trace))
+    server = HttpServer(app, worker, host=args.host, port=args.port)
+    logging.getLogger("ds4_mlx.serve").info("model %s loaded, ctx %d", engine.model_name, engine.ctx)
+    server.run()
+    return 0

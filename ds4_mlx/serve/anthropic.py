@@ -1,0 +1,251 @@
+"""Anthropic Messages wire format: `/v1/messages`.
+
+Pure translations, like `openai.py`: the request body becomes a normalized `ChatRequest`; the engine's events
+become the message JSON or the SSE event sequence ds4 sends (behavior.md §3.9-3.10). Errors use Anthropic's
+own `{"type":"error","error":{...}}` shape (ds4 answers OpenAI-shaped errors here; SDKs expect this one).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..chat import Message, ToolCallSpec, tool_result_block
+from ..events import Done, Event, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, Usage
+from .common import (
+    ApiError,
+    CallIds,
+    ChatRequest,
+    Fields,
+    Options,
+    dumps,
+    max_tokens,
+    sampling_params,
+    sse,
+    stop_strings,
+    text_of,
+    think_mode,
+    thinking_flag,
+)
+from .openai import active_tools
+from .rawjson import Body
+
+ROLES = ("user", "assistant")
+HIDDEN_SYSTEM_PREFIX = "x-anthropic-"
+"""System parts that clients add for their own bookkeeping (Claude Code's billing header); ds4 drops them."""
+
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def error_json(error: ApiError) -> dict[str, Any]:
+    kind = "api_error" if error.status >= 500 else _ERROR_TYPES.get(error.status, "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message, **error.extra}}
+
+
+def stream_error(message: str) -> str:
+    return sse({"type": "error", "error": {"type": "api_error", "message": message}}, event="error")
+
+
+def _system(value: Any) -> str:
+    """`system`: a string, or text parts joined by newlines without the client's `x-anthropic-` parts."""
+    if isinstance(value, list):
+        parts = [text_of([part], f"system[{i}]") for i, part in enumerate(value)]
+        return "\n".join(p for p in parts if not p.startswith(HIDDEN_SYSTEM_PREFIX))
+    return text_of(value, "system")
+
+
+def _message(value: Any, path: str) -> Message:
+    """One message; blocks keep their order: user text and `<tool_result>` wrappers are concatenated
+    without separators (behavior.md §1.8), assistant thinking → reasoning, tool_use → tool calls."""
+    f = Fields(value, path)
+    role = f.string("role", "user")
+    if role not in ROLES:
+        raise ApiError(f"invalid request: {f.where('role')} must be one of {', '.join(ROLES)}; got {role!r}")
+    content = f.raw("content")
+    if not isinstance(content, list):
+        return Message(role=role, content=text_of(content, f.where("content")))
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCallSpec] = []
+    for i, block in enumerate(content):
+        b = Fields(block, f"{f.where('content')}[{i}]")
+        kind = b.string("type", "text")
+        if kind == "text":
+            text.append(b.string("text", ""))
+        elif kind == "thinking" and role == "assistant":
+            reasoning.append(b.string("thinking", ""))
+        elif kind == "tool_use" and role == "assistant":
+            arguments = b.object("input", nullable=True)
+            calls.append(ToolCallSpec(id=b.string("id", ""), name=b.string("name", ""),
+                                      arguments=arguments.value if arguments else {}))
+        elif kind == "tool_result" and role == "user":
+            text.append(tool_result_block(text_of(b.raw("content"), b.where("content"))))
+    return Message(role=role, content="".join(text), reasoning="".join(reasoning), tool_calls=tuple(calls))
+
+
+def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
+    """`/v1/messages` request → normalized chat request (behavior.md §3.4). `max_tokens` is optional here."""
+    f = Fields(body.value)
+    if f.raw("messages") is None:
+        raise ApiError("missing messages")
+    raw_messages = f.array("messages")
+    if not raw_messages:
+        raise ApiError("invalid request: messages must contain at least one message")
+    messages = [_message(m, f"messages[{i}]") for i, m in enumerate(raw_messages)]
+    system = _system(f.raw("system"))
+    if system:
+        messages.insert(0, Message(role="system", content=system))
+
+    model = f.string("model", default_model)
+    output_config = f.object("output_config", nullable=True)
+    effort = f.raw("reasoning_effort")
+    if effort is None and output_config is not None:
+        effort = output_config.raw("effort")
+    think = think_mode(model, ctx, effort=effort, thinking=thinking_flag(f.raw("thinking"), "thinking"))
+    options = Options(
+        model=model,
+        think=think,
+        sampling=sampling_params(f, think, ("temperature", "top_p", "top_k")),
+        stop=stop_strings(f, "stop_sequences"),
+        max_tokens=max_tokens(f, "max_tokens"),
+        stream=f.boolean("stream", False),
+    )
+    tool_choice = f.object("tool_choice", nullable=True)
+    tools_off = tool_choice is not None and tool_choice.raw("type") == "none"
+    tools = () if tools_off else active_tools(f, body.tool_texts, none_choice=None)
+    return ChatRequest(options=options, messages=tuple(messages), tools=tools)
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """Every prompt token is either read from the live cache or written to it, so `input_tokens` is 0 (§3.9)."""
+    return {
+        "input_tokens": 0,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": usage.prompt_tokens - usage.cached_tokens,
+    }
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def message(message_id: str, model: str, done: Done, ids: CallIds) -> dict[str, Any]:
+    """The non-streaming message: thinking, text, then tool_use blocks; an empty text block when nothing else
+    but thinking was written."""
+    parsed = done.message
+    content: list[dict[str, Any]] = []
+    if parsed.reasoning:
+        content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": message_id})
+    if parsed.content:
+        content.append({"type": "text", "text": parsed.content})
+    for i, call in enumerate(parsed.tool_calls):
+        content.append({"type": "tool_use", "id": ids[i], "name": call.name, "input": _input(call.arguments)})
+    if not parsed.content and not parsed.tool_calls:
+        content.append({"type": "text", "text": ""})
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": STOP_REASONS.get(done.finish_reason, "end_turn"),
+        "stop_sequence": None,
+        "usage": usage_json(done.usage),
+    }
+
+
+class MessageStream:
+    """Events → Anthropic SSE events (behavior.md §3.10).
+
+    Content blocks open and close as the kind of output changes: thinking (closed with a signature delta),
+    text, then one tool_use block per call with `input_json_delta` fragments. No `ping` events. The final
+    `message_delta` carries the whole usage, so the SDK's accumulated message has the cache counts even though
+    `message_start` is sent before the engine reports them.
+    """
+
+    def __init__(self, message_id: str, model: str, ids: CallIds) -> None:
+        self.id = message_id
+        self.model = model
+        self.ids = ids
+        self.index = -1
+        self.open: str | None = None
+        self.wrote_text = False
+        self.streamed_calls = 0
+
+    def _event(self, name: str, data: dict[str, Any]) -> str:
+        return sse({"type": name, **data}, event=name)
+
+    def start(self) -> list[str]:
+        usage = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0,
+                 "cache_creation_input_tokens": 0}
+        start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                 "stop_reason": None, "stop_sequence": None, "usage": usage}
+        return [self._event("message_start", {"message": start})]
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[str]:
+        frames = self._close()
+        self.index += 1
+        self.open = kind
+        frames.append(self._event("content_block_start", {"index": self.index, "content_block": block}))
+        return frames
+
+    def _close(self) -> list[str]:
+        frames = []
+        if self.open == "thinking":
+            frames.append(self._delta({"type": "signature_delta", "signature": self.id}))
+        if self.open is not None:
+            frames.append(self._event("content_block_stop", {"index": self.index}))
+        self.open = None
+        return frames
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return self._event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def event(self, event: Event) -> list[str]:
+        frames: list[str] = []
+        if isinstance(event, ReasoningDelta) and event.text:
+            if self.open != "thinking":
+                frames += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            frames.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+        elif isinstance(event, TextDelta) and event.text:
+            if self.open != "text":
+                frames += self._open("text", {"type": "text", "text": ""})
+            self.wrote_text = True
+            frames.append(self._delta({"type": "text_delta", "text": event.text}))
+        elif isinstance(event, ToolCallStart):
+            self.streamed_calls = event.index + 1
+            block = {"type": "tool_use", "id": self.ids[event.index], "name": event.name, "input": {}}
+            frames += self._open("tool_use", block)
+        elif isinstance(event, ToolCallArgsDelta) and event.text and self.open == "tool_use":
+            frames.append(self._delta({"type": "input_json_delta", "partial_json": event.text}))
+        elif isinstance(event, ToolCallEnd):
+            frames += self._close()
+        return frames
+
+    def done(self, done: Done) -> list[str]:
+        frames = self._close()
+        calls = done.message.tool_calls
+        if not self.wrote_text and not calls:
+            frames += self._open("text", {"type": "text", "text": ""}) + self._close()
+        for i in range(self.streamed_calls, len(calls)):
+            block = {"type": "tool_use", "id": self.ids[i], "name": calls[i].name, "input": {}}
+            frames += self._open("tool_use", block)
+            frames.append(self._delta({"type": "input_json_delta", "partial_json": dumps(_input(calls[i].arguments))}))
+            frames += self._close()
+        stop = {"stop_reason": STOP_REASONS.get(done.finish_reason, "end_turn"), "stop_sequence": None}
+        frames.append(self._event("message_delta", {"delta": stop, "usage": usage_json(done.usage)}))
+        frames.append(self._event("message_stop", {}))
+        return frames

@@ -1,0 +1,417 @@
+"""The HTTP application: routes, auth, CORS, request ids, error bodies, SSE streaming and the trace.
+
+A generation request is read, normalized, rendered and measured on a thread-pool thread (tokenizing a long
+prompt takes a while), refused before queueing when it cannot fit the context, then handed to the worker. Its
+events come back on the event loop, where the wire translator (`openai` or `anthropic`) turns them into a JSON
+body or SSE frames. A client that goes away cancels its job: at the next token when running, before it starts
+when still queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..chat import render_chat, render_completion_prompt
+from ..engine import GenerationRequest
+from ..errors import ContextOverflow, RequestError
+from ..events import Done, PrefillProgress, TextDelta
+from . import anthropic, openai
+from .common import (
+    KEEPALIVE,
+    ApiError,
+    CallIds,
+    ChatRequest,
+    CompletionRequest,
+    context_overflow,
+    dumps,
+    new_id,
+)
+from .rawjson import parse_body
+from .trace import Trace
+from .worker import Job, Worker
+
+log = logging.getLogger("ds4_mlx.serve")
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""Largest request body accepted (as in ds4)."""
+
+MODEL_ALIASES = ("deepseek-chat", "deepseek-reasoner")
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+CORS_HEADERS = [
+    (b"access-control-allow-origin", b"*"),
+    (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+    (b"access-control-allow-headers", b"*"),
+]
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """The server's behaviour flags (`ds4-mlx serve --help` documents them)."""
+
+    cors: bool = False
+    api_key: str | None = None
+    trace: str | None = None
+    keepalive_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
+class Api:
+    """One wire format: how its requests are read and how its answers and errors are written."""
+
+    name: str
+    id_prefix: str
+    call_prefix: str
+    param: str
+    parse: Callable[..., ChatRequest | CompletionRequest]
+    response: Callable[[str, int, str, Done, CallIds, str], dict[str, Any]]
+    stream: Callable[[str, int, str, CallIds, bool], Any]
+    error_json: Callable[[ApiError], dict[str, Any]]
+    stream_error: Callable[[str], str]
+    split_reasoning: bool = True
+    """False for legacy completions, which return the raw text with reasoning and `</think>` in it."""
+
+
+CHAT = Api(
+    "chat", "chatcmpl-", "call_", "messages", openai.parse_chat,
+    lambda rid, created, model, done, ids, text: openai.chat_completion(rid, created, model, done, ids),
+    openai.ChatStream,
+    openai.error_json, openai.stream_error,
+)
+COMPLETIONS = Api(
+    "completions", "cmpl-", "call_", "prompt", openai.parse_completion,
+    lambda rid, created, model, done, ids, text: openai.completion(rid, created, model, done, text),
+    lambda rid, created, model, ids, usage: openai.CompletionStream(rid, created, model, usage),
+    openai.error_json, openai.stream_error, split_reasoning=False,
+)
+MESSAGES = Api(
+    "messages", "msg_", "toolu_", "messages", anthropic.parse_messages,
+    lambda rid, created, model, done, ids, text: anthropic.message(rid, model, done, ids),
+    lambda rid, created, model, ids, usage: anthropic.MessageStream(rid, model, ids),
+    anthropic.error_json, anthropic.stream_error,
+)
+
+
+def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON body as ds4 writes it: compact, raw UTF-8, ending in a newline."""
+    return Response((dumps(value) + "\n").encode("utf-8"), status, headers, media_type="application/json")
+
+
+def _api_error(exc: Exception, api: Api) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ContextOverflow):
+        return context_overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
+    return ApiError(str(exc))
+
+
+class HttpLayer:
+    """Answers every OPTIONS request with 204 (CORS preflight) and adds the CORS headers when enabled."""
+
+    def __init__(self, app: ASGIApp, cors: bool) -> None:
+        self.app = app
+        self.cors = cors
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        extra = CORS_HEADERS if self.cors else []
+        if scope["method"] == "OPTIONS":
+            await send({"type": "http.response.start", "status": 204,
+                        "headers": [(b"content-length", b"0"), *extra]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors if extra else send)
+
+
+class Server:
+    """The endpoints over one worker (and so one engine)."""
+
+    def __init__(self, worker: Worker, options: ServerOptions) -> None:
+        assert worker.engine is not None, "start the worker (load the engine) before building the app"
+        self.worker = worker
+        self.engine = worker.engine
+        self.options = options
+        self.trace = Trace(options.trace) if options.trace else None
+        self._tool_memory_lock = threading.Lock()
+
+    # -- plumbing -------------------------------------------------------------------------------------------
+
+    def _authorized(self, request: Request) -> bool:
+        key = self.options.api_key
+        if not key:
+            return True
+        bearer = request.headers.get("authorization", "")
+        offered = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        return secrets.compare_digest(offered.encode(), key.encode())
+
+    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]]):
+        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies."""
+
+        async def run(request: Request) -> Response:
+            rid = new_id(api.id_prefix, 12)
+            try:
+                if not self._authorized(request):
+                    raise ApiError("invalid API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'", 401)
+                response = await handler(request, rid)
+            except Exception as exc:
+                if not isinstance(exc, RequestError):
+                    log.exception("request %s failed", rid)
+                    exc = ApiError(f"internal server error (request id {rid})", 500)
+                error = _api_error(exc, api)
+                if self.trace:
+                    self.trace.error(rid, error.status, error.message)
+                headers = {"retry-after": "1"} if error.status == 429 else None
+                response = json_response(api.error_json(error), error.status, headers)
+            response.headers["x-request-id"] = rid
+            return response
+
+        return run
+
+    async def _read(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(f"request body too large: at most {MAX_BODY_BYTES} bytes", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(f"request body too large: at most {MAX_BODY_BYTES} bytes", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _render(self, request: ChatRequest | CompletionRequest) -> str:
+        think = request.options.think
+        if isinstance(request, CompletionRequest):
+            return render_completion_prompt(request.prompt, think, self.engine.ctx)
+        return render_chat(request.messages, tools=request.tools, think=think, ctx=self.engine.ctx,
+                           tool_memory=self.engine.tool_memory)
+
+    def _prepare(self, data: bytes, api: Api) -> tuple[ChatRequest | CompletionRequest, str, int]:
+        """Parse, normalize, render and count, on a pool thread; refuse prompts that do not fit (§3.7)."""
+        request = api.parse(parse_body(data), ctx=self.engine.ctx, default_model=self.engine.model_name)
+        with self._tool_memory_lock:  # rendering reads the tool memory and refreshes its LRU order
+            prompt = self._render(request)
+        n_prompt = self.engine.count_tokens(prompt)
+        if n_prompt >= self.engine.ctx:
+            raise context_overflow(n_prompt, self.engine.ctx, api.param)
+        return request, prompt, n_prompt
+
+    def _remember(self, ids: CallIds, done: Done) -> list[str]:
+        """Map the wire ids of the calls just generated to the exact DSML sampled (behavior.md §4.4)."""
+        calls = ids.first(len(done.message.tool_calls))
+        if calls and done.message.raw_dsml:
+            with self._tool_memory_lock:
+                self.engine.tool_memory.remember(calls, done.message.raw_dsml)
+        return calls
+
+    @contextlib.asynccontextmanager
+    async def _cancel_on_disconnect(self, request: Request, job: Job) -> AsyncIterator[None]:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            job.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+    def _finished(self, rid: str, api: Api, done: Done, calls: list[str]) -> None:
+        usage = done.usage
+        log.info(
+            "%s %s prompt=%d cached=%d completion=%d finish=%s prefill=%.2fs decode=%.2fs",
+            rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
+            done.finish_reason, done.prefill_seconds, done.decode_seconds,
+        )
+        if self.trace:
+            self.trace.done(rid, done, calls)
+
+    # -- generation -----------------------------------------------------------------------------------------
+
+    def generation(self, api: Api) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request, rid: str) -> Response:
+            data = await self._read(request)
+            norm, prompt, n_prompt = await run_in_threadpool(self._prepare, data, api)
+            options = norm.options
+            tools = norm.tools if isinstance(norm, ChatRequest) else ()
+            job = Job(
+                GenerationRequest(prompt=prompt, max_tokens=options.max_tokens, sampling=options.sampling,
+                                  stop=options.stop, thinking=api.split_reasoning and options.think.thinking,
+                                  tools_active=bool(tools)),
+                rid,
+            )
+            if self.trace:
+                params = {"model": options.model, "think": options.think.value, "tools": len(tools),
+                          "stream": options.stream, "max_tokens": options.max_tokens,
+                          "sampling": options.sampling, "stop": list(options.stop)}
+                self.trace.request(rid, request.url.path, data.decode("utf-8"), params, prompt, n_prompt)
+            self.worker.submit(job)
+            ids = CallIds(api.call_prefix)
+            created = int(time.time())
+            if options.stream:
+                stream = api.stream(rid, created, options.model, ids, options.include_usage)
+                return await self._stream(request, job, api, rid, stream, ids)
+            done, text = None, []
+            async with self._cancel_on_disconnect(request, job):
+                async for event in job.events():
+                    if self.trace:
+                        self.trace.event(rid, event)
+                    if isinstance(event, TextDelta):
+                        text.append(event.text)
+                    elif isinstance(event, Done):
+                        done = event
+            if done is None:
+                raise ApiError("the request was cancelled before it ran", 499)
+            self._finished(rid, api, done, self._remember(ids, done))
+            return json_response(api.response(rid, created, options.model, done, ids, "".join(text)))
+
+        return self.endpoint(api, handle)
+
+    async def _stream(self, request: Request, job: Job, api: Api, rid: str, stream: Any, ids: CallIds) -> Response:
+        """SSE: headers go out with the first event, so errors before it still get a proper status code."""
+        events = job.events()
+        async with self._cancel_on_disconnect(request, job):
+            first = await anext(events, None)
+        if first is None:
+            raise ApiError("the request was cancelled before it ran", 499)
+
+        async def frames() -> AsyncIterator[str]:
+            event = first
+            last_write = time.monotonic()
+            try:
+                yield "".join(stream.start())
+                while event is not None:
+                    if self.trace:
+                        self.trace.event(rid, event)
+                    if isinstance(event, PrefillProgress):
+                        out = [KEEPALIVE] if time.monotonic() - last_write >= self.options.keepalive_seconds else []
+                    elif isinstance(event, Done):
+                        calls = self._remember(ids, event)
+                        self._finished(rid, api, event, calls)
+                        out = stream.done(event)
+                    else:
+                        out = stream.event(event)
+                    if out:
+                        yield "".join(out)
+                        last_write = time.monotonic()
+                    event = await anext(events, None)
+            except Exception as exc:
+                if not isinstance(exc, RequestError):
+                    log.exception("request %s failed while streaming", rid)
+                    exc = ApiError(f"internal server error (request id {rid})", 500)
+                error = _api_error(exc, api)
+                if self.trace:
+                    self.trace.error(rid, error.status, error.message)
+                yield api.stream_error(error.message)
+            finally:
+                job.cancel()
+
+        return StreamingResponse(frames(), headers=SSE_HEADERS)
+
+    # -- other endpoints ------------------------------------------------------------------------------------
+
+    async def count_tokens(self, request: Request, rid: str) -> Response:
+        """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's length, without generating."""
+        _, _, n_prompt = await run_in_threadpool(self._prepare, await self._read(request), MESSAGES)
+        return json_response({"input_tokens": n_prompt})
+
+    def _model_ids(self) -> tuple[str, ...]:
+        return (self.engine.model_name, *MODEL_ALIASES)
+
+    def _model(self, model_id: str) -> dict[str, Any]:
+        return openai.model_json(model_id, self.engine.ctx, self.engine.default_max_tokens)
+
+    async def models(self, request: Request, rid: str) -> Response:
+        return json_response({"object": "list", "data": [self._model(m) for m in self._model_ids()]})
+
+    async def model(self, request: Request, rid: str) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id not in self._model_ids():
+            raise ApiError(f"model {model_id!r} not found; this server serves {', '.join(self._model_ids())}", 404)
+        return json_response(self._model(model_id))
+
+    async def health(self, request: Request) -> Response:
+        return json_response({"status": "ok", "model": self.engine.model_name, "ctx": self.engine.ctx,
+                              "busy": self.worker.busy, "queued": self.worker.queued})
+
+    async def not_found(self, request: Request, exc: HTTPException) -> Response:
+        """Unknown paths, and known paths with the wrong method, as in ds4: 404 in the path's error shape."""
+        api = MESSAGES if request.url.path.startswith("/v1/messages") else CHAT
+        return json_response(api.error_json(ApiError("unknown endpoint", 404)), 404)
+
+    def close(self) -> None:
+        if self.trace:
+            self.trace.close()
+
+
+def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Starlette:
+    """The ASGI app over a started worker; stopping the app (uvicorn's shutdown) stops the worker."""
+    server = Server(worker, options)
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.endpoint(CHAT, server.models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model), methods=["GET"]),
+        Route("/v1/chat/completions", server.generation(CHAT), methods=["POST"]),
+        Route("/v1/completions", server.generation(COMPLETIONS), methods=["POST"]),
+        Route("/v1/messages", server.generation(MESSAGES), methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.endpoint(MESSAGES, server.count_tokens), methods=["POST"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            worker.shutdown()
+            await run_in_threadpool(worker.join)
+            server.close()
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: server.not_found}, lifespan=lifespan)
+    app.state.server = server
+    return HttpLayer(app, options.cors)
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn's server over the app, plus: the first SIGINT/SIGTERM also stops generation, so that open
+    responses end at once (finish reason "error"), queued requests get 503, and shutdown does not wait for
+    a long answer. A second signal exits immediately (uvicorn's force exit)."""
+
+    def __init__(self, app: ASGIApp, worker: Worker, **config: Any) -> None:
+        super().__init__(uvicorn.Config(app, lifespan="on", **config))
+        self.worker = worker
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.loop is not None:
+            # A signal handler must not take locks that the interrupted code may hold: defer to the loop.
+            self.loop.call_soon_threadsafe(self.worker.shutdown)
+        super().handle_exit(sig, frame)

@@ -1,0 +1,285 @@
+"""What the OpenAI and Anthropic front ends share.
+
+Both translate a request body into the same normalized request (chat messages, raw tool schemas, think mode,
+sampling, stop strings, token limit) and both read their fields through `Fields`, so type errors read the same
+everywhere. The engine's event stream comes back as `ds4_mlx.events`; the wire encodings of JSON and SSE frames
+are defined here once.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from ..chat import Message, ThinkMode, request_think_mode, think_mode_from_effort
+from ..errors import RequestError
+from ..sampling import SamplingParams
+
+
+class ApiError(RequestError):
+    """A request the server refuses: its HTTP status, message and the extra members of the error body.
+
+    `param` and `code` follow OpenAI's error object; `extra` members are appended as they are (e.g. the
+    `n_prompt_tokens` and `n_ctx` of a context overflow).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.extra = extra or {}
+
+
+def context_overflow(n_prompt_tokens: int, n_ctx: int, param: str) -> ApiError:
+    """behavior.md §3.7: one free slot after the prompt is required, so `prompt >= ctx` fails."""
+    return ApiError(
+        f"Prompt has {n_prompt_tokens} tokens, but the configured context size is {n_ctx} tokens",
+        param=param,
+        code="context_length_exceeded",
+        extra={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx},
+    )
+
+
+_KINDS: dict[type | tuple[type, ...], str] = {
+    str: "a string",
+    bool: "a boolean",
+    (int, float): "a number",
+    int: "an integer",
+    list: "an array",
+    dict: "an object",
+}
+_MISSING = object()
+
+
+def _kind_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    for kinds, name in _KINDS.items():
+        if isinstance(value, kinds) and not (isinstance(value, bool) and kinds is not bool):
+            return name
+    return type(value).__name__
+
+
+class Fields:
+    """Typed, optional access to the members of one JSON object of a request.
+
+    Every accessor returns `default` when the member is absent (or null where null is allowed) and raises a
+    400 naming the member's path and the expected type otherwise. Booleans are never numbers.
+    """
+
+    def __init__(self, value: Any, path: str = "") -> None:
+        if not isinstance(value, dict):
+            raise ApiError(f"invalid request: {path or 'the body'} must be an object, got {_kind_of(value)}")
+        self.value = value
+        self.path = path
+
+    def where(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.value
+
+    def _get(self, key: str, kinds: type | tuple[type, ...], default: Any, nullable: bool, expected: str = "") -> Any:
+        value = self.value.get(key, _MISSING)
+        if value is _MISSING or (value is None and nullable):
+            return default
+        if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+            return value
+        expected = (expected or _KINDS[kinds]) + (" or null" if nullable else "")
+        raise ApiError(f"invalid request: {self.where(key)} must be {expected}, got {_kind_of(value)}")
+
+    def string(self, key: str, default: str | None = None, *, nullable: bool = False) -> str | None:
+        return self._get(key, str, default, nullable)
+
+    def boolean(self, key: str, default: bool | None = None, *, nullable: bool = False) -> bool | None:
+        return self._get(key, bool, default, nullable)
+
+    def number(self, key: str, default: float | None = None, *, nullable: bool = False) -> float | None:
+        return self._get(key, (int, float), default, nullable)
+
+    def integer(self, key: str, default: int | None = None, *, nullable: bool = False) -> int | None:
+        value = self._get(key, (int, float), _MISSING, nullable, "an integer")
+        if value is _MISSING:
+            return default
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ApiError(f"invalid request: {self.where(key)} must be an integer, got {value}")
+            value = int(value)
+        return value
+
+    def array(self, key: str, default: list | None = None, *, nullable: bool = False) -> list | None:
+        return self._get(key, list, default, nullable)
+
+    def object(self, key: str, *, nullable: bool = False) -> Fields | None:
+        value = self._get(key, dict, None, nullable)
+        return None if value is None else Fields(value, self.where(key))
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        return self.value.get(key, default)
+
+
+def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def text_of(value: Any, path: str, *, separator: str = "") -> str:
+    """Message text: a string, null (""), or an array of strings and `{"text": ...}` parts joined by
+    `separator`; parts without text (images, documents) contribute nothing (behavior.md §1.2)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ApiError(f"invalid request: {path} must be a string, an array of parts or null, got {_kind_of(value)}")
+    parts = []
+    for i, part in enumerate(value):
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict):
+            text = Fields(part, f"{path}[{i}]").string("text", nullable=True)
+            if text is not None:
+                parts.append(text)
+        else:
+            raise ApiError(f"invalid request: {path}[{i}] must be a string or an object, got {_kind_of(part)}")
+    return separator.join(parts)
+
+
+def thinking_flag(value: Any, path: str) -> bool | None:
+    """An explicit `thinking` control: a boolean, or an object whose `type` is enabled/disabled; None otherwise
+    (absent, null, or another type such as "adaptive", which ds4 ignores)."""
+    if value is None or isinstance(value, bool):
+        return value
+    kind = Fields(value, path).string("type", nullable=True)
+    return {"enabled": True, "disabled": False}.get(kind or "")
+
+
+def think_mode(model: str, ctx: int, *, effort: Any, thinking: bool | None) -> ThinkMode:
+    """The think mode of a request: explicit controls first, then the model alias (behavior.md §3.3-3.5)."""
+    if effort is not None and not isinstance(effort, str):
+        raise ApiError(f"invalid request: the reasoning effort must be a string or null, got {_kind_of(effort)}")
+    return request_think_mode(model=model, thinking=thinking, effort=think_mode_from_effort(effort), ctx=ctx)
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty")
+
+
+def sampling_params(fields: Fields, think: ThinkMode, names: tuple[str, ...] = SAMPLING_FIELDS) -> SamplingParams:
+    """Sampling from the request's knobs; in thinking mode every knob except `seed` is ignored (§3.5).
+
+    The knobs are still type-checked in thinking mode, so a malformed request fails the same way in both modes.
+    A seed of 0 or less means "random", as in ds4.
+    """
+    knobs: dict[str, Any] = {}
+    for name in names:
+        value = fields.integer(name) if name in ("top_k", "seed") else fields.number(name)
+        if value is not None:
+            knobs[name] = value
+    seed = knobs.pop("seed", None)
+    seed = seed if seed is not None and seed > 0 else None
+    if think.thinking:
+        return SamplingParams(seed=seed)
+    return SamplingParams(seed=seed, **{k: float(v) if k != "top_k" else v for k, v in knobs.items()})
+
+
+def stop_strings(fields: Fields, key: str) -> tuple[str, ...]:
+    """A stop string or an array of them; empty strings are ignored."""
+    value = fields.raw(key)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ApiError(f"invalid request: {fields.where(key)} must be a string or an array of strings")
+    return tuple(s for s in value if s)
+
+
+def max_tokens(fields: Fields, *keys: str) -> int | None:
+    """The first of `keys` present; a limit must be a non-negative integer."""
+    for key in keys:
+        value = fields.integer(key)
+        if value is not None:
+            if value < 0:
+                raise ApiError(f"invalid request: {fields.where(key)} must be >= 0, got {value}")
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every generation endpoint decides besides the prompt."""
+
+    model: str
+    think: ThinkMode
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat request in the renderer's terms: messages and the raw text of each active tool schema."""
+
+    options: Options
+    messages: tuple[Message, ...]
+    tools: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A legacy completion: one prompt string wrapped in a one-turn chat."""
+
+    options: Options
+    prompt: str
+
+
+def new_id(prefix: str, nbytes: int = 16) -> str:
+    """`prefix` + lowercase hex of `nbytes` random bytes (tool-call ids use 16, behavior.md §3.13)."""
+    return prefix + secrets.token_hex(nbytes)
+
+
+class CallIds:
+    """Wire ids of one message's tool calls, by call index, created when first asked for.
+
+    A streamed call keeps the id it was announced with; calls parsed only at the end get fresh ones.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.ids: list[str] = []
+
+    def __getitem__(self, index: int) -> str:
+        while len(self.ids) <= index:
+            self.ids.append(new_id(self.prefix))
+        return self.ids[index]
+
+    def first(self, n: int) -> list[str]:
+        return [self[i] for i in range(n)]
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON with raw UTF-8, as ds4 writes it (behavior.md §3.1)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One SSE frame; `data` is a JSON value or an already-encoded string such as `[DONE]`."""
+    payload = data if isinstance(data, str) else dumps(data)
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+KEEPALIVE = ": prefill\n\n"
+"""The SSE comment sent while a long prefill runs, so that clients and proxies keep the stream open."""

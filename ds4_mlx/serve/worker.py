@@ -1,0 +1,153 @@
+"""The one thread that owns the Engine, and the bounded queue of generation jobs in front of it.
+
+MLX evaluation happens only on this thread (the engine is even loaded here, so its arrays and streams belong
+to it). The asyncio event loop submits jobs and receives their events through `loop.call_soon_threadsafe`; it
+never waits on MLX. Jobs run one at a time in arrival order: there is one live session, and a different
+conversation replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from ..events import Event
+from .common import ApiError
+
+if TYPE_CHECKING:
+    from ..engine import Engine, GenerationRequest
+
+log = logging.getLogger("ds4_mlx.serve")
+
+_END = object()
+
+
+class Job:
+    """One generation on its way through the worker; its events come back to the event loop that made it."""
+
+    def __init__(self, request: GenerationRequest, request_id: str) -> None:
+        self.request = request
+        self.id = request_id
+        self.cancelled = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+
+    def cancel(self) -> None:
+        """Stop generating at the next token (or skip the job if it is still queued). Safe from any thread."""
+        self.cancelled.set()
+
+    def _post(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:
+            self.cancel()  # the event loop is gone: nobody is listening any more
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The job's events in order; raises what the engine raised, or the error that ended the job."""
+        while True:
+            item = await self._items.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class Worker:
+    """Runs jobs on one thread, in arrival order, with at most `max_queue` jobs waiting behind the running one."""
+
+    def __init__(self, load: Callable[[], Engine], max_queue: int = 64) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.max_queue = max_queue
+        self.engine: Engine | None = None
+        self._load = load
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._running: Job | None = None
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="ds4-mlx-worker", daemon=True)
+
+    def start(self) -> Engine:
+        """Starts the thread and waits until it has loaded the engine; re-raises a load failure here."""
+        self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            self._thread.join()
+            raise self._load_error
+        assert self.engine is not None
+        return self.engine
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or refuse it: 503 while shutting down, 429 when `max_queue` jobs already wait."""
+        with self._cond:
+            if self._stopping:
+                raise ApiError("server shutting down", 503)
+            if self._running is not None and len(self._queue) >= self.max_queue:
+                raise ApiError(
+                    f"too many requests waiting: the queue holds at most {self.max_queue} behind the running "
+                    "one; retry later",
+                    429,
+                )
+            self._queue.append(job)
+            self._cond.notify()
+
+    def shutdown(self) -> None:
+        """Refuse new jobs, end the queued ones with 503 and make the running one stop at its next token."""
+        with self._cond:
+            self._stopping = True
+            queued, self._queue = list(self._queue), deque()
+            self._cond.notify()
+        for job in queued:
+            job._post(ApiError("server shutting down", 503))
+            job._post(_END)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _main(self) -> None:
+        try:
+            self.engine = self._load()
+        except BaseException as e:  # handed to start(), which re-raises it in the caller's thread
+            self._load_error = e
+            return
+        finally:
+            self._loaded.set()
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._running = self._queue.popleft()
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():  # the client left while the job was queued
+            job._post(_END)
+            return
+        try:
+            for event in self.engine.generate(job.request, cancel=lambda: job.cancelled.is_set() or self._stopping):
+                job._post(event)
+        except Exception as e:
+            job._post(e)
+        finally:
+            job._post(_END)
