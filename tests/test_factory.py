@@ -20,8 +20,8 @@ from gguf import quants as gguf_quants
 
 from ds4_mlx.cli import main
 from ds4_mlx.model.config import ModelConfig
-from ds4_mlx.model.factory import (SMALL_VOCAB_SPECIALS, build_vocab, byte_symbols, export_reference, hf_names,
-                                   preset_config, write_model)
+from ds4_mlx.model.factory import (SMALL_VOCAB_SPECIALS, _random_chunks, build_vocab, byte_symbols,
+                                   export_reference, hf_names, model_tensors, preset_config, write_model)
 
 V = GGUFValueType
 
@@ -308,6 +308,23 @@ def test_flash_q2_file_is_the_published_size(tmp_path):
     assert mixed.stat().st_size > path.stat().st_size
 
 
+@pytest.mark.parametrize("experts", ["q2", "q4"])
+def test_flash_tensors_are_generated_in_bounded_chunks(experts):
+    """A flash tensor is produced a few MB at a time (the writer never holds a whole 0.5-1 GB tensor), and the
+    published widths (fan-in 4096 and 2048) get the same target std as the tiny ones."""
+    by_name = {s.name: s for s in model_tensors(preset_config("flash"), experts)}
+    for name in ("token_embd.weight", "output.weight", "blk.3.ffn_gate_exps.weight", "blk.3.ffn_down_exps.weight"):
+        spec = by_name[name]
+        chunks = _random_chunks(spec, seed=0)
+        first = next(chunks)
+        assert len(first) <= 16 * 2**20 and len(first) < spec.n_bytes, name
+        if "_exps" in name:
+            n_rows = len(first) // (spec.n_bytes // (spec.ne[1] * spec.ne[2]))
+            w = gguf_quants.dequantize(np.frombuffer(first, np.uint8).reshape(n_rows, -1), spec.ggml_type)
+            assert w.shape == (n_rows, spec.ne[0])
+            assert w.std() == pytest.approx(spec.ne[0] ** -0.5, rel=0.03), name
+
+
 def test_small_vocab_is_a_valid_bpe_with_the_specials():
     vocab = build_vocab("small")
     tokens = vocab.tokens
@@ -349,6 +366,18 @@ def test_real_vocab_has_the_v4_ids():
     small = build_vocab("small")
     assert small.tokens[:506] == tokens[:506]  # the small vocabulary is the real one's prefix
     assert small.merges == vocab.merges[:247]
+
+
+@pytest.mark.slow
+def test_real_vocab_round_trips_through_the_file(tmp_path):
+    """129280 tokens and 127741 merges written and read back unchanged (gguf-py's reader takes ~5 s here)."""
+    vocab = build_vocab("real")
+    path = write_model(tmp_path / "real.gguf", vocab="real", data="sparse")
+    md, types = metadata(GGUFReader(path))
+    assert md["tokenizer.ggml.tokens"] == list(vocab.tokens)
+    assert md["tokenizer.ggml.merges"] == list(vocab.merges)
+    assert md["tokenizer.ggml.token_type"] == list(vocab.token_types)
+    assert md["deepseek4.vocab_size"] == 129280
 
 
 def test_hf_names_follow_the_published_checkpoint():

@@ -1,6 +1,6 @@
 """`ds4-mlx make-model OUT.gguf`: write a DeepSeek V4 Flash-layout GGUF with random weights.
 
-For tests and demos without the 81 GB download: `tiny` builds in a second, `small` is a ~250 MB CPU demo with the
+For tests and demos without the 81 GB download: `tiny` builds in a second, `small` is a ~260 MB CPU demo with the
 real vocabulary, `flash` has exactly the published shapes (81 GB with q2 experts; `--sparse` leaves the data as a
 file hole so the layout can be inspected without writing it).
 """

@@ -64,7 +64,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": _scaled(n_layer=6, n_embd=256, n_vocab=512, n_head=4, head_dim=128, n_rot=64, q_lora_rank=64,
                     o_lora_rank=32, o_groups=2, n_expert=8, n_expert_used=2, n_ff_exp=256, sliding_window=16,
                     indexer_n_head=16, indexer_head_dim=128, indexer_top_k=8),
-    # CPU demos and benchmarks with the real vocabulary: about 250 MB.
+    # CPU demos and benchmarks with the real vocabulary: about 260 MB with q2 experts.
     "small": _scaled(n_layer=8, n_embd=512, n_vocab=129280, n_head=8, head_dim=128, n_rot=64, q_lora_rank=256,
                      o_lora_rank=128, o_groups=2, n_expert=16, n_expert_used=4, n_ff_exp=512, sliding_window=128,
                      indexer_n_head=16, indexer_head_dim=128, indexer_top_k=64),
