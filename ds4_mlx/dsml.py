@@ -237,15 +237,19 @@ def _open_tag(text: str, pos: int, tag_start: str) -> tuple[str | None, int]:
     return _attribute(text[pos : tag_end + 1], "name"), tag_end + 1
 
 
+_ATTRIBUTE = re.compile(r'([^\s="<>]+)="([^"]*)"')
+
+
 def _attribute(tag: str, name: str) -> str | None:
-    """ds4's attribute lookup: the first `name="` anywhere in the tag, up to the next quote, decoded."""
-    pattern = f'{name}="'
-    start = tag.find(pattern)
-    if start < 0:
-        return None
-    start += len(pattern)
-    end = tag.find('"', start)
-    return None if end < 0 else decode_entities(tag[start:end])
+    """The decoded value of attribute `name` in an opening tag, None if absent.
+
+    Attributes are read as `key="value"` pairs from the left. ds4 searches for the substring `name="`
+    instead, which misreads a tag whose (escaped) parameter name ends in `string=`.
+    """
+    for match in _ATTRIBUTE.finditer(tag):
+        if match.group(1) == name:
+            return decode_entities(match.group(2))
+    return None
 
 
 def _split_reasoning(text: str) -> tuple[str, str]:
@@ -275,7 +279,7 @@ def _rstrip_ws(text: str, start: int, end: int) -> int:
     return end
 
 
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?(?![0-9.eE+-])")
 _STRING_RUN = re.compile(r'[^"\\\x00-\x1f]*')
 _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
 
@@ -419,8 +423,8 @@ class StreamParser:
         self._index = 0
         self._first_member = True
         self._first_nested = True
-        self._key = ""
         self._string_value = False
+        self._value_sent = False
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -552,7 +556,7 @@ class StreamParser:
                     self._tool = _Tool.NESTED_BETWEEN
                 else:
                     events.append(ToolCallArgsDelta(self._index, '"'))
-                    self._string_value = True
+                    self._string_value, self._value_sent = True, False
                     self._tool = _Tool.VALUE
             elif state is _Tool.NESTED_BETWEEN:
                 self._pos = pos
@@ -596,7 +600,7 @@ class StreamParser:
             events.append(ToolCallArgsDelta(self._index, prefix))
             self._tool = _Tool.PARAM_BODY
             return True
-        self._string_value = kind is None or kind == "true"
+        self._string_value, self._value_sent = kind is None or kind == "true", False
         events.append(ToolCallArgsDelta(self._index, prefix + ('"' if self._string_value else "")))
         self._tool = _Tool.NESTED_VALUE if nested else _Tool.VALUE
         return True
@@ -611,10 +615,11 @@ class StreamParser:
         if piece := self._consume(limit):
             text = json_escape(decode_entities(piece)) if self._string_value else piece
             events.append(ToolCallArgsDelta(self._index, text))
+            self._value_sent = True
         if end < 0:
             return False
-        if self._string_value:
-            events.append(ToolCallArgsDelta(self._index, '"'))
+        if self._string_value or not self._value_sent:
+            events.append(ToolCallArgsDelta(self._index, '"' if self._string_value else "null"))
         self._pos = end + len(param_end)
         self._tool = _Tool.NESTED_BETWEEN if self._tool is _Tool.NESTED_VALUE else _Tool.BETWEEN_PARAMS
         return True
