@@ -1,0 +1,224 @@
+"""The engine's generation rules, on a scripted model (exact control of what is sampled) and on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from ds4_mlx.chat import Message, ThinkMode, render_chat
+from ds4_mlx.engine import Engine, GenerationRequest, check_memory
+from ds4_mlx.errors import ContextOverflow, RequestError, ResourceError
+from ds4_mlx.events import Done, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from ds4_mlx.model.factory import write_model
+from ds4_mlx.sampling import SamplingParams
+from ds4_mlx.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine") / "tiny.gguf"
+    write_model(path, preset="tiny", vocab="real", seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    return Engine.load(tiny_path, ctx=256)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return tiny.tokenizer
+
+
+class ScriptedCache:
+    def __init__(self) -> None:
+        self.n_tokens = 0
+
+    def arrays(self) -> list[mx.array]:
+        return []
+
+    def snapshot(self) -> int:
+        return self.n_tokens
+
+    def restore(self, snap: int) -> None:
+        self.n_tokens = snap
+
+
+class ScriptedModel:
+    """Makes the sampler pick `script[i]` at generation step i, whatever the temperature (one-hot logits)."""
+
+    def __init__(self, vocab: int, script: list[int]) -> None:
+        self.vocab = vocab
+        self.script = script
+        self.step = 0
+        self.fed: list[int] = []
+
+    def new_cache(self, ctx: int) -> ScriptedCache:
+        self.step = 0
+        return ScriptedCache()
+
+    def __call__(self, tokens: mx.array, cache: ScriptedCache) -> mx.array:
+        self.fed += tokens.tolist()
+        cache.n_tokens += tokens.size
+        nxt = self.script[min(self.step, len(self.script) - 1)]
+        self.step += 1
+        return mx.where(mx.arange(self.vocab) == nxt, 100.0, -100.0)
+
+
+def scripted(tokenizer: Tokenizer, text: str, *, eos: bool = True, ctx: int = 512) -> tuple[Engine, ScriptedModel]:
+    script = tokenizer.encode(text) + ([tokenizer.eos_id] if eos else [])
+    model = ScriptedModel(tokenizer.vocab_size, script)
+    return Engine(model, tokenizer, ctx), model
+
+
+def run(engine: Engine, **kw) -> tuple[list, Done]:
+    kw.setdefault("prompt", "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>")
+    events = list(engine.generate(GenerationRequest(**kw)))
+    assert isinstance(events[-1], Done) and not any(isinstance(e, Done) for e in events[:-1])
+    return events[:-1], events[-1]
+
+
+def texts(events, kind) -> str:
+    return "".join(e.text for e in events if isinstance(e, kind))
+
+
+def test_eos_stops_and_is_not_fed(tokenizer):
+    engine, model = scripted(tokenizer, "let me think</think>The answer is 4.")
+    events, done = run(engine)
+    assert done.finish_reason == "stop"
+    assert texts(events, ReasoningDelta) == "let me think"
+    assert texts(events, TextDelta) == "The answer is 4."
+    assert done.message.content == "The answer is 4." and done.message.reasoning == "let me think"
+    assert tokenizer.eos_id not in model.fed
+    assert done.usage.completion_tokens == len(tokenizer.encode("let me think</think>The answer is 4."))
+
+
+def test_max_tokens_gives_length_and_the_last_token_is_not_fed(tokenizer):
+    engine, model = scripted(tokenizer, "one two three four five six seven", eos=False)
+    events, done = run(engine, max_tokens=3)
+    assert done.finish_reason == "length" and done.usage.completion_tokens == 3
+    prompt_len = done.usage.prompt_tokens
+    assert len(model.fed) == prompt_len + 2
+    assert engine.session.tokens == model.fed
+
+
+def test_max_tokens_is_clamped_to_the_room_left(tokenizer):
+    engine, _ = scripted(tokenizer, "a " * 100, eos=False, ctx=20)
+    _, done = run(engine, max_tokens=1000)
+    assert done.finish_reason == "length"
+    assert done.usage.prompt_tokens + done.usage.completion_tokens == 20
+
+
+def test_stop_string_cuts_text_and_drops_the_live_session(tokenizer):
+    engine, _ = scripted(tokenizer, "</think>alpha beta STOP gamma")
+    events, done = run(engine, stop=("STOP",))
+    assert done.finish_reason == "stop"
+    assert texts(events, TextDelta) == "alpha beta " == done.message.content
+    assert engine.session.tokens == []
+
+
+def test_tool_block_closing_stops_generation(tokenizer):
+    block = (
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n'
+        '<｜DSML｜parameter name="command" string="true">ls -la && echo "hi"</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="timeout" string="false">10</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    engine, model = scripted(tokenizer, "I should run ls.</think>Checking." + block + "never sampled")
+    events, done = run(engine, tools_active=True)
+    assert done.finish_reason == "tool_calls"
+    assert "never" not in tokenizer.decode(done.token_ids)
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    assert [(s.index, s.name) for s in starts] == [(0, "bash")]
+    assert any(isinstance(e, ToolCallEnd) for e in events)
+    args = "".join(e.text for e in events if isinstance(e, ToolCallArgsDelta))
+    assert json.loads(args) == {"command": 'ls -la && echo "hi"', "timeout": 10}
+    call = done.message.tool_calls[0]
+    assert call.name == "bash" and json.loads(call.arguments) == json.loads(args)
+    assert done.message.raw_dsml == block
+    assert texts(events, TextDelta) == "Checking."
+
+
+def test_cancel_ends_with_error(tokenizer):
+    engine, _ = scripted(tokenizer, "x " * 50, eos=False)
+    calls = []
+
+    def cancel() -> bool:
+        calls.append(1)
+        return len(calls) > 4
+
+    events = list(engine.generate(GenerationRequest(prompt="<｜User｜>hi", max_tokens=40), cancel=cancel))
+    done = events[-1]
+    assert done.finish_reason == "error" and done.usage.completion_tokens == 4
+
+
+def test_prompt_that_fills_the_context_is_rejected(tokenizer):
+    engine, _ = scripted(tokenizer, "x", ctx=8)
+    with pytest.raises(ContextOverflow) as e:
+        run(engine, prompt="word " * 8)
+    assert e.value.n_ctx == 8 and e.value.n_prompt_tokens >= 8
+    with pytest.raises(RequestError):
+        run(engine, prompt="")
+
+
+def test_memory_check_says_what_would_fit(tiny_path):
+    from ds4_mlx.model.weights import open_weights
+
+    weights = open_weights(tiny_path)
+    check_memory(weights, weights.nbytes, 1024, 1 << 40)
+    with pytest.raises(ResourceError, match="would fit"):
+        check_memory(weights, weights.nbytes, 10**7, int(weights.nbytes * 1.5))
+    with pytest.raises(ResourceError, match="no context size fits"):
+        check_memory(weights, weights.nbytes, 1024, weights.nbytes // 2)
+
+
+def test_greedy_generation_is_deterministic_and_reuse_does_not_change_it(tiny_path, tiny):
+    """A second turn continues from the live session; its output must equal a cold engine's output."""
+    first = render_chat([Message("user", "Hello!")], think=ThinkMode.NONE, ctx=256)
+    _, d1 = run(tiny, prompt=first, max_tokens=12, sampling=GREEDY)
+    assert d1.usage.cached_tokens == 0
+    answer = tiny.tokenizer.decode(d1.token_ids)
+    follow = render_chat(
+        [Message("user", "Hello!"), Message("assistant", answer), Message("user", "And then?")],
+        think=ThinkMode.NONE,
+        ctx=256,
+    )
+    live = len(tiny.session.tokens)
+    _, d2 = run(tiny, prompt=follow, max_tokens=8, sampling=GREEDY)
+    assert d2.usage.cached_tokens == live > 0
+
+    effective = list(tiny.session.tokens[: d2.usage.prompt_tokens])
+    cold = Engine.load(tiny_path, ctx=256)
+    _, c2 = run(cold, prompt=effective, max_tokens=8, sampling=GREEDY)
+    assert c2.usage.cached_tokens == 0
+    assert c2.token_ids == d2.token_ids
+
+
+def test_same_seed_same_sample(tiny):
+    prompt = render_chat([Message("user", "Pick a word")], think=ThinkMode.NONE, ctx=256)
+    outs = []
+    for _ in range(2):
+        tiny.session.reset()
+        _, done = run(tiny, prompt=prompt, max_tokens=6, sampling=SamplingParams(temperature=1.0, seed=42))
+        outs.append(done.token_ids)
+    assert outs[0] == outs[1]
+
+
+def test_session_snapshot_restore(tiny):
+    s = tiny.session
+    s.reset()
+    ids = tiny.tokenizer.encode("<｜begin▁of▁sentence｜>The sea is")
+    s.prefill(ids)
+    snap = s.snapshot()
+    a = s.decode(1000)
+    mx.eval(a)
+    s.decode(2000)
+    s.restore(snap)
+    b = s.decode(1000)
+    assert mx.array_equal(a, b)
+    assert s.tokens == ids + [1000]
