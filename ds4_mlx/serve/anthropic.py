@@ -119,8 +119,8 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
         stream=f.boolean("stream", False),
     )
     tool_choice = f.object("tool_choice", nullable=True)
-    tools_off = tool_choice is not None and tool_choice.raw("type") == "none"
-    tools = () if tools_off else active_tools(f, body.tool_texts, none_choice=None)
+    enabled = tool_choice is None or tool_choice.raw("type") != "none"
+    tools = active_tools(f, body.tool_texts, enabled=enabled)
     return ChatRequest(options=options, messages=tuple(messages), tools=tools)
 
 

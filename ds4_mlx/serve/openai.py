@@ -72,10 +72,13 @@ def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop")
     )
 
 
-def active_tools(f: Fields, tool_texts: tuple[str, ...], *, none_choice: Any) -> tuple[str, ...]:
-    """The raw schema text of each tool, or none when `tool_choice` turns tools off (behavior.md §1.6)."""
+def active_tools(f: Fields, tool_texts: tuple[str, ...], *, enabled: bool) -> tuple[str, ...]:
+    """The raw schema text of each tool; none when `tool_choice` turned tools off (behavior.md §1.6).
+
+    Every tool must at least name itself; the schemas are otherwise shown to the model as the client wrote them.
+    """
     tools = f.array("tools", nullable=True)
-    if not tools or f.raw("tool_choice") == none_choice:
+    if not tools or not enabled:
         return ()
     for i, tool in enumerate(tools):
         tool_fields = Fields(tool, f"tools[{i}]")
@@ -125,7 +128,7 @@ def parse_chat(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     return ChatRequest(
         options=_options(f, ctx=ctx, default_model=default_model),
         messages=tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages)),
-        tools=active_tools(f, body.tool_texts, none_choice="none"),
+        tools=active_tools(f, body.tool_texts, enabled=f.raw("tool_choice") != "none"),
     )
 
 
