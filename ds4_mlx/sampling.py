@@ -10,10 +10,11 @@ The selection rules follow ds4.c `sample_top_p_min_p` (spec/gguf-and-forward.md 
   that prefix in sorted order. With top_k, probabilities are normalised over the top_k candidates only.
 
 Why numpy and not MLX for the draw: the logits are read back once per step (129280 float32 = 505 KiB, a few
-microseconds on unified memory) and the rest runs on the host. On the CPU backend MLX's kernels for this are
-single-threaded and measured 3-5x slower than numpy on a 129280-vector (full-vocabulary path 1.5-1.9 ms vs 0.5 ms;
-the sort of the top-p path 13 ms vs 2.8 ms), and the data-dependent candidate sets of min-p and top-p need a host
-round trip anyway. Greedy steps (temperature 0, DSML structure) stay on the device and read back one id.
+microseconds on unified memory) and the rest runs on the host. On the CPU backend MLX measured 3-5x slower than
+numpy on a 129280-vector (full-vocabulary path 1.5-1.9 ms vs 0.5 ms; a full sort 13 ms vs 2.8 ms), and the
+data-dependent candidate sets of min-p and top-p need a host round trip anyway. The top-p path sorts only the
+tokens that can be reached, not the vocabulary. Greedy steps (temperature 0, DSML structure) stay on the device and
+read back one id.
 """
 
 from __future__ import annotations
