@@ -14,14 +14,17 @@ DeepSeek V4 writes tool calls as an XML-like block after its reasoning (behavior
 
 Three tag families are recognised (the one above, the same with the first bar missing, and plain
 `<tool_calls>`); a block uses one family throughout. String values are raw text where only the five DSML
-entities are decoded; other values are JSON. Everything here follows ds4_server.c, with two deliberate
-choices where ds4 is inconsistent with itself:
+entities are decoded; other values are JSON. Everything follows ds4_server.c except where ds4 contradicts
+itself or loses data; there the stream and the final parse are kept in agreement instead:
 
-- Thinking mode: tools are searched after the FIRST `</think>` (ds4's final parse uses the last one, its
-  stream the first). The engine stops at the block's closing tag, so a later `</think>` can only come from
-  inside a tool argument, where the last-one rule would lose the call the stream already sent.
-- The stream also projects loose nested parameters (a parameter without `string` whose body is more
-  parameters) instead of silently stopping, so that its argument fragments always match the final parse.
+- Thinking mode looks for tools after the FIRST `</think>` (ds4's final parse uses the last, its stream the
+  first). Generation stops at the block's closing tag, so a later `</think>` can only sit inside an argument.
+- A block ends at its grammatical closing tag, not at a closing tag quoted inside a string value; only
+  after a grammar failure does any closing tag end it (ds4 stops at the first closing tag it sees).
+- The stream projects loose nested parameters (ds4 stops projecting) and sends `null` for an empty JSON
+  value (as the final parse does); attributes are read as `key="value"` pairs (ds4 looks for the substring
+  `name="`); JSON numbers follow the JSON grammar (ds4 uses strtod).
+- Hold-back is minimal: a partial `</think>` or block start, not a fixed 7 bytes or anything after a `<`.
 """
 
 from __future__ import annotations
@@ -161,6 +164,12 @@ def _find_block(text: str, pos: int) -> tuple[int, Syntax] | None:
     return None
 
 
+def _earliest_block(text: str, pos: int) -> tuple[int, Syntax] | None:
+    """The first block start of any family: how the stream and the tracker see a block begin."""
+    found = [(text.find(s.tool_calls_start, pos), s) for s in SYNTAXES]
+    return min(((start, s) for start, s in found if start >= 0), default=None, key=lambda hit: hit[0])
+
+
 def _parse_block(text: str, pos: int, syntax: Syntax) -> tuple[list[ToolCall], int]:
     """Invokes until the closing tag; returns the calls and the index just past the closing tag."""
     calls = []
@@ -168,7 +177,8 @@ def _parse_block(text: str, pos: int, syntax: Syntax) -> tuple[list[ToolCall], i
         pos = _skip_ws(text, pos)
         if text.startswith(syntax.tool_calls_end, pos):
             return calls, pos + len(syntax.tool_calls_end)
-        name, pos = _open_tag(text, pos, syntax.invoke_start)
+        tag, pos = _read_tag(text, pos, syntax.invoke_start)
+        name = _attribute(tag, "name")
         if name is None:
             raise _Malformed
         members: list[tuple[str, str | None]] = []
@@ -188,16 +198,10 @@ def _parse_param(text: str, pos: int, syntax: Syntax, *, nested: bool) -> tuple[
     A parameter without `string` whose body starts with another parameter is a loose nested object of
     its child parameters; its own closing tag is optional.
     """
-    if not text.startswith(syntax.param_start, pos):
-        raise _Malformed
-    tag_end = text.find(">", pos)
-    if tag_end < 0:
-        raise _Malformed
-    tag = text[pos : tag_end + 1]
+    tag, body = _read_tag(text, pos, syntax.param_start)
     key, kind = _attribute(tag, "name"), _attribute(tag, "string")
     if key is None:
         raise _Malformed
-    body = tag_end + 1
     if nested and kind is None and text.startswith(syntax.param_start, _skip_ws(text, body)):
         members = []
         pos = _skip_ws(text, body)
@@ -227,14 +231,14 @@ def _json_object(members: list[tuple[str, str | None]]) -> str | None:
     return "{" + ",".join(f'"{json_escape(key)}":{value}' for key, value in members) + "}"
 
 
-def _open_tag(text: str, pos: int, tag_start: str) -> tuple[str | None, int]:
-    """The `name` attribute of a complete opening tag at `pos` and the index after `>`."""
+def _read_tag(text: str, pos: int, tag_start: str) -> tuple[str, int]:
+    """The opening tag at `pos` through its `>`, and the index after it."""
     if not text.startswith(tag_start, pos):
         raise _Malformed
     tag_end = text.find(">", pos)
     if tag_end < 0:
         raise _Malformed
-    return _attribute(text[pos : tag_end + 1], "name"), tag_end + 1
+    return text[pos : tag_end + 1], tag_end + 1
 
 
 _ATTRIBUTE = re.compile(r'([^\s="<>]+)="([^"]*)"')
@@ -360,12 +364,8 @@ def _held_from(text: str, start: int, literals: tuple[str, ...]) -> int:
 
     Every literal starts with its only `<`, so only the last `<` can start a partial one.
     """
-    lt = text.rfind("<", start)
-    if lt >= 0:
-        tail = text[lt:]
-        if any(len(tail) < len(lit) and lit.startswith(tail) for lit in literals):
-            return lt
-    return len(text)
+    lt = text.rfind("<", max(start, len(text) - max(map(len, literals)) + 1))
+    return lt if lt >= 0 and _is_partial(text, lt, *literals) else len(text)
 
 
 def _entity_safe_end(text: str, start: int, end: int) -> int:
@@ -406,13 +406,15 @@ class StreamParser:
     block's closing tag is dropped and `tool_block_closed` is set; if the block breaks the grammar, the
     projection stops silently and the block closes at the next closing tag of any family. The final parse
     (`parse_message`) stays authoritative.
+
+    `reasoning_closed` stays False while a thinking-mode message has not written `</think>`: ds4's
+    non-streaming responses then report the reasoning as content (behavior.md §3.9).
     """
 
     def __init__(self, thinking: bool, tools_active: bool) -> None:
         self.thinking = thinking
         self.tools_active = tools_active
         self.reasoning_closed = not thinking
-        """False while a thinking-mode message has not written `</think>` (the §3.9 non-streaming quirk)."""
         self.tool_block_closed = False
         self._buf = ""  # the text not yet consumed; everything before it has been projected
         self._pos = 0
@@ -437,6 +439,7 @@ class StreamParser:
     def _advance(self, final: bool) -> list[Event]:
         events: list[Event] = []
         step = {_Mode.REASONING: self._reasoning, _Mode.TEXT: self._text, _Mode.TOOL: self._tool_block}
+        # A step returns True when it switched mode, handing the rest of the text to the next one.
         while self._mode in step and step[self._mode](events, final):
             pass
         if self._mode is _Mode.DONE:
@@ -471,14 +474,9 @@ class StreamParser:
 
     def _text(self, events: list[Event], final: bool) -> bool:
         buf, pos = self._buf, self._pos
-        start, syntax = -1, DSML
-        if self.tools_active:
-            for candidate in SYNTAXES:
-                found = buf.find(candidate.tool_calls_start, pos)
-                if found >= 0 and (start < 0 or found < start):
-                    start, syntax = found, candidate
-        if start >= 0:
-            end = _rstrip_ws(buf, pos, start)
+        found = _earliest_block(buf, pos) if self.tools_active else None
+        if found is not None:
+            end = _rstrip_ws(buf, pos, found[0])
         elif final or not self.tools_active:
             end = len(buf)
         else:
@@ -486,10 +484,10 @@ class StreamParser:
             end = _rstrip_ws(buf, pos, held)
         if piece := self._consume(end):
             events.append(TextDelta(piece))
-        if start < 0:
+        if found is None:
             return False
-        self._pos = start + len(syntax.tool_calls_start)
-        self._syntax = syntax
+        start, self._syntax = found
+        self._pos = start + len(self._syntax.tool_calls_start)
         self._mode = _Mode.TOOL
         return True
 
@@ -509,17 +507,16 @@ class StreamParser:
                 if state is not _Tool.PARAM_BODY:
                     self._pos = pos
                 return False
-            rest = buf[pos:]
             if state is _Tool.BETWEEN_INVOKES:
-                if rest.startswith(syntax.tool_calls_end):
+                if buf.startswith(syntax.tool_calls_end, pos):
                     self._pos = pos + len(syntax.tool_calls_end)
                     self.tool_block_closed = True
                     self._mode = _Mode.DONE
                     return True
-                if _is_partial(rest, syntax.tool_calls_end, syntax.invoke_start):
+                if _is_partial(buf, pos, syntax.tool_calls_end, syntax.invoke_start):
                     self._pos = pos
                     return False
-                if not rest.startswith(syntax.invoke_start):
+                if not buf.startswith(syntax.invoke_start, pos):
                     self._tool = _Tool.FAILED
                     continue
                 tag_end = buf.find(">", pos)
@@ -535,21 +532,21 @@ class StreamParser:
                 self._pos = tag_end + 1
                 self._tool = _Tool.BETWEEN_PARAMS
             elif state is _Tool.BETWEEN_PARAMS:
-                if rest.startswith(syntax.invoke_end):
+                if buf.startswith(syntax.invoke_end, pos):
                     events += [ToolCallArgsDelta(self._index, "}"), ToolCallEnd(self._index)]
                     self._index += 1
                     self._pos = pos + len(syntax.invoke_end)
                     self._tool = _Tool.BETWEEN_INVOKES
                     continue
-                if _is_partial(rest, syntax.invoke_end, syntax.param_start):
+                if _is_partial(buf, pos, syntax.invoke_end, syntax.param_start):
                     self._pos = pos
                     return False
                 if not self._open_param(events, pos, nested=False):
                     return False
             elif state is _Tool.PARAM_BODY:
-                if _is_partial(rest, syntax.param_start):
+                if _is_partial(buf, pos, syntax.param_start):
                     return False
-                if rest.startswith(syntax.param_start):
+                if buf.startswith(syntax.param_start, pos):
                     events.append(ToolCallArgsDelta(self._index, "{"))
                     self._first_nested = True
                     self._pos = pos
@@ -560,18 +557,18 @@ class StreamParser:
                     self._tool = _Tool.VALUE
             elif state is _Tool.NESTED_BETWEEN:
                 self._pos = pos
-                if _is_partial(rest, syntax.param_start):
+                if _is_partial(buf, pos, syntax.param_start):
                     return False
-                if rest.startswith(syntax.param_start):
+                if buf.startswith(syntax.param_start, pos):
                     if not self._open_param(events, pos, nested=True):
                         return False
                 else:
                     events.append(ToolCallArgsDelta(self._index, "}"))
                     self._tool = _Tool.NESTED_CLOSE
             elif state is _Tool.NESTED_CLOSE:
-                if _is_partial(rest, syntax.param_end):
+                if _is_partial(buf, pos, syntax.param_end):
                     return False
-                self._pos = pos + len(syntax.param_end) if rest.startswith(syntax.param_end) else pos
+                self._pos = pos + len(syntax.param_end) if buf.startswith(syntax.param_end, pos) else pos
                 self._tool = _Tool.BETWEEN_PARAMS
 
     def _open_param(self, events: list[Event], pos: int, *, nested: bool) -> bool:
@@ -618,8 +615,10 @@ class StreamParser:
             self._value_sent = True
         if end < 0:
             return False
-        if self._string_value or not self._value_sent:
-            events.append(ToolCallArgsDelta(self._index, '"' if self._string_value else "null"))
+        if self._string_value:
+            events.append(ToolCallArgsDelta(self._index, '"'))
+        elif not self._value_sent:  # an empty JSON value is null, as in the final parse
+            events.append(ToolCallArgsDelta(self._index, "null"))
         self._pos = end + len(param_end)
         self._tool = _Tool.NESTED_BETWEEN if self._tool is _Tool.NESTED_VALUE else _Tool.BETWEEN_PARAMS
         return True
@@ -627,7 +626,7 @@ class StreamParser:
     def _watch_for_close(self) -> bool:
         """After a grammar failure: the block still ends at the next closing tag of any family."""
         buf = self._buf
-        if any(s.tool_calls_end in buf[self._pos :] for s in SYNTAXES):
+        if any(buf.find(s.tool_calls_end, self._pos) >= 0 for s in SYNTAXES):
             self.tool_block_closed = True
             self._mode = _Mode.DONE
             return True
@@ -635,9 +634,10 @@ class StreamParser:
         return False
 
 
-def _is_partial(rest: str, *literals: str) -> bool:
-    """`rest` is all the remaining text and could still grow into one of the literals."""
-    return any(len(rest) < len(lit) and lit.startswith(rest) for lit in literals)
+def _is_partial(text: str, pos: int, *literals: str) -> bool:
+    """`text[pos:]` is the end of the text and could still grow into one of the literals."""
+    left = len(text) - pos
+    return any(left < len(lit) and lit.startswith(text[pos:]) for lit in literals)
 
 
 class DecodeState(Enum):
@@ -700,15 +700,12 @@ class GreedyTracker:
             self._pos = close + len(THINK_CLOSE)
             self._track = _Track.SEARCH
         if self._track is _Track.SEARCH:
-            start = -1
-            for syntax in SYNTAXES:
-                found = buf.find(syntax.tool_calls_start, self._pos)
-                if found >= 0 and (start < 0 or found < start):
-                    start, self._syntax = found, syntax
-            if start < 0:
+            found = _earliest_block(buf, self._pos)
+            if found is None:
                 longest = max(len(s.tool_calls_start) for s in SYNTAXES)
                 self._pos = max(self._pos, len(buf) - longest + 1)
                 return DecodeState.OUTSIDE
+            start, self._syntax = found
             self._pos = start + len(self._syntax.tool_calls_start)
             self._track = _Track.STRUCTURAL
         while True:
@@ -747,7 +744,7 @@ class GreedyTracker:
                         self._json_in_string = self._json_escaped = False
                 return None
         tags = (syntax.tool_calls_end, syntax.invoke_start, syntax.invoke_end, syntax.param_start, syntax.param_end)
-        if not _is_partial(buf[pos:], *tags):
+        if not _is_partial(buf, pos, *tags):
             self._track = _Track.STUCK
         return DecodeState.STRUCTURAL
 
@@ -771,7 +768,7 @@ class GreedyTracker:
                     self._pos = pos + len(param_end)
                     self._track = _Track.STRUCTURAL
                     return None
-                if _is_partial(buf[pos:], param_end):
+                if _is_partial(buf, pos, param_end):
                     self._pos = pos
                     return DecodeState.STRUCTURAL if n - pos >= 2 else DecodeState.JSON_STRUCTURAL
             pos += 1

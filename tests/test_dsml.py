@@ -339,8 +339,10 @@ def test_parse_thinking_splits_at_the_first_think_close():
 
 
 def test_parse_non_thinking_still_splits_an_emitted_think_close():
+    """ds4 splits the final message even in non-thinking mode; the stream cannot take back text it sent."""
     message = parse_message("<think>oops</think>answer", thinking=False, tools_active=False)
     assert (message.reasoning, message.content) == ("oops", "answer")
+    assert stream(["<think>oops</think>answer"], thinking=False, tools_active=False).text == "<think>oops</think>answer"
     assert parse_message("<think>no close", thinking=False, tools_active=False).content == "<think>no close"
 
 
@@ -486,6 +488,14 @@ def test_stream_reasoning_split_without_tools_never_leaks_think_close():
     assert first == [ReasoningDelta("We need to generate a title")]
     assert parser.feed("ink>Free disk space check") == [TextDelta("Free disk space check")]
     assert parser.reasoning_closed and parser.finish() == []
+
+
+def test_stream_tracks_reasoning_closed_across_split_tags():
+    parser = StreamParser(thinking=True, tools_active=True)
+    for chunk, closed in [("reasoning body", False), ("</thi", False), ("nk>answer", True), ("<think>more", True)]:
+        parser.feed(chunk)
+        assert parser.reasoning_closed is closed, chunk
+    assert StreamParser(thinking=False, tools_active=True).reasoning_closed
 
 
 def test_stream_holds_a_partial_think_open_at_the_start():
