@@ -174,9 +174,17 @@ CASES = {  # id: (text, thinking, tools_active)
     "captured bash call": (BASH_EXAMPLE, True, True),
     "leading <think> is skipped": ("<think>r</think>c", True, True),
     "reasoning never closed": ("still thinking </thi", True, True),
-    "DSML inside reasoning is not a call": ("draft:\n\n" + block(invoke("x", param("a", "1"))) + " more</think>Answer.", True, True),
+    "DSML inside reasoning is not a call": (
+        "draft:\n\n" + block(invoke("x", param("a", "1"))) + " more</think>Answer.",
+        True,
+        True,
+    ),
     "DSML inside unclosed reasoning": ("I could call " + block(invoke("x")), True, True),
-    "block right after </think>": ("need a tool</think>\n\n" + block(invoke("bash", param("command", "pwd"))), True, True),
+    "block right after </think>": (
+        "need a tool</think>\n\n" + block(invoke("bash", param("command", "pwd"))),
+        True,
+        True,
+    ),
     "separator whitespace is not content": (
         "<think>need a tool</think>I will inspect the files.\n\n\n\n"
         + block(invoke("bash", param("description", "list files"), param("command", "ls -la"))),
@@ -192,7 +200,11 @@ CASES = {  # id: (text, thinking, tools_active)
         True,
         True,
     ),
-    "plain family": ("ok\n" + block(invoke("read", param("path", "a.c", syntax=PLAIN), syntax=PLAIN), syntax=PLAIN), False, True),
+    "plain family": (
+        "ok\n" + block(invoke("read", param("path", "a.c", syntax=PLAIN), syntax=PLAIN), syntax=PLAIN),
+        False,
+        True,
+    ),
     "loose nested parameters": (NESTED, False, True),
     "two calls": (
         block(invoke("read", param("path", "a.c")), invoke("bash", param("command", "wc -l a.c"))),
@@ -231,7 +243,11 @@ CASES = {  # id: (text, thinking, tools_active)
         True,
     ),
     "empty invoke": ("Done.\n\n" + block(invoke("noop")), False, True),
-    "'<' in text that is no marker": ("Compare a < b && c > d, <tool> and <DSML.\n\n" + block(invoke("t")), False, True),
+    "'<' in text that is no marker": (
+        "Compare a < b && c > d, <tool> and <DSML.\n\n" + block(invoke("t")),
+        False,
+        True,
+    ),
     "trailing whitespace without a block": ("Just text.  \n\t", False, True),
     "orphan end markers": (f"reasoning\n{PARAM_END}\n{INVOKE_END}\n{END}", False, True),
     "text after the block is dropped": (block(invoke("t", param("a", "b"))) + "\n\ntrailing text", False, True),
@@ -404,7 +420,8 @@ def test_parse_bad_json_value_degrades_arguments_to_empty_object():
 
 def test_parse_json_value_rules():
     def arguments(value: str) -> str:
-        return parse_message(block(invoke("a", param("v", value, "false"))), thinking=False, tools_active=False).tool_calls[0].arguments
+        text = block(invoke("a", param("v", value, "false")))
+        return parse_message(text, thinking=False, tools_active=False).tool_calls[0].arguments
 
     assert arguments("") == '{"v":null}'
     assert arguments("  ") == "{}"
@@ -412,7 +429,8 @@ def test_parse_json_value_rules():
     assert arguments(' {"a" : [ 1 ,2 ] } ') == '{"v":{"a":[1,2]}}'
     assert arguments('"line\nbreak"') == '{"v":"line\\nbreak"}'  # a raw newline in a JSON string is accepted
     assert arguments("[1,]") == arguments("01") == arguments("1.5.2") == arguments("NaN") == arguments("'x'") == "{}"
-    assert arguments("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH) == '{"v":' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}"
+    deepest = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert arguments(deepest) == '{"v":' + deepest + "}"
     assert arguments("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)) == "{}"
 
 
@@ -625,7 +643,10 @@ def test_tracker_incremental_feeding():
 
 def test_tracker_recognises_the_three_families():
     for syntax in SYNTAXES:
-        head = f'prose {syntax.tool_calls_start}\n{syntax.invoke_start} name="a">\n{syntax.param_start} name="k" string="true">v'
+        head = (
+            f'prose {syntax.tool_calls_start}\n{syntax.invoke_start} name="a">\n'
+            f'{syntax.param_start} name="k" string="true">v'
+        )
         assert tracker_state(head) is DecodeState.STRING_BODY, syntax
         assert tracker_state(head + syntax.param_end + syntax.invoke_end + syntax.tool_calls_end) is DecodeState.OUTSIDE
 
@@ -700,7 +721,7 @@ def test_canonical_dsml_round_trips(calls, reasoning, content, thinking, seed):
     assume(not content.startswith("<think>"))
     if thinking:
         assume("</think>" not in reasoning and not reasoning.startswith("<think>"))
-    specs = [ToolCallSpec(id=f"call_{i}", name=name, arguments=json.dumps(args)) for i, (name, args) in enumerate(calls)]
+    specs = [ToolCallSpec(f"call_{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
     dsml_block = canonical_tool_calls(specs)
     text = (reasoning + "</think>" if thinking else "") + content + dsml_block
     message = parse_message(text, thinking=thinking, tools_active=True)
@@ -730,8 +751,9 @@ def test_compact_json_matches_minified_dumps(value, indent):
 
 
 _FRAGMENTS = [
-    START, END, f'{INVOKE} name="a">', INVOKE_END, f'{PARAM} name="k" string="true">', f'{PARAM} name="j" string="false">',
-    f'{PARAM} name="n">', PARAM_END, "</think>", "<think>", "\n\n", " ", "&amp", ";", "<", "</", '"', "\\", "x", "{", "[1,",
+    START, END, f'{INVOKE} name="a">', INVOKE_END, f'{PARAM} name="k" string="true">',
+    f'{PARAM} name="j" string="false">', f'{PARAM} name="n">', PARAM_END, "</think>", "<think>",
+    "\n\n", " ", "&amp", ";", "<", "</", '"', "\\", "x", "{", "[1,",
     SHORT_DSML.tool_calls_start, PLAIN.tool_calls_end,
 ]
 
