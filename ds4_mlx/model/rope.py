@@ -26,23 +26,26 @@ class Yarn:
 
 
 def inverse_frequencies(n_rot: int, base: float, yarn: Yarn | None = None) -> np.ndarray:
-    """theta_k for k = 0..n_rot/2-1, float32, as DeepSeek and transformers compute them.
+    """theta_k for k = 0..n_rot/2-1 in float32, with the same float32 operations as transformers (bit-exact).
 
     With YaRN, pairs below `lo` keep the extrapolated frequency, pairs above `hi` are divided by the factor, and
     pairs in between blend linearly (for Flash: lo = 15, hi = 25).
     """
-    freqs = 1.0 / (np.float32(base) ** (np.arange(0, n_rot, 2, dtype=np.float32) / np.float32(n_rot)))
+    exponents = np.arange(0, n_rot, 2, dtype=np.float32) / np.float32(n_rot)
+    wavelength = (float(base) ** exponents.astype(np.float64)).astype(np.float32)  # a correctly rounded pow
+    freqs = np.float32(1) / wavelength
     if yarn is None:
-        return freqs.astype(np.float32)
+        return freqs
 
     def correction_dim(beta: float) -> float:
         return n_rot * math.log(yarn.original_context / (beta * 2 * math.pi)) / (2 * math.log(base))
 
     lo = max(math.floor(correction_dim(yarn.beta_fast)), 0)
     hi = min(math.ceil(correction_dim(yarn.beta_slow)), n_rot - 1)
-    ramp = np.clip((np.arange(n_rot // 2, dtype=np.float32) - lo) / max(hi - lo, 0.001), 0, 1)
-    keep = (1 - ramp).astype(np.float32)
-    return (freqs / np.float32(yarn.factor) * (1 - keep) + freqs * keep).astype(np.float32)
+    ramp = np.clip((np.arange(n_rot // 2, dtype=np.float32) - lo) / np.float32(max(hi - lo, 0.001)), 0, 1)
+    keep = np.float32(1) - ramp
+    interpolated = np.float32(1) / (np.float32(yarn.factor) * wavelength)
+    return (interpolated * (np.float32(1) - keep) + freqs * keep).astype(np.float32)
 
 
 class RoPE:
