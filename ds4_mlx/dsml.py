@@ -130,7 +130,7 @@ def parse_message(text: str, *, thinking: bool, tools_active: bool) -> ParsedMes
     if thinking:
         close = text.find(THINK_CLOSE)
         if close < 0:
-            return ParsedMessage(reasoning=_drop_think_open(text), content="")
+            return ParsedMessage(reasoning=_drop_think_open(text), content="", reasoning_closed=False)
         search_from = close + len(THINK_CLOSE)
     found = _find_block(text, search_from)
     if found is None:

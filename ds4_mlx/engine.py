@@ -248,7 +248,7 @@ class Engine:
 
 def _final_finish_reason(finish: str, message: ParsedMessage) -> str:
     """behavior.md §3.6: parsed tool calls make `tool_calls`; an unterminated tool block makes `error`."""
-    if message.error == "unterminated tool call":
+    if message.error == dsml.UNTERMINATED_TOOL_CALL:
         return "error"
     if message.tool_calls and finish in ("stop", "tool_calls"):
         return "tool_calls"

@@ -23,7 +23,9 @@ class ParsedMessage:
 
     `raw_dsml` is the exact sampled tool block (from its leading "\\n\\n" when present to the closing tag),
     kept so that a later request can replay it byte for byte. `error` names a parse problem that did not
-    stop the request (e.g. "invalid tool call", "unterminated tool call").
+    stop the request (e.g. "invalid tool call", "unterminated tool call"). `reasoning_closed` is False when a
+    thinking-mode message never wrote `</think>` (a non-streaming chat response then reports that text as
+    content, behavior.md §3.9).
     """
 
     reasoning: str
@@ -31,6 +33,7 @@ class ParsedMessage:
     tool_calls: tuple[ToolCall, ...] = ()
     raw_dsml: str = ""
     error: str = ""
+    reasoning_closed: bool = True
 
 
 @dataclass(frozen=True)

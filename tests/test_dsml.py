@@ -781,3 +781,9 @@ def test_arbitrary_dsml_soup_never_raises(pieces, thinking, tools_active, seed):
         assert (message.content, message.tool_calls) == (text, ())
     if got.tool_block_closed:
         assert tools_active and any(s.tool_calls_end in text for s in SYNTAXES)
+
+
+def test_final_parse_reports_whether_reasoning_was_closed():
+    assert parse_message("still thinking", thinking=True, tools_active=False).reasoning_closed is False
+    assert parse_message("done</think>answer", thinking=True, tools_active=False).reasoning_closed is True
+    assert parse_message("answer", thinking=False, tools_active=False).reasoning_closed is True
