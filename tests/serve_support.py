@@ -30,7 +30,8 @@ class ScriptedEngine:
     `reply(request) -> str` is the text the model "generates" (reasoning first when thinking); it is fed to
     the DSML stream parser `chunk` characters at a time, `delay` seconds apart, checking `cancel` between
     chunks like the engine does between tokens. `prefill_steps` PrefillProgress events come first. `gate`,
-    when set, must be opened before generation starts (to hold a request "running").
+    when set, must be opened before generation starts (to hold a request "running"). `fail` is raised
+    after `fail_after` chunks (0: before any event).
     """
 
     def __init__(self, ctx: int = 4096, reply: Callable[[GenerationRequest], str] | None = None) -> None:
@@ -43,6 +44,8 @@ class ScriptedEngine:
         self.delay = 0.0
         self.prefill_steps = 0
         self.gate: threading.Event | None = None
+        self.fail: Exception | None = None
+        self.fail_after = 0
         self.requests: list[GenerationRequest] = []
         self.cancelled = 0
         self.started = threading.Event()
@@ -56,6 +59,8 @@ class ScriptedEngine:
         self.started.set()
         if len(req.prompt) >= self.ctx:
             raise ContextOverflow(len(req.prompt), self.ctx)
+        if self.fail is not None and self.fail_after == 0:
+            raise self.fail
         cached = len(self.live) if req.prompt.startswith(self.live) else 0
         for i in range(self.prefill_steps):
             yield PrefillProgress(i + 1, self.prefill_steps)
@@ -65,6 +70,8 @@ class ScriptedEngine:
         parser = dsml.StreamParser(thinking=req.thinking, tools_active=req.tools_active)
         finish, sent = "stop", ""
         for pos in range(0, len(text), self.chunk):
+            if self.fail is not None and pos >= self.fail_after * self.chunk:
+                raise self.fail
             if cancel is not None and cancel():
                 self.cancelled += 1
                 finish = "error"

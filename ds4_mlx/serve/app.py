@@ -392,6 +392,7 @@ def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Star
             server.close()
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: server.not_found}, lifespan=lifespan)
+    app.router.redirect_slashes = False  # ds4 answers 404 for a trailing slash; a redirect would hide the typo
     app.state.server = server
     return HttpLayer(app, options.cors)
 
