@@ -7,6 +7,7 @@ events it yields are the ones the engine would yield for that text; only the mod
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -26,6 +27,8 @@ MODEL = "deepseek-v4-flash"
 
 class ScriptedEngine:
     """Engine stand-in: one "token" per character of the prompt, and a scripted reply text.
+
+    The "live session" is the last prompt plus its reply; the cached count is its common prefix with the next one.
 
     `reply(request) -> str` is the text the model "generates" (reasoning first when thinking); it is fed to
     the DSML stream parser `chunk` characters at a time, `delay` seconds apart, checking `cancel` between
@@ -61,7 +64,7 @@ class ScriptedEngine:
             raise ContextOverflow(len(req.prompt), self.ctx)
         if self.fail is not None and self.fail_after == 0:
             raise self.fail
-        cached = len(self.live) if req.prompt.startswith(self.live) else 0
+        cached = len(os.path.commonprefix([self.live, req.prompt]))
         for i in range(self.prefill_steps):
             yield PrefillProgress(i + 1, self.prefill_steps)
         if self.gate is not None:
