@@ -1,0 +1,425 @@
+"""`ds4-mlx chat`: ds4's interactive REPL (behavior.md §6) over one Engine, in the terminal with rich.
+
+The conversation is kept as ds4 keeps it, as a token transcript: BOS + [Think-Max prefix] + system text, then per
+turn `<｜User｜>` text `<｜Assistant｜>` + think opener + every generated token (reasoning included) + EOS. Each turn
+sends the whole transcript as token ids; because it extends what the engine's live session holds, the engine reuses
+that session and prefills only the new turn. The preamble is rebuilt from the current think mode, so switching Think
+Max on or off changes the tokens right after BOS and the next turn prefills everything again, as in ds4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from rich.console import Console
+
+from ..chat import THINK_MAX_MIN_CONTEXT, ThinkMode, effective_think_mode, render_cli_preamble, render_cli_turn
+from ..errors import Ds4Error, RequestError, ResourceError
+from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
+from ..progress import Progress
+from .options import (
+    add_model_options,
+    add_sampling_options,
+    encode_cli_prompt,
+    open_engine,
+    sampling_from_args,
+    think_mode_from_args,
+)
+from .tokens import read_prompt_file
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..sampling import SamplingParams
+    from ..tokenizer import Tokenizer
+
+PROMPT = "ds4-mlx> "
+HISTORY_FILE = Path("~/.ds4_mlx_history")
+HISTORY_LENGTH = 512
+GREY, RESET = "\x1b[90m", "\x1b[0m"  # ds4 shows reasoning in ANSI 90 on a terminal
+
+COMMANDS = (
+    ("/help", "this list"),
+    ("/think", "think before answering (the default)"),
+    ("/nothink", "answer without thinking"),
+    ("/think-max", f"Think Max (needs --ctx >= {THINK_MAX_MIN_CONTEXT}, else normal thinking)"),
+    ("/ctx N", "new context of N tokens; the conversation is kept and prefilled again"),
+    ("/read FILE", "send the file's contents as your next message"),
+    ("/quit, /exit", "leave (Ctrl+D too)"),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_options(p)
+    p.add_argument("-n", "--tokens", type=int, default=50000, help="most tokens per answer (default 50000)")
+    p.add_argument("-sys", "--system", default="You are a helpful assistant", help="system text ('' for none)")
+    add_sampling_options(p)
+
+
+@dataclass
+class Transcript:
+    """Everything the model has been told, as tokens: a preamble that follows the think mode, then the turns."""
+
+    system: str
+    turns: list[int] = field(default_factory=list)
+
+    def tokens(self, tokenizer: Tokenizer, think: ThinkMode, ctx: int) -> list[int]:
+        return encode_cli_prompt(tokenizer, render_cli_preamble(self.system, think=think, ctx=ctx)) + self.turns
+
+
+class Chat:
+    """The REPL's state and commands: one engine, one transcript, the think mode and the sampling settings.
+
+    `out` receives the answers (streamed as generated: no wrapping, no tab expansion; reasoning in grey when it is
+    a colour terminal) and the command replies; `err` the startup, warning, error and stats lines.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        system: str,
+        think: ThinkMode,
+        max_tokens: int,
+        sampling: SamplingParams,
+        out: Console,
+        err: Console,
+        quiet: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.transcript = Transcript(system)
+        self.think = think
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.out = out
+        self.err = err
+        self.progress = Progress(quiet=quiet)
+        self._grey = out.is_terminal and not out.no_color
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def loop(self, lines: Iterable[str]) -> None:
+        """Handles lines until /quit, /exit or the end of the input."""
+        for line in lines:
+            if not self.handle(line):
+                return
+
+    def handle(self, line: str) -> bool:
+        """One input line: a command, or a user message. Returns False when the user asks to leave."""
+        text = line.strip()
+        if not text:
+            return True
+        if not text.startswith("/"):
+            self.send(line)
+            return True
+        name, _, arg = text.partition(" ")
+        arg = arg.strip()
+        if text in ("/quit", "/exit"):
+            return False
+        if text == "/help":
+            self.print_help()
+        elif text == "/think":
+            self.think = ThinkMode.HIGH
+            self.out.print("Thinking mode: high.")
+        elif text == "/nothink":
+            self.think = ThinkMode.NONE
+            self.out.print("Thinking mode: none.")
+        elif text == "/think-max":
+            self.think = ThinkMode.MAX
+            self._think_max_reply()
+        elif name == "/ctx":
+            self._set_context(arg)
+        elif name == "/read":
+            self._read(arg)
+        else:
+            self.err.print(f"ds4-mlx: unknown command: {text}")
+            self.err.print("ds4-mlx: type /help for commands")
+        return True
+
+    def print_help(self) -> None:
+        width = max(len(command) for command, _ in COMMANDS)
+        lines = ["Type a message, or one of these commands (Ctrl+C stops an answer):"]
+        lines += [f"  {command:<{width}}  {what}" for command, what in COMMANDS]
+        self.out.print("\n".join(lines))
+
+    def error(self, message: str) -> None:
+        self.err.print(f"ds4-mlx: error: {message}")
+
+    def context_line(self) -> str:
+        """ds4's startup line: what the session state of this context costs, and how it is laid out."""
+        import mlx.core as mx
+
+        engine = self.engine
+        config = engine.model.config
+        return (
+            f"ds4-mlx: context buffers {engine.session.cache.nbytes / 2**20:.1f} MiB (ctx={engine.ctx}, "
+            f"backend={mx.default_device().type.name}, prefill_chunk={engine.session.chunk_size}, "
+            f"raw_kv_rows={config.sliding_window}, compressed_kv_rows={engine.ctx // 4 + 2})"
+        )
+
+    def warn_think_max(self) -> None:
+        """Says so when Think Max was asked for but the context is too small for it (ds4's warning)."""
+        if self.think is ThinkMode.MAX and effective_think_mode(self.think, self.engine.ctx) is not ThinkMode.MAX:
+            self.err.print(
+                f"ds4-mlx: warning: /think-max needs --ctx >= {THINK_MAX_MIN_CONTEXT}; "
+                f"ctx={self.engine.ctx} uses normal thinking instead"
+            )
+
+    def _think_max_reply(self) -> None:
+        if effective_think_mode(ThinkMode.MAX, self.engine.ctx) is ThinkMode.MAX:
+            self.out.print("Thinking mode: max.")
+        else:
+            self.out.print(f"Thinking mode: high (ctx below {THINK_MAX_MIN_CONTEXT}).")
+            self.warn_think_max()
+
+    def _read(self, arg: str) -> None:
+        """/read FILE: the file's text becomes the next user message."""
+        if not arg:
+            self.error("/read expects a file name")
+            return
+        try:
+            text = read_prompt_file(Path(arg).expanduser())
+        except RequestError as e:
+            self.error(str(e))
+            return
+        self.send(text)
+
+    def _set_context(self, arg: str) -> None:
+        """/ctx N: a new empty session of N tokens; the transcript stays, so the next turn prefills all of it."""
+        try:
+            ctx = int(arg)
+        except ValueError:
+            ctx = 0
+        if ctx <= 0:
+            self.error(f"/ctx expects a positive number of tokens, got {arg!r}")
+            return
+        try:
+            resize_context(self.engine, ctx)
+        except ResourceError as e:
+            self.error(str(e))
+            return
+        self.err.print(self.context_line())
+
+    # -- one turn ------------------------------------------------------------------------------------------------
+
+    def send(self, text: str) -> Done | None:
+        """Runs one user turn and streams the answer. Returns the engine's Done, or None if the turn failed.
+
+        The transcript gains the turn and every generated token + EOS. Ctrl+C stops decoding and keeps what was
+        generated; stopped before the first token, the turn is dropped and the session emptied (§6).
+        """
+        from ..engine import GenerationRequest
+
+        engine = self.engine
+        tokenizer = engine.tokenizer
+        turn = encode_cli_prompt(tokenizer, render_cli_turn(text, think=self.think))
+        request = GenerationRequest(
+            prompt=self.transcript.tokens(tokenizer, self.think, engine.ctx) + turn,
+            max_tokens=self.max_tokens,
+            sampling=self.sampling,
+            thinking=self.think.thinking,
+        )
+        printer = _AnswerPrinter(self.out.file, grey=self._grey)
+        try:
+            with stop_on_interrupt() as stopped, self.progress.bar("prefill") as bar:
+                done = None
+                for event in engine.generate(request, cancel=stopped):
+                    if isinstance(event, PrefillProgress):
+                        bar.update(event.done, event.total)
+                        continue
+                    bar.close()
+                    if isinstance(event, ReasoningDelta):
+                        printer.reasoning(event.text)
+                    elif isinstance(event, TextDelta):
+                        printer.text(event.text)
+                    elif isinstance(event, Done):
+                        done = event
+        except KeyboardInterrupt:  # a second Ctrl+C: stopped mid-step, so the session state is unknown
+            printer.end()
+            engine.session.reset()
+            self.err.print("ds4-mlx: interrupted; this turn is dropped")
+            return None
+        except Ds4Error as e:
+            printer.end()
+            self.error(str(e))
+            return None
+        printer.end()
+        assert done is not None
+        if done.token_ids or not stopped():
+            self.transcript.turns += turn + list(done.token_ids) + [tokenizer.eos_id]
+        else:
+            engine.session.reset()
+        self.err.print(stats_line(done), style="dim")
+        return done
+
+
+def stats_line(done: Done) -> str:
+    """After each answer: prompt size and how much of it the live session already held, then both speeds."""
+    u = done.usage
+    new = u.prompt_tokens - u.cached_tokens
+    prefill = new / done.prefill_seconds if done.prefill_seconds > 0 else 0.0
+    generation = u.completion_tokens / done.decode_seconds if done.decode_seconds > 0 else 0.0
+    finish = "cancelled" if done.error == "cancelled" else done.finish_reason
+    return (
+        f"ds4-mlx: prompt {u.prompt_tokens} tokens ({u.cached_tokens} reused), prefill {prefill:.1f} t/s, "
+        f"generation {u.completion_tokens} tokens at {generation:.1f} t/s, finish {finish}"
+    )
+
+
+def resize_context(engine: Engine, ctx: int) -> None:
+    """Replaces the engine's session with an empty one of `ctx` tokens, if the device has room for its state."""
+    import mlx.core as mx
+
+    from ..engine import device_memory_bytes
+    from ..model.cache import session_bytes
+    from ..session import Session
+
+    need = session_bytes(engine.model.config, ctx)
+    in_use = mx.get_active_memory() - engine.session.cache.nbytes
+    room = int(device_memory_bytes() * 0.9) - in_use
+    if need > room:
+        gib = 1024**3
+        raise ResourceError(
+            f"ctx {ctx} needs {need / gib:.1f} GiB of session state but only {max(room, 0) / gib:.1f} GiB is free "
+            f"next to the model; the context stays at {engine.ctx}"
+        )
+    engine.session = Session(engine.model, ctx)
+    engine.ctx = ctx
+
+
+class _AnswerPrinter:
+    """Writes the streamed answer exactly as generated; reasoning grey on a terminal, then a line break before
+    the answer proper when the reasoning did not end with one (ds4 hides the think tags)."""
+
+    def __init__(self, file: TextIO, grey: bool) -> None:
+        self.file = file
+        self.grey = grey
+        self.in_reasoning = False
+        self.last = "\n"
+
+    def reasoning(self, text: str) -> None:
+        if self.grey and not self.in_reasoning:
+            self.file.write(GREY)
+        self.in_reasoning = True
+        self._write(text)
+
+    def text(self, text: str) -> None:
+        self._close_reasoning()
+        self._write(text)
+
+    def end(self) -> None:
+        """Closes the answer so the next output starts on a fresh line."""
+        self._close_reasoning()
+        if self.last != "\n":
+            self._write("\n")
+
+    def _close_reasoning(self) -> None:
+        if not self.in_reasoning:
+            return
+        if self.grey:
+            self.file.write(RESET)
+        self.in_reasoning = False
+        if self.last != "\n":
+            self._write("\n")
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.file.write(text)
+            self.file.flush()
+            self.last = text[-1]
+
+
+@contextmanager
+def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
+    """While generating: the first Ctrl+C asks the engine to stop after the current token (its `cancel` hook);
+    a second one raises KeyboardInterrupt at once. Outside the main thread signals cannot be caught, and the
+    hook never fires."""
+    pressed = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield pressed.is_set
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if pressed.is_set():
+            raise KeyboardInterrupt
+        pressed.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield pressed.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def terminal_lines(prompt: str = PROMPT) -> Iterator[str]:
+    """Lines typed at the prompt. Ctrl+C clears the line rather than leaving; Ctrl+D leaves."""
+    while True:
+        try:
+            yield input(prompt)
+        except KeyboardInterrupt:
+            print()
+        except EOFError:
+            print()
+            return
+
+
+def piped_lines(stream: TextIO) -> Iterator[str]:
+    """Lines from a pipe or a file, without their line ends."""
+    for line in stream:
+        yield line.rstrip("\r\n")
+
+
+@contextmanager
+def readline_history(path: Path = HISTORY_FILE) -> Iterator[None]:
+    """Line editing and a persistent history through `readline`, when this Python has it."""
+    try:
+        import readline
+    except ImportError:
+        yield
+        return
+    path = path.expanduser()
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(HISTORY_LENGTH)
+    try:
+        yield
+    finally:
+        try:
+            readline.write_history_file(path)
+        except OSError:
+            pass
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tokens < 0:
+        raise Ds4Error(f"--tokens must be >= 0, got {args.tokens}")
+    sampling = sampling_from_args(args)
+    engine = open_engine(args)
+    chat = Chat(
+        engine,
+        system=args.system,
+        think=think_mode_from_args(args),
+        max_tokens=args.tokens,
+        sampling=sampling,
+        out=Console(soft_wrap=True, markup=False, highlight=False, emoji=False),
+        err=Console(stderr=True, soft_wrap=True, markup=False, highlight=False, emoji=False),
+        quiet=args.quiet,
+    )
+    chat.err.print(chat.context_line())
+    chat.warn_think_max()
+    chat.print_help()
+    if sys.stdin.isatty():
+        with readline_history():
+            chat.loop(terminal_lines())
+    else:
+        chat.loop(piped_lines(sys.stdin))
+    return 0
