@@ -35,7 +35,7 @@ def load_dense(weights: ModelWeights, name: str) -> mx.array:
 class Linear:
     """A stored weight matrix W (OUT, IN) applied as x @ W.T in float32."""
 
-    def __init__(self, weights: ModelWeights, name: str, resident_bytes: int = RESIDENT_BYTES):
+    def __init__(self, weights: ModelWeights, name: str, resident_bytes: int | None = None):
         info = weights.info(name)
         shape = _row_major_shape(weights, name)
         if len(shape) != 2:
@@ -44,7 +44,7 @@ class Linear:
         self.shape = shape
         self.ggml_type = info.ggml_type
         raw = mx.array(weights.tensor_bytes(name))
-        if shape[0] * shape[1] * 4 <= resident_bytes:
+        if shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes):
             self._dense: mx.array | None = dequantize(raw, info.ggml_type, shape)
             self._raw: mx.array | None = None
         else:

@@ -1,0 +1,190 @@
+"""The whole forward pass against transformers 5.23.0, and against itself across chunkings and the cache.
+
+The factory writes a tiny random DeepSeek V4 GGUF (6 layers, ratios [0, 0, 4, 128, 4, 128], window 16, indexer
+top-k 8); `export_reference` dequantizes the same file with gguf-py into a checkpoint `DeepseekV4ForCausalLM`
+loads. With the activation simulation off, our logits must equal transformers'. The sequence is long enough
+that ratio-4 layers have more compressed rows than the indexer keeps and ratio-128 rows exist.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV4ForCausalLM
+
+import mlx.core as mx
+from ds4_mlx.errors import RequestError
+from ds4_mlx.model import linear
+from ds4_mlx.model.cache import session_bytes
+from ds4_mlx.model.factory import export_reference, write_model
+from ds4_mlx.model.model import Model
+from ds4_mlx.model.weights import open_weights
+
+SEQ = 320  # 80 ratio-4 rows (indexer keeps 8), 2 ratio-128 rows, window 16
+CTX = 512
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Per expert kind: (GGUF path, transformers reference dir), built on first use."""
+    root = tmp_path_factory.mktemp("tiny")
+    built = {}
+
+    def get(experts: str):
+        if experts not in built:
+            gguf = write_model(root / f"tiny-{experts}.gguf", preset="tiny", experts=experts, seed=7)
+            built[experts] = (gguf, export_reference(gguf, root / f"ref-{experts}"))
+        return built[experts]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def weights(files):
+    return open_weights(files("q4")[0])
+
+
+@pytest.fixture(scope="module")
+def tokens(weights):
+    return np.random.default_rng(11).integers(0, weights.config.n_vocab, SEQ).astype(np.int32)
+
+
+def transformers_logits(ref_dir, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+    """Full-sequence logits from transformers, and the smallest gap between the indexer's k-th and (k+1)-th
+    score over every query with more candidate rows than k (the oracle's tie check)."""
+    model = DeepseekV4ForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    config = model.config
+    scores = []
+    hooks = [layer.self_attn.compressor.indexer.scorer.register_forward_hook(lambda m, i, out: scores.append(out))
+             for layer, kind in zip(model.model.layers, config.layer_types) if kind == "compressed_sparse_attention"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(tokens[None].astype(np.int64)), use_cache=False).logits[0].numpy()
+    for hook in hooks:
+        hook.remove()
+    k, gaps = config.index_topk, []
+    for s in scores:
+        for t in range(len(tokens)):
+            n = (t + 1) // 4
+            if n > k:
+                ranked = torch.sort(s[0, t, :n], descending=True).values
+                gaps.append(float(ranked[k - 1] - ranked[k]) / float(ranked.abs().max()))
+    assert len(scores) == 2 and len(gaps) == 2 * (len(tokens) - 4 * (k + 1) + 1)
+    return logits, min(gaps)
+
+
+def run_chunks(model: Model, tokens: np.ndarray, size: int) -> np.ndarray:
+    cache = model.new_cache(CTX)
+    out = []
+    for start in range(0, len(tokens), size):
+        logits = model(mx.array(tokens[start : start + size]), cache, all_logits=True)
+        mx.eval(logits)
+        out.append(np.array(logits))
+    assert cache.n_tokens == len(tokens)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("experts", ["q4", "q2", "mixed"])
+def test_logits_equal_transformers(files, experts):
+    gguf, ref_dir = files(experts)
+    weights = open_weights(gguf)
+    tokens = np.random.default_rng(11).integers(0, weights.config.n_vocab, SEQ).astype(np.int32)
+    want, min_gap = transformers_logits(ref_dir, tokens)
+    # no near-ties at the indexer's top-k boundary, so a mismatch can never be a tie artefact: the relative gap
+    # (8e-5 for these seeds) is well above the ~1e-6 relative difference between two float32 implementations
+    assert min_gap > 1e-5, f"indexer top-k boundary nearly tied (relative gap {min_gap:.2e}); change the seed"
+    model = Model(weights, simulate_quant=False)
+    got = np.array(model(mx.array(tokens), model.new_cache(CTX), all_logits=True))
+    assert np.isfinite(got).all()
+    # reached on CPU: 1.3e-6 to 1.7e-6 (float32 reassociation); the brief's bound is 1e-4
+    assert relative_error(got, want) <= 1e-4
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("simulate_quant", [False, True])
+def test_chunk_sizes_and_token_by_token_agree(weights, tokens, simulate_quant):
+    model = Model(weights, simulate_quant=simulate_quant)
+    seq = tokens[:150]  # crosses the first ratio-128 row (token 127); 37 ratio-4 rows > top-k 8
+    full = run_chunks(model, seq, len(seq))
+    for size in (1, 3, 4, 7, 64):
+        # float32 reassociation only (bit-identical on CPU)
+        assert relative_error(run_chunks(model, seq, size), full) <= 1e-5, size
+
+
+def test_simulation_changes_the_logits(weights, tokens):
+    exact = run_chunks(Model(weights, simulate_quant=False), tokens[:64], 64)
+    simulated = run_chunks(Model(weights, simulate_quant=True), tokens[:64], 64)
+    assert relative_error(simulated, exact) > 1e-3
+
+
+@pytest.mark.parametrize("simulate_quant", [False, True])
+def test_prefill_then_decode(weights, tokens, simulate_quant):
+    model = Model(weights, simulate_quant=simulate_quant)
+    full = run_chunks(model, tokens, len(tokens))
+    cache = model.new_cache(CTX)
+    seen = []
+    last = model.prefill(mx.array(tokens[:203]), cache, chunk_size=64, progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(64, 203), (128, 203), (192, 203), (203, 203)]
+    assert last.shape == (weights.config.n_vocab,)
+    assert relative_error(np.array(last), full[202]) <= 1e-5
+    for i in range(203, 230):
+        step = model(mx.array(tokens[i : i + 1]), cache)
+        assert relative_error(np.array(step), full[i]) <= 1e-5, i
+    assert cache.n_tokens == 230
+
+
+def test_snapshot_and_restore(weights, tokens):
+    model = Model(weights)
+    cache = model.new_cache(CTX)
+    model.prefill(mx.array(tokens[:130]), cache, chunk_size=50)
+    snap = cache.snapshot()
+    straight = np.array(model(mx.array(tokens[130:170]), cache, all_logits=True))
+    detour = model(mx.array(tokens[200:260][::-1].copy()), cache, all_logits=True)  # a different continuation
+    mx.eval(detour)
+    assert cache.n_tokens == 230
+    cache.restore(snap)
+    assert cache.n_tokens == 130
+    again = np.array(model(mx.array(tokens[130:170]), cache, all_logits=True))
+    np.testing.assert_array_equal(again, straight)
+    cache.restore(snap)  # a snapshot stays valid after being restored and continued from
+    np.testing.assert_array_equal(np.array(model(mx.array(tokens[130:170]), cache, all_logits=True)), straight)
+
+
+def test_raw_weights_dequantized_per_call_give_the_same_logits(weights, tokens, monkeypatch):
+    model = Model(weights, simulate_quant=False)
+    resident = np.array(model(mx.array(tokens[:40]), model.new_cache(64), all_logits=True))
+    monkeypatch.setattr(linear, "RESIDENT_BYTES", 0)  # every matrix stays raw GGUF blocks
+    model = Model(weights, simulate_quant=False)
+    assert model.output._dense is None and model.blocks[0].attention.q_b._dense is None
+    streamed = np.array(model(mx.array(tokens[:40]), model.new_cache(64), all_logits=True))
+    assert relative_error(streamed, resident) <= 1e-6
+
+
+def test_cache_size_is_fixed_and_predicted(weights, tokens):
+    model = Model(weights)
+    cache = model.new_cache(CTX)
+    before = cache.nbytes
+    assert before == session_bytes(weights.config, CTX)
+    model.prefill(mx.array(tokens[:40]), cache)
+    assert cache.nbytes == before
+    assert [cache.n_rows(layer) for layer in range(6)] == [0, 0, 10, 0, 10, 0]
+
+
+def test_bad_tokens_are_request_errors(weights):
+    model = Model(weights)
+    cache = model.new_cache(8)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        model(mx.array([1, weights.config.n_vocab], dtype=mx.int32), cache)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        model(mx.array([-1], dtype=mx.int32), cache)
+    with pytest.raises(RequestError, match="1-D"):
+        model(mx.array([[1, 2]], dtype=mx.int32), cache)
+    with pytest.raises(RequestError, match="1-D"):
+        model(mx.array([], dtype=mx.int32), cache)
+    with pytest.raises(RequestError, match="do not fit"):
+        model.prefill(mx.array(list(range(9)), dtype=mx.int32), cache)
+    assert cache.n_tokens == 0
