@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from ds4_mlx.errors import LayoutError, RequestError
+from ds4_mlx.model.factory import build_vocab
 from ds4_mlx.tokenizer import (
     BYTE_TO_CHAR,
     MERGES_KEY,
@@ -375,6 +376,20 @@ def test_tiny_vocab_encodes_and_decodes():
     assert [tok.token_text(i) for i in ids] == ["a", "ĠĠĠĠ", "Ġ", "b", "<think>"]
     assert tok.decode(ids) == "a     b<think>"
     assert tok.think_id == tokens.index("<think>")
+
+
+def test_factory_small_vocab_round_trips_and_shares_real_ids(tok):
+    """The factory's 512-id vocab (the real first 506 ids + specials): same tokens, coarser splits, exact text."""
+    small_vocab = build_vocab("small")
+    small = Tokenizer.from_gguf({TOKENS_KEY: list(small_vocab.tokens), MERGES_KEY: list(small_vocab.merges)})
+    assert (small.bos_id, small.eos_id, small.user_id, small.dsml_id) == (0, 1, 506, 510)
+    for text in CORPUS:
+        ids = small.encode(text)
+        assert small.decode(ids) == text
+        assert "".join(_stream(small, ids)) == text
+        shared = [i for i in ids if i < 506]
+        assert [small.token_text(i) for i in shared] == [tok.token_text(i) for i in shared]
+    assert small.encode(" the") == tok.encode(" the") == [270]
 
 
 def test_vocab_string_outside_the_byte_alphabet_decodes_as_its_text():

