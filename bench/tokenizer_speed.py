@@ -72,7 +72,8 @@ def main() -> None:
     stream_s = best_of(args.runs, stream)
     print(f"tokenizer build: {load_s * 1e3:.0f} ms ({tok.vocab_size} tokens)")
     print(f"prompt: {size_kb:.1f} KB -> {len(ids)} tokens")
-    print(f"encode: {encode_s * 1e3:.1f} ms ({size_kb / 1000 / encode_s:.2f} MB/s, {len(ids) / encode_s:,.0f} tokens/s)")
+    mb_s = size_kb / 1000 / encode_s
+    print(f"encode: {encode_s * 1e3:.1f} ms ({mb_s:.2f} MB/s, {len(ids) / encode_s:,.0f} tokens/s)")
     print(f"decode: {decode_s * 1e3:.1f} ms ({len(ids) / decode_s:,.0f} tokens/s)")
     print(f"stream decode: {stream_s * 1e3:.1f} ms ({stream_s / len(ids) * 1e6:.2f} us/token)")
 

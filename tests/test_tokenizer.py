@@ -90,7 +90,8 @@ CORPUS = [
     "3.14159 2,718 1e10 0x1F 0b1010 -42 +7 1_000_000 v1.2.3 2026-05-21 12:34:56",
     "٠١٢٣٤٥٦٧٨٩ ০১২৩ ०१२३ ①②③ ¹²³ ½ ¾ Ⅻ 〇 𝟘𝟙𝟚",
     # Specials inside text (the seven)
-    "<｜begin▁of▁sentence｜>You are a helpful assistant<｜User｜>Hi!<｜Assistant｜><think>Hmm.</think>Hello.<｜end▁of▁sentence｜>",
+    "<｜begin▁of▁sentence｜>You are a helpful assistant<｜User｜>Hi!<｜Assistant｜><think>Hmm.</think>Hello."
+    "<｜end▁of▁sentence｜>",
     "<｜User｜><｜User｜><｜Assistant｜><think></think></think><think>",
     "abc<think>def</think>ghi",
     "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
