@@ -106,8 +106,9 @@ class Live:
 
 @contextlib.contextmanager
 def live_server(engine, options: ServerOptions = ServerOptions(), max_queue: int = 64) -> Iterator[Live]:
-    """Serve `engine` on 127.0.0.1 (a free port) from a background thread."""
-    worker = Worker(lambda: engine, max_queue)
+    """Serve `engine` (or the engine a zero-argument loader returns, loaded on the worker thread) on
+    127.0.0.1 at a free port, from a background thread."""
+    worker = Worker(engine if callable(engine) else lambda: engine, max_queue)
     worker.start()
     app = create_app(worker, options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
