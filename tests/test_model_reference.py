@@ -15,7 +15,7 @@ from transformers import DeepseekV4ForCausalLM
 
 import mlx.core as mx
 from ds4_mlx.errors import RequestError
-from ds4_mlx.model import linear
+from ds4_mlx.model import attention, linear
 from ds4_mlx.model.cache import session_bytes
 from ds4_mlx.model.factory import export_reference, write_model
 from ds4_mlx.model.model import Model
@@ -158,10 +158,19 @@ def test_raw_weights_dequantized_per_call_give_the_same_logits(weights, tokens, 
     model = Model(weights, simulate_quant=False)
     resident = np.array(model(mx.array(tokens[:40]), model.new_cache(64), all_logits=True))
     monkeypatch.setattr(linear, "RESIDENT_BYTES", 0)  # every matrix stays raw GGUF blocks
-    model = Model(weights, simulate_quant=False)
-    assert model.output._dense is None and model.blocks[0].attention.q_b._dense is None
-    streamed = np.array(model(mx.array(tokens[:40]), model.new_cache(64), all_logits=True))
+    raw = Model(weights, simulate_quant=False)
+    assert raw.output._dense is None and raw.blocks[0].attention.q_b._dense is None
+    streamed = np.array(raw(mx.array(tokens[:40]), raw.new_cache(64), all_logits=True))
     assert relative_error(streamed, resident) <= 1e-6
+    # raw blocks hold every tensor once (small vectors as float32); dequantized matrices take more
+    assert weights.nbytes <= raw.nbytes < model.nbytes
+
+
+def test_query_blocks_shrink_for_indexer_scores(weights, tokens, monkeypatch):
+    model = Model(weights)
+    want = run_chunks(model, tokens[:150], 150)
+    monkeypatch.setattr(attention, "INDEXER_SCORE_BYTES", 1)  # one query per block once the indexer is active
+    assert relative_error(run_chunks(model, tokens[:150], 150), want) <= 1e-5
 
 
 def test_cache_size_is_fixed_and_predicted(weights, tokens):

@@ -31,6 +31,8 @@ from ds4_mlx.model.rope import RoPE
 from ds4_mlx.model.topk import mask_to_indices, top_k_mask
 
 QUERY_BLOCK = 128
+INDEXER_SCORE_BYTES = 256 << 20
+"""Queries per block shrink so that the indexer's (queries, heads, rows) scores stay below this."""
 
 
 @dataclass
@@ -100,55 +102,54 @@ class Attention:
         kv = self.rope(rms_norm(self.kv(x), self.kv_norm, self.eps), positions)
         if self.simulate_quant:
             kv = round_to_f16(simulate_kv_fp8(kv, self.n_rot))
-
         n_prev = min(n_past, self.window - 1)
-        raw_keys = mx.concatenate([state.raw[self.window - n_prev :], kv])  # positions n_past - n_prev ..
+        raw = _RawKeys(mx.concatenate([state.raw[self.window - n_prev :], kv]), n_past - n_prev, n_past, self.window)
         state = replace(state, raw=mx.concatenate([state.raw, kv])[-self.window :])
 
-        comp_keys = index_queries = None
+        comp_rows = index_rows = index_queries = None
+        n_rows = (n_past + t) // self.ratio if self.ratio else 0
         if self.compressor is not None:
             rows, frontier = self.compressor(x, n_past, state.comp_frontier)
             comp = _append_rows(state.comp, n_past // self.ratio, rows)
             state = replace(state, comp=comp, comp_frontier=frontier)
-            comp_keys = comp[: (n_past + t) // self.ratio]
+            comp_rows = comp[:n_rows]
         if self.indexer is not None:
             rows, frontier = self.indexer.compressor(x, n_past, state.index_frontier)
             index = _append_rows(state.index, n_past // self.ratio, rows)
             state = replace(state, index=index, index_frontier=frontier)
-            index_rows = index[: (n_past + t) // self.ratio]
-            if (n_past + t) // self.ratio > self.indexer.top_k:
+            index_rows = index[:n_rows]
+            if n_rows > self.indexer.top_k:
                 index_queries = self.indexer.queries(q_latent, x, positions)
 
-        blocks = []
-        for start in range(0, t, QUERY_BLOCK):
-            stop = min(start + QUERY_BLOCK, t)
-            block_pos = positions[start:stop]
-            keys, masks = [], []
-            # raw window: key j sits at position n_past - n_prev + j
-            first = max(0, start - self.window + 1 + n_prev)
-            raw = raw_keys[first : stop + n_prev]
-            raw_pos = mx.arange(n_past - n_prev + first, n_past + stop, dtype=mx.int32)
-            keys.append(raw)
-            masks.append((raw_pos[None, :] <= block_pos[:, None]) & (raw_pos[None, :] > block_pos[:, None] - self.window))
-            if comp_keys is not None and comp_keys.shape[0]:
-                visible = mx.arange(comp_keys.shape[0])[None, :] < ((block_pos + 1) // self.ratio)[:, None]
+        block = QUERY_BLOCK
+        if index_queries is not None:
+            block = max(1, min(QUERY_BLOCK, INDEXER_SCORE_BYTES // (4 * self.indexer.n_head * n_rows)))
+        out = []
+        for start in range(0, t, block):
+            stop = min(start + block, t)
+            keys, masks = raw.for_queries(positions[start:stop], start, stop)
+            if n_rows:
+                visible = mx.arange(n_rows)[None, :] < ((positions[start:stop] + 1) // self.ratio)[:, None]
                 if index_queries is not None and (n_past + stop) // self.ratio > self.indexer.top_k:
                     iq, iw = index_queries
                     chosen = self.indexer.select(iq[start:stop], iw[start:stop], index_rows, visible)
                     picked = mask_to_indices(chosen, self.indexer.top_k)
-                    keys.append(comp_keys[picked])  # (B, top_k, head_dim)
+                    keys.append(comp_rows[picked])  # (B, top_k, head_dim): each query's own rows
                     masks.append(mx.take_along_axis(chosen, picked, axis=-1))
                 else:
-                    keys.append(comp_keys)
+                    keys.append(comp_rows)
                     masks.append(visible)
-            blocks.append(self._attend(q[start:stop], keys, masks))
-        out = mx.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+            out.append(self._attend(q[start:stop], keys, masks))
+        out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
+        return self._project_out(out), state
 
-        out = self.rope(out, positions, inverse=True)
+    def _project_out(self, heads: mx.array) -> mx.array:
+        """Grouped low-rank output: group g's heads (concatenated) -> o_lora_rank, then all groups -> n_embd."""
+        t = heads.shape[0]
         group_in = self.n_head * self.head_dim // self.o_groups
         w_a = self.out_a.weight.reshape(self.o_groups, -1, group_in)
-        low = mx.einsum("tgi,goi->tgo", out.reshape(t, self.o_groups, group_in), w_a)
-        return self.out_b(low.reshape(t, -1)), state
+        low = mx.einsum("tgi,goi->tgo", heads.reshape(t, self.o_groups, group_in), w_a)
+        return self.out_b(low.reshape(t, -1))
 
     def _attend(self, q: mx.array, keys: list[mx.array], masks: list[mx.array]) -> mx.array:
         """Softmax attention with sinks over several key sets (each (N, d) shared or (B, N, d) per query)."""
@@ -163,6 +164,24 @@ class Attention:
         denom = mx.exp(sinks - top) + sum(mx.sum(p, axis=-1, keepdims=True) for p in probs)
         out = sum(p @ k for p, k in zip(probs, keys))
         return out / denom
+
+
+@dataclass
+class _RawKeys:
+    """The raw KV rows a chunk can see: up to window-1 rows before the chunk, then the chunk's own rows."""
+
+    rows: mx.array  # row j holds position first_position + j
+    first_position: int
+    n_past: int  # position of the chunk's first token
+    window: int
+
+    def for_queries(self, positions: mx.array, start: int, stop: int) -> tuple[list[mx.array], list[mx.array]]:
+        """Rows of the window of chunk queries start..stop-1 and their mask (p - window < key position <= p)."""
+        lo = max(0, self.n_past + start - self.window + 1 - self.first_position)
+        hi = self.n_past + stop - self.first_position
+        key_pos = mx.arange(self.first_position + lo, self.first_position + hi, dtype=mx.int32)[None, :]
+        p = positions[:, None]
+        return [self.rows[lo:hi]], [(key_pos <= p) & (key_pos > p - self.window)]
 
 
 def _append_rows(buffer: mx.array, n_rows: int, rows: mx.array) -> mx.array:

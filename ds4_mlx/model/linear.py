@@ -26,12 +26,6 @@ def _row_major_shape(weights: ModelWeights, name: str) -> tuple[int, ...]:
     return tuple(reversed(weights.info(name).shape))
 
 
-def load_dense(weights: ModelWeights, name: str) -> mx.array:
-    """A whole tensor as float32 (int32 for I32 tables), in row-major (torch) order."""
-    info = weights.info(name)
-    return dequantize(mx.array(weights.tensor_bytes(name)), info.ggml_type, _row_major_shape(weights, name))
-
-
 class Linear:
     """A stored weight matrix W (OUT, IN) applied as x @ W.T in float32."""
 
@@ -57,6 +51,11 @@ class Linear:
         if self._dense is not None:
             return self._dense
         return dequantize(self._raw, self.ggml_type, self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory: the float32 matrix, or the raw blocks."""
+        return (self._dense if self._dense is not None else self._raw).nbytes
 
     def rows(self, index: mx.array) -> mx.array:
         """Selected rows of W as float32 (index (N,) -> (N, IN)); dequantizes only those rows."""
@@ -84,6 +83,10 @@ class ExpertBank:
     @property
     def n_expert(self) -> int:
         return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self._raw.nbytes
 
     def experts(self, ids: mx.array) -> mx.array:
         """Float32 weights of the experts `ids` (K,) -> (K, OUT, IN)."""

@@ -24,7 +24,7 @@ from ds4_mlx.model.cache import LayerState, SessionCache
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead
-from ds4_mlx.model.linear import ExpertBank, Linear, load_dense
+from ds4_mlx.model.linear import ExpertBank, Linear
 from ds4_mlx.model.moe import MoE, RoutedExperts, Router, SharedExpert
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import simulate_indexer_fp4, simulate_kv_fp8
@@ -57,6 +57,32 @@ class Block:
         return HyperConnection.post(out, streams, post, comb), state
 
 
+class _Loader:
+    """Reads the model's tensors through the weight-access layer and counts the bytes they keep in memory."""
+
+    def __init__(self, weights: ModelWeights):
+        self.weights = weights
+        self.nbytes = 0
+
+    def has(self, name: str) -> bool:
+        return self.weights.has(name)
+
+    def dense(self, name: str) -> mx.array:
+        array = self.weights.array(name)  # norms, biases, HC and compressor vectors, tid2eid: small
+        self.nbytes += array.nbytes
+        return array
+
+    def linear(self, name: str) -> Linear:
+        matrix = Linear(self.weights, name)
+        self.nbytes += matrix.nbytes
+        return matrix
+
+    def experts(self, name: str) -> ExpertBank:
+        bank = ExpertBank(self.weights, name)
+        self.nbytes += bank.nbytes
+        return bank
+
+
 class Model:
     """DeepSeek V4 Flash over the tensors of a validated GGUF file."""
 
@@ -70,84 +96,79 @@ class Model:
             c.compress_rope_freq_base,
             Yarn(c.rope_scaling_factor, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow),
         )
-        self.embedding = Linear(weights, "token_embd.weight")
-        self.blocks = [self._block(weights, layer) for layer in range(c.n_layer)]
+        load = _Loader(weights)
+        self.embedding = load.linear("token_embd.weight")
+        self.blocks = [self._block(load, layer) for layer in range(c.n_layer)]
         self.head_hc = HyperHead(
-            fn=load_dense(weights, "output_hc_fn.weight"),
-            scale=load_dense(weights, "output_hc_scale.weight"),
-            base=load_dense(weights, "output_hc_base.weight"),
+            fn=load.dense("output_hc_fn.weight"),
+            scale=load.dense("output_hc_scale.weight"),
+            base=load.dense("output_hc_base.weight"),
             hc_eps=c.hc_eps,
             norm_eps=c.rms_eps,
         )
-        self.output_norm = load_dense(weights, "output_norm.weight")
-        self.output = Linear(weights, "output.weight")
+        self.output_norm = load.dense("output_norm.weight")
+        self.output = load.linear("output.weight")
+        self.nbytes = load.nbytes
+        """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
 
-    def _block(self, weights: ModelWeights, layer: int) -> Block:
+    def _block(self, load: _Loader, layer: int) -> Block:
         c = self.config
         p = f"blk.{layer}."
 
-        def dense(name: str) -> mx.array:
-            return load_dense(weights, p + name)
-
         def hc(kind: str) -> HyperConnection:
             return HyperConnection(
-                fn=dense(f"hc_{kind}_fn.weight"), scale=dense(f"hc_{kind}_scale.weight"),
-                base=dense(f"hc_{kind}_base.weight"), n_hc=c.n_hc, sinkhorn_iters=c.sinkhorn_iters,
+                fn=load.dense(f"{p}hc_{kind}_fn.weight"), scale=load.dense(f"{p}hc_{kind}_scale.weight"),
+                base=load.dense(f"{p}hc_{kind}_base.weight"), n_hc=c.n_hc, sinkhorn_iters=c.sinkhorn_iters,
                 hc_eps=c.hc_eps, norm_eps=c.rms_eps,
+            )
+
+        def compressor(kind: str, width: int, finish: Callable[[mx.array], mx.array]) -> Compressor:
+            name = f"{p}{kind}_compressor_"
+            return Compressor(
+                kv=load.linear(name + "kv.weight"), gate=load.linear(name + "gate.weight"),
+                ape=load.dense(name + "ape.weight"), norm=load.dense(name + "norm.weight"),
+                ratio=ratio, width=width, rope=rope, finish=finish, eps=c.rms_eps,
             )
 
         ratio = c.compress_ratio(layer)
         rope = self.compressed_rope if ratio else self.main_rope
-        compressor = indexer = None
-        if ratio:
-            compressor = Compressor(
-                kv=Linear(weights, p + "attn_compressor_kv.weight"),
-                gate=Linear(weights, p + "attn_compressor_gate.weight"),
-                ape=dense("attn_compressor_ape.weight"), norm=dense("attn_compressor_norm.weight"),
-                ratio=ratio, width=c.head_dim, rope=rope, finish=self._finish_kv_row, eps=c.rms_eps,
-            )
+        indexer = None
         if ratio == 4:
             indexer = Indexer(
-                q_b=Linear(weights, p + "indexer.attn_q_b.weight"),
-                proj=Linear(weights, p + "indexer.proj.weight"),
-                compressor=Compressor(
-                    kv=Linear(weights, p + "indexer_compressor_kv.weight"),
-                    gate=Linear(weights, p + "indexer_compressor_gate.weight"),
-                    ape=dense("indexer_compressor_ape.weight"), norm=dense("indexer_compressor_norm.weight"),
-                    ratio=ratio, width=c.indexer_head_dim, rope=rope, finish=self._finish_index_row,
-                    eps=c.rms_eps,
-                ),
+                q_b=load.linear(p + "indexer.attn_q_b.weight"), proj=load.linear(p + "indexer.proj.weight"),
+                compressor=compressor("indexer", c.indexer_head_dim, self._finish_index_row),
                 n_head=c.indexer_n_head, head_dim=c.indexer_head_dim, top_k=c.indexer_top_k, rope=rope,
                 simulate_quant=self.simulate_quant,
             )
         attention = Attention(
-            q_a=Linear(weights, p + "attn_q_a.weight"), q_a_norm=dense("attn_q_a_norm.weight"),
-            q_b=Linear(weights, p + "attn_q_b.weight"), kv=Linear(weights, p + "attn_kv.weight"),
-            kv_norm=dense("attn_kv_a_norm.weight"), sinks=dense("attn_sinks.weight"),
-            out_a=Linear(weights, p + "attn_output_a.weight"), out_b=Linear(weights, p + "attn_output_b.weight"),
+            q_a=load.linear(p + "attn_q_a.weight"), q_a_norm=load.dense(p + "attn_q_a_norm.weight"),
+            q_b=load.linear(p + "attn_q_b.weight"), kv=load.linear(p + "attn_kv.weight"),
+            kv_norm=load.dense(p + "attn_kv_a_norm.weight"), sinks=load.dense(p + "attn_sinks.weight"),
+            out_a=load.linear(p + "attn_output_a.weight"), out_b=load.linear(p + "attn_output_b.weight"),
             n_head=c.n_head, head_dim=c.head_dim, n_rot=c.n_rot, window=c.sliding_window, o_groups=c.o_groups,
-            rope=rope, compressor=compressor, indexer=indexer, simulate_quant=self.simulate_quant, eps=c.rms_eps,
+            rope=rope, compressor=compressor("attn", c.head_dim, self._finish_kv_row) if ratio else None,
+            indexer=indexer, simulate_quant=self.simulate_quant, eps=c.rms_eps,
         )
         clamp = c.swiglu_clamp[layer]
         router = Router(
-            gate=Linear(weights, p + "ffn_gate_inp.weight"),
-            bias=dense("exp_probs_b.bias") if weights.has(p + "exp_probs_b.bias") else None,
-            tid2eid=dense("ffn_gate_tid2eid.weight") if c.is_hash_layer(layer) else None,
+            gate=load.linear(p + "ffn_gate_inp.weight"),
+            bias=load.dense(p + "exp_probs_b.bias") if load.has(p + "exp_probs_b.bias") else None,
+            tid2eid=load.dense(p + "ffn_gate_tid2eid.weight") if c.is_hash_layer(layer) else None,
             n_used=c.n_expert_used, scale=c.expert_weights_scale,
         )
         moe = MoE(
             router=router,
             experts=RoutedExperts(
-                gate=ExpertBank(weights, p + "ffn_gate_exps.weight"), up=ExpertBank(weights, p + "ffn_up_exps.weight"),
-                down=ExpertBank(weights, p + "ffn_down_exps.weight"), clamp=clamp,
+                gate=load.experts(p + "ffn_gate_exps.weight"), up=load.experts(p + "ffn_up_exps.weight"),
+                down=load.experts(p + "ffn_down_exps.weight"), clamp=clamp,
             ),
             shared=SharedExpert(
-                gate=Linear(weights, p + "ffn_gate_shexp.weight"), up=Linear(weights, p + "ffn_up_shexp.weight"),
-                down=Linear(weights, p + "ffn_down_shexp.weight"), clamp=clamp,
+                gate=load.linear(p + "ffn_gate_shexp.weight"), up=load.linear(p + "ffn_up_shexp.weight"),
+                down=load.linear(p + "ffn_down_shexp.weight"), clamp=clamp,
             ),
         )
-        return Block(hc("attn"), dense("attn_norm.weight"), attention, hc("ffn"), dense("ffn_norm.weight"), moe,
-                     eps=c.rms_eps)
+        return Block(hc("attn"), load.dense(p + "attn_norm.weight"), attention, hc("ffn"),
+                     load.dense(p + "ffn_norm.weight"), moe, eps=c.rms_eps)
 
     def _finish_kv_row(self, rows: mx.array) -> mx.array:
         return simulate_kv_fp8(rows, self.config.n_rot) if self.simulate_quant else rows

@@ -65,7 +65,7 @@ def _block_roundtrip(
 
 
 def fp8_e4m3_roundtrip(x: mx.array, block: int = FP8_BLOCK) -> mx.array:
-    """FP8 E4M3FN round trip in blocks of `block` along the last axis (amax floor 1e-4, scale 2^ceil(log2(amax/448)))."""
+    """FP8 E4M3FN round trip in blocks along the last axis (amax floor 1e-4, scale 2^ceil(log2(amax/448)))."""
     return _block_roundtrip(x, block, FP8_AMAX_FLOOR, FP8_E4M3_MAX, mantissa_bits=3, min_exponent=-6)
 
 
