@@ -78,13 +78,18 @@ def test_openai_greedy_equals_the_engine(oai, direct):
 
 def test_thinking_with_a_seed_equals_the_engine(oai, direct):
     """In thinking mode the client's temperature is ignored (default sampling), but the seed is kept."""
-    r = oai.chat.completions.create(model="deepseek-reasoner", messages=[{"role": "user", "content": "Why?"}],
-                                    max_tokens=5, seed=1234, temperature=0)
+    request = {"model": "deepseek-reasoner", "messages": [{"role": "user", "content": "Why?"}], "max_tokens": 5,
+               "seed": 1234, "temperature": 0}
     done = run_direct(direct, [Message("user", "Why?")], ThinkMode.HIGH, SamplingParams(seed=1234), 5)
-    message = r.choices[0].message
-    assert (getattr(message, "reasoning_content", None) or "", message.content) == (
-        done.message.reasoning, done.message.content)
-    assert done.message.reasoning or done.message.content
+    chunks = list(oai.chat.completions.create(**request, stream=True))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert (reasoning, content) == (done.message.reasoning, done.message.content)
+    message = oai.chat.completions.create(**request).choices[0].message
+    if done.message.reasoning_closed:
+        assert (message.reasoning_content, message.content) == (done.message.reasoning, done.message.content)
+    else:  # cut inside <think>: a non-streaming answer reports it as content (behavior.md §3.9)
+        assert message.content == done.message.reasoning and getattr(message, "reasoning_content", None) is None
 
 
 def test_anthropic_equals_the_engine(claude, direct):

@@ -365,6 +365,16 @@ def test_chat_completion_without_reasoning_or_tools_omits_them():
     assert message == {"role": "assistant", "content": ""}
 
 
+def test_unclosed_reasoning_is_content_in_a_non_streaming_chat_answer():
+    """behavior.md §3.9 quirk: output cut inside <think> is reported as content (streaming keeps it reasoning)."""
+    done = Done("length", ParsedMessage("still thinking", "", reasoning_closed=False), Usage(5, 0, 3))
+    message = openai.chat_completion("c", 1, MODEL, done, CallIds("call_"))["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "still thinking"}
+    stream = openai.ChatStream("c", 1, MODEL, CallIds("call_"), False)
+    assert json.loads(stream.event(ReasoningDelta("still"))[0][6:])["choices"][0]["delta"] == {
+        "reasoning_content": "still"}
+
+
 def test_chat_stream_frames_are_the_captured_sequence():
     stream = openai.ChatStream("chatcmpl-7", 1795954088, MODEL, ids("call_", "call_" + "a" * 32), True)
     frames = stream.start() + [f for e in EVENTS for f in stream.event(e)] + stream.done(DONE)

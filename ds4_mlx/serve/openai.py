@@ -173,10 +173,16 @@ def _tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
 
 
 def chat_completion(response_id: str, created: int, model: str, done: Done, ids: CallIds) -> dict[str, Any]:
-    """The non-streaming `chat.completion` object."""
+    """The non-streaming `chat.completion` object.
+
+    As in ds4 (behavior.md §3.9), reasoning that never reached `</think>` (e.g. cut by max_tokens) is reported
+    as `content`, so that a client that ignores `reasoning_content` still sees what was generated.
+    """
     message = done.message
     reply: dict[str, Any] = {"role": "assistant", "content": message.content}
-    if message.reasoning:
+    if not message.reasoning_closed:
+        reply["content"] = message.reasoning + message.content
+    elif message.reasoning:
         reply["reasoning_content"] = message.reasoning
     if message.tool_calls:
         reply["tool_calls"] = [
