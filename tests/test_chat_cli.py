@@ -1,0 +1,302 @@
+"""`ds4-mlx chat`: the token transcript, prefix reuse between turns, the REPL commands and Ctrl+C (behavior.md §6).
+
+The model is the tiny preset with the real V4 vocabulary: its text is meaningless, but its tokens, the transcript
+and the engine's reuse of the live session are exactly what the real model gets. Answers are capped at a few
+tokens and sampled greedily so the tests stay fast and deterministic.
+"""
+
+from __future__ import annotations
+
+import io
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from ds4_mlx.chat import ASSISTANT, EOS, THINK_MAX_PREFIX, ThinkMode
+from ds4_mlx.commands.chat import Chat, Transcript, _AnswerPrinter, piped_lines, resize_context
+from ds4_mlx.engine import Engine
+from ds4_mlx.events import ReasoningDelta, TextDelta
+from ds4_mlx.model.factory import write_model
+from ds4_mlx.sampling import SamplingParams
+
+SYSTEM = "You are a helpful assistant"
+CTX = 1024
+MAX_TOKENS = 3
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("chat") / "tiny.gguf", preset="tiny", vocab="real")
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return Engine.load(model_path, CTX)
+
+
+@pytest.fixture
+def chat(engine):
+    """A fresh REPL over the shared engine, its output captured; the engine's session starts empty."""
+    resize_context(engine, CTX)
+    return Chat(
+        engine,
+        system=SYSTEM,
+        think=ThinkMode.HIGH,
+        max_tokens=MAX_TOKENS,
+        sampling=SamplingParams(temperature=0),
+        out=Console(file=io.StringIO(), force_terminal=False, soft_wrap=True),
+        err=Console(file=io.StringIO(), force_terminal=False, soft_wrap=True),
+    )
+
+
+def out(chat: Chat) -> str:
+    return chat.out.file.getvalue()
+
+
+def err(chat: Chat) -> str:
+    return chat.err.file.getvalue()
+
+
+def plain(tok, text: str) -> list[int]:
+    return tok.encode(text, specials=False)
+
+
+def turn_tokens(tok, text: str, opener: int) -> list[int]:
+    return [tok.user_id, *plain(tok, text), tok.assistant_id, opener]
+
+
+def test_first_turn_transcript_is_ds4s_token_layout(chat):
+    tok = chat.engine.tokenizer
+    done = chat.send("Hello <｜User｜> there")  # a special typed by the user stays plain text
+    assert done is not None and done.usage.cached_tokens == 0
+    assert 1 <= len(done.token_ids) <= MAX_TOKENS
+    preamble = [tok.bos_id, *plain(tok, SYSTEM)]
+    expected = preamble + turn_tokens(tok, "Hello <｜User｜> there", tok.think_id) + [*done.token_ids, tok.eos_id]
+    assert chat.transcript.tokens(tok, chat.think, chat.engine.ctx) == expected
+    assert done.usage.prompt_tokens == len(expected) - len(done.token_ids) - 1
+
+
+def test_second_turn_reuses_the_live_session(chat):
+    tok = chat.engine.tokenizer
+    first = chat.send("hello")
+    live = list(chat.engine.session.tokens)
+    transcript = chat.transcript.tokens(tok, chat.think, chat.engine.ctx)
+    assert live == transcript[: len(live)] and len(live) >= first.usage.prompt_tokens
+    second = chat.send("and again")
+    # Only the new turn (and the transcript's tail the session had not fed yet) is prefilled.
+    assert second.usage.cached_tokens == len(live)
+    assert second.usage.prompt_tokens == len(transcript) + len(turn_tokens(tok, "and again", tok.think_id))
+    stats = [line for line in err(chat).splitlines() if line.startswith("ds4-mlx: prompt")]
+    assert len(stats) == 2
+    assert f"prompt {second.usage.prompt_tokens} tokens ({len(live)} reused)" in stats[1]
+    assert stats[1].endswith(f"generation {second.usage.completion_tokens} tokens at "
+                             f"{second.usage.completion_tokens / second.decode_seconds:.1f} t/s, "
+                             f"finish {second.finish_reason}")
+
+
+def test_think_commands_switch_the_opener(chat):
+    tok = chat.engine.tokenizer
+
+    def new_turn(text: str) -> tuple[list[int], list[int]]:
+        before = len(chat.transcript.turns)
+        done = chat.send(text)
+        return chat.transcript.turns[before:], [*done.token_ids, tok.eos_id]
+
+    assert chat.handle("/nothink") and out(chat) == "Thinking mode: none.\n"
+    turn, answer = new_turn("no thinking")
+    assert turn == turn_tokens(tok, "no thinking", tok.think_end_id) + answer
+    assert chat.handle("  /think ") and out(chat).endswith("Thinking mode: high.\n")
+    turn, answer = new_turn("think now")
+    assert turn == turn_tokens(tok, "think now", tok.think_id) + answer
+
+
+def test_think_max_below_its_context_runs_as_high(chat):
+    tok = chat.engine.tokenizer
+    before = chat.transcript.tokens(tok, ThinkMode.HIGH, chat.engine.ctx)
+    assert chat.handle("/think-max")
+    assert out(chat) == "Thinking mode: high (ctx below 393216).\n"
+    assert err(chat) == (
+        f"ds4-mlx: warning: /think-max needs --ctx >= 393216; ctx={CTX} uses normal thinking instead\n"
+    )
+    assert chat.think is ThinkMode.MAX
+    assert chat.transcript.tokens(tok, chat.think, chat.engine.ctx) == before  # no Think-Max prefix
+
+
+def test_think_max_reply_with_a_large_context():
+    chat = Chat(
+        SimpleNamespace(ctx=393216),
+        system=SYSTEM, think=ThinkMode.HIGH, max_tokens=1, sampling=SamplingParams(),
+        out=Console(file=io.StringIO()), err=Console(file=io.StringIO()),
+    )
+    assert chat.handle("/think-max")
+    assert out(chat) == "Thinking mode: max.\n" and err(chat) == ""
+
+
+def test_think_max_prefix_follows_bos_and_goes_away_again(engine):
+    tok = engine.tokenizer
+    transcript = Transcript(SYSTEM, turns=[tok.user_id, 7, tok.assistant_id, tok.think_id, 9, tok.eos_id])
+    high = transcript.tokens(tok, ThinkMode.HIGH, 393216)
+    maxed = transcript.tokens(tok, ThinkMode.MAX, 393216)
+    assert maxed == [tok.bos_id, *plain(tok, THINK_MAX_PREFIX), *high[1:]]
+    assert transcript.tokens(tok, ThinkMode.MAX, 393215) == high
+
+
+def test_unknown_command_prints_ds4s_two_lines(chat):
+    assert chat.handle("/bogus arg")
+    assert err(chat) == "ds4-mlx: unknown command: /bogus arg\nds4-mlx: type /help for commands\n"
+    assert chat.handle("/think extra")  # commands match exactly after trimming
+    assert err(chat).endswith("ds4-mlx: unknown command: /think extra\nds4-mlx: type /help for commands\n")
+    assert chat.think is ThinkMode.HIGH and chat.transcript.turns == []
+
+
+def test_help_lists_every_command(chat):
+    chat.handle("/help")
+    for command in ("/help", "/think", "/nothink", "/think-max", "/ctx N", "/read FILE", "/quit, /exit"):
+        assert f"  {command} " in out(chat)
+
+
+def test_ctx_recreates_the_session_and_keeps_the_transcript(chat):
+    tok = chat.engine.tokenizer
+    chat.send("remember me")
+    kept = list(chat.transcript.turns)
+    assert chat.handle("/ctx 512")
+    assert chat.engine.ctx == 512 and chat.engine.session.ctx == 512 and chat.engine.session.tokens == []
+    assert "ds4-mlx: context buffers " in err(chat) and "(ctx=512, backend=cpu, prefill_chunk=512," in err(chat)
+    assert chat.transcript.turns == kept
+    done = chat.send("after resize")
+    assert done.usage.cached_tokens == 0  # the whole transcript is prefilled again
+    assert done.usage.prompt_tokens == 1 + len(plain(tok, SYSTEM)) + len(kept) + len(
+        turn_tokens(tok, "after resize", tok.think_id)
+    )
+
+
+@pytest.mark.parametrize("arg", ["", "abc", "0", "-5"])
+def test_ctx_rejects_a_bad_size(chat, arg):
+    assert chat.handle(f"/ctx {arg}")
+    assert err(chat) == f"ds4-mlx: error: /ctx expects a positive number of tokens, got {arg!r}\n"
+    assert chat.engine.ctx == CTX
+
+
+def test_ctx_too_large_for_the_device_is_refused(chat):
+    chat.handle("/ctx 100000000000")
+    assert err(chat).startswith("ds4-mlx: error: ctx 100000000000 needs ")
+    assert f"the context stays at {CTX}" in err(chat)
+    assert chat.engine.ctx == CTX
+
+
+def test_read_sends_the_file_as_the_next_message(chat, tmp_path):
+    tok = chat.engine.tokenizer
+    path = tmp_path / "question.txt"
+    path.write_text("What is in\nthis file?\n", encoding="utf-8")
+    assert chat.handle(f"/read {path}")
+    turn = turn_tokens(tok, "What is in\nthis file?\n", tok.think_id)
+    assert chat.transcript.turns[: len(turn)] == turn
+    assert err(chat).count("ds4-mlx: prompt ") == 1
+
+
+def test_read_of_a_missing_file_is_one_error_line(chat, tmp_path):
+    assert chat.handle(f"/read {tmp_path / 'nope.txt'}")
+    assert err(chat) == f"ds4-mlx: error: cannot read prompt file {tmp_path / 'nope.txt'}: No such file or directory\n"
+    assert chat.handle("/read")
+    assert err(chat).endswith("ds4-mlx: error: /read expects a file name\n")
+    assert chat.transcript.turns == []
+
+
+def test_quit_and_exit_stop_the_loop(chat):
+    chat.loop(piped_lines(io.StringIO("/nothink\n\n   \n/exit\n/think\n")))
+    assert out(chat) == "Thinking mode: none.\n" and chat.think is ThinkMode.NONE
+    assert chat.handle("/quit") is False
+
+
+def test_context_overflow_is_an_error_line_and_the_turn_is_dropped(chat):
+    resize_context(chat.engine, 24)
+    assert chat.send("this message is long enough to leave no room at all in a context of only twenty-four "
+                     "tokens, since the system text and the markers take some of them too") is None
+    assert err(chat).startswith("ds4-mlx: error: Prompt has ")
+    assert chat.transcript.turns == []
+
+
+def _interrupting(generate, times: int, after_first_delta: bool):
+    """engine.generate that presses Ctrl+C `times` times, at the start or after the first streamed text."""
+
+    def press() -> None:
+        for _ in range(times):
+            signal.raise_signal(signal.SIGINT)
+
+    def wrapped(request, cancel=None):
+        pending = after_first_delta
+        if not pending:
+            press()
+        for event in generate(request, cancel):
+            yield event
+            if pending and isinstance(event, (ReasoningDelta, TextDelta)):
+                pending = False
+                press()
+
+    return wrapped
+
+
+def test_ctrl_c_keeps_the_partial_answer_and_appends_eos(chat, monkeypatch):
+    tok = chat.engine.tokenizer
+    chat.max_tokens = 50
+    handler = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(chat.engine, "generate", _interrupting(chat.engine.generate, 1, after_first_delta=True))
+    done = chat.send("stop me")
+    assert done.error == "cancelled" and 1 <= len(done.token_ids) < 50
+    assert chat.transcript.turns == turn_tokens(tok, "stop me", tok.think_id) + [*done.token_ids, tok.eos_id]
+    assert err(chat).rstrip().endswith("finish cancelled")
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_ctrl_c_before_the_first_token_rolls_the_turn_back(chat, monkeypatch):
+    chat.send("kept")
+    kept = list(chat.transcript.turns)
+    monkeypatch.setattr(chat.engine, "generate", _interrupting(chat.engine.generate, 1, after_first_delta=False))
+    done = chat.send("dropped")
+    assert done.token_ids == () and done.error == "cancelled"
+    assert chat.transcript.turns == kept and chat.engine.session.tokens == []
+
+
+def test_second_ctrl_c_interrupts_at_once_and_drops_the_turn(chat, monkeypatch):
+    monkeypatch.setattr(chat.engine, "generate", _interrupting(chat.engine.generate, 2, after_first_delta=True))
+    assert chat.send("interrupt twice") is None
+    assert "ds4-mlx: interrupted; this turn is dropped" in err(chat)
+    assert chat.transcript.turns == [] and chat.engine.session.tokens == []
+
+
+def test_answer_printer_greys_reasoning_and_breaks_the_line_before_the_answer():
+    buf = io.StringIO()
+    printer = _AnswerPrinter(buf, grey=True)
+    printer.reasoning("let me think")
+    printer.reasoning("\tmore")
+    printer.text("The answer\tis 4")
+    printer.end()
+    assert buf.getvalue() == "\x1b[90mlet me think\tmore\x1b[0m\nThe answer\tis 4\n"
+    buf = io.StringIO()
+    printer = _AnswerPrinter(buf, grey=False)
+    printer.reasoning("done.\n")
+    printer.end()
+    assert buf.getvalue() == "done.\n"
+
+
+def test_chat_through_a_pipe(model_path):
+    """The command end to end: two turns (the second reusing the first), commands, /quit ending the input."""
+    lines = "hello\n/nothink\nsecond turn\n/bogus\n/quit\nnever sent\n"
+    r = subprocess.run(
+        [sys.executable, "-m", "ds4_mlx.cli", "chat", "-m", str(model_path), "-c", str(CTX), "-n", "3", "--temp", "0"],
+        input=lines, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Type a message, or one of these commands")
+    assert "Thinking mode: none." in r.stdout and "\x1b[" not in r.stdout
+    assert r.stderr.startswith(f"ds4-mlx: context buffers ")
+    assert f"(ctx={CTX}, backend=" in r.stderr
+    stats = [line for line in r.stderr.splitlines() if line.startswith("ds4-mlx: prompt ")]
+    assert len(stats) == 2
+    assert "(0 reused)" in stats[0] and "(0 reused)" not in stats[1]
+    assert "ds4-mlx: unknown command: /bogus\nds4-mlx: type /help for commands\n" in r.stderr
+    assert ASSISTANT not in r.stdout and EOS not in r.stdout
