@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import os
 
+# The reference path is the source of truth and computes in true float32. MLX otherwise lets float32 matmuls
+# run as TF32 on GPUs that have it (relative error ~1e-3 per product, enough to flip indexer top-k picks).
+# Set MLX_ENABLE_TF32=1 yourself to trade that exactness for speed.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 __version__ = "0.1.0"
 __all__ = ["load", "Engine", "GenerationRequest", "SamplingParams", "__version__"]
 

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+import ds4_mlx  # noqa: F401  (sets MLX_ENABLE_TF32=0 before MLX runs anything: tests compare in true float32)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
