@@ -183,3 +183,45 @@ def test_anthropic_count_tokens_and_errors(claude):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=10, messages=[])
     assert e.value.body["type"] == "error"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# openai Responses (Codex)
+
+RESPONSES_TOOLS = [
+    {"type": "function", "name": "list_files", "description": "List files", "strict": False,
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}},
+    {"type": "function", "name": "read", "parameters": {"type": "object"}},
+]
+
+
+def test_responses_plain_and_reasoning_summary(oai):
+    r = oai.responses.create(model=MODEL, input="hi")
+    assert r.output_text == "Plain answer." and [item.type for item in r.output] == ["message"]
+    assert r.status == "completed" and r.id.startswith("resp_") and r.usage.output_tokens > 0
+    r = oai.responses.create(model=MODEL, input="hi", reasoning={"effort": "high", "summary": "auto"})
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].summary[0].text == "Thinking hard."
+
+
+def test_responses_tool_calls_stream_and_replay(oai, live):
+    with oai.responses.stream(model=MODEL, input="list", tools=RESPONSES_TOOLS,
+                              reasoning={"summary": "detailed"}) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert text == "Let me look." == final.output_text
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("list_files", '{"path":"/tmp & \\"x\\"","depth":2}'), ("read", '{"name":"a.c"}')]
+    assert all(c.call_id.startswith("call_") and c.id.startswith("fc_") for c in calls)
+
+    # Codex replays the whole history; the calls' ids bring back the exact DSML that was sampled
+    history = [{"role": "user", "content": "list"},
+               {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Thinking hard."}]},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+               *({"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": "{}"} for c in calls),
+               *({"type": "function_call_output", "call_id": c.call_id, "output": "ok"} for c in calls)]
+    engine = live.worker.engine
+    oai.responses.create(model=MODEL, input=history, tools=RESPONSES_TOOLS)
+    assert "<think>Thinking hard.</think>Let me look." + TOOL_TEXT + "<｜end▁of▁sentence｜><｜User｜><tool_result>ok" \
+        in engine.requests[-1].prompt

@@ -18,6 +18,7 @@ from .common import (
     ChatRequest,
     Fields,
     Options,
+    compact_arguments,
     dumps,
     max_tokens,
     sampling_params,
@@ -135,11 +136,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 
 
 def _input(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+    return json.loads(compact_arguments(arguments))
 
 
 def message(message_id: str, model: str, done: Done, ids: CallIds) -> dict[str, Any]:

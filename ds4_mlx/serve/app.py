@@ -32,7 +32,7 @@ from ..chat import render_chat, render_completion_prompt
 from ..engine import GenerationRequest
 from ..errors import ContextOverflow, RequestError
 from ..events import Done, PrefillProgress, TextDelta
-from . import anthropic, openai
+from . import anthropic, openai, responses
 from .common import (
     KEEPALIVE,
     ApiError,
@@ -73,38 +73,47 @@ class ServerOptions:
 
 @dataclass(frozen=True)
 class Api:
-    """One wire format: how its requests are read and how its answers and errors are written."""
+    """One wire format: how its requests are read and how its answers and errors are written.
+
+    `response(id, created, request, done, call_ids, text)` builds the non-streaming body (`text` is every
+    TextDelta joined); `stream(id, created, request, call_ids)` returns an object with `start()`,
+    `event(event)` and `done(done)`, each giving SSE frames.
+    """
 
     name: str
     id_prefix: str
     call_prefix: str
     param: str
     parse: Callable[..., ChatRequest | CompletionRequest]
-    response: Callable[[str, int, str, Done, CallIds, str], dict[str, Any]]
-    stream: Callable[[str, int, str, CallIds, bool], Any]
-    error_json: Callable[[ApiError], dict[str, Any]]
-    stream_error: Callable[[str], str]
+    response: Callable[[str, int, Any, Done, CallIds, str], dict[str, Any]]
+    stream: Callable[[str, int, Any, CallIds], Any]
+    error_json: Callable[[ApiError], dict[str, Any]] = openai.error_json
+    stream_error: Callable[[str], str] = openai.stream_error
     split_reasoning: bool = True
     """False for legacy completions, which return the raw text with reasoning and `</think>` in it."""
 
 
 CHAT = Api(
     "chat", "chatcmpl-", "call_", "messages", openai.parse_chat,
-    lambda rid, created, model, done, ids, text: openai.chat_completion(rid, created, model, done, ids),
-    openai.ChatStream,
-    openai.error_json, openai.stream_error,
+    lambda rid, created, req, done, ids, text: openai.chat_completion(rid, created, req.options.model, done, ids),
+    lambda rid, created, req, ids: openai.ChatStream(rid, created, req.options.model, ids, req.options.include_usage),
 )
 COMPLETIONS = Api(
     "completions", "cmpl-", "call_", "prompt", openai.parse_completion,
-    lambda rid, created, model, done, ids, text: openai.completion(rid, created, model, done, text),
-    lambda rid, created, model, ids, usage: openai.CompletionStream(rid, created, model, usage),
-    openai.error_json, openai.stream_error, split_reasoning=False,
+    lambda rid, created, req, done, ids, text: openai.completion(rid, created, req.options.model, done, text),
+    lambda rid, created, req, ids: openai.CompletionStream(rid, created, req.options.model, req.options.include_usage),
+    split_reasoning=False,
 )
 MESSAGES = Api(
     "messages", "msg_", "toolu_", "messages", anthropic.parse_messages,
-    lambda rid, created, model, done, ids, text: anthropic.message(rid, model, done, ids),
-    lambda rid, created, model, ids, usage: anthropic.MessageStream(rid, model, ids),
+    lambda rid, created, req, done, ids, text: anthropic.message(rid, req.options.model, done, ids),
+    lambda rid, created, req, ids: anthropic.MessageStream(rid, req.options.model, ids),
     anthropic.error_json, anthropic.stream_error,
+)
+RESPONSES = Api(
+    "responses", "resp_", "call_", "input", responses.parse_responses,
+    lambda rid, created, req, done, ids, text: responses.response(rid, created, req, done, ids),
+    responses.ResponseStream,
 )
 
 
@@ -274,7 +283,7 @@ class Server:
             ids = CallIds(api.call_prefix)
             created = int(time.time())
             if options.stream:
-                stream = api.stream(rid, created, options.model, ids, options.include_usage)
+                stream = api.stream(rid, created, norm, ids)
                 return await self._stream(request, job, api, rid, stream, ids)
             done, text = None, []
             async with self._cancel_on_disconnect(request, job):
@@ -288,7 +297,7 @@ class Server:
             if done is None:
                 raise ApiError("the request was cancelled before it ran", 499)
             self._finished(rid, api, done, self._remember(ids, done))
-            return json_response(api.response(rid, created, options.model, done, ids, "".join(text)))
+            return json_response(api.response(rid, created, norm, done, ids, "".join(text)))
 
         return self.endpoint(api, handle)
 
@@ -380,6 +389,7 @@ def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Star
         Route("/v1/completions", server.generation(COMPLETIONS), methods=["POST"]),
         Route("/v1/messages", server.generation(MESSAGES), methods=["POST"]),
         Route("/v1/messages/count_tokens", server.endpoint(MESSAGES, server.count_tokens), methods=["POST"]),
+        Route("/v1/responses", server.generation(RESPONSES), methods=["POST"]),
     ]
 
     @contextlib.asynccontextmanager

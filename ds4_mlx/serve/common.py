@@ -270,6 +270,16 @@ class CallIds:
         return [self[i] for i in range(n)]
 
 
+def compact_arguments(text: str) -> str:
+    """Tool-call arguments as a compact JSON object text in generated key order; "{}" when they do not parse
+    (the parser already writes them compactly; this is the API's guarantee, behavior.md §4.1)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return "{}"
+    return dumps(value) if isinstance(value, dict) else "{}"
+
+
 def dumps(value: Any) -> str:
     """Compact JSON with raw UTF-8, as ds4 writes it (behavior.md §3.1)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

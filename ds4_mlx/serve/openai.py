@@ -6,7 +6,6 @@ become the JSON body or the SSE frames ds4 sends (behavior.md §3.9-3.10), byte 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..chat import Message, ToolCallSpec
@@ -18,7 +17,7 @@ from .common import (
     CompletionRequest,
     Fields,
     Options,
-    dumps,
+    compact_arguments,
     max_tokens,
     sampling_params,
     sse,
@@ -160,14 +159,6 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _arguments(text: str) -> str:
-    """Arguments as a compact JSON object text; the parser already writes them compactly in generated order."""
-    try:
-        return dumps(json.loads(text))
-    except ValueError:
-        return "{}"
-
-
 def _tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -186,7 +177,7 @@ def chat_completion(response_id: str, created: int, model: str, done: Done, ids:
         reply["reasoning_content"] = message.reasoning
     if message.tool_calls:
         reply["tool_calls"] = [
-            _tool_call_json(ids[i], call.name, _arguments(call.arguments)) for i, call in enumerate(message.tool_calls)
+            _tool_call_json(ids[i], call.name, compact_arguments(call.arguments)) for i, call in enumerate(message.tool_calls)
         ]
     return {
         "id": response_id,
@@ -234,7 +225,7 @@ class ChatStream:
     def done(self, done: Done) -> list[str]:
         frames = []
         late = [
-            {"index": i, **_tool_call_json(self.ids[i], call.name, _arguments(call.arguments))}
+            {"index": i, **_tool_call_json(self.ids[i], call.name, compact_arguments(call.arguments))}
             for i, call in enumerate(done.message.tool_calls)
             if i >= self.streamed_calls
         ]

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..events import Event
+from ..events import Done, Event
 from .common import ApiError
 
 if TYPE_CHECKING:
@@ -146,6 +146,10 @@ class Worker:
             return
         try:
             for event in self.engine.generate(job.request, cancel=lambda: job.cancelled.is_set() or self._stopping):
+                if isinstance(event, Done):
+                    # the client may send its next request as soon as it has the answer: admit it
+                    with self._cond:
+                        self._running = None
                 job._post(event)
         except Exception as e:
             job._post(e)
