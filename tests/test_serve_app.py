@@ -208,7 +208,8 @@ def test_prompt_longer_than_the_context(client):
     error = r.json()["error"]
     assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
     assert error["n_ctx"] == 4096 and error["n_prompt_tokens"] > 4096
-    assert error["message"] == f"Prompt has {error['n_prompt_tokens']} tokens, but the configured context size is 4096 tokens"
+    assert error["message"] == (
+        f"Prompt has {error['n_prompt_tokens']} tokens, but the configured context size is 4096 tokens")
     r = client.post("/v1/completions", json={"prompt": long})
     assert r.json()["error"]["param"] == "prompt"
     r = client.post("/v1/messages", json={"messages": [{"role": "user", "content": long}], "stream": True})
@@ -239,7 +240,8 @@ def test_engine_error_after_the_stream_began_is_an_sse_error_event(client, engin
                            + r.headers["x-request-id"] + ')","type":"server_error"}}\n\n')
     r = client.post("/v1/messages", json={"messages": USER, "stream": True})
     last = r.text.strip().split("\n\n")[-1]
-    assert last.startswith("event: error\ndata: ") and json.loads(last.split("data: ")[1])["error"]["type"] == "api_error"
+    assert last.startswith("event: error\ndata: ")
+    assert json.loads(last.split("data: ")[1])["error"]["type"] == "api_error"
 
 
 def test_body_size_limit(client, monkeypatch):

@@ -19,7 +19,8 @@ def test_tool_schema_text_is_the_raw_function_value():
 
 
 def test_tool_without_function_key_keeps_the_whole_element():
-    anthropic_tool = '{"name":"ls","description":"List","input_schema":{"type":"object"},"cache_control":{"type":"ephemeral"}}'
+    anthropic_tool = ('{"name":"ls","description":"List","input_schema":{"type":"object"},'
+                      '"cache_control":{"type":"ephemeral"}}')
     body = f'{{"tools": [ {anthropic_tool} ,\n{{"type":"function","function":{{"name":"b"}}}}]}}'
     assert parse_body(body.encode()).tool_texts == (anthropic_tool, '{"name":"b"}')
 

@@ -65,7 +65,8 @@ def test_tools_raw_bytes_namespaces_and_tool_search():
     req = parse(body)
     assert req.tools == (
         function,
-        '{"name":"mcp__p__search","description":"Find","parameters":{"type":"object","properties":{"q":{"type":"string"}}}}',
+        '{"name":"mcp__p__search","description":"Find","parameters":{"type":"object","properties":'
+        '{"q":{"type":"string"}}}}',
         '{"name":"mcp__p__go","description":"","parameters":{"type":"object","properties":{}}}',
         '{"name":"tool_search","description":"Search available tools.","parameters":{"type":"object","properties":{}}}',
         '{"type":"web_search"}',

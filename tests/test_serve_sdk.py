@@ -10,6 +10,7 @@ import anthropic
 import openai
 import pytest
 
+from ds4_mlx.chat import EOS
 from serve_support import MODEL, ScriptedEngine, live_server
 
 TOOL_TEXT = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="list_files">\n<｜DSML｜parameter name="path" '
@@ -223,5 +224,5 @@ def test_responses_tool_calls_stream_and_replay(oai, live):
                *({"type": "function_call_output", "call_id": c.call_id, "output": "ok"} for c in calls)]
     engine = live.worker.engine
     oai.responses.create(model=MODEL, input=history, tools=RESPONSES_TOOLS)
-    assert "<think>Thinking hard.</think>Let me look." + TOOL_TEXT + "<｜end▁of▁sentence｜><｜User｜><tool_result>ok" \
-        in engine.requests[-1].prompt
+    replayed = "<think>Thinking hard.</think>Let me look." + TOOL_TEXT + EOS + "<｜User｜><tool_result>ok"
+    assert replayed in engine.requests[-1].prompt

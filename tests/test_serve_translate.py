@@ -12,7 +12,6 @@ from ds4_mlx import dsml
 from ds4_mlx.chat import (
     BOS,
     EOS,
-    THINK_MAX_PREFIX,
     TOOLS_EPILOGUE,
     TOOLS_PREAMBLE,
     Message,
@@ -327,7 +326,8 @@ def test_error_shapes():
 ARGS = '{"command":"ls -la && echo \\"hi\\"","timeout":{"a":[1,2]}}'
 DONE = Done(
     "tool_calls",
-    ParsedMessage("The user wants files.", "Checking.", (ToolCall("bash", ARGS),), raw_dsml="\n\n<｜DSML｜tool_calls>…"),
+    ParsedMessage("The user wants files.", "Checking.", (ToolCall("bash", ARGS),),
+                  raw_dsml="\n\n<｜DSML｜tool_calls>…"),
     Usage(prompt_tokens=120, cached_tokens=100, completion_tokens=60),
 )
 EVENTS = [
@@ -410,8 +410,9 @@ def test_chat_stream_sends_unstreamed_calls_in_one_chunk_and_no_usage_unless_ask
     frames = stream.done(done)
     assert [json.loads(f[6:]) for f in frames[:-1]] == [
         {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": [{"index": 0, "delta": {
-            "tool_calls": [{"index": 0, "id": "call_x", "type": "function", "function": {"name": "a", "arguments": '{"x":1}'}},
-                           {"index": 1, "id": "call_y", "type": "function", "function": {"name": "b", "arguments": "{}"}}]},
+            "tool_calls": [
+                {"index": 0, "id": "call_x", "type": "function", "function": {"name": "a", "arguments": '{"x":1}'}},
+                {"index": 1, "id": "call_y", "type": "function", "function": {"name": "b", "arguments": "{}"}}]},
             "finish_reason": None}]},
         {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
          "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},

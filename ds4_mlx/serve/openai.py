@@ -177,7 +177,8 @@ def chat_completion(response_id: str, created: int, model: str, done: Done, ids:
         reply["reasoning_content"] = message.reasoning
     if message.tool_calls:
         reply["tool_calls"] = [
-            _tool_call_json(ids[i], call.name, compact_arguments(call.arguments)) for i, call in enumerate(message.tool_calls)
+            _tool_call_json(ids[i], call.name, compact_arguments(call.arguments))
+            for i, call in enumerate(message.tool_calls)
         ]
     return {
         "id": response_id,
