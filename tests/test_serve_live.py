@@ -7,6 +7,10 @@ The tiny model writes meaningless text and never a tool call; test_serve_sdk.py 
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -163,3 +167,43 @@ def test_sixteen_concurrent_clients_match_their_sequential_answers(live):
     for t in threads:
         t.join(300)
     assert results == sequential
+
+
+def test_serve_command_runs_and_stops_cleanly_on_sigterm(model_path, tmp_path):
+    """`ds4-mlx serve` end to end: it answers, and SIGTERM ends a running stream (finish "error") and exits."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    trace = tmp_path / "trace.txt"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ds4_mlx.cli", "serve", "-m", str(model_path), "--ctx", str(CTX), "--port", str(port),
+         "--backend", "cpu", "--trace", str(trace)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+                time.sleep(0.2)
+        body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000,
+                "stream": True}
+        finish = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if '"content"' in line and not finish:
+                    process.send_signal(signal.SIGTERM)
+                    finish.append(None)
+                if '"finish_reason":"' in line:
+                    finish.append(line.split('"finish_reason":"')[1].split('"')[0])
+        assert finish[-1] == "error"
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    log = process.stdout.read()
+    assert "Traceback" not in log
+    assert "done finish=error" in trace.read_text()

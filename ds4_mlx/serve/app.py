@@ -2,9 +2,9 @@
 
 A generation request is read, normalized, rendered and measured on a thread-pool thread (tokenizing a long
 prompt takes a while), refused before queueing when it cannot fit the context, then handed to the worker. Its
-events come back on the event loop, where the wire translator (`openai` or `anthropic`) turns them into a JSON
-body or SSE frames. A client that goes away cancels its job: at the next token when running, before it starts
-when still queued.
+events come back on the event loop, where a wire translator (`openai`, `anthropic`, `responses`) turns them
+into a JSON body or SSE frames. A client that goes away cancels its job: at the next token when running,
+before it starts when still queued.
 """
 
 from __future__ import annotations
