@@ -4,6 +4,7 @@ cancellation, shutdown, tool memory and the trace. The official SDKs run against
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -13,8 +14,10 @@ import pytest
 
 from ds4_mlx.chat import EOS
 from ds4_mlx.errors import ContextOverflow
+from ds4_mlx.serve import anthropic, openai
 from ds4_mlx.serve import app as app_module
 from ds4_mlx.serve.app import ServerOptions
+from ds4_mlx.serve.common import CallIds
 from serve_support import MODEL, ScriptedEngine, live_server
 
 USER = [{"role": "user", "content": "hi"}]
@@ -252,6 +255,41 @@ def test_body_size_limit(client, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------
 # responses and streams
+
+
+def test_sse_bytes_on_the_wire_are_the_translator_frames(client, engine):
+    """What the server sends is exactly the translator's frames for the engine's events, nothing more."""
+    text = ("Plan.</think>Checking.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"ls\">\n<｜DSML｜parameter "
+            'name="path" string="true">/tmp</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    engine.reply = lambda req: text
+    tools = [{"type": "function", "function": {"name": "ls"}}]
+    r = client.post("/v1/chat/completions", json={"messages": USER, "tools": tools, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    first = json.loads(r.text.split("\n\n")[0][6:])
+    call_id = re.search(r'"id":"(call_[0-9a-f]{32})"', r.text).group(1)
+    call_ids = CallIds("call_")
+    call_ids.ids = [call_id]
+    stream = openai.ChatStream(first["id"], first["created"], MODEL, call_ids, True)
+    events = replay(engine)
+    expected = stream.start() + [f for e in events[:-1] for f in stream.event(e)] + stream.done(events[-1])
+    assert r.text == "".join(expected)
+
+    engine.live = ""
+    r = client.post("/v1/messages", json={"messages": USER, "tools": [{"name": "ls"}], "stream": True})
+    message_id = json.loads(r.text.split("data: ", 1)[1].split("\n", 1)[0])["message"]["id"]
+    call_ids = CallIds("toolu_")
+    call_ids.ids = [re.search(r'"id":"(toolu_[0-9a-f]{32})"', r.text).group(1)]
+    stream = anthropic.MessageStream(message_id, MODEL, call_ids)
+    events = replay(engine)
+    expected = stream.start() + [f for e in events[:-1] for f in stream.event(e)] + stream.done(events[-1])
+    assert r.text == "".join(expected)
+
+
+def replay(engine: ScriptedEngine) -> list:
+    """The events the scripted engine produced for its last request, which started with no live session."""
+    request = engine.requests[-1]
+    engine.live = ""
+    return list(engine.generate(request))
 
 
 def test_sse_headers_and_keepalive_comments_during_prefill(engine):
