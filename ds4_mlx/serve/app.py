@@ -264,6 +264,7 @@ class Server:
 
     def generation(self, api: Api) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request, rid: str) -> Response:
+            self.worker.check_room()
             data = await self._read(request)
             norm, prompt, n_prompt = await run_in_threadpool(self._prepare, data, api)
             options = norm.options

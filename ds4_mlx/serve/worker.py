@@ -92,17 +92,25 @@ class Worker:
     def busy(self) -> bool:
         return self._running is not None
 
-    def submit(self, job: Job) -> None:
-        """Queue a job, or refuse it: 503 while shutting down, 429 when `max_queue` jobs already wait."""
+    def check_room(self) -> None:
+        """Refuse early (before a request is tokenized): 503 while shutting down, 429 when the queue is full."""
         with self._cond:
-            if self._stopping:
-                raise ApiError("server shutting down", 503)
-            if self._running is not None and len(self._queue) >= self.max_queue:
-                raise ApiError(
-                    f"too many requests waiting: the queue holds at most {self.max_queue} behind the running "
-                    "one; retry later",
-                    429,
-                )
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if self._stopping:
+            raise ApiError("server shutting down", 503)
+        if self._running is not None and len(self._queue) >= self.max_queue:
+            raise ApiError(
+                f"too many requests waiting: the queue holds at most {self.max_queue} behind the running one; "
+                "retry later",
+                429,
+            )
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or refuse it as `check_room` does."""
+        with self._cond:
+            self._check_room()
             self._queue.append(job)
             self._cond.notify()
 
