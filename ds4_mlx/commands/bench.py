@@ -150,11 +150,10 @@ def print_result(result: BenchResult, as_json: bool) -> None:
     if as_json:
         print(json.dumps(asdict(result)))
         return
-    table = Table(title="ds4-mlx bench", show_header=False)
+    table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     rows = [
-        ("model", result.model),
         ("backend", result.backend),
         ("context", f"{result.ctx} tokens"),
         ("load", f"{result.load_seconds:.1f} s"),
@@ -166,7 +165,9 @@ def print_result(result: BenchResult, as_json: bool) -> None:
     ]
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    console = Console(highlight=False, markup=False)
+    console.print(f"ds4-mlx bench: {result.model}", soft_wrap=True)
+    console.print(table)
 
 
 def run(args: argparse.Namespace) -> int:
