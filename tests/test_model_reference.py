@@ -8,12 +8,15 @@ that ratio-4 layers have more compressed rows than the indexer keeps and ratio-1
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from transformers import DeepseekV4ForCausalLM
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-import mlx.core as mx
 from ds4_mlx.errors import RequestError
 from ds4_mlx.model import attention, linear
 from ds4_mlx.model.cache import session_bytes
@@ -23,6 +26,7 @@ from ds4_mlx.model.weights import open_weights
 
 SEQ = 320  # 80 ratio-4 rows (indexer keeps 8), 2 ratio-128 rows, window 16
 CTX = 512
+SMALL_TOKEN_SEED = 7  # a sequence whose indexer and router choices are all clear of ties
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -31,15 +35,15 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """Per expert kind: (GGUF path, transformers reference dir), built on first use."""
-    root = tmp_path_factory.mktemp("tiny")
+    """(GGUF path, transformers reference dir) per preset and expert kind, built on first use."""
+    root = tmp_path_factory.mktemp("models")
     built = {}
 
-    def get(experts: str):
-        if experts not in built:
-            gguf = write_model(root / f"tiny-{experts}.gguf", preset="tiny", experts=experts, seed=7)
-            built[experts] = (gguf, export_reference(gguf, root / f"ref-{experts}"))
-        return built[experts]
+    def get(experts: str, preset: str = "tiny"):
+        if (preset, experts) not in built:
+            gguf = write_model(root / f"{preset}-{experts}.gguf", preset=preset, experts=experts, seed=7)
+            built[preset, experts] = (gguf, export_reference(gguf, root / f"ref-{preset}-{experts}"))
+        return built[preset, experts]
 
     return get
 
@@ -54,27 +58,50 @@ def tokens(weights):
     return np.random.default_rng(11).integers(0, weights.config.n_vocab, SEQ).astype(np.int32)
 
 
-def transformers_logits(ref_dir, tokens: np.ndarray) -> tuple[np.ndarray, float]:
-    """Full-sequence logits from transformers, and the smallest gap between the indexer's k-th and (k+1)-th
-    score over every query with more candidate rows than k (the oracle's tie check)."""
+@dataclass
+class Reference:
+    """transformers' full-sequence logits, and how far its discrete choices were from a tie: the smallest gap
+    between the k-th and (k+1)-th indexer score (relative to the largest) over queries with more than k rows,
+    and between the k-th and (k+1)-th router selection score over tokens of non-hash layers."""
+
+    logits: np.ndarray
+    indexer_gap: float
+    router_gap: float
+
+
+def transformers_reference(ref_dir, tokens: np.ndarray) -> Reference:
     model = DeepseekV4ForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     config = model.config
-    scores = []
-    hooks = [layer.self_attn.compressor.indexer.scorer.register_forward_hook(lambda m, i, out: scores.append(out))
-             for layer, kind in zip(model.model.layers, config.layer_types) if kind == "compressed_sparse_attention"]
+    index_scores, router = [], []
+    hooks = []
+    for layer, kind in zip(model.model.layers, config.layer_types):
+        if kind == "compressed_sparse_attention":
+            scorer = layer.self_attn.compressor.indexer.scorer
+            hooks.append(scorer.register_forward_hook(lambda m, i, out: index_scores.append(out[0])))
+        if isinstance(layer.mlp.gate, hf.DeepseekV4TopKRouter):
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda m, i, out: router.append(m.score_fn(out[0]) + m.e_score_correction_bias)))
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(tokens[None].astype(np.int64)), use_cache=False).logits[0].numpy()
     for hook in hooks:
         hook.remove()
-    k, gaps = config.index_topk, []
-    for s in scores:
-        for t in range(len(tokens)):
-            n = (t + 1) // 4
-            if n > k:
-                ranked = torch.sort(s[0, t, :n], descending=True).values
-                gaps.append(float(ranked[k - 1] - ranked[k]) / float(ranked.abs().max()))
-    assert len(scores) == 2 and len(gaps) == 2 * (len(tokens) - 4 * (k + 1) + 1)
-    return logits, min(gaps)
+    k, index_gaps = config.index_topk, [np.inf]
+    for scores in index_scores:
+        for t in range(4 * (k + 1) - 1, len(tokens)):
+            ranked = torch.sort(scores[t, : (t + 1) // 4], descending=True).values
+            index_gaps.append(float(ranked[k - 1] - ranked[k]) / float(ranked.abs().max()))
+    n_used, router_gaps = config.num_experts_per_tok, [np.inf]
+    for scores in router:
+        ranked = torch.sort(scores, dim=-1, descending=True).values
+        router_gaps.append(float((ranked[:, n_used - 1] - ranked[:, n_used]).min()))
+    return Reference(logits, min(index_gaps), min(router_gaps))
+
+
+def check_tie_free(reference: Reference) -> None:
+    """A mismatch must never be a tie artefact: every discrete choice is decided by far more than the ~1e-6
+    relative difference between two float32 implementations."""
+    assert reference.indexer_gap > 1e-5, f"indexer top-k nearly tied (gap {reference.indexer_gap:.1e}): new seed"
+    assert reference.router_gap > 1e-5, f"router top-k nearly tied (gap {reference.router_gap:.1e}): new seed"
 
 
 def run_chunks(model: Model, tokens: np.ndarray, size: int) -> np.ndarray:
@@ -93,16 +120,30 @@ def test_logits_equal_transformers(files, experts):
     gguf, ref_dir = files(experts)
     weights = open_weights(gguf)
     tokens = np.random.default_rng(11).integers(0, weights.config.n_vocab, SEQ).astype(np.int32)
-    want, min_gap = transformers_logits(ref_dir, tokens)
-    # no near-ties at the indexer's top-k boundary, so a mismatch can never be a tie artefact: the relative gap
-    # (8e-5 for these seeds) is well above the ~1e-6 relative difference between two float32 implementations
-    assert min_gap > 1e-5, f"indexer top-k boundary nearly tied (relative gap {min_gap:.2e}); change the seed"
+    reference = transformers_reference(ref_dir, tokens)
+    check_tie_free(reference)
+    want = reference.logits
     model = Model(weights, simulate_quant=False)
     got = np.array(model(mx.array(tokens), model.new_cache(CTX), all_logits=True))
     assert np.isfinite(got).all()
     # reached on CPU: 1.3e-6 to 1.7e-6 (float32 reassociation); the brief's bound is 1e-4
     assert relative_error(got, want) <= 1e-4
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.slow
+def test_small_preset_equals_transformers(files):
+    """The `small` preset: real vocabulary, window 128, indexer top-k 64, 16 experts with 4 used."""
+    gguf, ref_dir = files("q2", preset="small")
+    weights = open_weights(gguf)
+    tokens = np.random.default_rng(SMALL_TOKEN_SEED).integers(0, weights.config.n_vocab, 600).astype(np.int32)
+    reference = transformers_reference(ref_dir, tokens)
+    check_tie_free(reference)
+    model = Model(weights, simulate_quant=False)
+    cache = model.new_cache(1024)
+    model.prefill(mx.array(tokens[:500]), cache, chunk_size=256)
+    got = np.array(model(mx.array(tokens[500:]), cache, all_logits=True))
+    assert relative_error(got, reference.logits[500:]) <= 1e-4
 
 
 @pytest.mark.parametrize("simulate_quant", [False, True])
