@@ -18,7 +18,7 @@ import mlx.core as mx
 from . import dsml
 from .chat import ToolMemory
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError
-from .events import Done, Event, ParsedMessage, PrefillProgress, Usage
+from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
 from .model.model import Model
 from .model.weights import ModelWeights, open_weights
 from .sampling import Sampler, SamplingParams
@@ -110,13 +110,14 @@ class Engine:
         ctx: int,
         model_name: str = "deepseek-v4-flash",
         default_max_tokens: int = 393216,
+        tool_memory: ToolMemory | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.ctx = ctx
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
-        self.tool_memory = ToolMemory()
+        self.tool_memory = tool_memory if tool_memory is not None else ToolMemory()
         self.session = Session(model, ctx)
 
     @classmethod
@@ -182,11 +183,17 @@ class Engine:
             self.session.reset()
             tokens, cached = canonical, 0
 
+        yield PromptAccepted(len(tokens), cached)
         t0 = time.perf_counter()
         suffix = tokens[cached:]
         for done, total in self.session.prefill_steps(suffix):
             if total > self.session.chunk_size:
                 yield PrefillProgress(done, total)
+            if done < total and cancel is not None and cancel():
+                self.session.reset()
+                yield Done("error", ParsedMessage("", ""), Usage(len(tokens), cached, 0),
+                           prefill_seconds=time.perf_counter() - t0, error="cancelled")
+                return
         logits = self.session.logits
         t1 = time.perf_counter()
 

@@ -68,6 +68,14 @@ class ToolCallEnd:
 
 
 @dataclass(frozen=True)
+class PromptAccepted:
+    """The first event: the prompt fits, and `cached_tokens` of it are reused from the live session."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class PrefillProgress:
     """Emitted between prefill chunks so that front ends can show progress or send keep-alives."""
 
@@ -102,4 +110,4 @@ class Done:
     token_ids: tuple[int, ...] = field(default=(), repr=False)
 
 
-Event = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | PrefillProgress | Done
+Event = PromptAccepted | ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | PrefillProgress | Done

@@ -10,7 +10,16 @@ import pytest
 from ds4_mlx.chat import Message, ThinkMode, render_chat
 from ds4_mlx.engine import Engine, GenerationRequest, check_memory
 from ds4_mlx.errors import ContextOverflow, RequestError, ResourceError
-from ds4_mlx.events import Done, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from ds4_mlx.events import (
+    Done,
+    PrefillProgress,
+    PromptAccepted,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 from ds4_mlx.tokenizer import Tokenizer
@@ -155,6 +164,31 @@ def test_cancel_ends_with_error(tokenizer):
     events = list(engine.generate(GenerationRequest(prompt="<｜User｜>hi", max_tokens=40), cancel=cancel))
     done = events[-1]
     assert done.finish_reason == "error" and done.usage.completion_tokens == 4
+
+
+def test_first_event_reports_the_prompt_and_the_reused_tokens(tokenizer):
+    engine, _ = scripted(tokenizer, "x y z", eos=False)
+    events, done = run(engine, max_tokens=2)
+    assert events[0] == PromptAccepted(done.usage.prompt_tokens, 0)
+    events, done = run(engine, prompt=engine.tokenizer.decode(engine.session.tokens) + " more", max_tokens=2)
+    assert events[0] == PromptAccepted(done.usage.prompt_tokens, done.usage.cached_tokens)
+    assert done.usage.cached_tokens > 0
+
+
+def test_cancel_between_prefill_chunks(tokenizer):
+    engine, model = scripted(tokenizer, "x", eos=False)
+    engine.session.chunk_size = 4
+    calls = []
+
+    def cancel() -> bool:
+        calls.append(1)
+        return len(calls) >= 2
+
+    events = list(engine.generate(GenerationRequest(prompt="word " * 20), cancel=cancel))
+    done = events[-1]
+    assert done.finish_reason == "error" and done.usage.completion_tokens == 0
+    assert sum(isinstance(e, PrefillProgress) for e in events) == 2
+    assert len(model.fed) == 8 and engine.session.tokens == []
 
 
 def test_prompt_that_fills_the_context_is_rejected(tokenizer):

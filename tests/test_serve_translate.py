@@ -23,6 +23,7 @@ from ds4_mlx.errors import RequestError
 from ds4_mlx.events import (
     Done,
     ParsedMessage,
+    PromptAccepted,
     ReasoningDelta,
     TextDelta,
     ToolCall,
@@ -462,7 +463,7 @@ def test_anthropic_message_edge_shapes(finish, parsed, content, stop_reason):
 
 def test_anthropic_stream_is_the_captured_sequence():
     stream = anthropic.MessageStream("chatcmpl-8", MODEL, ids("toolu_", "toolu_" + "b" * 32))
-    frames = stream.start() + [f for e in EVENTS for f in stream.event(e)] + stream.done(DONE)
+    frames = stream.start(PromptAccepted(120, 100)) + [f for e in EVENTS for f in stream.event(e)] + stream.done(DONE)
 
     def event(name: str, data: str) -> str:
         return f"event: {name}\ndata: {data}\n\n"
@@ -474,11 +475,10 @@ def test_anthropic_stream_is_the_captured_sequence():
         return delta(2, '{"type":"input_json_delta","partial_json":' + json.dumps(text) + "}")
 
     assert frames == [
-        # message_start is sent before the engine reports the cache counts: they arrive in message_delta.
         event("message_start", '{"type":"message_start","message":{"id":"chatcmpl-8","type":"message","role":'
               '"assistant","model":"deepseek-v4-flash","content":[],"stop_reason":null,"stop_sequence":null,'
-              '"usage":{"input_tokens":0,"output_tokens":0,"cache_read_input_tokens":0,'
-              '"cache_creation_input_tokens":0}}}'),
+              '"usage":{"input_tokens":0,"output_tokens":0,"cache_read_input_tokens":100,'
+              '"cache_creation_input_tokens":20}}}'),
         event("content_block_start", '{"type":"content_block_start","index":0,"content_block":{"type":"thinking",'
               '"thinking":"","signature":""}}'),
         delta(0, '{"type":"thinking_delta","thinking":"The user wants files."}'),

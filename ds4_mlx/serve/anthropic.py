@@ -11,7 +11,17 @@ import json
 from typing import Any
 
 from ..chat import Message, ToolCallSpec, tool_result_block
-from ..events import Done, Event, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, Usage
+from ..events import (
+    Done,
+    Event,
+    PromptAccepted,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
 from .common import (
     ApiError,
     CallIds,
@@ -169,8 +179,7 @@ class MessageStream:
 
     Content blocks open and close as the kind of output changes: thinking (closed with a signature delta),
     text, then one tool_use block per call with `input_json_delta` fragments. No `ping` events. The final
-    `message_delta` carries the whole usage, so the SDK's accumulated message has the cache counts even though
-    `message_start` is sent before the engine reports them.
+    `message_delta` carries the whole usage as well, as Anthropic's own API does.
     """
 
     def __init__(self, message_id: str, model: str, ids: CallIds) -> None:
@@ -185,9 +194,11 @@ class MessageStream:
     def _event(self, name: str, data: dict[str, Any]) -> str:
         return sse({"type": name, **data}, event=name)
 
-    def start(self) -> list[str]:
-        usage = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0,
-                 "cache_creation_input_tokens": 0}
+    def start(self, prompt: PromptAccepted | None = None) -> list[str]:
+        cached = prompt.cached_tokens if prompt else 0
+        written = prompt.prompt_tokens - cached if prompt else 0
+        usage = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": cached,
+                 "cache_creation_input_tokens": written}
         start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                  "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [self._event("message_start", {"message": start})]

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..chat import render_chat, render_completion_prompt
 from ..engine import GenerationRequest
 from ..errors import ContextOverflow, RequestError
-from ..events import Done, PrefillProgress, TextDelta
+from ..events import Done, PrefillProgress, PromptAccepted, TextDelta
 from . import anthropic, openai, responses
 from .common import (
     KEEPALIVE,
@@ -314,7 +314,7 @@ class Server:
             event = first
             last_write = time.monotonic()
             try:
-                yield "".join(stream.start())
+                yield "".join(stream.start(first if isinstance(first, PromptAccepted) else None))
                 while event is not None:
                     if self.trace:
                         self.trace.event(rid, event)

@@ -9,7 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..chat import Message, ToolCallSpec
-from ..events import Done, Event, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallStart, Usage
+from ..events import (
+    Done,
+    Event,
+    PromptAccepted,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallStart,
+    Usage,
+)
 from .common import (
     ApiError,
     CallIds,
@@ -206,7 +215,7 @@ class ChatStream:
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> str:
         return sse({**self.head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
 
-    def start(self) -> list[str]:
+    def start(self, prompt: PromptAccepted | None = None) -> list[str]:
         return [self._chunk({"role": "assistant"})]
 
     def event(self, event: Event) -> list[str]:
@@ -265,7 +274,7 @@ class CompletionStream:
     def _frame(self, text: str, finish_reason: str | None = None) -> str:
         return sse({**self.head, "choices": [{"text": text, "index": 0, "finish_reason": finish_reason}]})
 
-    def start(self) -> list[str]:
+    def start(self, prompt: PromptAccepted | None = None) -> list[str]:
         return []
 
     def event(self, event: Event) -> list[str]:

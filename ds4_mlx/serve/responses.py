@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..chat import Message, ToolCallSpec
-from ..events import Done, Event, ReasoningDelta, TextDelta
+from ..events import Done, Event, PromptAccepted, ReasoningDelta, TextDelta
 from .common import (
     ApiError,
     CallIds,
@@ -295,7 +295,7 @@ class ResponseStream:
         self.sequence += 1
         return frame
 
-    def start(self) -> list[str]:
+    def start(self, prompt: PromptAccepted | None = None) -> list[str]:
         return [self._event("response.created", response=self.out.response(self.rid, self.created, None))]
 
     def _open_message(self) -> list[str]:
