@@ -67,6 +67,8 @@ class Indexer:
 
 @dataclass
 class Attention:
+    """One layer's attention: projections, its compressor and indexer (if any), and the sink logits."""
+
     q_a: Linear
     q_a_norm: mx.array
     q_b: Linear
@@ -107,29 +109,21 @@ class Attention:
         state = replace(state, raw=mx.concatenate([state.raw, kv])[-self.window :])
 
         comp_rows = index_rows = index_queries = None
-        n_rows = (n_past + t) // self.ratio if self.ratio else 0
         if self.compressor is not None:
-            rows, frontier = self.compressor(x, n_past, state.comp_frontier)
-            comp = _append_rows(state.comp, n_past // self.ratio, rows)
-            state = replace(state, comp=comp, comp_frontier=frontier)
-            comp_rows = comp[:n_rows]
-        if self.indexer is not None:
-            rows, frontier = self.indexer.compressor(x, n_past, state.index_frontier)
-            index = _append_rows(state.index, n_past // self.ratio, rows)
-            state = replace(state, index=index, index_frontier=frontier)
-            index_rows = index[:n_rows]
-            if n_rows > self.indexer.top_k:
+            state, comp_rows, index_rows = self._compress(x, n_past, state)
+            if index_rows is not None and index_rows.shape[0] > self.indexer.top_k:
                 index_queries = self.indexer.queries(q_latent, x, positions)
 
         block = QUERY_BLOCK
         if index_queries is not None:
-            block = max(1, min(QUERY_BLOCK, INDEXER_SCORE_BYTES // (4 * self.indexer.n_head * n_rows)))
+            block = max(1, min(QUERY_BLOCK, INDEXER_SCORE_BYTES // (4 * self.indexer.n_head * index_rows.shape[0])))
         out = []
         for start in range(0, t, block):
             stop = min(start + block, t)
-            keys, masks = raw.for_queries(positions[start:stop], start, stop)
-            if n_rows:
-                visible = mx.arange(n_rows)[None, :] < ((positions[start:stop] + 1) // self.ratio)[:, None]
+            block_pos = positions[start:stop]
+            keys, masks = raw.for_queries(block_pos, start, stop)
+            if comp_rows is not None and comp_rows.shape[0]:
+                visible = mx.arange(comp_rows.shape[0])[None, :] < ((block_pos + 1) // self.ratio)[:, None]
                 if index_queries is not None and (n_past + stop) // self.ratio > self.indexer.top_k:
                     iq, iw = index_queries
                     chosen = self.indexer.select(iq[start:stop], iw[start:stop], index_rows, visible)
@@ -142,6 +136,19 @@ class Attention:
             out.append(self._attend(q[start:stop], keys, masks))
         out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
         return self._project_out(out), state
+
+    def _compress(
+        self, x: mx.array, n_past: int, state: LayerState
+    ) -> tuple[LayerState, mx.array, mx.array | None]:
+        """Run the compressor (and the indexer's) over the chunk; return the state and every live row so far."""
+        n_before, n_rows = n_past // self.ratio, (n_past + x.shape[0]) // self.ratio
+        rows, frontier = self.compressor(x, n_past, state.comp_frontier)
+        state = replace(state, comp=_append_rows(state.comp, n_before, rows), comp_frontier=frontier)
+        if self.indexer is None:
+            return state, state.comp[:n_rows], None
+        rows, frontier = self.indexer.compressor(x, n_past, state.index_frontier)
+        state = replace(state, index=_append_rows(state.index, n_before, rows), index_frontier=frontier)
+        return state, state.comp[:n_rows], state.index[:n_rows]
 
     def _project_out(self, heads: mx.array) -> mx.array:
         """Grouped low-rank output: group g's heads (concatenated) -> o_lora_rank, then all groups -> n_embd."""
