@@ -235,6 +235,27 @@ def test_bad_tokens_are_request_errors(weights):
         model(mx.array([[1, 2]], dtype=mx.int32), cache)
     with pytest.raises(RequestError, match="1-D"):
         model(mx.array([], dtype=mx.int32), cache)
+    with pytest.raises(RequestError, match="integers"):
+        model(mx.array([1.0, 2.0]), cache)
     with pytest.raises(RequestError, match="do not fit"):
         model.prefill(mx.array(list(range(9)), dtype=mx.int32), cache)
     assert cache.n_tokens == 0
+
+
+def test_interrupted_call_leaves_the_cache_unchanged(weights, tokens, monkeypatch):
+    model = Model(weights)
+    cache = model.new_cache(CTX)
+    model.prefill(mx.array(tokens[:50]), cache)
+    before = cache.snapshot()
+    want = np.array(model(mx.array(tokens[50:60]), cache, all_logits=True))
+    cache.restore(before)
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "blocks", [*model.blocks[:-1], interrupt])  # Ctrl+C inside the last layer
+    with pytest.raises(KeyboardInterrupt):
+        model(mx.array(tokens[50:60]), cache)
+    monkeypatch.undo()
+    assert cache.n_tokens == 50 and all(now is then for now, then in zip(cache.layers, before.layers))
+    np.testing.assert_array_equal(np.array(model(mx.array(tokens[50:60]), cache, all_logits=True)), want)

@@ -184,14 +184,16 @@ class Model:
         """Run tokens (T,) at positions cache.n_tokens.. and update the cache.
 
         Returns the logits for the token after the last one, (n_vocab,), or for every position, (T, n_vocab).
+        The cache changes only once every layer has been built, so an interrupted call leaves it as it was.
         """
         tokens = self._check(tokens, cache)
         n_past = cache.n_tokens
         streams = mx.broadcast_to(self.embedding.rows(tokens)[:, None, :],
                                   (tokens.size, self.config.n_hc, self.config.n_embd))
+        layers = list(cache.layers)
         for layer, block in enumerate(self.blocks):
-            streams, cache.layers[layer] = block(streams, tokens, n_past, cache.layers[layer])
-        cache.n_tokens = n_past + tokens.size
+            streams, layers[layer] = block(streams, tokens, n_past, layers[layer])
+        cache.layers, cache.n_tokens = layers, n_past + tokens.size
         if not all_logits:
             streams = streams[-1:]
         logits = self.output(rms_norm(self.head_hc(streams), self.output_norm, self.config.rms_eps))
@@ -222,12 +224,11 @@ class Model:
 
     def _check(self, tokens: mx.array, cache: SessionCache) -> mx.array:
         """Validate a token batch: 1-D, non-empty, ids in the vocabulary, and room left in the context."""
-        tokens = mx.array(tokens).astype(mx.int32) if not isinstance(tokens, mx.array) else tokens
+        tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
         if tokens.ndim != 1 or tokens.size == 0:
             raise RequestError(f"expected a non-empty 1-D array of token ids, got shape {tuple(tokens.shape)}")
-        if tokens.dtype not in (mx.int32, mx.int64, mx.uint32):
+        if not mx.issubdtype(tokens.dtype, mx.integer):
             raise RequestError(f"token ids must be integers, got {tokens.dtype}")
-        tokens = tokens.astype(mx.int32)
         low, high = mx.min(tokens).item(), mx.max(tokens).item()
         if low < 0 or high >= self.config.n_vocab:
             raise RequestError(f"token id {low if low < 0 else high} is outside the vocabulary [0, "
@@ -235,4 +236,4 @@ class Model:
         if cache.n_tokens + tokens.size > cache.ctx:
             raise RequestError(f"{tokens.size} tokens do not fit: the cache holds {cache.n_tokens} of a "
                                f"{cache.ctx}-token context")
-        return tokens
+        return tokens.astype(mx.int32)
