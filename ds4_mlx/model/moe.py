@@ -104,7 +104,7 @@ class RoutedExperts:
             xs = x[token_ix]
             h = swiglu(xs @ self.gate.experts(e)[0].T, xs @ self.up.experts(e)[0].T, self.clamp) * w
             out = out.at[token_ix].add(h @ self.down.experts(e)[0].T)
-            mx.eval(out)
+            mx.eval(out)  # one dequantized expert alive at a time
         return out
 
 
