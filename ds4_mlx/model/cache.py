@@ -8,14 +8,21 @@ Per layer:
 
 Row counts and positions are derived from the token count, not stored. Every update builds new arrays and
 MLX arrays are immutable, so a snapshot is a cheap copy of references and stays valid whatever happens next.
+
+`write_payload` / `read_payload` turn the state into ds4's disk payload (spec §5.2) and back.
 """
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import mlx.core as mx
+import numpy as np
 
+from ds4_mlx.errors import Ds4Error
 from ds4_mlx.model.compressor import Frontier
 from ds4_mlx.model.config import ModelConfig, memory_estimate
 
@@ -92,3 +99,113 @@ class SessionCache:
 def session_bytes(config: ModelConfig, ctx: int) -> int:
     """Bytes of a SessionCache for `ctx` tokens (raw windows, row buffers, frontiers), without building it."""
     return memory_estimate(config, ctx, raw_cap=config.sliding_window).total - config.n_vocab * 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ds4's session payload (spec §5.2): what the disk KV cache stores, byte-compatible with ds4's files.
+
+PAYLOAD_MAGIC = 0x34565344  # "DSV4", little-endian
+PAYLOAD_VERSION = 1
+DS4_PREFILL_CAP = 2048  # ds4's prefill chunk, recorded in the header (the whole context when it is smaller)
+_HEADER = struct.Struct("<13I")
+
+
+class CacheFileError(Ds4Error):
+    """A session payload that is malformed or was saved for a different model or context size."""
+
+
+def write_payload(f: BinaryIO, cache: SessionCache, tokens: Sequence[int], logits: mx.array) -> None:
+    """Write the cache, the tokens it holds and the logits for the next token as ds4's payload, in order:
+    header, token ids, logits, per-layer row counts, then per layer the raw rows (oldest first), compressed rows
+    and frontier, indexer rows and frontier. Little-endian u32 / f32 throughout."""
+    c = cache.config
+    n = cache.n_tokens
+    if len(tokens) != n:
+        raise ValueError(f"the cache holds {n} tokens but {len(tokens)} token ids were given")
+    window = min(c.sliding_window, cache.ctx)
+    raw_live = min(window, n)
+    f.write(_HEADER.pack(PAYLOAD_MAGIC, PAYLOAD_VERSION, cache.ctx, min(DS4_PREFILL_CAP, cache.ctx), window, window,
+                         cache.ctx // 4 + 2, n, c.n_layer, c.head_dim, c.indexer_head_dim, c.n_vocab, raw_live))
+    f.write(np.asarray(tokens, dtype="<u4").tobytes())
+    f.write(_f32(logits, (c.n_vocab,)))
+    rows = [cache.n_rows(layer) for layer in range(c.n_layer)]
+    f.write(np.asarray(rows, dtype="<u4").tobytes())
+    f.write(np.asarray([r if c.compress_ratio(i) == 4 else 0 for i, r in enumerate(rows)], dtype="<u4").tobytes())
+    for layer, state in enumerate(cache.layers):
+        f.write(_f32(state.raw[state.raw.shape[0] - raw_live :]))
+        for buffer, frontier in ((state.comp, state.comp_frontier), (state.index, state.index_frontier)):
+            if buffer is not None:
+                f.write(_f32(buffer[: rows[layer]]))
+                f.write(_f32(frontier.kv))
+                f.write(_f32(frontier.score))
+
+
+def read_payload(f: BinaryIO, config: ModelConfig, ctx: int) -> tuple[SessionCache, list[int], mx.array]:
+    """Read a payload into a new cache of context `ctx`; return it with its token ids and next-token logits.
+
+    Checks what ds4 checks: the model dimensions, a saved context no larger than `ctx`, fewer tokens than `ctx`,
+    the same raw window, row counts that match the token count, and no trailing bytes. (ds4 also requires the
+    same prefill chunk size; results here do not depend on it, so it is not checked.) Frontier rows without a
+    token may hold -1e30 or -inf scores; both weigh nothing.
+    """
+    header = _HEADER.unpack(_read(f, _HEADER.size, "the header"))
+    magic, version, saved_ctx, _, _, window, _, n, n_layer, head_dim, index_dim, n_vocab, raw_live = header
+    if magic != PAYLOAD_MAGIC or version != PAYLOAD_VERSION:
+        raise CacheFileError(f"not a ds4 session payload (magic {magic:#x} version {version}, expected "
+                             f"{PAYLOAD_MAGIC:#x} version {PAYLOAD_VERSION})")
+    expected = (config.n_layer, config.head_dim, config.indexer_head_dim, config.n_vocab)
+    if (n_layer, head_dim, index_dim, n_vocab) != expected:
+        raise CacheFileError(f"payload is for a model with (layers, head dim, indexer head dim, vocab) "
+                             f"{(n_layer, head_dim, index_dim, n_vocab)}, this model has {expected}")
+    if saved_ctx > ctx or n >= ctx:
+        raise CacheFileError(f"payload holds {n} tokens of a {saved_ctx}-token context; this session's context "
+                             f"is {ctx}")
+    if window != min(config.sliding_window, ctx) or raw_live != min(window, n):
+        raise CacheFileError(f"payload raw window {window} with {raw_live} live rows does not match this session "
+                             f"(window {min(config.sliding_window, ctx)}, {min(config.sliding_window, ctx, n)} rows)")
+    tokens = np.frombuffer(_read(f, 4 * n, "the token ids"), dtype="<u4").astype(np.int64).tolist()
+    logits = mx.array(np.frombuffer(_read(f, 4 * n_vocab, "the logits"), dtype="<f4"))
+    counts = np.frombuffer(_read(f, 8 * n_layer, "the row counts"), dtype="<u4").reshape(2, n_layer)
+    cache = SessionCache(config, ctx)
+    cache.n_tokens = n
+    want = [[cache.n_rows(i) for i in range(n_layer)],
+            [cache.n_rows(i) if config.compress_ratio(i) == 4 else 0 for i in range(n_layer)]]
+    if counts.tolist() != want:
+        raise CacheFileError(f"payload row counts {counts.tolist()} do not match {n} tokens (expected {want})")
+    layers = []
+    for layer, state in enumerate(cache.layers):
+        raw = _read_f32(f, (raw_live, config.head_dim), f"layer {layer} raw rows")
+        fields = {"raw": mx.concatenate([state.raw[: state.raw.shape[0] - raw_live], raw])}
+        for rows_name, frontier_name in (("comp", "comp_frontier"), ("index", "index_frontier")):
+            buffer, frontier = getattr(state, rows_name), getattr(state, frontier_name)
+            if buffer is None:
+                continue
+            n_rows = cache.n_rows(layer)
+            rows = _read_f32(f, (n_rows, buffer.shape[1]), f"layer {layer} {rows_name} rows")
+            fields[rows_name] = mx.concatenate([rows, buffer[n_rows:]])
+            fields[frontier_name] = Frontier(_read_f32(f, frontier.kv.shape, f"layer {layer} {rows_name} state_kv"),
+                                             _read_f32(f, frontier.score.shape, f"layer {layer} {rows_name} score"))
+        layers.append(LayerState(**fields))
+    if f.read(1):
+        raise CacheFileError("payload has bytes after the last layer")
+    cache.layers = layers
+    return cache, tokens, logits
+
+
+def _f32(array: mx.array, shape: tuple[int, ...] | None = None) -> bytes:
+    values = np.asarray(array, dtype="<f4")
+    if shape is not None and values.shape != shape:
+        raise ValueError(f"expected an array of shape {shape}, got {values.shape}")
+    return values.tobytes()
+
+
+def _read(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CacheFileError(f"payload ends inside {what} ({len(data)} of {n} bytes)")
+    return data
+
+
+def _read_f32(f: BinaryIO, shape: tuple[int, ...], what: str) -> mx.array:
+    count = int(np.prod(shape))
+    return mx.array(np.frombuffer(_read(f, 4 * count, what), dtype="<f4").reshape(shape))
