@@ -41,6 +41,7 @@ class Linear:
         if shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes):
             self._dense: mx.array | None = dequantize(raw, info.ggml_type, shape)
             self._raw: mx.array | None = None
+            mx.eval(self._dense)  # dequantize now, not inside the first forward pass
         else:
             self._dense = None
             self._raw = raw.reshape(shape[0], -1)

@@ -69,6 +69,7 @@ class _Loader:
 
     def dense(self, name: str) -> mx.array:
         array = self.weights.array(name)  # norms, biases, HC and compressor vectors, tid2eid: small
+        mx.eval(array)
         self.nbytes += array.nbytes
         return array
 
