@@ -8,6 +8,7 @@ that ratio-4 layers have more compressed rows than the indexer keeps and ratio-1
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -27,6 +28,18 @@ from ds4_mlx.model.weights import open_weights
 SEQ = 320  # 80 ratio-4 rows (indexer keeps 8), 2 ratio-128 rows, window 16
 CTX = 512
 SMALL_TOKEN_SEED = 7  # a sequence whose indexer and router choices are all clear of ties
+ON_CPU = os.environ.get("DS4_TEST_DEVICE", "cpu") == "cpu"
+
+
+def reassociation_tolerance(simulate_quant: bool) -> float:
+    """How far two chunkings of the same tokens may drift apart.
+
+    Only float32 summation order differs between chunkings (on the CPU they are even bit-identical). On a GPU
+    that different order can move a value across an FP8 / FP4 rounding boundary when the activation
+    simulation is on: one element then jumps by a quantization step (up to 2^-3 of its size in FP8 E4M3), and
+    the logits move by ~1e-3 relative. That is rounding, not a semantic difference, so the bound is looser there.
+    """
+    return 1e-5 if ON_CPU or not simulate_quant else 5e-3
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -154,8 +167,7 @@ def test_chunk_sizes_and_token_by_token_agree(weights, tokens, simulate_quant):
     seq = tokens[:150]  # crosses the first ratio-128 row (token 127); 37 ratio-4 rows > top-k 8
     full = run_chunks(model, seq, len(seq))
     for size in (1, 3, 4, 7, 64):
-        # float32 reassociation only (bit-identical on CPU)
-        assert relative_error(run_chunks(model, seq, size), full) <= 1e-5, size
+        assert relative_error(run_chunks(model, seq, size), full) <= reassociation_tolerance(simulate_quant), size
 
 
 def test_simulation_changes_the_logits(weights, tokens):
@@ -173,10 +185,11 @@ def test_prefill_then_decode(weights, tokens, simulate_quant):
     last = model.prefill(mx.array(tokens[:203]), cache, chunk_size=64, progress=lambda d, t: seen.append((d, t)))
     assert seen == [(64, 203), (128, 203), (192, 203), (203, 203)]
     assert last.shape == (weights.config.n_vocab,)
-    assert relative_error(np.array(last), full[202]) <= 1e-5
+    tolerance = reassociation_tolerance(simulate_quant)
+    assert relative_error(np.array(last), full[202]) <= tolerance
     for i in range(203, 230):
         step = model(mx.array(tokens[i : i + 1]), cache)
-        assert relative_error(np.array(step), full[i]) <= 1e-5, i
+        assert relative_error(np.array(step), full[i]) <= tolerance, i
     assert cache.n_tokens == 230
 
 
@@ -213,7 +226,7 @@ def test_query_blocks_shrink_for_indexer_scores(weights, tokens, monkeypatch):
     model = Model(weights)
     want = run_chunks(model, tokens[:150], 150)
     monkeypatch.setattr(attention, "INDEXER_SCORE_BYTES", 1)  # one query per block once the indexer is active
-    assert relative_error(run_chunks(model, tokens[:150], 150), want) <= 1e-5
+    assert relative_error(run_chunks(model, tokens[:150], 150), want) <= reassociation_tolerance(True)
 
 
 def test_cache_size_is_fixed_and_predicted(weights, tokens):
