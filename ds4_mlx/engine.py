@@ -19,8 +19,10 @@ from . import dsml
 from .chat import ToolMemory
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
+from .model.linear import loaded_nbytes
 from .model.model import Model
 from .model.weights import ModelWeights, open_weights
+from .progress import Progress
 from .sampling import Sampler, SamplingParams
 from .session import Session
 from .stop import StopStrings
@@ -130,7 +132,10 @@ class Engine:
         quiet: bool = True,
         **opts,
     ) -> Engine:
-        """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model."""
+        """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model.
+
+        Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal).
+        """
         path = Path(path)
         if not path.exists():
             raise ModelFileMissing(
@@ -138,8 +143,9 @@ class Engine:
                 f"or try the built-in tiny model with --demo"
             )
         weights = open_weights(path)
-        check_memory(weights, weights.nbytes, ctx, device_memory_bytes())
-        model = Model(weights, simulate_quant=simulate_quant)
+        check_memory(weights, loaded_nbytes(weights), ctx, device_memory_bytes())
+        with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
+            model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
         tokenizer = Tokenizer.from_gguf(weights.file.metadata)
         return cls(model, tokenizer, ctx, **opts)
 

@@ -28,6 +28,10 @@ class ResourceError(Ds4Error):
     """The device does not have room for the weights plus the session state at the requested context."""
 
 
+class CacheFileError(Ds4Error):
+    """A saved session (KV cache) payload that is malformed or was saved for a different model or context."""
+
+
 class RequestError(Ds4Error):
     """A generation request that cannot be served as given (e.g. prompt longer than the context)."""
 

@@ -211,6 +211,24 @@ def test_memory_check_says_what_would_fit(tiny_path):
         check_memory(weights, weights.nbytes, 1024, weights.nbytes // 2)
 
 
+def test_memory_needed_is_known_before_loading(tiny_path, tiny):
+    from ds4_mlx.model.linear import loaded_nbytes
+    from ds4_mlx.model.weights import open_weights
+
+    assert loaded_nbytes(open_weights(tiny_path)) == tiny.model.nbytes
+
+
+def test_loading_reports_progress_up_to_the_file_bytes(tiny_path):
+    from ds4_mlx.model.model import Model
+    from ds4_mlx.model.weights import open_weights
+
+    weights = open_weights(tiny_path)
+    seen: list[tuple[int, int]] = []
+    Model(weights, progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (weights.nbytes, weights.nbytes)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
 def test_greedy_generation_is_deterministic_and_reuse_does_not_change_it(tiny_path, tiny):
     """A second turn continues from the live session; its output must equal a cold engine's output."""
     first = render_chat([Message("user", "Hello!")], think=ThinkMode.NONE, ctx=256)

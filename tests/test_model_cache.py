@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.model.cache import PAYLOAD_MAGIC, CacheFileError, read_payload, write_payload
+from ds4_mlx.errors import CacheFileError
+from ds4_mlx.model.cache import PAYLOAD_MAGIC, read_payload, write_payload
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights

@@ -22,7 +22,7 @@ from typing import BinaryIO
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.errors import Ds4Error
+from ds4_mlx.errors import CacheFileError
 from ds4_mlx.model.compressor import Frontier
 from ds4_mlx.model.config import ModelConfig, memory_estimate
 
@@ -108,10 +108,6 @@ PAYLOAD_MAGIC = 0x34565344  # "DSV4", little-endian
 PAYLOAD_VERSION = 1
 DS4_PREFILL_CAP = 2048  # ds4's prefill chunk, recorded in the header (the whole context when it is smaller)
 _HEADER = struct.Struct("<13I")
-
-
-class CacheFileError(Ds4Error):
-    """A session payload that is malformed or was saved for a different model or context size."""
 
 
 def write_payload(f: BinaryIO, cache: SessionCache, tokens: Sequence[int], logits: mx.array) -> None:

@@ -22,6 +22,20 @@ RESIDENT_BYTES = 64 << 20
 """Matrices whose float32 form is at most this many bytes are dequantized once at load."""
 
 
+def loaded_nbytes(weights: ModelWeights) -> int:
+    """The bytes a Model built from these weights keeps in memory, known before loading anything.
+
+    Routed experts and large matrices stay as their raw blocks; vectors and matrices whose float32 form fits
+    RESIDENT_BYTES are held as float32 (int32 for tid2eid).
+    """
+    total = 0
+    for info in weights.file.tensors.values():
+        float_bytes = 4 * info.n_elements
+        resident = len(info.shape) < 3 and float_bytes <= RESIDENT_BYTES
+        total += float_bytes if resident else info.nbytes
+    return total
+
+
 def _row_major_shape(weights: ModelWeights, name: str) -> tuple[int, ...]:
     return tuple(reversed(weights.info(name).shape))
 

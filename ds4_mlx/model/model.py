@@ -60,9 +60,19 @@ class Block:
 class _Loader:
     """Reads the model's tensors through the weight-access layer and counts the bytes they keep in memory."""
 
-    def __init__(self, weights: ModelWeights):
+    def __init__(self, weights: ModelWeights, progress: Callable[[int, int], None] | None = None):
         self.weights = weights
         self.nbytes = 0
+        self.read = 0
+        self.total = weights.nbytes
+        self.progress = progress
+
+    def _count(self, name: str, kept: int) -> None:
+        """Adds what a tensor keeps in memory, and reports the file bytes read so far."""
+        self.nbytes += kept
+        self.read += self.weights.info(name).nbytes
+        if self.progress is not None:
+            self.progress(self.read, self.total)
 
     def has(self, name: str) -> bool:
         return self.weights.has(name)
@@ -70,24 +80,30 @@ class _Loader:
     def dense(self, name: str) -> mx.array:
         array = self.weights.array(name)  # norms, biases, HC and compressor vectors, tid2eid: small
         mx.eval(array)
-        self.nbytes += array.nbytes
+        self._count(name, array.nbytes)
         return array
 
     def linear(self, name: str) -> Linear:
         matrix = Linear(self.weights, name)
-        self.nbytes += matrix.nbytes
+        self._count(name, matrix.nbytes)
         return matrix
 
     def experts(self, name: str) -> ExpertBank:
         bank = ExpertBank(self.weights, name)
-        self.nbytes += bank.nbytes
+        self._count(name, bank.nbytes)
         return bank
 
 
 class Model:
     """DeepSeek V4 Flash over the tensors of a validated GGUF file."""
 
-    def __init__(self, weights: ModelWeights, simulate_quant: bool = True):
+    def __init__(
+        self,
+        weights: ModelWeights,
+        simulate_quant: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+    ):
+        """`progress(bytes_read, bytes_total)` follows the loading of the file's tensors (81 GB takes a while)."""
         self.config: ModelConfig = weights.config
         self.simulate_quant = simulate_quant
         c = self.config
@@ -97,7 +113,7 @@ class Model:
             c.compress_rope_freq_base,
             Yarn(c.rope_scaling_factor, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow),
         )
-        load = _Loader(weights)
+        load = _Loader(weights, progress)
         self.embedding = load.linear("token_embd.weight")
         self.blocks = [self._block(load, layer) for layer in range(c.n_layer)]
         self.head_hc = HyperHead(
