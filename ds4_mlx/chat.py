@@ -20,14 +20,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ds4_mlx.errors import RequestError
+from ds4_mlx.tokenizer import ASSISTANT, BOS, DSML, EOS, THINK, THINK_END, USER
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
 
 TOOL_RESULT = "<tool_result>"
 TOOL_RESULT_END = "</tool_result>"

@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenizers import Regex
 from tokenizers import Tokenizer as _RustTokenizer
@@ -86,13 +86,29 @@ BYTE_TO_CHAR = _byte_alphabet()
 CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 
-def vocab_from_tokenizer_json(path: str | Path) -> tuple[list[str], list[str]]:
-    """A Hugging Face `tokenizer.json` in GGUF form: (tokens by id, including added tokens; merges as "A B")."""
+class TokenizerJson(NamedTuple):
+    """A Hugging Face `tokenizer.json` in GGUF form: tokens by id (added tokens included), merges as "A B"."""
+
+    tokens: list[str]
+    merges: list[str]
+    added_ids: frozenset[int]
+
+
+def read_tokenizer_json(path: str | Path) -> TokenizerJson:
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     by_id = {i: t for t, i in data["model"]["vocab"].items()}
-    by_id.update({a["id"]: a["content"] for a in data["added_tokens"]})
+    added = {a["id"]: a["content"] for a in data["added_tokens"]}
+    by_id.update(added)
+    if sorted(by_id) != list(range(len(by_id))):
+        raise LayoutError(f"{path} does not assign the ids 0..{len(by_id) - 1} without gaps")
     tokens = [by_id[i] for i in range(len(by_id))]
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    return TokenizerJson(tokens, merges, frozenset(added))
+
+
+def vocab_from_tokenizer_json(path: str | Path) -> tuple[list[str], list[str]]:
+    """(tokens, merges) of a `tokenizer.json`, the two lists a GGUF carries."""
+    tokens, merges, _ = read_tokenizer_json(path)
     return tokens, merges
 
 

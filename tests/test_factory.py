@@ -20,7 +20,8 @@ from gguf import quants as gguf_quants
 
 from ds4_mlx.cli import main
 from ds4_mlx.model.config import ModelConfig
-from ds4_mlx.model.factory import (SMALL_VOCAB_SPECIALS, _random_chunks, build_vocab, byte_symbols,
+from ds4_mlx.tokenizer import BYTE_TO_CHAR
+from ds4_mlx.model.factory import (SMALL_VOCAB_SPECIALS, _random_chunks, build_vocab,
                                    export_reference, hf_names, model_tensors, preset_config, write_model)
 
 V = GGUFValueType
@@ -330,7 +331,7 @@ def test_small_vocab_is_a_valid_bpe_with_the_specials():
     tokens = vocab.tokens
     assert len(tokens) == 512 and len(set(tokens)) == 512
     assert tokens[:3] == ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
-    assert list(tokens[3:259]) == list(byte_symbols().values())
+    assert list(tokens[3:259]) == list(BYTE_TO_CHAR.values())
     assert tokens[-6:] == SMALL_VOCAB_SPECIALS == ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
                                                    "｜DSML｜", "<｜latest_reminder｜>")
     known = set(tokens[3:259])
@@ -341,14 +342,6 @@ def test_small_vocab_is_a_valid_bpe_with_the_specials():
     assert known | set(tokens[:3]) | set(SMALL_VOCAB_SPECIALS) == set(tokens)
     assert [i for i, t in enumerate(vocab.token_types) if t == 3] == [0, 1, 2, *range(506, 512)]
     assert set(vocab.token_types) == {1, 3}
-
-
-def test_byte_symbols_are_gpt2s_alphabet():
-    symbols = byte_symbols()
-    assert sorted(symbols) == list(range(256))
-    assert len(set(symbols.values())) == 256
-    assert symbols[ord(" ")] == "Ġ" and symbols[ord("\n")] == "Ċ" and symbols[ord("a")] == "a"
-    assert all(not s.isspace() for s in symbols.values())
 
 
 def test_real_vocab_has_the_v4_ids():

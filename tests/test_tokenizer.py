@@ -441,3 +441,11 @@ def test_bad_vocab_is_a_layout_error(change, message):
     tokens, merges = change(*_tiny())
     with pytest.raises(LayoutError, match=message):
         Tokenizer.from_gguf({TOKENS_KEY: tokens, MERGES_KEY: merges})
+
+
+def test_byte_alphabet_is_gpt2s_in_table_order():
+    assert sorted(BYTE_TO_CHAR) == list(range(256))
+    assert len(set(BYTE_TO_CHAR.values())) == 256
+    assert BYTE_TO_CHAR[ord(" ")] == "Ġ" and BYTE_TO_CHAR[ord("\n")] == "Ċ" and BYTE_TO_CHAR[ord("a")] == "a"
+    assert all(not s.isspace() for s in BYTE_TO_CHAR.values())
+    assert list(BYTE_TO_CHAR)[:3] == [ord("!"), ord('"'), ord("#")]  # ids 3.. of the V4 vocabulary follow this order

