@@ -7,7 +7,9 @@ sampling, stop rules and tool-call parsing happen here, once.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,14 +21,17 @@ from . import dsml
 from .chat import ToolMemory
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
+from .kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
 from .model.linear import loaded_nbytes
 from .model.model import Model
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .sampling import Sampler, SamplingParams
-from .session import Session
+from .session import Session, Snapshot
 from .stop import StopStrings
 from .tokenizer import StreamDecoder, Tokenizer
+
+log = logging.getLogger("ds4_mlx.engine")
 
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
@@ -113,6 +118,7 @@ class Engine:
         model_name: str = "deepseek-v4-flash",
         default_max_tokens: int = 393216,
         tool_memory: ToolMemory | None = None,
+        kv_store: KvStore | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -120,7 +126,11 @@ class Engine:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.tool_memory = tool_memory if tool_memory is not None else ToolMemory()
+        self.tool_memory_lock = threading.Lock()
+        """Held by whoever reads or updates the tool memory: request threads render with it, the worker saves it."""
+        self.kv_store = kv_store
         self.session = Session(model, ctx)
+        self._on_disk = 0  # the furthest position of the live session already checkpointed to disk
 
     @classmethod
     def load(
@@ -130,11 +140,13 @@ class Engine:
         *,
         simulate_quant: bool = True,
         quiet: bool = True,
+        kv_cache: KvCacheOptions | None = None,
         **opts,
     ) -> Engine:
         """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model.
 
-        Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal).
+        Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal). `kv_cache` turns on
+        the disk KV cache (checkpoints carry the model's routed-expert quant bits).
         """
         path = Path(path)
         if not path.exists():
@@ -147,6 +159,8 @@ class Engine:
         with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
             model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
         tokenizer = Tokenizer.from_gguf(weights.file.metadata)
+        if kv_cache is not None:
+            opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights))
         return cls(model, tokenizer, ctx, **opts)
 
     @classmethod
@@ -156,13 +170,26 @@ class Engine:
     def count_tokens(self, prompt: str) -> int:
         return len(self.tokenizer.encode(prompt))
 
-    def _reuse_live(self, prompt: str, tokens: list[int]) -> tuple[list[int], int]:
-        """Prefix reuse (behavior.md §5.2): returns the effective prompt tokens and how many are already live.
+    def _reuse(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int]:
+        """Prefix reuse (behavior.md §5.2): returns the effective prompt tokens and how many are already computed.
 
-        The live tokens are reused when they are a token prefix of the new prompt, or when their text is a byte
-        prefix of it (then only the remaining text is tokenized, never slicing the canonical tokens, since BPE
-        may merge across the boundary). Otherwise the live session is replaced.
+        The live session first, then the disk cache, else nothing (a cold prefill). `exact`: the caller gave
+        token ids, which then must extend a disk checkpoint's ids too (the text of ids is not re-tokenized).
         """
+        live = self._reuse_live(prompt, tokens)
+        if live is not None:
+            return live
+        self._replace_session()
+        if self.kv_store is not None:
+            loaded = self._load_from_disk(prompt, tokens, exact)
+            if loaded is not None:
+                return loaded
+        return tokens, 0
+
+    def _reuse_live(self, prompt: str, tokens: list[int]) -> tuple[list[int], int] | None:
+        """The live tokens are reused when they are a token prefix of the new prompt, or when their text is a byte
+        prefix of it (then only the remaining text is tokenized, never slicing the canonical tokens, since BPE
+        may merge across the boundary). None on a miss."""
         live = self.session.tokens
         if live and len(tokens) >= len(live) and tokens[: len(live)] == live:
             return tokens, len(live)
@@ -170,8 +197,95 @@ class Engine:
             live_text = self.tokenizer.decode(live)
             if prompt.startswith(live_text):
                 return live + self.tokenizer.encode(prompt[len(live_text) :]), len(live)
+        return None
+
+    def _replace_session(self) -> None:
+        """A cache miss: checkpoint the live session to disk (reason evict) if it is worth keeping, then drop it."""
+        if self.kv_store is not None and len(self.session.tokens) >= self.kv_store.options.min_tokens:
+            self._checkpoint(SaveReason.EVICT)
+        self._drop_session()
+
+    def _drop_session(self) -> None:
         self.session.reset()
-        return tokens, 0
+        self._on_disk = 0
+
+    def _text_bytes(self, tokens: list[int]) -> bytes:
+        """What a run of tokens spells, byte for byte: the disk cache's key space."""
+        return b"".join(self.tokenizer.token_bytes(t) for t in tokens)
+
+    def _load_from_disk(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int] | None:
+        """Loads the longest disk checkpoint whose text starts the prompt into the (empty) live session. Its token
+        ids are kept as they are; only the prompt text after it is tokenized (behavior.md §5.3)."""
+        store = self.kv_store
+        data = self._text_bytes(tokens) if exact else prompt.encode("utf-8")
+        entry = store.lookup(data, self.session.ctx)
+        if entry is None:
+            return None
+        hit = store.load(entry, data, self.model.config, self.session.ctx)
+        if hit is None:
+            return None
+        n = len(hit.tokens)
+        if exact:
+            if tokens[:n] != hit.tokens:
+                log.info("kv cache hit %s not used: its tokens are not a prefix of the prompt's", entry.path)
+                return None
+            effective = tokens
+        else:
+            effective = hit.tokens + self.tokenizer.encode(data[hit.text_bytes :].decode("utf-8"))
+        if len(effective) >= self.session.ctx:
+            return None
+        store.record_hit(hit)
+        self.session.restore(Snapshot(tuple(hit.tokens), hit.cache.snapshot(), hit.logits))
+        self._on_disk = n
+        if hit.tool_map:
+            with self.tool_memory_lock:
+                for call_id, block in hit.tool_map.items():
+                    self.tool_memory.remember([call_id], block)
+        return effective, n
+
+    def _checkpoint(self, reason: SaveReason) -> None:
+        """Saves the live session as it is now to the disk cache, with the tool-call ids its text replays."""
+        tokens = self.session.tokens
+        with self.tool_memory_lock:
+            tool_blocks = list(self.tool_memory._blocks.items())
+        if self.kv_store.save(self._text_bytes(tokens), self.session.cache, tokens, self.session.logits, reason,
+                              tool_blocks):
+            self._on_disk = max(self._on_disk, len(tokens))
+
+    def _at_boundary(self, cold_target: int | None) -> None:
+        """At a prefill chunk boundary: the cold checkpoint if this is its position, then a continued one if this
+        is a frontier not yet on disk (a cold save at a frontier stands for it)."""
+        if self.kv_store is None:
+            return
+        if len(self.session.tokens) == cold_target:
+            self._checkpoint(SaveReason.COLD)
+        self._maybe_continued()
+
+    def _maybe_continued(self) -> None:
+        if self.kv_store.options.is_continued_frontier(len(self.session.tokens), self._on_disk):
+            self._checkpoint(SaveReason.CONTINUED)
+
+    def _prefill(self, tokens: list[int], start: int, cold_target: int | None) -> Iterator[tuple[int, int]]:
+        """Prefills tokens[start:], yielding (done, total) after each chunk. With the disk cache on, chunks also
+        end at the cold checkpoint and at every continued frontier, which are saved there."""
+        total = len(tokens) - start
+        stops = {len(tokens)}
+        if self.kv_store is not None:
+            stops.update(self.kv_store.options.frontiers_between(start, len(tokens)))
+            if cold_target is not None:
+                stops.add(cold_target)
+        pos = start
+        for stop in sorted(stops):
+            for done, _ in self.session.prefill_steps(tokens[pos:stop]):
+                self._at_boundary(cold_target)
+                yield pos - start + done, total
+            pos = stop
+
+    def shutdown(self) -> None:
+        """Checkpoints the live session to disk (reason shutdown) for the next process, when the disk cache is on
+        and the session is long enough. The engine stays usable."""
+        if self.kv_store is not None and len(self.session.tokens) >= self.kv_store.options.min_tokens:
+            self._checkpoint(SaveReason.SHUTDOWN)
 
     def generate(self, req: GenerationRequest, cancel: Callable[[], bool] | None = None) -> Iterator[Event]:
         """Prefills what the live session lacks, then samples until a stop rule fires. Yields events; Done last."""
@@ -183,20 +297,25 @@ class Engine:
             raise RequestError("the prompt is empty")
         if len(tokens) >= self.ctx:
             raise ContextOverflow(len(tokens), self.ctx)
+        if len(self.session.tokens) < self._on_disk:  # someone reset or replaced the session behind our back
+            self._on_disk = 0
         canonical = tokens
-        tokens, cached = self._reuse_live(text, tokens)
+        tokens, cached = self._reuse(text, tokens, exact=not isinstance(req.prompt, str))
         if len(tokens) >= self.ctx:
-            self.session.reset()
+            self._drop_session()
             tokens, cached = canonical, 0
+        cold_target = None
+        if self.kv_store is not None and cached == 0:
+            cold_target = self.kv_store.options.cold_target(tokens, self.tokenizer.user_id,
+                                                            self.tokenizer.assistant_id)
 
         yield PromptAccepted(len(tokens), cached)
         t0 = time.perf_counter()
-        suffix = tokens[cached:]
-        for done, total in self.session.prefill_steps(suffix):
+        for done, total in self._prefill(tokens, cached, cold_target):
             if total > self.session.chunk_size:
                 yield PrefillProgress(done, total)
             if done < total and cancel is not None and cancel():
-                self.session.reset()
+                self._drop_session()
                 yield Done("error", ParsedMessage("", ""), Usage(len(tokens), cached, 0),
                            prefill_seconds=time.perf_counter() - t0, error="cancelled")
                 return
@@ -239,13 +358,15 @@ class Engine:
                 finish = "tool_calls"
                 break
             if len(generated) < limit:
+                if self.kv_store is not None and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE):
+                    self._maybe_continued()  # continued checkpoints are not taken inside a tool block
                 logits = self.session.decode(token)
         yield from emit(stops.feed(decoder.flush()) + stops.flush())
         yield from parser.finish()
         t2 = time.perf_counter()
 
         if stops.hit:
-            self.session.reset()
+            self._drop_session()
         message = dsml.parse_message("".join(text_parts), thinking=req.thinking, tools_active=req.tools_active)
         finish = _final_finish_reason(finish, message)
         yield Done(

@@ -42,6 +42,8 @@ class ScriptedEngine:
         self.model_name = MODEL
         self.default_max_tokens = 393216
         self.tool_memory = ToolMemory()
+        self.tool_memory_lock = threading.Lock()
+        self.kv_store = None
         self.reply = reply or (lambda req: ("Let me think.</think>" if req.thinking else "") + "Hello there.")
         self.chunk = 3
         self.delay = 0.0
@@ -53,9 +55,13 @@ class ScriptedEngine:
         self.cancelled = 0
         self.started = threading.Event()
         self.live = ""
+        self.shut_down = False
 
     def count_tokens(self, prompt: str) -> int:
         return len(prompt)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
 
     def generate(self, req: GenerationRequest, cancel: Callable[[], bool] | None = None) -> Iterator[Event]:
         self.requests.append(req)

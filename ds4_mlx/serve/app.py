@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -165,7 +164,6 @@ class Server:
         self.engine = worker.engine
         self.options = options
         self.trace = Trace(options.trace) if options.trace else None
-        self._tool_memory_lock = threading.Lock()
 
     # -- plumbing -------------------------------------------------------------------------------------------
 
@@ -219,10 +217,23 @@ class Server:
         return render_chat(request.messages, tools=request.tools, think=think, ctx=self.engine.ctx,
                            tool_memory=self.engine.tool_memory)
 
+    def _recall_tool_ids(self, request: ChatRequest | CompletionRequest) -> dict[str, str]:
+        """With the disk KV cache on, tool-call ids this process does not know (e.g. from before a restart) are
+        looked up in the checkpoint files' tool maps, so that their sampled DSML is replayed (behavior.md §4.4)."""
+        store = self.engine.kv_store
+        if store is None or isinstance(request, CompletionRequest):
+            return {}
+        memory = self.engine.tool_memory
+        ids = {call.id for message in request.messages for call in message.tool_calls}
+        return store.tool_map({i for i in ids if i and i not in memory})
+
     def _prepare(self, data: bytes, api: Api) -> tuple[ChatRequest | CompletionRequest, str, int]:
         """Parse, normalize, render and count, on a pool thread; refuse prompts that do not fit (§3.7)."""
         request = api.parse(parse_body(data), ctx=self.engine.ctx, default_model=self.engine.model_name)
-        with self._tool_memory_lock:  # rendering reads the tool memory and refreshes its LRU order
+        recalled = self._recall_tool_ids(request)
+        with self.engine.tool_memory_lock:  # rendering reads the tool memory and refreshes its LRU order
+            for call_id, block in recalled.items():
+                self.engine.tool_memory.remember([call_id], block)
             prompt = self._render(request)
         n_prompt = self.engine.count_tokens(prompt)
         if n_prompt >= self.engine.ctx:
@@ -233,7 +244,7 @@ class Server:
         """Map the wire ids of the calls just generated to the exact DSML sampled (behavior.md §4.4)."""
         calls = ids.first(len(done.message.tool_calls))
         if calls and done.message.raw_dsml:
-            with self._tool_memory_lock:
+            with self.engine.tool_memory_lock:
                 self.engine.tool_memory.remember(calls, done.message.raw_dsml)
         return calls
 

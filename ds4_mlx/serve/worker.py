@@ -140,13 +140,17 @@ class Worker:
                 while not self._queue and not self._stopping:
                     self._cond.wait()
                 if not self._queue:
-                    return
+                    break
                 job = self._running = self._queue.popleft()
             try:
                 self._run(job)
             finally:
                 with self._cond:
                     self._running = None
+        try:
+            self.engine.shutdown()  # the disk KV cache keeps the live session for the next process
+        except Exception:
+            log.exception("saving the live session at shutdown failed")
 
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while the job was queued
