@@ -576,10 +576,11 @@ class PositionModel:
 
 
 class RecordingStore:
-    """Stands in for KvStore: records (reason, tokens) of each save; finds nothing."""
+    """Stands in for KvStore: records (reason, tokens) of each save, after checking the text key; finds nothing."""
 
-    def __init__(self, options: KvCacheOptions) -> None:
+    def __init__(self, options: KvCacheOptions, tokenizer) -> None:
         self.options = options
+        self.tokenizer = tokenizer
         self.saved: list[tuple[SaveReason, int]] = []
 
     def save(self, text, cache, tokens, logits, reason, tool_blocks=()) -> bool:
@@ -591,11 +592,11 @@ class RecordingStore:
         return None
 
 
-def scripted_engine(loaded: Engine, prompt: list[int], reply: str, opts: KvCacheOptions) -> tuple[Engine, RecordingStore]:
+def scripted_engine(loaded: Engine, prompt: list[int], reply: str,
+                    opts: KvCacheOptions) -> tuple[Engine, RecordingStore]:
     tok = loaded.tokenizer
     model = PositionModel(tok.vocab_size, len(prompt), tok.encode(reply) + [tok.eos_id])
-    store = RecordingStore(opts)
-    store.tokenizer = tok
+    store = RecordingStore(opts, tok)
     return Engine(model, tok, 512, kv_store=store), store
 
 

@@ -39,7 +39,8 @@ def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep session checkpoints in DIR (created 0700) and reuse them across conversations and "
                         "restarts (default: off)")
     g.add_argument("--kv-disk-space-mb", type=int, default=defaults.space_mb, metavar="N",
-                   help=f"disk budget in MiB; least useful checkpoints are evicted beyond it (default {defaults.space_mb})")
+                   help=f"disk budget in MiB; the least useful checkpoints are evicted beyond it (default "
+                        f"{defaults.space_mb})")
     g.add_argument("--kv-cache-min-tokens", type=int, default=defaults.min_tokens, metavar="N",
                    help=f"never save or load checkpoints shorter than N tokens (default {defaults.min_tokens})")
     g.add_argument("--kv-cache-cold-max-tokens", type=int, default=defaults.cold_max_tokens, metavar="N",
