@@ -195,7 +195,7 @@ class ToolMemory:
     Clients send tool calls back as JSON; re-rendering that JSON canonically rarely reproduces the sampled
     bytes (key order, spacing, escapes), which would break prefix reuse. Bounded LRU: a use refreshes an id;
     the oldest ids are dropped past `max_ids` entries or `max_bytes` (UTF-8 bytes of id + block, counted per
-    id). Owned by the one thread that renders prompts; not locked.
+    id). Not locked: the engine's `tool_memory_lock` guards it where two threads meet.
     """
 
     def __init__(self, max_ids: int = 100_000, max_bytes: int = 512 * 1024 * 1024) -> None:
@@ -211,6 +211,10 @@ class ToolMemory:
 
     def __contains__(self, call_id: object) -> bool:
         return call_id in self._blocks
+
+    def items(self) -> list[tuple[str, str]]:
+        """Every (id, block) pair, oldest first (the disk cache persists those its text replays)."""
+        return list(self._blocks.items())
 
     def remember(self, ids: Iterable[str], raw_dsml: str) -> None:
         """Map every (non-empty) id of one generated message to that message's sampled block."""

@@ -247,7 +247,7 @@ class Engine:
         """Saves the live session as it is now to the disk cache, with the tool-call ids its text replays."""
         tokens = self.session.tokens
         with self.tool_memory_lock:
-            tool_blocks = list(self.tool_memory._blocks.items())
+            tool_blocks = self.tool_memory.items()
         if self.kv_store.save(self._text_bytes(tokens), self.session.cache, tokens, self.session.logits, reason,
                               tool_blocks):
             self._on_disk = max(self._on_disk, len(tokens))

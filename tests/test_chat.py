@@ -793,3 +793,11 @@ def test_tool_context_renders_are_append_only(history, reply, following):
     later = render_chat(history + [reply] + following, tools=[BASH_SCHEMA], think=HIGH, ctx=CTX)
     turn = reply.reasoning + "</think>" + reply.content + canonical_tool_calls(reply.tool_calls) + E
     assert later.startswith(prompt + turn)
+
+
+def test_tool_memory_items_oldest_first():
+    memory = ToolMemory()
+    memory.remember(["a"], "A")
+    memory.remember(["b", "c"], "BC")
+    memory.lookup(["a"])
+    assert memory.items() == [("b", "BC"), ("c", "BC"), ("a", "A")]

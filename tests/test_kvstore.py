@@ -149,7 +149,8 @@ def test_bad_options_name_the_flag(tmp_path, field, value, flag):
 def test_serve_flags_map_to_options(tmp_path):
     import argparse
 
-    from ds4_mlx.commands.serve import add_arguments, kv_cache_options
+    from ds4_mlx.commands.options import kv_cache_options
+    from ds4_mlx.commands.serve import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -50,6 +50,19 @@ def test_run_greedy_prints_what_the_engine_generates(tiny_path):
     assert f"prompt {len(ids)} tokens" in stats and "generation 6 tokens" in stats and "finish length" in stats
 
 
+def test_run_reuses_a_disk_checkpoint_across_processes(tiny_path, tmp_path):
+    flags = ["run", "-m", str(tiny_path), "-p", "Tell me a story about a lighthouse keeper and the sea.", "-n", "2",
+             "--temp", "0", "--ctx", "256", "--kv-disk-dir", str(tmp_path / "kv"), "--kv-cache-min-tokens", "8",
+             "--kv-cache-boundary-align-tokens", "0", "--kv-cache-boundary-trim-tokens", "0"]
+    first = ds4(*flags)
+    assert first.returncode == 0, first.stderr
+    assert "(0 cached)" in first.stderr and list((tmp_path / "kv").glob("*.kv"))
+    second = ds4(*flags)
+    assert second.returncode == 0, second.stderr
+    assert "(0 cached)" not in second.stderr
+    assert second.stdout == first.stdout
+
+
 def test_cli_prompt_keeps_special_strings_as_text(tiny_path):
     engine = Engine.load(tiny_path, ctx=256)
     ids = encode_cli_prompt(engine.tokenizer, render_cli_prompt("<｜User｜>", think=ThinkMode.HIGH, ctx=256))

@@ -37,6 +37,53 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty (default 0)")
 
 
+def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The disk KV cache flags (ds4's names and defaults); the tuning flags matter only with --kv-disk-dir."""
+    from ..kvstore import KvCacheOptions as defaults
+
+    g = p.add_argument_group("disk KV cache")
+    g.add_argument("--kv-disk-dir", type=Path, metavar="DIR",
+                   help="keep session checkpoints in DIR (created 0700) and reuse them across conversations and "
+                        "restarts (default: off)")
+    g.add_argument("--kv-disk-space-mb", type=int, default=defaults.space_mb, metavar="N",
+                   help=f"disk budget in MiB; the least useful checkpoints are evicted beyond it (default "
+                        f"{defaults.space_mb})")
+    g.add_argument("--kv-cache-min-tokens", type=int, default=defaults.min_tokens, metavar="N",
+                   help=f"never save or load checkpoints shorter than N tokens (default {defaults.min_tokens})")
+    g.add_argument("--kv-cache-cold-max-tokens", type=int, default=defaults.cold_max_tokens, metavar="N",
+                   help="checkpoint first prompts of up to N tokens; loaded checkpoints longer than N are consumed "
+                        f"(deleted); 0 = no cold checkpoints (default {defaults.cold_max_tokens})")
+    g.add_argument("--kv-cache-continued-interval-tokens", type=int, default=defaults.continued_interval_tokens,
+                   metavar="N", help="checkpoint a growing session every N tokens, rounded up to the alignment; "
+                                     f"0 = off (default {defaults.continued_interval_tokens})")
+    g.add_argument("--kv-cache-boundary-trim-tokens", type=int, default=defaults.boundary_trim_tokens, metavar="N",
+                   help=f"tokens left off the end of a cold checkpoint (default {defaults.boundary_trim_tokens})")
+    g.add_argument("--kv-cache-boundary-align-tokens", type=int, default=defaults.boundary_align_tokens, metavar="N",
+                   help=f"align cold and continued checkpoints to N tokens; 0 = off (default "
+                        f"{defaults.boundary_align_tokens})")
+    g.add_argument("--kv-cache-reject-different-quant", action="store_true",
+                   help="load only checkpoints written by a model with the same routed-expert quantization "
+                        "(default: 2-bit and 4-bit files share checkpoints)")
+
+
+def kv_cache_options(args: argparse.Namespace):
+    """The KvCacheOptions the flags ask for (validated), or None without --kv-disk-dir."""
+    from ..kvstore import KvCacheOptions
+
+    if args.kv_disk_dir is None:
+        return None
+    return KvCacheOptions(
+        directory=args.kv_disk_dir,
+        space_mb=args.kv_disk_space_mb,
+        min_tokens=args.kv_cache_min_tokens,
+        cold_max_tokens=args.kv_cache_cold_max_tokens,
+        continued_interval_tokens=args.kv_cache_continued_interval_tokens,
+        boundary_trim_tokens=args.kv_cache_boundary_trim_tokens,
+        boundary_align_tokens=args.kv_cache_boundary_align_tokens,
+        reject_different_quant=args.kv_cache_reject_different_quant,
+    )
+
+
 def think_mode_from_args(args: argparse.Namespace):
     from ..chat import ThinkMode
 
@@ -78,6 +125,8 @@ def open_engine(args: argparse.Namespace, **opts):
             file=sys.stderr,
         )
         path = ensure_demo_model()
+    if getattr(args, "kv_disk_dir", None) is not None:
+        opts.setdefault("kv_cache", kv_cache_options(args))
     return Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet, **opts)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import Ds4Error
 from ..progress import Progress
 from .options import (
+    add_kv_cache_arguments,
     add_model_options,
     add_sampling_options,
     encode_cli_prompt,
@@ -27,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--tokens", type=int, default=50000, help="most tokens to generate (default 50000)")
     p.add_argument("-sys", "--system", default="You are a helpful assistant", help="system text ('' for none)")
     add_sampling_options(p)
+    add_kv_cache_arguments(p)
     p.add_argument("--dump-logprobs", type=Path, metavar="FILE", help="greedy continuation with top logprobs as JSON")
     p.add_argument("--logprobs-top-k", type=int, default=20, metavar="K", help="alternatives per step (max 128)")
 
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             elif isinstance(ev, PrefillProgress):
                 bar.update(ev.done, ev.total)
             sys.stdout.flush()
+    engine.shutdown()
     if in_reasoning and dim:
         sys.stdout.write("\x1b[0m")
     sys.stdout.write("\n")
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     prefill_tps = (u.prompt_tokens - u.cached_tokens) / done.prefill_seconds if done.prefill_seconds else 0.0
     gen_tps = u.completion_tokens / done.decode_seconds if done.decode_seconds else 0.0
     print(
-        f"ds4-mlx: prompt {u.prompt_tokens} tokens, prefill {prefill_tps:.1f} t/s, "
+        f"ds4-mlx: prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), prefill {prefill_tps:.1f} t/s, "
         f"generation {u.completion_tokens} tokens at {gen_tps:.1f} t/s, finish {done.finish_reason}",
         file=sys.stderr,
     )
