@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -165,7 +166,7 @@ def test_stop_strings_do_not_delay_the_tool_block_stop(tokenizer):
     assert "never" not in tokenizer.decode(model.fed)
 
 
-@finding(8, "exact token prompts are re-tokenized with specials on the live text-prefix path")
+@finding(9, "exact token prompts are re-tokenized with specials on the live text-prefix path")
 def test_exact_token_prompt_is_never_retokenized(tokenizer):
     """engine.py `_reuse`: "exact: the caller gave token ids ... (the text of ids is not re-tokenized)". The CLI
     tokenizes itself so that special strings typed by a user stay plain text (GenerationRequest docstring), but
@@ -182,7 +183,7 @@ def test_exact_token_prompt_is_never_retokenized(tokenizer):
     assert done.usage.prompt_tokens == len(second)
 
 
-@finding(17, "tool blocks are searched after the first </think>, the spec says after the last")
+@finding(18, "tool blocks are searched after the first </think>, the spec says after the last")
 def test_tool_blocks_are_searched_after_the_last_think_close():
     """behavior.md §4.1.1: "only text after the LAST </think> is searched for tool blocks. DSML inside reasoning
     is never executable"."""
@@ -228,7 +229,7 @@ def test_responses_accepts_tool_search_items(client, engine):
     assert "list_files" in engine.requests[-1].prompt
 
 
-@finding(4, "a lone surrogate in `model` (echoed back) crashes the response: 500, or a cut stream")
+@finding(5, "a lone surrogate in `model` (echoed back) crashes the response: 500, or a cut stream")
 @pytest.mark.parametrize(
     "path, body",
     [
@@ -252,7 +253,7 @@ def test_lone_surrogate_in_model_is_not_a_server_error(client, path, body):
         r.json()
 
 
-@finding(5, "with --trace, a lone surrogate anywhere in the prompt makes every such request a 500")
+@finding(6, "with --trace, a lone surrogate anywhere in the prompt makes every such request a 500")
 def test_trace_survives_lone_surrogates(tmp_path):
     """The trace file is opened with encoding utf-8 and strict errors: writing a rendered prompt that holds a
     lone surrogate (valid JSON "\\udc00") raises inside the request. The tokenizer already maps lone surrogates
@@ -263,7 +264,7 @@ def test_trace_survives_lone_surrogates(tmp_path):
     assert r.status_code == 200, r.text
 
 
-@finding(6, "a lone surrogate in a Responses tool_choice crashes the error handler (text/plain 500)")
+@finding(7, "a lone surrogate in a Responses tool_choice crashes the error handler (text/plain 500)")
 def test_responses_tool_choice_with_lone_surrogate_gets_a_json_400(client):
     """behavior.md §3.7: tool_choice other than auto/none → 400 `tool_choice=… not supported`. The value is
     interpolated raw; with a lone surrogate the error body cannot be encoded, the handler raises, and
@@ -272,7 +273,7 @@ def test_responses_tool_choice_with_lone_surrogate_gets_a_json_400(client):
     assert_error_shape(r, "/v1/responses")
 
 
-@finding(7, "an integer sampling knob too large for a float is a 500 (OverflowError)")
+@finding(8, "an integer sampling knob too large for a float is a 500 (OverflowError)")
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
 def test_huge_integer_sampling_knob_is_a_400(client, path):
     """Robustness standard: no 500 for a client mistake. `float(10**400)` raises OverflowError in
@@ -286,7 +287,7 @@ def test_huge_integer_sampling_knob_is_a_400(client, path):
     assert_error_shape(r, path)
 
 
-@finding(11, "a decode failure after the stream began is an `event: error`, not finish_reason error")
+@finding(12, "a decode failure after the stream began is an `event: error`, not finish_reason error")
 def test_decode_failure_ends_the_stream_with_finish_error(client, engine):
     """behavior.md §3.7: "Generation failures during decode do not produce an error event; they end the normal
     stream with finish `error` (Responses: `response.failed`)". §3.6: `error` covers decode failures."""
@@ -298,7 +299,7 @@ def test_decode_failure_ends_the_stream_with_finish_error(client, engine):
     assert json.loads(frames[-2][1])["choices"][0]["finish_reason"] == "error"
 
 
-@finding(12, "a negative max_tokens is refused with 400 instead of clamped to 0")
+@finding(13, "a negative max_tokens is refused with 400 instead of clamped to 0")
 def test_negative_max_tokens_is_clamped_to_zero(client):
     """behavior.md §3.5: "`max_tokens` ... negative → 0 (then `finish_reason:"length"` with empty output)"."""
     r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": -1})
@@ -306,7 +307,7 @@ def test_negative_max_tokens_is_clamped_to_zero(client):
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
-@finding(13, "temperature < 0 and top_p = 0 are refused with 400 in non-thinking mode")
+@finding(14, "temperature < 0 and top_p = 0 are refused with 400 in non-thinking mode")
 @pytest.mark.parametrize("knob", [{"temperature": -1}, {"top_p": 0}])
 def test_sampling_knobs_in_ds4_range_are_accepted(client, knob):
     """behavior.md §3.5: "Sampler: `temperature<=0` → argmax"; ds4 accepts any number for these knobs, and
@@ -316,7 +317,7 @@ def test_sampling_knobs_in_ds4_range_are_accepted(client, knob):
     assert r.status_code == 200, r.text
 
 
-@finding(15, "an Anthropic stream that ends inside thinking sends an extra empty text block")
+@finding(16, "an Anthropic stream that ends inside thinking sends an extra empty text block")
 def test_anthropic_stream_ending_inside_thinking_has_no_text_block(client, engine):
     """behavior.md §3.10 (Anthropic): "If the stream ends inside thinking, the thinking block is closed (with
     signature) and nothing else is sent before message_delta"."""
@@ -328,7 +329,7 @@ def test_anthropic_stream_ending_inside_thinking_has_no_text_block(client, engin
     assert [e for e, _ in events][-2:] == ["message_delta", "message_stop"]
 
 
-@finding(16, "HEAD on GET routes answers 200 (Starlette adds HEAD), the spec says 404")
+@finding(17, "HEAD on GET routes answers 200 (Starlette adds HEAD), the spec says 404")
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/models/deepseek-v4-flash", "/health"])
 def test_head_is_an_unknown_endpoint(client, path):
     """behavior.md §3.2: "anything else (incl. ... HEAD ...) | 404 `unknown endpoint`"; docs/server.md: "Anything
@@ -336,7 +337,7 @@ def test_head_is_an_unknown_endpoint(client, path):
     assert client.head(path).status_code == 404
 
 
-@finding(14, "a client that disconnects while sending its body is logged as an internal error (500)")
+@finding(15, "a client that disconnects while sending its body is logged as an internal error (500)")
 def test_disconnect_while_reading_the_body_is_not_an_internal_error(caplog):
     """Robustness standard: client disconnects lose nothing and are never a 500. Starlette raises ClientDisconnect
     from `request.stream()`; the endpoint wrapper treats it as an internal fault (ERROR log with traceback,
@@ -373,7 +374,7 @@ def test_disconnect_while_reading_the_body_is_not_an_internal_error(caplog):
 # GGUF and model files
 
 
-@finding(9, "deeply nested metadata arrays raise RecursionError instead of GGUFError")
+@finding(10, "deeply nested metadata arrays raise RecursionError instead of GGUFError")
 def test_deeply_nested_metadata_array_is_a_gguf_error(tmp_path):
     """Review brief / errors.py: a malformed file fails with GGUFError naming what is wrong, "never an
     IndexError/struct.error/numpy error". `_Cursor.array` recurses once per nesting level; 5000 levels of
@@ -388,18 +389,44 @@ def test_deeply_nested_metadata_array_is_a_gguf_error(tmp_path):
         GGUFFile.open(path)
 
 
-@finding(10, "a tokenizer vocabulary smaller than vocab_size loads; generation then fails on sampled ids")
+def tiny_spec_with_vocab(tokens: list[str]) -> gguf_build.Spec:
+    """The tiny layout (vocab_size 512) with the factory's small byte-level vocabulary, truncated to `tokens`."""
+    spec = gguf_build.model_spec()
+    spec.metadata["tokenizer.ggml.tokens"] = ((ValueType.ARRAY, ValueType.STRING), tokens)
+    spec.metadata["tokenizer.ggml.merges"] = ((ValueType.ARRAY, ValueType.STRING), list(build_vocab("small").merges))
+    return spec
+
+
+@finding(4, "hash-routing ids are not range-checked: an id outside [0, n_expert) segfaults the first forward pass")
+def test_out_of_range_hash_routing_id_is_a_layout_error(tmp_path):
+    """gguf-and-forward.md §2.3/§3.9: `ffn_gate_tid2eid` row t holds the expert ids of token t. MLX gathers do
+    not bounds-check: with an id of 100000 in the table, Engine.load succeeds and the first generate() kills the
+    process with SIGSEGV (checked by hand; not run here). A corrupted file must fail at load with a LayoutError
+    naming the tensor (the table is n_used x n_vocab int32: 3 MB for Flash, cheap to check once)."""
+    c = gguf_build.TINY
+    table = np.tile(np.arange(c.n_expert_used, dtype="<i4"), (c.n_vocab, 1))
+    table[7, 1] = 100_000
+    spec = tiny_spec_with_vocab(list(build_vocab("small").tokens))
+    path = gguf_build.write(spec, tmp_path / "bad-hash.gguf", {"blk.0.ffn_gate_tid2eid.weight": table.tobytes()})
+    with pytest.raises(LayoutError, match="tid2eid"):
+        Engine.load(path, ctx=64)
+
+
+@finding(11, "a tokenizer vocabulary smaller than vocab_size loads; generation then fails on sampled ids")
 def test_vocabulary_shorter_than_vocab_size_is_a_layout_error(tmp_path):
     """gguf-and-forward.md §1.2/§6: `tokenizer.ggml.tokens` holds the vocabulary by id and the logits have
     `vocab_size` entries, so the two must agree. Nothing checks it: the model can sample an id the tokenizer
     does not have, and the request fails mid-generation ("token id 511 is outside the vocabulary")."""
-    vocab = build_vocab("small")
-    spec = gguf_build.model_spec()  # TINY: vocab_size 512
-    spec.metadata["tokenizer.ggml.tokens"] = ((ValueType.ARRAY, ValueType.STRING), list(vocab.tokens[:-1]))
-    spec.metadata["tokenizer.ggml.merges"] = ((ValueType.ARRAY, ValueType.STRING), list(vocab.merges))
+    spec = tiny_spec_with_vocab(list(build_vocab("small").tokens[:-1]))
     path = gguf_build.write(spec, tmp_path / "short-vocab.gguf")
     with pytest.raises(LayoutError, match="vocab"):
         Engine.load(path, ctx=64)
+
+
+def test_tiny_file_with_small_vocabulary_loads(tmp_path):
+    """The control for findings 4 and 11: the same file with a full vocabulary and a valid table loads."""
+    spec = tiny_spec_with_vocab(list(build_vocab("small").tokens))
+    assert Engine.load(gguf_build.write(spec, tmp_path / "ok.gguf"), ctx=64).tokenizer.vocab_size == 512
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -452,7 +479,7 @@ BASES = {
     },
 }
 
-# Lone surrogates and integers beyond float range are left out here: findings 4-7 cover them.
+# Lone surrogates and integers beyond float range are left out here: findings 5-8 cover them.
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=8),
