@@ -17,13 +17,21 @@ import pytest
 from rich.console import Console
 
 from ds4_mlx.chat import ASSISTANT, EOS, THINK_MAX_PREFIX, ThinkMode
-from ds4_mlx.commands.chat import Chat, Transcript, _AnswerPrinter, piped_lines, resize_context
+from ds4_mlx.commands.chat import (
+    Chat,
+    Transcript,
+    _AnswerPrinter,
+    interrupts_for_the_main_thread,
+    piped_lines,
+    resize_context,
+)
 from ds4_mlx.engine import Engine
 from ds4_mlx.events import ReasoningDelta, TextDelta
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 
 SYSTEM = "You are a helpful assistant"
+PROMPT_BYTES = b"ds4-mlx> "
 CTX = 1024
 MAX_TOKENS = 3
 
@@ -268,6 +276,18 @@ def test_second_ctrl_c_interrupts_at_once_and_drops_the_turn(chat, monkeypatch):
     assert chat.transcript.turns == [] and chat.engine.session.tokens == []
 
 
+def test_threads_started_while_loading_leave_ctrl_c_to_the_main_thread():
+    import threading
+
+    masks = []
+    with interrupts_for_the_main_thread():
+        worker = threading.Thread(target=lambda: masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        worker.start()
+        worker.join()
+    assert signal.SIGINT in masks[0]
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
 def test_answer_printer_greys_reasoning_and_breaks_the_line_before_the_answer():
     buf = io.StringIO()
     printer = _AnswerPrinter(buf, grey=True)
@@ -300,3 +320,59 @@ def test_chat_through_a_pipe(model_path):
     assert "(0 reused)" in stats[0] and "(0 reused)" not in stats[1]
     assert "ds4-mlx: unknown command: /bogus\nds4-mlx: type /help for commands\n" in r.stderr
     assert ASSISTANT not in r.stdout and EOS not in r.stdout
+
+
+def test_chat_in_a_terminal(model_path, tmp_path):
+    """On a pseudo-terminal: the prompt, grey reasoning, Ctrl+C stopping an answer and clearing a typed line,
+    Ctrl+D leaving, and the line history saved in the home directory."""
+    import os
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat command on the terminal's slave side
+        os.environ["HOME"] = str(tmp_path)
+        argv = [sys.executable, "-m", "ds4_mlx.cli", "chat", "-m", str(model_path), "-c", str(CTX), "-n", "500",
+                "--temp", "0"]
+        os.execv(sys.executable, argv)
+    seen = b""
+    start = 0
+
+    def expect(marker: bytes, timeout: float = 60.0) -> None:
+        """Waits for `marker` in the output that came after the previous marker."""
+        nonlocal seen, start
+        deadline = time.monotonic() + timeout
+        while marker not in seen[start:]:
+            assert time.monotonic() < deadline, f"no {marker!r} in {seen[start:]!r} (after {seen[:start]!r})"
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:  # the child closed the terminal
+                    raise AssertionError(f"the chat ended before {marker!r}: {seen!r}") from None
+        start = seen.index(marker, start) + len(marker)
+
+    try:
+        expect(PROMPT_BYTES)
+        os.write(fd, b"hello\r")
+        expect(b"\x1b[90m")  # reasoning started, in grey
+        os.write(fd, b"\x03")
+        expect(b"finish cancelled")
+        expect(PROMPT_BYTES)
+        os.write(fd, b"typed then dropped")
+        expect(b"typed then dropped")
+        # CPython's readline only looks at signals when its wait is interrupted; a Ctrl+C that lands while it is
+        # still handling the last keystroke waits for the next key. People do not type that fast.
+        time.sleep(0.3)
+        os.write(fd, b"\x03")
+        expect(PROMPT_BYTES)
+        os.write(fd, b"/nothink\r")
+        expect(b"Thinking mode: none.")
+        expect(PROMPT_BYTES)
+        os.write(fd, b"\x04")
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert b"\x1b[0m" in seen.split(b"\x1b[90m", 1)[1]  # the grey ends before the stats line
+    assert (tmp_path / ".ds4_mlx_history").read_text().splitlines() == ["hello", "/nothink"]

@@ -33,7 +33,6 @@ from .options import (
     sampling_from_args,
     think_mode_from_args,
 )
-from .tokens import read_prompt_file
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -106,10 +105,14 @@ class Chat:
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def loop(self, lines: Iterable[str]) -> None:
-        """Handles lines until /quit, /exit or the end of the input."""
+        """Handles lines until /quit, /exit or the end of the input. A Ctrl+C outside generation (a turn's own
+        Ctrl+C is handled by `send`) abandons what the line was doing; it never leaves the chat."""
         for line in lines:
-            if not self.handle(line):
-                return
+            try:
+                if not self.handle(line):
+                    return
+            except KeyboardInterrupt:
+                self.out.file.write("\n")
 
     def handle(self, line: str) -> bool:
         """One input line: a command, or a user message. Returns False when the user asks to leave."""
@@ -181,6 +184,8 @@ class Chat:
 
     def _read(self, arg: str) -> None:
         """/read FILE: the file's text becomes the next user message."""
+        from .tokens import read_prompt_file
+
         if not arg:
             self.error("/read expects a file name")
             return
@@ -233,11 +238,11 @@ class Chat:
                 for event in engine.generate(request, cancel=stopped):
                     if isinstance(event, PrefillProgress):
                         bar.update(event.done, event.total)
-                        continue
-                    bar.close()
-                    if isinstance(event, ReasoningDelta):
+                    elif isinstance(event, ReasoningDelta):
+                        bar.close()
                         printer.reasoning(event.text)
                     elif isinstance(event, TextDelta):
+                        bar.close()
                         printer.text(event.text)
                     elif isinstance(event, Done):
                         done = event
@@ -358,6 +363,29 @@ def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
+@contextmanager
+def interrupts_for_the_main_thread() -> Iterator[None]:
+    """Keeps Ctrl+C for the main thread: run numpy's, MLX's and the tokenizer's first use inside this block.
+
+    Threads inherit the signal mask of the thread that starts them, and those libraries start theirs when first
+    imported or used (OpenBLAS at numpy's import, MLX at the first evaluation); with SIGINT blocked meanwhile, none
+    of them will take it. A SIGINT taken by another thread sets Python's flag but does not interrupt the main
+    thread's wait inside readline, so the prompt would ignore Ctrl+C until Enter. A Ctrl+C pressed meanwhile is
+    delivered when the block ends.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import mlx.core as mx
+
+        yield
+        mx.eval(mx.zeros(1) + 1)  # MLX starts a stream's thread at its first evaluation
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def terminal_lines(prompt: str = PROMPT) -> Iterator[str]:
     """Lines typed at the prompt. Ctrl+C clears the line rather than leaving; Ctrl+D leaves."""
     while True:
@@ -402,8 +430,9 @@ def readline_history(path: Path = HISTORY_FILE) -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     if args.tokens < 0:
         raise Ds4Error(f"--tokens must be >= 0, got {args.tokens}")
-    sampling = sampling_from_args(args)
-    engine = open_engine(args)
+    with interrupts_for_the_main_thread():
+        sampling = sampling_from_args(args)
+        engine = open_engine(args)
     chat = Chat(
         engine,
         system=args.system,
