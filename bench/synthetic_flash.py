@@ -1,6 +1,6 @@
 """Prefill and decode speed of the full DeepSeek V4 Flash layout, on synthetic weights built in memory.
 
-    python bench/synthetic_flash.py                  # all 43 layers, q2 experts (~81 GB): an H200, a 128 GB Mac
+    python bench/synthetic_flash.py                  # all 43 layers, q2 experts (85.5 GiB loaded): an H200
     python bench/synthetic_flash.py --layers 4       # the first 4 layers (every kind of layer once), ~9 GB
     python bench/synthetic_flash.py --json --gen-tokens 32
 
@@ -21,7 +21,6 @@ import argparse
 import re
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,30 +54,18 @@ def flash_config(layers: int) -> ModelConfig:
 
 class SyntheticFile:
     """Stands in for a mapped GGUFFile under ModelWeights: the published tensor directory, and each tensor's raw
-    blocks drawn when the model asks for them (`tensor_bytes`).
+    blocks drawn when the model asks for them (`tensor_bytes`)."""
 
-    `progress(bytes handed out, bytes in all)` is called after each tensor, as loading a file reports.
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        experts: str = "q2",
-        seed: int = 0,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> None:
+    def __init__(self, config: ModelConfig, experts: str = "q2", seed: int = 0) -> None:
         self.path = Path(f"<synthetic DeepSeek V4 Flash, {config.n_layer} layers, {experts} experts>")
         self.metadata: dict = {}
         self.seed = seed
-        self.progress = progress
         self._specs = {spec.name: spec for spec in model_tensors(config, experts)}
         self.tensors = {
             name: TensorInfo(name, tuple(spec.ne), GGMLType(int(spec.ggml_type)), 0, spec.n_bytes)
             for name, spec in self._specs.items()
         }
-        self._size = sum(spec.n_bytes for spec in self._specs.values())
         self._draws: dict[tuple, np.ndarray] = {}
-        self._handed_out = 0
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The tensor's raw blocks; the same array for every layer's tensor of the same role, shape and type."""
@@ -87,9 +74,6 @@ class SyntheticFile:
         data = self._draws.get(key)
         if data is None:
             data = self._draws[key] = _draw(spec, self.seed)
-        self._handed_out += spec.n_bytes
-        if self.progress is not None:
-            self.progress(self._handed_out, self._size)
         return data
 
     def close(self) -> None:
@@ -97,11 +81,9 @@ class SyntheticFile:
         self._draws.clear()
 
 
-def synthetic_weights(
-    config: ModelConfig, experts: str = "q2", seed: int = 0, progress: Callable[[int, int], None] | None = None
-) -> ModelWeights:
+def synthetic_weights(config: ModelConfig, experts: str = "q2", seed: int = 0) -> ModelWeights:
     """ModelWeights over a SyntheticFile: what `open_weights` returns for a real file of this layout."""
-    file = SyntheticFile(config, experts, seed, progress)
+    file = SyntheticFile(config, experts, seed)
     expert_types = [
         tuple(GGMLType(int(t)) for t in routed_expert_types(config, experts, layer)) for layer in range(config.n_layer)
     ]
@@ -137,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ds4_mlx.engine import check_memory, device_memory_bytes
+    from ds4_mlx.model.linear import loaded_nbytes
     from ds4_mlx.model.model import Model
     from ds4_mlx.progress import Progress
     from ds4_mlx.session import Session
@@ -145,11 +128,11 @@ def _run(args: argparse.Namespace) -> int:
     select_backend(args)
     config = flash_config(args.layers)
     t0 = time.perf_counter()
+    weights = synthetic_weights(config, args.experts, args.seed)
+    check_memory(weights, loaded_nbytes(weights), args.ctx, device_memory_bytes())
     with Progress(quiet=args.quiet).bar("building", unit="bytes") as bar:
-        weights = synthetic_weights(config, args.experts, args.seed, progress=bar.update)
-        check_memory(weights, weights.nbytes, args.ctx, device_memory_bytes())
-        model = Model(weights, simulate_quant=not args.no_quant_sim)
-        weights.close()
+        model = Model(weights, simulate_quant=not args.no_quant_sim, progress=bar.update)
+    weights.close()
     load_seconds = time.perf_counter() - t0
     result = bench_session(
         Session(model, args.ctx),
