@@ -7,9 +7,9 @@
 No file is read or written. Every tensor has the published name, ne shape and GGUF type (the factory's inventory,
 spec §2) and holds random valid quant blocks drawn by the factory's block builders, so the forward pass does the
 work it does on the real file. Tensors with the same role, shape and type in several layers share one random
-draw: building the whole model then draws about four layers' worth of blocks (one per kind of layer: hash and
-raw, raw, ratio 4, ratio 128) instead of 81 GB, yet each layer still gets its own copy in MLX memory, so the
-memory traffic is that of the real model. Speed does not depend on the values, only on their types and shapes.
+draw: building the whole model draws about one layer's worth of blocks (the routed experts once, the attention
+tensors once per compression ratio) instead of 81 GB, yet each layer still gets its own copy in MLX memory, so
+the memory traffic is that of the real model. Speed does not depend on the values, only on their types and shapes.
 
 Before anything is built, the engine's memory check refuses a layout that does not fit this device together with
 the session state at --ctx, naming what would. `--experts q4` is the q4 file's layout (~150 GB of weights).
