@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 
-from ..chat import THINK_MAX_MIN_CONTEXT, ThinkMode, effective_think_mode, render_cli_preamble, render_cli_turn
+from ..chat import (
+    DEFAULT_SYSTEM,
+    THINK_MAX_MIN_CONTEXT,
+    ThinkMode,
+    effective_think_mode,
+    render_cli_preamble,
+    render_cli_turn,
+)
 from ..errors import Ds4Error, RequestError, ResourceError
 from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
 from ..progress import Progress
@@ -58,7 +65,9 @@ COMMANDS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     p.add_argument("-n", "--tokens", type=int, default=50000, help="most tokens per answer (default 50000)")
-    p.add_argument("-sys", "--system", default="You are a helpful assistant", help="system text ('' for none)")
+    p.add_argument(
+        "-sys", "--system", default=DEFAULT_SYSTEM, help=f"system text (default {DEFAULT_SYSTEM!r}; '' for none)"
+    )
     add_sampling_options(p)
 
 
