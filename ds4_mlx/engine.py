@@ -176,7 +176,7 @@ class Engine:
         The live session first, then the disk cache, else nothing (a cold prefill). `exact`: the caller gave
         token ids, which then must extend a disk checkpoint's ids too (the text of ids is not re-tokenized).
         """
-        live = self._reuse_live(prompt, tokens)
+        live = self._reuse_live(prompt, tokens, exact)
         if live is not None:
             return live
         self._replace_session()
@@ -186,14 +186,14 @@ class Engine:
                 return loaded
         return tokens, 0
 
-    def _reuse_live(self, prompt: str, tokens: list[int]) -> tuple[list[int], int] | None:
+    def _reuse_live(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int] | None:
         """The live tokens are reused when they are a token prefix of the new prompt, or when their text is a byte
         prefix of it (then only the remaining text is tokenized, never slicing the canonical tokens, since BPE
-        may merge across the boundary). None on a miss."""
+        may merge across the boundary). Prompts given as ids (`exact`) are never re-tokenized. None on a miss."""
         live = self.session.tokens
         if live and len(tokens) >= len(live) and tokens[: len(live)] == live:
             return tokens, len(live)
-        if live:
+        if live and not exact:
             live_text = self.tokenizer.decode(live)
             if prompt.startswith(live_text):
                 return live + self.tokenizer.encode(prompt[len(live_text) :]), len(live)
@@ -334,34 +334,45 @@ class Engine:
         finish = "length"
 
         def emit(text: str) -> Iterator[Event]:
+            """Visible text (after stop strings) goes to the DSML parser, which turns it into events."""
             text_parts.append(text)
-            if greedy is not None:
-                greedy.feed(text)
             yield from parser.feed(text)
 
-        while len(generated) < limit:
-            if cancel is not None and cancel():
-                finish = "error"
-                break
-            use_greedy = greedy is not None and greedy.greedy
-            token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
-            if token == self.tokenizer.eos_id:
-                finish = "stop"
-                break
-            generated.append(token)
-            sampler.record(token)
-            yield from emit(stops.feed(decoder.feed(token)))
-            if stops.hit:
-                finish = "stop"
-                break
-            if req.tools_active and parser.tool_block_closed:
-                finish = "tool_calls"
-                break
-            if len(generated) < limit:
-                if self.kv_store is not None and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE):
-                    self._maybe_continued()  # continued checkpoints are not taken inside a tool block
-                logits = self.session.decode(token)
-        yield from emit(stops.feed(decoder.flush()) + stops.flush())
+        failure = ""
+        try:
+            while len(generated) < limit:
+                if cancel is not None and cancel():
+                    finish = "error"
+                    break
+                use_greedy = greedy is not None and greedy.greedy
+                token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
+                if token == self.tokenizer.eos_id:
+                    finish = "stop"
+                    break
+                generated.append(token)
+                sampler.record(token)
+                piece = decoder.feed(token)
+                if greedy is not None:
+                    greedy.feed(piece)  # the sampling mode follows the text as sampled, not as held for stops
+                yield from emit(stops.feed(piece))
+                if stops.hit:
+                    finish = "stop"
+                    break
+                if req.tools_active and parser.tool_block_closed:
+                    finish = "tool_calls"
+                    break
+                if len(generated) < limit:
+                    if self.kv_store is not None and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE):
+                        self._maybe_continued()  # continued checkpoints are not taken inside a tool block
+                    logits = self.session.decode(token)
+        except Exception as exc:  # a decode failure ends the answer with finish "error" (behavior.md §3.6-3.7)
+            log.exception("decode failed after %d tokens", len(generated))
+            finish, failure = "error", f"decode failed: {exc}"
+            self._drop_session()
+        tail = decoder.flush()
+        if greedy is not None:
+            greedy.feed(tail)
+        yield from emit(stops.feed(tail) + stops.flush())
         yield from parser.finish()
         t2 = time.perf_counter()
 
@@ -375,15 +386,18 @@ class Engine:
             usage=Usage(prompt_tokens=len(tokens), cached_tokens=cached, completion_tokens=len(generated)),
             prefill_seconds=t1 - t0,
             decode_seconds=t2 - t1,
-            error="cancelled" if finish == "error" and not message.error else message.error,
+            error=failure or ("cancelled" if finish == "error" and not message.error else message.error),
             token_ids=tuple(generated),
         )
 
 
 def _final_finish_reason(finish: str, message: ParsedMessage) -> str:
-    """behavior.md §3.6: parsed tool calls make `tool_calls`; an unterminated tool block makes `error`."""
+    """behavior.md §3.6 and §4.1: parsed tool calls make `tool_calls`; an unterminated tool block makes `error`;
+    a closed but malformed block is returned as text and finishes `stop`."""
     if message.error == dsml.UNTERMINATED_TOOL_CALL:
         return "error"
     if message.tool_calls and finish in ("stop", "tool_calls"):
         return "tool_calls"
+    if finish == "tool_calls":
+        return "stop"
     return finish

@@ -191,6 +191,20 @@ def test_cancel_between_prefill_chunks(tokenizer):
     assert len(model.fed) == 8 and engine.session.tokens == []
 
 
+def test_a_decode_failure_ends_the_answer_with_finish_error(tokenizer):
+    class FailingModel(ScriptedModel):
+        def __call__(self, tokens: mx.array, cache: ScriptedCache) -> mx.array:
+            if self.step == 3:
+                raise RuntimeError("device lost")
+            return super().__call__(tokens, cache)
+
+    engine = Engine(FailingModel(tokenizer.vocab_size, tokenizer.encode("one two three four five")), tokenizer, 512)
+    _, done = run(engine, max_tokens=10)
+    assert done.finish_reason == "error" and "device lost" in done.error
+    assert done.usage.completion_tokens == 3
+    assert engine.session.tokens == []
+
+
 def test_prompt_that_fills_the_context_is_rejected(tokenizer):
     engine, _ = scripted(tokenizer, "x", ctx=8)
     with pytest.raises(ContextOverflow) as e:

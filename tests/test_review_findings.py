@@ -140,7 +140,6 @@ def scripted_engine(tokenizer: Tokenizer, text: str) -> tuple[Engine, ScriptedMo
 # engine
 
 
-@finding(1, "a malformed tool block ends with finish_reason tool_calls and no tool calls")
 def test_malformed_tool_block_finishes_with_stop(tokenizer):
     """behavior.md §4.1.8: a malformed block when tools are active is "not an error — the whole raw text is
     returned as assistant content, no tool calls, finish `stop`". Today the parser's recovery closes the block,
@@ -152,7 +151,6 @@ def test_malformed_tool_block_finishes_with_stop(tokenizer):
     assert done.finish_reason == "stop"
 
 
-@finding(2, "stop strings delay the DSML parser and greedy tracker, so generation runs past the closing tag")
 def test_stop_strings_do_not_delay_the_tool_block_stop(tokenizer):
     """behavior.md §3.6: with tools active, generation stops "immediately after the closing
     </｜DSML｜tool_calls>"; §5.1: the live KV never holds anything after a closing tool tag. The engine feeds the
@@ -166,7 +164,6 @@ def test_stop_strings_do_not_delay_the_tool_block_stop(tokenizer):
     assert "never" not in tokenizer.decode(model.fed)
 
 
-@finding(9, "exact token prompts are re-tokenized with specials on the live text-prefix path")
 def test_exact_token_prompt_is_never_retokenized(tokenizer):
     """engine.py `_reuse`: "exact: the caller gave token ids ... (the text of ids is not re-tokenized)". The CLI
     tokenizes itself so that special strings typed by a user stay plain text (GenerationRequest docstring), but

@@ -24,11 +24,14 @@ def test_no_stop_passes_everything_through():
     assert stream(["zz"], ["az", "b", "z"]) == ("azbz", False)
 
 
-def test_holds_back_longest_minus_one_chars():
-    s = StopStrings(["END"])
-    assert s.feed("abcE") == "ab"
-    assert s.feed("x") == "c"
-    assert s.flush() == "Ex"
+def test_holds_back_only_what_could_start_a_stop_string():
+    s = StopStrings(["END", "STOP"])
+    assert s.feed("abcE") == "abc"
+    assert s.feed("N") == ""
+    assert s.feed("x") == "ENx"
+    assert s.feed("ST") == ""
+    assert s.flush() == "ST"
+    assert StopStrings(["END"]).feed("no match here>") == "no match here>"
 
 
 def test_nothing_after_a_hit():
