@@ -158,7 +158,8 @@ def metadata_for(c: ModelConfig) -> dict[str, tuple[Any, Any]]:
         a + "nextn_predict_layers": (U32, 1),
         "tokenizer.ggml.model": (STR, "gpt2"),
         "tokenizer.ggml.pre": (STR, "joyai-llm"),
-        "tokenizer.ggml.tokens": ((ValueType.ARRAY, STR), ["<bos>", "<eos>", "a", "b", "ab"]),
+        "tokenizer.ggml.tokens": ((ValueType.ARRAY, STR), ["<bos>", "<eos>", "a", "b", "ab"]
+                                  + [f"<t{i}>" for i in range(5, c.n_vocab)]),
         "tokenizer.ggml.merges": ((ValueType.ARRAY, STR), ["a b"]),
     }
     return md

@@ -180,15 +180,6 @@ def test_exact_token_prompt_is_never_retokenized(tokenizer):
     assert done.usage.prompt_tokens == len(second)
 
 
-@finding(18, "tool blocks are searched after the first </think>, the spec says after the last")
-def test_tool_blocks_are_searched_after_the_last_think_close():
-    """behavior.md §4.1.1: "only text after the LAST </think> is searched for tool blocks. DSML inside reasoning
-    is never executable"."""
-    text = "reasoning</think>draft" + CALL + " more reasoning</think>The answer."
-    message = dsml.parse_message(text, thinking=True, tools_active=False)
-    assert message.tool_calls == ()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # server: responses to valid and invalid requests
 
@@ -371,7 +362,6 @@ def test_disconnect_while_reading_the_body_is_not_an_internal_error(caplog):
 # GGUF and model files
 
 
-@finding(10, "deeply nested metadata arrays raise RecursionError instead of GGUFError")
 def test_deeply_nested_metadata_array_is_a_gguf_error(tmp_path):
     """Review brief / errors.py: a malformed file fails with GGUFError naming what is wrong, "never an
     IndexError/struct.error/numpy error". `_Cursor.array` recurses once per nesting level; 5000 levels of
@@ -394,7 +384,6 @@ def tiny_spec_with_vocab(tokens: list[str]) -> gguf_build.Spec:
     return spec
 
 
-@finding(4, "hash-routing ids are not range-checked: an id outside [0, n_expert) segfaults the first forward pass")
 def test_out_of_range_hash_routing_id_is_a_layout_error(tmp_path):
     """gguf-and-forward.md §2.3/§3.9: `ffn_gate_tid2eid` row t holds the expert ids of token t. MLX gathers do
     not bounds-check: with an id of 100000 in the table, Engine.load succeeds and the first generate() kills the
@@ -409,7 +398,6 @@ def test_out_of_range_hash_routing_id_is_a_layout_error(tmp_path):
         Engine.load(path, ctx=64)
 
 
-@finding(11, "a tokenizer vocabulary smaller than vocab_size loads; generation then fails on sampled ids")
 def test_vocabulary_shorter_than_vocab_size_is_a_layout_error(tmp_path):
     """gguf-and-forward.md §1.2/§6: `tokenizer.ggml.tokens` holds the vocabulary by id and the logits have
     `vocab_size` entries, so the two must agree. Nothing checks it: the model can sample an id the tokenizer

@@ -135,6 +135,10 @@ class TensorInfo:
         return self.shape[0] // elements * size
 
 
+MAX_ARRAY_NESTING = 8
+"""Arrays of arrays deeper than this are refused; DeepSeek V4 files have none, and deep nesting would recurse."""
+
+
 class _Cursor:
     """Bounds-checked little-endian reads over the mapped file; every overrun becomes a GGUFError."""
 
@@ -186,16 +190,18 @@ class _Cursor:
         value = self.unpack(fmt, struct.calcsize(fmt), what)
         return (value != 0 if vtype == ValueType.BOOL else value), name
 
-    def array(self, what: str) -> tuple[Any, str]:
+    def array(self, what: str, depth: int = 0) -> tuple[Any, str]:
         etype = self.u32(f"the element type of {what}")
         count = self.u64(f"the length of {what}")
         if etype == ValueType.STRING:
             return self.strings(count, what), "array[string]"
         if etype == ValueType.ARRAY:
+            if depth >= MAX_ARRAY_NESTING:
+                raise GGUFError(f"{self.path}: {what} nests arrays more than {MAX_ARRAY_NESTING} deep")
             if count * 12 > self.size - self.pos:
                 raise GGUFError(f"{self.path}: {what} has {count} arrays, which run past the end of the file "
                                 f"(offset {self.pos}, file size {self.size})")
-            items = [self.array(f"{what}[{i}]") for i in range(count)]
+            items = [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]
             inner = items[0][1] if items else "array[?]"
             return [v for v, _ in items], f"array[{inner}]"
         try:

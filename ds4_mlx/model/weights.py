@@ -197,6 +197,8 @@ def open_weights(path: str | os.PathLike[str]) -> ModelWeights:
     try:
         config = ModelConfig.from_metadata(file.metadata, file.metadata_types)
         _check_layout(file, model_layout(config), prefix="blk.")
+        _check_vocabulary(file, config)
+        _check_hash_routing(file, config)
         expert_types = [_expert_types(file, f"blk.{layer}.") for layer in range(config.n_layer)]
         variant = _variant(config, expert_types, file.metadata)
     except BaseException:
@@ -216,6 +218,26 @@ def open_mtp_weights(path: str | os.PathLike[str], main_config: ModelConfig) -> 
         file.close()
         raise
     return MTPWeights(file, main_config, expert_types, "mtp " + _expert_kind(expert_types))
+
+
+def _check_vocabulary(file: GGUFFile, config: ModelConfig) -> None:
+    """The token strings are the vocabulary by id, and the logits have one entry per id: the counts must agree."""
+    tokens = file.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != config.n_vocab:
+        raise LayoutError(f"tokenizer.ggml.tokens has {len(tokens)} entries, expected deepseek4.vocab_size = "
+                          f"{config.n_vocab}")
+
+
+def _check_hash_routing(file: GGUFFile, config: ModelConfig) -> None:
+    """Every expert id of the hash-routing tables must name an expert: the model gathers by them unchecked."""
+    for layer in range(config.n_hash_layer):
+        name = f"blk.{layer}.ffn_gate_tid2eid.weight"
+        table = file.tensor_bytes(name).view("<i4").reshape(-1, config.n_expert_used)
+        bad = np.argwhere((table < 0) | (table >= config.n_expert))
+        if bad.size:
+            row, col = bad[0]
+            raise LayoutError(f"tensor {name} routes token {row} to expert {table[row, col]}, expected an id in "
+                              f"[0, {config.n_expert})")
 
 
 def _check_layout(file: GGUFFile, layout: dict[str, TensorSpec], prefix: str) -> None:
