@@ -30,7 +30,7 @@ from ds4_mlx.commands.bench import add_bench_options, bench_session, check_sizes
 from ds4_mlx.commands.options import select_backend
 from ds4_mlx.errors import Ds4Error
 from ds4_mlx.model.config import FLASH, ModelConfig
-from ds4_mlx.model.factory import EXPERT_KINDS, TensorSpec, _random_chunks, model_tensors, routed_expert_types
+from ds4_mlx.model.factory import EXPERT_KINDS, TensorSpec, tensor_data, model_tensors, routed_expert_types
 from ds4_mlx.model.gguf import GGMLType, TensorInfo
 from ds4_mlx.model.weights import ModelWeights
 
@@ -94,7 +94,7 @@ def _draw(spec: TensorSpec, seed: int) -> np.ndarray:
     """One tensor's random blocks, written into a single buffer as the factory yields them."""
     out = np.empty(spec.n_bytes, dtype=np.uint8)
     pos = 0
-    for chunk in _random_chunks(spec, seed):
+    for chunk in tensor_data(spec, seed):
         out[pos : pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         pos += len(chunk)
     return out

@@ -167,6 +167,22 @@ class Engine:
     def demo(cls, ctx: int = 4096, **opts) -> Engine:
         return cls.load(ensure_demo_model(), ctx, **opts)
 
+    def set_context(self, ctx: int) -> None:
+        """Replaces the live session with an empty one of `ctx` tokens, if the device has room for its state."""
+        from .model.cache import session_bytes
+
+        need = session_bytes(self.model.config, ctx)
+        room = int(device_memory_bytes() * 0.9) - (mx.get_active_memory() - self.session.cache.nbytes)
+        if need > room:
+            gib = 1024**3
+            raise ResourceError(
+                f"ctx {ctx} needs {need / gib:.1f} GiB of session state but only {max(room, 0) / gib:.1f} GiB is "
+                f"free next to the model; the context stays at {self.ctx}"
+            )
+        self.session = Session(self.model, ctx)
+        self.ctx = ctx
+        self._on_disk = 0
+
     def count_tokens(self, prompt: str) -> int:
         return len(self.tokenizer.encode(prompt))
 

@@ -23,7 +23,6 @@ from ds4_mlx.commands.chat import (
     _AnswerPrinter,
     interrupts_for_the_main_thread,
     piped_lines,
-    resize_context,
 )
 from ds4_mlx.engine import Engine
 from ds4_mlx.events import ReasoningDelta, TextDelta
@@ -49,7 +48,7 @@ def engine(model_path):
 @pytest.fixture
 def chat(engine):
     """A fresh REPL over the shared engine, its output captured; the engine's session starts empty."""
-    resize_context(engine, CTX)
+    engine.set_context(CTX)
     return Chat(
         engine,
         system=SYSTEM,
@@ -221,7 +220,7 @@ def test_quit_and_exit_stop_the_loop(chat):
 
 
 def test_context_overflow_is_an_error_line_and_the_turn_is_dropped(chat):
-    resize_context(chat.engine, 24)
+    chat.engine.set_context(24)
     assert chat.send("this message is long enough to leave no room at all in a context of only twenty-four "
                      "tokens, since the system text and the markers take some of them too") is None
     assert err(chat).startswith("ds4-mlx: error: Prompt has ")

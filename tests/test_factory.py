@@ -21,7 +21,7 @@ from gguf import quants as gguf_quants
 from ds4_mlx.cli import main
 from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.tokenizer import BYTE_TO_CHAR
-from ds4_mlx.model.factory import (SMALL_VOCAB_SPECIALS, _random_chunks, build_vocab,
+from ds4_mlx.model.factory import (SMALL_VOCAB_SPECIALS, tensor_data, build_vocab,
                                    export_reference, hf_names, model_tensors, preset_config, write_model)
 
 V = GGUFValueType
@@ -316,7 +316,7 @@ def test_flash_tensors_are_generated_in_bounded_chunks(experts):
     by_name = {s.name: s for s in model_tensors(preset_config("flash"), experts)}
     for name in ("token_embd.weight", "output.weight", "blk.3.ffn_gate_exps.weight", "blk.3.ffn_down_exps.weight"):
         spec = by_name[name]
-        chunks = _random_chunks(spec, seed=0)
+        chunks = tensor_data(spec, seed=0)
         first = next(chunks)
         assert len(first) <= 16 * 2**20 and len(first) < spec.n_bytes, name
         if "_exps" in name:

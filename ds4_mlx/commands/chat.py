@@ -33,6 +33,7 @@ from ..errors import Ds4Error, RequestError, ResourceError
 from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
 from ..progress import Progress
 from .options import (
+    add_kv_cache_arguments,
     add_model_options,
     add_sampling_options,
     encode_cli_prompt,
@@ -69,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-sys", "--system", default=DEFAULT_SYSTEM, help=f"system text (default {DEFAULT_SYSTEM!r}; '' for none)"
     )
     add_sampling_options(p)
+    add_kv_cache_arguments(p)
 
 
 @dataclass
@@ -215,7 +217,7 @@ class Chat:
             self.error(f"/ctx expects a positive number of tokens, got {arg!r}")
             return
         try:
-            resize_context(self.engine, ctx)
+            self.engine.set_context(ctx)
         except ResourceError as e:
             self.error(str(e))
             return
@@ -285,27 +287,6 @@ def stats_line(done: Done) -> str:
         f"ds4-mlx: prompt {u.prompt_tokens} tokens ({u.cached_tokens} reused), prefill {prefill:.1f} t/s, "
         f"generation {u.completion_tokens} tokens at {generation:.1f} t/s, finish {finish}"
     )
-
-
-def resize_context(engine: Engine, ctx: int) -> None:
-    """Replaces the engine's session with an empty one of `ctx` tokens, if the device has room for its state."""
-    import mlx.core as mx
-
-    from ..engine import device_memory_bytes
-    from ..model.cache import session_bytes
-    from ..session import Session
-
-    need = session_bytes(engine.model.config, ctx)
-    in_use = mx.get_active_memory() - engine.session.cache.nbytes
-    room = int(device_memory_bytes() * 0.9) - in_use
-    if need > room:
-        gib = 1024**3
-        raise ResourceError(
-            f"ctx {ctx} needs {need / gib:.1f} GiB of session state but only {max(room, 0) / gib:.1f} GiB is free "
-            f"next to the model; the context stays at {engine.ctx}"
-        )
-    engine.session = Session(engine.model, ctx)
-    engine.ctx = ctx
 
 
 class _AnswerPrinter:
@@ -455,9 +436,12 @@ def run(args: argparse.Namespace) -> int:
     chat.err.print(chat.context_line())
     chat.warn_think_max()
     chat.print_help()
-    if sys.stdin.isatty():
-        with readline_history():
-            chat.loop(terminal_lines())
-    else:
-        chat.loop(piped_lines(sys.stdin))
+    try:
+        if sys.stdin.isatty():
+            with readline_history():
+                chat.loop(terminal_lines())
+        else:
+            chat.loop(piped_lines(sys.stdin))
+    finally:
+        engine.shutdown()  # with --kv-disk-dir, the conversation's state is saved for the next session
     return 0

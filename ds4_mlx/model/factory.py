@@ -371,7 +371,7 @@ def _tensor_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def _random_chunks(spec: TensorSpec, seed: int) -> Iterator[bytes]:
+def tensor_data(spec: TensorSpec, seed: int) -> Iterator[bytes]:
     """The tensor's bytes, a bounded number of rows at a time."""
     rng = _tensor_rng(seed, spec.name)
     row = spec.ne[0]
@@ -552,7 +552,7 @@ def write_model(path: str | os.PathLike[str], preset: str = "tiny", experts: str
     metadata = model_metadata(config, words, name)
     path = Path(path)
     partial = path.with_name(path.name + ".part")
-    chunks = None if data == "sparse" else functools.partial(_random_chunks, seed=seed)
+    chunks = None if data == "sparse" else functools.partial(tensor_data, seed=seed)
     try:
         with open(partial, "wb") as f:
             write_gguf(f, metadata, tensors, chunks, progress)
