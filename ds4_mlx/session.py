@@ -12,9 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .errors import RequestError
-from .model.model import Model
-
-DEFAULT_PREFILL_CHUNK = 2048
+from .model.model import DEFAULT_PREFILL_CHUNK, Model
 
 
 def prefill_chunk_for(ctx: int) -> int:
