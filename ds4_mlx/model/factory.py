@@ -34,11 +34,13 @@ from gguf import quants as gguf_quants
 from ..errors import Ds4Error, LayoutError
 from ..tokenizer import ASSISTANT, BOS, BYTE_TO_CHAR, DSML, EOS, THINK, THINK_END, USER, read_tokenizer_json
 from .config import FLASH, SWIGLU_CLAMP, ModelConfig, published_compress_ratio
+from .weights import MTP_PREFIX
 
 T = GGMLQuantizationType
 V = GGUFValueType
 
 EXPERT_KINDS = ("q2", "q4", "mixed")
+MTP_EXPERT_KINDS = ("q2", "q4")
 VOCAB_KINDS = ("small", "real")
 DATA_MODES = ("random", "sparse")
 ALIGNMENT = 32
@@ -247,17 +249,25 @@ def model_tensors(config: ModelConfig, experts: str = "q2") -> list[TensorSpec]:
 
 def _layer_tensors(c: ModelConfig, experts: str, layer: int) -> list[TensorSpec]:
     """The tensors of block `layer`: §2.3, plus the compressor (§2.4) and indexer (§2.5) where the ratio asks."""
+    return _block_tensors(c, f"blk.{layer}.", routed_expert_types(c, experts, layer), c.compress_ratio(layer),
+                          hash_routing=c.is_hash_layer(layer), hc_type=T.F16)
+
+
+def _block_tensors(c: ModelConfig, prefix: str, routed: tuple[GGMLQuantizationType, GGMLQuantizationType],
+                   ratio: int, hash_routing: bool, hc_type: GGMLQuantizationType) -> list[TensorSpec]:
+    """One block's tensors under `prefix`: hash-routed blocks have a token table instead of a router bias;
+    `hc_type` is the type of the HC and router projections (F16 in the main file, F16 or F32 in the MTP file)."""
     def spec(suffix: str, ne: tuple[int, ...], ggml_type: GGMLQuantizationType, init: Init | ExpertIds) -> TensorSpec:
-        return TensorSpec(f"blk.{layer}.{suffix}", ne, ggml_type, init)
+        return TensorSpec(prefix + suffix, ne, ggml_type, init)
 
     E, D, F = c.n_embd, c.head_dim, c.n_ff_exp
     hc_width = c.n_hc * E
     q_heads = c.n_head * D
     o_rank = c.o_groups * c.o_lora_rank
-    gate_up, down = routed_expert_types(c, experts, layer)
+    gate_up, down = routed
     out = []
     for sub in ("attn", "ffn"):
-        out += [spec(f"hc_{sub}_fn.weight", (hc_width, c.hc_mix), T.F16, _hc_fn(hc_width)),
+        out += [spec(f"hc_{sub}_fn.weight", (hc_width, c.hc_mix), hc_type, _hc_fn(hc_width)),
                 spec(f"hc_{sub}_scale.weight", (3,), T.F32, _HC_SCALE),
                 spec(f"hc_{sub}_base.weight", (c.hc_mix,), T.F32, _HC_BASE),
                 spec(f"{sub}_norm.weight", (E,), T.F32, _NORM)]
@@ -271,8 +281,8 @@ def _layer_tensors(c: ModelConfig, experts: str, layer: int) -> list[TensorSpec]
                     spec("attn_output_a.weight", (q_heads // c.o_groups, o_rank), T.Q8_0,
                          _linear(q_heads // c.o_groups)),
                     spec("attn_output_b.weight", (o_rank, E), T.Q8_0, _linear(o_rank))]
-    out += [spec("ffn_gate_inp.weight", (E, c.n_expert), T.F16, _linear(E))]
-    if not c.is_hash_layer(layer):
+    out += [spec("ffn_gate_inp.weight", (E, c.n_expert), hc_type, _linear(E))]
+    if not hash_routing:
         out += [spec("exp_probs_b.bias", (c.n_expert,), T.F32, _ROUTER_BIAS)]
     out += [spec("ffn_gate_exps.weight", (E, F, c.n_expert), gate_up, _linear(E)),
             spec("ffn_up_exps.weight", (E, F, c.n_expert), gate_up, _linear(E)),
@@ -280,9 +290,8 @@ def _layer_tensors(c: ModelConfig, experts: str, layer: int) -> list[TensorSpec]
             spec("ffn_gate_shexp.weight", (E, F), T.Q8_0, _linear(E)),
             spec("ffn_up_shexp.weight", (E, F), T.Q8_0, _linear(E)),
             spec("ffn_down_shexp.weight", (F, E), T.Q8_0, _linear(F))]
-    if c.is_hash_layer(layer):
+    if hash_routing:
         out += [spec("ffn_gate_tid2eid.weight", (c.n_expert_used, c.n_vocab), T.I32, ExpertIds(c.n_expert))]
-    ratio = c.compress_ratio(layer)
     if ratio:
         out += _compressor(spec, "attn_compressor", E, D, ratio)
     if ratio == 4:
@@ -292,6 +301,29 @@ def _layer_tensors(c: ModelConfig, experts: str, layer: int) -> list[TensorSpec]
                 spec("indexer.proj.weight", (E, c.indexer_n_head), T.F16, _linear(E))]
         out += _compressor(spec, "indexer_compressor", E, ID, ratio)
     return out
+
+
+def mtp_tensors(config: ModelConfig, experts: str = "q4") -> list[TensorSpec]:
+    """Every tensor of an MTP file (spec §2.6) for a main model of this config: the embedding and hidden-state
+    projections, their norms, the head collapse and norm, and one raw-window (ratio 0), bias-routed block.
+
+    HC and router projections are F32, as the published file's name (`...-Q4K-Q8_0-F32.gguf`) suggests.
+    """
+    c = config
+    hc_width = c.n_hc * c.n_embd
+    _check_choice("experts", experts, MTP_EXPERT_KINDS)
+    routed = (T.Q4_K, T.Q4_K) if experts == "q4" else (T.IQ2_XXS, T.Q2_K)
+    return [
+        TensorSpec(MTP_PREFIX + "hc_head_base.weight", (c.n_hc,), T.F32, _HC_BASE),
+        TensorSpec(MTP_PREFIX + "hc_head_fn.weight", (hc_width, c.n_hc), T.F32, _hc_fn(hc_width)),
+        TensorSpec(MTP_PREFIX + "hc_head_scale.weight", (1,), T.F32, _HC_SCALE),
+        TensorSpec(MTP_PREFIX + "e_proj.weight", (c.n_embd, c.n_embd), T.Q8_0, _linear(c.n_embd)),
+        TensorSpec(MTP_PREFIX + "h_proj.weight", (c.n_embd, c.n_embd), T.Q8_0, _linear(c.n_embd)),
+        TensorSpec(MTP_PREFIX + "enorm.weight", (c.n_embd,), T.F32, _NORM),
+        TensorSpec(MTP_PREFIX + "hnorm.weight", (c.n_embd,), T.F32, _NORM),
+        TensorSpec(MTP_PREFIX + "norm.weight", (c.n_embd,), T.F32, _NORM),
+        *_block_tensors(c, MTP_PREFIX, routed, ratio=0, hash_routing=False, hc_type=T.F32),
+    ]
 
 
 def _compressor(spec: Callable[..., TensorSpec], prefix: str, n_embd: int, width: int, ratio: int) -> list[TensorSpec]:
@@ -548,8 +580,29 @@ def write_model(path: str | os.PathLike[str], preset: str = "tiny", experts: str
     words = build_vocab(vocab_kind)
     config = replace(config, n_vocab=len(words.tokens))
     name = "DeepSeek V4 Flash" + ("" if preset == "flash" else f" {preset}") + f" (random weights, seed {seed})"
-    tensors = model_tensors(config, experts)
-    metadata = model_metadata(config, words, name)
+    return _write_file(path, model_metadata(config, words, name), model_tensors(config, experts), seed, data, progress)
+
+
+def write_mtp_model(path: str | os.PathLike[str], main_preset: str = "tiny", experts: str = "q4", seed: int = 0,
+                    data: str = "random", progress: Progress | None = None) -> Path:
+    """Write a random MTP draft file (spec §2.6) for the main model of a preset and return its path.
+
+    ds4 reads no metadata from this file, so it carries only the architecture and a name. Q4_K experts by default,
+    as published. The same arguments give the same bytes; the file appears under its name only once complete.
+    """
+    config = preset_config(main_preset)
+    _check_choice("experts", experts, MTP_EXPERT_KINDS)
+    _check_choice("data", data, DATA_MODES)
+    if seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed}")
+    name = f"DeepSeek V4 Flash MTP{'' if main_preset == 'flash' else ' ' + main_preset} (random weights, seed {seed})"
+    metadata = [("general.architecture", V.STRING, ARCH, None), ("general.name", V.STRING, name, None)]
+    return _write_file(path, metadata, mtp_tensors(config, experts), seed, data, progress)
+
+
+def _write_file(path: str | os.PathLike[str], metadata: Sequence[MetadataEntry], tensors: Sequence[TensorSpec],
+                seed: int, data: str, progress: Progress | None) -> Path:
+    """Stream a GGUF to `path` + ".part", then rename it into place."""
     path = Path(path)
     partial = path.with_name(path.name + ".part")
     chunks = None if data == "sparse" else functools.partial(tensor_data, seed=seed)

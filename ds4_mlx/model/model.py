@@ -57,7 +57,7 @@ class Block:
         return HyperConnection.post(out, streams, post, comb), state
 
 
-class _Loader:
+class Loader:
     """Reads the model's tensors through the weight-access layer and counts the bytes they keep in memory."""
 
     def __init__(self, weights: ModelWeights, progress: Callable[[int, int], None] | None = None):
@@ -113,9 +113,12 @@ class Model:
             c.compress_rope_freq_base,
             Yarn(c.rope_scaling_factor, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow),
         )
-        load = _Loader(weights, progress)
+        load = Loader(weights, progress)
         self.embedding = load.linear("token_embd.weight")
-        self.blocks = [self._block(load, layer) for layer in range(c.n_layer)]
+        self.blocks = [
+            self.block(load, f"blk.{layer}.", c.compress_ratio(layer), c.is_hash_layer(layer), c.swiglu_clamp[layer])
+            for layer in range(c.n_layer)
+        ]
         self.head_hc = HyperHead(
             fn=load.dense("output_hc_fn.weight"),
             scale=load.dense("output_hc_scale.weight"),
@@ -128,64 +131,63 @@ class Model:
         self.nbytes = load.nbytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
 
-    def _block(self, load: _Loader, layer: int) -> Block:
+    def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
+        """The block whose tensors are named `prefix` + suffix (§2.3-2.5), at a compression ratio, with token-hash
+        or learned (top-k) routing. Public so that the MTP block (§2.6) is built the same way from its own file."""
         c = self.config
-        p = f"blk.{layer}."
 
         def hc(kind: str) -> HyperConnection:
             return HyperConnection(
-                fn=load.dense(f"{p}hc_{kind}_fn.weight"), scale=load.dense(f"{p}hc_{kind}_scale.weight"),
-                base=load.dense(f"{p}hc_{kind}_base.weight"), n_hc=c.n_hc, sinkhorn_iters=c.sinkhorn_iters,
+                fn=load.dense(f"{prefix}hc_{kind}_fn.weight"), scale=load.dense(f"{prefix}hc_{kind}_scale.weight"),
+                base=load.dense(f"{prefix}hc_{kind}_base.weight"), n_hc=c.n_hc, sinkhorn_iters=c.sinkhorn_iters,
                 hc_eps=c.hc_eps, norm_eps=c.rms_eps,
             )
 
         def compressor(kind: str, width: int, finish: Callable[[mx.array], mx.array]) -> Compressor:
-            name = f"{p}{kind}_compressor_"
+            name = f"{prefix}{kind}_compressor_"
             return Compressor(
                 kv=load.linear(name + "kv.weight"), gate=load.linear(name + "gate.weight"),
                 ape=load.dense(name + "ape.weight"), norm=load.dense(name + "norm.weight"),
                 ratio=ratio, width=width, rope=rope, finish=finish, eps=c.rms_eps,
             )
 
-        ratio = c.compress_ratio(layer)
         rope = self.compressed_rope if ratio else self.main_rope
         indexer = None
         if ratio == 4:
             indexer = Indexer(
-                q_b=load.linear(p + "indexer.attn_q_b.weight"), proj=load.linear(p + "indexer.proj.weight"),
+                q_b=load.linear(prefix + "indexer.attn_q_b.weight"), proj=load.linear(prefix + "indexer.proj.weight"),
                 compressor=compressor("indexer", c.indexer_head_dim, self._finish_index_row),
                 n_head=c.indexer_n_head, head_dim=c.indexer_head_dim, top_k=c.indexer_top_k, rope=rope,
                 simulate_quant=self.simulate_quant,
             )
         attention = Attention(
-            q_a=load.linear(p + "attn_q_a.weight"), q_a_norm=load.dense(p + "attn_q_a_norm.weight"),
-            q_b=load.linear(p + "attn_q_b.weight"), kv=load.linear(p + "attn_kv.weight"),
-            kv_norm=load.dense(p + "attn_kv_a_norm.weight"), sinks=load.dense(p + "attn_sinks.weight"),
-            out_a=load.linear(p + "attn_output_a.weight"), out_b=load.linear(p + "attn_output_b.weight"),
+            q_a=load.linear(prefix + "attn_q_a.weight"), q_a_norm=load.dense(prefix + "attn_q_a_norm.weight"),
+            q_b=load.linear(prefix + "attn_q_b.weight"), kv=load.linear(prefix + "attn_kv.weight"),
+            kv_norm=load.dense(prefix + "attn_kv_a_norm.weight"), sinks=load.dense(prefix + "attn_sinks.weight"),
+            out_a=load.linear(prefix + "attn_output_a.weight"), out_b=load.linear(prefix + "attn_output_b.weight"),
             n_head=c.n_head, head_dim=c.head_dim, n_rot=c.n_rot, window=c.sliding_window, o_groups=c.o_groups,
             rope=rope, compressor=compressor("attn", c.head_dim, self._finish_kv_row) if ratio else None,
             indexer=indexer, simulate_quant=self.simulate_quant, eps=c.rms_eps,
         )
-        clamp = c.swiglu_clamp[layer]
         router = Router(
-            gate=load.linear(p + "ffn_gate_inp.weight"),
-            bias=load.dense(p + "exp_probs_b.bias") if load.has(p + "exp_probs_b.bias") else None,
-            tid2eid=load.dense(p + "ffn_gate_tid2eid.weight") if c.is_hash_layer(layer) else None,
+            gate=load.linear(prefix + "ffn_gate_inp.weight"),
+            bias=load.dense(prefix + "exp_probs_b.bias") if load.has(prefix + "exp_probs_b.bias") else None,
+            tid2eid=load.dense(prefix + "ffn_gate_tid2eid.weight") if hash_routing else None,
             n_used=c.n_expert_used, scale=c.expert_weights_scale,
         )
         moe = MoE(
             router=router,
             experts=RoutedExperts(
-                gate=load.experts(p + "ffn_gate_exps.weight"), up=load.experts(p + "ffn_up_exps.weight"),
-                down=load.experts(p + "ffn_down_exps.weight"), clamp=clamp,
+                gate=load.experts(prefix + "ffn_gate_exps.weight"), up=load.experts(prefix + "ffn_up_exps.weight"),
+                down=load.experts(prefix + "ffn_down_exps.weight"), clamp=clamp,
             ),
             shared=SharedExpert(
-                gate=load.linear(p + "ffn_gate_shexp.weight"), up=load.linear(p + "ffn_up_shexp.weight"),
-                down=load.linear(p + "ffn_down_shexp.weight"), clamp=clamp,
+                gate=load.linear(prefix + "ffn_gate_shexp.weight"), up=load.linear(prefix + "ffn_up_shexp.weight"),
+                down=load.linear(prefix + "ffn_down_shexp.weight"), clamp=clamp,
             ),
         )
-        return Block(hc("attn"), load.dense(p + "attn_norm.weight"), attention, hc("ffn"),
-                     load.dense(p + "ffn_norm.weight"), moe, eps=c.rms_eps)
+        return Block(hc("attn"), load.dense(prefix + "attn_norm.weight"), attention, hc("ffn"),
+                     load.dense(prefix + "ffn_norm.weight"), moe, eps=c.rms_eps)
 
     def _finish_kv_row(self, rows: mx.array) -> mx.array:
         return simulate_kv_fp8(rows, self.config.n_rot) if self.simulate_quant else rows
@@ -203,6 +205,13 @@ class Model:
         Returns the logits for the token after the last one, (n_vocab,), or for every position, (T, n_vocab).
         The cache changes only once every layer has been built, so an interrupted call leaves it as it was.
         """
+        streams = self.hidden(tokens, cache)
+        logits = self.head(streams if all_logits else streams[-1:])
+        return logits if all_logits else logits[0]
+
+    def hidden(self, tokens: mx.array, cache: SessionCache) -> mx.array:
+        """Run tokens (T,) through every layer and update the cache, like `__call__`, but return the final
+        hyper-connection streams (T, n_hc, n_embd): the state the head reads, and the MTP draft block's input."""
         tokens = self._check(tokens, cache)
         n_past = cache.n_tokens
         streams = mx.broadcast_to(self.embedding.rows(tokens)[:, None, :],
@@ -211,10 +220,11 @@ class Model:
         for layer, block in enumerate(self.blocks):
             streams, layers[layer] = block(streams, tokens, n_past, layers[layer])
         cache.layers, cache.n_tokens = layers, n_past + tokens.size
-        if not all_logits:
-            streams = streams[-1:]
-        logits = self.output(rms_norm(self.head_hc(streams), self.output_norm, self.config.rms_eps))
-        return logits if all_logits else logits[0]
+        return streams
+
+    def head(self, streams: mx.array) -> mx.array:
+        """Logits (T, n_vocab) of final streams (T, n_hc, n_embd): HC collapse, output norm, LM head (§3.10)."""
+        return self.output(rms_norm(self.head_hc(streams), self.output_norm, self.config.rms_eps))
 
     def prefill(
         self,
