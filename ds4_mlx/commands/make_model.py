@@ -2,7 +2,7 @@
 
 For tests and demos without the 81 GB download: `tiny` builds in a second, `small` is a ~260 MB CPU demo with the
 real vocabulary, `flash` has exactly the published shapes (81 GB with q2 experts; `--sparse` leaves the data as a
-file hole so the layout can be inspected without writing it).
+file hole so the layout can be inspected without writing it). `--mtp` also writes a matching MTP draft file.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import Ds4Error
-from ..model.factory import (EXPERT_KINDS, PRESET_VOCAB, PRESETS, VOCAB_KINDS, Progress,
-                             export_reference, model_tensors, preset_config, write_model)
+from ..model.factory import (EXPERT_KINDS, PRESET_VOCAB, PRESETS, VOCAB_KINDS, Progress, export_reference,
+                             model_tensors, mtp_tensors, preset_config, write_model, write_mtp_model)
 
 
 def _seed(text: str) -> int:
@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_seed, default=0, help="random seed (default 0); same seed, same bytes")
     parser.add_argument("--sparse", action="store_true",
                         help="leave tensor data as a file hole (all zeros): the layout only, written instantly")
+    parser.add_argument("--mtp", type=Path, metavar="MTP.gguf",
+                        help="also write a random MTP draft file for this preset (Q4_K experts, as published), "
+                             "for --mtp speculative decoding")
     parser.add_argument("--reference-dir", type=Path, metavar="DIR",
                         help="also write the weights dequantized to float32 under the published DeepSeek names "
                              "(model.safetensors + config.json, loadable by transformers)")
@@ -55,6 +58,15 @@ def run(args: argparse.Namespace) -> int:
     size = path.stat().st_size
     print(f"wrote {path}: {_human(size)} ({size} bytes), {n_tensors} tensors; preset {args.preset}, "
           f"experts {args.experts}, vocab {vocab}, seed {args.seed}{', sparse' if args.sparse else ''}")
+    if args.mtp:
+        try:
+            with _progress_bar(f"writing {args.mtp.name}") as progress:
+                mtp = write_mtp_model(args.mtp, main_preset=args.preset, seed=args.seed, data=data, progress=progress)
+        except OSError as e:
+            raise Ds4Error(f"cannot write {args.mtp}: {e.strerror or e}") from e
+        size = mtp.stat().st_size
+        print(f"wrote {mtp}: {_human(size)} ({size} bytes), {len(mtp_tensors(preset_config(args.preset)))} tensors; "
+              f"MTP draft block for preset {args.preset}, seed {args.seed}{', sparse' if args.sparse else ''}")
     if args.reference_dir:
         try:
             out = export_reference(path, args.reference_dir)
