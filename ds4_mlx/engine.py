@@ -24,6 +24,7 @@ from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted,
 from .kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
 from .model.linear import loaded_nbytes
 from .model.model import Model
+from .model.mtp import MTP, open_mtp
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .sampling import Sampler, SamplingParams
@@ -35,6 +36,7 @@ log = logging.getLogger("ds4_mlx.engine")
 
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
+MAX_MTP_DRAFT = 16  # ds4's cap on --mtp-draft
 
 
 @dataclass
@@ -119,7 +121,19 @@ class Engine:
         default_max_tokens: int = 393216,
         tool_memory: ToolMemory | None = None,
         kv_store: KvStore | None = None,
+        mtp: MTP | None = None,
+        mtp_draft: int = 1,
+        mtp_margin: float = 3.0,
     ) -> None:
+        """`mtp_draft` >= 2 turns on speculative greedy decoding with the `mtp` draft block: up to mtp_draft - 1
+        guessed tokens are verified per model call (ds4's --mtp-draft; 1 = off). `mtp_margin` is ds4's
+        --mtp-margin: a lone guess whose top-1/top-2 logit gap is below it is not verified."""
+        if not 1 <= mtp_draft <= MAX_MTP_DRAFT:
+            raise ValueError(f"mtp_draft must be between 1 and {MAX_MTP_DRAFT}, got {mtp_draft}")
+        if mtp_draft > 1 and mtp is None:
+            raise ValueError(f"mtp_draft {mtp_draft} needs an MTP draft block (--mtp FILE)")
+        if not mtp_margin >= 0:
+            raise ValueError(f"mtp_margin must be a number >= 0, got {mtp_margin}")
         self.model = model
         self.tokenizer = tokenizer
         self.ctx = ctx
@@ -129,7 +143,9 @@ class Engine:
         self.tool_memory_lock = threading.Lock()
         """Held by whoever reads or updates the tool memory: request threads render with it, the worker saves it."""
         self.kv_store = kv_store
-        self.session = Session(model, ctx)
+        self.mtp_draft = mtp_draft
+        self.mtp_margin = mtp_margin
+        self.session = Session(model, ctx, mtp if mtp_draft > 1 else None)
         self._on_disk = 0  # the furthest position of the live session already checkpointed to disk
 
     @classmethod
@@ -141,12 +157,14 @@ class Engine:
         simulate_quant: bool = True,
         quiet: bool = True,
         kv_cache: KvCacheOptions | None = None,
+        mtp: str | os.PathLike | None = None,
         **opts,
     ) -> Engine:
         """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model.
 
         Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal). `kv_cache` turns on
-        the disk KV cache (checkpoints carry the model's routed-expert quant bits).
+        the disk KV cache (checkpoints carry the model's routed-expert quant bits). `mtp` is an MTP draft file
+        (spec §2.6) to load with it; pass `mtp_draft` >= 2 to speculate with it.
         """
         path = Path(path)
         if not path.exists():
@@ -155,9 +173,14 @@ class Engine:
                 f"or try the built-in tiny model with --demo"
             )
         weights = open_weights(path)
-        check_memory(weights, loaded_nbytes(weights), ctx, device_memory_bytes())
+        mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
+        model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
+        check_memory(weights, model_bytes, ctx, device_memory_bytes())
         with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
             model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
+        if mtp_weights is not None:
+            with Progress(quiet).bar(f"loading {Path(mtp).name}", unit="bytes") as bar:
+                opts["mtp"] = MTP(mtp_weights, model, progress=bar.update)
         tokenizer = Tokenizer.from_gguf(weights.file.metadata)
         if kv_cache is not None:
             opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights))
@@ -179,7 +202,7 @@ class Engine:
                 f"ctx {ctx} needs {need / gib:.1f} GiB of session state but only {max(room, 0) / gib:.1f} GiB is "
                 f"free next to the model; the context stays at {self.ctx}"
             )
-        self.session = Session(self.model, ctx)
+        self.session = Session(self.model, ctx, self.session.mtp)
         self.ctx = ctx
         self._on_disk = 0
 
@@ -348,6 +371,9 @@ class Engine:
         generated: list[int] = []
         text_parts: list[str] = []
         finish = "length"
+        speculate = self._speculates(req.sampling)
+        ahead: list[tuple[int, mx.array]] = []  # fed by a speculative step before the stream chose them, with logits
+        drafted = accepted = 0  # MTP guesses checked against the model, and those it agreed with
 
         def emit(text: str) -> Iterator[Event]:
             """Visible text (after stop strings) goes to the DSML parser, which turns it into events."""
@@ -377,10 +403,21 @@ class Engine:
                 if req.tools_active and parser.tool_block_closed:
                     finish = "tool_calls"
                     break
-                if len(generated) < limit:
+                if len(generated) < limit and ahead:
+                    logits = _take_ahead(ahead, token)
+                elif len(generated) < limit:
                     if self.kv_store is not None and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE):
                         self._maybe_continued()  # continued checkpoints are not taken inside a tool block
-                    logits = self.session.decode(token)
+                    if speculate:
+                        step = self.session.speculate(token, self._draft_room(len(generated), limit),
+                                                      self.mtp_margin, stop=(self.tokenizer.eos_id,))
+                        drafted, accepted = drafted + step.drafted, accepted + step.accepted
+                        logits = step.logits[0]
+                        ahead = [(t, step.logits[i]) for i, t in enumerate(step.tokens[1:], 1)]
+                    else:
+                        logits = self.session.decode(token)
+            if ahead and not stops.hit:  # the answer ended before tokens fed ahead of it: unfeed them
+                self.session.rewind(len(self.session.tokens) - len(ahead))
         except Exception as exc:  # a decode failure ends the answer with finish "error" (behavior.md §3.6-3.7)
             log.exception("decode failed after %d tokens", len(generated))
             finish, failure = "error", f"decode failed: {exc}"
@@ -404,7 +441,35 @@ class Engine:
             decode_seconds=t2 - t1,
             error=failure or ("cancelled" if finish == "error" and not message.error else message.error),
             token_ids=tuple(generated),
+            mtp_drafted=drafted,
+            mtp_accepted=accepted,
         )
+
+    def _speculates(self, sampling: SamplingParams) -> bool:
+        """Speculative decoding runs where ds4 runs it, greedy decoding (temperature 0) with --mtp-draft >= 2, and
+        here only without OpenAI penalties, which would change the greedy choice after every token."""
+        return (self.session.mtp is not None and sampling.temperature <= 0 and sampling.presence_penalty == 0
+                and sampling.frequency_penalty == 0)
+
+    def _draft_room(self, n_generated: int, limit: int) -> int:
+        """How many guesses a speculative step may feed after the chosen token: at most mtp_draft - 1, never a
+        token plain decoding would not feed (the last of `limit` is not fed), and never past a continued disk
+        checkpoint position, so that the step ends on it and the checkpoint is taken there as in plain decoding."""
+        room = min(self.mtp_draft - 1, limit - n_generated - 1)
+        if self.kv_store is not None:
+            n = len(self.session.tokens)
+            frontiers = self.kv_store.options.frontiers_between(n, n + 1 + room)
+            if frontiers:
+                room = min(room, frontiers[0] - n - 1)
+        return room
+
+
+def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:
+    """The logits after `token`, which a speculative step already fed (it was the model's own argmax there)."""
+    fed, logits = ahead.pop(0)
+    if fed != token:
+        raise RuntimeError(f"speculative decoding fed token {fed} where the stream chose {token}")
+    return logits
 
 
 def _final_finish_reason(finish: str, message: ParsedMessage) -> str:

@@ -108,6 +108,10 @@ class Done:
     decode_seconds: float = 0.0
     error: str = ""
     token_ids: tuple[int, ...] = field(default=(), repr=False)
+    mtp_drafted: int = 0
+    """MTP guesses compared with the model's own greedy choice (speculative decoding, --mtp-draft >= 2)."""
+    mtp_accepted: int = 0
+    """Of those, the ones it agreed with."""
 
 
 Event = PromptAccepted | ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | PrefillProgress | Done

@@ -2,17 +2,26 @@
 
 This is the notebook-facing handle on one stream of model state. The engine keeps one live Session and reuses it
 when a new prompt extends what it holds; the disk KV cache serialises its snapshots.
+
+With an MTP draft block (spec §3.10) the session also runs the block after the model on every token it feeds, so
+the block's window follows the stream and its guess for the next token is always at hand. `speculate` then feeds
+a token together with the block's guesses for the tokens after it in one model call, and keeps the guesses the
+model agrees with: greedy decoding that can take several tokens per call and gives the same tokens as plain
+greedy decoding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import math
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .errors import RequestError
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
+from .model.mtp import MTP, MTPSnapshot
+from .sampling import argmax
 
 
 def prefill_chunk_for(ctx: int) -> int:
@@ -27,14 +36,30 @@ class Snapshot:
     tokens: tuple[int, ...]
     cache: object
     logits: mx.array | None
+    mtp: MTPSnapshot | None = None
+    """The MTP block's state; None when it was not saved (ds4's disk payload has none): the block then starts a
+    new window at the next token fed."""
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What one `Session.speculate` step fed: `tokens`, the given token then the accepted guesses, and `logits`
+    (len(tokens), n_vocab), row i for the token after tokens[i]. `drafted` MTP guesses were compared with the
+    model's own argmax and `accepted` of them agreed."""
+
+    tokens: tuple[int, ...]
+    logits: mx.array
+    drafted: int
+    accepted: int
 
 
 class Session:
-    """One live stream of model state over a fixed context size."""
+    """One live stream of model state over a fixed context size, optionally followed by an MTP draft block."""
 
-    def __init__(self, model: Model, ctx: int) -> None:
+    def __init__(self, model: Model, ctx: int, mtp: MTP | None = None) -> None:
         self.model = model
         self.ctx = ctx
+        self.mtp = mtp
         self.chunk_size = prefill_chunk_for(ctx)
         self.reset()
 
@@ -43,6 +68,8 @@ class Session:
         self.tokens: list[int] = []
         self.cache = self.model.new_cache(self.ctx)
         self.logits: mx.array | None = None
+        self.mtp_cache = self.mtp.new_cache() if self.mtp is not None else None
+        self._block_start: Snapshot | None = None  # the state before the last speculative block, for `rewind`
 
     @property
     def room(self) -> int:
@@ -73,19 +100,119 @@ class Session:
             )
         for start in range(0, len(tokens), self.chunk_size):
             chunk = tokens[start : start + self.chunk_size]
-            self.logits = self.model(mx.array(chunk, dtype=mx.int32), self.cache)
-            mx.eval(self.logits, *self.cache.arrays())
+            self.logits = self._feed(mx.array(chunk, dtype=mx.int32))
             self.tokens.extend(chunk)
+            self._eval()
             yield start + len(chunk), len(tokens)
 
     def decode(self, token: int) -> mx.array:
         """Feed one token; returns the logits for the next one."""
         return self.prefill([token])
 
+    def _feed(self, ids: mx.array) -> mx.array:
+        """Run the model (then the MTP block, on the model's final streams) over ids at the next positions;
+        returns the logits after the last one."""
+        if self.mtp is None:
+            return self.model(ids, self.cache)
+        streams = self.model.hidden(ids, self.cache)
+        self.mtp(ids, streams, len(self.tokens), self.mtp_cache)
+        return self.model.head(streams[-1:])[0]
+
+    def _eval(self) -> None:
+        mtp_arrays = self.mtp_cache.arrays() if self.mtp_cache is not None else []
+        mx.eval(self.logits, *self.cache.arrays(), *mtp_arrays)
+
+    def speculate(self, token: int, max_drafts: int, margin: float = 0.0, stop: Collection[int] = ()) -> Speculation:
+        """Feed `token`, and with it up to `max_drafts` tokens the MTP block guesses will follow, keeping the
+        longest run of guesses that equal the model's own argmax (greedy decoding only).
+
+        ds4's scheme (spec §3.10): the block's guess for `token` itself, made when the previous token was fed, is
+        checked for free; on a miss there is no drafting and `token` is fed alone. Otherwise the block drafts
+        recursively from its own output streams, stopping before a `stop` token (never fed by a greedy stream),
+        and one model call over [token, guesses...] verifies them. A single guess whose top-1/top-2 logit gap is
+        below `margin` is not worth a verification and is dropped (ds4's gate for --mtp-draft 2). A rejected
+        guess rolls the cache back: restore the state before the call, then feed the kept tokens again.
+        Without an MTP block, or before it has seen a token, this is `decode`.
+        """
+        guess = self.mtp_cache.logits if self.mtp_cache is not None else None
+        if guess is None or max_drafts <= 0:
+            return self._single(token, drafted=0, accepted=0)
+        if argmax(guess) != token:
+            return self._single(token, drafted=1, accepted=0)
+        drafts, gap = self._draft(token, max_drafts, stop)
+        if not drafts or (len(drafts) == 1 and gap < margin):
+            return self._single(token, drafted=1, accepted=1)
+        return self._verify([token, *drafts])
+
+    def _single(self, token: int, drafted: int, accepted: int) -> Speculation:
+        return Speculation((token,), self.decode(token)[None], drafted, accepted)
+
+    def _draft(self, token: int, n: int, stop: Collection[int]) -> tuple[list[int], float]:
+        """Up to n recursive MTP guesses after `token`, and the top-1/top-2 logit gap of the last one. The block's
+        cache is left as it was: these rows are speculative, the accepted tokens are fed again with real streams."""
+        before = self.mtp_cache.snapshot()
+        streams, previous, drafts, gap = self.mtp_cache.hidden, token, [], math.inf
+        for i in range(n):
+            logits, streams = self.mtp.draft(previous, streams, len(self.tokens) + i, self.mtp_cache)
+            guess = argmax(logits)
+            if guess in stop:
+                break
+            top2 = mx.topk(logits, 2)
+            drafts.append(guess)
+            gap = abs(top2[1] - top2[0]).item()
+            previous = guess
+        self.mtp_cache.restore(before)
+        return drafts, gap
+
+    def _verify(self, block: list[int]) -> Speculation:
+        """Feed the block in one model call and keep block[0] plus the guesses the model's argmax agrees with."""
+        before = self.snapshot()
+        ids = mx.array(block, dtype=mx.int32)
+        streams = self.model.hidden(ids, self.cache)
+        logits = self.model.head(streams)
+        choices = mx.argmax(logits, axis=-1).tolist()
+        n = 1
+        while n < len(block) and choices[n - 1] == block[n]:
+            n += 1
+        if n < len(block):
+            self.cache.restore(before.cache)
+            streams = self.model.hidden(ids[:n], self.cache)
+        self.mtp(ids[:n], streams[:n], len(self.tokens), self.mtp_cache)
+        self.tokens.extend(block[:n])
+        self.logits = logits[n - 1]
+        self._eval()
+        self._block_start = before
+        return Speculation(tuple(block[:n]), logits[:n], drafted=len(block), accepted=n)
+
+    def rewind(self, n_tokens: int) -> None:
+        """Forget the tokens after the first n_tokens, back to at most the start of the last speculative block.
+
+        A speculative step may feed tokens a caller then does not use (its answer stops first); rewinding leaves
+        the state plain decoding would have: the block's start restored, the tokens up to n_tokens fed again.
+        """
+        if n_tokens == len(self.tokens):
+            return
+        start = self._block_start
+        if start is None or not len(start.tokens) <= n_tokens < len(self.tokens):
+            low = len(self.tokens) if start is None else len(start.tokens)
+            raise ValueError(f"can rewind to between {low} and {len(self.tokens)} tokens, not {n_tokens}")
+        tail = self.tokens[len(start.tokens) : n_tokens]
+        self.restore(start)
+        if tail:
+            self.prefill(tail)
+        self._block_start = start
+
     def snapshot(self) -> Snapshot:
-        return Snapshot(tuple(self.tokens), self.cache.snapshot(), self.logits)
+        mtp = self.mtp_cache.snapshot() if self.mtp_cache is not None else None
+        return Snapshot(tuple(self.tokens), self.cache.snapshot(), self.logits, mtp)
 
     def restore(self, snap: Snapshot) -> None:
         self.tokens = list(snap.tokens)
         self.cache.restore(snap.cache)
         self.logits = snap.logits
+        self._block_start = None
+        if self.mtp_cache is not None:
+            if snap.mtp is None:
+                self.mtp_cache.reset()
+            else:
+                self.mtp_cache.restore(snap.mtp)

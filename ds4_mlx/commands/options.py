@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..errors import Ds4Error
+
 DEFAULT_MODEL = "ds4flash.gguf"
 
 
@@ -64,6 +66,34 @@ def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-reject-different-quant", action="store_true",
                    help="load only checkpoints written by a model with the same routed-expert quantization "
                         "(default: 2-bit and 4-bit files share checkpoints)")
+
+
+def _mtp_draft(text: str) -> int:
+    from ..engine import MAX_MTP_DRAFT
+
+    value = int(text)
+    if not 1 <= value <= MAX_MTP_DRAFT:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_MTP_DRAFT}, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def add_mtp_options(p: argparse.ArgumentParser) -> None:
+    """ds4's MTP flags (spec §7): speculative greedy decoding with the optional MTP draft file."""
+    g = p.add_argument_group("MTP speculative decoding (greedy only: --temp 0)")
+    g.add_argument("--mtp", type=Path, metavar="FILE",
+                   help="MTP draft file (./download_model.sh mtp) to guess tokens ahead with (default: off)")
+    g.add_argument("--mtp-draft", type=_mtp_draft, default=1, metavar="N",
+                   help="tokens per model call when the guesses hold: the chosen one and up to N-1 guesses; "
+                        "1 = no speculation (default 1)")
+    g.add_argument("--mtp-margin", type=_non_negative, default=3.0, metavar="F",
+                   help="verify a lone guess only if its top-1/top-2 logit gap is at least F (default 3)")
 
 
 def kv_cache_options(args: argparse.Namespace):
@@ -127,6 +157,10 @@ def open_engine(args: argparse.Namespace, **opts):
         path = ensure_demo_model()
     if getattr(args, "kv_disk_dir", None) is not None:
         opts.setdefault("kv_cache", kv_cache_options(args))
+    if getattr(args, "mtp_draft", 1) > 1 and args.mtp is None:
+        raise Ds4Error(f"--mtp-draft {args.mtp_draft} needs an MTP draft file: --mtp FILE")
+    if getattr(args, "mtp", None) is not None:
+        opts.update(mtp=args.mtp, mtp_draft=args.mtp_draft, mtp_margin=args.mtp_margin)
     return Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet, **opts)
 
 

@@ -12,6 +12,7 @@ from ..progress import Progress
 from .options import (
     add_kv_cache_arguments,
     add_model_options,
+    add_mtp_options,
     add_sampling_options,
     encode_cli_prompt,
     open_engine,
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-sys", "--system", default="You are a helpful assistant", help="system text ('' for none)")
     add_sampling_options(p)
     add_kv_cache_arguments(p)
+    add_mtp_options(p)
     p.add_argument("--dump-logprobs", type=Path, metavar="FILE", help="greedy continuation with top logprobs as JSON")
     p.add_argument("--logprobs-top-k", type=int, default=20, metavar="K", help="alternatives per step (max 128)")
 
@@ -95,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
     u = done.usage
     prefill_tps = (u.prompt_tokens - u.cached_tokens) / done.prefill_seconds if done.prefill_seconds else 0.0
     gen_tps = u.completion_tokens / done.decode_seconds if done.decode_seconds else 0.0
+    mtp = f", MTP guesses accepted {done.mtp_accepted}/{done.mtp_drafted}" if done.mtp_drafted else ""
     print(
         f"ds4-mlx: prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), prefill {prefill_tps:.1f} t/s, "
-        f"generation {u.completion_tokens} tokens at {gen_tps:.1f} t/s, finish {done.finish_reason}",
+        f"generation {u.completion_tokens} tokens at {gen_tps:.1f} t/s{mtp}, finish {done.finish_reason}",
         file=sys.stderr,
     )
     return 0

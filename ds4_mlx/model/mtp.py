@@ -39,6 +39,13 @@ from .norm import rms_norm
 from .weights import MTP_PREFIX, MTPWeights, open_mtp_weights
 
 
+def open_mtp(path: str | os.PathLike[str], config: ModelConfig) -> MTPWeights:
+    """Open an MTP file and validate its layout (spec §2.6) against the main model's dimensions."""
+    if not os.path.exists(path):
+        raise ModelFileMissing(f"no MTP file at {path}: download it with ./download_model.sh mtp")
+    return open_mtp_weights(path, config)
+
+
 @dataclass(frozen=True)
 class MTPSnapshot:
     """The whole state of an MTPCache at one moment (MLX arrays are immutable: no copy)."""
@@ -109,10 +116,8 @@ class MTP:
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Model,
              progress: Callable[[int, int], None] | None = None) -> MTP:
-        """Open, validate (spec §2.6, against the main model's dimensions) and load an MTP file."""
-        if not os.path.exists(path):
-            raise ModelFileMissing(f"no MTP file at {path}: download it with ./download_model.sh mtp")
-        return cls(open_mtp_weights(path, model.config), model, progress)
+        """Open, validate and load the MTP file that goes with `model`."""
+        return cls(open_mtp(path, model.config), model, progress)
 
     def new_cache(self) -> MTPCache:
         return MTPCache(self.config)
