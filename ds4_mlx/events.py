@@ -93,6 +93,10 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def cache_write_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
 
 @dataclass(frozen=True)
 class Done:

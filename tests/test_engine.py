@@ -22,7 +22,7 @@ from ds4_mlx.events import (
 )
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
-from ds4_mlx.tokenizer import Tokenizer
+from scripted import scripted_engine
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -44,47 +44,6 @@ def tokenizer(tiny):
     return tiny.tokenizer
 
 
-class ScriptedCache:
-    def __init__(self) -> None:
-        self.n_tokens = 0
-
-    def arrays(self) -> list[mx.array]:
-        return []
-
-    def snapshot(self) -> int:
-        return self.n_tokens
-
-    def restore(self, snap: int) -> None:
-        self.n_tokens = snap
-
-
-class ScriptedModel:
-    """Makes the sampler pick `script[i]` at generation step i, whatever the temperature (one-hot logits)."""
-
-    def __init__(self, vocab: int, script: list[int]) -> None:
-        self.vocab = vocab
-        self.script = script
-        self.step = 0
-        self.fed: list[int] = []
-
-    def new_cache(self, ctx: int) -> ScriptedCache:
-        self.step = 0
-        return ScriptedCache()
-
-    def __call__(self, tokens: mx.array, cache: ScriptedCache) -> mx.array:
-        self.fed += tokens.tolist()
-        cache.n_tokens += tokens.size
-        nxt = self.script[min(self.step, len(self.script) - 1)]
-        self.step += 1
-        return mx.where(mx.arange(self.vocab) == nxt, 100.0, -100.0)
-
-
-def scripted(tokenizer: Tokenizer, text: str, *, eos: bool = True, ctx: int = 512) -> tuple[Engine, ScriptedModel]:
-    script = tokenizer.encode(text) + ([tokenizer.eos_id] if eos else [])
-    model = ScriptedModel(tokenizer.vocab_size, script)
-    return Engine(model, tokenizer, ctx), model
-
-
 def run(engine: Engine, **kw) -> tuple[list, Done]:
     kw.setdefault("prompt", "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>")
     events = list(engine.generate(GenerationRequest(**kw)))
@@ -97,7 +56,7 @@ def texts(events, kind) -> str:
 
 
 def test_eos_stops_and_is_not_fed(tokenizer):
-    engine, model = scripted(tokenizer, "let me think</think>The answer is 4.")
+    engine, model = scripted_engine(tokenizer, "let me think</think>The answer is 4.")
     events, done = run(engine)
     assert done.finish_reason == "stop"
     assert texts(events, ReasoningDelta) == "let me think"
@@ -108,7 +67,7 @@ def test_eos_stops_and_is_not_fed(tokenizer):
 
 
 def test_max_tokens_gives_length_and_the_last_token_is_not_fed(tokenizer):
-    engine, model = scripted(tokenizer, "one two three four five six seven", eos=False)
+    engine, model = scripted_engine(tokenizer, "one two three four five six seven", eos=False)
     events, done = run(engine, max_tokens=3)
     assert done.finish_reason == "length" and done.usage.completion_tokens == 3
     prompt_len = done.usage.prompt_tokens
@@ -117,14 +76,14 @@ def test_max_tokens_gives_length_and_the_last_token_is_not_fed(tokenizer):
 
 
 def test_max_tokens_is_clamped_to_the_room_left(tokenizer):
-    engine, _ = scripted(tokenizer, "a " * 100, eos=False, ctx=20)
+    engine, _ = scripted_engine(tokenizer, "a " * 100, eos=False, ctx=20)
     _, done = run(engine, max_tokens=1000)
     assert done.finish_reason == "length"
     assert done.usage.prompt_tokens + done.usage.completion_tokens == 20
 
 
 def test_stop_string_cuts_text_and_drops_the_live_session(tokenizer):
-    engine, _ = scripted(tokenizer, "</think>alpha beta STOP gamma")
+    engine, _ = scripted_engine(tokenizer, "</think>alpha beta STOP gamma")
     events, done = run(engine, stop=("STOP",))
     assert done.finish_reason == "stop"
     assert texts(events, TextDelta) == "alpha beta " == done.message.content
@@ -138,7 +97,7 @@ def test_tool_block_closing_stops_generation(tokenizer):
         '<｜DSML｜parameter name="timeout" string="false">10</｜DSML｜parameter>\n'
         "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
     )
-    engine, model = scripted(tokenizer, "I should run ls.</think>Checking." + block + "never sampled")
+    engine, model = scripted_engine(tokenizer, "I should run ls.</think>Checking." + block + "never sampled")
     events, done = run(engine, tools_active=True)
     assert done.finish_reason == "tool_calls"
     assert "never" not in tokenizer.decode(done.token_ids)
@@ -154,7 +113,7 @@ def test_tool_block_closing_stops_generation(tokenizer):
 
 
 def test_cancel_ends_with_error(tokenizer):
-    engine, _ = scripted(tokenizer, "x " * 50, eos=False)
+    engine, _ = scripted_engine(tokenizer, "x " * 50, eos=False)
     calls = []
 
     def cancel() -> bool:
@@ -167,7 +126,7 @@ def test_cancel_ends_with_error(tokenizer):
 
 
 def test_first_event_reports_the_prompt_and_the_reused_tokens(tokenizer):
-    engine, _ = scripted(tokenizer, "x y z", eos=False)
+    engine, _ = scripted_engine(tokenizer, "x y z", eos=False)
     events, done = run(engine, max_tokens=2)
     assert events[0] == PromptAccepted(done.usage.prompt_tokens, 0)
     events, done = run(engine, prompt=engine.tokenizer.decode(engine.session.tokens) + " more", max_tokens=2)
@@ -176,7 +135,7 @@ def test_first_event_reports_the_prompt_and_the_reused_tokens(tokenizer):
 
 
 def test_cancel_between_prefill_chunks(tokenizer):
-    engine, model = scripted(tokenizer, "x", eos=False)
+    engine, model = scripted_engine(tokenizer, "x", eos=False)
     engine.session.chunk_size = 4
     calls = []
 
@@ -192,13 +151,8 @@ def test_cancel_between_prefill_chunks(tokenizer):
 
 
 def test_a_decode_failure_ends_the_answer_with_finish_error(tokenizer):
-    class FailingModel(ScriptedModel):
-        def __call__(self, tokens: mx.array, cache: ScriptedCache) -> mx.array:
-            if self.step == 3:
-                raise RuntimeError("device lost")
-            return super().__call__(tokens, cache)
-
-    engine = Engine(FailingModel(tokenizer.vocab_size, tokenizer.encode("one two three four five")), tokenizer, 512)
+    engine, model = scripted_engine(tokenizer, "one two three four five")
+    model.fail_at, model.failure = 3, RuntimeError("device lost")
     _, done = run(engine, max_tokens=10)
     assert done.finish_reason == "error" and "device lost" in done.error
     assert done.usage.completion_tokens == 3
@@ -206,7 +160,7 @@ def test_a_decode_failure_ends_the_answer_with_finish_error(tokenizer):
 
 
 def test_prompt_that_fills_the_context_is_rejected(tokenizer):
-    engine, _ = scripted(tokenizer, "x", ctx=8)
+    engine, _ = scripted_engine(tokenizer, "x", ctx=8)
     with pytest.raises(ContextOverflow) as e:
         run(engine, prompt="word " * 8)
     assert e.value.n_ctx == 8 and e.value.n_prompt_tokens >= 8

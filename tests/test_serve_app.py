@@ -1,5 +1,5 @@
-"""The HTTP server over real sockets, with a scripted engine: routing, errors, CORS, auth, SSE, queueing,
-cancellation, shutdown, tool memory and the trace. The official SDKs run against it in test_serve_sdk.py."""
+"""The HTTP server over real sockets, with the real engine over a scripted model: routing, errors, CORS, auth, SSE,
+queueing, cancellation, shutdown, tool memory and the trace. The official SDKs run against it in test_serve_sdk.py."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import time
 import httpx
 import pytest
 
-from ds4_mlx.chat import EOS
+from ds4_mlx.chat import EOS, ThinkMode
 from ds4_mlx.errors import ContextOverflow
+from ds4_mlx.sampling import SamplingParams
 from ds4_mlx.serve import anthropic, openai
 from ds4_mlx.serve import app as app_module
 from ds4_mlx.serve.app import ServerOptions
-from ds4_mlx.serve.common import CallIds
+from ds4_mlx.serve.common import CallIds, ChatRequest, Options
 from serve_support import MODEL, ScriptedEngine, live_server
 
 USER = [{"role": "user", "content": "hi"}]
@@ -219,11 +220,13 @@ def test_prompt_longer_than_the_context(client):
     assert r.status_code == 400 and set(r.json()["error"]) == {"type", "message", "n_prompt_tokens", "n_ctx"}
 
 
-def test_engine_errors_before_the_first_event(client, engine):
-    engine.fail = ContextOverflow(4100, 4096)
+def test_engine_errors_before_generation_get_a_status_code(client, engine):
+    """A refused prompt or a failed prefill, before any output: an error body, also for streams (§3.7)."""
+    engine.refusal = ContextOverflow(4100, 4096)
     r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    engine.fail = RuntimeError("kernel exploded")
+    engine.refusal = None
+    engine.model.fail_at, engine.model.failure = 0, RuntimeError("kernel exploded")
     r = client.post("/v1/messages", json={"messages": USER})
     assert r.status_code == 500
     assert r.json()["error"] == {"type": "api_error",
@@ -231,16 +234,19 @@ def test_engine_errors_before_the_first_event(client, engine):
     r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert "kernel exploded" not in r.text
-    engine.fail = None
+    engine.model.fail_at = None
     assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 200
 
 
-def test_engine_error_after_the_stream_began_is_an_sse_error_event(client, engine):
-    engine.fail, engine.fail_after = RuntimeError("decode failed"), 2
+def test_prefill_failure_after_the_stream_began_is_an_sse_error_event(client, engine):
+    """§3.7: a prefill that fails after keepalives started (the headers are out) ends with an `event: error`."""
+    engine.session.chunk_size = 2
+    engine.model.fail_at = 1  # the second chunk
     r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     assert r.status_code == 200
     assert r.text.endswith('event: error\ndata: {"error":{"message":"internal server error (request id '
                            + r.headers["x-request-id"] + ')","type":"server_error"}}\n\n')
+    engine.session.reset()
     r = client.post("/v1/messages", json={"messages": USER, "stream": True})
     last = r.text.strip().split("\n\n")[-1]
     assert last.startswith("event: error\ndata: ")
@@ -269,42 +275,51 @@ def test_sse_bytes_on_the_wire_are_the_translator_frames(client, engine):
     call_id = re.search(r'"id":"(call_[0-9a-f]{32})"', r.text).group(1)
     call_ids = CallIds("call_")
     call_ids.ids = [call_id]
-    stream = openai.ChatStream(first["id"], first["created"], MODEL, call_ids, True)
+    stream = openai.ChatStream(first["id"], first["created"], served(include_usage=True), call_ids)
     events = replay(engine)
-    expected = stream.start() + [f for e in events[:-1] for f in stream.event(e)] + stream.done(events[-1])
+    expected = stream.start(events[0]) + [f for e in events[1:-1] for f in stream.event(e)] + stream.done(events[-1])
     assert r.text == "".join(expected)
 
-    engine.live = ""
+    engine.session.reset()
     r = client.post("/v1/messages", json={"messages": USER, "tools": [{"name": "ls"}], "stream": True})
     message_id = json.loads(r.text.split("data: ", 1)[1].split("\n", 1)[0])["message"]["id"]
     call_ids = CallIds("toolu_")
     call_ids.ids = [re.search(r'"id":"(toolu_[0-9a-f]{32})"', r.text).group(1)]
-    stream = anthropic.MessageStream(message_id, MODEL, call_ids)
+    stream = anthropic.MessageStream(message_id, 0, served(), call_ids)
     events = replay(engine)
-    expected = stream.start() + [f for e in events[:-1] for f in stream.event(e)] + stream.done(events[-1])
+    assert events[0].cached_tokens == 0 and r.text.count("cache_creation_input_tokens") == 2
+    expected = stream.start(events[0]) + [f for e in events[1:-1] for f in stream.event(e)] + stream.done(events[-1])
     assert r.text == "".join(expected)
 
 
+def served(include_usage: bool = False) -> ChatRequest:
+    """What the translators read of a request: the model name they echo, and include_usage."""
+    return ChatRequest(Options(MODEL, ThinkMode.HIGH, SamplingParams(), include_usage=include_usage), ())
+
+
 def replay(engine: ScriptedEngine) -> list:
-    """The events the scripted engine produced for its last request, which started with no live session."""
-    request = engine.requests[-1]
-    engine.live = ""
-    return list(engine.generate(request))
+    """The events the engine produces for its last request, starting with no live session, as the server's did."""
+    engine.session.reset()
+    return list(engine.generate(engine.requests[-1]))
 
 
 def test_sse_headers_and_keepalive_comments_during_prefill(engine):
-    engine.prefill_steps = 3
+    engine.session.chunk_size = 2
     with live_server(engine, ServerOptions(keepalive_seconds=0)) as live, httpx.Client(base_url=live.url) as c:
         r = c.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     assert r.headers["content-type"] == "text/event-stream" and r.headers["cache-control"] == "no-cache"
     frames = r.text.split("\n\n")
+    chunks = -(-engine.count_tokens(engine.requests[-1].prompt) // 2)
+    assert chunks >= 3
     assert json.loads(frames[0][6:])["choices"][0]["delta"] == {"role": "assistant"}
-    assert frames[1:4] == [": prefill"] * 3
+    assert frames[1 : 1 + chunks] == [": prefill"] * chunks and frames[1 + chunks].startswith("data: ")
+    assert "".join(json.loads(f[6:])["choices"][0]["delta"].get("content", "") for f in frames[1 + chunks : -2]) == (
+        "Hello there.")
     assert frames[-2:] == ["data: [DONE]", ""]
 
 
 def test_no_keepalive_when_the_stream_is_fresh(client, engine):
-    engine.prefill_steps = 3  # default keepalive interval is 5 s: nothing is due
+    engine.session.chunk_size = 2  # several prefill chunks, but the keepalive interval (5 s) never passes
     assert ": prefill" not in client.post("/v1/messages", json={"messages": USER, "stream": True}).text
 
 
@@ -380,7 +395,7 @@ def test_trace_file(tmp_path, engine):
 
 def test_count_tokens(client, engine):
     r = client.post("/v1/messages/count_tokens", json={"messages": USER})
-    assert r.json() == {"input_tokens": len("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>")}
+    assert r.json() == {"input_tokens": engine.count_tokens("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>")}
     assert engine.requests == []
 
 
@@ -415,7 +430,7 @@ def test_queue_limit_answers_429():
 
 def test_concurrent_clients_match_their_sequential_answers(engine):
     engine.reply = lambda req: "thought</think>" + req.prompt[-60:-30]
-    engine.delay = 0.001
+    engine.model.delay = 0.001
     bodies = [{"messages": [{"role": "user", "content": f"question number {i} " * 3}], "seed": i}
               for i in range(16)]
     with live_server(engine) as live, httpx.Client(base_url=live.url, timeout=60) as c:
@@ -445,7 +460,7 @@ def test_concurrent_clients_match_their_sequential_answers(engine):
 
 def test_streaming_client_disconnect_cancels_generation(engine):
     engine.reply = lambda req: "x" * 3000
-    engine.delay = 0.01
+    engine.model.delay = 0.01
     with live_server(engine) as live:
         with httpx.Client(base_url=live.url, timeout=20) as c:
             with c.stream("POST", "/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
@@ -459,7 +474,7 @@ def test_streaming_client_disconnect_cancels_generation(engine):
 
 def test_non_streaming_client_disconnect_cancels_generation(engine):
     engine.reply = lambda req: "x" * 3000
-    engine.delay = 0.01
+    engine.model.delay = 0.01
     with live_server(engine) as live:
         with httpx.Client(base_url=live.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
             c.post("/v1/messages", json={"messages": USER})
@@ -487,7 +502,7 @@ def test_queued_client_that_leaves_is_skipped():
 def test_shutdown_stops_generation_and_refuses_the_queue():
     engine = ScriptedEngine()
     engine.reply = lambda req: "x" * 3000
-    engine.delay = 0.01
+    engine.model.delay = 0.01
     with live_server(engine) as live:
         results = {}
 

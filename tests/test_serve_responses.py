@@ -95,6 +95,8 @@ def test_options():
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id is not supported"),
         ({"input": "x", "conversation": "c"}, "previous_response_id is not supported"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice=required not supported"),
+        ({"input": "x", "tool_choice": ["auto", "none"]}, 'tool_choice=["auto", "none"] not supported'),
+        ({"input": [{"type": "tool_search_output", "call_id": "c", "tools": {}}]}, "input[0].tools must be an array"),
         ({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, "forced tool_choice not supported"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type 'input_image' is not supported"),
@@ -110,10 +112,32 @@ def test_errors(body, message):
     assert message in str(e.value)
 
 
-def request(summary: bool = True, namespaces=None):
+def test_tool_search_items_call_the_hosted_tool_and_load_more_tools():
+    """behavior.md §3.4: `tool_search_call` → a call of tool `tool_search`; `tool_search_output.tools` adds schema
+    lines (compact JSON: they are not in the body's tools array, whose raw bytes are kept)."""
+    req = parse({"input": [
+        {"role": "user", "content": "list files"},
+        {"type": "tool_search_call", "call_id": "call_s", "execution": "client", "status": "completed",
+         "arguments": {"query": "files"}},
+        {"type": "tool_search_output", "call_id": "call_s", "execution": "client", "status": "completed",
+         "tools": [{"type": "function", "name": "list_files", "parameters": {"type": "object"}},
+                   {"type": "namespace", "name": "mcp__fs__", "tools": [{"name": "read"}]}]},
+    ], "tools": [{"type": "tool_search", "description": "Find tools."}]})
+    assert req.messages[1:] == (Message("assistant", tool_calls=(ToolCallSpec("call_s", "tool_search",
+                                                                              {"query": "files"}),)),
+                                Message("tool", "", tool_call_id="call_s"))
+    assert req.tools == (
+        '{"name":"tool_search","description":"Find tools.","parameters":{"type":"object","properties":{}}}',
+        '{"type":"function","name":"list_files","parameters":{"type":"object"}}',
+        '{"name":"mcp__fs__read","description":"","parameters":{"type":"object","properties":{}}}',
+    )
+    assert req.tool_search and req.namespaces == {"mcp__fs__read": ("mcp__fs__", "read")}
+
+
+def request(summary: bool = True, namespaces=None, tool_search: bool = False):
     return responses.ResponsesRequest(
         options=responses.Options(model=MODEL, think=ThinkMode.HIGH, sampling=SamplingParams()),
-        messages=(Message("user", "x"),), summary=summary, namespaces=namespaces or {})
+        messages=(Message("user", "x"),), summary=summary, namespaces=namespaces or {}, tool_search=tool_search)
 
 
 def ids(*values):
@@ -163,6 +187,29 @@ def test_stream_event_sequence():
     assert final["status"] == "completed" and final["usage"] == {
         "input_tokens": 120, "input_tokens_details": {"cached_tokens": 100, "cache_write_tokens": 20},
         "output_tokens": 60, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 180}
+
+
+def test_calls_of_the_hosted_tool_search_are_tool_search_call_items():
+    """behavior.md §3.9: {"id":"fc_…","type":"tool_search_call","status":…,"call_id":…,"execution":"client",
+    "arguments":{…object…}}; its arguments are an object, so no function_call_arguments events are streamed."""
+    done = Done("tool_calls", ParsedMessage("", "", (ToolCall("tool_search", '{"query": "files"}'),
+                                                     ToolCall("ls", "{}"))), Usage(1, 0, 1))
+    body = responses.response("r", 1, request(tool_search=True), done, ids("call_s", "call_l"))
+    search = body["output"][0]
+    assert search == {"id": search["id"], "type": "tool_search_call", "status": "completed", "call_id": "call_s",
+                      "execution": "client", "arguments": {"query": "files"}}
+    assert search["id"].startswith("fc_") and body["output"][1]["type"] == "function_call"
+    stream = responses.ResponseStream("r", 1, request(tool_search=True), ids("call_s", "call_l"))
+    data = [json.loads(f[6:]) for f in stream.done(done)]
+    assert [d["type"] for d in data] == [
+        "response.output_item.added", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    streamed = {**search, "id": data[0]["item"]["id"]}
+    assert data[0]["item"] == {**streamed, "status": "in_progress", "arguments": {}} and data[1]["item"] == streamed
+    # a client's own function that happens to be called tool_search stays a function call
+    body = responses.response("r", 1, request(), done, ids("call_s", "call_l"))
+    assert body["output"][0]["type"] == "function_call"
 
 
 def test_reasoning_without_summary_opt_in_is_not_sent():

@@ -1,7 +1,7 @@
-"""The official `openai` and `anthropic` SDKs against a live server with a scripted engine.
+"""The official `openai` and `anthropic` SDKs against a live server with the engine over a scripted model.
 
-The scripted engine makes tool calls and reasoning happen on demand (the tiny random model never writes a
-tool call); test_serve_live.py runs the same SDKs against the real engine.
+The scripted model makes tool calls and reasoning happen on demand (the tiny random model never writes a
+tool call); test_serve_live.py runs the same SDKs against the tiny model.
 """
 
 from __future__ import annotations
@@ -72,14 +72,17 @@ def test_openai_plain_and_thinking(oai):
     assert r.model_extra == {} and r.choices[0].message.content == "Plain answer."
 
 
-def test_openai_usage(oai):
+def test_openai_usage(oai, live):
     messages = [{"role": "user", "content": "count me"}]
-    r = oai.chat.completions.create(model=MODEL, messages=messages)
-    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == len("Thinking hard.</think>Plain answer.")
+    r = oai.chat.completions.create(model="deepseek-chat", messages=messages)
+    tokenizer = live.worker.engine.tokenizer
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == len(tokenizer.encode("Plain answer."))
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
-    again = oai.chat.completions.create(model=MODEL, messages=messages)  # the scripted engine holds it all
-    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    # the next turn extends the live session, which holds the prompt and the answer
+    messages += [{"role": "assistant", "content": "Plain answer."}, {"role": "user", "content": "again"}]
+    again = oai.chat.completions.create(model="deepseek-chat", messages=messages)
+    assert again.usage.prompt_tokens_details.cached_tokens == r.usage.total_tokens
 
 
 def test_openai_streaming(oai):
@@ -140,14 +143,15 @@ def test_openai_errors(oai):
 # anthropic
 
 
-def test_anthropic_plain_and_thinking(claude):
+def test_anthropic_plain_and_thinking(claude, live):
     m = claude.messages.create(model=MODEL, max_tokens=1000, messages=USER)
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking == "Thinking hard." and m.content[0].signature == m.id
     assert m.content[1].text == "Plain answer." and m.stop_reason == "end_turn" and m.id.startswith("msg_")
     m = claude.messages.create(model=MODEL, max_tokens=1000, messages=USER, thinking={"type": "disabled"})
     assert [b.type for b in m.content] == ["text"]
-    assert m.usage.output_tokens == len("Plain answer.") and m.usage.input_tokens == 0
+    output_tokens = len(live.worker.engine.tokenizer.encode("Plain answer."))
+    assert m.usage.output_tokens == output_tokens and m.usage.input_tokens == 0
     assert m.usage.cache_read_input_tokens + m.usage.cache_creation_input_tokens > 0
 
 

@@ -34,7 +34,7 @@ from ds4_mlx.events import (
 )
 from ds4_mlx.sampling import SamplingParams
 from ds4_mlx.serve import anthropic, openai
-from ds4_mlx.serve.common import ApiError, CallIds, context_overflow
+from ds4_mlx.serve.common import ApiError, CallIds, ChatRequest, CompletionRequest, Options, context_overflow
 from ds4_mlx.serve.rawjson import parse_body
 
 CTX = 32768
@@ -157,6 +157,28 @@ def test_sampling_knobs_apply_only_without_thinking():
     assert chat({"messages": USER, "seed": 0}).options.sampling.seed is None
 
 
+@pytest.mark.parametrize(
+    "knobs, sampling",
+    [
+        ({"temperature": -1}, SamplingParams(temperature=0)),
+        ({"top_p": 0}, SamplingParams(top_k=1)),
+        ({"top_p": -3, "top_k": 40}, SamplingParams(top_k=1)),
+        ({"top_p": 7}, SamplingParams(top_p=1)),
+        ({"min_p": -0.5}, SamplingParams(min_p=0)),
+    ],
+)
+def test_sampling_knobs_outside_the_sampler_range_mean_what_they_mean_in_ds4(knobs, sampling):
+    """behavior.md §3.5: ds4 takes any number; below 0 a temperature is greedy, a top_p of 0 or less keeps only
+    the most likely token (its nucleus is complete at the first), above 1 keeps all; a negative min_p drops none."""
+    assert chat({"messages": USER, "think": False, **knobs}).options.sampling == sampling
+
+
+def test_negative_max_tokens_means_zero():
+    """behavior.md §3.5: `max_tokens` negative → 0 (the answer is then empty, finish "length")."""
+    assert chat({"messages": USER, "max_tokens": -5}).options.max_tokens == 0
+    assert messages({"messages": USER, "max_tokens": -1}).options.max_tokens == 0
+
+
 def test_chat_options():
     opts = chat({"messages": USER, "model": "anything", "stop": ["END", "", "STOP"], "max_tokens": 10,
                  "max_completion_tokens": 20, "stream": True, "stream_options": {"include_usage": True}}).options
@@ -184,7 +206,6 @@ def test_chat_options():
         ({"messages": USER, "temperature": "1"}, "temperature must be a number, got a string"),
         ({"messages": USER, "top_k": 1.5}, "top_k must be an integer"),
         ({"messages": USER, "top_k": True}, "top_k must be an integer, got a boolean"),
-        ({"messages": USER, "max_tokens": -1}, "max_tokens must be >= 0"),
         ({"messages": USER, "stream": "yes"}, "stream must be a boolean"),
         ({"messages": USER, "model": None}, "model must be a string"),
         ({"messages": USER, "stop": [1]}, "stop must be a string or an array of strings"),
@@ -195,13 +216,28 @@ def test_chat_options():
         ({"messages": USER, "tools": [1]}, "tools[0] must be an object"),
         ({"messages": USER, "tools": [{"type": "function", "function": {"description": "x"}}]},
          "tools[0].function.name must be"),
-        ({"messages": USER, "think": False, "temperature": -1}, "temperature"),
+        ({"messages": USER, "think": False, "min_p": 2}, "min_p must be a number in [0, 1]"),
     ],
 )
 def test_chat_request_errors_name_the_field(body, message):
     with pytest.raises(RequestError) as e:
         chat(body)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "member, message",
+    [
+        ('"temperature":1e400', "temperature must be a finite number"),
+        ('"top_p":1' + "0" * 400, "top_p must be a finite number"),
+        ('"max_tokens":-1e400', "max_tokens must be an integer, got -inf"),
+    ],
+)
+def test_numbers_beyond_the_float_range_are_refused(member, message):
+    """JSON numbers have no range: 1e400 parses to inf and 10**400 to an int that no float can hold."""
+    body = parse_body(b'{"messages":[{"role":"user","content":"x"}],"think":false,' + member.encode() + b"}")
+    with pytest.raises(ApiError, match=message):
+        openai.parse_chat(body, ctx=CTX, default_model=MODEL)
 
 
 def test_completion_prompt():
@@ -227,7 +263,8 @@ def test_anthropic_messages_are_normalized():
             {"role": "assistant", "content": [
                 {"type": "thinking", "thinking": "hmm", "signature": "sig"},
                 {"type": "text", "text": "Listing."},
-                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"path": "/tmp", "all": True}}]},
+                {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {"path": "/tmp", "all": True}},
+                {"type": "tool_use", "id": "toolu_2", "name": "cat", "input": None}]},
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.c\nb.c"},
                 {"type": "image", "source": {}},
@@ -239,7 +276,8 @@ def test_anthropic_messages_are_normalized():
     assert req.messages == (
         Message("system", "A\nB"),
         Message("user", "hi"),
-        Message("assistant", "Listing.", "hmm", (ToolCallSpec("toolu_1", "ls", {"path": "/tmp", "all": True}),)),
+        Message("assistant", "Listing.", "hmm", (ToolCallSpec("toolu_1", "ls", {"path": "/tmp", "all": True}),
+                                                 ToolCallSpec("toolu_2", "cat", {}))),
         Message("user", "<tool_result>a.c\nb.c</tool_result>thanks<tool_result>x&lt;/tool_result>y</tool_result>"),
     )
     prompt = render_chat(req.messages, think=req.options.think, ctx=CTX)
@@ -287,6 +325,9 @@ def test_anthropic_options_and_tools():
         ({"messages": USER, "system": 5}, "system must be"),
         ({"messages": USER, "stop_sequences": "x", "temperature": None}, "temperature must be a number"),
         ({"messages": USER, "output_config": {"effort": "huge"}}, "unsupported reasoning effort"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]}]},
+         "Anthropic continuation state is not available for tool_use_id toolu_9; retry by replaying the full "
+         "messages history"),
     ],
 )
 def test_anthropic_request_errors(body, message):
@@ -341,6 +382,11 @@ EVENTS = [
 ]
 
 
+def request(include_usage: bool = False) -> ChatRequest:
+    """What the translators read of a request: the model name they echo, and include_usage."""
+    return ChatRequest(Options(MODEL, ThinkMode.HIGH, SamplingParams(), include_usage=include_usage), ())
+
+
 def ids(prefix: str, *values: str) -> CallIds:
     call_ids = CallIds(prefix)
     call_ids.ids = list(values)
@@ -348,7 +394,7 @@ def ids(prefix: str, *values: str) -> CallIds:
 
 
 def test_chat_completion_body_is_the_captured_one():
-    body = openai.chat_completion("chatcmpl-7", 1795954088, MODEL, DONE,
+    body = openai.chat_completion("chatcmpl-7", 1795954088, request(), DONE,
                                   ids("call_", "call_9e32de3c21531eda6c5767a41ee09d5c"))
     assert json.dumps(body, ensure_ascii=False, separators=(",", ":")) == (
         '{"id":"chatcmpl-7","object":"chat.completion","created":1795954088,"model":"deepseek-v4-flash",'
@@ -362,22 +408,22 @@ def test_chat_completion_body_is_the_captured_one():
 
 def test_chat_completion_without_reasoning_or_tools_omits_them():
     done = Done("stop", ParsedMessage("", ""), Usage(5, 0, 1))
-    message = openai.chat_completion("c", 1, MODEL, done, CallIds("call_"))["choices"][0]["message"]
+    message = openai.chat_completion("c", 1, request(), done, CallIds("call_"))["choices"][0]["message"]
     assert message == {"role": "assistant", "content": ""}
 
 
 def test_unclosed_reasoning_is_content_in_a_non_streaming_chat_answer():
     """behavior.md §3.9 quirk: output cut inside <think> is reported as content (streaming keeps it reasoning)."""
     done = Done("length", ParsedMessage("still thinking", "", reasoning_closed=False), Usage(5, 0, 3))
-    message = openai.chat_completion("c", 1, MODEL, done, CallIds("call_"))["choices"][0]["message"]
+    message = openai.chat_completion("c", 1, request(), done, CallIds("call_"))["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "still thinking"}
-    stream = openai.ChatStream("c", 1, MODEL, CallIds("call_"), False)
+    stream = openai.ChatStream("c", 1, request(), CallIds("call_"))
     assert json.loads(stream.event(ReasoningDelta("still"))[0][6:])["choices"][0]["delta"] == {
         "reasoning_content": "still"}
 
 
 def test_chat_stream_frames_are_the_captured_sequence():
-    stream = openai.ChatStream("chatcmpl-7", 1795954088, MODEL, ids("call_", "call_" + "a" * 32), True)
+    stream = openai.ChatStream("chatcmpl-7", 1795954088, request(include_usage=True), ids("call_", "call_" + "a" * 32))
     frames = stream.start() + [f for e in EVENTS for f in stream.event(e)] + stream.done(DONE)
     head = '{"id":"chatcmpl-7","object":"chat.completion.chunk","created":1795954088,"model":"deepseek-v4-flash",'
 
@@ -406,7 +452,7 @@ def test_chat_stream_frames_are_the_captured_sequence():
 
 
 def test_chat_stream_sends_unstreamed_calls_in_one_chunk_and_no_usage_unless_asked():
-    stream = openai.ChatStream("c", 1, MODEL, ids("call_", "call_x", "call_y"), False)
+    stream = openai.ChatStream("c", 1, request(), ids("call_", "call_x", "call_y"))
     done = Done("tool_calls", ParsedMessage("", "", (ToolCall("a", '{"x": 1}'), ToolCall("b", "{}"))), Usage(3, 0, 2))
     frames = stream.done(done)
     assert [json.loads(f[6:]) for f in frames[:-1]] == [
@@ -422,7 +468,8 @@ def test_chat_stream_sends_unstreamed_calls_in_one_chunk_and_no_usage_unless_ask
 
 
 def test_completion_stream_and_body():
-    stream = openai.CompletionStream("cmpl-1", 2, MODEL, False)
+    completion = CompletionRequest(request().options, "p")
+    stream = openai.CompletionStream("cmpl-1", 2, completion, CallIds("call_"))
     done = Done("length", ParsedMessage("", "ab"), Usage(4, 1, 2))
     frames = stream.start() + stream.event(TextDelta("a</think>")) + stream.event(TextDelta("b")) + stream.done(done)
     head = '{"id":"cmpl-1","object":"text_completion","created":2,"model":"deepseek-v4-flash",'
@@ -432,12 +479,12 @@ def test_completion_stream_and_body():
         f'data: {head}"choices":[{{"text":"","index":0,"finish_reason":"length"}}]}}\n\n',
         "data: [DONE]\n\n",
     ]
-    assert openai.completion("cmpl-1", 2, MODEL, done, "a</think>b")["choices"] == [
+    assert openai.completion("cmpl-1", 2, completion, done, CallIds("call_"), "a</think>b")["choices"] == [
         {"text": "a</think>b", "index": 0, "finish_reason": "length"}]
 
 
 def test_anthropic_message_body_is_the_captured_one():
-    body = anthropic.message("chatcmpl-8", MODEL, DONE, ids("toolu_", "toolu_42907c0712b542fbd42f945a4b1cf40c"))
+    body = anthropic.message("chatcmpl-8", 0, request(), DONE, ids("toolu_", "toolu_42907c0712b542fbd42f945a4b1cf40c"))
     assert json.dumps(body, ensure_ascii=False, separators=(",", ":")) == (
         '{"id":"chatcmpl-8","type":"message","role":"assistant","model":"deepseek-v4-flash","content":[{"type":'
         '"thinking","thinking":"The user wants files.","signature":"chatcmpl-8"},{"type":"text","text":"Checking."},'
@@ -457,12 +504,12 @@ def test_anthropic_message_body_is_the_captured_one():
     ],
 )
 def test_anthropic_message_edge_shapes(finish, parsed, content, stop_reason):
-    body = anthropic.message("m", MODEL, Done(finish, parsed, Usage(1, 0, 1)), CallIds("toolu_"))
+    body = anthropic.message("m", 0, request(), Done(finish, parsed, Usage(1, 0, 1)), CallIds("toolu_"))
     assert body["content"] == content and body["stop_reason"] == stop_reason
 
 
 def test_anthropic_stream_is_the_captured_sequence():
-    stream = anthropic.MessageStream("chatcmpl-8", MODEL, ids("toolu_", "toolu_" + "b" * 32))
+    stream = anthropic.MessageStream("chatcmpl-8", 0, request(), ids("toolu_", "toolu_" + "b" * 32))
     frames = stream.start(PromptAccepted(120, 100)) + [f for e in EVENTS for f in stream.event(e)] + stream.done(DONE)
 
     def event(name: str, data: str) -> str:
@@ -503,7 +550,7 @@ def test_anthropic_stream_is_the_captured_sequence():
 
 def test_anthropic_stream_endings():
     def run(events, done):
-        stream = anthropic.MessageStream("m", MODEL, ids("toolu_", "toolu_z"))
+        stream = anthropic.MessageStream("m", 0, request(), ids("toolu_", "toolu_z"))
         frames = stream.start() + [f for e in events for f in stream.event(e)] + stream.done(done)
         return [json.loads(f.split("data: ", 1)[1]) for f in frames]
 
@@ -533,7 +580,7 @@ def test_streams_from_the_real_parser_keep_the_documented_order():
     message = dsml.parse_message(text, thinking=True, tools_active=True)
     done = Done("tool_calls", message, Usage(10, 0, 20))
 
-    chat_stream = openai.ChatStream("c", 1, MODEL, CallIds("call_"), False)
+    chat_stream = openai.ChatStream("c", 1, request(), CallIds("call_"))
     chat_frames = chat_stream.start() + [f for e in events for f in chat_stream.event(e)] + chat_stream.done(done)
     deltas = [json.loads(f[6:])["choices"][0]["delta"] for f in chat_frames[:-1]]
     kinds = [next(iter(d), "finish") for d in deltas]
@@ -545,7 +592,7 @@ def test_streams_from_the_real_parser_keep_the_documented_order():
     arguments = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
     assert json.loads(arguments) == {"command": "echo partial done"}
 
-    stream = anthropic.MessageStream("m", MODEL, CallIds("toolu_"))
+    stream = anthropic.MessageStream("m", 0, request(), CallIds("toolu_"))
     frames = stream.start() + [f for e in events for f in stream.event(e)] + stream.done(done)
     names = [f.split("\n", 1)[0][len("event: "):] for f in frames]
     data = [json.loads(f.split("data: ", 1)[1]) for f in frames]

@@ -25,6 +25,7 @@ from ..events import (
 from .common import (
     ApiError,
     CallIds,
+    abbreviated,
     ChatRequest,
     Fields,
     Options,
@@ -73,9 +74,12 @@ def _system(value: Any) -> str:
     return text_of(value, "system")
 
 
-def _message(value: Any, path: str) -> Message:
+def _message(value: Any, path: str, call_ids: set[str]) -> Message:
     """One message; blocks keep their order: user text and `<tool_result>` wrappers are concatenated
-    without separators (behavior.md §1.8), assistant thinking → reasoning, tool_use → tool calls."""
+    without separators (behavior.md §1.8), assistant thinking → reasoning, tool_use → tool calls.
+
+    `call_ids` holds the tool_use ids of the messages before this one (this message's are added): a tool_result
+    must answer one of them, since there is no continuation state to take a call from (behavior.md §3.7)."""
     f = Fields(value, path)
     role = f.string("role", "user")
     if role not in ROLES:
@@ -97,7 +101,12 @@ def _message(value: Any, path: str) -> Message:
             arguments = b.object("input", nullable=True)
             calls.append(ToolCallSpec(id=b.string("id", ""), name=b.string("name", ""),
                                       arguments=arguments.value if arguments else {}))
+            call_ids.add(calls[-1].id)
         elif kind == "tool_result" and role == "user":
+            call_id = b.string("tool_use_id", "")
+            if call_id not in call_ids:
+                raise ApiError(f"Anthropic continuation state is not available for tool_use_id {abbreviated(call_id)}; "
+                               "retry by replaying the full messages history")
             text.append(tool_result_block(text_of(b.raw("content"), b.where("content"))))
     return Message(role=role, content="".join(text), reasoning="".join(reasoning), tool_calls=tuple(calls))
 
@@ -110,7 +119,8 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     raw_messages = f.array("messages")
     if not raw_messages:
         raise ApiError("invalid request: messages must contain at least one message")
-    messages = [_message(m, f"messages[{i}]") for i, m in enumerate(raw_messages)]
+    call_ids: set[str] = set()
+    messages = [_message(m, f"messages[{i}]", call_ids) for i, m in enumerate(raw_messages)]
     system = _system(f.raw("system"))
     if system:
         messages.insert(0, Message(role="system", content=system))
@@ -141,7 +151,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "input_tokens": 0,
         "output_tokens": usage.completion_tokens,
         "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "cache_creation_input_tokens": usage.cache_write_tokens,
     }
 
 
@@ -149,7 +159,8 @@ def _input(arguments: str) -> dict[str, Any]:
     return json.loads(compact_arguments(arguments))
 
 
-def message(message_id: str, model: str, done: Done, ids: CallIds) -> dict[str, Any]:
+def message(message_id: str, created: int, request: ChatRequest, done: Done, ids: CallIds,
+            text: str = "") -> dict[str, Any]:
     """The non-streaming message: thinking, text, then tool_use blocks; an empty text block when nothing else
     but thinking was written."""
     parsed = done.message
@@ -166,7 +177,7 @@ def message(message_id: str, model: str, done: Done, ids: CallIds) -> dict[str, 
         "id": message_id,
         "type": "message",
         "role": "assistant",
-        "model": model,
+        "model": request.options.model,
         "content": content,
         "stop_reason": STOP_REASONS.get(done.finish_reason, "end_turn"),
         "stop_sequence": None,
@@ -182,9 +193,9 @@ class MessageStream:
     `message_delta` carries the whole usage as well, as Anthropic's own API does.
     """
 
-    def __init__(self, message_id: str, model: str, ids: CallIds) -> None:
+    def __init__(self, message_id: str, created: int, request: ChatRequest, ids: CallIds) -> None:
         self.id = message_id
-        self.model = model
+        self.model = request.options.model
         self.ids = ids
         self.index = -1
         self.open: str | None = None
@@ -195,10 +206,8 @@ class MessageStream:
         return sse({"type": name, **data}, event=name)
 
     def start(self, prompt: PromptAccepted | None = None) -> list[str]:
-        cached = prompt.cached_tokens if prompt else 0
-        written = prompt.prompt_tokens - cached if prompt else 0
-        usage = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": cached,
-                 "cache_creation_input_tokens": written}
+        """`message_start`, with the prompt's cache split when the engine has reported it."""
+        usage = usage_json(Usage(prompt.prompt_tokens, prompt.cached_tokens, 0) if prompt else Usage(0, 0, 0))
         start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                  "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [self._event("message_start", {"message": start})]
@@ -244,9 +253,11 @@ class MessageStream:
         return frames
 
     def done(self, done: Done) -> list[str]:
+        """Closes the open block; an empty text block when thinking ended without text or calls (not when the
+        stream ends inside thinking, behavior.md §3.10); calls not streamed live; message_delta; message_stop."""
         frames = self._close()
         calls = done.message.tool_calls
-        if not self.wrote_text and not calls:
+        if not self.wrote_text and not calls and done.message.reasoning_closed:
             frames += self._open("text", {"type": "text", "text": ""}) + self._close()
         for i in range(self.streamed_calls, len(calls)):
             block = {"type": "tool_use", "id": self.ids[i], "name": calls[i].name, "input": {}}

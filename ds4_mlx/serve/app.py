@@ -14,7 +14,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..chat import render_chat, render_completion_prompt
 from ..engine import GenerationRequest
 from ..errors import ContextOverflow, RequestError
-from ..events import Done, PrefillProgress, PromptAccepted, TextDelta
+from ..events import Done, Event, PrefillProgress, PromptAccepted, TextDelta
 from . import anthropic, openai, responses
 from .common import (
     KEEPALIVE,
@@ -74,9 +74,9 @@ class ServerOptions:
 class Api:
     """One wire format: how its requests are read and how its answers and errors are written.
 
-    `response(id, created, request, done, call_ids, text)` builds the non-streaming body (`text` is every
-    TextDelta joined); `stream(id, created, request, call_ids)` returns an object with `start()`,
-    `event(event)` and `done(done)`, each giving SSE frames.
+    Every translator module has the same two signatures: `response(id, created, request, done, call_ids, text)`
+    builds the non-streaming body (`text` is every TextDelta joined); `stream(id, created, request, call_ids)`
+    returns an object with `start(prompt_accepted)`, `event(event)` and `done(done)`, each giving SSE frames.
     """
 
     name: str
@@ -92,28 +92,13 @@ class Api:
     """False for legacy completions, which return the raw text with reasoning and `</think>` in it."""
 
 
-CHAT = Api(
-    "chat", "chatcmpl-", "call_", "messages", openai.parse_chat,
-    lambda rid, created, req, done, ids, text: openai.chat_completion(rid, created, req.options.model, done, ids),
-    lambda rid, created, req, ids: openai.ChatStream(rid, created, req.options.model, ids, req.options.include_usage),
-)
-COMPLETIONS = Api(
-    "completions", "cmpl-", "call_", "prompt", openai.parse_completion,
-    lambda rid, created, req, done, ids, text: openai.completion(rid, created, req.options.model, done, text),
-    lambda rid, created, req, ids: openai.CompletionStream(rid, created, req.options.model, req.options.include_usage),
-    split_reasoning=False,
-)
-MESSAGES = Api(
-    "messages", "msg_", "toolu_", "messages", anthropic.parse_messages,
-    lambda rid, created, req, done, ids, text: anthropic.message(rid, req.options.model, done, ids),
-    lambda rid, created, req, ids: anthropic.MessageStream(rid, req.options.model, ids),
-    anthropic.error_json, anthropic.stream_error,
-)
-RESPONSES = Api(
-    "responses", "resp_", "call_", "input", responses.parse_responses,
-    lambda rid, created, req, done, ids, text: responses.response(rid, created, req, done, ids),
-    responses.ResponseStream,
-)
+CHAT = Api("chat", "chatcmpl-", "call_", "messages", openai.parse_chat, openai.chat_completion, openai.ChatStream)
+COMPLETIONS = Api("completions", "cmpl-", "call_", "prompt", openai.parse_completion, openai.completion,
+                  openai.CompletionStream, split_reasoning=False)
+MESSAGES = Api("messages", "msg_", "toolu_", "messages", anthropic.parse_messages, anthropic.message,
+               anthropic.MessageStream, anthropic.error_json, anthropic.stream_error)
+RESPONSES = Api("responses", "resp_", "call_", "input", responses.parse_responses, responses.response,
+                responses.ResponseStream)
 
 
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -121,12 +106,11 @@ def json_response(value: Any, status: int = 200, headers: dict[str, str] | None 
     return Response((dumps(value) + "\n").encode("utf-8"), status, headers, media_type="application/json")
 
 
-def _api_error(exc: Exception, api: Api) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, ContextOverflow):
-        return context_overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
-    return ApiError(str(exc))
+async def _chained(first: Iterable[Event], rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    for event in first:
+        yield event
+    async for event in rest:
+        yield event
 
 
 class HttpLayer:
@@ -175,6 +159,20 @@ class Server:
         offered = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         return secrets.compare_digest(offered.encode(), key.encode())
 
+    def _failed(self, exc: Exception, api: Api, rid: str) -> ApiError:
+        """The error a failed request reports: the client's mistake as it is, anything else as a 500 that names
+        the request id (logged with its traceback). Traced either way."""
+        if isinstance(exc, ContextOverflow):
+            error = context_overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
+        elif isinstance(exc, RequestError):
+            error = exc if isinstance(exc, ApiError) else ApiError(str(exc))
+        else:
+            log.error("request %s failed", rid, exc_info=exc)
+            error = ApiError(f"internal server error (request id {rid})", 500)
+        if self.trace:
+            self.trace.error(rid, error.status, error.message)
+        return error
+
     def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]]):
         """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies."""
 
@@ -185,12 +183,7 @@ class Server:
                     raise ApiError("invalid API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'", 401)
                 response = await handler(request, rid)
             except Exception as exc:
-                if not isinstance(exc, RequestError):
-                    log.exception("request %s failed", rid)
-                    exc = ApiError(f"internal server error (request id {rid})", 500)
-                error = _api_error(exc, api)
-                if self.trace:
-                    self.trace.error(rid, error.status, error.message)
+                error = self._failed(exc, api, rid)
                 headers = {"retry-after": "1"} if error.status == 429 else None
                 response = json_response(api.error_json(error), error.status, headers)
             response.headers["x-request-id"] = rid
@@ -203,11 +196,14 @@ class Server:
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise ApiError(f"request body too large: at most {MAX_BODY_BYTES} bytes", 413)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise ApiError(f"request body too large: at most {MAX_BODY_BYTES} bytes", 413)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise ApiError(f"request body too large: at most {MAX_BODY_BYTES} bytes", 413)
+                chunks.append(chunk)
+        except ClientDisconnect:  # nobody is left to answer; not a fault of the server
+            raise ApiError("the client disconnected while sending the request", 499) from None
         return b"".join(chunks)
 
     def _render(self, request: ChatRequest | CompletionRequest) -> str:
@@ -228,17 +224,14 @@ class Server:
         return store.tool_map({i for i in ids if i and i not in memory})
 
     def _prepare(self, data: bytes, api: Api) -> tuple[ChatRequest | CompletionRequest, str, int]:
-        """Parse, normalize, render and count, on a pool thread; refuse prompts that do not fit (§3.7)."""
+        """Parse, normalize, render and count, on a pool thread."""
         request = api.parse(parse_body(data), ctx=self.engine.ctx, default_model=self.engine.model_name)
         recalled = self._recall_tool_ids(request)
         with self.engine.tool_memory_lock:  # rendering reads the tool memory and refreshes its LRU order
             for call_id, block in recalled.items():
                 self.engine.tool_memory.remember([call_id], block)
             prompt = self._render(request)
-        n_prompt = self.engine.count_tokens(prompt)
-        if n_prompt >= self.engine.ctx:
-            raise context_overflow(n_prompt, self.engine.ctx, api.param)
-        return request, prompt, n_prompt
+        return request, prompt, self.engine.count_tokens(prompt)
 
     def _remember(self, ids: CallIds, done: Done) -> list[str]:
         """Map the wire ids of the calls just generated to the exact DSML sampled (behavior.md §4.4)."""
@@ -264,9 +257,9 @@ class Server:
     def _finished(self, rid: str, api: Api, done: Done, calls: list[str]) -> None:
         usage = done.usage
         log.info(
-            "%s %s prompt=%d cached=%d completion=%d finish=%s prefill=%.2fs decode=%.2fs",
-            rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
-            done.finish_reason, done.prefill_seconds, done.decode_seconds,
+            "%s %s prompt=%d cached=%d completion=%d finish=%s%s prefill=%.2fs decode=%.2fs",
+            rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, done.finish_reason,
+            f" ({done.error})" if done.error else "", done.prefill_seconds, done.decode_seconds,
         )
         if self.trace:
             self.trace.done(rid, done, calls)
@@ -278,6 +271,8 @@ class Server:
             self.worker.check_room()
             data = await self._read(request)
             norm, prompt, n_prompt = await run_in_threadpool(self._prepare, data, api)
+            if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt (§3.7)
+                raise context_overflow(n_prompt, self.engine.ctx, api.param)
             options = norm.options
             tools = norm.tools if isinstance(norm, ChatRequest) else ()
             job = Job(
@@ -314,19 +309,24 @@ class Server:
         return self.endpoint(api, handle)
 
     async def _stream(self, request: Request, job: Job, api: Api, rid: str, stream: Any, ids: CallIds) -> Response:
-        """SSE: headers go out with the first event, so errors before it still get a proper status code."""
+        """SSE. The headers go out with the first event after the engine accepted the prompt (the first prefill
+        chunk's progress, or the first output), so that a prompt refused or failing in a single-chunk prefill
+        still gets a proper status code, as in ds4 (§3.7). A failure after that is an SSE error frame; decode
+        failures are not failures here: the engine ends them with finish reason "error"."""
         events = job.events()
         async with self._cancel_on_disconnect(request, job):
-            first = await anext(events, None)
-        if first is None:
+            head = [await anext(events, None)]
+            if isinstance(head[0], PromptAccepted):
+                head.append(await anext(events, None))
+        if head[-1] is None:
             raise ApiError("the request was cancelled before it ran", 499)
+        accepted = head[0] if isinstance(head[0], PromptAccepted) else None
 
         async def frames() -> AsyncIterator[str]:
-            event = first
             last_write = time.monotonic()
             try:
-                yield "".join(stream.start(first if isinstance(first, PromptAccepted) else None))
-                while event is not None:
+                yield "".join(stream.start(accepted))
+                async for event in _chained(head, events):
                     if self.trace:
                         self.trace.event(rid, event)
                     if isinstance(event, PrefillProgress):
@@ -340,15 +340,8 @@ class Server:
                     if out:
                         yield "".join(out)
                         last_write = time.monotonic()
-                    event = await anext(events, None)
             except Exception as exc:
-                if not isinstance(exc, RequestError):
-                    log.exception("request %s failed while streaming", rid)
-                    exc = ApiError(f"internal server error (request id {rid})", 500)
-                error = _api_error(exc, api)
-                if self.trace:
-                    self.trace.error(rid, error.status, error.message)
-                yield api.stream_error(error.message)
+                yield api.stream_error(self._failed(exc, api, rid).message)
             finally:
                 job.cancel()
 
@@ -357,7 +350,8 @@ class Server:
     # -- other endpoints ------------------------------------------------------------------------------------
 
     async def count_tokens(self, request: Request, rid: str) -> Response:
-        """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's length, without generating."""
+        """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's length, without generating, also when it
+        does not fit the context (clients ask exactly to find out whether to compact)."""
         _, _, n_prompt = await run_in_threadpool(self._prepare, await self._read(request), MESSAGES)
         return json_response({"input_tokens": n_prompt})
 
@@ -390,13 +384,20 @@ class Server:
             self.trace.close()
 
 
+def _get(path: str, endpoint: Callable[[Request], Awaitable[Response]]) -> Route:
+    """A GET route. Starlette adds HEAD to every GET route; ds4 answers HEAD 404 like any unknown endpoint (§3.2)."""
+    route = Route(path, endpoint, methods=["GET"])
+    route.methods.discard("HEAD")
+    return route
+
+
 def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Starlette:
     """The ASGI app over a started worker; stopping the app (uvicorn's shutdown) stops the worker."""
     server = Server(worker, options)
     routes = [
-        Route("/health", server.health, methods=["GET"]),
-        Route("/v1/models", server.endpoint(CHAT, server.models), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model), methods=["GET"]),
+        _get("/health", server.health),
+        _get("/v1/models", server.endpoint(CHAT, server.models)),
+        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model)),
         Route("/v1/chat/completions", server.generation(CHAT), methods=["POST"]),
         Route("/v1/completions", server.generation(COMPLETIONS), methods=["POST"]),
         Route("/v1/messages", server.generation(MESSAGES), methods=["POST"]),

@@ -9,6 +9,7 @@ are defined here once.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,17 @@ class Fields:
         return self._get(key, bool, default, nullable)
 
     def number(self, key: str, default: float | None = None, *, nullable: bool = False) -> float | None:
-        return self._get(key, (int, float), default, nullable)
+        """A finite number, as a float (JSON allows integers and exponents beyond the float range)."""
+        value = self._get(key, (int, float), _MISSING, nullable)
+        if value is _MISSING:
+            return default
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ApiError(f"invalid request: {self.where(key)} must be a finite number (at most about 1.8e308)")
+        return number
 
     def integer(self, key: str, default: int | None = None, *, nullable: bool = False) -> int | None:
         value = self._get(key, (int, float), _MISSING, nullable, "an integer")
@@ -132,6 +143,12 @@ class Fields:
 
 def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
     return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def abbreviated(value: Any, limit: int = 40) -> str:
+    """A client's value for an error message: a string as it is, anything else as JSON; cut to `limit` characters."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def text_of(value: Any, path: str, *, separator: str = "") -> str:
@@ -190,7 +207,25 @@ def sampling_params(fields: Fields, think: ThinkMode, names: tuple[str, ...] = S
     seed = seed if seed is not None and seed > 0 else None
     if think.thinking:
         return SamplingParams(seed=seed)
-    return SamplingParams(seed=seed, **{k: float(v) if k != "top_k" else v for k, v in knobs.items()})
+    return SamplingParams(seed=seed, **_in_sampler_range(knobs))
+
+
+def _in_sampler_range(knobs: dict[str, Any]) -> dict[str, Any]:
+    """ds4 samples with any number for these knobs; the values outside the sampler's range mean (ds4.c
+    `sample_top_p_min_p`): temperature below 0 is greedy like 0, a top_p of 0 or less keeps only the most likely
+    token (the nucleus is complete at the first one), above 1 keeps every token, and min_p below 0 drops none."""
+    knobs = dict(knobs)
+    if knobs.get("temperature", 0) < 0:
+        knobs["temperature"] = 0.0
+    if "top_p" in knobs:
+        top_p = knobs.pop("top_p")
+        if top_p <= 0:
+            knobs["top_k"] = 1
+        else:
+            knobs["top_p"] = min(top_p, 1.0)
+    if knobs.get("min_p", 0) < 0:
+        knobs["min_p"] = 0.0
+    return knobs
 
 
 def stop_strings(fields: Fields, key: str) -> tuple[str, ...]:
@@ -206,13 +241,11 @@ def stop_strings(fields: Fields, key: str) -> tuple[str, ...]:
 
 
 def max_tokens(fields: Fields, *keys: str) -> int | None:
-    """The first of `keys` present; a limit must be a non-negative integer."""
+    """The first of `keys` present: an integer, where a negative limit means 0 as in ds4 (§3.5)."""
     for key in keys:
         value = fields.integer(key)
         if value is not None:
-            if value < 0:
-                raise ApiError(f"invalid request: {fields.where(key)} must be >= 0, got {value}")
-            return value
+            return max(0, value)
     return None
 
 

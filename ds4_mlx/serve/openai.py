@@ -161,10 +161,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": usage.cached_tokens,
-            "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens,
-        },
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.cache_write_tokens},
     }
 
 
@@ -172,7 +169,8 @@ def _tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def chat_completion(response_id: str, created: int, model: str, done: Done, ids: CallIds) -> dict[str, Any]:
+def chat_completion(response_id: str, created: int, request: ChatRequest, done: Done, ids: CallIds,
+                    text: str = "") -> dict[str, Any]:
     """The non-streaming `chat.completion` object.
 
     As in ds4 (behavior.md §3.9), reasoning that never reached `</think>` (e.g. cut by max_tokens) is reported
@@ -193,7 +191,7 @@ def chat_completion(response_id: str, created: int, model: str, done: Done, ids:
         "id": response_id,
         "object": "chat.completion",
         "created": created,
-        "model": model,
+        "model": request.options.model,
         "choices": [{"index": 0, "message": reply, "finish_reason": done.finish_reason}],
         "usage": usage_json(done.usage),
     }
@@ -206,10 +204,11 @@ class ChatStream:
     the finish chunk, the usage chunk (only with `stream_options.include_usage`), then `[DONE]`.
     """
 
-    def __init__(self, response_id: str, created: int, model: str, ids: CallIds, include_usage: bool) -> None:
-        self.head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    def __init__(self, response_id: str, created: int, request: ChatRequest, ids: CallIds) -> None:
+        self.head = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                     "model": request.options.model}
         self.ids = ids
-        self.include_usage = include_usage
+        self.include_usage = request.options.include_usage
         self.streamed_calls = 0
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -248,13 +247,14 @@ class ChatStream:
         return frames
 
 
-def completion(response_id: str, created: int, model: str, done: Done, text: str) -> dict[str, Any]:
+def completion(response_id: str, created: int, request: CompletionRequest, done: Done, ids: CallIds,
+               text: str) -> dict[str, Any]:
     """The non-streaming `text_completion` object; `text` is the raw generated text (see `CompletionStream`)."""
     return {
         "id": response_id,
         "object": "text_completion",
         "created": created,
-        "model": model,
+        "model": request.options.model,
         "choices": [{"text": text, "index": 0, "finish_reason": done.finish_reason}],
         "usage": usage_json(done.usage),
     }
@@ -267,9 +267,10 @@ class CompletionStream:
     so it is generated without the reasoning split: every piece arrives as a TextDelta.
     """
 
-    def __init__(self, response_id: str, created: int, model: str, include_usage: bool) -> None:
-        self.head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
-        self.include_usage = include_usage
+    def __init__(self, response_id: str, created: int, request: CompletionRequest, ids: CallIds) -> None:
+        self.head = {"id": response_id, "object": "text_completion", "created": created,
+                     "model": request.options.model}
+        self.include_usage = request.options.include_usage
 
     def _frame(self, text: str, finish_reason: str | None = None) -> str:
         return sse({**self.head, "choices": [{"text": text, "index": 0, "finish_reason": finish_reason}]})

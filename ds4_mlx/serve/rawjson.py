@@ -4,6 +4,10 @@ The prompt shows the model each tool schema as the client wrote it (behavior.md 
 newlines of pretty-printed JSON included. `json.loads` followed by `json.dumps` cannot reproduce those bytes, so
 the top-level object and its `tools` array are walked member by member with the C scanner of the `json` module,
 which reports where every value ends.
+
+Two things valid JSON allows are settled here, once, for every endpoint: nesting deeper than ds4's limit is refused,
+and a lone surrogate escape such as `"\\ud800"` (a string no UTF-8 text can hold, so no answer echoing it could be
+written) becomes U+FFFD, as the tokenizer does for prompts.
 """
 
 from __future__ import annotations
@@ -11,18 +15,17 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 from ..errors import RequestError
 
 MAX_DEPTH = 256
-"""Deepest nesting of arrays and objects accepted, as in ds4; it also keeps the recursive scanner far from
-Python's recursion limit."""
+"""Deepest nesting of arrays and objects accepted, as in ds4. Bodies nested so deep that the (recursive) C scanner
+hits Python's recursion limit are refused with the same message."""
 
 _WS = re.compile(r"[ \t\n\r]*")
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _reject_constant(name: str) -> Any:
@@ -55,23 +58,46 @@ def parse_body(data: bytes) -> Body:
         raise RequestError("invalid JSON request: the body is empty, expected a JSON object")
     if text[start] != "{":
         raise RequestError("invalid JSON request: the body must be a JSON object")
-    _check_depth(text)
     try:
         value, members, end = _object(text, start)
     except (ValueError, IndexError) as e:
         raise RequestError(f"invalid JSON request: {e}") from None
+    except RecursionError:  # the C scanner recurses per level; far deeper than the limit
+        raise _too_deep() from None
     if _WS.match(text, end).end() != len(text):
         raise RequestError(f"invalid JSON request: unexpected data after the JSON object at char {end}")
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
+        raise _too_deep()
+    if _SURROGATE_ESCAPE.search(text):
+        value = _without_lone_surrogates(value)
     tools = members.get("tools")
     tool_texts = _tool_texts(text, tools[0]) if tools and isinstance(value["tools"], list) else ()
     return Body(value, tool_texts)
 
 
-def _check_depth(text: str) -> None:
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
-    depth = max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
-    if depth > MAX_DEPTH:
-        raise RequestError(f"invalid JSON request: nesting deeper than {MAX_DEPTH} levels")
+def _too_deep() -> RequestError:
+    return RequestError(f"invalid JSON request: nesting deeper than {MAX_DEPTH} levels")
+
+
+def _depth(value: Any) -> int:
+    """How many levels of arrays and objects `value` nests, level by level (no recursion); stops past the limit."""
+    depth, level = 0, [value]
+    while level and depth <= MAX_DEPTH:
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+    return depth
+
+
+def _without_lone_surrogates(value: Any) -> Any:
+    """`value` with every surrogate code point in its strings (keys too) replaced by U+FFFD; the decoder has already
+    joined valid pairs, so any left is a lone one."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_without_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def _scan(text: str, pos: int) -> tuple[Any, int]:

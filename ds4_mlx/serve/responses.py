@@ -8,14 +8,17 @@ requests: clients replay the full input, and the tool memory and live prefix reu
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..chat import Message, ToolCallSpec
-from ..events import Done, Event, PromptAccepted, ReasoningDelta, TextDelta
+from ..events import Done, Event, PromptAccepted, ReasoningDelta, TextDelta, Usage
 from .common import (
     ApiError,
     CallIds,
+    abbreviated,
     ChatRequest,
     Fields,
     Options,
@@ -34,15 +37,51 @@ TEXT_BLOCKS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 SUMMARY_OPT_IN = ("auto", "concise", "detailed")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 IGNORED_ITEMS = ("compaction", "context_compaction")
+TOOL_SEARCH = "tool_search"
+"""The name under which the hosted tool_search tool is shown to the model."""
 
 
 @dataclass(frozen=True)
 class ResponsesRequest(ChatRequest):
-    """A chat request plus what only the Responses wire needs: whether reasoning summaries were asked for, and
-    the namespace of each flattened tool name (`mcp__srv__tool` → ("mcp__srv__", "tool"))."""
+    """A chat request plus what only the Responses wire needs: whether reasoning summaries were asked for, the
+    namespace of each flattened tool name (`mcp__srv__tool` → ("mcp__srv__", "tool")), and whether the hosted
+    tool_search is offered (the model's calls to it are then `tool_search_call` items)."""
 
     summary: bool = False
     namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    tool_search: bool = False
+
+
+@dataclass
+class _Tools:
+    """Schema lines (behavior.md §1.6) with what the answer needs to know about them."""
+
+    lines: list[str] = field(default_factory=list)
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    tool_search: bool = False
+
+    def add(self, tools: list[Any], texts: Sequence[str], path: str) -> None:
+        """Raw bytes per tool; one synthesized line per function of a namespace; a synthesized line for the hosted
+        tool_search."""
+        for i, (tool, text) in enumerate(zip(tools, texts)):
+            t = Fields(tool, f"{path}[{i}]")
+            kind = t.string("type", "function")
+            if kind == "namespace":
+                prefix = t.string("name", "")
+                for j, inner in enumerate(t.array("tools", [])):
+                    fn = Fields(inner, f"{t.where('tools')}[{j}]")
+                    name = fn.string("name", "")
+                    parameters = fn.raw("parameters", fn.raw("input_schema", EMPTY_PARAMETERS))
+                    self.lines.append(dumps({"name": prefix + name, "description": fn.string("description", ""),
+                                             "parameters": parameters}))
+                    self.namespaces[prefix + name] = (prefix, name)
+            elif kind == "tool_search" and "name" not in t:
+                self.lines.append(dumps({"name": TOOL_SEARCH,
+                                         "description": t.string("description", "Search available tools."),
+                                         "parameters": t.raw("parameters", EMPTY_PARAMETERS)}))
+                self.tool_search = True
+            else:
+                self.lines.append(text)
 
 
 def _text(value: Any, path: str) -> str:
@@ -61,39 +100,13 @@ def _text(value: Any, path: str) -> str:
     return "".join(parts)
 
 
-def _tools(f: Fields, tool_texts: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, tuple[str, str]]]:
-    """Schema lines (behavior.md §1.6): raw bytes per tool; one synthesized line per function of a namespace;
-    a synthesized line for the hosted tool_search."""
-    tools = f.array("tools", nullable=True) or []
-    lines: list[str] = []
-    namespaces: dict[str, tuple[str, str]] = {}
-    for i, (tool, text) in enumerate(zip(tools, tool_texts)):
-        t = Fields(tool, f"tools[{i}]")
-        kind = t.string("type", "function")
-        if kind == "namespace":
-            prefix = t.string("name", "")
-            for j, inner in enumerate(t.array("tools", [])):
-                fn = Fields(inner, f"tools[{i}].tools[{j}]")
-                name = fn.string("name", "")
-                parameters = fn.raw("parameters", fn.raw("input_schema", EMPTY_PARAMETERS))
-                lines.append(dumps({"name": prefix + name, "description": fn.string("description", ""),
-                                    "parameters": parameters}))
-                namespaces[prefix + name] = (prefix, name)
-        elif kind == "tool_search" and "name" not in t:
-            lines.append(dumps({"name": "tool_search",
-                                "description": t.string("description", "Search available tools."),
-                                "parameters": t.raw("parameters", EMPTY_PARAMETERS)}))
-        else:
-            lines.append(text)
-    return tuple(lines), namespaces
-
-
 class _History:
-    """Builds the message list from input items in order."""
+    """Builds the message list from input items in order, and collects the tools that tool searches loaded."""
 
     def __init__(self) -> None:
         self.messages: list[Message] = []
         self.reasoning: list[str] = []
+        self.loaded_tools: list[tuple[list[Any], str]] = []
 
     def _take_reasoning(self) -> str:
         text, self.reasoning = "\n".join(self.reasoning), []
@@ -128,15 +141,19 @@ def _item(history: _History, value: Any, path: str) -> None:
         if role not in ROLES:
             raise ApiError(f"invalid request: {it.where('role')} must be one of {', '.join(ROLES)}; got {role!r}")
         history.add(Message(role, _text(it.raw("content"), it.where("content"))))
-    elif kind in ("function_call", "custom_tool_call", "local_shell_call"):
+    elif kind in ("function_call", "custom_tool_call", "local_shell_call", "tool_search_call"):
         call_id = it.string("call_id") or it.string("id", "")
         if kind == "local_shell_call":
             name, arguments = "local_shell", dumps(it.raw("action", {}))
+        elif kind == "tool_search_call":
+            name, arguments = TOOL_SEARCH, it.raw("arguments")
         else:
             name = it.string("namespace", "") + it.string("name", "")
             arguments = it.raw("arguments" if kind == "function_call" else "input")
         history.call(ToolCallSpec(call_id, name, "{}" if arguments is None else arguments))
-    elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
+    elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output", "tool_search_output"):
+        if kind == "tool_search_output":
+            history.loaded_tools.append((it.array("tools", []), it.where("tools")))
         history.add(Message("tool", _text(it.raw("output"), it.where("output")), tool_call_id=it.string("call_id", "")))
     elif kind == "reasoning":
         texts = [_text([b], f"{it.where(key)}[{i}]") for key in ("summary", "content")
@@ -173,8 +190,12 @@ def parse_responses(body: Body, *, ctx: int, default_model: str) -> ResponsesReq
     if isinstance(tool_choice, dict):
         raise ApiError("forced tool_choice not supported")
     if tool_choice is not None and tool_choice not in ("auto", "none"):
-        raise ApiError(f"tool_choice={tool_choice} not supported")
-    tools, namespaces = _tools(f, body.tool_texts) if tool_choice != "none" else ((), {})
+        raise ApiError(f"tool_choice={abbreviated(tool_choice)} not supported")
+    tools = _Tools()
+    if tool_choice != "none":
+        tools.add(f.array("tools", nullable=True) or [], body.tool_texts, "tools")
+        for loaded, path in history.loaded_tools:  # not in the body's tools array: shown as compact JSON
+            tools.add(loaded, [dumps(tool) for tool in loaded], path)
 
     model = f.string("model", default_model)
     reasoning = f.object("reasoning", nullable=True)
@@ -189,8 +210,9 @@ def parse_responses(body: Body, *, ctx: int, default_model: str) -> ResponsesReq
         max_tokens=max_tokens(f, "max_output_tokens", "max_tokens"),
         stream=f.boolean("stream", False),
     )
-    return ResponsesRequest(options=options, messages=tuple(messages), tools=tools,
-                            summary=summary in SUMMARY_OPT_IN, namespaces=namespaces)
+    return ResponsesRequest(options=options, messages=tuple(messages), tools=tuple(tools.lines),
+                            summary=summary in SUMMARY_OPT_IN, namespaces=tools.namespaces,
+                            tool_search=tools.tool_search)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -199,12 +221,10 @@ def parse_responses(body: Body, *, ctx: int, default_model: str) -> ResponsesReq
 STATUS = {"length": "incomplete", "error": "failed"}
 
 
-def usage_json(done: Done) -> dict[str, Any]:
-    usage = done.usage
+def usage_json(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens,
-                                 "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.cache_write_tokens},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.total_tokens,
@@ -229,14 +249,23 @@ class _Output:
         content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
         return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
+    def is_tool_search(self, name: str) -> bool:
+        return self.request.tool_search and name == TOOL_SEARCH
+
     def call_item(self, index: int, name: str, arguments: str, status: str) -> dict[str, Any]:
+        """A function_call item, or a tool_search_call item for a call to the hosted tool_search (its arguments
+        an object, run by the client, behavior.md §3.9)."""
         while len(self.call_item_ids) <= index:
             self.call_item_ids.append(new_id("fc_", 12))
+        item_id, call_id = self.call_item_ids[index], self.ids[index]
+        if self.is_tool_search(name):
+            return {"id": item_id, "type": "tool_search_call", "status": status, "call_id": call_id,
+                    "execution": "client", "arguments": json.loads(arguments or "{}")}
         namespace, short = self.request.namespaces.get(name, ("", name))
-        item = {"id": self.call_item_ids[index], "type": "function_call", "status": status, "name": short}
+        item = {"id": item_id, "type": "function_call", "status": status, "name": short}
         if namespace:
             item["namespace"] = namespace
-        item.update({"call_id": self.ids[index], "arguments": arguments})
+        item.update({"call_id": call_id, "arguments": arguments})
         return item
 
     def items(self, done: Done) -> list[dict[str, Any]]:
@@ -263,11 +292,12 @@ class _Output:
             body["incomplete_details"] = {"reason": "max_tokens"}
         elif done.finish_reason == "error":
             body["error"] = {"code": "server_error", "message": "generation failed"}
-        body["usage"] = usage_json(done)
+        body["usage"] = usage_json(done.usage)
         return body
 
 
-def response(rid: str, created: int, request: ResponsesRequest, done: Done, ids: CallIds) -> dict[str, Any]:
+def response(rid: str, created: int, request: ResponsesRequest, done: Done, ids: CallIds,
+             text: str = "") -> dict[str, Any]:
     """The non-streaming response object."""
     return _Output(request, ids).response(rid, created, done)
 
@@ -368,15 +398,16 @@ class ResponseStream:
             added = self.out.call_item(i, call.name, "", "in_progress")
             item_id = added["id"]
             final = self.out.call_item(i, call.name, arguments, "completed")
-            names = {k: final[k] for k in ("name", "namespace") if k in final}
-            frames += [
-                self._event("response.output_item.added", output_index=index, item=added),
-                self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                            delta=arguments),
-                self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                            **names, arguments=arguments),
-                self._event("response.output_item.done", output_index=index, item=final),
-            ]
+            frames.append(self._event("response.output_item.added", output_index=index, item=added))
+            if not self.out.is_tool_search(call.name):  # a tool_search_call's arguments are an object, not text
+                names = {k: final[k] for k in ("name", "namespace") if k in final}
+                frames += [
+                    self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                                delta=arguments),
+                    self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                **names, arguments=arguments),
+                ]
+            frames.append(self._event("response.output_item.done", output_index=index, item=final))
         terminal = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
             STATUS.get(done.finish_reason, ""), "response.completed")
         frames.append(self._event(terminal, response=self.out.response(self.rid, self.created, done)))

@@ -18,7 +18,8 @@ class Trace:
     """Appends records to one file; safe to call from any thread."""
 
     def __init__(self, path: str | Path) -> None:
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the server's lifetime
+        # kept open for the server's lifetime; text that has no UTF-8 form (lone surrogates) is escaped, not fatal
+        self._file = open(path, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
         self._lock = threading.Lock()
 
     def _write(self, request_id: str, title: str, *sections: tuple[str, Any]) -> None:
@@ -49,7 +50,7 @@ class Trace:
     def done(self, request_id: str, done: Done, call_ids: list[str]) -> None:
         usage = done.usage
         reused = (
-            f"reused {usage.cached_tokens} live tokens, prefilled {usage.prompt_tokens - usage.cached_tokens}"
+            f"reused {usage.cached_tokens} cached tokens, prefilled {usage.cache_write_tokens}"
             if usage.cached_tokens
             else f"cache miss, prefilled all {usage.prompt_tokens} tokens"
         )
