@@ -56,6 +56,18 @@ def sse_data(text: str) -> list[dict | str]:
     return out
 
 
+def sse_frames(text: str) -> list[tuple[str | None, str]]:
+    """(event name or None, data) of every SSE frame."""
+    frames = []
+    for frame in text.split("\n\n"):
+        lines = frame.split("\n")
+        data = [line[6:] for line in lines if line.startswith("data: ")]
+        if data:
+            event = [line[7:] for line in lines if line.startswith("event: ")]
+            frames.append((event[0] if event else None, data[0]))
+    return frames
+
+
 def wait_until(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -303,6 +315,44 @@ def replay(engine: ScriptedEngine) -> list:
     return list(engine.generate(engine.requests[-1]))
 
 
+def test_anthropic_message_start_reports_the_cache_split(client, engine):
+    """message_start goes out after the engine accepted the prompt, so it carries the reused prefix (§3.10)."""
+
+    def usages(messages: list) -> tuple[dict, dict]:
+        r = client.post("/v1/messages", json={"model": "deepseek-chat", "messages": messages, "stream": True})
+        data = [json.loads(d) for _, d in sse_frames(r.text)]
+        return data[0]["message"]["usage"], data[-2]["usage"]
+
+    start, final = usages(USER)
+    assert start["cache_read_input_tokens"] == 0 and start["cache_creation_input_tokens"] > 0
+    prompt = start["cache_creation_input_tokens"]
+    start, final = usages(USER + [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "?"}])
+    assert start["cache_read_input_tokens"] == prompt + len(engine.tokenizer.encode("Hello there."))
+    assert final["cache_read_input_tokens"] == start["cache_read_input_tokens"]
+    assert final["cache_creation_input_tokens"] == start["cache_creation_input_tokens"] > 0
+
+
+def test_a_decode_failure_ends_every_stream_normally(client, engine):
+    """§3.7: "Generation failures during decode do not produce an error event; they end the normal stream with
+    finish `error` (Responses: `response.failed`)"."""
+    engine.model.fail_at = 3  # the prefill and two decoded tokens, then the device fails
+
+    def frames(path: str, body: dict) -> list:
+        r = client.post(path, json={**body, "stream": True})
+        out = sse_frames(r.text)
+        assert r.status_code == 200 and all(event != "error" for event, _ in out)
+        return [d if d == "[DONE]" else json.loads(d) for _, d in out]
+
+    chat = frames("/v1/chat/completions", {"messages": USER})
+    assert chat[-1] == "[DONE]" and chat[-2]["choices"][0]["finish_reason"] == "error"
+    completion = frames("/v1/completions", {"prompt": "p"})
+    assert completion[-1] == "[DONE]" and completion[-2]["choices"][0]["finish_reason"] == "error"
+    message = frames("/v1/messages", {"messages": USER})
+    assert message[-1]["type"] == "message_stop" and message[-2]["delta"]["stop_reason"] == "end_turn"
+    response = frames("/v1/responses", {"input": "p"})
+    assert response[-1]["type"] == "response.failed" and response[-1]["response"]["error"]["code"] == "server_error"
+
+
 def test_sse_headers_and_keepalive_comments_during_prefill(engine):
     engine.session.chunk_size = 2
     with live_server(engine, ServerOptions(keepalive_seconds=0)) as live, httpx.Client(base_url=live.url) as c:
@@ -396,6 +446,9 @@ def test_trace_file(tmp_path, engine):
 def test_count_tokens(client, engine):
     r = client.post("/v1/messages/count_tokens", json={"messages": USER})
     assert r.json() == {"input_tokens": engine.count_tokens("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>")}
+    # a conversation too long for the context is counted too: clients ask exactly to decide when to compact
+    r = client.post("/v1/messages/count_tokens", json={"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert r.status_code == 200 and r.json()["input_tokens"] > engine.ctx
     assert engine.requests == []
 
 

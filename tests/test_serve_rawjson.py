@@ -77,6 +77,15 @@ def test_nesting_limit():
     assert parse_body(b'{"a":"' + b"[" * 1000 + b'"}').value == {"a": "[" * 1000}
 
 
+def test_lone_surrogates_become_the_replacement_character():
+    """`"\\ud800"` is valid JSON but no UTF-8 text holds it, so nothing echoing it could be written: every lone
+    surrogate in a key or value becomes U+FFFD; pairs stay one character; the raw tool texts keep the escape."""
+    body = parse_body(rb'{"model":"a\ud800","\udfff":["\ud83d\ude00",{"k":"\uDBFF"}],"tools":[{"name":"\ud800"}]}')
+    assert body.value == {"model": "a\ufffd", "\ufffd": ["\U0001f600", {"k": "\ufffd"}], "tools": [{"name": "\ufffd"}]}
+    assert body.tool_texts == (r'{"name":"\ud800"}',)
+    assert parse_body(rb'{"a":"\\ud800"}').value == {"a": "\\ud800"}  # an escaped backslash, not a surrogate
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),

@@ -131,6 +131,8 @@ def test_worked_example_renders_byte_for_byte():
         ({"model": "deepseek-reasoner"}, CTX, ThinkMode.HIGH),
         ({"model": "deepseek-chat", "thinking": {"type": "enabled"}}, CTX, ThinkMode.HIGH),
         ({"model": "deepseek-reasoner", "think": False}, CTX, ThinkMode.NONE),
+        ({"think": False, "thinking": True}, CTX, ThinkMode.NONE),  # `think` is read first
+        ({"thinking": True, "reasoning_effort": "none"}, CTX, ThinkMode.NONE),  # effort none always turns it off
         ({"thinking": {"type": "disabled", "budget_tokens": 1024}}, CTX, ThinkMode.NONE),
         ({"thinking": True}, CTX, ThinkMode.HIGH),
         ({"thinking": {"type": "adaptive"}}, CTX, ThinkMode.HIGH),
