@@ -137,9 +137,9 @@ def test_bad_mode_values_are_refused(monkeypatch):
         registry.set_mode("gpu")
 
 
-def test_bit_exact_tolerance_refuses_one_ulp():
+def test_exact_tolerance_refuses_one_ulp():
     path, _ = make(lambda x: mx.sum(x * x, axis=-1) * (1 + 2**-23), tolerance=0)
-    with pytest.warns(KernelFallbackWarning, match="not bit-exact"):
+    with pytest.warns(KernelFallbackWarning, match="values are not exactly the reference's"):
         assert not path.enabled(8)
 
 
@@ -153,7 +153,7 @@ def test_outputs_are_compared_one_by_one_with_their_own_bound():
     exact_then_loose = FastPath("pair", ref, fast, probe, (0, 1e-5))
     assert exact_then_loose.enabled(8)
     both_exact = FastPath("pair", ref, fast, probe, 0)
-    with pytest.warns(KernelFallbackWarning, match="output 1: it is not bit-exact"):
+    with pytest.warns(KernelFallbackWarning, match="output 1: its values are not exactly"):
         assert not both_exact.enabled(8)
 
 
@@ -162,6 +162,12 @@ def test_shape_and_finiteness_mismatches_are_disagreements():
     assert "float32[3]" in registry.disagreement(mx.zeros((3,)), want, 1e-3)
     assert "not finite" in registry.disagreement(mx.array([1.0, mx.nan]), want, 1e-3)
     assert registry.disagreement(mx.array([1.0, 2.0 + 1e-4]), want, 1e-3) is None
+
+
+def test_keys_are_described_by_name():
+    from ds4_mlx.model.gguf import GGMLType
+
+    assert registry.describe((GGMLType.Q2_K, 4096, True)) == "(Q2_K, 4096, True)"
 
 
 def test_unknown_backends_are_refused():

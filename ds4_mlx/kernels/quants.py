@@ -65,6 +65,17 @@ def _q4_k_scales_mins(scales: mx.array) -> tuple[mx.array, mx.array]:
     return sc, mn
 
 
+def q4_k_sub_block_terms(blocks: mx.array) -> tuple[mx.array, mx.array]:
+    """The float32 factors (d * scale_j, dmin * min_j), each [n_blocks, 8], of a Q4_K block's eight sub-blocks.
+
+    A sub-block's value is y = (d * scale_j) * q - dmin * min_j for its 4-bit quants q.
+    """
+    d = _f16(blocks[:, 0:2])
+    dmin = _f16(blocks[:, 2:4])
+    sc, mn = _q4_k_scales_mins(blocks[:, 4:16])
+    return d * sc.astype(mx.float32), dmin * mn.astype(mx.float32)
+
+
 def dequantize_q4_k(blocks: mx.array) -> mx.array:
     """Q4_K, 256 values in 144 bytes: d (f16), dmin (f16), scales[12], qs[128].
 
@@ -72,11 +83,8 @@ def dequantize_q4_k(blocks: mx.array) -> mx.array:
     y = (d * scale_j) * q - dmin * min_j.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    dmin = _f16(blocks[:, 2:4])
-    sc, mn = _q4_k_scales_mins(blocks[:, 4:16])
-    dl = (d * sc.astype(mx.float32))[..., None]
-    ml = (dmin * mn.astype(mx.float32))[..., None]
+    dl, ml = q4_k_sub_block_terms(blocks)
+    dl, ml = dl[..., None], ml[..., None]
     shifts = mx.array([0, 4], dtype=mx.uint8).reshape(1, 1, 2, 1)
     q = (blocks[:, 16:144].reshape(n, 4, 1, 32) >> shifts) & 15
     q = q.reshape(n, 8, 32).astype(mx.float32)

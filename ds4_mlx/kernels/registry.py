@@ -14,6 +14,7 @@ Python, makes every fast path answer "no" without checking anything: for debuggi
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 import warnings
@@ -74,6 +75,13 @@ def current_backend() -> str:
     return "cpu"
 
 
+def describe(key: Hashable) -> str:
+    """A shape-class key for messages: enum members by name, tuples element by element."""
+    if isinstance(key, tuple):
+        return "(" + ", ".join(describe(part) for part in key) + ")"
+    return key.name if isinstance(key, enum.Enum) else str(key)
+
+
 @dataclass(frozen=True)
 class Decision:
     """The outcome of a first-use check: use the fast path or not, and why not."""
@@ -86,13 +94,14 @@ def disagreement(got: mx.array, want: mx.array, tolerance: float) -> str | None:
     """Why `got` is not `want` within `tolerance`, or None when it is.
 
     The bound is max|got - want| <= tolerance * max|want|: relative to the output's scale, since a matmul's
-    reassociation error grows with its largest terms, not with each element. A tolerance of 0 means bit-exact.
+    reassociation error grows with its largest terms, not with each element. A tolerance of 0 asks for equal
+    values: the same bits, except that zeros of either sign are equal and NaN matches NaN.
     """
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"it returned {got.dtype}{list(got.shape)} where the reference returns {want.dtype}{list(want.shape)}"
     if tolerance == 0:
         same = mx.all((got == want) | (mx.isnan(got) & mx.isnan(want))).item()
-        return None if same else "it is not bit-exact"
+        return None if same else "its values are not exactly the reference's"
     if not mx.all(mx.isfinite(got) == mx.isfinite(want)).item():
         return "it is not finite where the reference is (or the other way round)"
     finite = mx.isfinite(want)
@@ -171,7 +180,7 @@ class FastPath:
         if reason is None:
             return Decision(True)
         warnings.warn(
-            f"fast path {self.name} for {key} on {backend} is not used: {reason}; using the reference",
+            f"fast path {self.name} for {describe(key)} on {backend} is not used: {reason}; using the reference",
             KernelFallbackWarning,
             stacklevel=4,
         )

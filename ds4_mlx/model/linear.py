@@ -1,9 +1,18 @@
 """How the forward pass reads its weights: the one place that turns GGUF tensors into matrix products.
 
 Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF ne = [IN, OUT], spec §2.1).
-Small matrices are dequantized to float32 once, at load. Large ones stay as their raw GGUF blocks and are
-dequantized per call, so memory stays close to the file size. Routed experts always stay raw and only the
-experts a token selects are dequantized. Fused dequant-matmul kernels slot in here without touching the model.
+A matrix is held in one of three forms:
+
+- affine: Q8_0 and Q4_K tensors converted at load to MLX's affine quantized layout (kernels/affine.py) and
+  multiplied by MLX's quantized matmuls. Memory stays close to the file size, and dequantizing the converted
+  arrays gives the reference values bit for bit. This is a fast path: it is taken when the kernel mode is "fast"
+  and its first-use check passes on this backend (kernels/registry.py);
+- dense: other matrices whose float32 form is at most RESIDENT_BYTES, dequantized once at load;
+- raw: the rest, kept as their GGUF blocks and dequantized per call.
+
+Routed experts (ExpertBank) are affine when their type allows it, else raw, and only the experts a token selects
+are read. With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path; after
+loading, the reference mode multiplies affine tensors by their dequantized values, which are the reference's.
 """
 
 from __future__ import annotations
@@ -13,31 +22,51 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from ds4_mlx.errors import LayoutError
+from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
 from ds4_mlx.kernels.quants import dequantize
+from ds4_mlx.model.gguf import GGMLType
 
 if TYPE_CHECKING:
     from ds4_mlx.model.weights import ModelWeights
 
 RESIDENT_BYTES = 64 << 20
-"""Matrices whose float32 form is at most this many bytes are dequantized once at load."""
+"""Matrices without an affine form whose float32 form is at most this many bytes are dequantized once at load."""
+
+
+def uses_affine(ggml_type: int, expert_bank: bool = False) -> bool:
+    """Whether a tensor of this type is converted to the affine form here (mode, backend and first-use checks)."""
+    if ggml_type not in BITS:
+        return False
+    ggml_type = GGMLType(ggml_type)
+    return AFFINE_MATMUL.enabled(ggml_type) and (not expert_bank or AFFINE_GATHER.enabled(ggml_type))
 
 
 def loaded_nbytes(weights: ModelWeights) -> int:
     """The bytes a Model built from these weights keeps in memory, known before loading anything.
 
-    Routed experts and large matrices stay as their raw blocks; vectors and matrices whose float32 form fits
-    RESIDENT_BYTES are held as float32 (int32 for tid2eid).
+    Affine tensors take their converted size; vectors and matrices whose float32 form fits RESIDENT_BYTES are
+    held as float32 (int32 for tid2eid); everything else stays as its raw blocks.
     """
     total = 0
     for info in weights.file.tensors.values():
+        shape = tuple(reversed(info.shape))
         float_bytes = 4 * info.n_elements
-        resident = len(info.shape) < 3 and float_bytes <= RESIDENT_BYTES
-        total += float_bytes if resident else info.nbytes
+        if uses_affine(info.ggml_type, expert_bank=len(shape) == 3):
+            total += affine_nbytes(info.ggml_type, shape)
+        elif len(shape) < 3 and float_bytes <= RESIDENT_BYTES:
+            total += float_bytes
+        else:
+            total += info.nbytes
     return total
 
 
 def _row_major_shape(weights: ModelWeights, name: str) -> tuple[int, ...]:
     return tuple(reversed(weights.info(name).shape))
+
+
+def _fast() -> bool:
+    return registry.mode() == "fast"
 
 
 class Linear:
@@ -51,39 +80,59 @@ class Linear:
         self.name = name
         self.shape = shape
         self.ggml_type = info.ggml_type
+        self._affine: AffineWeight | None = None
+        self._dense: mx.array | None = None
+        self._raw: mx.array | None = None
         raw = mx.array(weights.tensor_bytes(name))
-        if shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes):
-            self._dense: mx.array | None = dequantize(raw, info.ggml_type, shape)
-            self._raw: mx.array | None = None
+        if uses_affine(info.ggml_type):
+            self._affine = to_affine(raw, info.ggml_type, shape)
+            mx.eval(self._affine.wq, self._affine.scales, self._affine.biases)  # convert now; the raw copy goes
+        elif shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes):
+            self._dense = dequantize(raw, info.ggml_type, shape)
             mx.eval(self._dense)  # dequantize now, not inside the first forward pass
         else:
-            self._dense = None
             self._raw = raw.reshape(shape[0], -1)
 
     @property
     def weight(self) -> mx.array:
-        """W as float32 (dequantized now if it is kept raw)."""
+        """W as float32 (dequantized now if it is not held dense)."""
         if self._dense is not None:
             return self._dense
+        if self._affine is not None:
+            return self._affine.dequantize()
         return dequantize(self._raw, self.ggml_type, self.shape)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory: the float32 matrix, or the raw blocks."""
+        """Bytes held in memory: the affine arrays, the float32 matrix, or the raw blocks."""
+        if self._affine is not None:
+            return self._affine.nbytes
         return (self._dense if self._dense is not None else self._raw).nbytes
 
     def rows(self, index: mx.array) -> mx.array:
         """Selected rows of W as float32 (index (N,) -> (N, IN)); dequantizes only those rows."""
         if self._dense is not None:
             return self._dense[index]
+        if self._affine is not None:
+            return self._affine.take(index).dequantize()
         return dequantize(self._raw[index], self.ggml_type, (index.size, self.shape[1]))
 
+    def grouped(self, x: mx.array, groups: int) -> mx.array:
+        """Group g of W's rows applied to x[:, g]: x (T, groups, IN) -> (T, groups, OUT / groups)."""
+        if self._affine is not None and _fast():
+            w = self._affine
+            split = AffineWeight(*(a.reshape(groups, -1, a.shape[-1]) for a in (w.wq, w.scales, w.biases)), w.bits)
+            return mx.swapaxes(split.matmul(mx.swapaxes(x, 0, 1)), 0, 1)
+        return mx.einsum("tgi,goi->tgo", x, self.weight.reshape(groups, -1, self.shape[1]))
+
     def __call__(self, x: mx.array) -> mx.array:
+        if self._affine is not None and _fast():
+            return self._affine.matmul(x)
         return x @ self.weight.T
 
 
 class ExpertBank:
-    """The routed experts of one projection, (E, OUT, IN), kept as raw blocks; only used experts are dequantized."""
+    """The routed experts of one projection, (E, OUT, IN); only the experts a token selects are read."""
 
     def __init__(self, weights: ModelWeights, name: str):
         info = weights.info(name)
@@ -93,7 +142,14 @@ class ExpertBank:
         self.name = name
         self.shape = shape
         self.ggml_type = info.ggml_type
-        self._raw = mx.array(weights.tensor_bytes(name)).reshape(shape[0], -1)
+        self._affine: AffineWeight | None = None
+        self._raw: mx.array | None = None
+        raw = mx.array(weights.tensor_bytes(name))
+        if uses_affine(info.ggml_type, expert_bank=True):
+            self._affine = to_affine(raw, info.ggml_type, shape)
+            mx.eval(self._affine.wq, self._affine.scales, self._affine.biases)
+        else:
+            self._raw = raw.reshape(shape[0], -1)
 
     @property
     def n_expert(self) -> int:
@@ -101,8 +157,22 @@ class ExpertBank:
 
     @property
     def nbytes(self) -> int:
-        return self._raw.nbytes
+        return self._affine.nbytes if self._affine is not None else self._raw.nbytes
 
     def experts(self, ids: mx.array) -> mx.array:
         """Float32 weights of the experts `ids` (K,) -> (K, OUT, IN)."""
+        if self._affine is not None:
+            return self._affine.take(ids).dequantize()
         return dequantize(self._raw[ids], self.ggml_type, (ids.size, *self.shape[1:]))
+
+    def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
+        """x[i] @ W[ids[i]].T for each of N (input, expert) pairs: x (N, IN), ids (N,) -> (N, OUT)."""
+        if self._affine is not None and _fast():
+            return self._affine.gather_matmul(x, ids)
+        return (x[:, None, :] @ mx.swapaxes(self.experts(ids), 1, 2))[:, 0, :]
+
+    def matmul(self, x: mx.array, expert: int) -> mx.array:
+        """x @ W[expert].T for x (T, IN): all the tokens routed to one expert."""
+        if self._affine is not None and _fast():
+            return self._affine.take(expert).matmul(x)
+        return x @ self.experts(mx.array([expert], dtype=mx.int32))[0].T

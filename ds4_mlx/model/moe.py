@@ -68,7 +68,7 @@ class SharedExpert:
 
 @dataclass
 class RoutedExperts:
-    """The routed SwiGLU experts of one layer, read from raw GGUF blocks."""
+    """The routed SwiGLU experts of one layer: three expert banks (model/linear.py) sharing the routing."""
 
     gate: ExpertBank
     up: ExpertBank
@@ -82,28 +82,25 @@ class RoutedExperts:
         return self._grouped(x, ids, weights)
 
     def _gathered(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
-        """Dequantize one expert copy per (token, slot); no host sync, for decode."""
+        """One expert product per (token, slot); no host sync, for decode."""
         t, k = ids.shape
         flat = ids.reshape(-1)
-        xs = mx.repeat(x, k, axis=0)[:, None, :]  # (T*k, 1, D)
-        g = xs @ mx.swapaxes(self.gate.experts(flat), 1, 2)
-        u = xs @ mx.swapaxes(self.up.experts(flat), 1, 2)
-        h = swiglu(g, u, self.clamp) * weights.reshape(-1, 1, 1)
-        y = h @ mx.swapaxes(self.down.experts(flat), 1, 2)
-        return mx.sum(y.reshape(t, k, -1), axis=1)
+        xs = mx.repeat(x, k, axis=0)  # (T*k, D)
+        h = swiglu(self.gate(xs, flat), self.up(xs, flat), self.clamp) * weights.reshape(-1, 1)
+        return mx.sum(self.down(h, flat).reshape(t, k, -1), axis=1)
 
     def _grouped(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
-        """Dequantize each used expert once and run all its tokens through it, for prefill."""
+        """Each used expert once, over all its tokens, for prefill."""
         ids_np = np.array(ids)
         out = mx.zeros(x.shape, dtype=mx.float32)
         for expert in np.unique(ids_np):
             token, slot = np.nonzero(ids_np == expert)
             token_ix = mx.array(token.astype(np.int32))
             w = weights[token_ix, mx.array(slot.astype(np.int32))][:, None]
-            e = mx.array([int(expert)], dtype=mx.int32)
+            e = int(expert)
             xs = x[token_ix]
-            h = swiglu(xs @ self.gate.experts(e)[0].T, xs @ self.up.experts(e)[0].T, self.clamp) * w
-            out = out.at[token_ix].add(h @ self.down.experts(e)[0].T)
+            h = swiglu(self.gate.matmul(xs, e), self.up.matmul(xs, e), self.clamp) * w
+            out = out.at[token_ix].add(self.down.matmul(h, e))
             mx.eval(out)  # one dequantized expert alive at a time
         return out
 
