@@ -1,9 +1,6 @@
-"""Findings of the independent review (/work/notes/review-findings.md), each proven by a test.
-
-Every `xfail(strict=True)` test asserts what the spec asks for and fails on today's code; when the owner fixes
-the finding the test XPASSes, which fails the run until the marker is removed. The unmarked tests at the end
-fuzz the server and the GGUF reader and guard what already holds: a client mistake never gets a 500, every
-error body has its endpoint's shape, and every malformed file is a GGUFError/LayoutError.
+"""Regression tests from an independent review against the specs: each test pins a bug that was found and fixed
+(its docstring cites the spec section). The fuzz tests at the end guard the robustness rules: a client mistake
+never gets a 500, every error body has its endpoint's shape, and every malformed file is a GGUFError/LayoutError.
 """
 
 from __future__ import annotations
@@ -39,10 +36,6 @@ CALL = (
     '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
 )
-
-
-def finding(n: int, what: str):
-    return pytest.mark.xfail(strict=True, reason=f"review finding {n}: {what}")
 
 
 # ---------------------------------------------------------------------------------------------------------
