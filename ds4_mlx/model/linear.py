@@ -11,7 +11,7 @@ A matrix is held in one of three forms:
 - raw: the rest, kept as their GGUF blocks and dequantized per call.
 
 Routed experts (ExpertBank) are affine when their type allows it, else raw, and only the experts a token selects
-are read. With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path; after
+are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go through the dequant-matvec kernels. With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path; after
 loading, the reference mode multiplies affine tensors by their dequantized values, which are the reference's.
 """
 
@@ -24,6 +24,9 @@ import mlx.core as mx
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
+from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
+from ds4_mlx.kernels.matvec import QuantMatvec
+from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
 from ds4_mlx.kernels.quants import dequantize
 from ds4_mlx.model.gguf import GGMLType
 
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
 
 RESIDENT_BYTES = 64 << 20
 """Matrices without an affine form whose float32 form is at most this many bytes are dequantized once at load."""
+
+MATVECS: dict[int, QuantMatvec] = {GGMLType.IQ2_XXS: IQ2_XXS_MATVEC, GGMLType.Q2_K: Q2_K_MATVEC}
+"""Dequant-matvec kernels over raw blocks (GPU only; elsewhere, or if their check fails, they run the reference)."""
 
 
 def uses_affine(ggml_type: int, expert_bank: bool = False) -> bool:
@@ -169,6 +175,8 @@ class ExpertBank:
         """x[i] @ W[ids[i]].T for each of N (input, expert) pairs: x (N, IN), ids (N,) -> (N, OUT)."""
         if self._affine is not None and _fast():
             return self._affine.gather_matmul(x, ids)
+        if self._raw is not None and self.ggml_type in MATVECS:
+            return MATVECS[self.ggml_type](x, self._raw, ids, self.shape)
         return (x[:, None, :] @ mx.swapaxes(self.experts(ids), 1, 2))[:, 0, :]
 
     def matmul(self, x: mx.array, expert: int) -> mx.array:

@@ -1,0 +1,142 @@
+"""One kernel definition, rendered for CUDA (`mx.fast.cuda_kernel`) or Metal (`mx.fast.metal_kernel`).
+
+A kernel is written once, as the body of an MLX custom kernel: MLX generates the signature from the input and
+output names (inputs are read-only pointers, outputs writable ones, template arguments compile-time constants)
+and launches `grid` threads in groups of `threadgroup`, on both backends. The body is the C++ both languages
+share, plus a few neutral words that each dialect spells its own way:
+
+- thread position: THREAD_IN_GROUP, GROUP_X, GROUP_Y (threadgroup / block indices), SIMD_LANE (0..31) and
+  SIMD_INDEX (the 32-thread SIMD group / warp within the group). They are replaced in the text because MLX's
+  Metal backend adds a thread attribute to the signature only when its name appears in the body;
+- qualifiers: SHARED declares threadgroup memory; SHARED_MEM and GLOBAL_MEM are the address spaces of pointers
+  into threadgroup and device memory (CUDA's pointers are generic, Metal's are qualified); CONSTANT declares
+  program-scope tables and DEVICE_FN helper functions;
+- helper functions each dialect's prelude defines: ds4_barrier() (all threads of the group), ds4_simd_barrier()
+  (the 32 threads of a SIMD group), ds4_simd_sum(float), ds4_popcount(unsigned int), ds4_half_to_float(unsigned
+  short) (IEEE half bits to float).
+
+Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+
+SIMD_WIDTH = 32
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A custom kernel in the neutral dialect: its name, input and output names, body and helper header."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    source: str
+    header: str = ""
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one backend spells the neutral words, and the helper functions it defines."""
+
+    name: str
+    words: Mapping[str, str]
+    prelude: str
+    make: Callable[..., Callable]  # mx.fast.cuda_kernel or mx.fast.metal_kernel
+
+    def render(self, text: str) -> str:
+        """The text with every neutral word replaced by this dialect's spelling."""
+        return _WORD.sub(lambda m: self.words[m.group(0)], text)
+
+    def header(self, kernel: Kernel) -> str:
+        return self.prelude + self.render(kernel.header)
+
+    def compile(self, kernel: Kernel) -> Callable:
+        """The MLX kernel object for this backend (compiled by MLX at its first launch)."""
+        return self.make(
+            name=kernel.name,
+            input_names=list(kernel.inputs),
+            output_names=list(kernel.outputs),
+            source=self.render(kernel.source),
+            header=self.header(kernel),
+        )
+
+
+NEUTRAL_WORDS = (
+    "THREAD_IN_GROUP", "GROUP_X", "GROUP_Y", "SIMD_LANE", "SIMD_INDEX",
+    "SHARED", "SHARED_MEM", "GLOBAL_MEM", "CONSTANT", "DEVICE_FN",
+)
+_WORD = re.compile(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b")
+
+CUDA = Dialect(
+    name="cuda",
+    words={
+        "THREAD_IN_GROUP": "threadIdx.x",
+        "GROUP_X": "blockIdx.x",
+        "GROUP_Y": "blockIdx.y",
+        "SIMD_LANE": "(threadIdx.x & 31)",
+        "SIMD_INDEX": "(threadIdx.x >> 5)",
+        "SHARED": "__shared__",
+        "SHARED_MEM": "",
+        "GLOBAL_MEM": "",
+        "CONSTANT": "__constant__",
+        "DEVICE_FN": "__device__ __forceinline__",
+    },
+    prelude="""
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ void ds4_barrier() { __syncthreads(); }
+__device__ __forceinline__ void ds4_simd_barrier() { __syncwarp(); }
+__device__ __forceinline__ float ds4_simd_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+__device__ __forceinline__ unsigned int ds4_popcount(unsigned int v) { return __popc(v); }
+__device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
+  return __half2float(__ushort_as_half(bits));
+}
+""",
+    make=mx.fast.cuda_kernel,
+)
+
+METAL = Dialect(
+    name="metal",
+    words={
+        "THREAD_IN_GROUP": "thread_position_in_threadgroup.x",
+        "GROUP_X": "threadgroup_position_in_grid.x",
+        "GROUP_Y": "threadgroup_position_in_grid.y",
+        "SIMD_LANE": "thread_index_in_simdgroup",
+        "SIMD_INDEX": "simdgroup_index_in_threadgroup",
+        "SHARED": "threadgroup",
+        "SHARED_MEM": "threadgroup",
+        "GLOBAL_MEM": "device",
+        "CONSTANT": "constant",
+        "DEVICE_FN": "inline",
+    },
+    prelude="""
+inline void ds4_barrier() { metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); }
+inline void ds4_simd_barrier() { metal::simdgroup_barrier(metal::mem_flags::mem_threadgroup); }
+inline float ds4_simd_sum(float v) { return metal::simd_sum(v); }
+inline unsigned int ds4_popcount(unsigned int v) { return metal::popcount(v); }
+inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
+""",
+    make=mx.fast.metal_kernel,
+)
+
+DIALECTS = {"cuda": CUDA, "metal": METAL}
+
+
+@cache
+def build(kernel: Kernel, backend: str) -> Callable:
+    """The kernel compiled for `backend` ("cuda" or "metal"), made once per kernel and backend."""
+    if backend not in DIALECTS:
+        raise ValueError(f"no custom kernels for the {backend} backend; expected one of {', '.join(DIALECTS)}")
+    return DIALECTS[backend].compile(kernel)
