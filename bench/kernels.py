@@ -1,0 +1,180 @@
+"""Time each fast path against its reference on this device, at DeepSeek V4 Flash's shapes.
+
+    python bench/kernels.py                 # the GPU (MLX's default device there)
+    python bench/kernels.py --json --calls 64
+    python bench/kernels.py --backend cpu --experts 16
+
+Each line is one operation at one shape: the reference (the blocks dequantized in MLX ops, then a matmul) and the
+fast path (a custom kernel, or a built-in quantized matmul over the affine form), as microseconds per call and
+the weight bytes read per second. `--calls` independent calls go into one evaluation so that the per-eval launch
+and sync latency is spread over them; the median of `--repeats` evaluations is reported. Before timing, each fast
+path's first-use check runs: a fast path that fails it (it would fall back in the model) is reported as such
+and its kernel is still timed directly, so a wrong-but-fast kernel shows up as both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+
+from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, to_affine
+from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
+from ds4_mlx.kernels.matvec import QuantMatvec, gathered_reference
+from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
+from ds4_mlx.kernels.quants import reference_matmul
+from ds4_mlx.kernels.registry import KernelFallbackWarning, current_backend
+from ds4_mlx.model.config import FLASH
+from ds4_mlx.model.gguf import GGMLType
+
+
+@dataclass(frozen=True)
+class Timing:
+    operation: str
+    shape: str
+    weight_bytes: int
+    reference_us: float
+    fast_us: float
+    fast_path_used: bool
+    max_relative_error: float
+
+    @property
+    def speedup(self) -> float:
+        return self.reference_us / self.fast_us
+
+
+DEQUANTIZED_BYTES = 1 << 30
+"""An evaluation holds at most about this many bytes of reference-dequantized float32 weights."""
+
+
+def per_call_us(call: Callable[[], mx.array], calls: int, repeats: int, dequantized_bytes: int = 0) -> float:
+    """Median over `repeats` of one evaluation of `calls` independent calls, divided by `calls`.
+
+    Fewer calls go into one evaluation when each materializes `dequantized_bytes` of float32 weights.
+    """
+    calls = max(1, min(calls, DEQUANTIZED_BYTES // max(1, dequantized_bytes)))
+    mx.eval([call() for _ in range(calls)])  # warm-up: compilation, allocation
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval([call() for _ in range(calls)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / calls * 1e6
+
+
+def relative_error(got: mx.array, want: mx.array) -> float:
+    return (mx.abs(got - want).max() / mx.abs(want).max()).item()
+
+
+def expert_kernel(matvec: QuantMatvec, n_out: int, n_in: int, args: argparse.Namespace) -> Timing:
+    shape = (args.experts, n_out, n_in)
+    blocks = random_blocks(matvec.ggml_type, args.experts * n_out, n_in, seed=1).reshape(args.experts, -1)
+    ids = mx.array([(7 * i) % args.experts for i in range(args.pairs)], dtype=mx.int32)
+    x = random_activations((args.pairs, n_in), seed=2)
+    mx.eval(blocks)
+    used = matvec.enabled(n_out, n_in)
+    fast = matvec.fast_path.fast
+    return Timing(
+        operation=f"{matvec.ggml_type.name} experts matvec (top-{args.pairs} of {args.experts})",
+        shape=f"{n_out}x{n_in}",
+        weight_bytes=args.pairs * blocks.nbytes // args.experts,
+        reference_us=per_call_us(lambda: gathered_reference(x, blocks, ids, matvec.ggml_type, shape), args.calls,
+                                 args.repeats, 4 * args.pairs * n_out * n_in),
+        fast_us=per_call_us(lambda: fast(x, blocks, ids, shape), args.calls, args.repeats),
+        fast_path_used=used,
+        max_relative_error=relative_error(fast(x, blocks, ids, shape),
+                                          gathered_reference(x, blocks, ids, matvec.ggml_type, shape)),
+    )
+
+
+def affine_matmul(ggml_type: GGMLType, n_out: int, n_in: int, tokens: int, args: argparse.Namespace) -> Timing:
+    shape = (n_out, n_in)
+    blocks = random_blocks(ggml_type, n_out, n_in, seed=3)
+    weight = to_affine(blocks, ggml_type, shape)
+    x = random_activations((tokens, n_in), seed=4)
+    mx.eval(blocks, weight.wq, weight.scales, weight.biases)
+    return Timing(
+        operation=f"{ggml_type.name} matmul, {tokens} token(s)",
+        shape=f"{n_out}x{n_in}",
+        weight_bytes=weight.nbytes,
+        reference_us=per_call_us(lambda: reference_matmul(x, blocks, ggml_type, shape), args.calls, args.repeats,
+                                 4 * n_out * n_in),
+        fast_us=per_call_us(lambda: weight.matmul(x), args.calls, args.repeats),
+        fast_path_used=AFFINE_MATMUL.enabled(ggml_type),
+        max_relative_error=relative_error(weight.matmul(x), reference_matmul(x, blocks, ggml_type, shape)),
+    )
+
+
+def affine_experts(n_out: int, n_in: int, args: argparse.Namespace) -> Timing:
+    ggml_type = GGMLType.Q4_K
+    shape = (args.experts, n_out, n_in)
+    blocks = random_blocks(ggml_type, args.experts * n_out, n_in, seed=5).reshape(args.experts, -1)
+    weight = to_affine(blocks, ggml_type, shape)
+    ids = mx.array([(7 * i) % args.experts for i in range(args.pairs)], dtype=mx.int32)
+    x = random_activations((args.pairs, n_in), seed=6)
+    mx.eval(blocks, weight.wq, weight.scales, weight.biases)
+    return Timing(
+        operation=f"Q4_K experts gather_qmm (top-{args.pairs} of {args.experts})",
+        shape=f"{n_out}x{n_in}",
+        weight_bytes=args.pairs * weight.nbytes // args.experts,
+        reference_us=per_call_us(lambda: gathered_reference(x, blocks, ids, ggml_type, shape), args.calls,
+                                 args.repeats, 4 * args.pairs * n_out * n_in),
+        fast_us=per_call_us(lambda: weight.gather_matmul(x, ids), args.calls, args.repeats),
+        fast_path_used=AFFINE_GATHER.enabled(ggml_type),
+        max_relative_error=relative_error(weight.gather_matmul(x, ids),
+                                          gathered_reference(x, blocks, ids, ggml_type, shape)),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=["cpu", "gpu"], help="MLX device (default: MLX's default device)")
+    p.add_argument("--experts", type=int, default=FLASH.n_expert, help="experts per bank (default 256)")
+    p.add_argument("--pairs", type=int, default=FLASH.n_expert_used, help="selected experts per call (default 6)")
+    p.add_argument("--calls", type=int, default=32, help="independent calls per evaluation (default 32)")
+    p.add_argument("--repeats", type=int, default=5, help="timed evaluations; the median is kept (default 5)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = p.parse_args(argv)
+    if args.backend:
+        mx.set_default_device(mx.gpu if args.backend == "gpu" else mx.cpu)
+    embd, ff = FLASH.n_embd, FLASH.n_ff_exp
+    with warnings.catch_warnings(record=True) as fallbacks:
+        warnings.simplefilter("always", KernelFallbackWarning)
+        timings = []
+        if current_backend() in IQ2_XXS_MATVEC.fast_path.backends:
+            timings += [
+                expert_kernel(IQ2_XXS_MATVEC, ff, embd, args),  # gate / up
+                expert_kernel(Q2_K_MATVEC, embd, ff, args),  # down
+            ]
+        else:
+            print(f"no custom kernels on the {current_backend()} backend: timing the affine paths only", file=sys.stderr)
+        timings += [
+            affine_experts(ff, embd, args),
+            affine_matmul(GGMLType.Q8_0, embd, embd, 1, args),
+            affine_matmul(GGMLType.Q8_0, FLASH.n_vocab, embd, 1, args),  # LM head
+            affine_matmul(GGMLType.Q8_0, embd, embd, 512, args),
+        ]
+    for warning in fallbacks:
+        print(f"fallback: {warning.message}", file=sys.stderr)
+    print(f"backend {current_backend()}, device {mx.default_device()}, MLX {mx.__version__}", file=sys.stderr)
+    for t in timings:
+        if args.json:
+            print(json.dumps({**asdict(t), "speedup": t.speedup, "backend": current_backend()}))
+        else:
+            rate = t.weight_bytes / (t.fast_us * 1e-6) / 1e9
+            print(f"{t.operation:48s} {t.shape:>11s}  reference {t.reference_us:9.1f} us  fast {t.fast_us:8.1f} us "
+                  f"({t.speedup:5.1f}x, {rate:6.1f} GB/s)  used: {'yes' if t.fast_path_used else 'NO'}  "
+                  f"max rel. error {t.max_relative_error:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
