@@ -85,7 +85,10 @@ class MTPCache:
         self.logits, self.hidden = snapshot.logits, snapshot.hidden
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (*self.layer.arrays(), self.logits, self.hidden) if a is not None]
+        """The state to evaluate after a step: the window and the output streams. The guess's logits go through
+        the main model's LM head, as costly as the model's own; they stay lazy until a speculative step reads
+        them, so a session that is not speculating (temperature > 0) never computes them."""
+        return [a for a in (*self.layer.arrays(), self.hidden) if a is not None]
 
 
 class MTP:
