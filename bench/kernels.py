@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 expert_kernel(Q2_K_MATVEC, embd, ff, args),  # down
             ]
         else:
-            print(f"no custom kernels on the {current_backend()} backend: timing the affine paths only", file=sys.stderr)
+            print(f"no custom kernels on the {current_backend()} backend: the affine paths only", file=sys.stderr)
         timings += [
             affine_experts(ff, embd, args),
             affine_matmul(GGMLType.Q8_0, embd, embd, 1, args),

@@ -168,3 +168,45 @@ def test_grouped_rows_equal_the_dense_einsum(q4_weights):
     assert relative_error(out_a.grouped(x, groups), want) <= REASSOCIATION
     with registry.forced_mode("reference"):
         assert_same_values(out_a.grouped(x, groups), want)
+
+
+def test_mlx_has_no_quantized_matmul_for_groups_of_16():
+    """Why Q2_K (a scale and min per 16 values) has no affine fast path: MLX 0.32.4 dequantizes groups of 16 but
+    its quantized matmuls refuse them. If this starts passing through, Q2_K can become affine like Q4_K."""
+    w = mx.zeros((8, 64), dtype=mx.uint32)
+    scales = mx.ones((8, 32))
+    with pytest.raises(RuntimeError, match="group size must be 32, 64 or 128"):
+        mx.eval(mx.quantized_matmul(mx.ones((1, 256)), w[:, :16], scales[:, :16], scales[:, :16], True, 16, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu)
+
+
+@pytest.fixture
+def on_gpu():
+    assert mx.metal.is_available() or mx.cuda.is_available(), "gpu tests need MLX's CUDA or Metal backend"
+    before = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", AFFINE_TYPES, ids=lambda t: t.name)
+def test_first_use_checks_pass_on_the_gpu(on_gpu, ggml_type):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert AFFINE_MATMUL.enabled(ggml_type) and AFFINE_GATHER.enabled(ggml_type)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", AFFINE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_flash_sized_quantized_matmul_on_the_gpu(on_gpu, ggml_type, tokens):
+    shape = (4096, 4096)
+    raw = random_blocks(ggml_type, *shape, seed=13)
+    x = random_activations((tokens, shape[1]), seed=14)
+    weight = to_affine(raw, ggml_type, shape)
+    assert_same_values(weight.dequantize(), dequantize(raw, ggml_type, shape))
+    assert relative_error(weight.matmul(x), reference_matmul(x, raw, ggml_type, shape)) <= REASSOCIATION

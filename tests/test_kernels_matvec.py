@@ -199,3 +199,30 @@ def test_kernel_runs_inside_a_compiled_function(on_gpu, matvec):
     compiled = mx.compile(lambda a, i: matvec.fast_path.fast(a, blocks, i, shape))
     want = gathered_reference(x, blocks, expert_ids, matvec.ggml_type, shape)
     assert (mx.abs(compiled(x, expert_ids) - want).max() / mx.abs(want).max()).item() <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_q2_model_decode_with_kernels_equals_the_reference(on_gpu, tmp_path):
+    """Decode steps of the tiny q2 model: routed experts through the kernels against the forced reference path
+    (activation simulation off, so that no FP8/FP4 rounding step can amplify a reassociation difference)."""
+    from ds4_mlx.model.factory import write_model
+    from ds4_mlx.model.model import Model
+    from ds4_mlx.model.weights import open_weights
+
+    weights = open_weights(write_model(tmp_path / "tiny-q2.gguf", preset="tiny", experts="q2", seed=7))
+    tokens = np.random.default_rng(11).integers(0, weights.config.n_vocab, 24).astype(np.int32)
+    model = Model(weights, simulate_quant=False)
+
+    def decode() -> np.ndarray:
+        cache = model.new_cache(64)
+        model.prefill(mx.array(tokens[:16]), cache)
+        return np.stack([np.array(model(mx.array(tokens[i : i + 1]), cache)) for i in range(16, 24)])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = decode()
+    assert all(matvec.fast_path.decisions() for matvec in MATVECS)  # the kernels were checked and used
+    assert all(decision.fast for matvec in MATVECS for decision in matvec.fast_path.decisions().values())
+    with registry.forced_mode("reference"):
+        reference = decode()
+    assert np.abs(fast - reference).max() <= 1e-4 * np.abs(reference).max()

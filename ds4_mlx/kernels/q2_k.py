@@ -22,8 +22,9 @@ _UNIT = """
   const int h = (u >> 1) & 1;
   const int t = u & 1;
   float xv[64];
+  const GLOBAL_MEM float* xu = xs + block * 256 + 128 * h + 16 * t;
   for (int j = 0; j < 4; ++j) {
-    const GLOBAL_MEM float4* xp = reinterpret_cast<const GLOBAL_MEM float4*>(xs + block * 256 + 128 * h + 32 * j + 16 * t);
+    const GLOBAL_MEM float4* xp = reinterpret_cast<const GLOBAL_MEM float4*>(xu + 32 * j);
     for (int i = 0; i < 4; ++i) {
       const float4 v = xp[i];
       xv[16 * j + 4 * i] = v.x;

@@ -11,8 +11,10 @@ A matrix is held in one of three forms:
 - raw: the rest, kept as their GGUF blocks and dequantized per call.
 
 Routed experts (ExpertBank) are affine when their type allows it, else raw, and only the experts a token selects
-are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go through the dequant-matvec kernels. With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path; after
-loading, the reference mode multiplies affine tensors by their dequantized values, which are the reference's.
+are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go through the dequant-matvec kernels
+(GPU only). With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path;
+after loading, the reference mode multiplies affine tensors by their dequantized values, which are the
+reference's.
 """
 
 from __future__ import annotations
