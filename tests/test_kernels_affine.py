@@ -68,13 +68,20 @@ def test_dequantizing_the_affine_form_is_exact(ggml_type, data):
     assert_same_values(to_affine(raw, ggml_type, shape).dequantize(), dequantize(raw, ggml_type, shape))
 
 
-def test_q8_0_keeps_float16_scales_unless_they_overflow():
-    raw = np.array(random_blocks(GGMLType.Q8_0, 2, 64))
-    assert to_affine(mx.array(raw), GGMLType.Q8_0, (2, 64)).scales.dtype == mx.float16
-    raw[1, 34:36] = np.array([1024.0], np.float16).view(np.uint8)  # -128 * 1024 is beyond f16's 65504
-    weight = to_affine(mx.array(raw), GGMLType.Q8_0, (2, 64))
+@pytest.mark.parametrize("ggml_type", AFFINE_TYPES, ids=lambda t: t.name)
+def test_quantized_matmuls_of_float32_activations_need_no_casts(ggml_type, tmp_path):
+    """Float32 scales and biases: MLX would otherwise add two AsType ops to every quantized matmul (and a third to
+    gather_qmm for expert ids that are not uint32, which is why the MoE hands its banks uint32 ids)."""
+    raw, shape = random_blocks(ggml_type, 8, 256), (8, 256)
+    weight = to_affine(raw, ggml_type, shape)
     assert weight.scales.dtype == weight.biases.dtype == mx.float32
-    assert_same_values(weight.dequantize(), dequantize(mx.array(raw), GGMLType.Q8_0, (2, 64)))
+    bank = to_affine(raw, ggml_type, (2, 4, 256))
+    mx.eval(weight.wq, weight.scales, weight.biases, bank.wq, bank.scales, bank.biases)  # as loaded
+    for i, y in enumerate([weight.matmul(mx.ones((1, 256))), bank.gather_matmul(mx.ones((2, 256)), mx.array([1, 0], dtype=mx.uint32))]):
+        mx.export_to_dot(str(tmp_path / f"{i}.dot"), y)
+        graph = (tmp_path / f"{i}.dot").read_text()
+        assert "QuantizedMatmul" in graph or "GatherQMM" in graph
+        assert "AsType" not in graph
 
 
 @pytest.mark.parametrize("ggml_type", AFFINE_TYPES, ids=lambda t: t.name)
@@ -142,8 +149,8 @@ def test_model_holds_affine_weights_near_the_file_size(q4_weights):
     assert linear.loaded_nbytes(q4_weights) == fast.nbytes
     assert fast.output._affine is not None and fast.blocks[0].moe.experts.down._affine is not None
     assert reference.output._affine is None and reference.blocks[0].moe.experts.down._affine is None
-    # per 32 values, Q8_0's 34 file bytes become 36 (f16 scale and bias); per 256, Q4_K's 144 become 192 (f32 ones)
-    assert fast.output.nbytes * 34 == q4_weights.info("output.weight").nbytes * 36
+    # float32 scale and bias: per 32 values, Q8_0's 34 file bytes become 40; per 256, Q4_K's 144 become 192
+    assert fast.output.nbytes * 34 == q4_weights.info("output.weight").nbytes * 40
     down = fast.blocks[0].moe.experts.down
     assert down.nbytes * 144 == q4_weights.info("blk.0.ffn_down_exps.weight").nbytes * 192
     assert fast.nbytes < reference.nbytes  # small Q8_0 matrices are no longer float32 copies

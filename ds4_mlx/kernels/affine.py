@@ -7,13 +7,15 @@ dequantizers value for value (bit for bit, except that a zero may carry the othe
 
 - Q8_0 (y = d * q, q int8): q_u = q + 128, scale = d, bias = -128 * d. (q + 128) * d is exact in float32 (8-bit
   times 11-bit significands), -128 * d is exact, and their exact sum q * d is representable, so the one rounding
-  of scale * q_u + bias returns q * d. Scales and biases are float16 (d is an f16 and -128 * d a power-of-two
-  multiple of it); a tensor where -128 * d overflows f16 (|d| >= 512, never seen in trained weights) keeps them
-  as float32 instead.
+  of scale * q_u + bias returns q * d.
 - Q4_K (y = (d * scale_j) * q - dmin * min_j, q in 0..15): scale = d * scale_j and bias = -(dmin * min_j), the
   reference's own float32 factors. scale * q is exact (17 + 4 significant bits), so scale * q + bias rounds once,
-  exactly as the reference's dl * q - ml does. d * scale_j needs up to 17 significant bits, more than f16 holds,
-  so Q4_K scales and biases are float32 (192 bytes per 256 values against the file's 144).
+  exactly as the reference's dl * q - ml does.
+
+Scales and biases are float32, the activations' type: MLX casts them to the activations' type inside every
+quantized matmul otherwise (two extra ops per call, which is what decode on a GPU pays for). Q4_K's d * scale_j
+needs up to 17 significant bits anyway, more than float16 holds. So a Q8_0 tensor takes 40 bytes per 32 values
+against the file's 34, and Q4_K 192 per 256 against 144.
 
 Q2_K has no exact affine form in MLX 0.32.4: its scale and min change every 16 values, and while `mx.dequantize`
 accepts groups of 16, `mx.quantized_matmul` and `mx.gather_qmm` only take 32, 64 or 128. IQ2_XXS values come
@@ -38,7 +40,6 @@ GROUP_SIZE = 32
 BITS = {GGMLType.Q8_0: 8, GGMLType.Q4_K: 4}
 """The GGUF types with an exact affine form, and their quant width."""
 
-_SCALE_BYTES = {GGMLType.Q8_0: 2, GGMLType.Q4_K: 4}  # float16 / float32 scales and biases
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,8 @@ class AffineWeight:
         return self.wq.nbytes + self.scales.nbytes + self.biases.nbytes
 
     def dequantize(self) -> mx.array:
-        """W as float32, equal to the reference dequantizer's values for the original blocks.
-
-        The scales go in as float32: with float16 ones MLX computes the values in float16 before casting.
-        """
-        f32 = mx.float32
-        return mx.dequantize(self.wq, self.scales.astype(f32), self.biases.astype(f32), GROUP_SIZE, self.bits)
+        """W as float32, equal to the reference dequantizer's values for the original blocks."""
+        return mx.dequantize(self.wq, self.scales, self.biases, GROUP_SIZE, self.bits)
 
     def take(self, index: mx.array | int) -> AffineWeight:
         """The weight restricted to entries `index` of its first axis (rows of a matrix, experts of a bank)."""
@@ -82,12 +79,11 @@ class AffineWeight:
 
 
 def affine_nbytes(ggml_type: GGMLType, shape: tuple[int, ...]) -> int:
-    """Bytes the affine form of a tensor holds (Q8_0 assumed to keep float16 scales, as trained weights do)."""
+    """Bytes the affine form of a tensor holds: the packed quants, and a float32 scale and bias per group."""
     values = 1
     for dim in shape:
         values *= dim
-    groups = values // GROUP_SIZE
-    return values * BITS[ggml_type] // 8 + 2 * groups * _SCALE_BYTES[ggml_type]
+    return values * BITS[ggml_type] // 8 + values // GROUP_SIZE * 8
 
 
 def to_affine(blocks: mx.array, ggml_type: GGMLType, shape: tuple[int, ...]) -> AffineWeight:
@@ -98,12 +94,9 @@ def to_affine(blocks: mx.array, ggml_type: GGMLType, shape: tuple[int, ...]) -> 
     block_bytes = BLOCK_SIZES[ggml_type][1]
     blocks = blocks.reshape(-1, block_bytes)
     if ggml_type == GGMLType.Q8_0:
-        q = blocks[:, 2:34] ^ 0x80  # int8 q as uint8, plus 128 modulo 256: q + 128
-        d = mx.view(blocks[:, 0:2], mx.float16)
-        bias = d * -128
-        if not mx.all(mx.isfinite(bias) | ~mx.isfinite(d)).item():
-            d, bias = d.astype(mx.float32), d.astype(mx.float32) * -128
-        scales, biases, packed = d, bias, q
+        packed = blocks[:, 2:34] ^ 0x80  # int8 q as uint8, plus 128 modulo 256: q + 128
+        scales = mx.view(blocks[:, 0:2], mx.float16).astype(mx.float32)
+        biases = scales * -128
     else:
         dl, ml = q4_k_sub_block_terms(blocks)
         q = (blocks[:, 16:144].reshape(-1, 4, 1, 32) >> mx.array([0, 4], dtype=mx.uint8).reshape(1, 1, 2, 1)) & 15

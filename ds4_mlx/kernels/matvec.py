@@ -102,7 +102,7 @@ def gathered_reference(x: mx.array, blocks: mx.array, ids: mx.array, ggml_type: 
                        shape: tuple[int, int, int]) -> mx.array:
     """x[k] @ W[ids[k]].T with W (E, OUT, IN) dequantized by the reference: what the kernels must equal.
 
-    x (K, IN) float32, blocks uint8 holding the tensor (E rows of OUT * row_bytes), ids (K,) int32 -> (K, OUT).
+    x (K, IN) float32, blocks uint8 holding the tensor (E rows of OUT * row_bytes), ids (K,) integers -> (K, OUT).
     """
     w = dequantize(blocks.reshape(shape[0], -1)[ids], ggml_type, (ids.size, *shape[1:]))
     return (x[:, None, :] @ mx.swapaxes(w, 1, 2))[:, 0, :]
@@ -143,7 +143,7 @@ class QuantMatvec:
         groups = -(-n_out // (simds * rows))
         kernel = build(self.kernel, current_backend())
         (y,) = kernel(
-            inputs=[x.astype(mx.float32), blocks, ids.astype(mx.int32)],
+            inputs=[x.astype(mx.float32), blocks, ids.astype(mx.uint32)],
             template=[("OUT", n_out), ("IN", n_in), ("ROW_BYTES", row_bytes), ("UNITS", n_in // self.unit_values),
                       ("SIMDS", simds), ("ROWS", rows)],
             grid=(groups * simds * SIMD_WIDTH, ids.size, 1),

@@ -84,7 +84,7 @@ class RoutedExperts:
     def _gathered(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
         """One expert product per (token, slot); no host sync, for decode."""
         t, k = ids.shape
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1).astype(mx.uint32)  # the index type of gather_qmm and the kernels: cast once, not 3x
         xs = mx.repeat(x, k, axis=0)  # (T*k, D)
         h = swiglu(self.gate(xs, flat), self.up(xs, flat), self.clamp) * weights.reshape(-1, 1)
         return mx.sum(self.down(h, flat).reshape(t, k, -1), axis=1)
