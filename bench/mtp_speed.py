@@ -107,7 +107,7 @@ def main() -> int:
         expected: list[tuple[int, ...]] = []
 
         def measure(name: str, engine: Engine) -> None:
-            decode(engine, prompt, 4)  # warm-up
+            decode(engine, prompt, args.gen_tokens)  # warm-up: first-use allocation and kernel checks
             timed = [decode(engine, prompt, args.gen_tokens) for _ in range(args.repeats)]
             _, tokens, drafted, accepted = timed[0]
             if expected and tokens != expected[0]:
