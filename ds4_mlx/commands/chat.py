@@ -35,6 +35,7 @@ from ..progress import Progress
 from .options import (
     add_kv_cache_arguments,
     add_model_options,
+    add_mtp_options,
     add_sampling_options,
     encode_cli_prompt,
     open_engine,
@@ -71,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_sampling_options(p)
     add_kv_cache_arguments(p)
+    add_mtp_options(p)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from .options import add_kv_cache_arguments, add_model_options
+from .options import add_kv_cache_arguments, add_model_options, add_mtp_options
 
 DEFAULT_MAX_QUEUE = 64
 
@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait behind the running one; more get 429 (default {DEFAULT_MAX_QUEUE})")
     add_kv_cache_arguments(p)
+    add_mtp_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
