@@ -1,0 +1,10 @@
+"""Weight arithmetic: the reference dequantizers and the fast paths checked against them.
+
+- `quants`: reference dequantizers in plain MLX ops (the source of truth, every backend) and `reference_matmul`;
+- `registry`: uses a fast path per backend and shape class once it has matched its reference on a probe input,
+  else the reference (one warning); `DS4_KERNELS=reference` forces the reference everywhere;
+- `affine`: Q8_0 and Q4_K as MLX affine quantized arrays (exact) for `mx.quantized_matmul` / `mx.gather_qmm`;
+- `dialect`: one custom-kernel definition rendered for CUDA (`mx.fast.cuda_kernel`) or Metal;
+- `matvec`: the dequant-matvec kernel for decode over raw blocks, with `iq2_xxs` and `q2_k` its two quant types;
+- `probe`: random valid quant blocks for the first-use checks.
+"""
