@@ -3,7 +3,8 @@
 MLX's affine layout stores, per group of 32 values along a row, w = scale * q + bias with q unsigned and packed
 little-endian into uint32 words. Both GGUF types are exactly that with groups of 32 (a Q8_0 block, a Q4_K
 sub-block), and the conversion loses nothing: `mx.dequantize` of the converted arrays equals the reference
-dequantizers value for value (bit for bit, except that a zero may carry the other sign: -0 * 1 and 1 - 1).
+dequantizers value for value: bit for bit, except that a zero may carry the other sign (the reference's q * d
+is -0 for q = 0 and a negative d, the affine (q + 128) * d - 128 * d is +0), which no sum or product sees.
 
 - Q8_0 (y = d * q, q int8): q_u = q + 128, scale = d, bias = -128 * d. (q + 128) * d is exact in float32 (8-bit
   times 11-bit significands), -128 * d is exact, and their exact sum q * d is representable, so the one rounding
@@ -39,7 +40,6 @@ from .registry import FastPath
 GROUP_SIZE = 32
 BITS = {GGMLType.Q8_0: 8, GGMLType.Q4_K: 4}
 """The GGUF types with an exact affine form, and their quant width."""
-
 
 
 @dataclass(frozen=True)
