@@ -119,11 +119,14 @@ def test_synthetic_tensors_are_valid_blocks_shared_between_layers():
 
 
 def test_full_layout_is_refused_on_a_small_device(monkeypatch, capsys):
+    from ds4_mlx.model.linear import loaded_nbytes
+
     monkeypatch.setattr("ds4_mlx.engine.device_memory_bytes", lambda: 24 * 1024**3)
     assert synthetic_flash.main([]) == 1
+    need = loaded_nbytes(synthetic_flash.synthetic_weights(synthetic_flash.flash_config(43), "q2", 0))
     assert capsys.readouterr().err == (
-        "synthetic_flash: error: the model needs 85.5 GiB for its weights but this device has 24.0 GiB; "
-        "no context size fits\n"
+        f"synthetic_flash: error: the model needs {need / 1024**3:.1f} GiB for its weights but this device has "
+        "24.0 GiB; no context size fits\n"
     )
 
 

@@ -154,8 +154,7 @@ class Attention:
         """Grouped low-rank output: group g's heads (concatenated) -> o_lora_rank, then all groups -> n_embd."""
         t = heads.shape[0]
         group_in = self.n_head * self.head_dim // self.o_groups
-        w_a = self.out_a.weight.reshape(self.o_groups, -1, group_in)
-        low = mx.einsum("tgi,goi->tgo", heads.reshape(t, self.o_groups, group_in), w_a)
+        low = self.out_a.grouped(heads.reshape(t, self.o_groups, group_in), self.o_groups)
         return self.out_b(low.reshape(t, -1))
 
     def _attend(self, q: mx.array, keys: list[mx.array], masks: list[mx.array]) -> mx.array:
