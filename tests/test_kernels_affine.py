@@ -184,7 +184,7 @@ def test_mlx_has_no_quantized_matmul_for_groups_of_16():
     its quantized matmuls refuse them. If this starts passing through, Q2_K can become affine like Q4_K."""
     w = mx.zeros((8, 64), dtype=mx.uint32)
     scales = mx.ones((8, 32))
-    with pytest.raises(RuntimeError, match="group size must be 32, 64 or 128"):
+    with pytest.raises(RuntimeError, match="group size"):
         mx.eval(mx.quantized_matmul(mx.ones((1, 256)), w[:, :16], scales[:, :16], scales[:, :16], True, 16, 2))
 
 

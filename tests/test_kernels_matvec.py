@@ -112,8 +112,16 @@ def test_launch_plan_fits_the_staging_buffer():
         launch_plan(STAGE_BYTES + 2)
 
 
+@pytest.fixture
+def on_cpu():
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
 @pytest.mark.parametrize("matvec", MATVECS, ids=ids)
-def test_the_cpu_uses_the_reference_without_a_warning(matvec):
+def test_the_cpu_uses_the_reference_without_a_warning(matvec, on_cpu):
     shape = (3, 32, 512)
     blocks = random_blocks(matvec.ggml_type, 3 * 32, 512).reshape(3, -1)
     expert_ids = mx.array([2, 0, 2, 1], dtype=mx.int32)

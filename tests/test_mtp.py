@@ -9,6 +9,7 @@ tokens of plain greedy decoding and leave the live session holding the tokens pl
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 
 import mlx.core as mx
@@ -37,8 +38,9 @@ PROMPTS = [
     [0, *range(100, 131)],  # longer than the tiny model's 16-token window
 ]
 # Logits rows of speculative steps come from one call over several tokens, plain decoding's from one call per
-# token: equal up to float32 rounding (measured ~1e-6 on the tiny model); 1e-4 leaves a wide margin.
-LOGITS_ATOL = 1e-4
+# token: equal up to float32 rounding (measured ~1e-6 on the tiny model on the CPU; up to ~1e-4 on the H200, whose
+# quantized-matmul kernels sum in a different order for one token than for several).
+LOGITS_ATOL = 1e-4 if os.environ.get("DS4_TEST_DEVICE", "cpu") == "cpu" else 1e-3
 
 
 @pytest.fixture(scope="module")
