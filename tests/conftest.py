@@ -17,3 +17,25 @@ def _mlx_device():
     if os.environ.get("DS4_TEST_DEVICE", "cpu") == "cpu":
         mx.set_default_device(mx.cpu)
     yield
+
+
+@pytest.fixture
+def on_cpu():
+    """Runs a test on MLX's CPU backend whatever device the suite uses (for rules that are about the CPU)."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
+@pytest.fixture
+def kernels_unforced(monkeypatch):
+    """Fast paths decided by the registry itself: no DS4_KERNELS override, no forced mode, before or after."""
+    from ds4_mlx.kernels import registry
+
+    monkeypatch.delenv(registry.ENV, raising=False)
+    registry.set_mode(None)
+    yield
+    registry.set_mode(None)

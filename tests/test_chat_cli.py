@@ -312,7 +312,7 @@ def test_chat_through_a_pipe(model_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Type a message, or one of these commands")
     assert "Thinking mode: none." in r.stdout and "\x1b[" not in r.stdout
-    assert r.stderr.startswith(f"ds4-mlx: context buffers ")
+    assert r.stderr.startswith("ds4-mlx: context buffers ")
     assert f"(ctx={CTX}, backend=" in r.stderr
     stats = [line for line in r.stderr.splitlines() if line.startswith("ds4-mlx: prompt ")]
     assert len(stats) == 2

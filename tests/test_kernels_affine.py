@@ -27,12 +27,7 @@ REASSOCIATION = 1e-5  # float32 summation order only: ~1e-7 per add over a few h
 finite_f16_bits = st.integers(0, 0xFFFF).filter(lambda h: (h >> 10) & 0x1F != 0x1F)
 
 
-@pytest.fixture(autouse=True)
-def fast_mode(monkeypatch):
-    monkeypatch.delenv(registry.ENV, raising=False)
-    registry.set_mode(None)
-    yield
-    registry.set_mode(None)
+pytestmark = pytest.mark.usefixtures("kernels_unforced")
 
 
 def relative_error(got: mx.array, want: mx.array) -> float:

@@ -33,12 +33,7 @@ def ids(matvec):
     return matvec.ggml_type.name
 
 
-@pytest.fixture(autouse=True)
-def fast_mode(monkeypatch):
-    monkeypatch.delenv(registry.ENV, raising=False)
-    registry.set_mode(None)
-    yield
-    registry.set_mode(None)
+pytestmark = pytest.mark.usefixtures("kernels_unforced")
 
 
 def rendered(matvec, target):
@@ -110,14 +105,6 @@ def test_launch_plan_fits_the_staging_buffer():
     assert simds * rows * 5000 <= STAGE_BYTES
     with pytest.raises(ValueError, match="does not fit"):
         launch_plan(STAGE_BYTES + 2)
-
-
-@pytest.fixture
-def on_cpu():
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
 
 
 @pytest.mark.parametrize("matvec", MATVECS, ids=ids)

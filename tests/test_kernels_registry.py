@@ -13,15 +13,6 @@ from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.registry import FastPath, KernelFallbackWarning
 
 
-@pytest.fixture(autouse=True)
-def on_cpu():
-    """The registry's rules are checked on the CPU backend, whatever device the suite runs on."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
-
-
 def reference(x: mx.array) -> mx.array:
     return mx.sum(x * x, axis=-1)
 
@@ -52,12 +43,7 @@ def make(fast, tolerance=1e-6, backends=registry.BACKENDS) -> tuple[FastPath, Ca
     return FastPath("square_sum", reference, calls.fast, calls.probe, tolerance, backends), calls
 
 
-@pytest.fixture(autouse=True)
-def fast_mode(monkeypatch):
-    monkeypatch.delenv(registry.ENV, raising=False)
-    registry.set_mode(None)
-    yield
-    registry.set_mode(None)
+pytestmark = pytest.mark.usefixtures("kernels_unforced", "on_cpu")  # the registry's rules, checked on the CPU
 
 
 def test_an_equal_fast_path_is_used_without_warning():

@@ -49,6 +49,7 @@ from ds4_mlx.model.cache import write_payload
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.weights import open_weights
 from ds4_mlx.sampling import SamplingParams
+from scripted import ScriptedCache
 from serve_support import ScriptedEngine, live_server
 
 CTX = 256
@@ -547,30 +548,16 @@ def test_server_recalls_tool_ids_from_disk_before_rendering(tmp_path):
 # -- save moments, with a scripted model -------------------------------------------------------------------------
 
 
-class PositionCache:
-    def __init__(self) -> None:
-        self.n_tokens = 0
-
-    def arrays(self) -> list[mx.array]:
-        return []
-
-    def snapshot(self) -> int:
-        return self.n_tokens
-
-    def restore(self, snap: int) -> None:
-        self.n_tokens = snap
-
-
 class PositionModel:
     """Makes the sampler pick `script[i]` as the i-th generated token, however the prompt was chunked."""
 
     def __init__(self, vocab: int, prompt_len: int, script: list[int]) -> None:
         self.vocab, self.prompt_len, self.script = vocab, prompt_len, script
 
-    def new_cache(self, ctx: int) -> PositionCache:
-        return PositionCache()
+    def new_cache(self, ctx: int) -> ScriptedCache:
+        return ScriptedCache()
 
-    def __call__(self, tokens: mx.array, cache: PositionCache) -> mx.array:
+    def __call__(self, tokens: mx.array, cache: ScriptedCache) -> mx.array:
         cache.n_tokens += tokens.size
         step = min(max(cache.n_tokens - self.prompt_len, 0), len(self.script) - 1)
         return mx.where(mx.arange(self.vocab) == self.script[step], 100.0, -100.0)

@@ -238,7 +238,7 @@ def test_random_mtp_guesses_change_nothing(model, tokenizer, mtp, plain_runs):
 @pytest.mark.parametrize("n_draft", [2, 4])
 def test_right_guesses_are_all_accepted_and_save_model_calls(monkeypatch, model, tokenizer, mtp, plain_runs,
                                                              n_draft):
-    prompt, (generated, fed, _) = PROMPTS[0], plain_runs[0]
+    prompt, (generated, _, _) = PROMPTS[0], plain_runs[0]
     assert len(generated) == 24  # stopped by max_tokens: 23 of them fed
     oracle(monkeypatch, [*prompt, *generated])
     calls = count_model_calls(monkeypatch, model)
@@ -267,7 +267,7 @@ def test_temperature_or_penalties_turn_speculation_off(monkeypatch, model, token
 
 
 def test_margin_gates_a_lone_guess(monkeypatch, model, tokenizer, mtp, plain_runs):
-    prompt, (generated, fed, _) = PROMPTS[0], plain_runs[0]
+    prompt, (generated, _, _) = PROMPTS[0], plain_runs[0]
     oracle(monkeypatch, [*prompt, *generated], gap=1.0)  # right, but with a top-1/top-2 gap of 1
     calls = count_model_calls(monkeypatch, model)
     done = generate(Engine(model, tokenizer, CTX, mtp=mtp, mtp_draft=2, mtp_margin=3.0), prompt, max_tokens=24)
