@@ -328,26 +328,7 @@ class Engine:
 
     def generate(self, req: GenerationRequest, cancel: Callable[[], bool] | None = None) -> Iterator[Event]:
         """Prefills what the live session lacks, then samples until a stop rule fires. Yields events; Done last."""
-        if isinstance(req.prompt, str):
-            text, tokens = req.prompt, self.tokenizer.encode(req.prompt)
-        else:
-            text, tokens = self.tokenizer.decode(req.prompt), list(req.prompt)
-        if not tokens:
-            raise RequestError("the prompt is empty")
-        if len(tokens) >= self.ctx:
-            raise ContextOverflow(len(tokens), self.ctx)
-        if len(self.session.tokens) < self._on_disk:  # someone reset or replaced the session behind our back
-            self._on_disk = 0
-        canonical = tokens
-        tokens, cached = self._reuse(text, tokens, exact=not isinstance(req.prompt, str))
-        if len(tokens) >= self.ctx:
-            self._drop_session()
-            tokens, cached = canonical, 0
-        cold_target = None
-        if self.kv_store is not None and cached == 0:
-            cold_target = self.kv_store.options.cold_target(tokens, self.tokenizer.user_id,
-                                                            self.tokenizer.assistant_id)
-
+        tokens, cached, cold_target = self._accept(req)
         yield PromptAccepted(len(tokens), cached)
         t0 = time.perf_counter()
         for done, total in self._prefill(tokens, cached, cold_target):
@@ -444,6 +425,32 @@ class Engine:
             mtp_drafted=drafted,
             mtp_accepted=accepted,
         )
+
+    def _accept(self, req: GenerationRequest) -> tuple[list[int], int, int | None]:
+        """Tokenizes the prompt, checks that it fits, and decides what the live session (or the disk) already holds.
+
+        Returns the effective prompt tokens, how many of them are already computed, and where a cold disk
+        checkpoint should be taken (None when there is none to take)."""
+        if isinstance(req.prompt, str):
+            text, tokens = req.prompt, self.tokenizer.encode(req.prompt)
+        else:
+            text, tokens = self.tokenizer.decode(req.prompt), list(req.prompt)
+        if not tokens:
+            raise RequestError("the prompt is empty")
+        if len(tokens) >= self.ctx:
+            raise ContextOverflow(len(tokens), self.ctx)
+        if len(self.session.tokens) < self._on_disk:  # someone reset or replaced the session behind our back
+            self._on_disk = 0
+        canonical = tokens
+        tokens, cached = self._reuse(text, tokens, exact=not isinstance(req.prompt, str))
+        if len(tokens) >= self.ctx:
+            self._drop_session()
+            tokens, cached = canonical, 0
+        cold_target = None
+        if self.kv_store is not None and cached == 0:
+            cold_target = self.kv_store.options.cold_target(tokens, self.tokenizer.user_id,
+                                                            self.tokenizer.assistant_id)
+        return tokens, cached, cold_target
 
     def _speculates(self, sampling: SamplingParams) -> bool:
         """Speculative decoding runs where ds4 runs it, greedy decoding (temperature 0) with --mtp-draft >= 2, and
