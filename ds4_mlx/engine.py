@@ -239,7 +239,9 @@ class Engine:
         return None
 
     def _replace_session(self) -> None:
-        """A cache miss: checkpoint the live session to disk (reason evict) if it is worth keeping, then drop it."""
+        """The live session is about to be dropped (a cache miss, a stop string, a cancelled prefill): checkpoint it
+        to disk (reason evict) if it is worth keeping — a checkpoint loaded from disk may have been consumed — then
+        drop it."""
         if self.kv_store is not None and len(self.session.tokens) >= self.kv_store.options.min_tokens:
             self._checkpoint(SaveReason.EVICT)
         self._drop_session()
@@ -283,12 +285,19 @@ class Engine:
         return effective, n
 
     def _checkpoint(self, reason: SaveReason) -> None:
-        """Saves the live session as it is now to the disk cache, with the tool-call ids its text replays."""
+        """Saves the live session as it is now to the disk cache, with the tool-call ids its text replays.
+
+        A checkpoint that cannot be written is logged and skipped: the request it happens in still succeeds."""
         tokens = self.session.tokens
         with self.tool_memory_lock:
             tool_blocks = self.tool_memory.items()
-        if self.kv_store.save(self._text_bytes(tokens), self.session.cache, tokens, self.session.logits, reason,
-                              tool_blocks):
+        try:
+            saved = self.kv_store.save(self._text_bytes(tokens), self.session.cache, tokens, self.session.logits,
+                                       reason, tool_blocks)
+        except Exception:
+            log.exception("kv cache checkpoint (%s) of %d tokens failed", reason.name.lower(), len(tokens))
+            return
+        if saved:
             self._on_disk = max(self._on_disk, len(tokens))
 
     def _at_boundary(self, cold_target: int | None) -> None:
@@ -335,7 +344,7 @@ class Engine:
             if total > self.session.chunk_size:
                 yield PrefillProgress(done, total)
             if done < total and cancel is not None and cancel():
-                self._drop_session()
+                self._replace_session()
                 yield Done("error", ParsedMessage("", ""), Usage(len(tokens), cached, 0),
                            prefill_seconds=time.perf_counter() - t0, error="cancelled")
                 return
@@ -411,7 +420,7 @@ class Engine:
         t2 = time.perf_counter()
 
         if stops.hit:
-            self._drop_session()
+            self._replace_session()
         message = dsml.parse_message("".join(text_parts), thinking=req.thinking, tools_active=req.tools_active)
         finish = _final_finish_reason(finish, message)
         yield Done(
@@ -444,7 +453,7 @@ class Engine:
         canonical = tokens
         tokens, cached = self._reuse(text, tokens, exact=not isinstance(req.prompt, str))
         if len(tokens) >= self.ctx:
-            self._drop_session()
+            self._replace_session()
             tokens, cached = canonical, 0
         cold_target = None
         if self.kv_store is not None and cached == 0:

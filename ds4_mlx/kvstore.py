@@ -277,8 +277,8 @@ def eviction_score(entry: KvEntry, now: float, protected: str | None = None) -> 
 
 
 def eviction_victim(entries: Sequence[KvEntry], now: float, protected: str | None = None) -> KvEntry:
-    """The lowest score goes first; on a tie, the one used longest ago."""
-    return min(entries, key=lambda e: (eviction_score(e, now, protected), e.header.last_used))
+    """The lowest score goes first; on a tie, the one used longest ago (never used: its creation time, §5.7)."""
+    return min(entries, key=lambda e: (eviction_score(e, now, protected), e.header.last_used or e.header.created))
 
 
 def encode_tool_map(entries: Iterable[tuple[str, str]]) -> bytes:

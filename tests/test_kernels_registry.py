@@ -168,3 +168,19 @@ def test_keys_are_described_by_name():
 def test_unknown_backends_are_refused():
     with pytest.raises(ValueError, match="unknown backends"):
         FastPath("x", reference, reference, probe, 0, backends=("rocm",))
+
+
+def test_a_fast_path_that_raises_on_real_inputs_falls_back_for_good():
+    def picky(x: mx.array) -> mx.array:
+        if x.shape[0] > 8:
+            raise ValueError("no kernel for this shape")
+        return reference(x)
+
+    path, _ = make(picky)
+    with pytest.warns(KernelFallbackWarning, match="failed on real inputs"):
+        got = path(mx.ones((16, 64)), key=64)
+    np.testing.assert_array_equal(np.array(got), np.array(reference(mx.ones((16, 64)))))
+    assert path.decisions()["cpu", 64].fast is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path(mx.ones((4, 64)), key=64)  # decided: the reference, silently

@@ -113,26 +113,29 @@ def to_affine(blocks: mx.array, ggml_type: GGMLType, shape: tuple[int, ...]) -> 
 
 
 PROBE_ROWS, PROBE_COLS, PROBE_EXPERTS, PROBE_PAIRS = 64, 512, 3, 6
+PROBE_BATCHES = (1, 5, 48)
+"""Token counts checked: MLX picks different quantized-matmul kernels for one token, a few, and a prefill chunk."""
 
 
 def _matmul_probe(ggml_type: GGMLType) -> tuple:
     shape = (PROBE_ROWS, PROBE_COLS)
-    return random_blocks(ggml_type, *shape, seed=1), ggml_type, shape, random_activations((5, PROBE_COLS), seed=2)
+    x = random_activations((max(PROBE_BATCHES), PROBE_COLS), seed=2)
+    return random_blocks(ggml_type, *shape, seed=1), ggml_type, shape, x
 
 
 def _matmul_reference(blocks, ggml_type, shape, x) -> tuple[mx.array, ...]:
-    return dequantize(blocks, ggml_type, shape), reference_matmul(x[:1], blocks, ggml_type, shape), \
-        reference_matmul(x, blocks, ggml_type, shape)
+    return dequantize(blocks, ggml_type, shape), *(reference_matmul(x[:n], blocks, ggml_type, shape)
+                                                    for n in PROBE_BATCHES)
 
 
 def _matmul_fast(blocks, ggml_type, shape, x) -> tuple[mx.array, ...]:
     weight = to_affine(blocks, ggml_type, shape)
-    return weight.dequantize(), weight.matmul(x[:1]), weight.matmul(x)
+    return weight.dequantize(), *(weight.matmul(x[:n]) for n in PROBE_BATCHES)
 
 
 AFFINE_MATMUL = FastPath(
     "affine_matmul", _matmul_reference, _matmul_fast, _matmul_probe,
-    tolerance=(0, 1e-5, 1e-5),  # dequantization exact; one token and a batch within float32 reassociation
+    tolerance=(0,) + (1e-5,) * len(PROBE_BATCHES),  # dequantization exact; products within float32 reassociation
 )
 """Q8_0 / Q4_K matrices as affine arrays through mx.quantized_matmul; key: the ggml type."""
 

@@ -155,7 +155,18 @@ class FastPath:
         return decision.fast
 
     def __call__(self, *args: object, key: Hashable) -> mx.array | tuple[mx.array, ...]:
-        return (self.fast if self.enabled(key) else self.reference)(*args)
+        """The fast path where it passed its check; the reference otherwise, and from now on if it raises here."""
+        if not self.enabled(key):
+            return self.reference(*args)
+        try:
+            return self.fast(*args)
+        except Exception as error:  # real inputs can reach what the probe did not: fall back, never fail a request
+            reason = f"it failed on real inputs ({type(error).__name__}: {error})"
+            with self._lock:
+                self._decisions[current_backend(), key] = Decision(False, reason)
+            warnings.warn(f"fast path {self.name} for {describe(key)} on {current_backend()} is not used: {reason}; "
+                          "using the reference", KernelFallbackWarning, stacklevel=2)
+            return self.reference(*args)
 
     def decisions(self) -> dict[tuple[str, Hashable], Decision]:
         """The first-use checks made so far, by (backend, key)."""

@@ -159,7 +159,10 @@ def read_payload(f: BinaryIO, config: ModelConfig, ctx: int) -> tuple[SessionCac
     if window != min(config.sliding_window, ctx) or raw_live != min(window, n):
         raise CacheFileError(f"payload raw window {window} with {raw_live} live rows does not match this session "
                              f"(window {min(config.sliding_window, ctx)}, {min(config.sliding_window, ctx, n)} rows)")
-    tokens = np.frombuffer(_read(f, 4 * n, "the token ids"), dtype="<u4").astype(np.int64).tolist()
+    ids = np.frombuffer(_read(f, 4 * n, "the token ids"), dtype="<u4")
+    if ids.size and int(ids.max()) >= n_vocab:
+        raise CacheFileError(f"payload token id {int(ids.max())} is outside the vocabulary [0, {n_vocab})")
+    tokens = ids.astype(np.int64).tolist()
     logits = mx.array(np.frombuffer(_read(f, 4 * n_vocab, "the logits"), dtype="<f4"))
     counts = np.frombuffer(_read(f, 8 * n_layer, "the row counts"), dtype="<u4").reshape(2, n_layer)
     cache = SessionCache(config, ctx)
