@@ -32,6 +32,7 @@ from .common import (
     compact_arguments,
     dumps,
     max_tokens,
+    message_list,
     sampling_params,
     sse,
     stop_strings,
@@ -114,11 +115,7 @@ def _message(value: Any, path: str, call_ids: set[str]) -> Message:
 def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     """`/v1/messages` request → normalized chat request (behavior.md §3.4). `max_tokens` is optional here."""
     f = Fields(body.value)
-    if f.raw("messages") is None:
-        raise ApiError("missing messages")
-    raw_messages = f.array("messages")
-    if not raw_messages:
-        raise ApiError("invalid request: messages must contain at least one message")
+    raw_messages = message_list(f)
     call_ids: set[str] = set()
     messages = [_message(m, f"messages[{i}]", call_ids) for i, m in enumerate(raw_messages)]
     system = _system(f.raw("system"))

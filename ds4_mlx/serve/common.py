@@ -173,6 +173,16 @@ def text_of(value: Any, path: str, *, separator: str = "") -> str:
     return separator.join(parts)
 
 
+def message_list(fields: Fields) -> list[Any]:
+    """The request's `messages`: required, and not empty (chat completions and Anthropic messages alike)."""
+    if fields.raw("messages") is None:
+        raise ApiError("missing messages")
+    messages = fields.array("messages")
+    if not messages:
+        raise ApiError("invalid request: messages must contain at least one message")
+    return messages
+
+
 def thinking_flag(value: Any, path: str) -> bool | None:
     """An explicit `thinking` control: a boolean, or an object whose `type` is enabled/disabled; None otherwise
     (absent, null, or another type such as "adaptive", which ds4 ignores)."""

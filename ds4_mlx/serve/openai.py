@@ -28,6 +28,7 @@ from .common import (
     Options,
     compact_arguments,
     max_tokens,
+    message_list,
     sampling_params,
     sse,
     stop_strings,
@@ -128,11 +129,7 @@ def _message(value: Any, path: str) -> Message:
 def parse_chat(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     """`/v1/chat/completions` request → normalized chat request."""
     f = Fields(body.value)
-    if f.raw("messages") is None:
-        raise ApiError("missing messages")
-    messages = f.array("messages")
-    if not messages:
-        raise ApiError("invalid request: messages must contain at least one message")
+    messages = message_list(f)
     return ChatRequest(
         options=_options(f, ctx=ctx, default_model=default_model),
         messages=tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages)),
