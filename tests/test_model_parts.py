@@ -416,3 +416,10 @@ def test_softplus_and_clamped_swiglu():
     got = np32(swiglu(gate, up, 10.0))
     silu = lambda g: g / (1 + math.exp(-g))  # noqa: E731
     np.testing.assert_allclose(got, [silu(10.0) * -10.0, silu(-3.0) * 10.0, silu(0.5) * 0.25], rtol=1e-6)
+
+
+def test_compiled_sinkhorn_is_bit_identical():
+    from ds4_mlx.model.hyper_connection import compiled_sinkhorn, sinkhorn
+
+    logits = mx.random.normal((7, 4, 4), key=mx.random.key(3)) * 3
+    assert mx.array_equal(compiled_sinkhorn(20, 1e-6)(logits), sinkhorn(logits, 20, 1e-6))
