@@ -77,26 +77,36 @@ def _fast() -> bool:
     return registry.mode() == "fast"
 
 
+def _stored(weights: ModelWeights, name: str, ndim: int, expected: str) -> tuple[tuple[int, ...], int, mx.array]:
+    """A tensor's row-major shape, ggml type and raw blocks, checking that it has the dimensions the model uses."""
+    info = weights.info(name)
+    shape = _row_major_shape(weights, name)
+    if len(shape) != ndim:
+        raise LayoutError(f"tensor {name} has ne {list(info.shape)}, expected {expected}")
+    return shape, info.ggml_type, mx.array(weights.tensor_bytes(name))
+
+
+def _affine_now(raw: mx.array, ggml_type: int, shape: tuple[int, ...]) -> AffineWeight:
+    """Converts the blocks now, so the raw copy can be freed as soon as the caller drops it."""
+    weight = to_affine(raw, ggml_type, shape)
+    mx.eval(weight.wq, weight.scales, weight.biases)
+    return weight
+
+
 class Linear:
     """A stored weight matrix W (OUT, IN) applied as x @ W.T in float32."""
 
     def __init__(self, weights: ModelWeights, name: str, resident_bytes: int | None = None):
-        info = weights.info(name)
-        shape = _row_major_shape(weights, name)
-        if len(shape) != 2:
-            raise LayoutError(f"tensor {name} has ne {list(info.shape)}, expected a 2-D matrix")
         self.name = name
-        self.shape = shape
-        self.ggml_type = info.ggml_type
+        self.shape, self.ggml_type, raw = _stored(weights, name, 2, "a 2-D matrix")
+        shape = self.shape
         self._affine: AffineWeight | None = None
         self._dense: mx.array | None = None
         self._raw: mx.array | None = None
-        raw = mx.array(weights.tensor_bytes(name))
-        if uses_affine(info.ggml_type):
-            self._affine = to_affine(raw, info.ggml_type, shape)
-            mx.eval(self._affine.wq, self._affine.scales, self._affine.biases)  # convert now; the raw copy goes
+        if uses_affine(self.ggml_type):
+            self._affine = _affine_now(raw, self.ggml_type, shape)
         elif shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes):
-            self._dense = dequantize(raw, info.ggml_type, shape)
+            self._dense = dequantize(raw, self.ggml_type, shape)
             mx.eval(self._dense)  # dequantize now, not inside the first forward pass
         else:
             self._raw = raw.reshape(shape[0], -1)
@@ -143,21 +153,14 @@ class ExpertBank:
     """The routed experts of one projection, (E, OUT, IN); only the experts a token selects are read."""
 
     def __init__(self, weights: ModelWeights, name: str):
-        info = weights.info(name)
-        shape = _row_major_shape(weights, name)
-        if len(shape) != 3:
-            raise LayoutError(f"tensor {name} has ne {list(info.shape)}, expected [IN, OUT, n_expert]")
         self.name = name
-        self.shape = shape
-        self.ggml_type = info.ggml_type
+        self.shape, self.ggml_type, raw = _stored(weights, name, 3, "[IN, OUT, n_expert]")
         self._affine: AffineWeight | None = None
         self._raw: mx.array | None = None
-        raw = mx.array(weights.tensor_bytes(name))
-        if uses_affine(info.ggml_type, expert_bank=True):
-            self._affine = to_affine(raw, info.ggml_type, shape)
-            mx.eval(self._affine.wq, self._affine.scales, self._affine.biases)
+        if uses_affine(self.ggml_type, expert_bank=True):
+            self._affine = _affine_now(raw, self.ggml_type, self.shape)
         else:
-            self._raw = raw.reshape(shape[0], -1)
+            self._raw = raw.reshape(self.shape[0], -1)
 
     @property
     def n_expert(self) -> int:
