@@ -100,7 +100,7 @@ class Session:
             )
         for start in range(0, len(tokens), self.chunk_size):
             chunk = tokens[start : start + self.chunk_size]
-            self.logits = self._feed(mx.array(chunk, dtype=mx.int32))
+            self.logits = self._feed(chunk)
             self.tokens.extend(chunk)
             self._eval()
             yield start + len(chunk), len(tokens)
@@ -109,14 +109,20 @@ class Session:
         """Feed one token; returns the logits for the next one."""
         return self.prefill([token])
 
-    def _feed(self, ids: mx.array) -> mx.array:
-        """Run the model (then the MTP block, on the model's final streams) over ids at the next positions;
-        returns the logits after the last one."""
-        if self.mtp is None:
+    def _feed(self, tokens: list[int]) -> mx.array:
+        """Run the model (then the MTP block, on the model's final streams) over tokens at the next positions;
+        returns the logits after the last one. A single token goes through the model's compiled decode step."""
+        ids = mx.array(tokens, dtype=mx.int32)
+        if len(tokens) == 1:
+            streams, logits = self.model.decode(tokens[0], self.cache)
+        elif self.mtp is None:
             return self.model(ids, self.cache)
-        streams = self.model.hidden(ids, self.cache)
-        self.mtp(ids, streams, len(self.tokens), self.mtp_cache)
-        return self.model.head(streams[-1:])[0]
+        else:
+            streams = self.model.hidden(ids, self.cache)
+            logits = self.model.head(streams[-1:])[0]
+        if self.mtp is not None:
+            self.mtp(ids, streams, len(self.tokens), self.mtp_cache)
+        return logits
 
     def _eval(self) -> None:
         mtp_arrays = self.mtp_cache.arrays() if self.mtp_cache is not None else []

@@ -68,6 +68,10 @@ class ScriptedModel:
         self.step += 1
         return mx.where(mx.arange(self.vocab) == nxt, 100.0, -100.0)
 
+    def decode(self, token: int, cache: ScriptedCache) -> tuple[None, mx.array]:
+        """One token, as Model.decode takes it (no streams: a scripted model has no MTP block)."""
+        return None, self(mx.array([token], dtype=mx.int32), cache)
+
 
 def scripted_engine(tokenizer: Tokenizer, text: str, *, eos: bool = True,
                     ctx: int = 512) -> tuple[Engine, ScriptedModel]:

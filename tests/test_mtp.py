@@ -15,6 +15,7 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
+from ds4_mlx.kernels import registry
 from ds4_mlx.cli import main
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.errors import LayoutError, ModelFileMissing
@@ -108,15 +109,22 @@ def oracle(monkeypatch, sequence: list[int], wrong=lambda position: False, gap: 
 
 
 def count_model_calls(monkeypatch, model: Model) -> list[int]:
-    """Count the main model's forward calls (every call, plain or speculative, goes through Model.hidden)."""
+    """Count the main model's forward calls: chunks go through Model.hidden, single tokens through Model.decode
+    (which hands them to Model.hidden itself in the reference kernel mode)."""
     calls = []
-    real = model.hidden
+    real_hidden, real_decode = model.hidden, model.decode
 
     def counted(tokens, cache):
         calls.append(len(tokens))
-        return real(tokens, cache)
+        return real_hidden(tokens, cache)
+
+    def counted_decode(token, cache):
+        if registry.mode() == "fast":
+            calls.append(1)
+        return real_decode(token, cache)
 
     monkeypatch.setattr(model, "hidden", counted)
+    monkeypatch.setattr(model, "decode", counted_decode)
     return calls
 
 

@@ -13,7 +13,7 @@ share, plus a few neutral words that each dialect spells its own way:
   program-scope tables and DEVICE_FN helper functions;
 - helper functions each dialect's prelude defines: ds4_barrier() (all threads of the group), ds4_simd_barrier()
   (the 32 threads of a SIMD group), ds4_simd_sum(float), ds4_popcount(unsigned int), ds4_half_to_float(unsigned
-  short) (IEEE half bits to float).
+  short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -100,6 +100,7 @@ __device__ __forceinline__ float ds4_simd_sum(float v) {
   return v;
 }
 __device__ __forceinline__ unsigned int ds4_popcount(unsigned int v) { return __popc(v); }
+__device__ __forceinline__ float ds4_exp(float v) { return expf(v); }
 __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
   return __half2float(__ushort_as_half(bits));
 }
@@ -126,6 +127,7 @@ inline void ds4_barrier() { metal::threadgroup_barrier(metal::mem_flags::mem_thr
 inline void ds4_simd_barrier() { metal::simdgroup_barrier(metal::mem_flags::mem_threadgroup); }
 inline float ds4_simd_sum(float v) { return metal::simd_sum(v); }
 inline unsigned int ds4_popcount(unsigned int v) { return metal::popcount(v); }
+inline float ds4_exp(float v) { return metal::precise::exp(v); }
 inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
 """,
     make=mx.fast.metal_kernel,

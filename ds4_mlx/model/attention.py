@@ -13,6 +13,10 @@ the model width.
 
 A chunk of T tokens is computed at once; masks give every query exactly the rows it would see if the tokens were
 fed one at a time. Queries run in blocks to bound the memory of scores and gathered rows.
+
+`step` is the decode form of the same sublayer: one token at a position held in an array, every shape fixed by
+the context size, so a compiled decode step traces it once. It always lets the indexer choose among the visible
+compressed rows (with at most top_k visible, it chooses all of them, as the chunk form does by not asking it).
 """
 
 from __future__ import annotations
@@ -135,6 +139,37 @@ class Attention:
                     masks.append(visible)
             out.append(self._attend(q[start:stop], keys, masks))
         out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
+        return self._project_out(out), state
+
+    def step(self, x: mx.array, position: mx.array, state: LayerState) -> tuple[mx.array, LayerState]:
+        """Attention output (1, n_embd) for one normed input x (1, n_embd) at array `position`, and the new state."""
+        positions = position.reshape(1)
+        q_latent = rms_norm(self.q_a(x), self.q_a_norm, self.eps)
+        q = self.q_b(q_latent).reshape(1, self.n_head, self.head_dim)
+        q = self.rope(rms_norm(q, None, self.eps), positions)
+        kv = self.rope(rms_norm(self.kv(x), self.kv_norm, self.eps), positions)
+        if self.simulate_quant:
+            kv = round_to_f16(simulate_kv_fp8(kv, self.n_rot))
+        raw = mx.concatenate([state.raw[1:], kv])  # row j holds position - window + 1 + j
+        state = replace(state, raw=raw)
+        keys, masks = [raw], [(mx.arange(self.window) >= self.window - 1 - position)[None]]
+        if self.compressor is not None:
+            row_at = (position // self.ratio).reshape(1)
+            row, frontier = self.compressor.step(x, position, state.comp_frontier)
+            state = replace(state, comp=mx.slice_update(state.comp, row, row_at, axes=(0,)), comp_frontier=frontier)
+            visible = (mx.arange(state.comp.shape[0]) < (position + 1) // self.ratio)[None]
+            if self.indexer is None:
+                keys.append(state.comp)
+                masks.append(visible)
+            else:
+                row, frontier = self.indexer.compressor.step(x, position, state.index_frontier)
+                index = mx.slice_update(state.index, row, row_at, axes=(0,))
+                state = replace(state, index=index, index_frontier=frontier)
+                chosen = self.indexer.select(*self.indexer.queries(q_latent, x, positions), index, visible)
+                picked = mask_to_indices(chosen, self.indexer.top_k)
+                keys.append(state.comp[picked])
+                masks.append(mx.take_along_axis(chosen, picked, axis=-1))
+        out = self.rope(self._attend(q, keys, masks), positions, inverse=True)
         return self._project_out(out), state
 
     def _compress(

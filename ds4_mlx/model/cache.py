@@ -42,6 +42,20 @@ class LayerState:
                 out += [rows, frontier.kv, frontier.score]
         return out
 
+    @staticmethod
+    def count(ratio: int) -> int:
+        """How many arrays `arrays()` lists for a layer of this compression ratio."""
+        return 1 if ratio == 0 else 4 if ratio != 4 else 7
+
+    @classmethod
+    def from_arrays(cls, arrays: Sequence[mx.array]) -> LayerState:
+        """The state whose `arrays()` are these (1, 4 or 7 of them: raw; compressed rows; indexer rows)."""
+        raw, *rest = arrays
+        if not rest:
+            return cls(raw)
+        index = (rest[3], Frontier(rest[4], rest[5])) if len(rest) == 6 else (None, None)
+        return cls(raw, rest[0], Frontier(rest[1], rest[2]), *index)
+
     @classmethod
     def empty(cls, config: ModelConfig, layer: int, ctx: int) -> LayerState:
         raw = mx.zeros((config.sliding_window, config.head_dim))
@@ -90,10 +104,24 @@ class SessionCache:
     def arrays(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.arrays()]
 
+    def unflatten(self, arrays: Sequence[mx.array]) -> list[LayerState]:
+        """Layer states from a flat list in the order `arrays()` gives (the form a compiled step takes)."""
+        return unflatten_layers(self.config, arrays)
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the state's arrays (their full fixed capacity)."""
         return sum(a.nbytes for a in self.arrays())
+
+
+def unflatten_layers(config: ModelConfig, arrays: Sequence[mx.array]) -> list[LayerState]:
+    """Layer states from the flat list `SessionCache.arrays()` gives."""
+    layers, start = [], 0
+    for layer in range(config.n_layer):
+        n = LayerState.count(config.compress_ratio(layer))
+        layers.append(LayerState.from_arrays(arrays[start : start + n]))
+        start += n
+    return layers
 
 
 def session_bytes(config: ModelConfig, ctx: int) -> int:

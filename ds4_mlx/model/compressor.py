@@ -13,6 +13,10 @@ state_score: coff*ratio rows of coff*d, coff = 2 for ratio 4), laid out as ds4 l
 0..3 hold the last complete window and rows 4+(t mod 4) the current one; for ratio 128, row t mod 128. Rows that
 hold no token have kv 0 and score -inf. A chunk of any length leaves the frontier exactly as feeding its tokens
 one at a time would.
+
+`step` is the decode form: one token at a position held in an array, with shapes that do not depend on it, so
+a compiled decode step can trace it once. It returns the row of the token's window as it stands (final once the
+window is complete) and the caller writes it at row position // ratio, where it stays invisible until then.
 """
 
 from __future__ import annotations
@@ -97,3 +101,26 @@ class Compressor:
             new_kv.insert(0, last[0])
             new_score.insert(0, last[1])
         return rows, Frontier(mx.concatenate(new_kv), mx.concatenate(new_score))
+
+    def step(self, x: mx.array, position: mx.array, frontier: Frontier) -> tuple[mx.array, Frontier]:
+        """Feed one normed input x (1, D) at array `position`; return the row its window gives so far (1, width)
+        and the new frontier. Equal to `__call__` for a finished window; the row is final once it is."""
+        r, d = self.ratio, self.width
+        slot = position % r
+        kv = self.kv(x)
+        score = self.gate(x) + mx.take(self.ape, slot, axis=0)
+        current = r if self.overlap else 0
+        here = (mx.arange(frontier.kv.shape[0]) == current + slot)[:, None]
+        fkv, fscore = mx.where(here, kv, frontier.kv), mx.where(here, score, frontier.score)
+        if self.overlap:  # lane 0 of the previous window and lane 1 of this one: 2r candidates per dim
+            window_kv = mx.concatenate([fkv[:r, :d], fkv[r:, d:]])
+            window_score = mx.concatenate([fscore[:r, :d], fscore[r:, d:]])
+        else:
+            window_kv, window_score = fkv, fscore
+        pooled = mx.sum(mx.softmax(window_score, axis=0) * window_kv, axis=0, keepdims=True)
+        row = self.finish(self.rope(rms_norm(pooled, self.norm, self.eps), (position - slot).reshape(1)))
+        done = slot == r - 1
+        empty = Frontier.empty(self.ratio, self.width)
+        if self.overlap:  # the finished window moves to rows 0..r-1
+            empty = Frontier(mx.concatenate([fkv[r:], empty.kv[r:]]), mx.concatenate([fscore[r:], empty.score[r:]]))
+        return row, Frontier(mx.where(done, empty.kv, fkv), mx.where(done, empty.score, fscore))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ds4_mlx.kernels.hc import HCSplit, HCUpdate
 from ds4_mlx.model.norm import rms_norm
 
 
@@ -36,6 +37,26 @@ def compiled_sinkhorn(iters: int, eps: float):
     return mx.compile(lambda logits: sinkhorn(logits, iters, eps))
 
 
+def split(mix: mx.array, scale: mx.array, base: mx.array, streams: mx.array, iters: int,
+          eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """A mix (T, (2+n)n) made into the collapsed input (T, D), post (T, n) and comb (T, n, n) (see `pre`)."""
+    n = streams.shape[1]
+    pre = mx.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * mx.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = compiled_sinkhorn(iters, eps)((mix[:, 2 * n :] * scale[2] + base[2 * n :]).reshape(-1, n, n))
+    return mx.sum(pre[:, :, None] * streams, axis=1), post, comb
+
+
+def update(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+    """New streams (T, n, D): H'_c = post_c * output + sum_r comb[r, c] * H_r."""
+    return post[:, :, None] * output[:, None, :] + mx.swapaxes(comb, -1, -2) @ streams
+
+
+SPLIT = HCSplit(split)
+UPDATE = HCUpdate(update)
+"""The two as one fused kernel each where a GPU backend has passed the first-use check (kernels/hc.py)."""
+
+
 @dataclass
 class HyperConnection:
     """One sublayer's mHC parameters: fn ((2 + n) n, n D), scale (3,), base ((2 + n) n,)."""
@@ -53,21 +74,14 @@ class HyperConnection:
 
         comb[t, r, c] is the weight of source stream r in destination stream c.
         """
-        n = self.n_hc
         flat = streams.reshape(streams.shape[0], -1)
         mix = rms_norm(flat, None, self.norm_eps) @ self.fn.T
-        pre = mx.sigmoid(mix[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps
-        post = 2 * mx.sigmoid(mix[:, n : 2 * n] * self.scale[1] + self.base[n : 2 * n])
-        comb_logits = (mix[:, 2 * n :] * self.scale[2] + self.base[2 * n :]).reshape(-1, n, n)
-        comb = compiled_sinkhorn(self.sinkhorn_iters, self.hc_eps)(comb_logits)
-        collapsed = mx.sum(pre[:, :, None] * streams, axis=1)
-        return collapsed, post, comb
+        return SPLIT(mix, self.scale, self.base, streams, self.sinkhorn_iters, self.hc_eps)
 
     @staticmethod
     def post(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
         """New streams: H'_c = post_c * output + sum_r comb[r, c] * H_r."""
-        mixed = mx.swapaxes(comb, -1, -2) @ streams
-        return post[:, :, None] * output[:, None, :] + mixed
+        return UPDATE(output, streams, post, comb)
 
 
 @dataclass

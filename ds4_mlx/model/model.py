@@ -13,14 +13,15 @@ rounds them to f16). With it off the model computes exactly what transformers' `
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ds4_mlx.errors import RequestError
+from ds4_mlx.kernels import registry
 from ds4_mlx.model.attention import Attention, Indexer
-from ds4_mlx.model.cache import LayerState, SessionCache
+from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead
@@ -47,10 +48,12 @@ class Block:
     eps: float
 
     def __call__(
-        self, streams: mx.array, tokens: mx.array, n_past: int, state: LayerState
+        self, streams: mx.array, tokens: mx.array, n_past: int | mx.array, state: LayerState
     ) -> tuple[mx.array, LayerState]:
+        """A chunk of tokens at positions n_past.., or one token at a position held in an array (decode step)."""
+        attention = self.attention.step if isinstance(n_past, mx.array) else self.attention
         x, post, comb = self.attn_hc.pre(streams)
-        out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
+        out, state = attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
         streams = HyperConnection.post(out, streams, post, comb)
         x, post, comb = self.ffn_hc.pre(streams)
         out = self.moe(rms_norm(x, self.ffn_norm, self.eps), tokens)
@@ -130,6 +133,8 @@ class Model:
         self.output = load.linear("output.weight")
         self.nbytes = load.nbytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
+        self._steps: dict[tuple, Callable[..., list[mx.array]]] = {}
+        """Compiled decode steps by cache layout (the shapes of the cache's arrays) and kernel mode."""
 
     def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
         """The block whose tensors are named `prefix` + suffix (§2.3-2.5), at a compression ratio, with token-hash
@@ -221,6 +226,52 @@ class Model:
             streams, layers[layer] = block(streams, tokens, n_past, layers[layer])
         cache.layers, cache.n_tokens = layers, n_past + tokens.size
         return streams
+
+    def step(self, token: mx.array, position: mx.array, layers: Sequence[LayerState]
+             ) -> tuple[mx.array, mx.array, list[LayerState]]:
+        """One decode step with every shape fixed by the context size: token (1,) at array `position`.
+
+        Returns the final streams (1, n_hc, n_embd), the logits (n_vocab,) and the new layer states. Traced once by
+        `decode` and replayed for every token; nothing here reads a value back to the host.
+        """
+        streams = mx.broadcast_to(self.embedding.rows(token)[:, None, :], (1, self.config.n_hc, self.config.n_embd))
+        layers = list(layers)
+        for layer, block in enumerate(self.blocks):
+            streams, layers[layer] = block(streams, token, position, layers[layer])
+        return streams, self.head(streams)[0], layers
+
+    def decode(self, token: int, cache: SessionCache) -> tuple[mx.array, mx.array]:
+        """Feed one token through the compiled decode step; returns (final streams (1, n_hc, n_embd), logits).
+
+        The first step of a cache layout runs eagerly (it makes the kernels' first-use checks, which evaluate
+        arrays and so cannot run while a function is being traced); later steps replay one compiled graph. With
+        the kernel mode forced to "reference" the token goes through the chunk path instead.
+        """
+        if registry.mode() == "reference":
+            streams = self.hidden(mx.array([token], dtype=mx.int32), cache)
+            return streams, self.head(streams)[0]
+        if not 0 <= token < self.config.n_vocab:
+            raise RequestError(f"token id {token} is outside the vocabulary [0, {self.config.n_vocab})")
+        if cache.n_tokens >= cache.ctx:
+            raise RequestError(f"1 token does not fit: the cache holds {cache.n_tokens} of a {cache.ctx}-token "
+                               "context")
+        layout = (registry.mode(), tuple(a.shape for a in cache.arrays()))
+        compiled = self._steps.get(layout)
+        if compiled is None:
+            self._steps[layout] = mx.compile(self._flat_step)
+            step = self._flat_step
+        else:
+            step = compiled
+        flat = [mx.array([token], dtype=mx.int32), mx.array(cache.n_tokens, dtype=mx.int32), *cache.arrays()]
+        streams, logits, *arrays = step(*flat)
+        del flat  # once the cache holds the new state, the graph alone holds the old: buffers can be reused
+        cache.layers, cache.n_tokens = cache.unflatten(arrays), cache.n_tokens + 1
+        return streams, logits
+
+    def _flat_step(self, token: mx.array, position: mx.array, *arrays: mx.array) -> list[mx.array]:
+        """`step` over the cache's flat array list (what mx.compile traces)."""
+        streams, logits, layers = self.step(token, position, unflatten_layers(self.config, arrays))
+        return [streams, logits, *(a for state in layers for a in state.arrays())]
 
     def head(self, streams: mx.array) -> mx.array:
         """Logits (T, n_vocab) of final streams (T, n_hc, n_embd): HC collapse, output norm, LM head (§3.10)."""

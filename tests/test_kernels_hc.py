@@ -1,0 +1,56 @@
+"""The hyper-connection kernels (kernels/hc.py) against their references, at Flash's shapes (GPU backends)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.hc import TOLERANCE
+from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.model.hyper_connection import SPLIT, UPDATE, split, update
+
+N_HC, N_EMBD, ITERS, EPS = 4, 4096, 20, 1e-6
+
+
+def scaled(shape, seed, scale=1.0):
+    return random_activations(shape, seed=seed) * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_split_kernel_is_used_and_equals_reference(kernels_unforced, tokens):
+    m = (2 + N_HC) * N_HC
+    args = (scaled((tokens, m), 1, 3.0), scaled((3,), 2), scaled((m,), 3), scaled((tokens, N_HC, N_EMBD), 4), ITERS,
+            EPS)
+    got = SPLIT(*args)
+    assert SPLIT.fast_path.decisions()[registry.current_backend(), ((N_HC, N_EMBD), ITERS, EPS)].fast
+    for g, w in zip(got, split(*args)):
+        assert mx.max(mx.abs(g - w)).item() <= TOLERANCE * mx.max(mx.abs(w)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_update_kernel_is_used_and_equals_reference(kernels_unforced, tokens):
+    args = (scaled((tokens, N_EMBD), 5), scaled((tokens, N_HC, N_EMBD), 6), scaled((tokens, N_HC), 7),
+            mx.softmax(scaled((tokens, N_HC, N_HC), 8), axis=-1))
+    got = UPDATE(*args)
+    assert UPDATE.fast_path.decisions()[registry.current_backend(), (N_HC, N_EMBD)].fast
+    want = update(*args)
+    assert mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()
+
+
+def test_references_are_the_hyper_connection_formulas(on_cpu):
+    """split/update are what §3.2 says: pre-weighted collapse, post-weighted spread plus comb-mixed streams."""
+    n, d = 3, 8
+    m = (2 + n) * n
+    mix, scale, base = scaled((2, m), 9), mx.array([0.5, 1.5, 2.0]), scaled((m,), 10)
+    streams = scaled((2, n, d), 11)
+    x, post, comb = split(mix, scale, base, streams, ITERS, EPS)
+    pre = mx.sigmoid(mix[:, :n] * 0.5 + base[:n]) + EPS
+    assert mx.allclose(x, mx.einsum("tr,trd->td", pre, streams), atol=1e-6)
+    assert mx.allclose(post, 2 * mx.sigmoid(mix[:, n : 2 * n] * 1.5 + base[n : 2 * n]), atol=1e-7)
+    assert mx.allclose(mx.sum(comb, axis=-2), mx.ones((2, n)), atol=1e-6)  # ends on a column step
+    out = scaled((2, d), 12)
+    want = post[:, :, None] * out[:, None, :] + mx.einsum("trc,trd->tcd", comb, streams)
+    assert mx.allclose(update(out, streams, post, comb), want, atol=1e-6)
