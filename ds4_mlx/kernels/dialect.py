@@ -13,7 +13,9 @@ share, plus a few neutral words that each dialect spells its own way:
   program-scope tables and DEVICE_FN helper functions;
 - helper functions each dialect's prelude defines: ds4_barrier() (all threads of the group), ds4_simd_barrier()
   (the 32 threads of a SIMD group), ds4_simd_sum(float), ds4_popcount(unsigned int), ds4_half_to_float(unsigned
-  short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x).
+  short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float), ds4_bits(float) /
+  ds4_float(unsigned int) (reinterpret), ds4_rint(float) (ties to even), ds4_div(float, float) (correctly
+  rounded, whatever fast-math setting the backend compiles with).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -101,6 +103,16 @@ __device__ __forceinline__ float ds4_simd_sum(float v) {
 }
 __device__ __forceinline__ unsigned int ds4_popcount(unsigned int v) { return __popc(v); }
 __device__ __forceinline__ float ds4_exp(float v) { return expf(v); }
+__device__ __forceinline__ float ds4_simd_max(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+__device__ __forceinline__ unsigned int ds4_bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ float ds4_float(unsigned int v) { return __uint_as_float(v); }
+__device__ __forceinline__ float ds4_rint(float v) { return rintf(v); }
+__device__ __forceinline__ float ds4_div(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
   return __half2float(__ushort_as_half(bits));
 }
@@ -128,6 +140,11 @@ inline void ds4_simd_barrier() { metal::simdgroup_barrier(metal::mem_flags::mem_
 inline float ds4_simd_sum(float v) { return metal::simd_sum(v); }
 inline unsigned int ds4_popcount(unsigned int v) { return metal::popcount(v); }
 inline float ds4_exp(float v) { return metal::precise::exp(v); }
+inline float ds4_simd_max(float v) { return metal::simd_max(v); }
+inline unsigned int ds4_bits(float v) { return as_type<unsigned int>(v); }
+inline float ds4_float(unsigned int v) { return as_type<float>(v); }
+inline float ds4_rint(float v) { return metal::rint(v); }
+inline float ds4_div(float a, float b) { return metal::precise::divide(a, b); }
 inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
 """,
     make=mx.fast.metal_kernel,

@@ -143,12 +143,12 @@ class HCSplit:
     @staticmethod
     def _kernel(mix, scale, base, streams, iters, eps) -> tuple[mx.array, mx.array, mx.array]:
         t, n, d = streams.shape
-        return build(split_kernel(eps), current_backend())(
+        return tuple(build(split_kernel(eps), current_backend())(
             inputs=[mix, scale, base, streams],
             template=[("N", n), ("D", d), ("ITERS", iters), ("THREADS", THREADS)],
             grid=(t * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(t, d), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 3,
-        )
+        ))
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:

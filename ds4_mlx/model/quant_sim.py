@@ -15,6 +15,8 @@ import math
 
 import mlx.core as mx
 
+from ds4_mlx.kernels.actquant import FP8KV, IndexerFP4
+
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = 64
 FP8_AMAX_FLOOR = 1e-4
@@ -89,15 +91,21 @@ def hadamard(x: mx.array) -> mx.array:
     return x * (1.0 / math.sqrt(n))
 
 
-def simulate_kv_fp8(kv: mx.array, n_rot: int) -> mx.array:
+def kv_fp8(kv: mx.array, n_rot: int) -> mx.array:
     """FP8 round trip of a KV row's non-RoPE dims (the trailing `n_rot` RoPE dims stay exact)."""
     nope = kv.shape[-1] - n_rot
     return mx.concatenate([fp8_e4m3_roundtrip(kv[..., :nope]), kv[..., nope:]], axis=-1)
 
 
-def simulate_indexer_fp4(x: mx.array) -> mx.array:
+def indexer_fp4(x: mx.array) -> mx.array:
     """Hadamard rotation then FP4 round trip of indexer queries and keys (rotation keeps q.k for exact values)."""
     return fp4_e2m1_roundtrip(hadamard(x))
+
+
+simulate_kv_fp8 = FP8KV(kv_fp8)
+"""`kv_fp8`, as one exact kernel where a GPU backend has passed the first-use check (kernels/actquant.py)."""
+simulate_indexer_fp4 = IndexerFP4(indexer_fp4)
+"""`indexer_fp4`, likewise."""
 
 
 def round_to_f16(x: mx.array) -> mx.array:
