@@ -206,7 +206,7 @@ def test_bad_requests_get_a_4xx_in_the_endpoint_shape(client, path, body, status
     [
         ("/v1/chat/completions", {"messages": []}),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
-        ("/v1/messages", {"messages": [{"role": "system", "content": "x"}]}),
+        ("/v1/messages", {"messages": [{"role": "developer", "content": "x"}]}),
         ("/v1/messages", {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": "x"}]}]}),
         ("/v1/chat/completions", {"messages": USER, "reasoning_effort": "banana"}),
     ],

@@ -198,7 +198,9 @@ def test_chat_options():
         ({"messages": []}, "at least one message"),
         ({"messages": "hi"}, "messages must be an array, got a string"),
         ({"messages": ["hi"]}, "messages[0] must be an object"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
+        ({"messages": [{"role": "robot", "content": "x"}]},
+         "Invalid value: 'robot'. Supported values are: 'system', 'developer', 'user', 'assistant', 'tool', "
+         "'function', and 'latest_reminder'."),
         ({"messages": [{"role": None, "content": "x"}]}, "messages[0].role must be a string, got null"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string"),
         ({"messages": [{"role": "user", "content": [5]}]}, "messages[0].content[0] must be a string or an object"),
@@ -286,6 +288,26 @@ def test_anthropic_messages_are_normalized():
     assert "<｜User｜><tool_result>a.c\nb.c</tool_result>thanks<tool_result>" in prompt  # behavior.md §1.8
 
 
+def test_anthropic_system_turns_inside_messages_render_in_place():
+    """Claude Code 2.1 sends system turns inside `messages` (string or text blocks); the opening ones join the
+    system region, later ones stay where they are, so the prompt of the turns before them does not change."""
+    body = {"system": "Top.", "messages": [
+        {"role": "system", "content": "Env block."},
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Skills:"},
+                                       {"type": "text", "text": "x-anthropic-hidden"},
+                                       {"type": "text", "text": "none", "cache_control": {"type": "ephemeral"}}]},
+    ]}
+    req = messages(body)
+    assert req.messages == (Message("system", "Top."), Message("system", "Env block."), Message("user", "hi"),
+                            Message("system", "Skills:\nnone"))
+    prompt = render_chat(req.messages, think=ThinkMode.NONE, ctx=CTX)
+    assert prompt == BOS + "Top.\n\nEnv block.<｜User｜>hiSkills:\nnone<｜Assistant｜></think>"
+    without = render_chat(messages({**body, "messages": body["messages"][:2]}).messages, think=ThinkMode.NONE,
+                          ctx=CTX)
+    assert prompt.startswith(without.removesuffix("<｜Assistant｜></think>"))
+
+
 @pytest.mark.parametrize(
     "fields, mode",
     [
@@ -320,7 +342,10 @@ def test_anthropic_options_and_tools():
     [
         ({}, "missing messages"),
         ({"messages": []}, "at least one message"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role must be one of user, assistant"),
+        ({"messages": [{"role": "tool", "content": "x"}]},
+         "messages.0.role: Input should be 'user', 'assistant' or 'system'"),
+        ({"messages": [{"role": "system", "content": [{"type": "image"}]}]},
+         'messages[0].content[0].type must be "text" in system content'),
         ({"messages": [{"role": "user", "content": [{"type": 1}]}]}, "messages[0].content[0].type"),
         ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": [1]}]}]},
          "messages[0].content[0].input must be an object"),

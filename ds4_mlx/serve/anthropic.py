@@ -43,7 +43,8 @@ from .common import (
 from .openai import active_tools
 from .rawjson import Body
 
-ROLES = ("user", "assistant")
+ROLES = ("user", "assistant", "system")
+"""Message roles: Anthropic's two, plus the system turns Claude Code sends inside `messages` (rendered in place)."""
 HIDDEN_SYSTEM_PREFIX = "x-anthropic-"
 """System parts that clients add for their own bookkeeping (Claude Code's billing header); ds4 drops them."""
 
@@ -67,12 +68,18 @@ def stream_error(message: str) -> str:
     return sse({"type": "error", "error": {"type": "api_error", "message": message}}, event="error")
 
 
-def _system(value: Any) -> str:
-    """`system`: a string, or text parts joined by newlines without the client's `x-anthropic-` parts."""
+def _system(value: Any, path: str = "system") -> str:
+    """System text (the `system` field, or a system turn's content): a string, or text parts joined by newlines
+    without the client's `x-anthropic-` parts."""
     if isinstance(value, list):
-        parts = [text_of([part], f"system[{i}]") for i, part in enumerate(value)]
+        parts = []
+        for i, part in enumerate(value):
+            if isinstance(part, dict) and Fields(part, f"{path}[{i}]").string("type", "text") != "text":
+                raise ApiError(f"invalid request: {path}[{i}].type must be \"text\" in system content",
+                               param=f"{path}[{i}].type")
+            parts.append(text_of([part], f"{path}[{i}]"))
         return "\n".join(p for p in parts if not p.startswith(HIDDEN_SYSTEM_PREFIX))
-    return text_of(value, "system")
+    return text_of(value, path)
 
 
 def _message(value: Any, path: str, call_ids: set[str]) -> Message:
@@ -83,9 +90,12 @@ def _message(value: Any, path: str, call_ids: set[str]) -> Message:
     must answer one of them, since there is no continuation state to take a call from (behavior.md §3.7)."""
     f = Fields(value, path)
     role = f.string("role", "user")
-    if role not in ROLES:
-        raise ApiError(f"invalid request: {f.where('role')} must be one of {', '.join(ROLES)}; got {role!r}")
+    if role not in ROLES:  # Anthropic's (pydantic's) wording, with its dotted path
+        raise ApiError(f"{path.replace('[', '.').replace(']', '')}.role: Input should be 'user', 'assistant' or "
+                       f"'system'", param=f.where("role"))
     content = f.raw("content")
+    if role == "system":
+        return Message(role=role, content=_system(content, f.where("content")))
     if not isinstance(content, list):
         return Message(role=role, content=text_of(content, f.where("content")))
     text: list[str] = []

@@ -53,6 +53,14 @@ def context_overflow(n_prompt_tokens: int, n_ctx: int, param: str) -> ApiError:
     )
 
 
+def invalid_value(path: str, value: Any, supported: tuple[str, ...]) -> ApiError:
+    """OpenAI's wording for a value outside an enumeration, with the client's field as `param`."""
+    listed = [f"'{v}'" for v in supported]
+    choices = ", ".join(listed[:-1]) + f", and {listed[-1]}" if len(listed) > 2 else " and ".join(listed)
+    return ApiError(f"Invalid value: {abbreviated(value)!r}. Supported values are: {choices}.", param=path,
+                    code="invalid_value")
+
+
 _KINDS: dict[type | tuple[type, ...], str] = {
     str: "a string",
     bool: "a boolean",

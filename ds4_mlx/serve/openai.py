@@ -27,6 +27,7 @@ from .common import (
     Fields,
     Options,
     compact_arguments,
+    invalid_value,
     max_tokens,
     message_list,
     sampling_params,
@@ -114,7 +115,7 @@ def _message(value: Any, path: str) -> Message:
     f = Fields(value, path)
     role = f.string("role", "user")
     if role not in CHAT_ROLES:
-        raise ApiError(f"invalid request: {f.where('role')} must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        raise invalid_value(f.where("role"), role, CHAT_ROLES)
     calls = f.array("tool_calls", nullable=True) or []
     parsed = (_tool_call(c, f"{f.where('tool_calls')}[{i}]") for i, c in enumerate(calls))
     return Message(

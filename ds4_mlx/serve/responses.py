@@ -24,6 +24,7 @@ from .common import (
     Options,
     compact_arguments,
     dumps,
+    invalid_value,
     max_tokens,
     new_id,
     sampling_params,
@@ -139,7 +140,7 @@ def _item(history: _History, value: Any, path: str) -> None:
     if kind == "message":
         role = it.string("role", "user")
         if role not in ROLES:
-            raise ApiError(f"invalid request: {it.where('role')} must be one of {', '.join(ROLES)}; got {role!r}")
+            raise invalid_value(it.where("role"), role, ROLES)
         history.add(Message(role, _text(it.raw("content"), it.where("content"))))
     elif kind in ("function_call", "custom_tool_call", "local_shell_call", "tool_search_call"):
         call_id = it.string("call_id") or it.string("id", "")
