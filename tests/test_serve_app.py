@@ -230,6 +230,9 @@ def test_prompt_longer_than_the_context(client):
     assert r.json()["error"]["param"] == "prompt"
     r = client.post("/v1/messages", json={"messages": [{"role": "user", "content": long}], "stream": True})
     assert r.status_code == 400 and set(r.json()["error"]) == {"type", "message", "n_prompt_tokens", "n_ctx"}
+    error = r.json()["error"]  # Anthropic's wording, which Claude Code matches to compact its history
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == f"prompt is too long: {error['n_prompt_tokens']} tokens > 4095 maximum"
 
 
 def test_engine_errors_before_generation_get_a_status_code(client, engine):

@@ -59,6 +59,13 @@ _ERROR_TYPES = {
 }
 
 
+def context_overflow(n_prompt_tokens: int, n_ctx: int, param: str) -> ApiError:
+    """Anthropic's wording, which Claude Code reads to compact its history: the maximum is the longest prompt
+    that fits (one slot stays free for the answer, behavior.md §3.7)."""
+    return ApiError(f"prompt is too long: {n_prompt_tokens} tokens > {n_ctx - 1} maximum", param=param,
+                    extra={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx})
+
+
 def error_json(error: ApiError) -> dict[str, Any]:
     kind = "api_error" if error.status >= 500 else _ERROR_TYPES.get(error.status, "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": error.message, **error.extra}}

@@ -88,6 +88,8 @@ class Api:
     stream: Callable[[str, int, Any, CallIds], Any]
     error_json: Callable[[ApiError], dict[str, Any]] = openai.error_json
     stream_error: Callable[[str], str] = openai.stream_error
+    overflow: Callable[[int, int, str], ApiError] = context_overflow
+    """The error for a prompt that does not fit, in the words the API's clients act on."""
     split_reasoning: bool = True
     """False for legacy completions, which return the raw text with reasoning and `</think>` in it."""
 
@@ -96,7 +98,8 @@ CHAT = Api("chat", "chatcmpl-", "call_", "messages", openai.parse_chat, openai.c
 COMPLETIONS = Api("completions", "cmpl-", "call_", "prompt", openai.parse_completion, openai.completion,
                   openai.CompletionStream, split_reasoning=False)
 MESSAGES = Api("messages", "msg_", "toolu_", "messages", anthropic.parse_messages, anthropic.message,
-               anthropic.MessageStream, anthropic.error_json, anthropic.stream_error)
+               anthropic.MessageStream, anthropic.error_json, anthropic.stream_error,
+               overflow=anthropic.context_overflow)
 RESPONSES = Api("responses", "resp_", "call_", "input", responses.parse_responses, responses.response,
                 responses.ResponseStream)
 
@@ -163,7 +166,7 @@ class Server:
         """The error a failed request reports: the client's mistake as it is, anything else as a 500 that names
         the request id (logged with its traceback). Traced either way."""
         if isinstance(exc, ContextOverflow):
-            error = context_overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
+            error = api.overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
         elif isinstance(exc, RequestError):
             error = exc if isinstance(exc, ApiError) else ApiError(str(exc))
         else:
@@ -272,7 +275,7 @@ class Server:
             data = await self._read(request)
             norm, prompt, n_prompt = await run_in_threadpool(self._prepare, data, api)
             if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt (§3.7)
-                raise context_overflow(n_prompt, self.engine.ctx, api.param)
+                raise api.overflow(n_prompt, self.engine.ctx, api.param)
             options = norm.options
             tools = norm.tools if isinstance(norm, ChatRequest) else ()
             job = Job(
