@@ -415,6 +415,7 @@ class Engine:
         limit = self.default_max_tokens if req.max_tokens is None else max(0, req.max_tokens)
         limit = min(limit, self.session.room)
         generated: list[int] = []
+        reasoning_tokens = 0
         text_parts: list[str] = []
         finish = "length"
         speculate = self._speculates(req.sampling)
@@ -438,6 +439,7 @@ class Engine:
                     finish = "stop"
                     break
                 generated.append(token)
+                reasoning_tokens += 0 if parser.reasoning_closed else 1
                 sampler.record(token)
                 piece = decoder.feed(token)
                 if greedy is not None:
@@ -482,7 +484,8 @@ class Engine:
         yield Done(
             finish_reason=finish,
             message=message,
-            usage=Usage(prompt_tokens=len(tokens), cached_tokens=cached, completion_tokens=len(generated)),
+            usage=Usage(prompt_tokens=len(tokens), cached_tokens=cached, completion_tokens=len(generated),
+                        reasoning_tokens=reasoning_tokens),
             prefill_seconds=t1 - t0,
             decode_seconds=t2 - t1,
             error=failure or ("cancelled" if finish == "error" and not message.error else message.error),

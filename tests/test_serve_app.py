@@ -94,6 +94,20 @@ def test_models_and_health(client):
     assert client.get("/health").json() == {"status": "ok", "model": MODEL, "ctx": 4096, "busy": False, "queued": 0}
 
 
+def test_models_answer_anthropic_clients_in_anthropics_shape(client):
+    """Claude Code and the anthropic SDK send `anthropic-version`; they read Anthropic's model list."""
+    headers = {"anthropic-version": "2023-06-01"}
+    models = client.get("/v1/models", headers=headers).json()
+    assert models == {"data": [{"type": "model", "id": m, "display_name": "DeepSeek V4 Flash",
+                                "created_at": "2026-01-01T00:00:00Z"} for m in (MODEL, "deepseek-chat",
+                                                                               "deepseek-reasoner")],
+                      "has_more": False, "first_id": MODEL, "last_id": "deepseek-reasoner"}
+    assert client.get(f"/v1/models/{MODEL}", headers=headers).json() == models["data"][0]
+    missing = client.get("/v1/models/claude-x", headers=headers)
+    assert missing.status_code == 404 and missing.json()["type"] == "error"
+    assert missing.json()["error"]["type"] == "not_found_error"
+
+
 @pytest.mark.parametrize(
     "method, path, shape",
     [

@@ -8,6 +8,7 @@ own `{"type":"error","error":{...}}` shape (ds4 answers OpenAI-shaped errors her
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ..chat import Message, ToolCallSpec, tool_result_block
@@ -64,6 +65,21 @@ def context_overflow(n_prompt_tokens: int, n_ctx: int, param: str) -> ApiError:
     that fits (one slot stays free for the answer, behavior.md §3.7)."""
     return ApiError(f"prompt is too long: {n_prompt_tokens} tokens > {n_ctx - 1} maximum", param=param,
                     extra={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx})
+
+
+MODELS_CREATED_AT = "2026-01-01T00:00:00Z"
+"""The release date every model entry reports (the OpenAI entries' `created`, as RFC 3339)."""
+
+
+def model_json(model_id: str) -> dict[str, Any]:
+    """One model as Anthropic's `/v1/models` describes it."""
+    return {"type": "model", "id": model_id, "display_name": "DeepSeek V4 Flash", "created_at": MODELS_CREATED_AT}
+
+
+def models_json(model_ids: Sequence[str]) -> dict[str, Any]:
+    """Anthropic's model list: one page holding every model."""
+    return {"data": [model_json(m) for m in model_ids], "has_more": False, "first_id": model_ids[0],
+            "last_id": model_ids[-1]}
 
 
 def error_json(error: ApiError) -> dict[str, Any]:
@@ -139,7 +155,7 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     if system:
         messages.insert(0, Message(role="system", content=system))
 
-    model = f.string("model", default_model)
+    model = f.string("model", default_model, nullable=True)
     output_config = f.object("output_config", nullable=True)
     effort = f.raw("reasoning_effort")
     if effort is None and output_config is not None:
@@ -151,7 +167,7 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
         sampling=sampling_params(f, think, ("temperature", "top_p", "top_k")),
         stop=stop_strings(f, "stop_sequences"),
         max_tokens=max_tokens(f, "max_tokens"),
-        stream=f.boolean("stream", False),
+        stream=f.boolean("stream", False, nullable=True),
     )
     tool_choice = f.object("tool_choice", nullable=True)
     enabled = tool_choice is None or tool_choice.raw("type") != "none"

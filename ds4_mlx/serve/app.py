@@ -177,10 +177,12 @@ class Server:
         return error
 
     def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]]):
-        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies."""
+        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies. The model
+        endpoints, shared by both APIs, answer Anthropic's clients (`anthropic-version` sent) in Anthropic's shape."""
 
         async def run(request: Request) -> Response:
             rid = new_id(api.id_prefix, 12)
+            errors = MESSAGES if api is CHAT and _anthropic_client(request) else api
             try:
                 if not self._authorized(request):
                     raise ApiError("invalid API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'", 401)
@@ -188,7 +190,7 @@ class Server:
             except Exception as exc:
                 error = self._failed(exc, api, rid)
                 headers = {"retry-after": "1"} if error.status == 429 else None
-                response = json_response(api.error_json(error), error.status, headers)
+                response = json_response(errors.error_json(error), error.status, headers)
             response.headers["x-request-id"] = rid
             return response
 
@@ -365,12 +367,16 @@ class Server:
         return openai.model_json(model_id, self.engine.ctx, self.engine.default_max_tokens)
 
     async def models(self, request: Request, rid: str) -> Response:
+        if _anthropic_client(request):
+            return json_response(anthropic.models_json(self._model_ids()))
         return json_response({"object": "list", "data": [self._model(m) for m in self._model_ids()]})
 
     async def model(self, request: Request, rid: str) -> Response:
         model_id = request.path_params["model_id"]
         if model_id not in self._model_ids():
             raise ApiError(f"model {model_id!r} not found; this server serves {', '.join(self._model_ids())}", 404)
+        if _anthropic_client(request):
+            return json_response(anthropic.model_json(model_id))
         return json_response(self._model(model_id))
 
     async def health(self, request: Request) -> Response:
@@ -385,6 +391,11 @@ class Server:
     def close(self) -> None:
         if self.trace:
             self.trace.close()
+
+
+def _anthropic_client(request: Request) -> bool:
+    """Anthropic's SDKs and Claude Code send `anthropic-version` with every request."""
+    return "anthropic-version" in request.headers
 
 
 def _get(path: str, endpoint: Callable[[Request], Awaitable[Response]]) -> Route:
