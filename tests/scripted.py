@@ -71,6 +71,10 @@ class ScriptedModel:
     def _entry(self, step: int) -> int:
         return self.script[min(step, len(self.script) - 1)]
 
+    def logits(self, step: int = 0) -> mx.array:
+        """The one-hot logits that make the sampler pick entry `step`."""
+        return mx.where(mx.arange(self.vocab) == self._entry(step), 100.0, -100.0)
+
     def __call__(self, tokens: mx.array, cache: ScriptedCache) -> mx.array:
         self.calls += 1
         if self.calls - 1 == self.fail_at:
@@ -80,7 +84,7 @@ class ScriptedModel:
         self.fed += ids
         cache.n_tokens += len(ids)
         self.step = self.step + 1 if ids == [self._entry(self.step)] else 0
-        return mx.where(mx.arange(self.vocab) == self._entry(self.step), 100.0, -100.0)
+        return self.logits(self.step)
 
 
 def scripted_engine(tokenizer: Tokenizer, text: str, *, eos: bool = True,

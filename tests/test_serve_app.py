@@ -4,6 +4,7 @@ queueing, cancellation, shutdown, tool memory and the trace. The official SDKs r
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -460,6 +461,28 @@ def test_trace_file(tmp_path, engine):
                    "tool call 0 started: ls", "tool call 0 ended", "done finish=tool_calls",
                    "cache: cache miss, prefilled all", "--- sampled DSML", "error 400", "temperature must be"]:
         assert needle in text, needle
+    refused = text[text.index("error 400") :]  # the refused request's body is recorded, so it can be replayed
+    assert 'request: {"messages":[{"role":"user","content":"hi"}],"temperature":"x"}' in refused
+    stamps = re.findall(r"^=== (\S+) ", text, re.M)  # ISO 8601 with the year
+    assert stamps and all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", s) for s in stamps)
+
+
+def test_every_request_ends_with_one_summary_line(client, engine, caplog):
+    """Finished or refused, streamed or not: one line each, with the prompt, the cache split, the rates and
+    the finish reason."""
+    caplog.set_level(logging.INFO, logger="ds4_mlx.serve")
+    client.post("/v1/chat/completions", json={"messages": USER})
+    client.post("/v1/messages", json={"messages": USER, "stream": True})
+    client.post("/v1/chat/completions", json={"messages": USER, "n": 2})
+    lines = [r.getMessage() for r in caplog.records if r.name == "ds4_mlx.serve"]
+    assert len(lines) == 3
+    assert re.fullmatch(r"chatcmpl-\w+ chat prompt=\d+ cached=0 completion=\d+ reasoning=\d+ finish=stop "
+                        r"prefill \d+ tok [\d.]+s \(([\d.]+ t/s|-)\) decode \d+ tok [\d.]+s \(([\d.]+ t/s|-)\)",
+                        lines[0]), lines[0]
+    assert lines[1].startswith("msg_") and " messages prompt=" in lines[1] and "finish=stop" in lines[1]
+    assert re.search(r" cached=[1-9]", lines[1])  # the resend reused the first request's prompt
+    assert lines[2].endswith("chat refused: 400 invalid request: n must be 1: this server generates one choice "
+                             "per request")
 
 
 def test_count_tokens(client, engine):
@@ -530,7 +553,8 @@ def test_concurrent_clients_match_their_sequential_answers(engine):
     assert len({m["content"] for m in results}) == 16
 
 
-def test_streaming_client_disconnect_cancels_generation(engine):
+def test_streaming_client_disconnect_cancels_generation(engine, caplog):
+    caplog.set_level(logging.INFO, logger="ds4_mlx.serve")
     engine.reply = lambda req: "x" * 3000
     engine.model.delay = 0.01
     with live_server(engine) as live:
@@ -538,6 +562,8 @@ def test_streaming_client_disconnect_cancels_generation(engine):
             with c.stream("POST", "/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
                 next(r.iter_bytes())
         wait_until(lambda: engine.cancelled == 1, timeout=5)
+        summary = [r.getMessage() for r in caplog.records if "finish=" in r.getMessage()]
+        assert len(summary) == 1 and re.search(r" chat prompt=[1-9]\d* cached=0 finish=cancelled", summary[0])
         with httpx.Client(base_url=live.url, timeout=20) as c:
             engine.reply = lambda req: "ok</think>fine"
             assert c.post("/v1/chat/completions", json={"messages": USER}).json()["choices"][0]["message"][

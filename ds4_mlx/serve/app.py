@@ -162,18 +162,22 @@ class Server:
         offered = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         return secrets.compare_digest(offered.encode(), key.encode())
 
-    def _failed(self, exc: Exception, api: Api, rid: str) -> ApiError:
-        """The error a failed request reports: the client's mistake as it is, anything else as a 500 that names
-        the request id (logged with its traceback). Traced either way."""
+    def _failed(self, exc: Exception, api: Api, rid: str, body: bytes | None = None) -> ApiError:
+        """The error a failed request reports: the client's mistake as it is (one log line), anything else as a
+        500 that names the request id (logged with its traceback). Traced either way, with the request `body`
+        when it was read and not traced yet, so that a refused request can be replayed."""
         if isinstance(exc, ContextOverflow):
             error = api.overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
         elif isinstance(exc, RequestError):
             error = exc if isinstance(exc, ApiError) else ApiError(str(exc))
         else:
-            log.error("request %s failed", rid, exc_info=exc)
+            log.error("%s %s failed", rid, api.name, exc_info=exc)
             error = ApiError(f"internal server error (request id {rid})", 500)
+        if error.status < 500:
+            log.info("%s %s refused: %d %s", rid, api.name, error.status, error.message)
         if self.trace:
-            self.trace.error(rid, error.status, error.message)
+            text = None if body is None else body.decode("utf-8", "replace")
+            self.trace.error(rid, error.status, error.message, text)
         return error
 
     def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]]):
@@ -188,7 +192,7 @@ class Server:
                     raise ApiError("invalid API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'", 401)
                 response = await handler(request, rid)
             except Exception as exc:
-                error = self._failed(exc, api, rid)
+                error = self._failed(exc, api, rid, getattr(request.state, "body", None))
                 headers = {"retry-after": "1"} if error.status == 429 else None
                 response = json_response(errors.error_json(error), error.status, headers)
             response.headers["x-request-id"] = rid
@@ -209,7 +213,8 @@ class Server:
                 chunks.append(chunk)
         except ClientDisconnect:  # nobody is left to answer; not a fault of the server
             raise ApiError("the client disconnected while sending the request", 499) from None
-        return b"".join(chunks)
+        request.state.body = b"".join(chunks)  # for the trace, should the request be refused
+        return request.state.body
 
     def _render(self, request: ChatRequest | CompletionRequest) -> str:
         think = request.options.think
@@ -260,11 +265,15 @@ class Server:
             watcher.cancel()
 
     def _finished(self, rid: str, api: Api, done: Done, calls: list[str]) -> None:
+        """The request's summary line, and its trace record."""
         usage = done.usage
         log.info(
-            "%s %s prompt=%d cached=%d completion=%d finish=%s%s prefill=%.2fs decode=%.2fs",
-            rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, done.finish_reason,
-            f" ({done.error})" if done.error else "", done.prefill_seconds, done.decode_seconds,
+            "%s %s prompt=%d cached=%d completion=%d reasoning=%d finish=%s%s prefill %d tok %.2fs (%s) "
+            "decode %d tok %.2fs (%s)",
+            rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, usage.reasoning_tokens,
+            done.finish_reason, f" ({done.error})" if done.error else "", usage.cache_write_tokens,
+            done.prefill_seconds, _rate(usage.cache_write_tokens, done.prefill_seconds), usage.completion_tokens,
+            done.decode_seconds, _rate(usage.completion_tokens, done.decode_seconds),
         )
         if self.trace:
             self.trace.done(rid, done, calls)
@@ -291,6 +300,7 @@ class Server:
                           "stream": options.stream, "max_tokens": options.max_tokens,
                           "sampling": options.sampling, "stop": list(options.stop)}
                 self.trace.request(rid, request.url.path, data.decode("utf-8"), params, prompt, n_prompt)
+                request.state.body = None  # traced: an error record need not repeat it
             self.worker.submit(job)
             ids = CallIds(api.call_prefix)
             created = int(time.time())
@@ -329,6 +339,7 @@ class Server:
 
         async def frames() -> AsyncIterator[str]:
             last_write = time.monotonic()
+            ended = False  # a summary line (or an error line) was logged
             try:
                 yield "".join(stream.start(accepted))
                 async for event in _chained(head, events):
@@ -339,6 +350,7 @@ class Server:
                     elif isinstance(event, Done):
                         calls = self._remember(ids, event)
                         self._finished(rid, api, event, calls)
+                        ended = True
                         out = stream.done(event)
                     else:
                         out = stream.event(event)
@@ -346,9 +358,13 @@ class Server:
                         yield "".join(out)
                         last_write = time.monotonic()
             except Exception as exc:
+                ended = True
                 yield api.stream_error(self._failed(exc, api, rid).message)
             finally:
                 job.cancel()
+                if not ended:  # the client went away before the answer ended
+                    log.info("%s %s prompt=%d cached=%d finish=cancelled (the client disconnected)", rid, api.name,
+                             accepted.prompt_tokens if accepted else 0, accepted.cached_tokens if accepted else 0)
 
         return StreamingResponse(frames(), headers=SSE_HEADERS)
 
@@ -391,6 +407,10 @@ class Server:
     def close(self) -> None:
         if self.trace:
             self.trace.close()
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f} t/s" if tokens and seconds > 0 else "-"
 
 
 def _anthropic_client(request: Request) -> bool:
