@@ -45,12 +45,12 @@ def snapshot_arrays(snapshot: Snapshot) -> list[mx.array]:
 
 @dataclass
 class Checkpoint:
-    """One kept state: the snapshot, the UTF-8 bytes its tokens spell (what a later prompt's text must start
-    with), and when it was last taken or used (a tick of the store's clock)."""
+    """One kept state: the snapshot, when it was last taken or used (a tick of the store's clock), and the UTF-8
+    bytes its tokens spell (what a later prompt's text must start with; spelled when first compared)."""
 
     snapshot: Snapshot
-    text: bytes
     used: int
+    text: bytes | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -106,7 +106,7 @@ class CheckpointStore:
         if item is not None:
             item.used = self._tick()
             return
-        self._items[snapshot.tokens] = Checkpoint(snapshot, self._spell(snapshot.tokens), self._tick())
+        self._items[snapshot.tokens] = Checkpoint(snapshot, self._tick())
         self._fit()
 
     def _fit(self) -> None:
@@ -124,7 +124,11 @@ class CheckpointStore:
                 return None
             if n <= len(tokens) and tuple(tokens[:n]) == item.snapshot.tokens:
                 return Match(item, by_text=False)
-            if text is not None and text.startswith(item.text) and _starts_character(text, len(item.text)):
+            if text is None:
+                continue
+            if item.text is None:
+                item.text = self._spell(item.snapshot.tokens)
+            if text.startswith(item.text) and _starts_character(text, len(item.text)):
                 return Match(item, by_text=True)
         return None
 

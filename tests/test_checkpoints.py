@@ -3,6 +3,7 @@ state continues exactly like the state it was taken from."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -10,6 +11,7 @@ import pytest
 
 from ds4_mlx.chat import Message, ThinkMode, render_chat
 from ds4_mlx.checkpoints import CheckpointStore, default_ram_budget
+from ds4_mlx.commands.options import byte_size
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.events import Done
 from ds4_mlx.model.factory import write_model
@@ -166,6 +168,14 @@ def test_text_matches_keep_the_ids_and_stop_at_character_boundaries():
     cut = CheckpointStore(1 << 20, lambda ids: "é".encode()[: len(ids)])
     cut.add(_snapshot((7,)))  # spells the first byte of "é" only
     assert cut.find([0], "é".encode()) is None
+
+
+def test_the_budget_flag_takes_sizes():
+    assert [byte_size(t) for t in ("16G", "512M", "1.5g", "2GiB", "100", "0")] == [
+        16 << 30, 512 << 20, 3 << 29, 2 << 30, 100, 0]
+    for bad in ("-1G", "lots", "G", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            byte_size(bad)
 
 
 def test_no_budget_keeps_nothing_and_the_default_leaves_room():
