@@ -59,7 +59,7 @@ def test_openai_fields_sent_as_null_are_not_set():
     """OpenAI's API takes null for an optional field; clients (and the SDKs' dict bodies) send them."""
     nulls = {k: None for k in ("model", "temperature", "top_p", "seed", "stream", "max_tokens",
                                "max_completion_tokens", "presence_penalty", "frequency_penalty", "stop",
-                               "stream_options", "n", "tools", "tool_choice", "reasoning_effort")}
+                               "stream_options", "n", "tools", "tool_choice", "reasoning_effort", "think")}
     req = chat({"messages": USER, **nulls})
     assert req.options == chat({"messages": USER}).options
     assert req.options.model == MODEL and req.options.max_tokens is None and not req.options.stream

@@ -70,7 +70,7 @@ def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop")
         raise ApiError("invalid request: n must be 1: this server generates one choice per request", param="n",
                        code="invalid_value")
     model = f.string("model", default_model, nullable=True)
-    thinking = f.boolean("think")
+    thinking = f.boolean("think", nullable=True)
     if thinking is None:
         thinking = thinking_flag(f.raw("thinking"), f.where("thinking"))
     think = think_mode(model, ctx, effort=f.raw("reasoning_effort"), thinking=thinking)
