@@ -255,8 +255,7 @@ class Engine:
         snapshot = self.checkpoints.use(match)
         self.session.restore(snapshot)
         n = len(snapshot.tokens)
-        log.debug("restored an in-memory checkpoint of %d tokens (%d kept, %d bytes)", n, len(self.checkpoints),
-                  self.checkpoints.nbytes)
+        log.debug("restored an in-memory checkpoint of %d tokens (%d kept)", n, len(self.checkpoints))
         if not match.by_text:
             return tokens, n
         rest = prompt.encode("utf-8")[len(match.checkpoint.text) :].decode("utf-8")

@@ -180,13 +180,13 @@ class Server:
             self.trace.error(rid, error.status, error.message, text)
         return error
 
-    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]]):
-        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies. The model
-        endpoints, shared by both APIs, answer Anthropic's clients (`anthropic-version` sent) in Anthropic's shape."""
+    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]], shared: bool = False):
+        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies. A `shared`
+        endpoint (the model list, which both APIs have) answers Anthropic's clients in Anthropic's error shape."""
 
         async def run(request: Request) -> Response:
             rid = new_id(api.id_prefix, 12)
-            errors = MESSAGES if api is CHAT and _anthropic_client(request) else api
+            errors = MESSAGES if shared and _anthropic_client(request) else api
             try:
                 if not self._authorized(request):
                     raise ApiError("invalid API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'", 401)
@@ -430,8 +430,8 @@ def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Star
     server = Server(worker, options)
     routes = [
         _get("/health", server.health),
-        _get("/v1/models", server.endpoint(CHAT, server.models)),
-        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model)),
+        _get("/v1/models", server.endpoint(CHAT, server.models, shared=True)),
+        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model, shared=True)),
         Route("/v1/chat/completions", server.generation(CHAT), methods=["POST"]),
         Route("/v1/completions", server.generation(COMPLETIONS), methods=["POST"]),
         Route("/v1/messages", server.generation(MESSAGES), methods=["POST"]),
