@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from ds4_mlx.chat import Message, ThinkMode, render_chat
-from ds4_mlx.checkpoints import CheckpointStore, default_ram_budget
+from ds4_mlx.checkpoints import CheckpointStore, default_ram_budget, snapshot_arrays
 from ds4_mlx.commands.options import byte_size
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.events import Done
@@ -186,3 +186,22 @@ def test_no_budget_keeps_nothing_and_the_default_leaves_room():
     assert default_ram_budget(10 << 30, 50 << 30) == 0
     with pytest.raises(ValueError):
         CheckpointStore(-1, lambda ids: b"")
+
+
+def test_snapshots_of_one_stream_share_what_did_not_change(tiny):
+    """A few tokens apart, two states share the row buffers of the layers that did not compress a new row in
+    between: the budget counts those once."""
+    tiny.reset()
+    session = tiny.session
+    session.prefill(tiny.tokenizer.encode(chat(Message("user", "Hello there."))))
+    first = session.snapshot()
+    session.prefill(tiny.tokenizer.encode(" and more"))
+    second = session.snapshot()
+    shared = {id(a) for a in snapshot_arrays(first)} & {id(a) for a in snapshot_arrays(second)}
+    assert shared  # the ratio-128 layers' row buffers: no new row in a few tokens
+    store = CheckpointStore(1 << 30, tiny._text_bytes)
+    store.add(first)
+    store.add(second)
+    each = [sum(a.nbytes for a in snapshot_arrays(snap)) for snap in (first, second)]
+    assert max(each) < store.nbytes < sum(each)
+    assert store.nbytes == sum(each) - sum(a.nbytes for a in snapshot_arrays(first) if id(a) in shared)
