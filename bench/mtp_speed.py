@@ -69,7 +69,7 @@ def call_times(engine: Engine, prompt: list[int], max_t: int, repeats: int) -> d
 
 def decode(engine: Engine, prompt: list[int], n: int) -> tuple[float, tuple[int, ...], int, int]:
     """Decode seconds, tokens, and the MTP guesses drafted / accepted of one greedy generation from a cold session."""
-    engine.session.reset()
+    engine.reset()  # no live session and no kept checkpoint: the prompt is prefilled
     done = list(engine.generate(GenerationRequest(prompt=prompt, max_tokens=n, sampling=GREEDY)))[-1]
     return done.decode_seconds, done.token_ids, done.mtp_drafted, done.mtp_accepted
 

@@ -81,6 +81,7 @@ TOOLS_EPILOGUE = (
 SYSTEM_ROLES = frozenset({"system", "developer"})
 TOOL_ROLES = frozenset({"tool", "function"})
 USER_ROLES = frozenset({"user"}) | TOOL_ROLES
+CONVERSATION_ROLES = USER_ROLES | {"assistant"}
 
 
 class ThinkMode(enum.Enum):
@@ -167,9 +168,10 @@ class ToolCallSpec:
 class Message:
     """One normalised chat message.
 
-    Roles: system, developer (both hoisted to the system region), user, assistant, tool, function
-    (tool results); anything else, e.g. latest_reminder, is dropped by the renderer. `tool_call_id` (the
-    call a tool result answers) is never printed; the server uses it to bind results to a live turn.
+    Roles: system, developer (the system region when they open the list, else their text in place), user,
+    assistant, tool, function (tool results); anything else, e.g. latest_reminder, is dropped by the renderer.
+    `tool_call_id` (the call a tool result answers) is never printed; the server uses it to bind results to a
+    live turn.
     """
 
     role: str
@@ -291,15 +293,22 @@ def render_chat(
         m.role in TOOL_ROLES or (m.role == "assistant" and m.tool_calls) for m in messages
     )
     last_user = max((i for i, m in enumerate(messages) if m.role in USER_ROLES), default=-1)
+    opening = leading_system_count(messages)
 
     system = TOOLS_PREAMBLE + schemas + TOOLS_EPILOGUE if schemas else ""
-    for message in messages:
+    for message in messages[:opening]:
         if message.role in SYSTEM_ROLES:
             system += ("\n\n" if system else "") + message.content
 
     head = BOS + (THINK_MAX_PREFIX if mode is ThinkMode.MAX else "") + system
     keep_reasoning = (lambda i: True) if tool_context else (lambda i: i > last_user)
-    return head + _render_turns(messages, mode.thinking, keep_reasoning, tool_memory)
+    return head + _render_turns(messages[opening:], mode.thinking, lambda i: keep_reasoning(i + opening), tool_memory)
+
+
+def leading_system_count(messages: Sequence[Message]) -> int:
+    """How many messages open the list before its first conversation turn (user, tool result or assistant): the
+    system/developer messages among them form the system region. Later system turns are rendered in place."""
+    return next((i for i, m in enumerate(messages) if m.role in CONVERSATION_ROLES), len(messages))
 
 
 def render_live_tail(
@@ -399,12 +408,19 @@ def _render_turns(
     keep_reasoning: Callable[[int], bool],
     tool_memory: ToolMemory | None,
 ) -> str:
-    """User, tool-result and assistant turns in order, then the opener if a user/tool turn is pending."""
+    """User, tool-result and assistant turns in order, then the opener if a user/tool turn is pending.
+
+    A system (or developer) message here comes after the conversation began: its bare text goes where it stands,
+    as DeepSeek's encoder writes a system message, so the turns before it keep their tokens. A pending answer
+    stays pending (the opener follows the system text)."""
     out: list[str] = []
     pending_assistant = False
     in_tool_results = False
     for i, message in enumerate(messages):
-        if message.role == "user":
+        if message.role in SYSTEM_ROLES:
+            out.append(message.content)
+            in_tool_results = False
+        elif message.role == "user":
             out += [USER, message.content]
             pending_assistant, in_tool_results = True, False
         elif message.role in TOOL_ROLES:

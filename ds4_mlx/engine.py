@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from . import dsml
 from .chat import ToolMemory
+from .checkpoints import CheckpointStore, Match, default_ram_budget
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
 from .kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
@@ -124,10 +125,12 @@ class Engine:
         mtp: MTP | None = None,
         mtp_draft: int = 1,
         mtp_margin: float = 3.0,
+        kv_ram_budget: int | None = None,
     ) -> None:
         """`mtp_draft` >= 2 turns on speculative greedy decoding with the `mtp` draft block: up to mtp_draft - 1
         guessed tokens are verified per model call (ds4's --mtp-draft; 1 = off). `mtp_margin` is ds4's
-        --mtp-margin: a lone guess whose top-1/top-2 logit gap is below it is not verified."""
+        --mtp-margin: a lone guess whose top-1/top-2 logit gap is below it is not verified. `kv_ram_budget` is
+        the bytes in-memory checkpoints may hold (0 = none; None = what the device has left, see checkpoints.py)."""
         if not 1 <= mtp_draft <= MAX_MTP_DRAFT:
             raise ValueError(f"mtp_draft must be between 1 and {MAX_MTP_DRAFT}, got {mtp_draft}")
         if mtp_draft > 1 and mtp is None:
@@ -147,6 +150,9 @@ class Engine:
         self.mtp_margin = mtp_margin
         self.session = Session(model, ctx, mtp if mtp_draft > 1 else None)
         self._on_disk = 0  # the furthest position of the live session already checkpointed to disk
+        if kv_ram_budget is None:
+            kv_ram_budget = default_ram_budget(device_memory_bytes(), mx.get_active_memory())
+        self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
 
     @classmethod
     def load(
@@ -176,6 +182,11 @@ class Engine:
         mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
         model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
         check_memory(weights, model_bytes, ctx, device_memory_bytes())
+        if opts.get("kv_ram_budget") is None:
+            from .model.cache import session_bytes
+
+            used = model_bytes + session_bytes(weights.config, ctx)
+            opts["kv_ram_budget"] = default_ram_budget(device_memory_bytes(), used)
         with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
             model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
         if mtp_weights is not None:
@@ -205,6 +216,12 @@ class Engine:
         self.session = Session(self.model, ctx, self.session.mtp)
         self.ctx = ctx
         self._on_disk = 0
+        self.checkpoints.clear()  # states of the old context size
+
+    def reset(self) -> None:
+        """Forgets every state computed in memory: the live session and the kept checkpoints (not the disk's)."""
+        self._drop_session()
+        self.checkpoints.clear()
 
     def count_tokens(self, prompt: str) -> int:
         return len(self.tokenizer.encode(prompt))
@@ -212,18 +229,37 @@ class Engine:
     def _reuse(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int]:
         """Prefix reuse (behavior.md §5.2): returns the effective prompt tokens and how many are already computed.
 
-        The live session first, then the disk cache, else nothing (a cold prefill). `exact`: the caller gave
-        token ids, which then must extend a disk checkpoint's ids too (the text of ids is not re-tokenized).
+        The longest state that starts the prompt: the live session when it does (it wins ties: nothing to
+        restore), else an in-memory checkpoint, else a longer disk checkpoint, else nothing (a cold prefill).
+        A live session that is not reused is kept as a checkpoint before it is replaced. `exact`: the caller
+        gave token ids, which then must extend a checkpoint's ids too (the text of ids is not re-tokenized).
         """
         live = self._reuse_live(prompt, tokens, exact)
-        if live is not None:
+        kept = self.checkpoints.find(tokens, None if exact else prompt.encode("utf-8"),
+                                     longer_than=live[1] if live is not None else 0)
+        if live is not None and kept is None:
             return live
+        self.checkpoints.add(self.session.snapshot())
         self._replace_session()
         if self.kv_store is not None:
-            loaded = self._load_from_disk(prompt, tokens, exact)
+            loaded = self._load_from_disk(prompt, tokens, exact, kept.checkpoint.n_tokens if kept else 0)
             if loaded is not None:
                 return loaded
+        if kept is not None:
+            return self._restore(kept, prompt, tokens)
         return tokens, 0
+
+    def _restore(self, match: Match, prompt: str, tokens: list[int]) -> tuple[list[int], int]:
+        """Makes a kept checkpoint the live session; a text match keeps its ids and tokenizes the rest of the
+        prompt text after them."""
+        snapshot = self.checkpoints.use(match)
+        self.session.restore(snapshot)
+        n = len(snapshot.tokens)
+        log.debug("restored an in-memory checkpoint of %d tokens (%d kept)", n, len(self.checkpoints))
+        if not match.by_text:
+            return tokens, n
+        rest = prompt.encode("utf-8")[len(match.checkpoint.text) :].decode("utf-8")
+        return list(snapshot.tokens) + self.tokenizer.encode(rest), n
 
     def _reuse_live(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int] | None:
         """The live tokens are reused when they are a token prefix of the new prompt, or when their text is a byte
@@ -254,13 +290,15 @@ class Engine:
         """What a run of tokens spells, byte for byte: the disk cache's key space."""
         return b"".join(self.tokenizer.token_bytes(t) for t in tokens)
 
-    def _load_from_disk(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int] | None:
-        """Loads the longest disk checkpoint whose text starts the prompt into the (empty) live session. Its token
-        ids are kept as they are; only the prompt text after it is tokenized (behavior.md §5.3)."""
+    def _load_from_disk(self, prompt: str, tokens: list[int], exact: bool,
+                        longer_than: int = 0) -> tuple[list[int], int] | None:
+        """Loads the longest disk checkpoint whose text starts the prompt into the (empty) live session, when it
+        holds more than `longer_than` tokens. Its token ids are kept as they are; only the prompt text after it
+        is tokenized (behavior.md §5.3)."""
         store = self.kv_store
         data = self._text_bytes(tokens) if exact else prompt.encode("utf-8")
         entry = store.lookup(data, self.session.ctx)
-        if entry is None:
+        if entry is None or entry.header.tokens <= longer_than:
             return None
         hit = store.load(entry, data, self.model.config, self.session.ctx)
         if hit is None:
@@ -314,10 +352,17 @@ class Engine:
             self._checkpoint(SaveReason.CONTINUED)
 
     def _prefill(self, tokens: list[int], start: int, cold_target: int | None) -> Iterator[tuple[int, int]]:
-        """Prefills tokens[start:], yielding (done, total) after each chunk. With the disk cache on, chunks also
-        end at the cold checkpoint and at every continued frontier, which are saved there."""
+        """Prefills tokens[start:], yielding (done, total) after each chunk. The state at the start of the last
+        message and at every chunk boundary before the end is kept in memory (the end is kept by the caller,
+        once the logits are there). With the disk cache on, chunks also end at the cold checkpoint and at every
+        continued frontier, which are saved there."""
         total = len(tokens) - start
         stops = {len(tokens)}
+        last_message = self._last_message_start(tokens)
+        if last_message == start:
+            self.checkpoints.add(self.session.snapshot())
+        elif last_message > start:
+            stops.add(last_message)
         if self.kv_store is not None:
             stops.update(self.kv_store.options.frontiers_between(start, len(tokens)))
             if cold_target is not None:
@@ -326,8 +371,19 @@ class Engine:
         for stop in sorted(stops):
             for done, _ in self.session.prefill_steps(tokens[pos:stop]):
                 self._at_boundary(cold_target)
+                if len(self.session.tokens) < len(tokens):
+                    self.checkpoints.add(self.session.snapshot())
                 yield pos - start + done, total
             pos = stop
+
+    def _last_message_start(self, tokens: list[int]) -> int:
+        """Where the prompt's last user (or tool-result) turn begins: its `<｜User｜>` marker; -1 when it has none.
+        Agents retry by editing or appending to that turn, so the state before it is worth keeping."""
+        user = self.tokenizer.user_id
+        for i in range(len(tokens) - 1, -1, -1):
+            if tokens[i] == user:
+                return i
+        return -1
 
     def shutdown(self) -> None:
         """Checkpoints the live session to disk (reason shutdown) for the next process, when the disk cache is on
@@ -348,6 +404,7 @@ class Engine:
                 yield Done("error", ParsedMessage("", ""), Usage(len(tokens), cached, 0),
                            prefill_seconds=time.perf_counter() - t0, error="cancelled")
                 return
+        self.checkpoints.add(self.session.snapshot())  # the end of the prompt: resends and regenerations land here
         logits = self.session.logits
         t1 = time.perf_counter()
 
@@ -359,6 +416,7 @@ class Engine:
         limit = self.default_max_tokens if req.max_tokens is None else max(0, req.max_tokens)
         limit = min(limit, self.session.room)
         generated: list[int] = []
+        reasoning_tokens = 0
         text_parts: list[str] = []
         finish = "length"
         speculate = self._speculates(req.sampling)
@@ -382,6 +440,7 @@ class Engine:
                     finish = "stop"
                     break
                 generated.append(token)
+                reasoning_tokens += 0 if parser.reasoning_closed else 1
                 sampler.record(token)
                 piece = decoder.feed(token)
                 if greedy is not None:
@@ -426,7 +485,8 @@ class Engine:
         yield Done(
             finish_reason=finish,
             message=message,
-            usage=Usage(prompt_tokens=len(tokens), cached_tokens=cached, completion_tokens=len(generated)),
+            usage=Usage(prompt_tokens=len(tokens), cached_tokens=cached, completion_tokens=len(generated),
+                        reasoning_tokens=reasoning_tokens),
             prefill_seconds=t1 - t0,
             decode_seconds=t2 - t1,
             error=failure or ("cancelled" if finish == "error" and not message.error else message.error),

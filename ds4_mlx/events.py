@@ -88,6 +88,8 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0
+    """Of the completion tokens, those written while the reasoning was open (`</think>` included)."""
 
     @property
     def total_tokens(self) -> int:

@@ -7,11 +7,20 @@ for real over text the test chooses, which the tiny random model would never wri
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ds4_mlx.engine import Engine
 from ds4_mlx.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ScriptedSnapshot:
+    n_tokens: int
+
+    def arrays(self) -> list[mx.array]:
+        return []
 
 
 class ScriptedCache:
@@ -23,20 +32,22 @@ class ScriptedCache:
     def arrays(self) -> list[mx.array]:
         return []
 
-    def snapshot(self) -> int:
-        return self.n_tokens
+    def snapshot(self) -> ScriptedSnapshot:
+        return ScriptedSnapshot(self.n_tokens)
 
-    def restore(self, snap: int) -> None:
-        self.n_tokens = snap
+    def restore(self, snap: ScriptedSnapshot) -> None:
+        self.n_tokens = snap.n_tokens
 
 
 class ScriptedModel:
     """Makes the sampler pick `script[i]` at generation step i, whatever the sampling settings (one-hot logits).
 
-    Step i is the i-th call since the cache was made or `play` was called (the last entry repeats); a caller that
-    prefills in several chunks sets `step` back to 0 after every chunk but the last. Every token fed is recorded in
-    `fed`. `delay` seconds pass in every call, and call number `fail_at` (counted like the steps, from 0) raises
-    `failure`: a device failure during prefill or decode.
+    A call that feeds exactly the token the previous call scripted is a decode step and moves to the next entry
+    (the last entry repeats); any other call is prompt prefill and scripts entry 0, so a prompt may be prefilled
+    in any number of chunks. (A prompt restored whole from a checkpoint samples its first token from the logits
+    saved with it.) Every token fed is recorded in `fed`. `delay` seconds pass in every call, and call number
+    `fail_at` (counted from 0 since the cache was made or `play` was called) raises `failure`: a device failure
+    during prefill or decode.
     """
 
     def __init__(self, vocab: int, script: list[int]) -> None:
@@ -57,16 +68,23 @@ class ScriptedModel:
         self.step = self.calls = 0
         return ScriptedCache()
 
+    def _entry(self, step: int) -> int:
+        return self.script[min(step, len(self.script) - 1)]
+
+    def logits(self, step: int = 0) -> mx.array:
+        """The one-hot logits that make the sampler pick entry `step`."""
+        return mx.where(mx.arange(self.vocab) == self._entry(step), 100.0, -100.0)
+
     def __call__(self, tokens: mx.array, cache: ScriptedCache) -> mx.array:
         self.calls += 1
         if self.calls - 1 == self.fail_at:
             raise self.failure
         time.sleep(self.delay)
-        self.fed += tokens.tolist()
-        cache.n_tokens += tokens.size
-        nxt = self.script[min(self.step, len(self.script) - 1)]
-        self.step += 1
-        return mx.where(mx.arange(self.vocab) == nxt, 100.0, -100.0)
+        ids = tokens.tolist()
+        self.fed += ids
+        cache.n_tokens += len(ids)
+        self.step = self.step + 1 if ids == [self._entry(self.step)] else 0
+        return self.logits(self.step)
 
     def decode(self, token: int, cache: ScriptedCache) -> tuple[None, mx.array]:
         """One token, as Model.decode takes it (no streams: a scripted model has no MTP block)."""

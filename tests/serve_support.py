@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ds4_mlx.engine import Engine, GenerationRequest
-from ds4_mlx.events import Done, Event, PrefillProgress
+from ds4_mlx.events import Done, Event, PromptAccepted
 from ds4_mlx.model.factory import build_vocab
 from ds4_mlx.serve.app import HttpServer, ServerOptions, create_app
 from ds4_mlx.serve.worker import Worker
@@ -62,8 +62,8 @@ class ScriptedEngine(Engine):
             raise self.refusal
         self.model.play(self.tokenizer.encode(self.reply(req)) + [self.tokenizer.eos_id])
         for event in super().generate(req, cancel):
-            if isinstance(event, PrefillProgress) and event.done < event.total:
-                self.model.step = 0  # more prompt follows: the script starts after the last prefill chunk
+            if isinstance(event, PromptAccepted) and event.cached_tokens == event.prompt_tokens:
+                self.session.logits = self.model.logits()  # restored whole: the first choice is this reply's too
             elif isinstance(event, Done) and event.error == "cancelled":
                 self.cancelled += 1
             yield event

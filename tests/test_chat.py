@@ -310,10 +310,24 @@ def test_no_system_and_no_tools_gives_bos_then_user():
     assert render_chat([user("x")], think=HIGH, ctx=CTX).startswith(B + U + "x")
 
 
-def test_system_messages_anywhere_are_hoisted_in_order():
-    messages = [user("u1"), system("late"), assistant("a"), Message("developer", "dev"), user("u2")]
+def test_opening_system_messages_form_the_region_later_ones_stay_in_place():
+    """System turns after the conversation began are their bare text where they stand (DeepSeek's encoding of a
+    system message), so the turns before them keep their bytes: appending one keeps the prefix reusable."""
+    messages = [system("S"), user("u1"), system("late"), assistant("a"), Message("developer", "dev"), user("u2")]
     rendered = render_chat(messages, think=NONE, ctx=CTX)
-    assert rendered == B + "late\n\ndev" + U + "u1" + A + "</think>a" + E + U + "u2" + A + "</think>"
+    assert rendered == B + "S" + U + "u1late" + A + "</think>a" + E + "dev" + U + "u2" + A + "</think>"
+    before = render_chat(messages[:2], think=NONE, ctx=CTX)
+    assert rendered.startswith(before[: -len(A + "</think>")])
+    # a system turn appended last: the answer is still pending, its opener follows the system text
+    appended = render_chat([*messages[:2], system("env")], think=HIGH, ctx=CTX)
+    assert appended == B + "S" + U + "u1env" + A + "<think>"
+
+
+def test_system_turn_between_tool_results_and_reasoning_kept_in_tool_context():
+    messages = [user("go"), assistant("", "r", (call("{}", call_id="c1"),)), tool("out", "c1"), system("note"),
+                assistant("done", "r2")]
+    rendered = render_chat(messages, think=HIGH, ctx=CTX)
+    assert rendered.endswith(U + "<tool_result>out</tool_result>note" + A + "<think>r2</think>done" + E)
 
 
 def test_separator_only_after_non_empty_system_text():
@@ -671,10 +685,10 @@ def test_live_tail_non_thinking_and_user_text():
     )
 
 
-def test_live_tail_assistant_keeps_reasoning_and_skips_system():
-    tail = [tool("x"), system("ignored"), assistant("done", "r"), user("y")]
+def test_live_tail_assistant_keeps_reasoning_and_writes_system_in_place():
+    tail = [tool("x"), system("note"), assistant("done", "r"), user("y")]
     assert render_live_tail(tail, HIGH) == (
-        E + U + "<tool_result>x</tool_result>" + A + "<think>r</think>done" + E + U + "y" + A + "<think>"
+        E + U + "<tool_result>x</tool_result>note" + A + "<think>r</think>done" + E + U + "y" + A + "<think>"
     )
 
 

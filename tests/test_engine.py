@@ -152,7 +152,8 @@ def test_cancel_between_prefill_chunks(tokenizer):
 
 def test_a_decode_failure_ends_the_answer_with_finish_error(tokenizer):
     engine, model = scripted_engine(tokenizer, "one two three four five")
-    model.fail_at, model.failure = 3, RuntimeError("device lost")
+    # calls 0-1 prefill the prompt (split where its last user turn starts), 2-3 feed two answer tokens
+    model.fail_at, model.failure = 4, RuntimeError("device lost")
     _, done = run(engine, max_tokens=10)
     assert done.finish_reason == "error" and "device lost" in done.error
     assert done.usage.completion_tokens == 3

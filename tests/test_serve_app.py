@@ -4,6 +4,7 @@ queueing, cancellation, shutdown, tool memory and the trace. The official SDKs r
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -92,6 +93,20 @@ def test_models_and_health(client):
     missing = client.get("/v1/models/gpt-4")
     assert missing.status_code == 404 and "gpt-4" in missing.json()["error"]["message"]
     assert client.get("/health").json() == {"status": "ok", "model": MODEL, "ctx": 4096, "busy": False, "queued": 0}
+
+
+def test_models_answer_anthropic_clients_in_anthropics_shape(client):
+    """Claude Code and the anthropic SDK send `anthropic-version`; they read Anthropic's model list."""
+    headers = {"anthropic-version": "2023-06-01"}
+    models = client.get("/v1/models", headers=headers).json()
+    assert models == {"data": [{"type": "model", "id": m, "display_name": "DeepSeek V4 Flash",
+                                "created_at": "2026-01-01T00:00:00Z"} for m in (MODEL, "deepseek-chat",
+                                                                               "deepseek-reasoner")],
+                      "has_more": False, "first_id": MODEL, "last_id": "deepseek-reasoner"}
+    assert client.get(f"/v1/models/{MODEL}", headers=headers).json() == models["data"][0]
+    missing = client.get("/v1/models/claude-x", headers=headers)
+    assert missing.status_code == 404 and missing.json()["type"] == "error"
+    assert missing.json()["error"]["type"] == "not_found_error"
 
 
 @pytest.mark.parametrize(
@@ -206,7 +221,7 @@ def test_bad_requests_get_a_4xx_in_the_endpoint_shape(client, path, body, status
     [
         ("/v1/chat/completions", {"messages": []}),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
-        ("/v1/messages", {"messages": [{"role": "system", "content": "x"}]}),
+        ("/v1/messages", {"messages": [{"role": "developer", "content": "x"}]}),
         ("/v1/messages", {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": "x"}]}]}),
         ("/v1/chat/completions", {"messages": USER, "reasoning_effort": "banana"}),
     ],
@@ -230,6 +245,9 @@ def test_prompt_longer_than_the_context(client):
     assert r.json()["error"]["param"] == "prompt"
     r = client.post("/v1/messages", json={"messages": [{"role": "user", "content": long}], "stream": True})
     assert r.status_code == 400 and set(r.json()["error"]) == {"type", "message", "n_prompt_tokens", "n_ctx"}
+    error = r.json()["error"]  # Anthropic's wording, which Claude Code matches to compact its history
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == f"prompt is too long: {error['n_prompt_tokens']} tokens > 4095 maximum"
 
 
 def test_engine_errors_before_generation_get_a_status_code(client, engine):
@@ -292,7 +310,7 @@ def test_sse_bytes_on_the_wire_are_the_translator_frames(client, engine):
     expected = stream.start(events[0]) + [f for e in events[1:-1] for f in stream.event(e)] + stream.done(events[-1])
     assert r.text == "".join(expected)
 
-    engine.session.reset()
+    engine.reset()
     r = client.post("/v1/messages", json={"messages": USER, "tools": [{"name": "ls"}], "stream": True})
     message_id = json.loads(r.text.split("data: ", 1)[1].split("\n", 1)[0])["message"]["id"]
     call_ids = CallIds("toolu_")
@@ -310,8 +328,8 @@ def served(include_usage: bool = False) -> ChatRequest:
 
 
 def replay(engine: ScriptedEngine) -> list:
-    """The events the engine produces for its last request, starting with no live session, as the server's did."""
-    engine.session.reset()
+    """The events the engine produces for its last request, starting from nothing computed, as the server's did."""
+    engine.reset()
     return list(engine.generate(engine.requests[-1]))
 
 
@@ -359,7 +377,9 @@ def test_sse_headers_and_keepalive_comments_during_prefill(engine):
         r = c.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     assert r.headers["content-type"] == "text/event-stream" and r.headers["cache-control"] == "no-cache"
     frames = r.text.split("\n\n")
-    chunks = -(-engine.count_tokens(engine.requests[-1].prompt) // 2)
+    ids = engine.tokenizer.encode(engine.requests[-1].prompt)
+    user = ids.index(engine.tokenizer.user_id)  # the prefill also stops where the last user turn starts
+    chunks = -(-user // 2) + -(-(len(ids) - user) // 2)
     assert chunks >= 3
     assert json.loads(frames[0][6:])["choices"][0]["delta"] == {"role": "assistant"}
     assert frames[1 : 1 + chunks] == [": prefill"] * chunks and frames[1 + chunks].startswith("data: ")
@@ -441,6 +461,28 @@ def test_trace_file(tmp_path, engine):
                    "tool call 0 started: ls", "tool call 0 ended", "done finish=tool_calls",
                    "cache: cache miss, prefilled all", "--- sampled DSML", "error 400", "temperature must be"]:
         assert needle in text, needle
+    refused = text[text.index("error 400") :]  # the refused request's body is recorded, so it can be replayed
+    assert 'request: {"messages":[{"role":"user","content":"hi"}],"temperature":"x"}' in refused
+    stamps = re.findall(r"^=== (\S+) ", text, re.M)  # ISO 8601 with the year
+    assert stamps and all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", s) for s in stamps)
+
+
+def test_every_request_ends_with_one_summary_line(client, engine, caplog):
+    """Finished or refused, streamed or not: one line each, with the prompt, the cache split, the rates and
+    the finish reason."""
+    caplog.set_level(logging.INFO, logger="ds4_mlx.serve")
+    client.post("/v1/chat/completions", json={"messages": USER})
+    client.post("/v1/messages", json={"messages": USER, "stream": True})
+    client.post("/v1/chat/completions", json={"messages": USER, "n": 2})
+    lines = [r.getMessage() for r in caplog.records if r.name == "ds4_mlx.serve"]
+    assert len(lines) == 3
+    assert re.fullmatch(r"chatcmpl-\w+ chat prompt=\d+ cached=0 completion=\d+ reasoning=\d+ finish=stop "
+                        r"prefill \d+ tok [\d.]+s \(([\d.]+ t/s|-)\) decode \d+ tok [\d.]+s \(([\d.]+ t/s|-)\)",
+                        lines[0]), lines[0]
+    assert lines[1].startswith("msg_") and " messages prompt=" in lines[1] and "finish=stop" in lines[1]
+    assert re.search(r" cached=[1-9]", lines[1])  # the resend reused the first request's prompt
+    assert lines[2].endswith("chat refused: 400 invalid request: n must be 1: this server generates one choice "
+                             "per request")
 
 
 def test_count_tokens(client, engine):
@@ -511,7 +553,8 @@ def test_concurrent_clients_match_their_sequential_answers(engine):
     assert len({m["content"] for m in results}) == 16
 
 
-def test_streaming_client_disconnect_cancels_generation(engine):
+def test_streaming_client_disconnect_cancels_generation(engine, caplog):
+    caplog.set_level(logging.INFO, logger="ds4_mlx.serve")
     engine.reply = lambda req: "x" * 3000
     engine.model.delay = 0.01
     with live_server(engine) as live:
@@ -519,6 +562,8 @@ def test_streaming_client_disconnect_cancels_generation(engine):
             with c.stream("POST", "/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
                 next(r.iter_bytes())
         wait_until(lambda: engine.cancelled == 1, timeout=5)
+        summary = [r.getMessage() for r in caplog.records if "finish=" in r.getMessage()]
+        assert len(summary) == 1 and re.search(r" chat prompt=[1-9]\d* cached=0 finish=cancelled", summary[0])
         with httpx.Client(base_url=live.url, timeout=20) as c:
             engine.reply = lambda req: "ok</think>fine"
             assert c.post("/v1/chat/completions", json={"messages": USER}).json()["choices"][0]["message"][

@@ -100,7 +100,8 @@ def test_options():
         ({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, "forced tool_choice not supported"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type 'input_image' is not supported"),
-        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role must be one of"),
+        ({"input": [{"role": "tool", "content": "x"}]},
+         "Invalid value: 'tool'. Supported values are: 'user', 'assistant', 'system', and 'developer'."),
         ({"input": [{"role": "user", "content": "x", "status": "in_progress"}]}, "input[0].status must be"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "'web_search_call' is not a supported input item"),
         ({"input": "x", "reasoning": {"effort": "huge"}}, "unsupported reasoning effort"),
@@ -147,7 +148,7 @@ def ids(*values):
 
 
 DONE = Done("tool_calls", ParsedMessage("Plan.", "Running.", (ToolCall("mcp__p__search", '{"q": "x"}'),)),
-            Usage(120, 100, 60))
+            Usage(120, 100, 60, reasoning_tokens=25))
 
 
 def test_stream_event_sequence():
@@ -155,8 +156,9 @@ def test_stream_event_sequence():
                                       ids("call_" + "c" * 32))
     events = [ReasoningDelta("Pl"), ReasoningDelta("an."), TextDelta("Running."), ToolCallStart(0, "mcp__p__search")]
     frames = stream.start() + [f for e in events for f in stream.event(e)] + stream.done(DONE)
-    data = [json.loads(f[6:]) for f in frames]
-    assert all(f.startswith("data: {") and f.endswith("}\n\n") for f in frames)
+    data = [json.loads(f.split("\ndata: ", 1)[1]) for f in frames]
+    assert all(f == f"event: {d['type']}\ndata: " + f.split("\ndata: ", 1)[1] and f.endswith("}\n\n")
+               for f, d in zip(frames, data))
     assert [list(d)[:2] for d in data] == [["type", "sequence_number"]] * len(data)
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     assert [d["type"] for d in data] == [
@@ -170,8 +172,12 @@ def test_stream_event_sequence():
         "response.function_call_arguments.done", "response.output_item.done",
         "response.completed",
     ]
-    assert data[0]["response"] == {"id": "resp_1", "object": "response", "created_at": 7, "status": "in_progress",
-                                   "model": MODEL, "output": []}
+    assert data[0]["response"] == {  # a complete response object, in progress
+        "id": "resp_1", "object": "response", "created_at": 7, "status": "in_progress", "error": None,
+        "incomplete_details": None, "instructions": None, "max_output_tokens": None, "model": MODEL, "output": [],
+        "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+        "store": False, "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+        "top_p": 1.0, "truncation": "disabled", "metadata": {}, "usage": None}
     reasoning_id, message_id = data[1]["item"]["id"], data[5]["item"]["id"]
     assert reasoning_id.startswith("rs_") and message_id.startswith("msg_") and len(message_id) == 28
     assert data[7] == {"type": "response.output_text.delta", "sequence_number": 7, "item_id": message_id,
@@ -186,7 +192,7 @@ def test_stream_event_sequence():
     assert [item["id"] for item in final["output"]] == [reasoning_id, message_id, call["id"]]
     assert final["status"] == "completed" and final["usage"] == {
         "input_tokens": 120, "input_tokens_details": {"cached_tokens": 100, "cache_write_tokens": 20},
-        "output_tokens": 60, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 180}
+        "output_tokens": 60, "output_tokens_details": {"reasoning_tokens": 25}, "total_tokens": 180}
 
 
 def test_calls_of_the_hosted_tool_search_are_tool_search_call_items():
@@ -200,7 +206,7 @@ def test_calls_of_the_hosted_tool_search_are_tool_search_call_items():
                       "execution": "client", "arguments": {"query": "files"}}
     assert search["id"].startswith("fc_") and body["output"][1]["type"] == "function_call"
     stream = responses.ResponseStream("r", 1, request(tool_search=True), ids("call_s", "call_l"))
-    data = [json.loads(f[6:]) for f in stream.done(done)]
+    data = [json.loads(f.split("\ndata: ", 1)[1]) for f in stream.done(done)]
     assert [d["type"] for d in data] == [
         "response.output_item.added", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
@@ -223,7 +229,7 @@ def test_reasoning_without_summary_opt_in_is_not_sent():
 @pytest.mark.parametrize(
     "finish, status, terminal, extra",
     [
-        ("length", "incomplete", "response.incomplete", {"incomplete_details": {"reason": "max_tokens"}}),
+        ("length", "incomplete", "response.incomplete", {"incomplete_details": {"reason": "max_output_tokens"}}),
         ("error", "failed", "response.failed", {"error": {"code": "server_error", "message": "generation failed"}}),
     ],
 )
@@ -233,7 +239,7 @@ def test_unfinished_responses(finish, status, terminal, extra):
     assert body["status"] == status and all(body[k] == v for k, v in extra.items())
     assert body["output"][0]["status"] == "incomplete"
     stream = responses.ResponseStream("r", 1, request(), ids())
-    last = json.loads(stream.done(done)[-1][6:])
+    last = json.loads(stream.done(done)[-1].split("\ndata: ", 1)[1])
     assert last["type"] == terminal and last["response"]["status"] == status
 
 
@@ -242,5 +248,5 @@ def test_text_recovered_at_the_end_is_flushed():
     stream = responses.ResponseStream("r", 1, request(), ids())
     frames = stream.event(TextDelta("Hi ")) + stream.done(Done("stop", ParsedMessage("", "Hi <broken"),
                                                                Usage(1, 0, 1)))
-    deltas = [json.loads(f[6:])["delta"] for f in frames if '"response.output_text.delta"' in f]
+    deltas = [json.loads(f.split("\ndata: ", 1)[1])["delta"] for f in frames if '"response.output_text.delta"' in f]
     assert deltas == ["Hi ", "<broken"]

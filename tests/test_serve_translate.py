@@ -55,6 +55,40 @@ USER = [{"role": "user", "content": "hi"}]
 # OpenAI requests
 
 
+def test_openai_fields_sent_as_null_are_not_set():
+    """OpenAI's API takes null for an optional field; clients (and the SDKs' dict bodies) send them."""
+    nulls = {k: None for k in ("model", "temperature", "top_p", "seed", "stream", "max_tokens",
+                               "max_completion_tokens", "presence_penalty", "frequency_penalty", "stop",
+                               "stream_options", "n", "tools", "tool_choice", "reasoning_effort", "think")}
+    req = chat({"messages": USER, **nulls})
+    assert req.options == chat({"messages": USER}).options
+    assert req.options.model == MODEL and req.options.max_tokens is None and not req.options.stream
+    assert chat({"messages": USER, "n": 1}).options == req.options
+
+
+@pytest.mark.parametrize(
+    "tool, path",
+    [
+        ({"type": "function", "function": {"description": "x"}}, "tools[0].function.name"),
+        ({"type": "function", "name": "ls"}, "tools[0].function.name"),  # the Responses shape sent to chat
+        ({"description": "x", "input_schema": {}}, "tools[0].name"),  # Anthropic's shape
+    ],
+)
+def test_tool_errors_name_the_clients_field(tool, path):
+    with pytest.raises(ApiError) as e:
+        chat({"messages": USER, "tools": [tool]})
+    assert e.value.param == path and f"{path} must be a non-empty string" in e.value.message
+    with pytest.raises(ApiError) as e:
+        chat({"messages": [{"role": "user", "content": 5}]})
+    assert e.value.param == "messages[0].content"
+
+
+def test_n_other_than_one_is_refused_naming_n():
+    with pytest.raises(ApiError) as e:
+        chat({"messages": USER, "n": 3})
+    assert (e.value.status, e.value.param, e.value.code) == (400, "n", "invalid_value")
+
+
 def test_chat_messages_are_normalized():
     req = chat({"messages": [
         {"role": "system", "content": "S"},
@@ -198,18 +232,20 @@ def test_chat_options():
         ({"messages": []}, "at least one message"),
         ({"messages": "hi"}, "messages must be an array, got a string"),
         ({"messages": ["hi"]}, "messages[0] must be an object"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
+        ({"messages": [{"role": "robot", "content": "x"}]},
+         "Invalid value: 'robot'. Supported values are: 'system', 'developer', 'user', 'assistant', 'tool', "
+         "'function', and 'latest_reminder'."),
         ({"messages": [{"role": None, "content": "x"}]}, "messages[0].role must be a string, got null"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string"),
         ({"messages": [{"role": "user", "content": [5]}]}, "messages[0].content[0] must be a string or an object"),
         ({"messages": [{"role": "tool", "tool_call_id": None}]}, "messages[0].tool_call_id must be a string"),
         ({"messages": [{"role": "assistant", "tool_calls": {}}]}, "messages[0].tool_calls must be an array"),
-        ({"messages": USER, "temperature": None}, "temperature must be a number, got null"),
-        ({"messages": USER, "temperature": "1"}, "temperature must be a number, got a string"),
+        ({"messages": USER, "n": 2}, "n must be 1"),
+        ({"messages": USER, "temperature": "1"}, "temperature must be a number or null, got a string"),
         ({"messages": USER, "top_k": 1.5}, "top_k must be an integer"),
-        ({"messages": USER, "top_k": True}, "top_k must be an integer, got a boolean"),
+        ({"messages": USER, "top_k": True}, "top_k must be an integer or null, got a boolean"),
         ({"messages": USER, "stream": "yes"}, "stream must be a boolean"),
-        ({"messages": USER, "model": None}, "model must be a string"),
+        ({"messages": USER, "model": 5}, "model must be a string"),
         ({"messages": USER, "stop": [1]}, "stop must be a string or an array of strings"),
         ({"messages": USER, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"messages": USER, "reasoning_effort": "banana"}, "unsupported reasoning effort 'banana'"),
@@ -286,6 +322,26 @@ def test_anthropic_messages_are_normalized():
     assert "<｜User｜><tool_result>a.c\nb.c</tool_result>thanks<tool_result>" in prompt  # behavior.md §1.8
 
 
+def test_anthropic_system_turns_inside_messages_render_in_place():
+    """Claude Code 2.1 sends system turns inside `messages` (string or text blocks); the opening ones join the
+    system region, later ones stay where they are, so the prompt of the turns before them does not change."""
+    body = {"system": "Top.", "messages": [
+        {"role": "system", "content": "Env block."},
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Skills:"},
+                                       {"type": "text", "text": "x-anthropic-hidden"},
+                                       {"type": "text", "text": "none", "cache_control": {"type": "ephemeral"}}]},
+    ]}
+    req = messages(body)
+    assert req.messages == (Message("system", "Top."), Message("system", "Env block."), Message("user", "hi"),
+                            Message("system", "Skills:\nnone"))
+    prompt = render_chat(req.messages, think=ThinkMode.NONE, ctx=CTX)
+    assert prompt == BOS + "Top.\n\nEnv block.<｜User｜>hiSkills:\nnone<｜Assistant｜></think>"
+    without = render_chat(messages({**body, "messages": body["messages"][:2]}).messages, think=ThinkMode.NONE,
+                          ctx=CTX)
+    assert prompt.startswith(without.removesuffix("<｜Assistant｜></think>"))
+
+
 @pytest.mark.parametrize(
     "fields, mode",
     [
@@ -320,12 +376,15 @@ def test_anthropic_options_and_tools():
     [
         ({}, "missing messages"),
         ({"messages": []}, "at least one message"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role must be one of user, assistant"),
+        ({"messages": [{"role": "tool", "content": "x"}]},
+         "messages.0.role: Input should be 'user', 'assistant' or 'system'"),
+        ({"messages": [{"role": "system", "content": [{"type": "image"}]}]},
+         'messages[0].content[0].type must be "text" in system content'),
         ({"messages": [{"role": "user", "content": [{"type": 1}]}]}, "messages[0].content[0].type"),
         ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": [1]}]}]},
          "messages[0].content[0].input must be an object"),
         ({"messages": USER, "system": 5}, "system must be"),
-        ({"messages": USER, "stop_sequences": "x", "temperature": None}, "temperature must be a number"),
+        ({"messages": USER, "stop_sequences": "x", "temperature": "hot"}, "temperature must be a number"),
         ({"messages": USER, "output_config": {"effort": "huge"}}, "unsupported reasoning effort"),
         ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]}]},
          "Anthropic continuation state is not available for tool_use_id toolu_9; retry by replaying the full "
@@ -404,7 +463,8 @@ def test_chat_completion_body_is_the_captured_one():
         '"The user wants files.","tool_calls":[{"id":"call_9e32de3c21531eda6c5767a41ee09d5c","type":"function",'
         '"function":{"name":"bash","arguments":"{\\"command\\":\\"ls -la && echo \\\\\\"hi\\\\\\"\\",\\"timeout\\":'
         '{\\"a\\":[1,2]}}"}}]},"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":120,"completion_tokens":60,'
-        '"total_tokens":180,"prompt_tokens_details":{"cached_tokens":100,"cache_write_tokens":20}}}'
+        '"total_tokens":180,"prompt_tokens_details":{"cached_tokens":100,"cache_write_tokens":20},'
+        '"completion_tokens_details":{"reasoning_tokens":0}}}'
     )
 
 
@@ -445,7 +505,8 @@ def test_chat_stream_frames_are_the_captured_sequence():
         args('{ "a": [1, 2] }'), args("}"),
         chunk("{}", '"tool_calls"'),
         f'data: {head}"choices":[],"usage":{{"prompt_tokens":120,"completion_tokens":60,"total_tokens":180,'
-        '"prompt_tokens_details":{"cached_tokens":100,"cache_write_tokens":20}}}\n\n',
+        '"prompt_tokens_details":{"cached_tokens":100,"cache_write_tokens":20},'
+        '"completion_tokens_details":{"reasoning_tokens":0}}}\n\n',
         "data: [DONE]\n\n",
     ]
     streamed = "".join(json.loads(f[6:])["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]

@@ -43,7 +43,11 @@ def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
     """The disk KV cache flags (ds4's names and defaults); the tuning flags matter only with --kv-disk-dir."""
     from ..kvstore import KvCacheOptions as defaults
 
-    g = p.add_argument_group("disk KV cache")
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--kv-ram-budget", type=byte_size, metavar="SIZE",
+                   help="memory for in-memory session checkpoints (the end of each prompt, the start of its last "
+                        "message, prefill chunk boundaries), e.g. 16G or 512M; least recently used go first; 0 = "
+                        "none (default: half of what the device has left after the model and the live session)")
     g.add_argument("--kv-disk-dir", type=Path, metavar="DIR",
                    help="keep session checkpoints in DIR (created 0700) and reuse them across conversations and "
                         "restarts (default: off)")
@@ -66,6 +70,22 @@ def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-reject-different-quant", action="store_true",
                    help="load only checkpoints written by a model with the same routed-expert quantization "
                         "(default: 2-bit and 4-bit files share checkpoints)")
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: a number with an optional binary unit K, M, G or T (an optional trailing B or iB)."""
+    spelled = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = spelled[-1:] if spelled[-1:] in _UNITS else ""
+    try:
+        value = float(spelled[: len(spelled) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 16G, 512M or 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a size >= 0, got {text!r}")
+    return int(value * _UNITS[unit])
 
 
 def _mtp_draft(text: str) -> int:
@@ -157,6 +177,8 @@ def open_engine(args: argparse.Namespace, **opts):
         path = ensure_demo_model()
     if getattr(args, "kv_disk_dir", None) is not None:
         opts.setdefault("kv_cache", kv_cache_options(args))
+    if getattr(args, "kv_ram_budget", None) is not None:
+        opts.setdefault("kv_ram_budget", args.kv_ram_budget)
     if getattr(args, "mtp_draft", 1) > 1 and args.mtp is None:
         raise Ds4Error(f"--mtp-draft {args.mtp_draft} needs an MTP draft file: --mtp FILE")
     if getattr(args, "mtp", None) is not None:

@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise Ds4Error(f"--tokens must be >= 1, got {args.tokens}")
     kv_cache = kv_cache_options(args)  # validated before the model loads
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%m%d %H:%M:%S",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        datefmt="%Y-%m-%dT%H:%M:%S%z", stream=sys.stderr)  # ISO 8601
     worker = Worker(lambda: open_engine(args, default_max_tokens=args.tokens, kv_cache=kv_cache), args.max_queue)
     engine = worker.start()
     app = create_app(worker, ServerOptions(cors=args.cors, api_key=args.api_key or None, trace=args.trace))

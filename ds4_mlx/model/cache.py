@@ -77,6 +77,9 @@ class CacheSnapshot:
     n_tokens: int
     layers: tuple[LayerState, ...]
 
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer.arrays()]
+
 
 class SessionCache:
     """The state of one token stream for a context of `ctx` tokens."""

@@ -8,6 +8,7 @@ own `{"type":"error","error":{...}}` shape (ds4 answers OpenAI-shaped errors her
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ..chat import Message, ToolCallSpec, tool_result_block
@@ -43,7 +44,8 @@ from .common import (
 from .openai import active_tools
 from .rawjson import Body
 
-ROLES = ("user", "assistant")
+ROLES = ("user", "assistant", "system")
+"""Message roles: Anthropic's two, plus the system turns Claude Code sends inside `messages` (rendered in place)."""
 HIDDEN_SYSTEM_PREFIX = "x-anthropic-"
 """System parts that clients add for their own bookkeeping (Claude Code's billing header); ds4 drops them."""
 
@@ -58,6 +60,28 @@ _ERROR_TYPES = {
 }
 
 
+def context_overflow(n_prompt_tokens: int, n_ctx: int, param: str) -> ApiError:
+    """Anthropic's wording, which Claude Code reads to compact its history: the maximum is the longest prompt
+    that fits (one slot stays free for the answer, behavior.md §3.7)."""
+    return ApiError(f"prompt is too long: {n_prompt_tokens} tokens > {n_ctx - 1} maximum", param=param,
+                    extra={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx})
+
+
+MODELS_CREATED_AT = "2026-01-01T00:00:00Z"
+"""The release date every model entry reports (the OpenAI entries' `created`, as RFC 3339)."""
+
+
+def model_json(model_id: str) -> dict[str, Any]:
+    """One model as Anthropic's `/v1/models` describes it."""
+    return {"type": "model", "id": model_id, "display_name": "DeepSeek V4 Flash", "created_at": MODELS_CREATED_AT}
+
+
+def models_json(model_ids: Sequence[str]) -> dict[str, Any]:
+    """Anthropic's model list: one page holding every model."""
+    return {"data": [model_json(m) for m in model_ids], "has_more": False, "first_id": model_ids[0],
+            "last_id": model_ids[-1]}
+
+
 def error_json(error: ApiError) -> dict[str, Any]:
     kind = "api_error" if error.status >= 500 else _ERROR_TYPES.get(error.status, "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": error.message, **error.extra}}
@@ -67,12 +91,18 @@ def stream_error(message: str) -> str:
     return sse({"type": "error", "error": {"type": "api_error", "message": message}}, event="error")
 
 
-def _system(value: Any) -> str:
-    """`system`: a string, or text parts joined by newlines without the client's `x-anthropic-` parts."""
+def _system(value: Any, path: str = "system") -> str:
+    """System text (the `system` field, or a system turn's content): a string, or text parts joined by newlines
+    without the client's `x-anthropic-` parts."""
     if isinstance(value, list):
-        parts = [text_of([part], f"system[{i}]") for i, part in enumerate(value)]
+        parts = []
+        for i, part in enumerate(value):
+            if isinstance(part, dict) and Fields(part, f"{path}[{i}]").string("type", "text") != "text":
+                raise ApiError(f"invalid request: {path}[{i}].type must be \"text\" in system content",
+                               param=f"{path}[{i}].type")
+            parts.append(text_of([part], f"{path}[{i}]"))
         return "\n".join(p for p in parts if not p.startswith(HIDDEN_SYSTEM_PREFIX))
-    return text_of(value, "system")
+    return text_of(value, path)
 
 
 def _message(value: Any, path: str, call_ids: set[str]) -> Message:
@@ -83,9 +113,12 @@ def _message(value: Any, path: str, call_ids: set[str]) -> Message:
     must answer one of them, since there is no continuation state to take a call from (behavior.md §3.7)."""
     f = Fields(value, path)
     role = f.string("role", "user")
-    if role not in ROLES:
-        raise ApiError(f"invalid request: {f.where('role')} must be one of {', '.join(ROLES)}; got {role!r}")
+    if role not in ROLES:  # Anthropic's (pydantic's) wording, with its dotted path
+        raise ApiError(f"{path.replace('[', '.').replace(']', '')}.role: Input should be 'user', 'assistant' or "
+                       f"'system'", param=f.where("role"))
     content = f.raw("content")
+    if role == "system":
+        return Message(role=role, content=_system(content, f.where("content")))
     if not isinstance(content, list):
         return Message(role=role, content=text_of(content, f.where("content")))
     text: list[str] = []
@@ -122,7 +155,7 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     if system:
         messages.insert(0, Message(role="system", content=system))
 
-    model = f.string("model", default_model)
+    model = f.string("model", default_model, nullable=True)
     output_config = f.object("output_config", nullable=True)
     effort = f.raw("reasoning_effort")
     if effort is None and output_config is not None:
@@ -134,7 +167,7 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
         sampling=sampling_params(f, think, ("temperature", "top_p", "top_k")),
         stop=stop_strings(f, "stop_sequences"),
         max_tokens=max_tokens(f, "max_tokens"),
-        stream=f.boolean("stream", False),
+        stream=f.boolean("stream", False, nullable=True),
     )
     tool_choice = f.object("tool_choice", nullable=True)
     enabled = tool_choice is None or tool_choice.raw("type") != "none"

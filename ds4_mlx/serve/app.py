@@ -88,6 +88,8 @@ class Api:
     stream: Callable[[str, int, Any, CallIds], Any]
     error_json: Callable[[ApiError], dict[str, Any]] = openai.error_json
     stream_error: Callable[[str], str] = openai.stream_error
+    overflow: Callable[[int, int, str], ApiError] = context_overflow
+    """The error for a prompt that does not fit, in the words the API's clients act on."""
     split_reasoning: bool = True
     """False for legacy completions, which return the raw text with reasoning and `</think>` in it."""
 
@@ -96,7 +98,8 @@ CHAT = Api("chat", "chatcmpl-", "call_", "messages", openai.parse_chat, openai.c
 COMPLETIONS = Api("completions", "cmpl-", "call_", "prompt", openai.parse_completion, openai.completion,
                   openai.CompletionStream, split_reasoning=False)
 MESSAGES = Api("messages", "msg_", "toolu_", "messages", anthropic.parse_messages, anthropic.message,
-               anthropic.MessageStream, anthropic.error_json, anthropic.stream_error)
+               anthropic.MessageStream, anthropic.error_json, anthropic.stream_error,
+               overflow=anthropic.context_overflow)
 RESPONSES = Api("responses", "resp_", "call_", "input", responses.parse_responses, responses.response,
                 responses.ResponseStream)
 
@@ -159,33 +162,39 @@ class Server:
         offered = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         return secrets.compare_digest(offered.encode(), key.encode())
 
-    def _failed(self, exc: Exception, api: Api, rid: str) -> ApiError:
-        """The error a failed request reports: the client's mistake as it is, anything else as a 500 that names
-        the request id (logged with its traceback). Traced either way."""
+    def _failed(self, exc: Exception, api: Api, rid: str, body: bytes | None = None) -> ApiError:
+        """The error a failed request reports: the client's mistake as it is (one log line), anything else as a
+        500 that names the request id (logged with its traceback). Traced either way, with the request `body`
+        when it was read and not traced yet, so that a refused request can be replayed."""
         if isinstance(exc, ContextOverflow):
-            error = context_overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
+            error = api.overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
         elif isinstance(exc, RequestError):
             error = exc if isinstance(exc, ApiError) else ApiError(str(exc))
         else:
-            log.error("request %s failed", rid, exc_info=exc)
+            log.error("%s %s failed", rid, api.name, exc_info=exc)
             error = ApiError(f"internal server error (request id {rid})", 500)
+        if error.status < 500:
+            log.info("%s %s refused: %d %s", rid, api.name, error.status, error.message)
         if self.trace:
-            self.trace.error(rid, error.status, error.message)
+            text = None if body is None else body.decode("utf-8", "replace")
+            self.trace.error(rid, error.status, error.message, text)
         return error
 
-    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]]):
-        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies."""
+    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]], shared: bool = False):
+        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies. A `shared`
+        endpoint (the model list, which both APIs have) answers Anthropic's clients in Anthropic's error shape."""
 
         async def run(request: Request) -> Response:
             rid = new_id(api.id_prefix, 12)
+            errors = MESSAGES if shared and _anthropic_client(request) else api
             try:
                 if not self._authorized(request):
                     raise ApiError("invalid API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'", 401)
                 response = await handler(request, rid)
             except Exception as exc:
-                error = self._failed(exc, api, rid)
+                error = self._failed(exc, api, rid, getattr(request.state, "body", None))
                 headers = {"retry-after": "1"} if error.status == 429 else None
-                response = json_response(api.error_json(error), error.status, headers)
+                response = json_response(errors.error_json(error), error.status, headers)
             response.headers["x-request-id"] = rid
             return response
 
@@ -204,7 +213,8 @@ class Server:
                 chunks.append(chunk)
         except ClientDisconnect:  # nobody is left to answer; not a fault of the server
             raise ApiError("the client disconnected while sending the request", 499) from None
-        return b"".join(chunks)
+        request.state.body = b"".join(chunks)  # for the trace, should the request be refused
+        return request.state.body
 
     def _render(self, request: ChatRequest | CompletionRequest) -> str:
         think = request.options.think
@@ -255,11 +265,15 @@ class Server:
             watcher.cancel()
 
     def _finished(self, rid: str, api: Api, done: Done, calls: list[str]) -> None:
+        """The request's summary line, and its trace record."""
         usage = done.usage
         log.info(
-            "%s %s prompt=%d cached=%d completion=%d finish=%s%s prefill=%.2fs decode=%.2fs",
-            rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, done.finish_reason,
-            f" ({done.error})" if done.error else "", done.prefill_seconds, done.decode_seconds,
+            "%s %s prompt=%d cached=%d completion=%d reasoning=%d finish=%s%s prefill %d tok %.2fs (%s) "
+            "decode %d tok %.2fs (%s)",
+            rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, usage.reasoning_tokens,
+            done.finish_reason, f" ({done.error})" if done.error else "", usage.cache_write_tokens,
+            done.prefill_seconds, _rate(usage.cache_write_tokens, done.prefill_seconds), usage.completion_tokens,
+            done.decode_seconds, _rate(usage.completion_tokens, done.decode_seconds),
         )
         if self.trace:
             self.trace.done(rid, done, calls)
@@ -272,7 +286,7 @@ class Server:
             data = await self._read(request)
             norm, prompt, n_prompt = await run_in_threadpool(self._prepare, data, api)
             if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt (§3.7)
-                raise context_overflow(n_prompt, self.engine.ctx, api.param)
+                raise api.overflow(n_prompt, self.engine.ctx, api.param)
             options = norm.options
             tools = norm.tools if isinstance(norm, ChatRequest) else ()
             job = Job(
@@ -286,6 +300,7 @@ class Server:
                           "stream": options.stream, "max_tokens": options.max_tokens,
                           "sampling": options.sampling, "stop": list(options.stop)}
                 self.trace.request(rid, request.url.path, data.decode("utf-8"), params, prompt, n_prompt)
+                request.state.body = None  # traced: an error record need not repeat it
             self.worker.submit(job)
             ids = CallIds(api.call_prefix)
             created = int(time.time())
@@ -324,6 +339,7 @@ class Server:
 
         async def frames() -> AsyncIterator[str]:
             last_write = time.monotonic()
+            ended = False  # a summary line (or an error line) was logged
             try:
                 yield "".join(stream.start(accepted))
                 async for event in _chained(head, events):
@@ -334,6 +350,7 @@ class Server:
                     elif isinstance(event, Done):
                         calls = self._remember(ids, event)
                         self._finished(rid, api, event, calls)
+                        ended = True
                         out = stream.done(event)
                     else:
                         out = stream.event(event)
@@ -341,9 +358,13 @@ class Server:
                         yield "".join(out)
                         last_write = time.monotonic()
             except Exception as exc:
+                ended = True
                 yield api.stream_error(self._failed(exc, api, rid).message)
             finally:
                 job.cancel()
+                if not ended:  # the client went away before the answer ended
+                    log.info("%s %s prompt=%d cached=%d finish=cancelled (the client disconnected)", rid, api.name,
+                             accepted.prompt_tokens if accepted else 0, accepted.cached_tokens if accepted else 0)
 
         return StreamingResponse(frames(), headers=SSE_HEADERS)
 
@@ -362,12 +383,16 @@ class Server:
         return openai.model_json(model_id, self.engine.ctx, self.engine.default_max_tokens)
 
     async def models(self, request: Request, rid: str) -> Response:
+        if _anthropic_client(request):
+            return json_response(anthropic.models_json(self._model_ids()))
         return json_response({"object": "list", "data": [self._model(m) for m in self._model_ids()]})
 
     async def model(self, request: Request, rid: str) -> Response:
         model_id = request.path_params["model_id"]
         if model_id not in self._model_ids():
             raise ApiError(f"model {model_id!r} not found; this server serves {', '.join(self._model_ids())}", 404)
+        if _anthropic_client(request):
+            return json_response(anthropic.model_json(model_id))
         return json_response(self._model(model_id))
 
     async def health(self, request: Request) -> Response:
@@ -384,6 +409,15 @@ class Server:
             self.trace.close()
 
 
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.1f} t/s" if tokens and seconds > 0 else "-"
+
+
+def _anthropic_client(request: Request) -> bool:
+    """Anthropic's SDKs and Claude Code send `anthropic-version` with every request."""
+    return "anthropic-version" in request.headers
+
+
 def _get(path: str, endpoint: Callable[[Request], Awaitable[Response]]) -> Route:
     """A GET route. Starlette adds HEAD to every GET route; ds4 answers HEAD 404 like any unknown endpoint (§3.2)."""
     route = Route(path, endpoint, methods=["GET"])
@@ -396,8 +430,8 @@ def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Star
     server = Server(worker, options)
     routes = [
         _get("/health", server.health),
-        _get("/v1/models", server.endpoint(CHAT, server.models)),
-        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model)),
+        _get("/v1/models", server.endpoint(CHAT, server.models, shared=True)),
+        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model, shared=True)),
         Route("/v1/chat/completions", server.generation(CHAT), methods=["POST"]),
         Route("/v1/completions", server.generation(COMPLETIONS), methods=["POST"]),
         Route("/v1/messages", server.generation(MESSAGES), methods=["POST"]),

@@ -53,6 +53,14 @@ def context_overflow(n_prompt_tokens: int, n_ctx: int, param: str) -> ApiError:
     )
 
 
+def invalid_value(path: str, value: Any, supported: tuple[str, ...]) -> ApiError:
+    """OpenAI's wording for a value outside an enumeration, with the client's field as `param`."""
+    listed = [f"'{v}'" for v in supported]
+    choices = ", ".join(listed[:-1]) + f", and {listed[-1]}" if len(listed) > 2 else " and ".join(listed)
+    return ApiError(f"Invalid value: {abbreviated(value)!r}. Supported values are: {choices}.", param=path,
+                    code="invalid_value")
+
+
 _KINDS: dict[type | tuple[type, ...], str] = {
     str: "a string",
     bool: "a boolean",
@@ -82,7 +90,8 @@ class Fields:
 
     def __init__(self, value: Any, path: str = "") -> None:
         if not isinstance(value, dict):
-            raise ApiError(f"invalid request: {path or 'the body'} must be an object, got {_kind_of(value)}")
+            raise ApiError(f"invalid request: {path or 'the body'} must be an object, got {_kind_of(value)}",
+                           param=path or None)
         self.value = value
         self.path = path
 
@@ -99,7 +108,8 @@ class Fields:
         if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in _as_tuple(kinds)):
             return value
         expected = (expected or _KINDS[kinds]) + (" or null" if nullable else "")
-        raise ApiError(f"invalid request: {self.where(key)} must be {expected}, got {_kind_of(value)}")
+        raise ApiError(f"invalid request: {self.where(key)} must be {expected}, got {_kind_of(value)}",
+                       param=self.where(key))
 
     def string(self, key: str, default: str | None = None, *, nullable: bool = False) -> str | None:
         return self._get(key, str, default, nullable)
@@ -117,7 +127,8 @@ class Fields:
         except OverflowError:
             number = math.inf
         if not math.isfinite(number):
-            raise ApiError(f"invalid request: {self.where(key)} must be a finite number (at most about 1.8e308)")
+            raise ApiError(f"invalid request: {self.where(key)} must be a finite number (at most about 1.8e308)",
+                           param=self.where(key))
         return number
 
     def integer(self, key: str, default: int | None = None, *, nullable: bool = False) -> int | None:
@@ -126,7 +137,8 @@ class Fields:
             return default
         if isinstance(value, float):
             if not value.is_integer():
-                raise ApiError(f"invalid request: {self.where(key)} must be an integer, got {value}")
+                raise ApiError(f"invalid request: {self.where(key)} must be an integer, got {value}",
+                               param=self.where(key))
             value = int(value)
         return value
 
@@ -159,7 +171,8 @@ def text_of(value: Any, path: str, *, separator: str = "") -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ApiError(f"invalid request: {path} must be a string, an array of parts or null, got {_kind_of(value)}")
+        raise ApiError(f"invalid request: {path} must be a string, an array of parts or null, got {_kind_of(value)}",
+                       param=path)
     parts = []
     for i, part in enumerate(value):
         if isinstance(part, str):
@@ -169,7 +182,8 @@ def text_of(value: Any, path: str, *, separator: str = "") -> str:
             if text is not None:
                 parts.append(text)
         else:
-            raise ApiError(f"invalid request: {path}[{i}] must be a string or an object, got {_kind_of(part)}")
+            raise ApiError(f"invalid request: {path}[{i}] must be a string or an object, got {_kind_of(part)}",
+                           param=f"{path}[{i}]")
     return separator.join(parts)
 
 
@@ -206,11 +220,12 @@ def sampling_params(fields: Fields, think: ThinkMode, names: tuple[str, ...] = S
     """Sampling from the request's knobs; in thinking mode every knob except `seed` is ignored (§3.5).
 
     The knobs are still type-checked in thinking mode, so a malformed request fails the same way in both modes.
-    A seed of 0 or less means "random", as in ds4.
+    A knob sent as null is not set, as OpenAI's API takes it. A seed of 0 or less means "random", as in ds4.
     """
     knobs: dict[str, Any] = {}
     for name in names:
-        value = fields.integer(name) if name in ("top_k", "seed") else fields.number(name)
+        read = fields.integer if name in ("top_k", "seed") else fields.number
+        value = read(name, nullable=True)
         if value is not None:
             knobs[name] = value
     seed = knobs.pop("seed", None)
@@ -251,9 +266,9 @@ def stop_strings(fields: Fields, key: str) -> tuple[str, ...]:
 
 
 def max_tokens(fields: Fields, *keys: str) -> int | None:
-    """The first of `keys` present: an integer, where a negative limit means 0 as in ds4 (§3.5)."""
+    """The first of `keys` present and not null: an integer, where a negative limit means 0 as in ds4 (§3.5)."""
     for key in keys:
-        value = fields.integer(key)
+        value = fields.integer(key, nullable=True)
         if value is not None:
             return max(0, value)
     return None

@@ -27,6 +27,7 @@ from .common import (
     Fields,
     Options,
     compact_arguments,
+    invalid_value,
     max_tokens,
     message_list,
     sampling_params,
@@ -64,8 +65,12 @@ def stream_error(message: str) -> str:
 
 
 def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop") -> Options:
-    model = f.string("model", default_model)
-    thinking = f.boolean("think")
+    """What a chat or legacy completion asks for besides the prompt; fields sent as null are not set."""
+    if f.integer("n", 1, nullable=True) != 1:
+        raise ApiError("invalid request: n must be 1: this server generates one choice per request", param="n",
+                       code="invalid_value")
+    model = f.string("model", default_model, nullable=True)
+    thinking = f.boolean("think", nullable=True)
     if thinking is None:
         thinking = thinking_flag(f.raw("thinking"), f.where("thinking"))
     think = think_mode(model, ctx, effort=f.raw("reasoning_effort"), thinking=thinking)
@@ -76,7 +81,7 @@ def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop")
         sampling=sampling_params(f, think),
         stop=stop_strings(f, stop_key),
         max_tokens=max_tokens(f, "max_completion_tokens", "max_tokens"),
-        stream=f.boolean("stream", False),
+        stream=f.boolean("stream", False, nullable=True),
         include_usage=bool(stream_options and stream_options.boolean("include_usage", False, nullable=True)),
     )
 
@@ -91,9 +96,14 @@ def active_tools(f: Fields, tool_texts: tuple[str, ...], *, enabled: bool) -> tu
         return ()
     for i, tool in enumerate(tools):
         tool_fields = Fields(tool, f"tools[{i}]")
-        function = tool_fields.object("function") if "function" in tool_fields else tool_fields
-        if not function.string("name"):
-            raise ApiError(f"invalid request: {function.where('name')} must be a non-empty string")
+        if "function" in tool_fields or tool_fields.raw("type") == "function":  # OpenAI's shape, else Anthropic's
+            function = tool_fields.object("function")
+            where = tool_fields.where("function.name")
+            name = function.string("name") if function is not None else None
+        else:
+            where, name = tool_fields.where("name"), tool_fields.string("name")
+        if not name:
+            raise ApiError(f"invalid request: {where} must be a non-empty string", param=where)
     return tool_texts
 
 
@@ -114,7 +124,7 @@ def _message(value: Any, path: str) -> Message:
     f = Fields(value, path)
     role = f.string("role", "user")
     if role not in CHAT_ROLES:
-        raise ApiError(f"invalid request: {f.where('role')} must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        raise invalid_value(f.where("role"), role, CHAT_ROLES)
     calls = f.array("tool_calls", nullable=True) or []
     parsed = (_tool_call(c, f"{f.where('tool_calls')}[{i}]") for i, c in enumerate(calls))
     return Message(
@@ -153,12 +163,13 @@ def parse_completion(body: Body, *, ctx: int, default_model: str) -> CompletionR
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    """OpenAI usage with ds4's `cache_write_tokens` extension (behavior.md §3.11)."""
+    """OpenAI usage with ds4's `cache_write_tokens` extension (behavior.md §3.11) and the reasoning token count."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.cache_write_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 

@@ -24,6 +24,7 @@ from .common import (
     Options,
     compact_arguments,
     dumps,
+    invalid_value,
     max_tokens,
     new_id,
     sampling_params,
@@ -50,6 +51,8 @@ class ResponsesRequest(ChatRequest):
     summary: bool = False
     namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     tool_search: bool = False
+    echo: dict[str, Any] = field(default_factory=lambda: _echo(Fields({}), None, None, None))
+    """The request's settings as a response object reports them (instructions, tools, reasoning, ...)."""
 
 
 @dataclass
@@ -139,7 +142,7 @@ def _item(history: _History, value: Any, path: str) -> None:
     if kind == "message":
         role = it.string("role", "user")
         if role not in ROLES:
-            raise ApiError(f"invalid request: {it.where('role')} must be one of {', '.join(ROLES)}; got {role!r}")
+            raise invalid_value(it.where("role"), role, ROLES)
         history.add(Message(role, _text(it.raw("content"), it.where("content"))))
     elif kind in ("function_call", "custom_tool_call", "local_shell_call", "tool_search_call"):
         call_id = it.string("call_id") or it.string("id", "")
@@ -197,7 +200,7 @@ def parse_responses(body: Body, *, ctx: int, default_model: str) -> ResponsesReq
         for loaded, path in history.loaded_tools:  # not in the body's tools array: shown as compact JSON
             tools.add(loaded, [dumps(tool) for tool in loaded], path)
 
-    model = f.string("model", default_model)
+    model = f.string("model", default_model, nullable=True)
     reasoning = f.object("reasoning", nullable=True)
     effort = reasoning.raw("effort") if reasoning else None
     # an explicit effort overrides the model alias, as `thinking` does on the other endpoints
@@ -208,11 +211,36 @@ def parse_responses(body: Body, *, ctx: int, default_model: str) -> ResponsesReq
         think=think,
         sampling=sampling_params(f, think, ("temperature", "top_p")),
         max_tokens=max_tokens(f, "max_output_tokens", "max_tokens"),
-        stream=f.boolean("stream", False),
+        stream=f.boolean("stream", False, nullable=True),
     )
     return ResponsesRequest(options=options, messages=tuple(messages), tools=tuple(tools.lines),
                             summary=summary in SUMMARY_OPT_IN, namespaces=tools.namespaces,
-                            tool_search=tools.tool_search)
+                            tool_search=tools.tool_search, echo=_echo(f, instructions, effort, summary))
+
+
+def _echo(f: Fields, instructions: str | None, effort: Any, summary: str | None) -> dict[str, Any]:
+    """The settings every response object carries, with OpenAI's defaults for those not sent (or sent as null);
+    nothing is stored (`store` false)."""
+
+    def given(key: str, default: Any) -> Any:
+        value = f.raw(key)
+        return default if value is None else value
+
+    return {
+        "instructions": instructions,
+        "max_output_tokens": f.raw("max_output_tokens"),
+        "parallel_tool_calls": given("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": {"effort": effort, "summary": summary},
+        "store": False,
+        "temperature": given("temperature", 1.0),
+        "text": given("text", {"format": {"type": "text"}}),
+        "tool_choice": given("tool_choice", "auto"),
+        "tools": given("tools", []),
+        "top_p": given("top_p", 1.0),
+        "truncation": given("truncation", "disabled"),
+        "metadata": given("metadata", {}),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -226,7 +254,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.cache_write_tokens},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.total_tokens,
     }
 
@@ -281,15 +309,20 @@ class _Output:
         return out
 
     def response(self, rid: str, created: int, done: Done | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": rid, "object": "response", "created_at": created,
-                                "status": "in_progress" if done is None else STATUS.get(done.finish_reason,
-                                                                                          "completed"),
-                                "model": self.request.options.model, "output": []}
+        """The whole response object: in progress (no output, no usage yet) until `done`."""
+        status = "in_progress" if done is None else STATUS.get(done.finish_reason, "completed")
+        echo = self.request.echo
+        body: dict[str, Any] = {"id": rid, "object": "response", "created_at": created, "status": status,
+                                "error": None, "incomplete_details": None, "instructions": echo.get("instructions"),
+                                "max_output_tokens": echo.get("max_output_tokens"),
+                                "model": self.request.options.model, "output": [],
+                                **{k: v for k, v in echo.items() if k not in ("instructions", "max_output_tokens")},
+                                "usage": None}
         if done is None:
             return body
         body["output"] = self.items(done)
         if done.finish_reason == "length":
-            body["incomplete_details"] = {"reason": "max_tokens"}
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
         elif done.finish_reason == "error":
             body["error"] = {"code": "server_error", "message": "generation failed"}
         body["usage"] = usage_json(done.usage)
@@ -303,7 +336,8 @@ def response(rid: str, created: int, request: ResponsesRequest, done: Done, ids:
 
 
 class ResponseStream:
-    """Events → Responses SSE events, each with a `sequence_number` right after its `type` (behavior.md §3.10).
+    """Events → Responses SSE events, each with an `event:` line naming its type and a `sequence_number` right
+    after its `type` (behavior.md §3.10), as OpenAI sends them.
 
     Reasoning is streamed only when a summary was asked for; tool-call arguments are sent whole at the end.
     """
@@ -321,7 +355,7 @@ class ResponseStream:
         self.text = ""
 
     def _event(self, kind: str, **data: Any) -> str:
-        frame = sse({"type": kind, "sequence_number": self.sequence, **data})
+        frame = sse({"type": kind, "sequence_number": self.sequence, **data}, event=kind)
         self.sequence += 1
         return frame
 

@@ -23,7 +23,7 @@ class Trace:
         self._lock = threading.Lock()
 
     def _write(self, request_id: str, title: str, *sections: tuple[str, Any]) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # ISO 8601
         lines = [f"=== {stamp} {request_id} {title}"]
         for name, value in sections:
             text = str(value)
@@ -69,8 +69,9 @@ class Trace:
             *([("tool calls", "\n".join(calls)), ("sampled DSML", message.raw_dsml)] if calls else []),
         )
 
-    def error(self, request_id: str, status: int, message: str) -> None:
-        self._write(request_id, f"error {status}", ("message", message))
+    def error(self, request_id: str, status: int, message: str, body: str | None = None) -> None:
+        """A refused or failed request; `body` is the request as sent when it was not traced before."""
+        self._write(request_id, f"error {status}", ("message", message), *([("request", body)] if body else []))
 
     def close(self) -> None:
         with self._lock:
