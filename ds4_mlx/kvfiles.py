@@ -17,6 +17,7 @@ copies, not against an attacker, which the directory checks are for.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -52,7 +53,7 @@ def open_regular(path: Path, writable: bool = False) -> BinaryIO:
     try:
         fd = os.open(path, flags)
     except OSError as e:
-        if e.errno == getattr(os, "ELOOP", -1):
+        if e.errno == errno.ELOOP:
             raise CacheFileError(f"{path} is a symlink; only regular files are read") from None
         raise
     try:

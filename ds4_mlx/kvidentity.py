@@ -96,10 +96,8 @@ def _feed_value(h: Any, key: str, value: Any) -> None:
     h.update(key.encode() + b"\0")
     if isinstance(value, np.ndarray):
         h.update(f"{value.dtype.str}{value.shape}".encode() + value.tobytes())
-    elif isinstance(value, (list, tuple)):
-        h.update(b"[%d]" % len(value))
-        for item in value:
-            h.update((item.encode("utf-8", "surrogatepass") if isinstance(item, str) else repr(item).encode()) + b"\0")
+    elif isinstance(value, (list, tuple)):  # the tokenizer's strings: one update, not 129280
+        h.update(b"[%d]" % len(value) + "\0".join(map(str, value)).encode("utf-8", "surrogatepass"))
     elif isinstance(value, Mapping):
         h.update(repr(sorted(value.items())).encode())
     else:
