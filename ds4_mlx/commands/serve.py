@@ -49,16 +49,21 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     worker = Worker(lambda: open_engine(args, default_max_tokens=args.tokens, kv_cache=kv_cache), args.max_queue)
     engine = worker.start()
-    if not args.api_key and not _loopback(args.host):
-        logging.getLogger("ds4_mlx.serve").warning(
-            "listening on %s without an API key: anyone who can reach this address can use the model; set "
-            "--api-key (or DS4_API_KEY), or listen on 127.0.0.1", args.host)
+    warn_if_exposed(args.host, args.api_key)
     app = create_app(worker, ServerOptions(cors=args.cors, api_key=args.api_key or None, trace=args.trace,
                                            bind_host=args.host, allowed_hosts=tuple(args.allow_host)))
     server = HttpServer(app, worker, host=args.host, port=args.port)
     logging.getLogger("ds4_mlx.serve").info("model %s loaded, ctx %d", engine.model_name, engine.ctx)
     server.run()
     return 0
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    """One warning when the server listens beyond this machine with no API key."""
+    if not api_key and not _loopback(host):
+        logging.getLogger("ds4_mlx.serve").warning(
+            "listening on %s without an API key: anyone who can reach this address can use the model; set "
+            "--api-key (or DS4_API_KEY), or listen on 127.0.0.1", host)
 
 
 def _loopback(host: str) -> bool:
