@@ -356,6 +356,8 @@ class KvStore:
         self._clock = clock
         self._set_aside: dict[str, tuple[int, int, int]] = {}
         """Files logged once as unusable, by name, with the (inode, size, mtime) they had: skipped while unchanged."""
+        self._foreign: set[str] = set()
+        """Checkpoints of other models already logged (they stay listed: they count against the budget)."""
         check_directory(self.directory)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -393,7 +395,7 @@ class KvStore:
                 st = d.stat(follow_symlinks=False)
             except OSError:
                 continue
-            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            stamp = _stamp(st)
             if self._set_aside.get(d.name) == stamp:
                 continue
             if not stat.S_ISREG(st.st_mode):
@@ -410,6 +412,12 @@ class KvStore:
     def _set_aside_file(self, name: str, stamp: tuple[int, int, int], why: str) -> None:
         self._set_aside[name] = stamp
         log.warning("kv cache: ignoring %s: %s", self.directory / name, why)
+
+    def _set_aside_path(self, path: Path) -> None:
+        try:
+            self._set_aside[path.name] = _stamp(os.lstat(path))
+        except OSError:
+            pass
 
     def _read_entry(self, path: Path) -> KvEntry:
         """The header, and the identity footer when the file has one. CacheFileError when it is not a checkpoint."""
@@ -480,10 +488,11 @@ class KvStore:
         for entry in matches:
             if self._usable(entry):
                 out.append(entry)
-            elif entry.path.name not in self._set_aside:
+            elif entry.path.name not in self._foreign:
+                self._foreign.add(entry.path.name)
                 why = "has no model identity (ds4's file?)" if entry.footer is None else "was written by another " \
                       "model or with other settings (--no-quant-sim, routed experts)"
-                self._set_aside_file(entry.path.name, (-1, -1, -1), f"matches the prompt but {why}; not used")
+                log.warning("kv cache: ignoring %s: matches the prompt but %s; not used", entry.path, why)
         return out
 
     def load(self, entry: KvEntry, prompt: bytes, config: ModelConfig, ctx: int) -> KvHit | None:
@@ -517,6 +526,7 @@ class KvStore:
             return None
         except (OSError, struct.error) as e:
             log.warning("kv cache load failed %s: %s load=%.1f ms", entry.path, e, (time.perf_counter() - t0) * 1e3)
+            self._set_aside_path(entry.path)  # not again while the file stays as it is
             return None
         loaded = KvEntry(entry.path, entry.key, header, text_bytes, entry.size, entry.footer)
         log.info("kv cache hit text tokens=%d text=%d quant=%d load=%.1f ms file=%s", header.tokens, text_bytes,
@@ -552,7 +562,7 @@ class KvStore:
         try:
             entry.path.unlink(missing_ok=True)
         except OSError:
-            self._set_aside[entry.path.name] = (-1, -1, -1)  # cannot delete it: at least never read it again
+            self._set_aside_path(entry.path)  # cannot delete it: at least do not read it again
 
     def _rewrite_header(self, path: Path, *, hits: int | None = None, add_flags: int = 0) -> None:
         with open_regular(path, writable=True) as f:
@@ -690,6 +700,11 @@ def _blocks_in(text: bytes, tool_blocks: Iterable[tuple[str, str]]) -> list[tupl
         if present[block]:
             out.append((call_id, block))
     return out
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    """What identifies a version of a file: a changed file is looked at again."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _remove(path: Path | None) -> None:
