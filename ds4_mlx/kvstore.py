@@ -514,7 +514,14 @@ class KvStore:
                 if not prompt.startswith(text):
                     raise CacheFileError("cached text prefix mismatch")
                 reader = CrcReader(f, header.payload_bytes, zlib.crc32(text))
-                cache, tokens, logits = read_payload(reader, config, ctx)
+                try:
+                    cache, tokens, logits = read_payload(reader, config, ctx)
+                except CacheFileError as e:
+                    if _drained_crc(reader) == header.checksum:  # intact: made for another context, not damaged
+                        log.warning("kv cache: %s does not fit this session (%s); not used", entry.path, e)
+                        self._set_aside_path(entry.path)
+                        return None
+                    raise
                 if reader.crc != header.checksum:
                     raise CacheFileError(f"checksum mismatch (file {header.checksum:08x}, contents "
                                          f"{reader.crc:08x})")
@@ -700,6 +707,13 @@ def _blocks_in(text: bytes, tool_blocks: Iterable[tuple[str, str]]) -> list[tupl
         if present[block]:
             out.append((call_id, block))
     return out
+
+
+def _drained_crc(reader: CrcReader) -> int:
+    """The checksum of everything the reader covers, reading what is left of it."""
+    while reader.read(1 << 20):
+        pass
+    return reader.crc
 
 
 def _stamp(st: os.stat_result) -> tuple[int, int, int]:

@@ -312,3 +312,19 @@ def test_disk_reuse_needs_the_exact_bytes_too(engine_a, tmp_path):
     assert kv_files(d)
     text = tok.decode(ids)
     assert run(with_store(engine_a, d, cold_max_tokens=0), text + " again").usage.cached_tokens == 0
+
+
+def test_an_intact_checkpoint_made_for_another_context_is_kept(engine_a, tmp_path, caplog):
+    """A context smaller than the sliding window (16 in the tiny model) records a shorter raw window, which a larger
+    session cannot load. The checksum shows the file is intact: it is passed over, not deleted as damaged."""
+    d = tmp_path / "kv"
+    tok = engine_a.tokenizer
+    prompt = "<｜begin▁of▁sentence｜>The sea is"
+    assert 4 <= len(tok.encode(prompt)) < 11
+    store = KvStore(options(d, min_tokens=4), 2, engine_a.kv_store.identity)
+    run(Engine(engine_a.model, tok, 12, kv_store=store), prompt, max_tokens=1)
+    (path,) = kv_files(d)
+    with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+        done = run(with_store(engine_a, d, min_tokens=4, cold_max_tokens=0), prompt + " deep")
+    assert done.usage.cached_tokens == 0 and path.exists()
+    assert "does not fit this session" in caplog.text and "discarded" not in caplog.text

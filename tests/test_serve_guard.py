@@ -235,3 +235,15 @@ def test_a_big_body_does_not_stall_a_stream_or_health(body_mb, tokenized):
     during = [t for t in stream_times if start <= t <= end]
     gaps = [b - a for a, b in zip([start] + during, during + [end])]
     assert during and max(gaps) < 1.0, (end - start, max(gaps))
+
+
+def test_the_trace_file_is_private(tmp_path):
+    """It holds every prompt: 0600 when created, and made so when it exists."""
+    fresh, existing = tmp_path / "fresh.trace", tmp_path / "existing.trace"
+    existing.write_text("earlier\n")
+    existing.chmod(0o644)
+    for path in (fresh, existing):
+        with live_server(ScriptedEngine(), ServerOptions(trace=str(path))) as live:
+            assert httpx.post(live.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+        assert path.stat().st_mode & 0o777 == 0o600 and "rendered prompt" in path.read_text()
+    assert existing.read_text().startswith("earlier\n")
