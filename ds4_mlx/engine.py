@@ -165,8 +165,8 @@ class Engine:
         """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model.
 
         Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal). `kv_cache` turns on
-        the disk KV cache (checkpoints carry the model's fingerprint and routed-expert quant bits). `mtp` is an MTP draft file
-        (spec §2.6) to load with it; pass `mtp_draft` >= 2 to speculate with it.
+        the disk KV cache (checkpoints carry the model's fingerprint and routed-expert quant bits). `mtp` is an MTP
+        draft file (spec §2.6) to load with it; pass `mtp_draft` >= 2 to speculate with it.
         """
         path = Path(path)
         if not path.exists():

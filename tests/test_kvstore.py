@@ -563,7 +563,8 @@ def test_server_recalls_tool_ids_from_disk_before_rendering(tmp_path):
     d = tmp_path / "kv"
     fake_file(d, b"some cached text", 50, 100, tool_map=encode_tool_map([("call_1", BLOCK)]))
     engine = ScriptedEngine()
-    engine.kv_store = KvStore(options(d, min_tokens=100_000, cold_max_tokens=0), 2, ID)  # a scripted model has no cache to save
+    # a scripted model has no cache to save
+    engine.kv_store = KvStore(options(d, min_tokens=100_000, cold_max_tokens=0), 2, ID)
     messages = [
         {"role": "user", "content": "list files"},
         {"role": "assistant", "content": "", "tool_calls": [

@@ -78,7 +78,8 @@ def test_loopback_hosts_are_served(live, host):
 
 def test_allow_host_names_more_hosts():
     assert not host_allowed("box.lan:8000", "127.0.0.1", ())
-    assert host_allowed("box.lan:8000", "127.0.0.1", ("box.lan",)) and host_allowed("Box.Lan", "127.0.0.1", ("box.lan",))
+    assert host_allowed("box.lan:8000", "127.0.0.1", ("box.lan",))
+    assert host_allowed("Box.Lan", "127.0.0.1", ("box.lan",))
     assert host_allowed("anything", "127.0.0.1", ("*",))
     assert host_allowed("box.lan", "box.lan", ())  # the bound name itself
     assert host_allowed("192.168.1.5:8000", "0.0.0.0", ()) and host_allowed("[fe80::1]:8000", "::", ())
