@@ -405,8 +405,10 @@ class KvStore:
                 entries.append(self._read_entry(self.directory / d.name))
             except (CacheFileError, struct.error) as e:
                 self._set_aside_file(d.name, stamp, str(e))
-            except OSError:
-                continue  # gone, or unreadable for now
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            except OSError as e:
+                self._set_aside_file(d.name, stamp, f"cannot be read ({e.strerror or e})")
         return entries
 
     def _set_aside_file(self, name: str, stamp: tuple[int, int, int], why: str) -> None:
