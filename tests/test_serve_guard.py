@@ -155,6 +155,21 @@ def test_a_slow_but_steady_upload_is_served(live):
     sock.close()
 
 
+def test_the_header_timeout_never_cuts_a_long_answer_on_a_kept_alive_connection():
+    """The header timer runs only while a connection waits for its next request's headers."""
+    engine = ScriptedEngine(reply=long_reply)
+    engine.model.delay = 0.01
+    with live_server(engine, ServerOptions(read_timeout_seconds=0.5)) as live, httpx.Client(timeout=60) as client:
+        assert client.post(live.url + "/v1/chat/completions", json=CHAT).status_code == 200
+        time.sleep(0.2)
+        with client.stream("POST", live.url + "/v1/chat/completions",
+                           json={**CHAT, "max_tokens": 200, "stream": True}) as r:
+            t0 = time.monotonic()
+            lines = [line for line in r.iter_lines() if line]
+        assert time.monotonic() - t0 > 1.0 and lines[-1] == "data: [DONE]"
+        assert client.get(live.url + "/health").status_code == 200  # the same connection, still open
+
+
 # -- bounded prompts ---------------------------------------------------------------------------------------------
 
 

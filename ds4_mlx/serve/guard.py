@@ -175,8 +175,8 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
             self._arm()
 
         def on_response_complete(self) -> None:
+            self._arm()  # before uvicorn starts on a pipelined request, which then is the newer cycle
             super().on_response_complete()
-            self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._header_timer is not None:
@@ -189,7 +189,8 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
             self._header_timer = self.loop.call_later(seconds, self._expire, self.cycle)
 
         def _expire(self, cycle: Any) -> None:
-            if self.cycle is cycle and not self.transport.is_closing():  # no new request got its headers through
+            waiting = self.cycle is cycle and (cycle is None or cycle.response_complete)  # no newer request
+            if waiting and not self.transport.is_closing():
                 self.transport.close()
 
     return HeaderTimeoutH11
