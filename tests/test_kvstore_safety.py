@@ -18,11 +18,12 @@ from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.errors import CacheFileError, Ds4Error
 from ds4_mlx.kvfiles import open_regular
 from ds4_mlx.kvidentity import ModelIdentity, model_identity
-from ds4_mlx.kvstore import KvCacheOptions, KvHeader, KvStore, text_key
+from ds4_mlx.kvstore import KvCacheOptions, KvHeader, KvStore, encode_tool_map, text_key
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.weights import open_weights
 from ds4_mlx.sampling import SamplingParams
 from ds4_mlx.tokenizer import BYTE_TO_CHAR
+from test_kvstore import BLOCK, fake_file
 
 CTX = 256
 GREEDY = SamplingParams(temperature=0)
@@ -328,3 +329,19 @@ def test_an_intact_checkpoint_made_for_another_context_is_kept(engine_a, tmp_pat
         done = run(with_store(engine_a, d, min_tokens=4, cold_max_tokens=0), prompt + " deep")
     assert done.usage.cached_tokens == 0 and path.exists()
     assert "does not fit this session" in caplog.text and "discarded" not in caplog.text
+
+
+def test_a_damaged_tool_map_is_not_replayed(tmp_path, caplog):
+    """The KTM trailer is outside the header's checksum (it is refreshed in place); the footer's CRC covers it, so a
+    flipped bit in a sampled DSML block is never rendered into a prompt."""
+    d = tmp_path / "kv"
+    ktm = encode_tool_map([("call_1", BLOCK)])
+    path = fake_file(d, b"some cached text", 50, 100, tool_map=ktm, identity=ANY_ID)
+    store = KvStore(options(d), 2, ANY_ID)
+    assert store.tool_map({"call_1"}) == {"call_1": BLOCK}
+    data = bytearray(path.read_bytes())
+    data[data.index(b"ls -la")] ^= 0x01  # "ls" -> "ms": still a well-formed map
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, "ds4_mlx.kvstore"):
+        assert store.tool_map({"call_1"}) == {}
+    assert "tool map checksum mismatch" in caplog.text
