@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,13 +92,17 @@ def _sample_starts(n: int) -> list[int]:
 
 
 def _feed_value(h: Any, key: str, value: Any) -> None:
+    """One metadata value, unambiguously: numeric arrays by dtype, shape and bytes, string arrays joined (the
+    tokenizer's 129280 strings in one update), nested arrays item by item, scalars by repr."""
     h.update(key.encode() + b"\0")
     if isinstance(value, np.ndarray):
         h.update(f"{value.dtype.str}{value.shape}".encode() + value.tobytes())
-    elif isinstance(value, (list, tuple)):  # the tokenizer's strings: one update, not 129280
-        h.update(b"[%d]" % len(value) + "\0".join(map(str, value)).encode("utf-8", "surrogatepass"))
-    elif isinstance(value, Mapping):
-        h.update(repr(sorted(value.items())).encode())
+    elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        h.update(b"[%d]" % len(value) + "\0".join(value).encode("utf-8", "surrogatepass"))
+    elif isinstance(value, (list, tuple)):
+        h.update(b"[%d]" % len(value))
+        for item in value:
+            _feed_value(h, "", item)
     else:
         h.update(repr(value).encode())
     h.update(b"\0")
