@@ -2,13 +2,13 @@
 
 Two models of the same shape produce payloads that load into each other without complaint, and the saved logits
 would even give the other model's first token. So every checkpoint carries, in a fixed-size footer at the very end
-of the file (after ds4's optional KTM trailer, so that ds4's reader, which stops at the trailer, is not disturbed):
+of the file (after ds4's optional KTM trailer, which ds4 expects right after the payload):
 
     "KID", u8 version, 16-byte core digest, 16-byte routed-experts digest, u32 KTM bytes, u32 CRC-32 of the KTM
 
 The core digest covers what makes the model the model apart from the quantization of its routed experts: every
-metadata key outside `general.*` (hyperparameters, tokenizer; `general.*` holds names and file types that differ
-between the q2 and q4 files of one model), the directory (name, shape, type) of every other tensor, and sampled
+metadata key outside `general.*` and `quantize.*` (so hyperparameters and tokenizer; those two hold names, file
+types and imatrix notes that differ between the q2 and q4 files of one model), the directory (name, shape, type) of every other tensor, and sampled
 bytes (start, middle, end) of each of them, plus the activation simulation setting (`--no-quant-sim`), which changes
 every KV row. The experts digest covers the routed-expert tensors likewise. A checkpoint is loaded only with the same
 core digest; the experts digest must also match with `--kv-cache-reject-different-quant`, else a checkpoint of the
@@ -34,6 +34,8 @@ SAMPLE_BYTES = 512
 """Bytes hashed at each of three places of every tensor: enough that two trained (or randomly built) models never
 agree, little enough that a cold 80 GB file costs a few thousand page reads."""
 _ROUTED = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_NOT_THE_MODEL = ("general.", "quantize.")
+"""Metadata about the file and how it was quantized; the quantized bytes themselves are sampled."""
 _DIGEST = 16
 
 
@@ -74,7 +76,7 @@ def model_identity(weights: ModelWeights, simulate_quant: bool) -> ModelIdentity
     experts = hashlib.blake2b(digest_size=_DIGEST, person=b"ds4-mlx kv exps")
     core.update(b"simulate_quant=%d\0" % bool(simulate_quant))
     for key in sorted(file.metadata):
-        if not key.startswith("general."):
+        if not key.startswith(_NOT_THE_MODEL):
             _feed_value(core, key, file.metadata[key])
     for name, info in sorted(file.tensors.items()):
         h = experts if name.endswith(_ROUTED) else core
