@@ -22,6 +22,8 @@ from .chat import ToolMemory
 from .checkpoints import CheckpointStore, Match, default_ram_budget
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
+from .kvfiles import check_directory
+from .kvidentity import model_identity
 from .kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
 from .model.linear import loaded_nbytes
 from .model.model import Model
@@ -31,7 +33,7 @@ from .progress import Progress
 from .sampling import Sampler, SamplingParams
 from .session import Session, Snapshot
 from .stop import StopStrings
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import StreamDecoder, Tokenizer, utf8
 
 log = logging.getLogger("ds4_mlx.engine")
 
@@ -169,8 +171,8 @@ class Engine:
         """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model.
 
         Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal). `kv_cache` turns on
-        the disk KV cache (checkpoints carry the model's routed-expert quant bits). `mtp` is an MTP draft file
-        (spec §2.6) to load with it; pass `mtp_draft` >= 2 to speculate with it.
+        the disk KV cache (checkpoints carry the model's fingerprint and routed-expert quant bits). `mtp` is an MTP
+        draft file (spec §2.6) to load with it; pass `mtp_draft` >= 2 to speculate with it.
         """
         path = Path(path)
         if not path.exists():
@@ -179,6 +181,8 @@ class Engine:
                 f"or try the built-in tiny model with --demo"
             )
         weights = open_weights(path)
+        if kv_cache is not None:
+            check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
         mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
         model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
         check_memory(weights, model_bytes, ctx, device_memory_bytes())
@@ -194,7 +198,7 @@ class Engine:
                 opts["mtp"] = MTP(mtp_weights, model, progress=bar.update)
         tokenizer = Tokenizer.from_gguf(weights.file.metadata)
         if kv_cache is not None:
-            opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights))
+            opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights), model_identity(weights, simulate_quant))
         return cls(model, tokenizer, ctx, **opts)
 
     @classmethod
@@ -262,16 +266,18 @@ class Engine:
         return list(snapshot.tokens) + self.tokenizer.encode(rest), n
 
     def _reuse_live(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int] | None:
-        """The live tokens are reused when they are a token prefix of the new prompt, or when their text is a byte
-        prefix of it (then only the remaining text is tokenized, never slicing the canonical tokens, since BPE
-        may merge across the boundary). Prompts given as ids (`exact`) are never re-tokenized. None on a miss."""
+        """The live tokens are reused when they are a token prefix of the new prompt, or when the exact bytes they
+        spell are a byte prefix of the prompt's UTF-8 (then only the remaining text is tokenized, never slicing
+        the canonical tokens, since BPE may merge across the boundary). Bytes, not decoded text: a token run that
+        spells invalid UTF-8 decodes to U+FFFD, which a prompt may also contain with other bytes. Prompts given as
+        ids (`exact`) are never re-tokenized. None on a miss."""
         live = self.session.tokens
         if live and len(tokens) >= len(live) and tokens[: len(live)] == live:
             return tokens, len(live)
         if live and not exact:
-            live_text = self.tokenizer.decode(live)
-            if prompt.startswith(live_text):
-                return live + self.tokenizer.encode(prompt[len(live_text) :]), len(live)
+            rest = _rest_after(utf8(prompt), self._text_bytes(live))
+            if rest is not None:
+                return live + self.tokenizer.encode(rest), len(live)
         return None
 
     def _replace_session(self) -> None:
@@ -296,22 +302,24 @@ class Engine:
         holds more than `longer_than` tokens. Its token ids are kept as they are; only the prompt text after it
         is tokenized (behavior.md §5.3)."""
         store = self.kv_store
-        data = self._text_bytes(tokens) if exact else prompt.encode("utf-8")
-        entry = store.lookup(data, self.session.ctx)
-        if entry is None or entry.header.tokens <= longer_than:
-            return None
-        hit = store.load(entry, data, self.model.config, self.session.ctx)
-        if hit is None:
-            return None
-        n = len(hit.tokens)
-        if exact:
-            if tokens[:n] != hit.tokens:
-                log.info("kv cache hit %s not used: its tokens are not a prefix of the prompt's", entry.path)
-                return None
-            effective = tokens
+        data = self._text_bytes(tokens) if exact else utf8(prompt)
+        for entry in store.candidates(data, self.session.ctx):  # one that fails to load falls back to the next
+            if entry.header.tokens <= longer_than:
+                return None  # best first: the rest are no longer
+            hit = store.load(entry, data, self.model.config, self.session.ctx)
+            if hit is None:
+                continue
+            n = len(hit.tokens)
+            if exact:
+                if tokens[:n] != hit.tokens:
+                    log.info("kv cache hit %s not used: its tokens are not a prefix of the prompt's", entry.path)
+                    continue
+                effective = tokens
+            else:
+                effective = hit.tokens + self.tokenizer.encode(data[hit.text_bytes :].decode("utf-8"))
+            if len(effective) < self.session.ctx:
+                break
         else:
-            effective = hit.tokens + self.tokenizer.encode(data[hit.text_bytes :].decode("utf-8"))
-        if len(effective) >= self.session.ctx:
             return None
         store.record_hit(hit)
         self.session.restore(Snapshot(tuple(hit.tokens), hit.cache.snapshot(), hit.logits))
@@ -538,6 +546,16 @@ class Engine:
             if frontiers:
                 room = min(room, frontiers[0] - n - 1)
         return room
+
+
+def _rest_after(prompt: bytes, prefix: bytes) -> str | None:
+    """The text of `prompt` after `prefix`, if `prefix` is its byte prefix and ends on a character boundary."""
+    if not prompt.startswith(prefix):
+        return None
+    rest = prompt[len(prefix) :]
+    if rest and rest[0] & 0xC0 == 0x80:
+        return None  # the prefix ends inside a character: the rest is not text on its own
+    return rest.decode("utf-8")
 
 
 def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:

@@ -5,15 +5,20 @@ finds its prefix already computed.
 One file per checkpoint, named `<sha1 of the cached text>.kv`, in ds4's format (little-endian):
 
     48-byte header   magic "KVC", version 1, routed-expert quant bits, save reason, ext flags, reserved,
-                     u32 tokens, u32 hits, u32 ctx, 4 reserved, u64 created, u64 last used, u64 payload bytes
+                     u32 tokens, u32 hits, u32 ctx, u32 CRC-32 of text + payload (ds4: reserved, 0),
+                     u64 created, u64 last used, u64 payload bytes
     u32 text length, the text (the UTF-8 bytes of the cached tokens: what a later prompt must start with)
     the session payload (model/cache.py, spec gguf-and-forward.md §5.2)
     optional "KTM" trailer: tool-call id -> the exact DSML block, for ids whose block is in the text (§4.4)
+    the model identity footer (kvidentity.py; not in ds4's files)
 
 Lookup is by bytes, not tokens: BPE may spell the same text differently once more text follows, so a cached
 prefix is found by its text and the payload's own token ids are kept; only the rest of the prompt is tokenized.
-Files that do not validate are ignored (never loaded, counted or deleted); a directory that cannot be written
-costs a logged warning, never a failed request.
+Only checkpoints of this model (its identity footer) are loaded, only after their checksum matched; a file of this
+model that does not check out is deleted with one log line, and the next candidate is tried. Files that are not
+checkpoints at all (bad header, not a regular file) are logged once and set aside: never opened again while
+unchanged, never counted or deleted. A directory that cannot be written costs a logged warning, never a failed
+request; one that other users can write is refused at start-up (kvfiles.py).
 
 What this module decides: the file format, lookup, load, store, the hit bookkeeping and eviction, and the
 checkpoint positions (cold `store_len`/chat anchor, continued frontiers). When to save is the engine's call.
@@ -21,13 +26,16 @@ checkpoint positions (cold `store_len`/chat anchor, continued frontiers). When t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
 import os
 import re
+import stat
 import struct
 import time
+import zlib
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -37,6 +45,8 @@ from typing import BinaryIO
 import mlx.core as mx
 
 from .errors import CacheFileError, Ds4Error
+from .kvfiles import CrcReader, CrcWriter, check_directory, commit, create_temp, open_regular, remove_stale_temps
+from .kvidentity import FOOTER, Footer, ModelIdentity
 from .model.cache import SessionCache, read_payload, write_payload
 from .model.config import ModelConfig
 from .model.gguf import GGMLType
@@ -57,7 +67,7 @@ FLAG_TOOL_MAP = 1
 FLAG_RESPONSES_VISIBLE = 2
 FLAG_THINKING_VISIBLE = 4
 
-_HEADER = struct.Struct("<3sBBBBBIII4xQQQ")
+_HEADER = struct.Struct("<3sBBBBBIIIIQQQ")
 _U32 = struct.Struct("<I")
 _PREFIX = _HEADER.size + _U32.size  # header + text length: what precedes the text
 _NAME = re.compile(r"[0-9a-fA-F]{40}\.kv")
@@ -177,16 +187,19 @@ class KvHeader:
     created: int
     last_used: int
     payload_bytes: int
+    checksum: int = 0
+    """CRC-32 of the text and the payload (bytes 20-23, which ds4 leaves zero)."""
 
     def pack(self) -> bytes:
         return _HEADER.pack(MAGIC, VERSION, self.quant_bits, self.reason, self.flags, 0, self.tokens, self.hits,
-                            self.ctx, self.created, self.last_used, self.payload_bytes)
+                            self.ctx, self.checksum, self.created, self.last_used, self.payload_bytes)
 
     @classmethod
     def unpack(cls, data: bytes) -> KvHeader:
         if len(data) < _HEADER.size:
             raise CacheFileError(f"KV file header is {len(data)} bytes, expected {_HEADER.size}")
-        magic, version, bits, reason, flags, _, tokens, hits, ctx, created, used, payload = _HEADER.unpack_from(data)
+        magic, version, bits, reason, flags, _, tokens, hits, ctx, crc, created, used, payload = \
+            _HEADER.unpack_from(data)
         if magic != MAGIC or version != VERSION:
             raise CacheFileError(f"not a KV cache file (magic {magic!r} version {version}, expected {MAGIC!r} "
                                  f"version {VERSION})")
@@ -194,7 +207,10 @@ class KvHeader:
             raise CacheFileError(f"KV file routed-expert quant bits are {bits}, expected 2 or 4")
         if tokens == 0:
             raise CacheFileError("KV file holds 0 tokens")
-        return cls(bits, reason, flags, tokens, hits, ctx, created, used, payload)
+        return cls(bits, reason, flags, tokens, hits, ctx, created, used, payload, crc)
+
+    def with_use(self, hits: int, last_used: int, add_flags: int = 0) -> KvHeader:
+        return dataclasses.replace(self, flags=self.flags | add_flags, hits=hits, last_used=last_used)
 
 
 @dataclass(frozen=True)
@@ -207,10 +223,16 @@ class KvEntry:
     header: KvHeader
     text_bytes: int
     size: int
+    footer: Footer | None = None
+    """The model identity and tool-map check; None for a file without one (ds4's, or damaged): never loaded."""
 
     @property
     def payload_offset(self) -> int:
         return _PREFIX + self.text_bytes
+
+    @property
+    def payload_end(self) -> int:
+        return _PREFIX + self.text_bytes + self.header.payload_bytes
 
 
 @dataclass(frozen=True)
@@ -319,36 +341,31 @@ def decode_tool_map(f: BinaryIO) -> dict[str, str]:
     return out
 
 
-class _Limited:
-    """A read-only view of the next `n` bytes of a file, so the payload reader sees exactly the payload (a KTM
-    trailer may follow it)."""
-
-    def __init__(self, f: BinaryIO, n: int) -> None:
-        self._f = f
-        self._left = n
-
-    def read(self, n: int = -1) -> bytes:
-        n = self._left if n < 0 else min(n, self._left)
-        data = self._f.read(n)
-        self._left -= len(data)
-        return data
-
-
 class KvStore:
-    """The checkpoint files of one directory, for one model (its routed-expert quant bits)."""
+    """The checkpoint files of one directory, for one model (its identity and routed-expert quant bits)."""
 
-    def __init__(self, options: KvCacheOptions, quant_bits: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, options: KvCacheOptions, quant_bits: int, identity: ModelIdentity,
+                 clock: Callable[[], float] = time.time) -> None:
+        """Raises Ds4Error for an existing directory that other users can write."""
         if quant_bits not in (2, 4):
             raise ValueError(f"routed-expert quant bits must be 2 or 4, got {quant_bits}")
         self.options = options
         self.directory = options.directory
         self.quant_bits = quant_bits
+        self.identity = identity
         self._clock = clock
+        self._set_aside: dict[str, tuple[int, int, int]] = {}
+        """Files logged once as unusable, by name, with the (inode, size, mtime) they had: skipped while unchanged."""
+        self._foreign: set[str] = set()
+        """Checkpoints of other models already logged (they stay listed: they count against the budget)."""
+        check_directory(self.directory)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             log.warning("kv cache: cannot create directory %s (%s); nothing will be saved or loaded", self.directory,
                         e.strerror or e)
+        for path in remove_stale_temps(self.directory):
+            log.info("kv cache: removed the temporary file of a writer that is gone: %s", path)
         self.evict()
         o = options
         log.info("kv disk cache %s (budget=%d MiB, cross-quant=%s, min=%d, cold_max=%d, continued=%d, trim=%d, "
@@ -365,33 +382,69 @@ class KvStore:
     # -- the directory ------------------------------------------------------------------------------------------
 
     def entries(self) -> list[KvEntry]:
-        """The files that validate, listed afresh (another process may share the directory)."""
+        """The checkpoint files whose header validates, listed afresh (another process may share the directory).
+        Anything else named like a checkpoint is logged once and set aside; it is never opened if it is not a
+        regular file (a FIFO would block the open)."""
         try:
-            names = [d.name for d in os.scandir(self.directory) if _NAME.fullmatch(d.name)]
+            found = [d for d in os.scandir(self.directory) if _NAME.fullmatch(d.name)]
         except OSError:
             return []
         entries = []
-        for name in names:
-            entry = self._read_entry(self.directory / name)
-            if entry is not None:
-                entries.append(entry)
+        for d in found:
+            try:
+                st = d.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            stamp = _stamp(st)
+            if self._set_aside.get(d.name) == stamp:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                self._set_aside_file(d.name, stamp, "not a regular file")
+                continue
+            try:
+                entries.append(self._read_entry(self.directory / d.name))
+            except (CacheFileError, struct.error) as e:
+                self._set_aside_file(d.name, stamp, str(e))
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            except OSError as e:
+                self._set_aside_file(d.name, stamp, f"cannot be read ({e.strerror or e})")
         return entries
 
-    def _read_entry(self, path: Path) -> KvEntry | None:
+    def _set_aside_file(self, name: str, stamp: tuple[int, int, int], why: str) -> None:
+        self._set_aside[name] = stamp
+        log.warning("kv cache: ignoring %s: %s", self.directory / name, why)
+
+    def _set_aside_path(self, path: Path) -> None:
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(_PREFIX)
+            self._set_aside[path.name] = _stamp(os.lstat(path))
+        except OSError:
+            pass
+
+    def _read_entry(self, path: Path) -> KvEntry:
+        """The header, and the identity footer when the file has one. CacheFileError when it is not a checkpoint."""
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(_PREFIX)
             header = KvHeader.unpack(head)
             (text_bytes,) = _U32.unpack_from(head, _HEADER.size)
-        except (OSError, CacheFileError, struct.error):
-            return None
-        if size < _PREFIX + text_bytes + header.payload_bytes:
-            return None
-        return KvEntry(path, path.name[:40].lower(), header, text_bytes, size)
+            end = _PREFIX + text_bytes + header.payload_bytes
+            if size < end:
+                raise CacheFileError(f"file is {size} bytes, its header says at least {end}")
+            footer = None
+            if size >= end + FOOTER.size:
+                f.seek(size - FOOTER.size)
+                try:
+                    footer = Footer.unpack(f.read(FOOTER.size))
+                except CacheFileError:
+                    footer = None
+                if footer is not None and size != end + footer.ktm_bytes + FOOTER.size:
+                    footer = None
+        return KvEntry(path, path.name[:40].lower(), header, text_bytes, size, footer)
 
     def evict(self, protected: str | None = None) -> None:
-        """Delete the least valuable files until the valid ones fit the budget (run at open and after a store)."""
+        """Delete the least valuable files until the valid ones fit the budget (run at open and after a store).
+        Checkpoints of other models sharing the directory count and compete like this model's own."""
         entries = self.entries()
         total = sum(e.size for e in entries)
         budget = self.options.budget_bytes
@@ -414,56 +467,91 @@ class KvStore:
 
     # -- lookup and load ----------------------------------------------------------------------------------------
 
-    def lookup(self, prompt: bytes, ctx: int) -> KvEntry | None:
-        """The checkpoint with the longest text (then the most tokens) that is a byte prefix of `prompt`, among
-        files of at least `min_tokens` tokens saved for a context no larger than `ctx` (and of this model's quant
-        bits with `reject_different_quant`). A text that would end inside a UTF-8 character of the prompt is
-        passed over: the rest of the prompt could not be tokenized on its own."""
-        candidates = [
+    def _usable(self, entry: KvEntry) -> bool:
+        """Written by this model (and settings), so its state is the one this model would compute."""
+        return entry.footer is not None and self.identity.accepts(entry.footer.identity,
+                                                                  self.options.reject_different_quant)
+
+    def candidates(self, prompt: bytes, ctx: int) -> list[KvEntry]:
+        """The checkpoints whose text is a byte prefix of `prompt`, best first: the longest text (then the most
+        tokens), among files of this model with at least `min_tokens` tokens, saved for a context no larger than
+        `ctx` (and of this model's quant bits with `reject_different_quant`). A text that would end inside a UTF-8
+        character of the prompt is passed over: the rest of the prompt could not be tokenized on its own. A
+        matching checkpoint of another model is logged once and never returned."""
+        matches = [
             e for e in self.entries()
             if e.text_bytes <= len(prompt) and e.header.tokens >= self.options.min_tokens and e.header.ctx <= ctx
             and (not self.options.reject_different_quant or e.header.quant_bits == self.quant_bits)
             and (e.text_bytes == len(prompt) or prompt[e.text_bytes] & 0xC0 != 0x80)
+            and text_key(prompt[: e.text_bytes]) == e.key
         ]
-        candidates.sort(key=lambda e: (e.text_bytes, e.header.tokens), reverse=True)
-        for entry in candidates:
-            if text_key(prompt[: entry.text_bytes]) == entry.key:
-                return entry
-        return None
+        matches.sort(key=lambda e: (e.text_bytes, e.header.tokens), reverse=True)
+        out = []
+        for entry in matches:
+            if self._usable(entry):
+                out.append(entry)
+            elif entry.path.name not in self._foreign:
+                self._foreign.add(entry.path.name)
+                why = "has no model identity (ds4's file?)" if entry.footer is None else "was written by another " \
+                      "model or with other settings (--no-quant-sim, routed experts)"
+                log.warning("kv cache: ignoring %s: matches the prompt but %s; not used", entry.path, why)
+        return out
 
     def load(self, entry: KvEntry, prompt: bytes, config: ModelConfig, ctx: int) -> KvHit | None:
-        """Read a checkpoint found by `lookup`, verifying it again (files change under us). None, with the reason
-        logged, when it does not hold what its name promises or its payload does not fit this model/context."""
+        """Read a checkpoint found by `candidates`, verifying everything again (files change under us), its
+        checksum while reading. None when it cannot be used; a file that does not check out is deleted with one
+        log line (it is this model's, so it is damaged, not foreign)."""
         t0 = time.perf_counter()
         try:
-            with open(entry.path, "rb") as f:
+            with open_regular(entry.path) as f:
                 header = KvHeader.unpack(f.read(_HEADER.size))
                 (text_bytes,) = _U32.unpack(f.read(_U32.size))
+                if (header.tokens, header.ctx, header.payload_bytes, text_bytes) != (
+                        entry.header.tokens, entry.header.ctx, entry.header.payload_bytes, entry.text_bytes):
+                    log.info("kv cache: %s changed since it was listed; not used", entry.path)
+                    return None
                 text = f.read(text_bytes)
-                if len(text) != text_bytes or text_bytes > len(prompt):
-                    raise CacheFileError("cached text is truncated or longer than the prompt")
-                if text_key(text) != entry.key:
-                    raise CacheFileError("cached text hash mismatch")
+                if len(text) != text_bytes or text_key(text) != entry.key:
+                    raise CacheFileError("cached text does not match the file name")
                 if not prompt.startswith(text):
                     raise CacheFileError("cached text prefix mismatch")
-                cache, tokens, logits = read_payload(_Limited(f, header.payload_bytes), config, ctx)
+                reader = CrcReader(f, header.payload_bytes, zlib.crc32(text))
+                try:
+                    cache, tokens, logits = read_payload(reader, config, ctx)
+                except CacheFileError as e:
+                    if _drained_crc(reader) == header.checksum:  # intact: made for another context, not damaged
+                        log.warning("kv cache: %s does not fit this session (%s); not used", entry.path, e)
+                        self._set_aside_path(entry.path)
+                        return None
+                    raise
+                if reader.crc != header.checksum:
+                    raise CacheFileError(f"checksum mismatch (file {header.checksum:08x}, contents "
+                                         f"{reader.crc:08x})")
                 if len(tokens) != header.tokens:
-                    self._discard(entry, f"payload holds {len(tokens)} tokens, header says {header.tokens}")
-                    return None
-                tool_map = {}
-                if header.flags & FLAG_TOOL_MAP:
-                    f.seek(_PREFIX + text_bytes + header.payload_bytes)
-                    try:
-                        tool_map = decode_tool_map(f)
-                    except CacheFileError as e:
-                        log.warning("kv cache: tool map of %s ignored: %s", entry.path, e)
-        except (OSError, CacheFileError, struct.error) as e:
-            log.warning("kv cache load failed %s: %s load=%.1f ms", entry.path, e, (time.perf_counter() - t0) * 1e3)
+                    raise CacheFileError(f"payload holds {len(tokens)} tokens, header says {header.tokens}")
+                tool_map = self._read_tool_map(f, entry) if header.flags & FLAG_TOOL_MAP else {}
+        except CacheFileError as e:
+            self._discard(entry, str(e))
             return None
-        loaded = KvEntry(entry.path, entry.key, header, text_bytes, entry.size)
+        except (OSError, struct.error) as e:
+            log.warning("kv cache load failed %s: %s load=%.1f ms", entry.path, e, (time.perf_counter() - t0) * 1e3)
+            self._set_aside_path(entry.path)  # not again while the file stays as it is
+            return None
+        loaded = KvEntry(entry.path, entry.key, header, text_bytes, entry.size, entry.footer)
         log.info("kv cache hit text tokens=%d text=%d quant=%d load=%.1f ms file=%s", header.tokens, text_bytes,
                  header.quant_bits, (time.perf_counter() - t0) * 1e3, entry.path)
         return KvHit(loaded, cache, tokens, logits, tool_map)
+
+    @staticmethod
+    def _read_tool_map(f: BinaryIO, entry: KvEntry) -> dict[str, str]:
+        """The KTM trailer, checked against the footer's CRC; CacheFileError when it does not check out."""
+        f.seek(entry.payload_end)
+        reader = CrcReader(f, entry.footer.ktm_bytes)
+        mapping = decode_tool_map(reader)
+        reader.read()
+        if reader.crc != entry.footer.ktm_crc:
+            raise CacheFileError("tool map checksum mismatch")
+        return mapping
 
     def record_hit(self, hit: KvHit) -> None:
         """After a checkpoint is used: a long one is consumed (deleted; the live session will be saved again by
@@ -475,34 +563,34 @@ class KvStore:
                 log.info("kv cache consumed file=%s tokens=%d", entry.path, entry.header.tokens)
             else:
                 self._rewrite_header(entry.path, hits=entry.header.hits + 1)
-        except OSError as e:
-            log.warning("kv cache: cannot update %s (%s)", entry.path, e.strerror or e)
+        except (OSError, CacheFileError) as e:
+            log.warning("kv cache: cannot update %s (%s)", entry.path, e)
 
     def _discard(self, entry: KvEntry, why: str) -> None:
-        log.warning("kv cache discarded corrupt text-prefix payload %s: %s", entry.path, why)
-        entry.path.unlink(missing_ok=True)
+        log.warning("kv cache discarded damaged checkpoint %s: %s", entry.path, why)
+        try:
+            entry.path.unlink(missing_ok=True)
+        except OSError:
+            self._set_aside_path(entry.path)  # cannot delete it: at least do not read it again
 
     def _rewrite_header(self, path: Path, *, hits: int | None = None, add_flags: int = 0) -> None:
-        with open(path, "r+b") as f:
+        with open_regular(path, writable=True) as f:
             header = KvHeader.unpack(f.read(_HEADER.size))
-            updated = KvHeader(header.quant_bits, header.reason, header.flags | add_flags, header.tokens,
-                               header.hits if hits is None else hits, header.ctx, header.created, self._now(),
-                               header.payload_bytes)
             f.seek(0)
-            f.write(updated.pack())
+            f.write(header.with_use(header.hits if hits is None else hits, self._now(), add_flags).pack())
 
     def tool_map(self, ids: Collection[str]) -> dict[str, str]:
-        """The DSML blocks that files' KTM trailers map `ids` to (for rendering a request that replays them)."""
+        """The DSML blocks that this model's files' KTM trailers map `ids` to (for rendering a request that replays
+        them). A trailer that does not check out is skipped."""
         wanted, found = set(ids), {}
         if not wanted:
             return found
         for entry in self.entries():
-            if not entry.header.flags & FLAG_TOOL_MAP:
+            if not entry.header.flags & FLAG_TOOL_MAP or not self._usable(entry):
                 continue
             try:
-                with open(entry.path, "rb") as f:
-                    f.seek(entry.payload_offset + entry.header.payload_bytes)
-                    mapping = decode_tool_map(f)
+                with open_regular(entry.path) as f:
+                    mapping = self._read_tool_map(f, entry)
             except (OSError, CacheFileError) as e:
                 log.warning("kv cache: tool map of %s ignored: %s", entry.path, e)
                 continue
@@ -520,14 +608,14 @@ class KvStore:
         """Write a checkpoint of `cache` (after `tokens`, whose bytes are `text`), with the tool-call ids whose DSML
         block occurs in `text`. False (logged) when it is too short, does not fit the budget or cannot be written.
 
-        An existing compatible file for the same text is kept; only its tool map is refreshed.
+        An existing file of this model for the same text is kept; only its tool map is refreshed.
         """
         n = len(tokens)
         if n < self.options.min_tokens:
             return False
         ktm = encode_tool_map(_blocks_in(text, tool_blocks))
         payload_bytes = payload_nbytes(cache)
-        size = _PREFIX + len(text) + payload_bytes + len(ktm)
+        size = _PREFIX + len(text) + payload_bytes + len(ktm) + FOOTER.size
         budget = self.options.budget_bytes
         if not fits_budget(size, budget):
             log.info("kv cache skipped tokens=%d reason=%s because file size %.2f MiB (+1%% slack) exceeds budget "
@@ -535,25 +623,29 @@ class KvStore:
             return False
         key = text_key(text)
         path = self.path_for(key)
-        if self._keep_existing(path, key, text, cache.ctx):
+        if self._keep_existing(path, text, cache.ctx):
             if ktm:
                 self._rewrite_tool_map(path, ktm)
             return True
-        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
         now = self._now()
         header = KvHeader(self.quant_bits, int(reason), FLAG_TOOL_MAP if ktm else 0, n, 0, cache.ctx, now, now,
                           payload_bytes)
         t0 = time.perf_counter()
+        tmp = None
         try:
-            with open(tmp, "wb") as f:
+            f, tmp = create_temp(path)
+            with f:
                 f.write(header.pack())
                 f.write(_U32.pack(len(text)))
-                f.write(text)
-                write_payload(f, cache, tokens, logits)
-                f.write(ktm)
+                writer = CrcWriter(f)
+                writer.write(text)
+                write_payload(writer, cache, tokens, logits)
+                f.write(ktm + Footer(self.identity, len(ktm), zlib.crc32(ktm)).pack())
                 if f.tell() != size:
                     raise RuntimeError(f"wrote {f.tell()} bytes, expected {size}: payload_nbytes is out of date")
-            os.replace(tmp, path)
+                f.seek(0)
+                f.write(dataclasses.replace(header, checksum=writer.crc).pack())
+                commit(f, tmp, path)
         except OSError as e:
             log.warning("kv cache store failed (%s): %s save=%.1f ms", reason.name.lower(), e.strerror or e,
                         (time.perf_counter() - t0) * 1e3)
@@ -567,19 +659,23 @@ class KvStore:
         self.evict(protected=key)
         return True
 
-    def _keep_existing(self, path: Path, key: str, text: bytes, ctx: int) -> bool:
-        """True when `path` already holds a usable checkpoint of `text`; an unusable one is deleted."""
-        if not path.exists():
+    def _keep_existing(self, path: Path, text: bytes, ctx: int) -> bool:
+        """True when `path` already holds a usable checkpoint of `text` by this model; anything else under that
+        name (another model's checkpoint of the same text, a damaged or foreign file) is deleted."""
+        try:
+            st = os.lstat(path)
+        except OSError:
             return False
-        entry = self._read_entry(path)
-        if entry is not None and entry.text_bytes == len(text) and entry.header.ctx <= ctx and (
-                not self.options.reject_different_quant or entry.header.quant_bits == self.quant_bits):
+        if stat.S_ISREG(st.st_mode):
             try:
-                with open(path, "rb") as f:
-                    f.seek(_PREFIX)
-                    if f.read(len(text)) == text:
-                        return True
-            except OSError:
+                entry = self._read_entry(path)
+                if entry.text_bytes == len(text) and entry.header.ctx <= ctx and self._usable(entry) and (
+                        not self.options.reject_different_quant or entry.header.quant_bits == self.quant_bits):
+                    with open_regular(path) as f:
+                        f.seek(_PREFIX)
+                        if f.read(len(text)) == text:
+                            return True
+            except (OSError, CacheFileError, struct.error):
                 pass
         try:
             path.unlink()
@@ -589,16 +685,17 @@ class KvStore:
         return False
 
     def _rewrite_tool_map(self, path: Path, ktm: bytes) -> None:
-        entry = self._read_entry(path)
-        if entry is None:
-            return
         try:
-            with open(path, "r+b") as f:
-                f.truncate(entry.payload_offset + entry.header.payload_bytes)
-                f.seek(0, os.SEEK_END)
-                f.write(ktm)
-            self._rewrite_header(path, add_flags=FLAG_TOOL_MAP)
-        except (OSError, CacheFileError) as e:
+            entry = self._read_entry(path)
+            with open_regular(path, writable=True) as f:
+                f.truncate(entry.payload_end)
+                f.seek(entry.payload_end)
+                f.write(ktm + Footer(self.identity, len(ktm), zlib.crc32(ktm)).pack())
+                f.seek(0)
+                header = KvHeader.unpack(f.read(_HEADER.size))
+                f.seek(0)
+                f.write(header.with_use(header.hits, self._now(), FLAG_TOOL_MAP).pack())
+        except (OSError, CacheFileError, struct.error) as e:
             log.warning("kv cache: cannot refresh the tool map of %s (%s)", path, e)
 
 
@@ -614,7 +711,21 @@ def _blocks_in(text: bytes, tool_blocks: Iterable[tuple[str, str]]) -> list[tupl
     return out
 
 
-def _remove(path: Path) -> None:
+def _drained_crc(reader: CrcReader) -> int:
+    """The checksum of everything the reader covers, reading what is left of it."""
+    while reader.read(1 << 20):
+        pass
+    return reader.crc
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    """What identifies a version of a file: a changed file is looked at again."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _remove(path: Path | None) -> None:
+    if path is None:
+        return
     try:
         path.unlink(missing_ok=True)
     except OSError:

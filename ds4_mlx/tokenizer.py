@@ -163,6 +163,7 @@ class Tokenizer:
 
         self._tokens = list(tokens)
         self._bytes = [self._vocab_bytes(t) for t in tokens]
+        self._max_bytes = max(map(len, self._bytes))
         self._special_ids = {s: vocab[s] for s in SPECIALS}
         longest_first = sorted(SPECIALS, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, longest_first)))
@@ -194,19 +195,35 @@ class Tokenizer:
         """
         text = _SURROGATES.sub("\ufffd", text)
         if not specials:
-            return self._bpe_ids(text)
-        ids: list[int] = []
+            return self._bpe_ids([text])[0]
+        pieces, specials_between = [], []
         start = 0
         for m in self._special_re.finditer(text):
-            ids += self._bpe_ids(text[start : m.start()])
-            ids.append(self._special_ids[m.group()])
+            pieces.append(text[start : m.start()])
+            specials_between.append(self._special_ids[m.group()])
             start = m.end()
-        return ids + self._bpe_ids(text[start:])
+        pieces.append(text[start:])
+        ids: list[int] = []
+        for piece_ids, special in zip(self._bpe_ids(pieces), [*specials_between, None]):
+            ids += piece_ids
+            if special is not None:
+                ids.append(special)
+        return ids
 
-    def _bpe_ids(self, text: str) -> list[int]:
-        return self._bpe.encode(text, add_special_tokens=False).ids if text else []
+    def _bpe_ids(self, pieces: list[str]) -> list[list[int]]:
+        """BPE of each piece, through `encode_batch`, which (unlike `encode`) releases the GIL while it works: a
+        long prompt tokenized on one thread must not stall the server's event loop and its other requests."""
+        todo = [p for p in pieces if p]
+        encoded = iter(self._bpe.encode_batch(todo, add_special_tokens=False) if todo else [])
+        return [next(encoded).ids if p else [] for p in pieces]
 
     # -- decoding ------------------------------------------------------------------------------------------------
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token spells (128 in V4's vocabulary): a text of B bytes needs at least
+        B / max_token_bytes tokens, which bounds a prompt's length before it is tokenized."""
+        return self._max_bytes
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (specials: their literal UTF-8 text)."""
@@ -263,6 +280,11 @@ class Tokenizer:
     @property
     def dsml_id(self) -> int:
         return self._special_ids[DSML]
+
+
+def utf8(text: str) -> bytes:
+    """The UTF-8 bytes the tokenizer sees for `text` (lone surrogates, which have none, as U+FFFD)."""
+    return _SURROGATES.sub("\ufffd", text).encode("utf-8")
 
 
 def _pending_prefix(buf: bytes) -> int:

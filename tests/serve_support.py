@@ -90,7 +90,8 @@ def live_server(engine, options: ServerOptions = ServerOptions(), max_queue: int
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    server = HttpServer(app, worker, log_level="warning", timeout_graceful_shutdown=5)
+    server = HttpServer(app, worker, read_timeout=options.read_timeout_seconds, log_level="warning",
+                        timeout_graceful_shutdown=5)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

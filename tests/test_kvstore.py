@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,7 @@ from ds4_mlx.chat import Message, ThinkMode, render_chat
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.errors import Ds4Error
 from ds4_mlx.events import Done
+from ds4_mlx.kvidentity import FOOTER, Footer, ModelIdentity
 from ds4_mlx.kvstore import (
     FLAG_TOOL_MAP,
     KvCacheOptions,
@@ -56,6 +58,8 @@ CTX = 256
 MIN = 8
 NOW = 1_700_000_000
 GREEDY = SamplingParams(temperature=0)
+ID = ModelIdentity(b"core of the test" , b"experts of test!")
+"""The identity the stores of these tests claim (model_identity's own tests use real weights)."""
 SYSTEM = "You are a careful assistant who answers in one short sentence and never uses lists."
 
 
@@ -186,7 +190,8 @@ def test_header_bytes_field_by_field():
     assert len(data) == 48
     assert data[0:3] == b"KVC" and data[3] == 1 and data[4] == 4 and data[5] == 3 and data[6] == 1 and data[7] == 0
     assert struct.unpack_from("<III", data, 8) == (0x01020304, 7, 32768)
-    assert data[20:24] == b"\0\0\0\0"
+    assert data[20:24] == b"\0\0\0\0"  # ds4 leaves them zero; here they hold the checksum
+    assert KvHeader(**{**h.__dict__, "checksum": 0xA1B2C3D4}).pack()[20:24] == bytes.fromhex("d4c3b2a1")
     assert struct.unpack_from("<QQQ", data, 24) == (NOW, NOW + 5, 2**33 + 1)
     assert KvHeader.unpack(data) == h
     for bad in (b"KVD" + data[3:], data[:3] + b"\x02" + data[4:], data[:4] + b"\x03" + data[5:],
@@ -235,13 +240,14 @@ def test_eviction_keeps_a_long_continued_frontier_over_a_small_cold_file():
 
 
 def fake_file(directory: Path, text: bytes, tokens: int, payload: int, *, hits: int = 0, last_used: int = NOW,
-              quant_bits: int = 2, ctx: int = CTX, tool_map: bytes = b"") -> Path:
+              quant_bits: int = 2, ctx: int = CTX, tool_map: bytes = b"", identity: ModelIdentity = ID) -> Path:
     """A .kv file whose header and text are valid; its payload is zeros (lookups and eviction never read it)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     header = KvHeader(quant_bits, SaveReason.COLD, FLAG_TOOL_MAP if tool_map else 0, tokens, hits, ctx, NOW,
-                      last_used, payload)
+                      last_used, payload, zlib.crc32(bytes(payload), zlib.crc32(text)))
     path = directory / f"{text_key(text)}.kv"
-    path.write_bytes(header.pack() + struct.pack("<I", len(text)) + text + bytes(payload) + tool_map)
+    footer = Footer(identity, len(tool_map), zlib.crc32(tool_map)).pack()
+    path.write_bytes(header.pack() + struct.pack("<I", len(text)) + text + bytes(payload) + tool_map + footer)
     return path
 
 
@@ -254,11 +260,11 @@ def test_open_evicts_down_to_the_budget_and_ignores_invalid_files(tmp_path, capl
     garbage = d / f"{'c' * 40}.kv"
     garbage.write_bytes(b"not a kv file at all" * 100_000)  # 2 MB, would exceed the budget if it were counted
     truncated = fake_file(d, b"truncated", 100, mib)
-    truncated.write_bytes(truncated.read_bytes()[:-1])
+    truncated.write_bytes(truncated.read_bytes()[:-100])  # the footer and the end of the payload are gone
     other = d / "notes.txt"
     other.write_bytes(b"x")
     with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
-        store = KvStore(options(d, space_mb=1), 2, clock=lambda: NOW)
+        store = KvStore(options(d, space_mb=1), 2, ID, clock=lambda: NOW)
     assert not useless.exists() and useful.exists() and small.exists()
     assert garbage.exists() and truncated.exists() and other.exists()
     assert "kv cache evicted reason=disk-cache-full tokens=100 hits=0" in caplog.text
@@ -268,7 +274,7 @@ def test_open_evicts_down_to_the_budget_and_ignores_invalid_files(tmp_path, capl
 def test_evict_protects_the_file_just_written_unless_it_alone_exceeds_the_budget(tmp_path):
     d = tmp_path / "kv"
     mib = 1024 * 1024
-    store = KvStore(options(d, space_mb=1), 2, clock=lambda: NOW)
+    store = KvStore(options(d, space_mb=1), 2, ID, clock=lambda: NOW)
     useful = fake_file(d, b"useful", 1000, mib // 2, hits=3)
     just_written = fake_file(d, b"just written", 10, mib // 2)
     store.evict(protected=text_key(b"just written"))
@@ -287,14 +293,14 @@ def test_lookup_picks_the_longest_cached_text_that_starts_the_prompt(tmp_path):
     fake_file(d, b"<BOS>system and tools, user", 4, 10)  # a prefix, but below min tokens
     fake_file(d, b"<BOS>system and tools, user turn", 50, 10, ctx=CTX * 2)  # saved for a larger context
     fake_file(d, b"<BOS>system and tools, user turn and", 50, 10, quant_bits=4)
-    store = KvStore(options(d), 2)
+    store = KvStore(options(d), 2, ID)
     prompt = b"<BOS>system and tools, user turn and more"
-    assert store.lookup(prompt, CTX).key == text_key(b"<BOS>system and tools, user turn and")
-    assert KvStore(options(d, reject_different_quant=True), 2).lookup(prompt, CTX).path == best
-    assert store.lookup(b"<BOS>sys", CTX) is None
+    assert store.candidates(prompt, CTX)[0].key == text_key(b"<BOS>system and tools, user turn and")
+    assert KvStore(options(d, reject_different_quant=True), 2, ID).candidates(prompt, CTX)[0].path == best
+    assert store.candidates(b"<BOS>sys", CTX) == []
     # a cached text that ends inside a UTF-8 character of the prompt is passed over
     fake_file(d, "<BOS>é".encode()[:-1], 60, 10)
-    assert store.lookup("<BOS>é".encode(), CTX) is None
+    assert store.candidates("<BOS>é".encode(), CTX) == []
 
 
 # -- the tiny model: real files ----------------------------------------------------------------------------------
@@ -323,7 +329,7 @@ def test_quant_bits_come_from_layer_0_gate_type(tiny_path, tmp_path):
 
 def test_cold_checkpoint_file_bytes(loaded, tmp_path):
     d = tmp_path / "kv"
-    engine = engine_with(loaded, KvStore(options(d), 2, clock=lambda: NOW))
+    engine = engine_with(loaded, KvStore(options(d), 2, ID, clock=lambda: NOW))
     prompt = chat_prompt("Hello there")
     tokens = loaded.tokenizer.encode(prompt)
     anchor = tokens.index(loaded.tokenizer.user_id)
@@ -339,22 +345,26 @@ def test_cold_checkpoint_file_bytes(loaded, tmp_path):
     text = data[52 : 52 + text_len]
     assert text == prompt[: prompt.index("<｜User｜>")].encode()  # the system prefix before the task message
     assert path.name == hashlib.sha1(text).hexdigest() + ".kv"
-    assert len(data) == 52 + text_len + h.payload_bytes
+    end = 52 + text_len + h.payload_bytes
+    assert len(data) == end + FOOTER.size
     # the payload is exactly what write_payload gives for a session prefilled with those tokens
     session = engine_with(loaded, None).session
     session.prefill(tokens[:anchor])
     expected = io.BytesIO()
     write_payload(expected, session.cache, session.tokens, session.logits)
     assert h.payload_bytes == payload_nbytes(session.cache) == len(expected.getvalue())
-    assert data[52 + text_len :] == expected.getvalue()  # same chunking, same arithmetic: the same bytes
-    assert d.stat().st_mode & 0o777 == 0o700
+    assert data[52 + text_len : end] == expected.getvalue()  # same chunking, same arithmetic: the same bytes
+    # bytes 20-23: the CRC-32 of text and payload; then the identity footer (no tool map: 0 bytes, CRC of b"")
+    assert struct.unpack_from("<I", data, 20)[0] == h.checksum == zlib.crc32(data[52:end])
+    assert data[end:] == b"KID\x01" + ID.core + ID.experts + struct.pack("<II", 0, 0)
+    assert d.stat().st_mode & 0o777 == 0o700 and path.stat().st_mode & 0o777 == 0o600
 
 
 def test_disk_checkpoint_continues_exactly_like_the_live_session(loaded, tmp_path):
     """Saved at shutdown, loaded by a new engine: the same state and logits (1e-5 relative: float32 arrays written
     and read back unchanged, so in practice bit-equal) and the same greedy continuation."""
     d = tmp_path / "kv"
-    first = engine_with(loaded, KvStore(options(d), 2))
+    first = engine_with(loaded, KvStore(options(d), 2, ID))
     done = run(first, chat_prompt("Hello there"))
     live_tokens, live_logits = list(first.session.tokens), first.session.logits
     first.shutdown()
@@ -362,8 +372,8 @@ def test_disk_checkpoint_continues_exactly_like_the_live_session(loaded, tmp_pat
     assert len(shutdown_files) == 1 and read_header(shutdown_files[0]).tokens == len(live_tokens)
 
     follow = loaded.tokenizer.decode(live_tokens) + " and more text."
-    store = KvStore(options(d), 2)
-    hit = store.load(store.lookup(follow.encode(), CTX), follow.encode(), loaded.model.config, CTX)
+    store = KvStore(options(d), 2, ID)
+    hit = store.load(store.candidates(follow.encode(), CTX)[0], follow.encode(), loaded.model.config, CTX)
     assert hit.tokens == live_tokens
     np.testing.assert_allclose(np.array(hit.logits), np.array(live_logits), rtol=1e-5)
     for a, b in zip(hit.cache.arrays(), first.session.cache.arrays()):
@@ -381,24 +391,24 @@ def test_disk_checkpoint_continues_exactly_like_the_live_session(loaded, tmp_pat
 def test_hits_are_counted_and_long_checkpoints_consumed(loaded, tmp_path):
     d = tmp_path / "kv"
     clock = [NOW]
-    run(engine_with(loaded, KvStore(options(d), 2, clock=lambda: clock[0])), chat_prompt("Hello there"))
+    run(engine_with(loaded, KvStore(options(d), 2, ID, clock=lambda: clock[0])), chat_prompt("Hello there"))
     (path,) = kv_files(d)
     n = read_header(path).tokens
     clock[0] = NOW + 100
-    engine = engine_with(loaded, KvStore(options(d), 2, clock=lambda: clock[0]))
+    engine = engine_with(loaded, KvStore(options(d), 2, ID, clock=lambda: clock[0]))
     done = run(engine, chat_prompt("Something else"))
     assert done.usage.cached_tokens == n
     h = read_header(path)
     assert (h.hits, h.created, h.last_used) == (1, NOW, NOW + 100)
     # above --kv-cache-cold-max-tokens a loaded checkpoint is consumed: the live session will be saved again
-    engine = engine_with(loaded, KvStore(options(d, cold_max_tokens=n - 1), 2))
+    engine = engine_with(loaded, KvStore(options(d, cold_max_tokens=n - 1), 2, ID))
     assert run(engine, chat_prompt("A third question")).usage.cached_tokens == n
     assert not path.exists()
 
 
 def test_a_miss_saves_the_live_session_before_replacing_it(loaded, tmp_path):
     d = tmp_path / "kv"
-    engine = engine_with(loaded, KvStore(options(d, cold_max_tokens=0), 2))
+    engine = engine_with(loaded, KvStore(options(d, cold_max_tokens=0), 2, ID))
     run(engine, chat_prompt("Hello there"))
     live = list(engine.session.tokens)
     assert kv_files(d) == []
@@ -414,45 +424,51 @@ def test_a_miss_saves_the_live_session_before_replacing_it(loaded, tmp_path):
 def test_token_prompts_reuse_a_checkpoint_only_when_its_ids_are_a_prefix(loaded, tmp_path):
     d = tmp_path / "kv"
     prompt = chat_prompt("Hello there")
-    run(engine_with(loaded, KvStore(options(d), 2)), prompt)
+    run(engine_with(loaded, KvStore(options(d), 2, ID)), prompt)
     ids = loaded.tokenizer.encode(prompt)
-    assert run(engine_with(loaded, KvStore(options(d), 2)), ids).usage.cached_tokens == read_header(
+    assert run(engine_with(loaded, KvStore(options(d), 2, ID)), ids).usage.cached_tokens == read_header(
         kv_files(d)[0]).tokens
     # the same bytes spelled with other ids (BOS typed as plain text, as the CLI tokenizes user text): no reuse
     respelled = loaded.tokenizer.encode(loaded.tokenizer.decode(ids[:1]), specials=False) + ids[1:]
     assert respelled != ids and loaded.tokenizer.decode(respelled) == prompt
-    assert run(engine_with(loaded, KvStore(options(d, cold_max_tokens=0), 2)), respelled).usage.cached_tokens == 0
+    assert run(engine_with(loaded, KvStore(options(d, cold_max_tokens=0), 2, ID)), respelled).usage.cached_tokens == 0
 
 
 def test_corrupt_files_are_not_loaded_and_the_request_is_served(loaded, tmp_path, caplog):
+    """Damage to a checkpoint of this model (text, payload, header's token count) deletes it with one log line;
+    a file that is not a checkpoint (truncated, bad header) is logged once, set aside and kept."""
     d = tmp_path / "kv"
     prompt = chat_prompt("Hello there")
-    run(engine_with(loaded, KvStore(options(d), 2)), prompt)
+    run(engine_with(loaded, KvStore(options(d), 2, ID)), prompt)
     (path,) = kv_files(d)
     good = path.read_bytes()
     text_len = struct.unpack_from("<I", good, 48)[0]
 
-    def serve_once() -> int:  # without cold saves, which would replace an unusable file of the same name
-        return run(engine_with(loaded, KvStore(options(d, cold_max_tokens=0), 2)), prompt).usage.cached_tokens
+    def serve_once(store=None) -> int:  # without cold saves, which would replace an unusable file of the same name
+        store = store or KvStore(options(d, cold_max_tokens=0), 2, ID)
+        return run(engine_with(loaded, store), prompt).usage.cached_tokens
 
-    cases = {
-        "text": good[:52] + b"X" + good[53:],  # hash mismatch: file kept
-        "payload": good[: 52 + text_len] + b"XXXX" + good[56 + text_len :],  # bad payload magic: file kept
-        "truncated": good[:-10],  # shorter than the header says: not even listed
-        "header": b"KVX" + good[3:],
+    damaged = {
+        "text": good[:52] + b"X" + good[53:],
+        "payload magic": good[: 52 + text_len] + b"XXXX" + good[56 + text_len :],
     }
-    with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
-        for name, data in cases.items():
-            path.write_bytes(data)
-            assert serve_once() == 0, name
-            assert path.exists() and path.read_bytes() == data, name
-    assert "kv cache load failed" in caplog.text and "cached text hash mismatch" in caplog.text
-    # a payload whose token count disagrees with the header is deleted
     h = KvHeader.unpack(good)
-    path.write_bytes(KvHeader(h.quant_bits, h.reason, h.flags, h.tokens + 1, h.hits, h.ctx, h.created, h.last_used,
-                              h.payload_bytes).pack() + good[48:])
-    assert serve_once() == 0
-    assert not path.exists()
+    damaged["token count"] = KvHeader(**{**h.__dict__, "tokens": h.tokens + 1}).pack() + good[48:]
+    for name, data in damaged.items():
+        path.write_bytes(data)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+            assert serve_once() == 0, name
+        assert not path.exists(), name
+        assert caplog.text.count("kv cache discarded damaged checkpoint") == 1, name
+    for name, data in {"truncated": good[:-10], "header": b"KVX" + good[3:]}.items():
+        path.write_bytes(data)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+            store = KvStore(options(d, cold_max_tokens=0), 2, ID)
+            assert serve_once(store) == 0 and serve_once(store) == 0, name
+        assert path.read_bytes() == data, name
+        assert caplog.text.count("kv cache: ignoring") == 1, name  # logged once, then set aside
     path.write_bytes(good)
     assert serve_once() == h.tokens
 
@@ -461,7 +477,7 @@ def test_an_unwritable_directory_does_not_fail_the_request(loaded, tmp_path, cap
     blocker = tmp_path / "file"
     blocker.write_text("a file where the directory should be")
     with caplog.at_level(logging.WARNING, "ds4_mlx.kvstore"):
-        engine = engine_with(loaded, KvStore(options(blocker / "kv"), 2))
+        engine = engine_with(loaded, KvStore(options(blocker / "kv"), 2, ID))
         done = run(engine, chat_prompt("Hello there"))
         engine.shutdown()
     assert done.finish_reason == "length" and done.usage.completion_tokens == 3
@@ -471,15 +487,31 @@ def test_an_unwritable_directory_does_not_fail_the_request(loaded, tmp_path, cap
 def test_a_full_disk_does_not_fail_the_request(loaded, tmp_path, caplog, monkeypatch):
     import ds4_mlx.kvstore as kvstore
 
-    def full(path, mode="r", *args, **kw):
-        if "w" in mode:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return open(path, mode, *args, **kw)
+    real_create = kvstore.create_temp
 
-    monkeypatch.setattr(kvstore, "open", full, raising=False)
+    class Full:
+        """The temporary file, on a disk that is full."""
+
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def full(path):
+        f, tmp = real_create(path)
+        return Full(f), tmp
+
+    monkeypatch.setattr(kvstore, "create_temp", full)
     d = tmp_path / "kv"
     with caplog.at_level(logging.WARNING, "ds4_mlx.kvstore"):
-        done = run(engine_with(loaded, KvStore(options(d), 2)), chat_prompt("Hello there"))
+        done = run(engine_with(loaded, KvStore(options(d), 2, ID)), chat_prompt("Hello there"))
     assert done.usage.completion_tokens == 3
     assert "kv cache store failed (cold): No space left on device" in caplog.text
     assert list(d.iterdir()) == []  # no checkpoint and no temporary file left behind
@@ -493,7 +525,7 @@ BLOCK = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n<｜DSML�
 
 def test_tool_map_trailer_bytes_and_round_trip(loaded, tmp_path):
     d = tmp_path / "kv"
-    engine = engine_with(loaded, KvStore(options(d, boundary_trim_tokens=0), 2))
+    engine = engine_with(loaded, KvStore(options(d, boundary_trim_tokens=0), 2, ID))
     engine.tool_memory.remember(["call_a", "call_b"], BLOCK)
     engine.tool_memory.remember(["call_other"], BLOCK.replace("ls -la", "pwd"))
     prompt = "<｜begin▁of▁sentence｜>Earlier the assistant ran" + BLOCK + " and then carried on."
@@ -502,14 +534,15 @@ def test_tool_map_trailer_bytes_and_round_trip(loaded, tmp_path):
     h = read_header(path)
     assert h.flags & FLAG_TOOL_MAP
     data = path.read_bytes()
-    trailer = data[52 + struct.unpack_from("<I", data, 48)[0] + h.payload_bytes :]
+    trailer = data[52 + struct.unpack_from("<I", data, 48)[0] + h.payload_bytes : -FOOTER.size]
     block = BLOCK.encode()
     expected = b"KTM\x01" + struct.pack("<I", 2)
     for call_id in (b"call_a", b"call_b"):
         expected += struct.pack("<II", len(call_id), len(block)) + call_id + block
     assert trailer == expected == encode_tool_map([("call_a", BLOCK), ("call_b", BLOCK)])
+    assert Footer.unpack(data[-FOOTER.size :]) == Footer(ID, len(trailer), zlib.crc32(trailer))
 
-    store = KvStore(options(d), 2)
+    store = KvStore(options(d), 2, ID)
     assert store.tool_map({"call_a", "call_other", "call_z"}) == {"call_a": BLOCK}
     # a hit loads the file's tool map into the engine's memory
     resumed = engine_with(loaded, store)
@@ -530,7 +563,8 @@ def test_server_recalls_tool_ids_from_disk_before_rendering(tmp_path):
     d = tmp_path / "kv"
     fake_file(d, b"some cached text", 50, 100, tool_map=encode_tool_map([("call_1", BLOCK)]))
     engine = ScriptedEngine()
-    engine.kv_store = KvStore(options(d, min_tokens=100_000, cold_max_tokens=0), 2)  # a scripted model has no cache to save
+    # a scripted model has no cache to save
+    engine.kv_store = KvStore(options(d, min_tokens=100_000, cold_max_tokens=0), 2, ID)
     messages = [
         {"role": "user", "content": "list files"},
         {"role": "assistant", "content": "", "tool_calls": [
@@ -576,8 +610,8 @@ class RecordingStore:
         self.saved.append((reason, len(tokens)))
         return True
 
-    def lookup(self, prompt: bytes, ctx: int) -> None:
-        return None
+    def candidates(self, prompt: bytes, ctx: int) -> list:
+        return []
 
 
 def scripted_engine(loaded: Engine, prompt: list[int], reply: str,

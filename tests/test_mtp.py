@@ -20,6 +20,7 @@ from ds4_mlx.cli import main
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.errors import LayoutError, ModelFileMissing
 from ds4_mlx.events import Done
+from ds4_mlx.kvidentity import ModelIdentity
 from ds4_mlx.kvstore import KvCacheOptions, KvStore
 from ds4_mlx.model.factory import model_tensors, mtp_tensors, tensor_data, write_gguf, write_model, write_mtp_model
 from ds4_mlx.model.gguf import GGMLType
@@ -349,7 +350,7 @@ def test_speculation_keeps_disk_checkpoints_where_plain_decoding_takes_them(monk
     for name, opts in (("plain", {}), ("speculative", {"mtp": mtp, "mtp_draft": 4})):
         options = KvCacheOptions(tmp_path / name, min_tokens=1, cold_max_tokens=0, continued_interval_tokens=5,
                                  boundary_align_tokens=0)
-        engine = Engine(model, tokenizer, CTX, kv_store=KvStore(options, quant_bits=2), **opts)
+        engine = Engine(model, tokenizer, CTX, kv_store=KvStore(options, quant_bits=2, identity=ModelIdentity(bytes(16), bytes(16))), **opts)
         real = engine._checkpoint
         saved[name] = []
 

@@ -11,7 +11,7 @@ from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.kvstore import KvEntry, KvHeader, KvStore, eviction_victim
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
-from test_kvstore import CTX, chat_prompt, kv_files, options, read_header
+from test_kvstore import CTX, ID, chat_prompt, kv_files, options, read_header
 
 GREEDY = SamplingParams(temperature=0)
 NOW = 1_700_000_000
@@ -40,13 +40,13 @@ def test_payload_token_ids_outside_the_vocabulary_are_not_loaded(loaded, tmp_pat
     request after it, because the session is never replaced."""
     d = tmp_path / "kv"
     prompt = chat_prompt("Hello there")
-    run(fresh(loaded, KvStore(options(d), 2)), prompt)
+    run(fresh(loaded, KvStore(options(d), 2, ID)), prompt)
     (path,) = kv_files(d)
     data = bytearray(path.read_bytes())
     text_len = struct.unpack_from("<I", data, 48)[0]
     struct.pack_into("<I", data, 52 + text_len + 52, 0xFFFFFFF0)  # the payload's first token id
     path.write_bytes(bytes(data))
-    engine = fresh(loaded, KvStore(options(d, cold_max_tokens=0), 2))
+    engine = fresh(loaded, KvStore(options(d, cold_max_tokens=0), 2, ID))
     first = run(engine, prompt)
     assert first.usage.cached_tokens == 0  # the corrupt checkpoint must not be used
     second = run(engine, "<｜begin▁of▁sentence｜>Another conversation, long enough to matter.")
@@ -58,19 +58,19 @@ def test_a_consumed_checkpoint_survives_a_stop_string_hit(loaded, tmp_path):
     continued/evict/shutdown". A stop-string hit drops the live session (§3.6), so it must be saved first (reason
     evict), or the conversation is gone from memory and disk."""
     d = tmp_path / "kv"
-    run(fresh(loaded, KvStore(options(d), 2)), chat_prompt("Hello there"))
+    run(fresh(loaded, KvStore(options(d), 2, ID)), chat_prompt("Hello there"))
     (path,) = kv_files(d)
     n = read_header(path).tokens
     prompt = chat_prompt("A third question")
     probe = run(fresh(loaded, None), prompt)
     stop = loaded.tokenizer.decode(probe.token_ids[:1])
     assert stop.strip()
-    engine = fresh(loaded, KvStore(options(d, cold_max_tokens=n - 1), 2))
+    engine = fresh(loaded, KvStore(options(d, cold_max_tokens=n - 1), 2, ID))
     done = run(engine, prompt, stop=(stop,))
     assert done.usage.cached_tokens == n and done.finish_reason == "stop"
     assert not path.exists()  # consumed, as the spec says
     # ... and then it must still be on disk: the same conversation, in a new process, finds it again
-    later = run(fresh(loaded, KvStore(options(d, cold_max_tokens=n - 1), 2)), prompt)
+    later = run(fresh(loaded, KvStore(options(d, cold_max_tokens=n - 1), 2, ID)), prompt)
     assert later.usage.cached_tokens >= n
 
 

@@ -16,6 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also serve requests whose Host header is NAME (repeatable; '*' = any). By default only "
+                        "localhost, loopback addresses and the --host address are served, so that web pages cannot "
+                        "reach the server through DNS rebinding")
     p.add_argument("-n", "--tokens", type=int, default=393216,
                    help="most tokens to generate when a request sets no limit (default 393216)")
     p.add_argument("--cors", action="store_true", help="allow browser clients from any origin (CORS headers)")
@@ -45,8 +49,30 @@ def run(args: argparse.Namespace) -> int:
                         datefmt="%Y-%m-%dT%H:%M:%S%z", stream=sys.stderr)  # ISO 8601
     worker = Worker(lambda: open_engine(args, default_max_tokens=args.tokens, kv_cache=kv_cache), args.max_queue)
     engine = worker.start()
-    app = create_app(worker, ServerOptions(cors=args.cors, api_key=args.api_key or None, trace=args.trace))
+    warn_if_exposed(args.host, args.api_key)
+    app = create_app(worker, ServerOptions(cors=args.cors, api_key=args.api_key or None, trace=args.trace,
+                                           bind_host=args.host, allowed_hosts=tuple(args.allow_host)))
     server = HttpServer(app, worker, host=args.host, port=args.port)
     logging.getLogger("ds4_mlx.serve").info("model %s loaded, ctx %d", engine.model_name, engine.ctx)
     server.run()
     return 0
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    """One warning when the server listens beyond this machine with no API key."""
+    if not api_key and not _loopback(host):
+        logging.getLogger("ds4_mlx.serve").warning(
+            "listening on %s without an API key: anyone who can reach this address can use the model; set "
+            "--api-key (or DS4_API_KEY), or listen on 127.0.0.1", host)
+
+
+def _loopback(host: str) -> bool:
+    """Whether `--host` keeps the server on this machine (a loopback address or name)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

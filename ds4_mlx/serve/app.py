@@ -22,7 +22,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,6 +41,14 @@ from .common import (
     context_overflow,
     dumps,
     new_id,
+)
+from .guard import (
+    READ_TIMEOUT_SECONDS,
+    HeavySlots,
+    RequestGuard,
+    check_prompt_size,
+    header_timeout_protocol,
+    read_body,
 )
 from .rawjson import parse_body
 from .trace import Trace
@@ -68,6 +76,11 @@ class ServerOptions:
     api_key: str | None = None
     trace: str | None = None
     keepalive_seconds: float = 5.0
+    bind_host: str = "127.0.0.1"
+    """The address the server listens on: a `Host` header naming it is served (besides loopback names)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """`--allow-host`: other names a `Host` header may carry ("*": any)."""
+    read_timeout_seconds: float = READ_TIMEOUT_SECONDS
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,7 @@ class Server:
         self.engine = worker.engine
         self.options = options
         self.trace = Trace(options.trace) if options.trace else None
+        self.heavy = HeavySlots()
 
     # -- plumbing -------------------------------------------------------------------------------------------
 
@@ -201,20 +215,8 @@ class Server:
         return run
 
     async def _read(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise ApiError(f"request body too large: at most {MAX_BODY_BYTES} bytes", 413)
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise ApiError(f"request body too large: at most {MAX_BODY_BYTES} bytes", 413)
-                chunks.append(chunk)
-        except ClientDisconnect:  # nobody is left to answer; not a fault of the server
-            raise ApiError("the client disconnected while sending the request", 499) from None
-        request.state.body = b"".join(chunks)  # for the trace, should the request be refused
-        return request.state.body
+        request.state.body = await read_body(request, MAX_BODY_BYTES, self.options.read_timeout_seconds)
+        return request.state.body  # kept for the trace, should the request be refused
 
     def _render(self, request: ChatRequest | CompletionRequest) -> str:
         think = request.options.think
@@ -241,6 +243,7 @@ class Server:
             for call_id, block in recalled.items():
                 self.engine.tool_memory.remember([call_id], block)
             prompt = self._render(request)
+        check_prompt_size(prompt, self.engine.ctx, self.engine.tokenizer.max_token_bytes, api.param)
         return request, prompt, self.engine.count_tokens(prompt)
 
     def _remember(self, ids: CallIds, done: Done) -> list[str]:
@@ -284,7 +287,8 @@ class Server:
         async def handle(request: Request, rid: str) -> Response:
             self.worker.check_room()
             data = await self._read(request)
-            norm, prompt, n_prompt = await run_in_threadpool(self._prepare, data, api)
+            async with self.heavy.admit(len(data)):
+                norm, prompt, n_prompt = await run_in_threadpool(self._prepare, data, api)
             if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt (§3.7)
                 raise api.overflow(n_prompt, self.engine.ctx, api.param)
             options = norm.options
@@ -373,7 +377,9 @@ class Server:
     async def count_tokens(self, request: Request, rid: str) -> Response:
         """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's length, without generating, also when it
         does not fit the context (clients ask exactly to find out whether to compact)."""
-        _, _, n_prompt = await run_in_threadpool(self._prepare, await self._read(request), MESSAGES)
+        data = await self._read(request)
+        async with self.heavy.admit(len(data)):
+            _, _, n_prompt = await run_in_threadpool(self._prepare, data, MESSAGES)
         return json_response({"input_tokens": n_prompt})
 
     def _model_ids(self) -> tuple[str, ...]:
@@ -451,7 +457,8 @@ def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Star
     app = Starlette(routes=routes, exception_handlers={HTTPException: server.not_found}, lifespan=lifespan)
     app.router.redirect_slashes = False  # ds4 answers 404 for a trailing slash; a redirect would hide the typo
     app.state.server = server
-    return HttpLayer(app, options.cors)
+    posts = [route.path for route in routes if "POST" in route.methods]
+    return HttpLayer(RequestGuard(app, options.bind_host, options.allowed_hosts, posts), options.cors)
 
 
 class HttpServer(uvicorn.Server):
@@ -459,7 +466,10 @@ class HttpServer(uvicorn.Server):
     responses end at once (finish reason "error"), queued requests get 503, and shutdown does not wait for
     a long answer. A second signal exits immediately (uvicorn's force exit)."""
 
-    def __init__(self, app: ASGIApp, worker: Worker, **config: Any) -> None:
+    def __init__(self, app: ASGIApp, worker: Worker, read_timeout: float = READ_TIMEOUT_SECONDS,
+                 **config: Any) -> None:
+        """`read_timeout`: how long a request's headers may take (guard.py)."""
+        config.setdefault("http", header_timeout_protocol(read_timeout))
         super().__init__(uvicorn.Config(app, lifespan="on", **config))
         self.worker = worker
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -6,6 +6,7 @@ the live session already held), the tool-parser events as they happened and the 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -18,8 +19,14 @@ class Trace:
     """Appends records to one file; safe to call from any thread."""
 
     def __init__(self, path: str | Path) -> None:
-        # kept open for the server's lifetime; text that has no UTF-8 form (lone surrogates) is escaped, not fatal
-        self._file = open(path, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
+        # kept open for the server's lifetime; text that has no UTF-8 form (lone surrogates) is escaped, not fatal.
+        # 0600, also when it exists: it holds every prompt.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        except OSError:
+            pass  # not ours to change (e.g. /dev/stderr): written as it is
+        self._file = open(fd, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
         self._lock = threading.Lock()
 
     def _write(self, request_id: str, title: str, *sections: tuple[str, Any]) -> None:
