@@ -271,6 +271,7 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
     from .. import hostmem
 
     hostmem.reset_peak()
+    available_before = hostmem.available()
     with hostmem.Sampler() as sampler:
         t0 = time.perf_counter()
         if args.synthetic is not None:
@@ -283,7 +284,8 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
         seconds = time.perf_counter() - t0
     peaks = sampler.peaks
     host = {"peak_rss_bytes": hostmem.peak_rss(), "peak_anon_bytes_sampled": peaks.anon,
-            "min_available_bytes": peaks.min_available}
+            "available_before_bytes": available_before, "min_available_bytes": peaks.min_available,
+            "after_load": hostmem.status()}
     return Loaded(f"{label} ({describe(session.model)})", session, tokenizer, seconds, file_bytes, host)
 
 
@@ -385,8 +387,9 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
     host = loaded.host
     console.print(f"backend {summary['backend']}, context {walk.ctx}; load {loaded.file_bytes / 1e9:.2f} GB in "
                   f"{loaded.seconds:.2f} s ({gbps:.2f} GB/s), weights {loaded.session.model.nbytes / GIB:.2f} GiB; "
-                  f"host peak RSS {host['peak_rss_bytes'] / GIB:.2f} GiB (anonymous "
-                  f"{host['peak_anon_bytes_sampled'] / GIB:.2f} GiB, sampled)", soft_wrap=True)
+                  f"host peak RSS {host['peak_rss_bytes'] / GIB:.2f} GiB (mapped file pages included), "
+                  f"anonymous {host['peak_anon_bytes_sampled'] / GIB:.2f} GiB (sampled)" + _available(host),
+                  soft_wrap=True)
     table = Table()
     for name in ("context", "prefill tokens", "prefill t/s", "decode t/s", "KV MiB", "peak GiB"):
         table.add_column(name, justify="right")
@@ -404,6 +407,13 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
         console.print(f"decode step graph: {counts['total']} primitives ({counts['kernels']} not views), per layer "
                       f"{counts['per_layer']}, outside layers {counts['outside_layers']}; most used: {top}",
                       soft_wrap=True)
+
+
+def _available(host: dict) -> str:
+    before, low = host["available_before_bytes"], host["min_available_bytes"]
+    if before is None or low is None:
+        return ""
+    return f"; the machine's MemAvailable fell from {before / GIB:.1f} to {low / GIB:.1f} GiB while loading"
 
 
 def _spread(row: dict, key: str, repeats: int) -> str:
