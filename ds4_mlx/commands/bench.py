@@ -19,7 +19,6 @@ import argparse
 import csv
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
