@@ -240,6 +240,27 @@ def test_full_layouts_are_refused_on_a_small_device_before_building(kind, monkey
     assert need / 1024**3 > (140 if kind == "q4" else 80)
 
 
+def test_load_paths_move_the_bytes_exactly(tmp_path, capsys):
+    """bench/load_paths.py (the staging paths compared on the GPU machine) checks every chunk it moves."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("load_paths", Path(__file__).parents[1] / "bench" / "load_paths.py")
+    load_paths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load_paths)
+    data = tmp_path / "data.bin"
+    data.write_bytes(np.random.default_rng(0).integers(0, 256, 34 << 20, dtype=np.uint8).tobytes())
+    # 32 MiB chunks: the threaded copy splits chunks of 16 MiB and more
+    assert load_paths.main([str(data), "--gb", "1", "--chunk-mb", "32", "--threads", "2", "--json"]) == 0
+    runs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["path"], r["threads"]) for r in runs] == [("array", 1), ("load", 1), ("load", 2)]
+    assert all(r["gb"] == 34 * 2**20 / 1e9 and r["gb_per_second"] > 0 for r in runs)
+    view = load_paths.NpyView(np.arange(100, dtype=np.uint8))
+    view.seek(-10, 2)
+    buffer = bytearray(10)
+    assert view.readinto(buffer) == 10 and list(buffer) == list(range(90, 100))
+
+
 @pytest.mark.slow
 def test_one_flash_layer_runs():
     """A single full-size layer (3.5 GB of weights) through a short walk; minutes on a laptop CPU."""
