@@ -130,6 +130,9 @@ def test_walk_continues_from_the_prompt_after_each_probe(model_path):
     fresh.prefill(prompt[16:])
     np.testing.assert_allclose(np.asarray(engine.session.logits), np.asarray(fresh.logits), rtol=1e-5, atol=1e-5)
     assert counts is None and [r.prefill_tokens for r in results] == [16, 16]
+    tight = Engine.load(model_path, 5)  # the warm-up fits a context of one frontier plus its probe
+    results, _ = run_walk(Loaded("tiny", tight.session, tight.tokenizer, 1.0, 1, {}), Walk((4,), 1, 1), prompt[:4])
+    assert tight.session.tokens == prompt[:4] and results[0].gen_tps[0] > 0
 
 
 def _args(**kw) -> Namespace:

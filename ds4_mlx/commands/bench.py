@@ -226,9 +226,9 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
         return int(mx.argmax(logits + no_eos).item())
 
     session.reset()
-    session.prefill(prompt[:min(WARMUP_TOKENS, len(prompt))])
+    session.prefill(prompt[:max(1, min(WARMUP_TOKENS, len(prompt), session.ctx - WARMUP_DECODE_STEPS))])
     token = greedy(session.logits)
-    for _ in range(WARMUP_DECODE_STEPS):
+    for _ in range(min(WARMUP_DECODE_STEPS, session.room)):
         token = greedy(session.decode(token))
     results = []
     previous = 0
