@@ -57,6 +57,17 @@ def test_chunked_and_batched_loads_equal_the_whole_tensors(tiny_path, chunk_byte
             assert stats.evaluations == 1  # one batch: one evaluation for all six tensors
 
 
+def test_weights_are_a_tensor_source_without_streaming(tiny_path):
+    from ds4_mlx.model.linear import ExpertBank, Linear
+
+    with open_weights(tiny_path) as weights:
+        for name in ("blk.1.attn_kv.weight", "output.weight"):
+            np.testing.assert_array_equal(np.asarray(Linear(weights, name).weight), np.asarray(weights.array(name)))
+        bank = ExpertBank(weights, "blk.0.ffn_gate_exps.weight")
+        np.testing.assert_array_equal(np.asarray(bank.experts(mx.arange(bank.n_expert))),
+                                      np.asarray(weights.array("blk.0.ffn_gate_exps.weight")))
+
+
 def test_a_model_load_reads_every_tensor_once_mostly_prefetched(tiny_path):
     with open_weights(tiny_path) as weights:
         model = Model(weights)
