@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to measure")
     g.add_argument("--synthetic", choices=("q2", "q4"),
                    help="the full published layout with q2 or q4 experts, built in memory (no file, no -m)")
-    g.add_argument("--layers", type=int, help="with --synthetic: build only the first N layers (default all 43)")
+    g.add_argument("--layers", type=int, metavar="N", help="with --synthetic: build only the first N layers (default all 43)")
     g.add_argument("--ctx-start", type=int, default=2048, metavar="N", help="first frontier, tokens (default 2048)")
     g.add_argument("--ctx-max", type=int, default=32768, metavar="N", help="last frontier, tokens (default 32768)")
     step = g.add_mutually_exclusive_group()

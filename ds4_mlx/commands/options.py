@@ -19,8 +19,8 @@ def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 3276
         action="store_true",
         help="use the built-in tiny demo model (real tokenizer, random weights: its text is meaningless)",
     )
-    p.add_argument("-c", "--ctx", type=int, default=default_ctx, help="context size in tokens (default "
-                   + (f"{default_ctx})" if default_ctx else "what the command needs)"))
+    p.add_argument("-c", "--ctx", type=int, default=default_ctx, help="context size in tokens (default"
+                   + (f" {default_ctx})" if default_ctx else ": what the command needs)"))
     p.add_argument("--backend", choices=("cpu", "gpu"), help="MLX device (default: MLX's default device)")
     p.add_argument("--no-quant-sim", action="store_true", help="turn off the FP8 KV / FP4 indexer simulation")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
