@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("run", "generate a completion for one prompt"),
     "chat": ("chat", "interactive terminal chat"),
     "serve": ("serve", "OpenAI- and Anthropic-compatible HTTP server"),
-    "bench": ("bench", "measure prefill and decode speed"),
+    "bench": ("bench", "measure load time, and prefill and decode speed at growing contexts"),
     "inspect": ("inspect", "describe a DeepSeek V4 Flash GGUF file"),
     "tokens": ("tokens", "tokenize text and print the ids"),
     "make-model": ("make_model", "write a DeepSeek V4 layout GGUF with random weights (for tests and demos)"),

@@ -277,6 +277,15 @@ def test_same_seed_same_bytes_different_seed_different(tmp_path, files):
         assert not np.array_equal(ta.data, tb.data), ta.name
 
 
+def test_parallel_writer_gives_the_same_bytes(tmp_path, files):
+    """`make-model --jobs N` draws tensors in N processes and writes each at its offset: the same file."""
+    progress = []
+    parallel = write_model(tmp_path / "parallel.gguf", experts="mixed", jobs=2, progress=lambda d, t: progress.append(d))
+    assert filecmp.cmp(parallel, files["mixed"], shallow=False)
+    assert progress[-1] == parallel.stat().st_size and progress == sorted(progress)
+    assert not (tmp_path / "parallel.gguf.part").exists()
+
+
 def test_sparse_file_has_the_same_header_and_zero_data(tmp_path, files):
     sparse = write_model(tmp_path / "sparse.gguf", data="sparse")
     dense = files["q2"].read_bytes()

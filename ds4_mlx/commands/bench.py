@@ -1,143 +1,313 @@
-"""`ds4-mlx bench`: prefill and decode speed of a model on this machine, and the memory it takes.
+"""`ds4-mlx bench`: load time, and prefill and decode speed at growing context frontiers, measured as ds4-bench
+measures them.
 
-Prefill feeds `--prompt-tokens` random token ids into an empty session through the engine's chunked prefill.
-Decode then generates `--gen-tokens` tokens greedily, reading back the argmax each step as a temperature-0 request
-does. One warm-up run (the same prefill and a few decode steps) comes first and is not counted: it pays for
-first-use allocation and kernel compilation. The speeds are the medians of `--repeats` timed runs. Peak memory is
-MLX's high-water mark from just after loading to the end, so it includes the weights; active memory is what MLX
-holds after the warm-up (weights in their resident form plus the session state).
+One fixed token sequence (`--prompt-file`, else a built-in text, repeated up to `--ctx-max` tokens) is prefilled
+frontier by frontier: `--ctx-start`, then every `--step-incr` tokens (or times `--step-mul`) up to `--ctx-max`.
+At each frontier the row gives the prefill speed of the interval since the previous frontier (incremental
+prefill), then the speed of a greedy probe of `--gen-tokens` tokens (EOS never chosen, one argmax read back per
+token, as a temperature-0 request does); the session is then restored to the frontier so that the walk continues
+along the prompt. A short warm-up (compilation, first allocations) comes first and is not counted. The walk runs
+`--repeats` times; each figure is the median with the min and max beside it. Peak memory is MLX's high-water mark
+during the frontier's interval and probe, weights included.
 
-`bench/synthetic_flash.py` runs the same measurement on the full published layout built in memory.
+`--synthetic q2|q4` measures the full published layout built in memory (model/synthetic.py) instead of a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from ..errors import Ds4Error
-from .options import add_model_options, open_engine
+from .options import add_model_options, open_engine, select_backend
 
 if TYPE_CHECKING:
     from ..model.model import Model
     from ..session import Session
+    from ..tokenizer import Tokenizer
 
-WARMUP_DECODE_STEPS = 2
 GIB = 1024**3
+WARMUP_TOKENS = 32
+WARMUP_DECODE_STEPS = 2
+CSV_COLUMNS = ("ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes",
+               "peak_memory_bytes", "prefill_tps_min", "prefill_tps_max", "gen_tps_min", "gen_tps_max")
+"""ds4-bench's columns first, so one plot script reads both engines' files; then ours."""
+
+BUILTIN_TEXT = """\
+The river came down from the hills in three long bends before it reached the town, and in each bend the water
+changed its voice. In the first it was quick and narrow, talking over stones that the spring floods had rolled
+down from the quarries; in the second it widened and slowed between meadows where the millers kept their geese;
+in the third it grew deep and almost silent under the old stone bridge, and the children who leaned over the
+parapet to drop sticks into it said that it was thinking. The town had grown up around that silence. Its market
+square opened towards the bridge, its church faced the water, and its oldest houses leaned over the current as
+if to listen. Travellers who came for a night often stayed a week, and could not say why.
+
+Every morning the ferryman's daughter counted the boats tied along the quay and wrote the number in a ledger
+that her grandfather had started sixty years before. Nobody asked her to do it, and nobody read the ledger, but
+she kept it all the same, because a town that forgets how many boats it has will one day forget how many bridges
+it needs, and after that it will forget the river. On the first page, in a hand that sloped like rain, her
+grandfather had written the rule he kept: write what you see, not what you expect to see, and write it the
+same way every day, so that the changes show. She had added a second rule beneath it in her own upright
+letters: when the numbers surprise you, go and look again before you believe them.
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_options(p)
-    add_bench_options(p)
-
-
-def add_bench_options(p: argparse.ArgumentParser) -> None:
-    """The measurement flags, shared with bench/synthetic_flash.py."""
-    p.add_argument("--prompt-tokens", type=int, default=512, help="tokens to prefill (default 512)")
-    p.add_argument("--gen-tokens", type=int, default=64, help="tokens to decode (default 64)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_model_options(p, default_ctx=None)
+    g = p.add_argument_group("what to measure")
+    g.add_argument("--synthetic", choices=("q2", "q4"),
+                   help="the full published layout with q2 or q4 experts, built in memory (no file, no -m)")
+    g.add_argument("--layers", type=int, metavar="N", help="with --synthetic: build only the first N layers (default all 43)")
+    g.add_argument("--ctx-start", type=int, default=2048, metavar="N", help="first frontier, tokens (default 2048)")
+    g.add_argument("--ctx-max", type=int, default=32768, metavar="N", help="last frontier, tokens (default 32768)")
+    step = g.add_mutually_exclusive_group()
+    step.add_argument("--step-incr", type=int, metavar="N", help="frontiers every N tokens (default 2048)")
+    step.add_argument("--step-mul", type=float, metavar="F", help="each frontier F times the previous one")
+    g.add_argument("--gen-tokens", type=int, default=128, metavar="N",
+                   help="greedy tokens decoded at each frontier; 0 = prefill only (default 128)")
+    g.add_argument("--prompt-file", type=Path, metavar="FILE",
+                   help="text whose tokens are prefilled, repeated as needed (default: a built-in text)")
+    g.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="walks to run; figures are the median, with min and max (default 1)")
+    g.add_argument("--ops", action="store_true",
+                   help="also count the primitives in one decode step's graph at the first frontier, in total, "
+                        "per layer and by name (an mx.compile'd function counts as one node)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    out.add_argument("--csv", type=Path, metavar="FILE", help=f"write one row per frontier: {','.join(CSV_COLUMNS)}")
+    out.add_argument("--plot", type=Path, metavar="FILE",
+                     help="write a PNG of tokens/s against context (needs matplotlib: pip install 'ds4-mlx[plot]')")
 
 
 @dataclass(frozen=True)
-class BenchResult:
-    """One benchmark: what ran where, and the measured figures (speeds are medians over the repeats)."""
+class Walk:
+    """The frontiers to visit and what to measure at each."""
 
-    model: str
-    backend: str
-    ctx: int
-    prompt_tokens: int
+    frontiers: tuple[int, ...]
     gen_tokens: int
     repeats: int
-    load_seconds: float
-    prefill_tokens_per_second: float
-    decode_tokens_per_second: float
-    active_memory_gib: float
-    peak_memory_gib: float
+
+    @property
+    def ctx(self) -> int:
+        """The context the walk needs: the last frontier plus its probe."""
+        return self.frontiers[-1] + self.gen_tokens
 
 
-def check_sizes(prompt_tokens: int, gen_tokens: int, repeats: int, ctx: int) -> None:
-    """Rejects sizes that cannot be measured, before anything is loaded."""
-    if prompt_tokens < 1:
-        raise Ds4Error(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    if gen_tokens < 1:
-        raise Ds4Error(f"--gen-tokens must be >= 1, got {gen_tokens}")
-    if repeats < 1:
-        raise Ds4Error(f"--repeats must be >= 1, got {repeats}")
-    if prompt_tokens + gen_tokens > ctx:
-        raise Ds4Error(
-            f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens} do not fit in --ctx {ctx}; "
-            f"use --ctx {prompt_tokens + gen_tokens} or more"
-        )
+def plan(args: argparse.Namespace) -> Walk:
+    """Checks the measurement flags and lists the frontiers, before anything is loaded."""
+    if args.ctx_start < 1:
+        raise Ds4Error(f"--ctx-start must be >= 1, got {args.ctx_start}")
+    if args.ctx_max < args.ctx_start:
+        raise Ds4Error(f"--ctx-max {args.ctx_max} is below --ctx-start {args.ctx_start}")
+    if args.step_incr is not None and args.step_incr < 1:
+        raise Ds4Error(f"--step-incr must be >= 1, got {args.step_incr}")
+    if args.step_mul is not None and not args.step_mul > 1:
+        raise Ds4Error(f"--step-mul must be > 1, got {args.step_mul}")
+    if args.gen_tokens < 0:
+        raise Ds4Error(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
+    if args.repeats < 1:
+        raise Ds4Error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.layers is not None and args.synthetic is None:
+        raise Ds4Error("--layers needs --synthetic")
+    if args.synthetic is not None and args.demo:
+        raise Ds4Error("--synthetic and --demo both choose the model; give one")
+    frontiers = [args.ctx_start]
+    while True:
+        last = frontiers[-1]
+        following = max(last + 1, int(last * args.step_mul)) if args.step_mul else last + (args.step_incr or 2048)
+        if following > args.ctx_max:
+            break
+        frontiers.append(following)
+    walk = Walk(tuple(frontiers), args.gen_tokens, args.repeats)
+    if args.ctx is not None and args.ctx < walk.ctx:
+        raise Ds4Error(f"--ctx {args.ctx} is too small for the walk: the last frontier {frontiers[-1]} + "
+                       f"--gen-tokens {args.gen_tokens} need {walk.ctx}")
+    return walk
 
 
-def bench_session(
-    session: Session,
-    *,
-    label: str,
-    prompt_tokens: int,
-    gen_tokens: int,
-    repeats: int,
-    seed: int = 0,
-    load_seconds: float = 0.0,
-    on_run: Callable[[str], None] | None = None,
-) -> BenchResult:
-    """Measures the session's model (emptying the session first); `on_run` is told about each run as it starts."""
+@dataclass
+class FrontierResult:
+    """One frontier's figures, one entry per run."""
+
+    ctx_tokens: int
+    prefill_tokens: int
+    gen_tokens: int
+    kvcache_bytes: int
+    prefill_tps: list[float] = field(default_factory=list)
+    gen_tps: list[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+
+    def row(self) -> dict:
+        """The CSV / JSON row: medians under ds4-bench's names, then min and max."""
+        return {
+            "ctx_tokens": self.ctx_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_tps": round(statistics.median(self.prefill_tps), 3),
+            "gen_tokens": self.gen_tokens,
+            "gen_tps": round(statistics.median(self.gen_tps), 3),
+            "kvcache_bytes": self.kvcache_bytes,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "prefill_tps_min": round(min(self.prefill_tps), 3),
+            "prefill_tps_max": round(max(self.prefill_tps), 3),
+            "gen_tps_min": round(min(self.gen_tps), 3),
+            "gen_tps_max": round(max(self.gen_tps), 3),
+        }
+
+
+@dataclass
+class Loaded:
+    """A model ready to measure, and how its loading went."""
+
+    label: str
+    session: Session
+    tokenizer: Tokenizer
+    seconds: float
+    file_bytes: int
+    host: dict
+
+
+def read_prompt(path: Path | None) -> str:
+    """The --prompt-file's text (read before loading, so that a bad path fails at once), or the built-in one."""
+    if path is None:
+        return BUILTIN_TEXT
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise Ds4Error(f"cannot read --prompt-file {path}: {getattr(e, 'strerror', None) or e}") from e
+    if not text.strip():
+        raise Ds4Error(f"--prompt-file {path} holds no text")
+    return text
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str, n: int) -> list[int]:
+    """The text's first n tokens, the text repeated from its start as often as needed."""
+    ids = tokenizer.encode(text, specials=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def live_kv_bytes(model: Model, n_tokens: int) -> int:
+    """Bytes of the KV rows a session holds at n_tokens (float32): the raw sliding window, the compressed rows and,
+    on ratio-4 layers, the indexer rows. What ds4-bench's kvcache_bytes counts, the fixed capacity left out."""
+    c = model.config
+    values = 0
+    for layer in range(c.n_layer):
+        values += min(n_tokens, c.sliding_window) * c.head_dim
+        ratio = c.compress_ratio(layer)
+        if ratio:
+            values += n_tokens // ratio * c.head_dim
+        if ratio == 4:
+            values += n_tokens // ratio * c.indexer_head_dim
+    return 4 * values
+
+
+def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False,
+             say: Callable[[str], None] = lambda line: None,
+             prefill_bar: Callable[[int, int], None] | None = None) -> tuple[list[FrontierResult], dict | None]:
+    """Runs the warm-up and `walk.repeats` walks; returns one result per frontier and, with `ops`, the decode
+    step's primitive counts at the first frontier."""
     import mlx.core as mx
-    import numpy as np
 
-    check_sizes(prompt_tokens, gen_tokens, repeats, session.ctx)
-    prompt = np.random.default_rng(seed).integers(0, session.model.config.n_vocab, size=prompt_tokens).tolist()
-    session.reset()
-    mx.reset_peak_memory()
-    if on_run:
-        on_run("warm-up")
-    _prefill_and_decode(session, prompt, WARMUP_DECODE_STEPS)
-    active = mx.get_active_memory()
-    prefill, decode = [], []
-    for i in range(repeats):
-        if on_run:
-            on_run(f"run {i + 1}/{repeats}")
-        p, d = _prefill_and_decode(session, prompt, gen_tokens)
-        prefill.append(prompt_tokens / p)
-        decode.append(gen_tokens / d)
-    return BenchResult(
-        model=label,
-        backend=mx.default_device().type.name,
-        ctx=session.ctx,
-        prompt_tokens=prompt_tokens,
-        gen_tokens=gen_tokens,
-        repeats=repeats,
-        load_seconds=load_seconds,
-        prefill_tokens_per_second=statistics.median(prefill),
-        decode_tokens_per_second=statistics.median(decode),
-        active_memory_gib=active / GIB,
-        peak_memory_gib=mx.get_peak_memory() / GIB,
-    )
+    session = loaded.session
+    model = session.model
+    no_eos = mx.zeros((model.config.n_vocab,))
+    no_eos[loaded.tokenizer.eos_id] = -mx.inf
 
-
-def _prefill_and_decode(session: Session, prompt: list[int], steps: int) -> tuple[float, float]:
-    """Seconds to prefill `prompt` into an emptied session, and to then decode `steps` greedy tokens."""
-    import mlx.core as mx
+    def greedy(logits: mx.array) -> int:
+        return int(mx.argmax(logits + no_eos).item())
 
     session.reset()
-    t0 = time.perf_counter()
-    logits = session.prefill(prompt)
-    token = int(mx.argmax(logits).item())
-    t1 = time.perf_counter()
-    for _ in range(steps):
-        token = int(mx.argmax(session.decode(token)).item())
-    return t1 - t0, time.perf_counter() - t1
+    session.prefill(prompt[:max(1, min(WARMUP_TOKENS, len(prompt), session.ctx - WARMUP_DECODE_STEPS))])
+    token = greedy(session.logits)
+    for _ in range(min(WARMUP_DECODE_STEPS, session.room)):
+        token = greedy(session.decode(token))
+    results = []
+    previous = 0
+    for frontier in walk.frontiers:
+        results.append(FrontierResult(frontier, frontier - previous, walk.gen_tokens, live_kv_bytes(model, frontier)))
+        previous = frontier
+    counts = None
+    for run in range(walk.repeats):
+        session.reset()
+        for result in results:
+            mx.reset_peak_memory()
+            start = result.ctx_tokens - result.prefill_tokens
+            t0 = time.perf_counter()
+            session.prefill(prompt[start:result.ctx_tokens], progress=prefill_bar)
+            mx.eval(session.logits)
+            prefill_s = time.perf_counter() - t0
+            if ops and counts is None:
+                from ..model.graph import decode_step_ops
+
+                counts = decode_step_ops(model, session.cache, greedy(session.logits))
+            at_frontier = session.snapshot()
+            t1 = time.perf_counter()
+            token = greedy(session.logits)
+            for _ in range(walk.gen_tokens):
+                token = greedy(session.decode(token))
+            gen_s = time.perf_counter() - t1
+            session.restore(at_frontier)
+            result.prefill_tps.append(result.prefill_tokens / prefill_s)
+            result.gen_tps.append(walk.gen_tokens / gen_s if walk.gen_tokens else 0.0)
+            result.peak_memory_bytes = max(result.peak_memory_bytes, mx.get_peak_memory())
+            say(f"run {run + 1}/{walk.repeats}, ctx {result.ctx_tokens}: prefill {result.prefill_tokens} tokens at "
+                f"{result.prefill_tps[-1]:.1f} t/s, decode {walk.gen_tokens} tokens at {result.gen_tps[-1]:.2f} t/s")
+    return results, counts
+
+
+def load(args: argparse.Namespace, walk: Walk) -> Loaded:
+    """The file (or the demo, or the synthetic layout) loaded for a session of the walk's context, with the time
+    it took and the host memory it used."""
+    from .. import hostmem
+
+    hostmem.reset_peak()
+    available_before = hostmem.available()
+    with hostmem.Sampler() as sampler:
+        t0 = time.perf_counter()
+        if args.synthetic is not None:
+            label, session, tokenizer, file_bytes = _synthetic(args, walk.ctx)
+        else:
+            args.ctx = walk.ctx
+            engine = open_engine(args)
+            label = "demo" if args.demo else args.model.name
+            session, tokenizer, file_bytes = engine.session, engine.tokenizer, engine.model.load_stats.file_bytes
+        seconds = time.perf_counter() - t0
+    peaks = sampler.peaks
+    host = {"peak_rss_bytes": hostmem.peak_rss(), "peak_anon_bytes_sampled": peaks.anon,
+            "available_before_bytes": available_before, "min_available_bytes": peaks.min_available,
+            "after_load": hostmem.status()}
+    return Loaded(f"{label} ({describe(session.model)})", session, tokenizer, seconds, file_bytes, host)
+
+
+def _synthetic(args: argparse.Namespace, ctx: int) -> tuple[str, Session, Tokenizer, int]:
+    from ..engine import check_memory, device_memory_bytes
+    from ..model.factory import build_vocab
+    from ..model.linear import loaded_nbytes
+    from ..model.model import Model
+    from ..model.synthetic import flash_config, synthetic_weights
+    from ..progress import Progress
+    from ..session import Session
+    from ..tokenizer import Tokenizer
+
+    select_backend(args)
+    config = flash_config(args.layers if args.layers is not None else 43)
+    weights = synthetic_weights(config, args.synthetic)
+    check_memory(weights, loaded_nbytes(weights), ctx, device_memory_bytes())
+    vocab = build_vocab("real")
+    with Progress(quiet=args.quiet).bar("building", unit="bytes") as bar:
+        model = Model(weights, simulate_quant=not args.no_quant_sim, progress=bar.update)
+    weights.close()
+    label = f"synthetic flash, {args.synthetic} experts"
+    return label, Session(model, ctx), Tokenizer(list(vocab.tokens), list(vocab.merges)), model.load_stats.file_bytes
 
 
 def describe(model: Model) -> str:
@@ -145,47 +315,142 @@ def describe(model: Model) -> str:
     return f"{c.n_layer} layers, n_embd {c.n_embd}, {c.n_expert} experts, vocab {c.n_vocab}"
 
 
-def print_result(result: BenchResult, as_json: bool) -> None:
-    """One JSON object on stdout, or a table."""
+def write_csv(path: Path, results: list[FrontierResult]) -> None:
+    try:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+            writer.writeheader()
+            writer.writerows(r.row() for r in results)
+    except OSError as e:
+        raise Ds4Error(f"cannot write --csv {path}: {e.strerror or e}") from e
+
+
+def write_plot(path: Path, results: list[FrontierResult], title: str) -> None:
+    """Prefill and decode tokens/s against context, the min-max band shaded when there are repeats."""
+    plt = _pyplot()
+    rows = [r.row() for r in results]
+    x = [r["ctx_tokens"] for r in rows]
+    fig, axes = plt.subplots(2, 1, sharex=True, figsize=(7, 6))
+    for ax, key, name in ((axes[0], "prefill_tps", "prefill"), (axes[1], "gen_tps", "decode")):
+        ax.plot(x, [r[key] for r in rows], marker="o", label=f"{name} (median)")
+        ax.fill_between(x, [r[f"{key}_min"] for r in rows], [r[f"{key}_max"] for r in rows], alpha=0.25)
+        ax.set_ylabel(f"{name} tokens/s")
+        ax.grid(True, alpha=0.3)
+    axes[1].set_xlabel("context (tokens)")
+    fig.suptitle(title, fontsize=9)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise Ds4Error(f"cannot write --plot {path}: {e.strerror or e}") from e
+    finally:
+        plt.close(fig)
+
+
+def _pyplot():
+    """matplotlib's pyplot on a file-only backend; checked before loading when --plot is given."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise Ds4Error("--plot needs matplotlib, which is not installed: pip install 'ds4-mlx[plot]'") from None
+    return plt
+
+
+def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: dict | None, as_json: bool) -> None:
+    """One JSON object on stdout, or a summary and a table."""
+    import mlx.core as mx
+
+    gbps = loaded.file_bytes / loaded.seconds / 1e9 if loaded.seconds else 0.0
+    summary = {
+        "model": loaded.label,
+        "backend": mx.default_device().type.name,
+        "ctx": walk.ctx,
+        "repeats": walk.repeats,
+        "load_seconds": round(loaded.seconds, 3),
+        "load_bytes": loaded.file_bytes,
+        "load_gb_per_second": round(gbps, 3),
+        "load_stats": _load_stats(loaded.session.model),
+        "weights_bytes": loaded.session.model.nbytes,
+        "host": loaded.host,
+        "frontiers": [r.row() for r in results],
+    }
+    if counts is not None:
+        summary["decode_ops"] = counts
     if as_json:
-        print(json.dumps(asdict(result)))
+        print(json.dumps(summary))
         return
-    table = Table(show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    rows = [
-        ("backend", result.backend),
-        ("context", f"{result.ctx} tokens"),
-        ("load", f"{result.load_seconds:.1f} s"),
-        (f"prefill ({result.prompt_tokens} tokens)", f"{result.prefill_tokens_per_second:.1f} tokens/s"),
-        (f"decode ({result.gen_tokens} tokens)", f"{result.decode_tokens_per_second:.2f} tokens/s"),
-        ("active memory after warm-up", f"{result.active_memory_gib:.2f} GiB"),
-        ("peak memory", f"{result.peak_memory_gib:.2f} GiB"),
-        ("runs", f"median of {result.repeats}, after a warm-up"),
-    ]
-    for name, value in rows:
-        table.add_row(name, value)
     console = Console(highlight=False, markup=False)
-    console.print(f"ds4-mlx bench: {result.model}", soft_wrap=True)
+    console.print(f"ds4-mlx bench: {loaded.label}", soft_wrap=True)
+    host = loaded.host
+    console.print(f"backend {summary['backend']}, context {walk.ctx}; load {loaded.file_bytes / 1e9:.2f} GB in "
+                  f"{loaded.seconds:.2f} s ({gbps:.2f} GB/s), weights {loaded.session.model.nbytes / GIB:.2f} GiB; "
+                  f"host peak RSS {host['peak_rss_bytes'] / GIB:.2f} GiB (mapped file pages included), "
+                  f"anonymous {host['peak_anon_bytes_sampled'] / GIB:.2f} GiB (sampled)" + _available(host),
+                  soft_wrap=True)
+    table = Table()
+    for name in ("context", "prefill tokens", "prefill t/s", "decode t/s", "KV MiB", "peak GiB"):
+        table.add_column(name, justify="right")
+    for r in results:
+        row = r.row()
+        table.add_row(str(r.ctx_tokens), str(r.prefill_tokens), _spread(row, "prefill_tps", walk.repeats),
+                      _spread(row, "gen_tps", walk.repeats), f"{r.kvcache_bytes / 2**20:.1f}",
+                      f"{r.peak_memory_bytes / GIB:.2f}")
     console.print(table)
+    console.print(f"{walk.gen_tokens} greedy tokens per probe; "
+                  + (f"median (min-max) of {walk.repeats} walks" if walk.repeats > 1 else "one walk")
+                  + ", after a warm-up")
+    if counts is not None:
+        top = ", ".join(f"{name} {n}" for name, n in list(counts["by_primitive"].items())[:8])
+        console.print(f"decode step graph: {counts['total']} primitives ({counts['kernels']} not views), per layer "
+                      f"{counts['per_layer']}, outside layers {counts['outside_layers']}; most used: {top}",
+                      soft_wrap=True)
+
+
+def _available(host: dict) -> str:
+    before, low = host["available_before_bytes"], host["min_available_bytes"]
+    if before is None or low is None:
+        return ""
+    return f"; the machine's MemAvailable fell from {before / GIB:.1f} to {low / GIB:.1f} GiB while loading"
+
+
+def _spread(row: dict, key: str, repeats: int) -> str:
+    if repeats == 1:
+        return f"{row[key]:.2f}"
+    return f"{row[key]:.2f} ({row[key + '_min']:.2f}-{row[key + '_max']:.2f})"
+
+
+def _load_stats(model: Model) -> dict:
+    s = model.load_stats
+    return {"seconds": round(s.seconds, 3), "gb_per_second": round(s.gb_per_second, 3),
+            "copy_seconds": round(s.copy_seconds, 3), "wait_seconds": round(s.wait_seconds, 3),
+            "device_seconds": round(s.device_seconds, 3), "evaluations": s.evaluations, "chunks": s.chunks,
+            "prefetched": s.prefetched}
 
 
 def run(args: argparse.Namespace) -> int:
-    check_sizes(args.prompt_tokens, args.gen_tokens, args.repeats, args.ctx)
-    t0 = time.perf_counter()
-    engine = open_engine(args)
-    load_seconds = time.perf_counter() - t0
-    label = "demo" if args.demo else args.model.name
-    err = Console(stderr=True)
-    result = bench_session(
-        engine.session,
-        label=f"{label} ({describe(engine.model)})",
-        prompt_tokens=args.prompt_tokens,
-        gen_tokens=args.gen_tokens,
-        repeats=args.repeats,
-        seed=args.seed,
-        load_seconds=load_seconds,
-        on_run=None if args.quiet or not sys.stderr.isatty() else lambda what: err.print(f"ds4-mlx bench: {what}"),
-    )
-    print_result(result, args.json)
+    walk = plan(args)
+    text = read_prompt(args.prompt_file)
+    if args.plot is not None:
+        _pyplot()
+    err = Console(stderr=True, highlight=False, markup=False)
+
+    def say(line: str) -> None:
+        if not args.quiet:
+            err.print(f"ds4-mlx bench: {line}", soft_wrap=True)
+
+    loaded = load(args, walk)
+    say(f"loaded {loaded.file_bytes / 1e9:.2f} GB in {loaded.seconds:.2f} s "
+        f"({loaded.file_bytes / loaded.seconds / 1e9:.2f} GB/s)")
+    prompt = prompt_ids(loaded.tokenizer, text, walk.frontiers[-1])
+    from ..progress import Progress
+
+    with Progress(quiet=args.quiet).bar("prefill") as bar:
+        results, counts = run_walk(loaded, walk, prompt, ops=args.ops, say=say, prefill_bar=bar.update)
+    if args.csv is not None:
+        write_csv(args.csv, results)
+    if args.plot is not None:
+        write_plot(args.plot, results, loaded.label)
+    report(loaded, walk, results, counts, args.json)
     return 0

@@ -25,6 +25,13 @@ def _seed(text: str) -> int:
     return value
 
 
+def _jobs(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT.gguf", type=Path, help="file to write")
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
@@ -37,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_seed, default=0, help="random seed (default 0); same seed, same bytes")
     parser.add_argument("--sparse", action="store_true",
                         help="leave tensor data as a file hole (all zeros): the layout only, written instantly")
+    parser.add_argument("--jobs", type=_jobs, default=1, metavar="N",
+                        help="processes drawing the random data (same bytes; N times sooner for flash) (default 1)")
     parser.add_argument("--mtp", type=Path, metavar="MTP.gguf",
                         help="also write a random MTP draft file for this preset (Q4_K experts, as published), "
                              "for --mtp speculative decoding")
@@ -51,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _progress_bar(f"writing {args.out.name}") as progress:
             path = write_model(args.out, preset=args.preset, experts=args.experts, vocab=vocab, seed=args.seed,
-                               data=data, progress=progress)
+                               data=data, progress=progress, jobs=args.jobs)
     except OSError as e:
         raise Ds4Error(f"cannot write {args.out}: {e.strerror or e}") from e
     n_tensors = len(model_tensors(preset_config(args.preset), args.experts))

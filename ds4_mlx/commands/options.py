@@ -11,14 +11,16 @@ from ..errors import Ds4Error
 DEFAULT_MODEL = "ds4flash.gguf"
 
 
-def add_model_options(p: argparse.ArgumentParser, default_ctx: int = 32768) -> None:
+def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 32768) -> None:
+    """The model flags; `default_ctx` None leaves the context to the command (bench derives it)."""
     p.add_argument("-m", "--model", type=Path, default=Path(DEFAULT_MODEL), help="GGUF file (default ./ds4flash.gguf)")
     p.add_argument(
         "--demo",
         action="store_true",
         help="use the built-in tiny demo model (real tokenizer, random weights: its text is meaningless)",
     )
-    p.add_argument("-c", "--ctx", type=int, default=default_ctx, help=f"context size in tokens (default {default_ctx})")
+    p.add_argument("-c", "--ctx", type=int, default=default_ctx, help="context size in tokens (default"
+                   + (f" {default_ctx})" if default_ctx else ": what the command needs)"))
     p.add_argument("--backend", choices=("cpu", "gpu"), help="MLX device (default: MLX's default device)")
     p.add_argument("--no-quant-sim", action="store_true", help="turn off the FP8 KV / FP4 indexer simulation")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

@@ -565,11 +565,12 @@ def write_gguf(f: BinaryIO, metadata: Sequence[MetadataEntry], tensors: Sequence
 
 
 def write_model(path: str | os.PathLike[str], preset: str = "tiny", experts: str = "q2", vocab: str | None = None,
-                seed: int = 0, data: str = "random", progress: Progress | None = None) -> Path:
+                seed: int = 0, data: str = "random", progress: Progress | None = None, jobs: int = 1) -> Path:
     """Write a random DeepSeek V4 Flash-layout GGUF and return its path.
 
     `vocab` None picks the preset's own (`small` for tiny, `real` for small and flash). The same arguments give
-    the same bytes. The file appears under its name only once complete.
+    the same bytes, whatever the number of writing processes `jobs`. The file appears under its name only once
+    complete.
     """
     config = preset_config(preset)
     _check_choice("experts", experts, EXPERT_KINDS)
@@ -580,7 +581,8 @@ def write_model(path: str | os.PathLike[str], preset: str = "tiny", experts: str
     words = build_vocab(vocab_kind)
     config = replace(config, n_vocab=len(words.tokens))
     name = "DeepSeek V4 Flash" + ("" if preset == "flash" else f" {preset}") + f" (random weights, seed {seed})"
-    return _write_file(path, model_metadata(config, words, name), model_tensors(config, experts), seed, data, progress)
+    return _write_file(path, model_metadata(config, words, name), model_tensors(config, experts), seed, data, progress,
+                       jobs)
 
 
 def write_mtp_model(path: str | os.PathLike[str], main_preset: str = "tiny", experts: str = "q4", seed: int = 0,
@@ -601,14 +603,19 @@ def write_mtp_model(path: str | os.PathLike[str], main_preset: str = "tiny", exp
 
 
 def _write_file(path: str | os.PathLike[str], metadata: Sequence[MetadataEntry], tensors: Sequence[TensorSpec],
-                seed: int, data: str, progress: Progress | None) -> Path:
-    """Stream a GGUF to `path` + ".part", then rename it into place."""
+                seed: int, data: str, progress: Progress | None, jobs: int = 1) -> Path:
+    """Stream a GGUF to `path` + ".part" (its data drawn by `jobs` processes), then rename it into place."""
     path = Path(path)
     partial = path.with_name(path.name + ".part")
     chunks = None if data == "sparse" else functools.partial(tensor_data, seed=seed)
+    parallel = chunks is not None and jobs > 1
     try:
         with open(partial, "wb") as f:
-            write_gguf(f, metadata, tensors, chunks, progress)
+            write_gguf(f, metadata, tensors, None if parallel else chunks, None if parallel else progress)
+        if parallel:
+            from .parallel_fill import fill_tensors
+
+            fill_tensors(partial, tensors, chunks, jobs, progress)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

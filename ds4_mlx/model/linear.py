@@ -33,6 +33,8 @@ from ds4_mlx.kernels.quants import dequantize
 from ds4_mlx.model.gguf import GGMLType
 
 if TYPE_CHECKING:
+    from ds4_mlx.model.gguf import TensorInfo
+    from ds4_mlx.model.stream import TensorSource
     from ds4_mlx.model.weights import ModelWeights
 
 RESIDENT_BYTES = 64 << 20
@@ -69,47 +71,62 @@ def loaded_nbytes(weights: ModelWeights) -> int:
     return total
 
 
-def _row_major_shape(weights: ModelWeights, name: str) -> tuple[int, ...]:
-    return tuple(reversed(weights.info(name).shape))
+def _row_major_shape(info: TensorInfo) -> tuple[int, ...]:
+    return tuple(reversed(info.shape))
 
 
 def _fast() -> bool:
     return registry.mode() == "fast"
 
 
-def _stored(weights: ModelWeights, name: str, ndim: int, expected: str) -> tuple[tuple[int, ...], int, mx.array]:
-    """A tensor's row-major shape, ggml type and raw blocks, checking that it has the dimensions the model uses."""
-    info = weights.info(name)
-    shape = _row_major_shape(weights, name)
+def _stored(source: TensorSource, name: str, ndim: int, expected: str) -> tuple[tuple[int, ...], int]:
+    """A tensor's row-major shape and ggml type, checking that it has the dimensions the model uses."""
+    info = source.info(name)
+    shape = _row_major_shape(info)
     if len(shape) != ndim:
         raise LayoutError(f"tensor {name} has ne {list(info.shape)}, expected {expected}")
-    return shape, info.ggml_type, mx.array(weights.tensor_bytes(name))
+    return shape, info.ggml_type
 
 
-def _affine_now(raw: mx.array, ggml_type: int, shape: tuple[int, ...]) -> AffineWeight:
-    """Converts the blocks now, so the raw copy can be freed as soon as the caller drops it."""
-    weight = to_affine(raw, ggml_type, shape)
-    mx.eval(weight.wq, weight.scales, weight.biases)
-    return weight
+def _raw(source: TensorSource, name: str, shape: tuple[int, ...]) -> mx.array:
+    """The tensor's blocks as stored, uint8 (shape[0], -1): the form dequantized per call."""
+    (raw,) = source.read(name, lambda rows: (rows,))
+    return raw.reshape(shape[0], -1)
+
+
+def _dense(source: TensorSource, name: str, ggml_type: int, shape: tuple[int, ...]) -> mx.array:
+    """The tensor dequantized once, float32 of row-major `shape`."""
+    (dense,) = source.read(name, lambda rows: (dequantize(rows, ggml_type, (rows.shape[0], shape[-1])),))
+    return dense.reshape(shape)
+
+
+def _affine_now(source: TensorSource, name: str, ggml_type: int, shape: tuple[int, ...]) -> AffineWeight:
+    """The tensor converted to the affine form at load, a batch of rows at a time (the rows are independent)."""
+
+    def convert(rows: mx.array) -> tuple[mx.array, ...]:
+        w = to_affine(rows, ggml_type, (rows.shape[0], shape[-1]))
+        return w.wq, w.scales, w.biases
+
+    wq, scales, biases = (a.reshape(*shape[:-1], -1) for a in source.read(name, convert))
+    return AffineWeight(wq, scales, biases, BITS[ggml_type])
 
 
 class Linear:
     """A stored weight matrix W (OUT, IN) applied as x @ W.T in float32."""
 
-    def __init__(self, weights: ModelWeights, name: str, resident_bytes: int | None = None):
+    def __init__(self, source: TensorSource, name: str, resident_bytes: int | None = None):
         self.name = name
-        self.shape, self.ggml_type, raw = _stored(weights, name, 2, "a 2-D matrix")
+        self.shape, self.ggml_type = _stored(source, name, 2, "a 2-D matrix")
         shape = self.shape
         self._affine: AffineWeight | None = None
         self._dense: mx.array | None = None
         self._raw: mx.array | None = None
         if uses_affine(self.ggml_type):
-            self._affine = _affine_now(raw, self.ggml_type, shape)
+            self._affine = _affine_now(source, name, self.ggml_type, shape)
         elif shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes):
-            self._dense = dequantize(raw, self.ggml_type, shape)
-            mx.eval(self._dense)  # dequantize now, not inside the first forward pass
+            self._dense = _dense(source, name, self.ggml_type, shape)
         else:
-            self._raw = raw.reshape(shape[0], -1)
+            self._raw = _raw(source, name, shape)
 
     @property
     def weight(self) -> mx.array:
@@ -152,15 +169,15 @@ class Linear:
 class ExpertBank:
     """The routed experts of one projection, (E, OUT, IN); only the experts a token selects are read."""
 
-    def __init__(self, weights: ModelWeights, name: str):
+    def __init__(self, source: TensorSource, name: str):
         self.name = name
-        self.shape, self.ggml_type, raw = _stored(weights, name, 3, "[IN, OUT, n_expert]")
+        self.shape, self.ggml_type = _stored(source, name, 3, "[IN, OUT, n_expert]")
         self._affine: AffineWeight | None = None
         self._raw: mx.array | None = None
         if uses_affine(self.ggml_type, expert_bank=True):
-            self._affine = _affine_now(raw, self.ggml_type, self.shape)
+            self._affine = _affine_now(source, name, self.ggml_type, self.shape)
         else:
-            self._raw = raw.reshape(self.shape[0], -1)
+            self._raw = _raw(source, name, self.shape)
 
     @property
     def n_expert(self) -> int:

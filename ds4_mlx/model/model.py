@@ -20,16 +20,19 @@ import mlx.core as mx
 
 from ds4_mlx.errors import RequestError
 from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.quants import dequantize
 from ds4_mlx.model.attention import Attention, Indexer
 from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.config import ModelConfig
+from ds4_mlx.model.gguf import TensorInfo
 from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead
 from ds4_mlx.model.linear import ExpertBank, Linear
 from ds4_mlx.model.moe import MoE, RoutedExperts, Router, SharedExpert
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import simulate_indexer_fp4, simulate_kv_fp8
 from ds4_mlx.model.rope import RoPE, Yarn
+from ds4_mlx.model.stream import Convert, LoadStats, TensorStream
 from ds4_mlx.model.weights import ModelWeights
 
 DEFAULT_PREFILL_CHUNK = 2048
@@ -61,40 +64,43 @@ class Block:
 
 
 class Loader:
-    """Reads the model's tensors through the weight-access layer and counts the bytes they keep in memory."""
+    """Streams the model's tensors into their resident form (model/stream.py) and counts the bytes they keep."""
 
-    def __init__(self, weights: ModelWeights, progress: Callable[[int, int], None] | None = None):
+    def __init__(self, weights: ModelWeights, progress: Callable[[int, int], None] | None = None,
+                 chunk_bytes: int | None = None):
         self.weights = weights
+        self.stream = TensorStream(weights, progress, chunk_bytes)
         self.nbytes = 0
-        self.read = 0
-        self.total = weights.nbytes
-        self.progress = progress
-
-    def _count(self, name: str, kept: int) -> None:
-        """Adds what a tensor keeps in memory, and reports the file bytes read so far."""
-        self.nbytes += kept
-        self.read += self.weights.info(name).nbytes
-        if self.progress is not None:
-            self.progress(self.read, self.total)
 
     def has(self, name: str) -> bool:
         return self.weights.has(name)
 
+    def info(self, name: str) -> TensorInfo:
+        return self.weights.info(name)
+
+    def read(self, name: str, convert: Convert) -> list[mx.array]:
+        """The arrays `convert` makes of a tensor's raw rows (linear.py's constructors read through this)."""
+        arrays = self.stream.read(name, convert)
+        self.nbytes += sum(a.nbytes for a in arrays)
+        return arrays
+
     def dense(self, name: str) -> mx.array:
-        array = self.weights.array(name)  # norms, biases, HC and compressor vectors, tid2eid: small
-        mx.eval(array)
-        self._count(name, array.nbytes)
-        return array
+        """Norms, biases, HC and compressor vectors, tid2eid: small tensors as float32 (int32 for I32)."""
+        info = self.info(name)
+        (array,) = self.read(name, lambda rows: (dequantize(rows, info.ggml_type, (rows.shape[0], info.shape[0])),))
+        return array.reshape(tuple(reversed(info.shape)))
 
     def linear(self, name: str) -> Linear:
-        matrix = Linear(self.weights, name)
-        self._count(name, matrix.nbytes)
-        return matrix
+        return Linear(self, name)
 
     def experts(self, name: str) -> ExpertBank:
-        bank = ExpertBank(self.weights, name)
-        self._count(name, bank.nbytes)
-        return bank
+        return ExpertBank(self, name)
+
+    def finish(self) -> LoadStats:
+        """Evaluates the last batch and stops the reader; the figures of the load, with the bytes kept."""
+        stats = self.stream.finish()
+        stats.resident_bytes = self.nbytes
+        return stats
 
 
 class Model:
@@ -131,7 +137,8 @@ class Model:
         )
         self.output_norm = load.dense("output_norm.weight")
         self.output = load.linear("output.weight")
-        self.nbytes = load.nbytes
+        self.load_stats = load.finish()
+        self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
         self._steps: dict[tuple, Callable[..., list[mx.array]]] = {}
         """Compiled decode steps by cache layout (the shapes of the cache's arrays) and kernel mode."""

@@ -113,7 +113,8 @@ class MTP:
             norm_eps=c.rms_eps,
         )
         self.norm = load.dense(MTP_PREFIX + "norm.weight")
-        self.nbytes = load.nbytes
+        self.load_stats = load.finish()
+        self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the block holds in memory (the embedding and LM head are the main model's)."""
 
     @classmethod

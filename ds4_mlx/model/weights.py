@@ -12,7 +12,7 @@ Tensor data stays in the mapped file; nothing is dequantized here.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -159,6 +159,16 @@ class ModelWeights:
         """Raw ggml blocks of a tensor as a zero-copy uint8 view of the mapped file."""
         self.info(name)
         return self.file.tensor_bytes(name)
+
+    def read(self, name: str, convert: Callable[[mx.array], Sequence[mx.array]]) -> list[mx.array]:
+        """`convert` applied to the tensor's raw rows (uint8, (rows, row_bytes)), evaluated now: the tensor source
+        model/linear.py reads through, without streaming (the model's Loader streams; this serves direct use)."""
+        import mlx.core as mx
+
+        info = self.info(name)
+        out = list(convert(mx.array(self.tensor_bytes(name).reshape(-1, info.row_bytes))))
+        mx.eval(out)
+        return out
 
     def array(self, name: str) -> mx.array:
         """The tensor dequantized to float32 (I32 stays int32), in row-major order: ne [IN, OUT] -> (OUT, IN)."""

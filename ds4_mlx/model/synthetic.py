@@ -1,0 +1,95 @@
+"""The full DeepSeek V4 Flash layout on synthetic weights, built in memory without a file (`ds4-mlx bench
+--synthetic`).
+
+Every tensor has the published name, ne shape and GGUF type (the factory's inventory, spec §2) and holds random
+valid quant blocks drawn by the factory's block builders, so the forward pass does the work it does on the real
+file. Tensors with the same role, shape and type in several layers share one random draw: the whole model draws
+about one layer's worth of blocks (the routed experts once, the attention tensors once per compression ratio)
+instead of 81 GB, yet each layer still gets its own resident copy, so the memory traffic is the real model's.
+Speed does not depend on the values, only on their types and shapes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import Ds4Error
+from .config import FLASH, ModelConfig
+from .factory import TensorSpec, model_tensors, routed_expert_types, tensor_data
+from .gguf import GGMLType, TensorInfo
+from .weights import ModelWeights
+
+SYNTHETIC_KINDS = ("q2", "q4")
+"""The published variants: q2 (IQ2_XXS/Q2_K experts, ~81 GB) and q4 (Q4_K experts, ~150 GB)."""
+
+_LAYER = re.compile(r"^blk\.\d+\.")
+
+
+def flash_config(layers: int = FLASH.n_layer) -> ModelConfig:
+    """The published hyperparameters, cut to the first `layers` layers (their compression schedule kept)."""
+    if not 1 <= layers <= FLASH.n_layer:
+        raise Ds4Error(f"--layers must be between 1 and {FLASH.n_layer}, got {layers}")
+    config = replace(
+        FLASH,
+        n_layer=layers,
+        n_hash_layer=min(FLASH.n_hash_layer, layers),
+        compress_ratios=FLASH.compress_ratios[:layers],
+        swiglu_clamp=FLASH.swiglu_clamp[:layers],
+    )
+    config.validate()
+    return config
+
+
+class SyntheticFile:
+    """Stands in for a mapped GGUFFile under ModelWeights: the published tensor directory, and each tensor's raw
+    blocks drawn when the model asks for them (`tensor_bytes`)."""
+
+    def __init__(self, config: ModelConfig, experts: str = "q2", seed: int = 0) -> None:
+        self.path = Path(f"<synthetic DeepSeek V4 Flash, {config.n_layer} layers, {experts} experts>")
+        self.metadata: dict = {}
+        self.seed = seed
+        self._specs = {spec.name: spec for spec in model_tensors(config, experts)}
+        self.tensors: dict[str, TensorInfo] = {}
+        offset = 0
+        for name, spec in self._specs.items():  # offsets as a file would lay them out: the loader reads in order
+            self.tensors[name] = TensorInfo(name, tuple(spec.ne), GGMLType(int(spec.ggml_type)), offset, spec.n_bytes)
+            offset += spec.n_bytes
+        self._draws: dict[tuple, np.ndarray] = {}
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """The tensor's raw blocks; the same array for every layer's tensor of the same role, shape and type."""
+        spec = self._specs[name]
+        key = (_LAYER.sub("blk.*.", name), spec.ne, spec.ggml_type)
+        data = self._draws.get(key)
+        if data is None:
+            data = self._draws[key] = _draw(spec, self.seed)
+        return data
+
+    def close(self) -> None:
+        """Drops the drawn blocks (the model holds its own copies once built)."""
+        self._draws.clear()
+
+
+def synthetic_weights(config: ModelConfig, experts: str = "q2", seed: int = 0) -> ModelWeights:
+    """ModelWeights over a SyntheticFile: what `open_weights` returns for a real file of this layout."""
+    if experts not in SYNTHETIC_KINDS:
+        raise Ds4Error(f"--synthetic must be one of {', '.join(SYNTHETIC_KINDS)}, got {experts}")
+    file = SyntheticFile(config, experts, seed)
+    expert_types = [
+        tuple(GGMLType(int(t)) for t in routed_expert_types(config, experts, layer)) for layer in range(config.n_layer)
+    ]
+    return ModelWeights(file, config, expert_types, variant=f"synthetic {experts}")
+
+
+def _draw(spec: TensorSpec, seed: int) -> np.ndarray:
+    """One tensor's random blocks, written into a single buffer as the factory yields them."""
+    out = np.empty(spec.n_bytes, dtype=np.uint8)
+    pos = 0
+    for chunk in tensor_data(spec, seed):
+        out[pos : pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+        pos += len(chunk)
+    return out
