@@ -26,7 +26,6 @@ from ds4_mlx.commands.chat import (
 )
 from ds4_mlx.engine import Engine
 from ds4_mlx.events import ReasoningDelta, TextDelta
-from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 
 SYSTEM = "You are a helpful assistant"
@@ -36,8 +35,8 @@ MAX_TOKENS = 3
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("chat") / "tiny.gguf", preset="tiny", vocab="real")
+def model_path(demo_model):
+    return demo_model
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,14 @@ import pytest
 from ds4_mlx.chat import ThinkMode, render_cli_prompt
 from ds4_mlx.commands.options import encode_cli_prompt
 from ds4_mlx.engine import Engine, GenerationRequest
-from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("run") / "tiny.gguf"
-    write_model(path, preset="tiny", vocab="real", seed=5)
-    return path
+def tiny_path(demo_model):
+    return demo_model
 
 
 def ds4(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
