@@ -32,6 +32,7 @@ from ..chat import (
 from ..errors import Ds4Error, RequestError, ResourceError
 from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
 from ..progress import Progress
+from .terminal import AnswerPrinter, stop_on_interrupt
 from .options import (
     add_kv_cache_arguments,
     add_model_options,
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 PROMPT = "ds4-mlx> "
 HISTORY_FILE = Path("~/.ds4_mlx_history")
 HISTORY_LENGTH = 512
-GREY, RESET = "\x1b[90m", "\x1b[0m"  # ds4 shows reasoning in ANSI 90 on a terminal
 
 COMMANDS = (
     ("/help", "this list"),
@@ -244,7 +244,7 @@ class Chat:
             sampling=self.sampling,
             thinking=self.think.thinking,
         )
-        printer = _AnswerPrinter(self.out.file, grey=self._grey)
+        printer = AnswerPrinter(self.out.file, grey=self._grey)
         try:
             with stop_on_interrupt() as stopped, self.progress.bar("prefill") as bar:
                 done = None
@@ -289,70 +289,6 @@ def stats_line(done: Done) -> str:
         f"ds4-mlx: prompt {u.prompt_tokens} tokens ({u.cached_tokens} reused), prefill {prefill:.1f} t/s, "
         f"generation {u.completion_tokens} tokens at {generation:.1f} t/s, finish {finish}"
     )
-
-
-class _AnswerPrinter:
-    """Writes the streamed answer exactly as generated; reasoning grey on a terminal, then a line break before
-    the answer proper when the reasoning did not end with one (ds4 hides the think tags)."""
-
-    def __init__(self, file: TextIO, grey: bool) -> None:
-        self.file = file
-        self.grey = grey
-        self.in_reasoning = False
-        self.last = "\n"
-
-    def reasoning(self, text: str) -> None:
-        if self.grey and not self.in_reasoning:
-            self.file.write(GREY)
-        self.in_reasoning = True
-        self._write(text)
-
-    def text(self, text: str) -> None:
-        self._close_reasoning()
-        self._write(text)
-
-    def end(self) -> None:
-        """Closes the answer so the next output starts on a fresh line."""
-        self._close_reasoning()
-        if self.last != "\n":
-            self._write("\n")
-
-    def _close_reasoning(self) -> None:
-        if not self.in_reasoning:
-            return
-        if self.grey:
-            self.file.write(RESET)
-        self.in_reasoning = False
-        if self.last != "\n":
-            self._write("\n")
-
-    def _write(self, text: str) -> None:
-        if text:
-            self.file.write(text)
-            self.file.flush()
-            self.last = text[-1]
-
-
-@contextmanager
-def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
-    """While generating: the first Ctrl+C asks the engine to stop after the current token (its `cancel` hook);
-    a second one raises KeyboardInterrupt at once. Outside the main thread signals cannot be caught, and the
-    hook never fires."""
-    pressed = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield pressed.is_set
-        return
-
-    def on_sigint(signum: int, frame: object) -> None:
-        if pressed.is_set():
-            raise KeyboardInterrupt
-        pressed.set()
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield pressed.is_set
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @contextmanager
