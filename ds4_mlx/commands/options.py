@@ -229,6 +229,8 @@ def warn_ignored_options(args: argparse.Namespace) -> None:
     from ..chat import THINK_MAX_MIN_CONTEXT
 
     notes = []
+    if getattr(args, "raw", False) and (args.system is not None or args.think is not None):
+        notes.append("--raw sends the prompt as written: --system and the thinking flags are unused")
     if getattr(args, "think", None) == "max" and not getattr(args, "raw", False) and args.ctx < THINK_MAX_MIN_CONTEXT:
         notes.append(f"--think-max needs --ctx >= {THINK_MAX_MIN_CONTEXT}; ctx={args.ctx} uses normal thinking "
                      "instead")
