@@ -120,7 +120,7 @@ def test_ctx_must_be_positive(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["inspect", str(tmp_path / "x.gguf"), "--ctx", "0"])
     assert e.value.code == 2
-    assert "must be a positive number of tokens" in capsys.readouterr().err
+    assert "argument -c/--ctx: expected a number of tokens from 1 to 1048576, got '0'" in capsys.readouterr().err
 
 
 def test_format_bytes():
