@@ -14,10 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import Ds4Error, RequestError, UsageError
+from ..model.config import FLASH
 
 DEFAULT_MODEL = "ds4flash.gguf"
-MAX_CONTEXT = 1_048_576
-"""DeepSeek V4 Flash's trained context (model.config.FLASH.context_length): the largest --ctx accepted."""
+MAX_CONTEXT: int = FLASH.context_length
+"""DeepSeek V4 Flash's trained context, 1,048,576 tokens: the largest --ctx accepted."""
 DEMO_MAX_TOKENS = 256
 """Default answer length with --demo: its random model never writes an end token."""
 

@@ -86,9 +86,11 @@ def run(args: argparse.Namespace) -> int:
         return _dump_logprobs(engine, tokens, args)
 
     req = GenerationRequest(prompt=tokens, max_tokens=token_limit(args, DEFAULT_MAX_TOKENS), sampling=sampling)
+    colour = "NO_COLOR" not in os.environ
     terminal = sys.stdout.isatty()
-    answer = AnswerPrinter(sys.stdout, grey=terminal and "NO_COLOR" not in os.environ)
-    reasoning = None if args.hide_reasoning else answer if terminal else AnswerPrinter(sys.stderr, grey=False)
+    answer = AnswerPrinter(sys.stdout, grey=terminal and colour)
+    aside = AnswerPrinter(sys.stderr, grey=sys.stderr.isatty() and colour)  # reasoning, when stdout is not a terminal
+    reasoning = None if args.hide_reasoning else answer if terminal else aside
     done: Done | None = None
     try:
         with stop_on_interrupt() as stopped, Progress(quiet=args.quiet).bar("prefill") as bar:
