@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import Ds4Error
+from .errors import Ds4Error, UsageError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("run", "generate a completion for one prompt"),
@@ -30,6 +30,13 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (the full usage of `run` is a screenful), then exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -45,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ds4-mlx: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(f".commands.{COMMANDS[name][0]}", __package__)
-    parser = argparse.ArgumentParser(prog=f"ds4-mlx {name}", description=COMMANDS[name][1])
+    parser = _Parser(prog=f"ds4-mlx {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
     except Ds4Error as e:
         print(f"ds4-mlx {name}: error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130

@@ -20,11 +20,12 @@ import mlx.core as mx
 from . import dsml
 from .chat import ToolMemory
 from .checkpoints import CheckpointStore, Match, default_ram_budget
-from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError
+from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError, UsageError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
 from .kvfiles import check_directory
 from .kvidentity import model_identity
 from .kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
+from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
 from .model.mtp import MTP, open_mtp
@@ -48,13 +49,18 @@ class GenerationRequest:
 
     `prompt` is rendered text in which the special strings are recognised, or token ids when the caller has
     tokenized it itself (the CLI does, so that special strings typed by a user stay plain text).
+
+    `thinking` says whether the answer starts inside reasoning. Left None it follows the prompt, so that the think
+    mode is chosen in one place, the rendering: a prompt that ends with the thinking opener `<think>` (rendered with
+    ThinkMode.HIGH or MAX) is answered with reasoning first, any other (ThinkMode.NONE ends with `</think>`, a raw
+    prompt with text) with the answer alone.
     """
 
     prompt: str | list[int]
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    thinking: bool = True
+    thinking: bool | None = None
     tools_active: bool = False
 
 
@@ -83,6 +89,14 @@ def device_memory_bytes() -> int:
     if "memory_size" in info:
         return int(info["memory_size"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_context(config: ModelConfig, ctx: int) -> None:
+    """A context from 1 token to the model's trained one (1,048,576 for DeepSeek V4 Flash): rope scaling and the
+    compressed caches are not defined beyond it."""
+    limit = config.context_length or FLASH.context_length
+    if not 1 <= ctx <= limit:
+        raise UsageError(f"context size must be from 1 to {limit} tokens (the model's trained context), got {ctx}")
 
 
 def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, available: int) -> None:
@@ -176,11 +190,9 @@ class Engine:
         """
         path = Path(path)
         if not path.exists():
-            raise ModelFileMissing(
-                f"no model file at {path}: download one with ./download_model.sh q2 (or q4), "
-                f"or try the built-in tiny model with --demo"
-            )
+            raise ModelFileMissing.at(path)
         weights = open_weights(path)
+        check_context(weights.config, ctx)
         if kv_cache is not None:
             check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
         mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
@@ -209,6 +221,7 @@ class Engine:
         """Replaces the live session with an empty one of `ctx` tokens, if the device has room for its state."""
         from .model.cache import session_bytes
 
+        check_context(self.model.config, ctx)
         need = session_bytes(self.model.config, ctx)
         room = int(device_memory_bytes() * 0.9) - (mx.get_active_memory() - self.session.cache.nbytes)
         if need > room:
@@ -416,10 +429,11 @@ class Engine:
         logits = self.session.logits
         t1 = time.perf_counter()
 
+        thinking = req.thinking if req.thinking is not None else tokens[-1] == self.tokenizer.think_id
         sampler = Sampler(req.sampling)
         decoder = StreamDecoder(self.tokenizer)
-        parser = dsml.StreamParser(thinking=req.thinking, tools_active=req.tools_active)
-        greedy = dsml.GreedyTracker(thinking=req.thinking) if req.tools_active else None
+        parser = dsml.StreamParser(thinking=thinking, tools_active=req.tools_active)
+        greedy = dsml.GreedyTracker(thinking=thinking) if req.tools_active else None
         stops = StopStrings(req.stop)
         limit = self.default_max_tokens if req.max_tokens is None else max(0, req.max_tokens)
         limit = min(limit, self.session.room)
@@ -488,7 +502,7 @@ class Engine:
 
         if stops.hit:
             self._replace_session()
-        message = dsml.parse_message("".join(text_parts), thinking=req.thinking, tools_active=req.tools_active)
+        message = dsml.parse_message("".join(text_parts), thinking=thinking, tools_active=req.tools_active)
         finish = _final_finish_reason(finish, message)
         yield Done(
             finish_reason=finish,

@@ -4,9 +4,15 @@ The CLI prints these as one line without a traceback; the server maps them to a 
 Anything else that escapes is an internal fault.
 """
 
+from __future__ import annotations
+
 
 class Ds4Error(Exception):
     """Base of every error a user can cause (bad file, bad flag, bad request)."""
+
+
+class UsageError(Ds4Error):
+    """A flag or parameter the command or call cannot take as given (the CLI exits with status 2, as argparse does)."""
 
 
 class GGUFError(Ds4Error):
@@ -22,6 +28,12 @@ class LayoutError(GGUFError):
 
 class ModelFileMissing(Ds4Error):
     """No model file at the given path."""
+
+    @classmethod
+    def at(cls, path: object) -> ModelFileMissing:
+        """The error for an absent model file, saying where to get one (every command says the same)."""
+        return cls(f"no model file at {path}: download one with ./download_model.sh q2 (or q4), "
+                   f"or try the built-in tiny model with --demo")
 
 
 class ResourceError(Ds4Error):

@@ -1,6 +1,16 @@
-"""Shared fixtures. Tests run on MLX's CPU backend unless marked `gpu`."""
+"""Shared fixtures. Tests run on MLX's CPU backend unless marked `gpu`.
+
+Large files are built once per session and removed when it ends, whatever the outcome: the demo model (tiny preset,
+real V4 vocabulary, 114 MB) serves every test that needs a tiny model with the real tokenizer, `--demo` runs and the
+example notebook included.
+"""
+
+from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +27,31 @@ def _mlx_device():
     if os.environ.get("DS4_TEST_DEVICE", "cpu") == "cpu":
         mx.set_default_device(mx.cpu)
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """XDG_CACHE_HOME (where `--demo` keeps its model) in a folder of this session, for this process and the
+    commands it starts: tests never write into the user's cache, and the demo model is built at most once."""
+    root = tmp_path_factory.mktemp("cache")
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(root)
+    yield root
+    if previous is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def demo_model(cache_home: Path) -> Path:
+    """The demo model's file (tiny preset, q2 experts, real vocabulary, seed 0), built once per session."""
+    from ds4_mlx.engine import demo_model_path, ensure_demo_model
+
+    path = ensure_demo_model()
+    assert path == demo_model_path() and path.is_relative_to(cache_home)
+    return path
 
 
 @pytest.fixture

@@ -19,15 +19,16 @@ from ds4_mlx.commands.bench import CSV_COLUMNS, Walk, live_kv_bytes, plan, promp
 from ds4_mlx.engine import Engine
 from ds4_mlx.errors import Ds4Error, LayoutError
 from ds4_mlx.model.config import FLASH
-from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 from ds4_mlx.model.weights import model_layout
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", preset="tiny")
+def model_path(demo_model, tmp_path_factory):
+    link = tmp_path_factory.mktemp("bench") / "tiny.gguf"  # the report names the file
+    link.symlink_to(demo_model)
+    return link
 
 
 @pytest.fixture(scope="module")

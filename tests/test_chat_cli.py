@@ -8,6 +8,7 @@ tokens and sampled greedily so the tests stay fast and deterministic.
 from __future__ import annotations
 
 import io
+import json
 import signal
 import subprocess
 import sys
@@ -17,16 +18,10 @@ import pytest
 from rich.console import Console
 
 from ds4_mlx.chat import ASSISTANT, EOS, THINK_MAX_PREFIX, ThinkMode
-from ds4_mlx.commands.chat import (
-    Chat,
-    Transcript,
-    _AnswerPrinter,
-    interrupts_for_the_main_thread,
-    piped_lines,
-)
+from ds4_mlx.commands.chat import Chat, Transcript, interrupts_for_the_main_thread, piped_lines
+from ds4_mlx.commands.terminal import AnswerPrinter
 from ds4_mlx.engine import Engine
 from ds4_mlx.events import ReasoningDelta, TextDelta
-from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 
 SYSTEM = "You are a helpful assistant"
@@ -36,8 +31,8 @@ MAX_TOKENS = 3
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("chat") / "tiny.gguf", preset="tiny", vocab="real")
+def model_path(demo_model):
+    return demo_model
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +157,8 @@ def test_unknown_command_prints_ds4s_two_lines(chat):
 
 def test_help_lists_every_command(chat):
     chat.handle("/help")
-    for command in ("/help", "/think", "/nothink", "/think-max", "/ctx N", "/read FILE", "/quit, /exit"):
+    for command in ("/help", "/think", "/nothink", "/think-max", "/ctx N", "/read FILE", "/system TEXT", "/clear",
+                    "/save FILE", "/load FILE", '""" ... """', "/quit, /exit"):
         assert f"  {command} " in out(chat)
 
 
@@ -188,10 +184,20 @@ def test_ctx_rejects_a_bad_size(chat, arg):
     assert chat.engine.ctx == CTX
 
 
-def test_ctx_too_large_for_the_device_is_refused(chat):
-    chat.handle("/ctx 100000000000")
-    assert err(chat).startswith("ds4-mlx: error: ctx 100000000000 needs ")
+def test_ctx_too_large_for_the_device_is_refused(chat, monkeypatch):
+    import ds4_mlx.engine
+
+    monkeypatch.setattr(ds4_mlx.engine, "device_memory_bytes", lambda: 2**28)  # 256 MiB
+    chat.handle("/ctx 1048576")
+    assert err(chat).startswith("ds4-mlx: error: ctx 1048576 needs ")
     assert f"the context stays at {CTX}" in err(chat)
+    assert chat.engine.ctx == CTX
+
+
+def test_ctx_beyond_the_trained_context_is_refused(chat):
+    chat.handle("/ctx 1048577")
+    assert err(chat) == ("ds4-mlx: error: context size must be from 1 to 1048576 tokens (the model's trained "
+                         "context), got 1048577\n")
     assert chat.engine.ctx == CTX
 
 
@@ -211,6 +217,106 @@ def test_read_of_a_missing_file_is_one_error_line(chat, tmp_path):
     assert chat.handle("/read")
     assert err(chat).endswith("ds4-mlx: error: /read expects a file name\n")
     assert chat.transcript.turns == []
+
+
+def user_texts(chat: Chat) -> list[str]:
+    """The user messages of the transcript, decoded."""
+    tok = chat.engine.tokenizer
+    turns, texts = chat.transcript.turns, []
+    for i, t in enumerate(turns):
+        if t == tok.user_id:
+            end = turns.index(tok.assistant_id, i)
+            texts.append(tok.decode(turns[i + 1 : end]))
+    return texts
+
+
+def test_triple_quotes_make_one_message_of_several_lines(chat):
+    lines = ['"""', "line one", "", "  line three  ", '"""', '""" inline start', 'ends here"""', '"""single"""']
+    chat.loop(piped_lines(io.StringIO("\n".join(lines) + "\n")))
+    assert user_texts(chat) == ["line one\n\n  line three  ", "inline start\nends here", "single"]
+    assert err(chat).count("ds4-mlx: prompt ") == 3
+
+
+def test_an_unfinished_block_is_not_sent(chat):
+    chat.loop(['"""', "typed", None, "/nothink"])  # None: Ctrl+C at the prompt
+    assert err(chat) == 'ds4-mlx: Ctrl+C: the unfinished """ message was not sent\n' and chat.block is None
+    assert chat.think is ThinkMode.NONE  # the line after Ctrl+C is a command again
+    chat.loop(['"""', "never closed"])
+    assert err(chat).endswith('ds4-mlx: the input ended: the unfinished """ message was not sent\n')
+    assert chat.transcript.turns == []
+
+
+def test_clear_starts_over(chat):
+    tok = chat.engine.tokenizer
+    chat.send("first")
+    assert chat.handle("/clear") and out(chat).endswith("Conversation cleared.\n")
+    assert chat.transcript.turns == []
+    done = chat.send("again")
+    assert done.usage.prompt_tokens == 1 + len(plain(tok, SYSTEM)) + len(turn_tokens(tok, "again", tok.think_id))
+
+
+def test_system_replaces_the_system_text(chat):
+    tok = chat.engine.tokenizer
+    chat.send("before")
+    kept = list(chat.transcript.turns)
+    assert chat.handle("/system  You answer in French. ")
+    assert out(chat).endswith("\nSystem text set.\n") and chat.transcript.system == "You answer in French."
+    assert chat.transcript.turns == kept
+    assert chat.transcript.tokens(tok, chat.think, CTX)[: 1 + len(plain(tok, "You answer in French."))] == [
+        tok.bos_id, *plain(tok, "You answer in French.")]
+    done = chat.send("after")
+    assert done.usage.cached_tokens == 0  # the preamble changed: everything is prefilled again
+    chat.handle("/system")
+    assert out(chat).endswith("System text: 'You answer in French.'\n")
+
+
+def test_save_and_load_restore_the_conversation(chat, tmp_path):
+    chat.handle("/nothink")
+    chat.send("remember this")
+    chat.handle("/system Be brief.")
+    kept = list(chat.transcript.turns)
+    path = tmp_path / "talk.json"
+    assert chat.handle(f"/save {path}") and out(chat).endswith(f"Saved 1 turns to {path}.\n")
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    assert saved["system"] == "Be brief." and saved["think"] == "none" and saved["turns"] == kept
+    assert "remember this" in saved["text"]
+    chat.handle("/clear")
+    chat.handle("/think")
+    chat.handle("/system Other.")
+    assert chat.handle(f"/load {path}")
+    assert out(chat).endswith(f"Loaded 1 turns from {path} (thinking mode: none).\n")
+    assert chat.transcript.turns == kept and chat.transcript.system == "Be brief." and chat.think is ThinkMode.NONE
+    done = chat.send("and now")
+    assert user_texts(chat) == ["remember this", "and now"] and done.usage.prompt_tokens > len(kept)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot read {path}: No such file or directory"),
+    ("{not json", "cannot load {path}: Expecting property name"),
+    ('{"format": "other"}', "cannot load {path}: not a conversation saved by /save"),
+    ('{"format": "ds4-mlx chat", "version": 1, "system": "", "think": "high", "turns": [1, -2]}',
+     "cannot load {path}: 'turns' must be a list of token ids from 0 to"),
+    ('{"format": "ds4-mlx chat", "version": 1, "system": "", "think": "hard", "turns": []}',
+     "cannot load {path}: 'think' must be one of none, high, max, got 'hard'"),
+])
+def test_load_refuses_what_save_did_not_write(chat, tmp_path, content, message):
+    chat.send("kept")
+    kept = list(chat.transcript.turns)
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content, encoding="utf-8")
+    assert chat.handle(f"/load {path}")
+    assert err(chat).count("\n") == 2 and f"ds4-mlx: error: {message.format(path=path)}" in err(chat)
+    assert chat.transcript.turns == kept and chat.transcript.system == SYSTEM
+
+
+def test_save_and_load_need_a_file_name(chat, tmp_path):
+    chat.handle("/save")
+    chat.handle("/load")
+    chat.handle(f"/save {tmp_path / 'missing' / 'x.json'}")
+    assert err(chat).splitlines() == [
+        "ds4-mlx: error: /save expects a file name", "ds4-mlx: error: /load expects a file name",
+        f"ds4-mlx: error: cannot write {tmp_path / 'missing' / 'x.json'}: No such file or directory"]
 
 
 def test_quit_and_exit_stop_the_loop(chat):
@@ -289,14 +395,14 @@ def test_threads_started_while_loading_leave_ctrl_c_to_the_main_thread():
 
 def test_answer_printer_greys_reasoning_and_breaks_the_line_before_the_answer():
     buf = io.StringIO()
-    printer = _AnswerPrinter(buf, grey=True)
+    printer = AnswerPrinter(buf, grey=True)
     printer.reasoning("let me think")
     printer.reasoning("\tmore")
     printer.text("The answer\tis 4")
     printer.end()
     assert buf.getvalue() == "\x1b[90mlet me think\tmore\x1b[0m\nThe answer\tis 4\n"
     buf = io.StringIO()
-    printer = _AnswerPrinter(buf, grey=False)
+    printer = AnswerPrinter(buf, grey=False)
     printer.reasoning("done.\n")
     printer.end()
     assert buf.getvalue() == "done.\n"
@@ -321,57 +427,94 @@ def test_chat_through_a_pipe(model_path):
     assert ASSISTANT not in r.stdout and EOS not in r.stdout
 
 
+class Terminal:
+    """`ds4-mlx chat` on a pseudo-terminal, as a person at a keyboard drives it."""
+
+    def __init__(self, model_path, home, max_tokens: int) -> None:
+        import os
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the chat command on the terminal's slave side
+            os.environ["HOME"] = str(home)
+            os.execv(sys.executable, [sys.executable, "-m", "ds4_mlx.cli", "chat", "-m", str(model_path), "-c",
+                                      str(CTX), "-n", str(max_tokens), "--temp", "0"])
+        self.seen = b""
+        self.start = 0
+
+    def write(self, data: bytes) -> None:
+        import os
+
+        os.write(self.fd, data)
+
+    def expect(self, marker: bytes, timeout: float = 60.0) -> None:
+        """Waits for `marker` in the output that came after the previous marker."""
+        import os
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        while marker not in self.seen[self.start:]:
+            assert time.monotonic() < deadline, f"no {marker!r} in {self.seen[self.start:]!r}"
+            if select.select([self.fd], [], [], 0.1)[0]:
+                try:
+                    self.seen += os.read(self.fd, 65536)
+                except OSError:  # the child closed the terminal
+                    raise AssertionError(f"the chat ended before {marker!r}: {self.seen!r}") from None
+        self.start = self.seen.index(marker, self.start) + len(marker)
+
+    def close(self) -> int:
+        """Ctrl+D, then the exit code."""
+        import os
+
+        try:
+            self.write(b"\x04")
+            _, status = os.waitpid(self.pid, 0)
+        finally:
+            os.close(self.fd)
+        return os.waitstatus_to_exitcode(status)
+
+
 def test_chat_in_a_terminal(model_path, tmp_path):
     """On a pseudo-terminal: the prompt, grey reasoning, Ctrl+C stopping an answer and clearing a typed line,
     Ctrl+D leaving, and the line history saved in the home directory."""
-    import os
-    import pty
-    import select
     import time
 
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the chat command on the terminal's slave side
-        os.environ["HOME"] = str(tmp_path)
-        argv = [sys.executable, "-m", "ds4_mlx.cli", "chat", "-m", str(model_path), "-c", str(CTX), "-n", "500",
-                "--temp", "0"]
-        os.execv(sys.executable, argv)
-    seen = b""
-    start = 0
-
-    def expect(marker: bytes, timeout: float = 60.0) -> None:
-        """Waits for `marker` in the output that came after the previous marker."""
-        nonlocal seen, start
-        deadline = time.monotonic() + timeout
-        while marker not in seen[start:]:
-            assert time.monotonic() < deadline, f"no {marker!r} in {seen[start:]!r} (after {seen[:start]!r})"
-            if select.select([fd], [], [], 0.1)[0]:
-                try:
-                    seen += os.read(fd, 65536)
-                except OSError:  # the child closed the terminal
-                    raise AssertionError(f"the chat ended before {marker!r}: {seen!r}") from None
-        start = seen.index(marker, start) + len(marker)
-
-    try:
-        expect(PROMPT_BYTES)
-        os.write(fd, b"hello\r")
-        expect(b"\x1b[90m")  # reasoning started, in grey
-        os.write(fd, b"\x03")
-        expect(b"finish cancelled")
-        expect(PROMPT_BYTES)
-        os.write(fd, b"typed then dropped")
-        expect(b"typed then dropped")
-        # CPython's readline only looks at signals when its wait is interrupted; a Ctrl+C that lands while it is
-        # still handling the last keystroke waits for the next key. People do not type that fast.
-        time.sleep(0.3)
-        os.write(fd, b"\x03")
-        expect(PROMPT_BYTES)
-        os.write(fd, b"/nothink\r")
-        expect(b"Thinking mode: none.")
-        expect(PROMPT_BYTES)
-        os.write(fd, b"\x04")
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(fd)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert b"\x1b[0m" in seen.split(b"\x1b[90m", 1)[1]  # the grey ends before the stats line
+    term = Terminal(model_path, tmp_path, max_tokens=500)
+    term.expect(PROMPT_BYTES)
+    term.write(b"hello\r")
+    term.expect(b"\x1b[90m")  # reasoning started, in grey
+    term.write(b"\x03")
+    term.expect(b"finish cancelled")
+    term.expect(PROMPT_BYTES)
+    term.write(b"typed then dropped")
+    term.expect(b"typed then dropped")
+    # CPython's readline only looks at signals when its wait is interrupted; a Ctrl+C that lands while it is
+    # still handling the last keystroke waits for the next key. People do not type that fast.
+    time.sleep(0.3)
+    term.write(b"\x03")
+    term.expect(PROMPT_BYTES)
+    term.write(b"/nothink\r")
+    term.expect(b"Thinking mode: none.")
+    term.expect(PROMPT_BYTES)
+    assert term.close() == 0
+    assert b"\x1b[0m" in term.seen.split(b"\x1b[90m", 1)[1]  # the grey ends before the stats line
     assert (tmp_path / ".ds4_mlx_history").read_text().splitlines() == ["hello", "/nothink"]
+
+
+def test_a_paste_in_the_terminal_is_one_message(model_path, engine, tmp_path):
+    """The chat turns on the terminal's bracketed paste mode, so a paste arrives between markers, its line breaks
+    as CR: the chat takes it as one message of two lines, sent by the Enter that follows, not as two messages."""
+    tok = engine.tokenizer
+    term = Terminal(model_path, tmp_path, max_tokens=2)
+    term.expect(b"\x1b[?2004h")  # a terminal brackets pastes only after the program asks for it
+    term.expect(PROMPT_BYTES)
+    term.write(b"\x1b[200~first line\rsecond line\x1b[201~")
+    term.expect(b"second line")
+    term.write(b"\r")
+    term.expect(b"ds4-mlx: prompt ")
+    term.expect(PROMPT_BYTES)
+    assert term.close() == 0
+    expected = 1 + len(plain(tok, SYSTEM)) + len(turn_tokens(tok, "first line\nsecond line", tok.think_id))
+    stats = [line for line in term.seen.decode(errors="replace").splitlines() if "ds4-mlx: prompt " in line]
+    assert len(stats) == 1 and f"ds4-mlx: prompt {expected} tokens (0 reused)" in stats[0]

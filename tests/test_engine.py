@@ -20,7 +20,6 @@ from ds4_mlx.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 from scripted import scripted_engine
 
@@ -28,10 +27,8 @@ GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("engine") / "tiny.gguf"
-    write_model(path, preset="tiny", vocab="real", seed=3)
-    return path
+def tiny_path(demo_model):
+    return demo_model
 
 
 @pytest.fixture(scope="module")

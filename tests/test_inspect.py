@@ -9,6 +9,8 @@ import pytest
 from ds4_mlx.cli import main
 from ds4_mlx.commands.inspect import format_bytes
 from ds4_mlx.model.config import FLASH, memory_estimate
+from ds4_mlx.model.linear import loaded_forms, loaded_nbytes
+from ds4_mlx.model.weights import open_weights
 
 from gguf_build import TINY, model_spec, mtp_spec, write
 
@@ -29,19 +31,55 @@ def test_tiny_report(tmp_path, capsys):
     assert re.search(r"layers 4-5 +gate/up Q4_K +down Q4_K", out)
     assert "ratio 0 on 2 layers, ratio 4 on 2 layers, ratio 128 on 2 layers" in out
     assert re.search(r"^  IQ2_XXS +\d", out, re.M) and re.search(r"^  I32 +12.00 KiB$", out, re.M)
-    assert "memory at ctx 4096\n" in out
+    assert "memory at ctx 4096, weights as loaded on the cpu backend\n" in out
 
 
-def test_flash_report_totals(tmp_path, capsys):
-    rc, out, _ = _inspect(capsys, write(model_spec(FLASH, "q2"), tmp_path / "flash.gguf"))
+@pytest.fixture(scope="module")
+def flash_path(tmp_path_factory):
+    return write(model_spec(FLASH, "q2"), tmp_path_factory.mktemp("flash") / "flash.gguf")
+
+
+def test_flash_report_totals(flash_path, capsys, on_cpu):
+    rc, out, _ = _inspect(capsys, flash_path)
     assert rc == 0
     assert "variant q2" in out and "1328 tensors" in out
     assert re.search(r"layers 0-42 +gate/up IQ2_XXS +down Q2_K", out)
     state = memory_estimate(FLASH, 32768)
     assert re.search(rf"compressed rows +{re.escape(format_bytes(state.compressed))}$", out, re.M)
-    assert re.search(r"weights +80.76 GiB$", out, re.M)
+    loaded = loaded_nbytes(open_weights(flash_path))
+    assert re.search(rf"^  weights +{re.escape(format_bytes(loaded))}  \(80.76 GiB in the file\)$", out, re.M)
     total = re.search(r"total +(\S+) GiB$", out, re.M)
-    assert total and float(total.group(1)) == pytest.approx(80.76 + state.total / 2**30, abs=0.01)
+    assert total and float(total.group(1)) == pytest.approx((loaded + state.total) / 2**30, abs=0.01)
+
+
+def test_weights_breakdown_explains_the_difference_from_the_file(flash_path, capsys, on_cpu):
+    """Each form's line gives its bytes as loaded; they add up to the weights line, and what they say they hold in
+    the file adds up to the file's tensor bytes (affine: the file's bytes + 8 bytes per 32 values)."""
+    weights = open_weights(flash_path)
+    forms = loaded_forms(weights)
+    _, out, _ = _inspect(capsys, flash_path)
+    held = dict(re.findall(r"^    (affine|float32|raw) +(\S+ \S+)  ", out, re.M))
+    assert held == {form: format_bytes(b) for form, (a, b) in forms.items() if a}
+    assert sum(a for a, _ in forms.values()) == weights.nbytes
+    assert sum(b for _, b in forms.values()) == loaded_nbytes(weights) > weights.nbytes
+    stored, converted = forms["affine"]
+    assert f"the file's {format_bytes(stored)} + a float32 scale and bias per 32 values" in out
+    q8_values = stored // 34 * 32  # only Q8_0 tensors take the affine form in a q2 file: 34 bytes per 32 values
+    assert converted == q8_values + q8_values // 32 * 8
+
+
+def test_run_checks_memory_with_the_figure_inspect_shows(flash_path, capsys, monkeypatch, on_cpu):
+    """`run`'s memory check counts the weights exactly as `inspect` does (82.9 GiB, not the file's 80.76)."""
+    import ds4_mlx.engine
+
+    monkeypatch.setattr(ds4_mlx.engine, "device_memory_bytes", lambda: 64 * 2**30)
+    loaded = loaded_nbytes(open_weights(flash_path))
+    assert main(["run", "-m", str(flash_path), "-p", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert f"the model needs {loaded / 2**30:.1f} GiB for its weights" in err
+    _, out, _ = _inspect(capsys, flash_path)
+    shown = re.search(r"^  weights +(\S+) GiB  ", out, re.M).group(1)
+    assert f"{float(shown):.1f}" == f"{loaded / 2**30:.1f}" and shown != "80.76"
 
 
 def test_mtp_is_validated_and_counted(tmp_path, capsys):
@@ -82,7 +120,7 @@ def test_ctx_must_be_positive(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["inspect", str(tmp_path / "x.gguf"), "--ctx", "0"])
     assert e.value.code == 2
-    assert "must be a positive number of tokens" in capsys.readouterr().err
+    assert "argument -c/--ctx: expected a number of tokens from 1 to 1048576, got '0'" in capsys.readouterr().err
 
 
 def test_format_bytes():

@@ -307,8 +307,8 @@ def test_lookup_picks_the_longest_cached_text_that_starts_the_prompt(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("kvstore") / "tiny.gguf", preset="tiny", vocab="real")
+def tiny_path(demo_model):
+    return demo_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.kvstore import KvEntry, KvHeader, KvStore, eviction_victim
-from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 from test_kvstore import CTX, ID, chat_prompt, kv_files, options, read_header
 
@@ -18,9 +17,8 @@ NOW = 1_700_000_000
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return Engine.load(write_model(tmp_path_factory.mktemp("review2") / "tiny.gguf", preset="tiny", vocab="real"),
-                       ctx=CTX)
+def loaded(demo_model):
+    return Engine.load(demo_model, ctx=CTX)
 
 
 def fresh(loaded: Engine, store: KvStore | None) -> Engine:

@@ -14,17 +14,14 @@ import pytest
 from ds4_mlx.chat import ThinkMode, render_cli_prompt
 from ds4_mlx.commands.options import encode_cli_prompt
 from ds4_mlx.engine import Engine, GenerationRequest
-from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("run") / "tiny.gguf"
-    write_model(path, preset="tiny", vocab="real", seed=5)
-    return path
+def tiny_path(demo_model):
+    return demo_model
 
 
 def ds4(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -79,7 +76,114 @@ def test_missing_model_says_where_to_get_one(tmp_path):
 
 def test_no_prompt_is_a_clear_error(tiny_path):
     r = ds4("run", "-m", str(tiny_path))
-    assert r.returncode == 1 and "-p TEXT" in r.stderr
+    assert r.returncode == 2 and "-p TEXT" in r.stderr
+
+
+@pytest.mark.parametrize("flag", ["-p", "--prompt-file"])
+def test_dash_reads_the_prompt_from_standard_input(tiny_path, flag):
+    flags = ["run", "-m", str(tiny_path), "-n", "4", "--temp", "0", "--nothink", "--ctx", "256"]
+    piped = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", *flags, flag, "-"], input="Hello there",
+                           capture_output=True, text=True, timeout=300)
+    given = ds4(*flags, "-p", "Hello there")
+    assert piped.returncode == 0 and given.returncode == 0, piped.stderr
+    assert piped.stdout == given.stdout and piped.stdout.strip()
+    assert piped.stderr.splitlines()[-1].split(",")[0] == given.stderr.splitlines()[-1].split(",")[0]  # same prompt
+
+
+@pytest.fixture
+def scripted_run(demo_model, monkeypatch, capsys):
+    """`ds4-mlx run ARGS` in this process over an engine whose model writes the given text: returns the engine's
+    model (what it was fed), the exit code, standard output and standard error (not a terminal). Everything but
+    the loading runs as in the command."""
+    from ds4_mlx.cli import main
+    from ds4_mlx.model.gguf import GGUFFile
+    from ds4_mlx.tokenizer import Tokenizer
+    from scripted import scripted_engine
+
+    with GGUFFile.open(demo_model) as f:
+        tokenizer = Tokenizer.from_gguf(f)
+
+    def go(text: str, *args: str, eos: bool = True):
+        engine, model = scripted_engine(tokenizer, text, eos=eos, ctx=4096)
+        monkeypatch.setattr(Engine, "load", lambda *args, **kwargs: engine)
+        rc = main(["run", *args])
+        out, err = capsys.readouterr()
+        return model, rc, out, err
+
+    go.tokenizer = tokenizer
+    return go
+
+
+def test_piped_output_is_the_answer_alone(scripted_run):
+    _, rc, out, err = scripted_run("Let me think.</think>The answer.", "-p", "Q?")
+    assert rc == 0 and out == "The answer.\n"
+    assert err.startswith("Let me think.\n") and err.splitlines()[-1].endswith("finish stop")
+    _, rc, out, err = scripted_run("Let me think.</think>The answer.", "-p", "Q?", "--hide-reasoning")
+    assert rc == 0 and out == "The answer.\n" and "Let me think." not in err
+
+
+def test_nothink_answers_without_reasoning(scripted_run):
+    """--nothink is said once, in the rendering: the prompt ends with `</think>`, so the text is the answer."""
+    model, rc, out, _ = scripted_run("No thinking here.", "-p", "Q?", "--nothink")
+    tok = scripted_run.tokenizer
+    prompt = encode_cli_prompt(tok, render_cli_prompt("Q?", think=ThinkMode.NONE, ctx=4096))
+    assert rc == 0 and out == "No thinking here.\n"
+    assert model.fed[: len(prompt)] == prompt and prompt[-1] == tok.think_end_id
+
+
+def test_raw_sends_the_prompt_as_written(scripted_run):
+    tok = scripted_run.tokenizer
+    model, rc, out, err = scripted_run(" upon a time.", "--raw", "-p", "Once")
+    ids = [tok.bos_id, *tok.encode("Once")]  # BOS, then the text: no template, no system text
+    assert rc == 0 and out == " upon a time.\n" and err.startswith(f"ds4-mlx: prompt {len(ids)} tokens")
+    assert model.fed[: len(ids)] == ids
+    chat = "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>"
+    model, rc, out, err = scripted_run("Hmm.</think>Hello!", "--raw", "-p", chat, "--system", "ignored")
+    assert rc == 0 and out == "Hello!\n" and err.startswith("ds4-mlx: warning: --raw sends the prompt as written")
+    ids = tok.encode(chat)
+    assert model.fed[: len(ids)] == ids and len(ids) == 5  # specials read as specials; its <think> opens reasoning
+
+
+def test_demo_answers_stop_at_the_default_limit(scripted_run):
+    from ds4_mlx.commands.options import DEMO_MAX_TOKENS
+
+    _, rc, _, err = scripted_run("word " * 400, "--demo", "-p", "hi", "--nothink", eos=False)
+    assert rc == 0 and f"generation {DEMO_MAX_TOKENS} tokens" in err.splitlines()[-1]
+    _, rc, _, err = scripted_run("word " * 400, "--demo", "-p", "hi", "--nothink", "-n", "300", eos=False)
+    assert rc == 0 and "generation 300 tokens" in err.splitlines()[-1]
+
+
+def test_ctrl_c_in_a_terminal_keeps_the_stats_line_and_resets_the_colour(tiny_path):
+    """On a terminal the reasoning is grey; the first Ctrl+C stops the answer, the colour is reset, the stats line
+    says so, and the exit status is 130."""
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-m", "ds4_mlx.cli", "run", "-m", str(tiny_path), "-p", "Hi",
+                                  "--ctx", "256", "-n", "200", "--temp", "0", "-q"])  # -q: no grey progress bar
+    seen = b""
+    deadline = time.monotonic() + 120
+    interrupted = False
+    try:
+        while b"finish " not in seen:
+            assert time.monotonic() < deadline, seen
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:
+                    break
+            if not interrupted and b"\x1b[90m" in seen and len(seen.split(b"\x1b[90m", 1)[1]) > 2:
+                os.write(fd, b"\x03")
+                interrupted = True
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    grey = seen.split(b"\x1b[90m", 1)[1]
+    assert b"\x1b[0m" in grey and grey.index(b"\x1b[0m") < grey.index(b"ds4-mlx: prompt ")
+    assert b"finish cancelled" in grey and os.waitstatus_to_exitcode(status) == 130
 
 
 def test_dump_logprobs(tiny_path, tmp_path):
@@ -101,16 +205,13 @@ def test_dump_logprobs(tiny_path, tmp_path):
         assert bytes(step["selected"]["bytes"]).decode("utf-8", "replace") == step["selected"]["text"]
 
 
-def test_example_notebook_runs(tmp_path):
+def test_example_notebook_runs(tmp_path, demo_model):
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path)
-    try:
-        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    finally:
-        del os.environ["XDG_CACHE_HOME"]
-    assert (tmp_path / "ds4-mlx").is_dir()
+    before = demo_model.stat().st_mtime_ns
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert demo_model.stat().st_mtime_ns == before  # the kernel used the session's demo model, not a new one
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not any(o.get("output_type") == "error" for o in outputs)

@@ -22,7 +22,6 @@ import pytest
 from ds4_mlx.chat import Message, ThinkMode, render_chat
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.events import Done
-from ds4_mlx.model.factory import write_model
 from ds4_mlx.sampling import SamplingParams
 from serve_support import live_server
 
@@ -31,8 +30,8 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", preset="tiny", vocab="real")
+def model_path(demo_model):
+    return demo_model
 
 
 @pytest.fixture(scope="module")

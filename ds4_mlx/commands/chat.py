@@ -1,5 +1,9 @@
 """`ds4-mlx chat`: ds4's interactive REPL (behavior.md §6) over one Engine, in the terminal with rich.
 
+A message may span lines: a paste arrives whole in the terminal (bracketed paste), and the lines between two lines
+of three double quotes (BLOCK) are one message, in a terminal or a pipe. /clear, /system, /save and /load manage the
+conversation.
+
 The conversation is kept as ds4 keeps it, as a token transcript: BOS + [Think-Max prefix] + system text, then per
 turn `<｜User｜>` text `<｜Assistant｜>` + think opener + every generated token (reasoning included) + EOS. Each turn
 sends the whole transcript as token ids; because it extends what the engine's live session holds, the engine reuses
@@ -10,9 +14,9 @@ Max on or off changes the tokens right after BOS and the next turn prefills ever
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +33,7 @@ from ..chat import (
     render_cli_preamble,
     render_cli_turn,
 )
-from ..errors import Ds4Error, RequestError, ResourceError
+from ..errors import Ds4Error, RequestError
 from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
 from ..progress import Progress
 from .options import (
@@ -37,11 +41,14 @@ from .options import (
     add_model_options,
     add_mtp_options,
     add_sampling_options,
+    add_token_limit,
     encode_cli_prompt,
     open_engine,
     sampling_from_args,
     think_mode_from_args,
+    token_limit,
 )
+from .terminal import AnswerPrinter, stop_on_interrupt
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -49,9 +56,14 @@ if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
 PROMPT = "ds4-mlx> "
+BLOCK_PROMPT = "... "
+BLOCK = '"""'
+"""A line that starts with it opens a multi-line message; the next line that ends with it closes the message."""
+DEFAULT_MAX_TOKENS = 50000
+SAVE_FORMAT = "ds4-mlx chat"
+SAVE_VERSION = 1
 HISTORY_FILE = Path("~/.ds4_mlx_history")
 HISTORY_LENGTH = 512
-GREY, RESET = "\x1b[90m", "\x1b[0m"  # ds4 shows reasoning in ANSI 90 on a terminal
 
 COMMANDS = (
     ("/help", "this list"),
@@ -60,13 +72,18 @@ COMMANDS = (
     ("/think-max", f"Think Max (needs --ctx >= {THINK_MAX_MIN_CONTEXT}, else normal thinking)"),
     ("/ctx N", "new context of N tokens; the conversation is kept and prefilled again"),
     ("/read FILE", "send the file's contents as your next message"),
+    ("/system TEXT", "new system text for the conversation (/system alone shows it)"),
+    ("/clear", "start the conversation over (system text and settings stay)"),
+    ("/save FILE", "keep the conversation in a JSON file"),
+    ("/load FILE", "continue a conversation kept with /save"),
+    (f"{BLOCK} ... {BLOCK}", "a message of several lines: open and close it with a line of " + BLOCK),
     ("/quit, /exit", "leave (Ctrl+D too)"),
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
-    p.add_argument("-n", "--tokens", type=int, default=50000, help="most tokens per answer (default 50000)")
+    add_token_limit(p, DEFAULT_MAX_TOKENS, "most tokens per answer")
     p.add_argument(
         "-sys", "--system", default=DEFAULT_SYSTEM, help=f"system text (default {DEFAULT_SYSTEM!r}; '' for none)"
     )
@@ -84,6 +101,26 @@ class Transcript:
 
     def tokens(self, tokenizer: Tokenizer, think: ThinkMode, ctx: int) -> list[int]:
         return encode_cli_prompt(tokenizer, render_cli_preamble(self.system, think=think, ctx=ctx)) + self.turns
+
+    def to_json(self, tokenizer: Tokenizer, think: ThinkMode) -> dict:
+        """What /save writes: the turns as the exact token ids (reasoning included), and their text for reading."""
+        return {"format": SAVE_FORMAT, "version": SAVE_VERSION, "system": self.system, "think": think.value,
+                "turns": self.turns, "text": tokenizer.decode(self.turns)}
+
+    @classmethod
+    def from_json(cls, data: object, vocab_size: int) -> tuple[Transcript, ThinkMode]:
+        """The transcript and think mode of a /save file; ValueError says what does not match the format."""
+        if not isinstance(data, dict) or data.get("format") != SAVE_FORMAT or data.get("version") != SAVE_VERSION:
+            raise ValueError(f"not a conversation saved by /save (expected format {SAVE_FORMAT!r} version "
+                             f"{SAVE_VERSION})")
+        system, think, turns = data.get("system"), data.get("think"), data.get("turns")
+        if not isinstance(system, str):
+            raise ValueError("'system' must be a string")
+        if think not in {mode.value for mode in ThinkMode}:
+            raise ValueError(f"'think' must be one of {', '.join(mode.value for mode in ThinkMode)}, got {think!r}")
+        if not isinstance(turns, list) or not all(type(t) is int and 0 <= t < vocab_size for t in turns):
+            raise ValueError(f"'turns' must be a list of token ids from 0 to {vocab_size - 1}")
+        return cls(system, turns), ThinkMode(think)
 
 
 class Chat:
@@ -114,18 +151,48 @@ class Chat:
         self.err = err
         self.progress = Progress(quiet=quiet)
         self._grey = out.is_terminal and not out.no_color
+        self.block: list[str] | None = None
+        """The lines of a multi-line message being typed (after a line that opens a BLOCK), else None."""
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
-    def loop(self, lines: Iterable[str]) -> None:
+    def loop(self, lines: Iterable[str | None]) -> None:
         """Handles lines until /quit, /exit or the end of the input. A Ctrl+C outside generation (a turn's own
-        Ctrl+C is handled by `send`) abandons what the line was doing; it never leaves the chat."""
+        Ctrl+C is handled by `send`) abandons what the line was doing; it never leaves the chat. None stands for
+        a Ctrl+C at the prompt: it drops a multi-line message being typed."""
         for line in lines:
             try:
-                if not self.handle(line):
+                if line is None:
+                    self._drop_block("Ctrl+C")
+                elif not self.take(line):
                     return
             except KeyboardInterrupt:
                 self.out.file.write("\n")
+        self._drop_block("the input ended")
+
+    def take(self, line: str) -> bool:
+        """One line as typed: part of a BLOCK message, or a whole message or command. False when the user leaves."""
+        if self.block is None and not line.lstrip().startswith(BLOCK):
+            return self.handle(line)
+        opening = self.block is None
+        if opening:
+            line = line.lstrip()[len(BLOCK):].lstrip()
+            self.block = []
+        closing = line.rstrip().endswith(BLOCK)
+        if closing:
+            line = line.rstrip()[: -len(BLOCK)]
+        if line or not (opening or closing):
+            self.block.append(line)
+        if closing:
+            text, self.block = "\n".join(self.block), None
+            if text.strip():
+                self.send(text)
+        return True
+
+    def _drop_block(self, why: str) -> None:
+        if self.block is not None:
+            self.block = None
+            self.err.print(f"ds4-mlx: {why}: the unfinished {BLOCK} message was not sent")
 
     def handle(self, line: str) -> bool:
         """One input line: a command, or a user message. Returns False when the user asks to leave."""
@@ -154,6 +221,15 @@ class Chat:
             self._set_context(arg)
         elif name == "/read":
             self._read(arg)
+        elif name == "/system":
+            self._system(arg)
+        elif text == "/clear":
+            self.transcript.turns = []
+            self.out.print("Conversation cleared.")
+        elif name == "/save":
+            self._save(arg)
+        elif name == "/load":
+            self._load(arg)
         else:
             self.err.print(f"ds4-mlx: unknown command: {text}")
             self.err.print("ds4-mlx: type /help for commands")
@@ -209,6 +285,49 @@ class Chat:
             return
         self.send(text)
 
+    def _system(self, arg: str) -> None:
+        """/system TEXT: the conversation goes on under a new system text (the next turn prefills it all again)."""
+        if not arg:
+            self.out.print(f"System text: {self.transcript.system!r}")
+            return
+        self.transcript.system = arg
+        self.out.print("System text set.")
+
+    def _save(self, arg: str) -> None:
+        """/save FILE: the conversation as JSON (see Transcript.to_json)."""
+        if not arg:
+            self.error("/save expects a file name")
+            return
+        path = Path(arg).expanduser()
+        data = self.transcript.to_json(self.engine.tokenizer, self.think)
+        try:
+            path.write_text(json.dumps(data, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            self.error(f"cannot write {path}: {e.strerror or e}")
+            return
+        self.out.print(f"Saved {self._turn_count()} turns to {path}.")
+
+    def _load(self, arg: str) -> None:
+        """/load FILE: a conversation kept with /save replaces the current one, with its system text and think
+        mode; the next turn prefills it."""
+        if not arg:
+            self.error("/load expects a file name")
+            return
+        path = Path(arg).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            self.transcript, self.think = Transcript.from_json(data, self.engine.tokenizer.vocab_size)
+        except OSError as e:
+            self.error(f"cannot read {path}: {e.strerror or e}")
+            return
+        except ValueError as e:  # bad JSON (json.JSONDecodeError), bad UTF-8, or not /save's format
+            self.error(f"cannot load {path}: {e}")
+            return
+        self.out.print(f"Loaded {self._turn_count()} turns from {path} (thinking mode: {self.think.value}).")
+
+    def _turn_count(self) -> int:
+        return self.transcript.turns.count(self.engine.tokenizer.user_id)
+
     def _set_context(self, arg: str) -> None:
         """/ctx N: a new empty session of N tokens; the transcript stays, so the next turn prefills all of it."""
         try:
@@ -220,7 +339,7 @@ class Chat:
             return
         try:
             self.engine.set_context(ctx)
-        except ResourceError as e:
+        except Ds4Error as e:
             self.error(str(e))
             return
         self.err.print(self.context_line())
@@ -244,7 +363,7 @@ class Chat:
             sampling=self.sampling,
             thinking=self.think.thinking,
         )
-        printer = _AnswerPrinter(self.out.file, grey=self._grey)
+        printer = AnswerPrinter(self.out.file, grey=self._grey)
         try:
             with stop_on_interrupt() as stopped, self.progress.bar("prefill") as bar:
                 done = None
@@ -291,70 +410,6 @@ def stats_line(done: Done) -> str:
     )
 
 
-class _AnswerPrinter:
-    """Writes the streamed answer exactly as generated; reasoning grey on a terminal, then a line break before
-    the answer proper when the reasoning did not end with one (ds4 hides the think tags)."""
-
-    def __init__(self, file: TextIO, grey: bool) -> None:
-        self.file = file
-        self.grey = grey
-        self.in_reasoning = False
-        self.last = "\n"
-
-    def reasoning(self, text: str) -> None:
-        if self.grey and not self.in_reasoning:
-            self.file.write(GREY)
-        self.in_reasoning = True
-        self._write(text)
-
-    def text(self, text: str) -> None:
-        self._close_reasoning()
-        self._write(text)
-
-    def end(self) -> None:
-        """Closes the answer so the next output starts on a fresh line."""
-        self._close_reasoning()
-        if self.last != "\n":
-            self._write("\n")
-
-    def _close_reasoning(self) -> None:
-        if not self.in_reasoning:
-            return
-        if self.grey:
-            self.file.write(RESET)
-        self.in_reasoning = False
-        if self.last != "\n":
-            self._write("\n")
-
-    def _write(self, text: str) -> None:
-        if text:
-            self.file.write(text)
-            self.file.flush()
-            self.last = text[-1]
-
-
-@contextmanager
-def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
-    """While generating: the first Ctrl+C asks the engine to stop after the current token (its `cancel` hook);
-    a second one raises KeyboardInterrupt at once. Outside the main thread signals cannot be caught, and the
-    hook never fires."""
-    pressed = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield pressed.is_set
-        return
-
-    def on_sigint(signum: int, frame: object) -> None:
-        if pressed.is_set():
-            raise KeyboardInterrupt
-        pressed.set()
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield pressed.is_set
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 @contextmanager
 def interrupts_for_the_main_thread() -> Iterator[None]:
     """Keeps Ctrl+C for the main thread: run numpy's, MLX's and the tokenizer's first use inside this block.
@@ -378,13 +433,15 @@ def interrupts_for_the_main_thread() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def terminal_lines(prompt: str = PROMPT) -> Iterator[str]:
-    """Lines typed at the prompt. Ctrl+C clears the line rather than leaving; Ctrl+D leaves."""
+def terminal_lines(prompt: Callable[[], str] = lambda: PROMPT) -> Iterator[str | None]:
+    """Lines typed at the prompt (a paste arrives as one, newlines included). Ctrl+C clears the line rather than
+    leaving, and yields None; Ctrl+D leaves."""
     while True:
         try:
-            yield input(prompt)
+            yield input(prompt())
         except KeyboardInterrupt:
             print()
+            yield None
         except EOFError:
             print()
             return
@@ -410,6 +467,7 @@ def readline_history(path: Path = HISTORY_FILE) -> Iterator[None]:
     except OSError:
         pass
     readline.set_history_length(HISTORY_LENGTH)
+    readline.parse_and_bind("set enable-bracketed-paste on")  # CPython turns it off; a paste is then one input
     try:
         yield
     finally:
@@ -420,8 +478,6 @@ def readline_history(path: Path = HISTORY_FILE) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tokens < 0:
-        raise Ds4Error(f"--tokens must be >= 0, got {args.tokens}")
     with interrupts_for_the_main_thread():
         sampling = sampling_from_args(args)
         engine = open_engine(args)
@@ -429,19 +485,18 @@ def run(args: argparse.Namespace) -> int:
         engine,
         system=args.system,
         think=think_mode_from_args(args),
-        max_tokens=args.tokens,
+        max_tokens=token_limit(args, DEFAULT_MAX_TOKENS),
         sampling=sampling,
         out=Console(soft_wrap=True, markup=False, highlight=False, emoji=False),
         err=Console(stderr=True, soft_wrap=True, markup=False, highlight=False, emoji=False),
         quiet=args.quiet,
     )
-    chat.err.print(chat.context_line())
-    chat.warn_think_max()
+    chat.err.print(chat.context_line())  # open_engine has warned if --think-max does not apply
     chat.print_help()
     try:
         if sys.stdin.isatty():
             with readline_history():
-                chat.loop(terminal_lines())
+                chat.loop(terminal_lines(lambda: PROMPT if chat.block is None else BLOCK_PROMPT))
         else:
             chat.loop(piped_lines(sys.stdin))
     finally:

@@ -1,8 +1,9 @@
 """`ds4-mlx inspect`: validate a DeepSeek V4 Flash GGUF and describe it without loading any weight.
 
 Prints the variant, the dimensions, the routed-expert types per layer (runs of equal layers), tensor bytes per
-type, and the memory a session at `--ctx` would need (weights + session state of spec §5.1). Plain aligned text,
-so that it reads the same in a terminal and in a log.
+type, and the memory a session at `--ctx` would need (weights + session state of spec §5.1). The weights count as
+`run` loads them on this backend, the figure its memory check uses: converted forms differ from the file's bytes,
+and the breakdown says by how much. Plain aligned text, so that it reads the same in a terminal and in a log.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ from pathlib import Path
 
 from ..model.config import ModelConfig, memory_estimate
 from ..model.weights import ModelWeights, MTPWeights, open_mtp_weights, open_weights
+from .options import context_size
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value}")
-    return value
+FORMS = {
+    "affine": "Q8_0/Q4_K in MLX's quantized form: the file's {stored} + a float32 scale and bias per 32 values",
+    "float32": "small matrices and vectors dequantized once: {stored} in the file",
+    "raw": "kept as stored, dequantized when used",
+}
+"""What each form of loaded weights is (model/linear.py), for the breakdown under the weights line."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", type=Path, help="DeepSeek V4 Flash GGUF file")
-    p.add_argument("-c", "--ctx", type=_positive, default=32768,
+    p.add_argument("-c", "--ctx", type=context_size, default=32768,
                    help="context size for the memory estimate (default 32768)")
     p.add_argument("--mtp", type=Path, help="MTP GGUF file to validate and count in")
 
@@ -77,17 +79,26 @@ def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> 
     lines.append("bytes by type")
     lines += [f"  {name:<10}{format_bytes(n):>12}" for name, n in weights.bytes_by_type().items()]
 
+    from ..kernels.registry import current_backend
+    from ..model.linear import loaded_forms
+
     state = memory_estimate(c, ctx)
-    weight_bytes, mtp_ring = weights.nbytes, 0
+    forms, mtp_ring = loaded_forms(weights), 0
     if mtp is not None:
         lines.append(f"mtp         {mtp.file.path} ({len(mtp.file.tensors)} tensors, {format_bytes(mtp.nbytes)}, "
                      f"{mtp.variant})")
-        weight_bytes += mtp.nbytes
+        forms = {form: tuple(map(sum, zip(forms[form], extra))) for form, extra in loaded_forms(mtp).items()}
         mtp_ring = c.sliding_window * c.head_dim * 4  # the draft block's own raw ring (spec §5.1)
+    weight_bytes = sum(held for _, held in forms.values())
     note = f" (beyond the trained context {c.context_length})" if c.context_length and ctx > c.context_length else ""
     lines += [
-        f"memory at ctx {ctx}{note}",
-        f"  {'weights':<18}{format_bytes(weight_bytes):>12}",
+        f"memory at ctx {ctx}{note}, weights as loaded on the {current_backend()} backend",
+        f"  {'weights':<18}{format_bytes(weight_bytes):>12}"
+        f"  ({format_bytes(sum(stored for stored, _ in forms.values()))} in the file)",
+    ]
+    lines += [f"    {form:<16}{format_bytes(held):>12}  {FORMS[form].format(stored=format_bytes(stored))}"
+              for form, (stored, held) in forms.items() if stored]
+    lines += [
         f"  {'raw window rings':<18}{format_bytes(state.raw):>12}",
         f"  {'compressed rows':<18}{format_bytes(state.compressed):>12}",
         f"  {'indexer rows':<18}{format_bytes(state.indexer):>12}",

@@ -1,14 +1,49 @@
-"""Flags shared by the commands that load a model (run, chat, serve, bench), and what they turn into."""
+"""Flags shared by the commands that load a model (run, chat, serve, bench), and what they turn into.
+
+Values a flag can never take are refused by its argparse type (exit 2, one line); what depends on the machine (a
+GPU backend, a writable folder) is checked here before the model loads (exit 1). Options that are accepted but have
+no effect in the chosen setting are named in a warning.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import Ds4Error
+from ..errors import Ds4Error, RequestError, UsageError
+from ..model.config import FLASH
 
 DEFAULT_MODEL = "ds4flash.gguf"
+MAX_CONTEXT: int = FLASH.context_length
+"""DeepSeek V4 Flash's trained context, 1,048,576 tokens: the largest --ctx accepted."""
+DEMO_MAX_TOKENS = 256
+"""Default answer length with --demo: its random model never writes an end token."""
+
+
+def bounded_int(lo: int, hi: int | None = None, what: str = "an integer") -> Callable[[str], int]:
+    """An argparse type for integers in [lo, hi], whose error says the range."""
+    expected = f"{what} from {lo} to {hi}" if hi is not None else f"{what} >= {lo}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+context_size = bounded_int(1, MAX_CONTEXT, "a number of tokens")
+"""--ctx: at least one token, at most the model's trained context."""
+positive_int = bounded_int(1)
+non_negative_int = bounded_int(0)
+port_number = bounded_int(1, 65535, "a port number")
 
 
 def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 32768) -> None:
@@ -19,7 +54,8 @@ def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 3276
         action="store_true",
         help="use the built-in tiny demo model (real tokenizer, random weights: its text is meaningless)",
     )
-    p.add_argument("-c", "--ctx", type=int, default=default_ctx, help="context size in tokens (default"
+    p.add_argument("-c", "--ctx", type=context_size, default=default_ctx,
+                   help=f"context size in tokens, up to {MAX_CONTEXT} (default"
                    + (f" {default_ctx})" if default_ctx else ": what the command needs)"))
     p.add_argument("--backend", choices=("cpu", "gpu"), help="MLX device (default: MLX's default device)")
     p.add_argument("--no-quant-sim", action="store_true", help="turn off the FP8 KV / FP4 indexer simulation")
@@ -31,7 +67,7 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     think.add_argument("--think", dest="think", action="store_const", const="high", help="thinking (the default)")
     think.add_argument("--think-max", dest="think", action="store_const", const="max", help="Think Max (ctx >= 393216)")
     think.add_argument("--nothink", dest="think", action="store_const", const="none", help="no thinking")
-    p.set_defaults(think="high")
+    p.set_defaults(think=None)  # None: not given (--think's behaviour, but --raw can tell that nothing was asked)
     p.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (default 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = off (default)")
@@ -90,19 +126,32 @@ def byte_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
+def add_token_limit(p: argparse.ArgumentParser, default: int, what: str = "most tokens to generate") -> None:
+    """-n/--tokens; left unset it becomes `default`, or DEMO_MAX_TOKENS with --demo (see `token_limit`)."""
+    p.add_argument("-n", "--tokens", type=positive_int, metavar="N",
+                   help=f"{what} (default {default}; {DEMO_MAX_TOKENS} with --demo, whose model never stops)")
+
+
+def token_limit(args: argparse.Namespace, default: int) -> int:
+    """The -n the user gave, else the command's default (DEMO_MAX_TOKENS with --demo)."""
+    if args.tokens is not None:
+        return args.tokens
+    return DEMO_MAX_TOKENS if args.demo else default
+
+
 def _mtp_draft(text: str) -> int:
     from ..engine import MAX_MTP_DRAFT
 
-    value = int(text)
-    if not 1 <= value <= MAX_MTP_DRAFT:
-        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_MTP_DRAFT}, got {text}")
-    return value
+    return bounded_int(1, MAX_MTP_DRAFT)(text)
 
 
 def _non_negative(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
     if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 
@@ -119,11 +168,13 @@ def add_mtp_options(p: argparse.ArgumentParser) -> None:
 
 
 def kv_cache_options(args: argparse.Namespace):
-    """The KvCacheOptions the flags ask for (validated), or None without --kv-disk-dir."""
+    """The KvCacheOptions the flags ask for (validated, the folder created and writable), or None without
+    --kv-disk-dir."""
     from ..kvstore import KvCacheOptions
 
     if args.kv_disk_dir is None:
         return None
+    _usable_folder(args.kv_disk_dir, "--kv-disk-dir", create=True)
     return KvCacheOptions(
         directory=args.kv_disk_dir,
         space_mb=args.kv_disk_space_mb,
@@ -136,40 +187,95 @@ def kv_cache_options(args: argparse.Namespace):
     )
 
 
+def _usable_folder(path: Path, flag: str, create: bool = False) -> None:
+    """Stops before loading when `path` is not a folder this process can write in (made first if `create`)."""
+    if create:
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise Ds4Error(f"{flag} {path}: cannot create the folder ({e.strerror or e})") from None
+    if not path.is_dir():
+        raise Ds4Error(f"{flag}: {path} is not a folder" if path.exists() else f"{flag}: no folder {path}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise Ds4Error(f"{flag}: the folder {path} is not writable")
+
+
+def writable_file(path: Path, flag: str) -> None:
+    """Stops before loading when `path` cannot be written: its folder is missing or read-only, or it is a folder."""
+    if path.is_dir():
+        raise Ds4Error(f"{flag} {path} is a folder; expected a file name")
+    _usable_folder(path.parent, flag)
+
+
 def think_mode_from_args(args: argparse.Namespace):
     from ..chat import ThinkMode
 
-    return {"high": ThinkMode.HIGH, "max": ThinkMode.MAX, "none": ThinkMode.NONE}[args.think]
+    return {"high": ThinkMode.HIGH, "max": ThinkMode.MAX, "none": ThinkMode.NONE}[args.think or "high"]
 
 
 def sampling_from_args(args: argparse.Namespace):
+    """The SamplingParams of the flags; a value out of range is a usage error."""
     from ..sampling import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
+    try:
+        return SamplingParams(
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+        )
+    except RequestError as e:
+        raise UsageError(f"sampling flags: {e}") from None
 
 
 def select_backend(args: argparse.Namespace) -> None:
+    """Makes --backend MLX's default device; a backend this MLX build lacks is an error naming those it has."""
     import mlx.core as mx
 
-    if args.backend == "cpu":
-        mx.set_default_device(mx.cpu)
-    elif args.backend == "gpu":
-        mx.set_default_device(mx.gpu)
+    if args.backend is None:
+        return
+    devices = {"cpu": mx.cpu, "gpu": mx.gpu}
+    if not mx.is_available(devices[args.backend]):
+        have = ", ".join(name for name, device in devices.items() if mx.is_available(device))
+        raise Ds4Error(
+            f"--backend {args.backend}: this MLX build has no {args.backend} backend (available: {have}); "
+            "for NVIDIA GPUs install the `cuda` extra (mlx[cuda13]), on a Mac plain `mlx`"
+        )
+    mx.set_default_device(devices[args.backend])
+
+
+def warn_ignored_options(args: argparse.Namespace) -> None:
+    """Names the options that were given but have no effect as set (one warning line each, on stderr)."""
+    from ..chat import THINK_MAX_MIN_CONTEXT
+
+    notes = []
+    if getattr(args, "raw", False) and (args.system is not None or args.think is not None):
+        notes.append("--raw sends the prompt as written: --system and the thinking flags are unused")
+    if getattr(args, "think", None) == "max" and not getattr(args, "raw", False) and args.ctx < THINK_MAX_MIN_CONTEXT:
+        notes.append(f"--think-max needs --ctx >= {THINK_MAX_MIN_CONTEXT}; ctx={args.ctx} uses normal thinking "
+                     "instead")
+    if getattr(args, "mtp", None) is not None:
+        if args.mtp_draft < 2:
+            notes.append("--mtp without --mtp-draft N (N >= 2) does not speculate: the draft file is unused")
+        elif hasattr(args, "temp") and (args.temp > 0 or args.presence_penalty or args.frequency_penalty):
+            notes.append("--mtp speculates only in greedy decoding (--temp 0, no penalties): it is unused here")
+    for note in notes:
+        print(f"ds4-mlx: warning: {note}", file=sys.stderr)
 
 
 def open_engine(args: argparse.Namespace, **opts):
     """Loads the engine from --model, or the demo model with --demo (saying in one line what the demo is)."""
     from ..engine import Engine, ensure_demo_model
 
+    if getattr(args, "mtp_draft", 1) > 1 and args.mtp is None:
+        raise UsageError(f"--mtp-draft {args.mtp_draft} needs an MTP draft file: --mtp FILE")
     select_backend(args)
+    if getattr(args, "kv_disk_dir", None) is not None:
+        opts.setdefault("kv_cache", kv_cache_options(args))
+    warn_ignored_options(args)
     path = args.model
     if args.demo:
         print(
@@ -177,12 +283,8 @@ def open_engine(args: argparse.Namespace, **opts):
             file=sys.stderr,
         )
         path = ensure_demo_model()
-    if getattr(args, "kv_disk_dir", None) is not None:
-        opts.setdefault("kv_cache", kv_cache_options(args))
     if getattr(args, "kv_ram_budget", None) is not None:
         opts.setdefault("kv_ram_budget", args.kv_ram_budget)
-    if getattr(args, "mtp_draft", 1) > 1 and args.mtp is None:
-        raise Ds4Error(f"--mtp-draft {args.mtp_draft} needs an MTP draft file: --mtp FILE")
     if getattr(args, "mtp", None) is not None:
         opts.update(mtp=args.mtp, mtp_draft=args.mtp_draft, mtp_margin=args.mtp_margin)
     return Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet, **opts)

@@ -1,116 +1,139 @@
-"""`ds4-mlx run`: one prompt in, one answer out (reasoning dimmed, answer plain, then a stats line)."""
+"""`ds4-mlx run`: one prompt in, one answer out, then a stats line on stderr.
+
+On a terminal the reasoning is shown dimmed before the answer, as ds4 does. In a pipe or a file, standard output
+gets the answer alone and the reasoning goes to standard error, so `answer=$(ds4-mlx run -p ...)` works;
+`--hide-reasoning` drops it. `-p -` and `--prompt-file -` read the prompt from standard input, and `--raw` sends it
+without the chat template.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from ..errors import Ds4Error
+from ..errors import UsageError
 from ..progress import Progress
 from .options import (
     add_kv_cache_arguments,
     add_model_options,
     add_mtp_options,
     add_sampling_options,
+    add_token_limit,
+    bounded_int,
     encode_cli_prompt,
     open_engine,
     sampling_from_args,
     think_mode_from_args,
+    token_limit,
+    writable_file,
 )
+from .terminal import AnswerPrinter, stop_on_interrupt
+from .tokens import prompt_from_args
+
+DEFAULT_MAX_TOKENS = 50000
+DEFAULT_TOP_K = 20
+MAX_TOP_K = 128
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("-p", "--prompt", help="the user prompt")
-    src.add_argument("--prompt-file", type=Path, help="read the user prompt from a file")
-    p.add_argument("-n", "--tokens", type=int, default=50000, help="most tokens to generate (default 50000)")
-    p.add_argument("-sys", "--system", default="You are a helpful assistant", help="system text ('' for none)")
+    src.add_argument("-p", "--prompt", help="the user prompt; - reads it from standard input")
+    src.add_argument("--prompt-file", type=Path, help="read the user prompt from a file (- for standard input)")
+    add_token_limit(p, DEFAULT_MAX_TOKENS)
+    p.add_argument("-sys", "--system", help="system text ('' for none; default 'You are a helpful assistant')")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as written, without the chat template (chat special strings are read as "
+                        "specials; BOS is added unless the prompt starts with it)")
+    p.add_argument("--hide-reasoning", action="store_true", help="print the answer without the model's reasoning")
     add_sampling_options(p)
     add_kv_cache_arguments(p)
     add_mtp_options(p)
     p.add_argument("--dump-logprobs", type=Path, metavar="FILE", help="greedy continuation with top logprobs as JSON")
-    p.add_argument("--logprobs-top-k", type=int, default=20, metavar="K", help="alternatives per step (max 128)")
+    p.add_argument("--logprobs-top-k", type=bounded_int(1, MAX_TOP_K), metavar="K",
+                   help=f"alternatives per step with --dump-logprobs, 1 to {MAX_TOP_K} (default {DEFAULT_TOP_K})")
 
 
-def _prompt_text(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        return args.prompt
-    if args.prompt_file is not None:
-        try:
-            return args.prompt_file.read_text(encoding="utf-8")
-        except OSError as e:
-            raise Ds4Error(f"cannot read --prompt-file: {e}") from e
-    raise Ds4Error("give a prompt with -p TEXT or --prompt-file FILE")
+def _prompt_pieces(args: argparse.Namespace, prompt: str, ctx: int):
+    """The prompt as pieces to tokenize: ds4's CLI chat prompt, or with --raw the text as written after BOS."""
+    from ..chat import BOS, DEFAULT_SYSTEM, PromptPiece, effective_think_mode, render_cli_prompt
+
+    if args.raw:
+        return [PromptPiece(prompt if prompt.startswith(BOS) else BOS + prompt, True)]
+    think = effective_think_mode(think_mode_from_args(args), ctx)
+    system = DEFAULT_SYSTEM if args.system is None else args.system
+    return render_cli_prompt(prompt, system=system, think=think, ctx=ctx)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..chat import effective_think_mode, render_cli_prompt
     from ..engine import GenerationRequest
+    from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
 
-    prompt = _prompt_text(args)
+    if args.logprobs_top_k is not None and args.dump_logprobs is None:
+        raise UsageError("--logprobs-top-k applies to --dump-logprobs FILE only")
+    if args.dump_logprobs is not None:
+        writable_file(args.dump_logprobs, "--dump-logprobs")
+    sampling = sampling_from_args(args)
+    prompt = prompt_from_args(args)
+    if prompt is None:
+        raise UsageError("give a prompt with -p TEXT or --prompt-file FILE (- reads standard input)")
     engine = open_engine(args)
-    think = effective_think_mode(think_mode_from_args(args), engine.ctx)
-    tokens = encode_cli_prompt(engine.tokenizer, render_cli_prompt(prompt, system=args.system, think=think, ctx=engine.ctx))
+    tokens = encode_cli_prompt(engine.tokenizer, _prompt_pieces(args, prompt, engine.ctx))
     if args.dump_logprobs is not None:
         return _dump_logprobs(engine, tokens, args)
 
-    from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
-
-    req = GenerationRequest(
-        prompt=tokens,
-        max_tokens=args.tokens,
-        sampling=sampling_from_args(args),
-        thinking=think.thinking,
-    )
-    progress = Progress(quiet=args.quiet)
-    dim = sys.stdout.isatty()
-    in_reasoning = False
+    req = GenerationRequest(prompt=tokens, max_tokens=token_limit(args, DEFAULT_MAX_TOKENS), sampling=sampling)
+    colour = "NO_COLOR" not in os.environ
+    terminal = sys.stdout.isatty()
+    answer = AnswerPrinter(sys.stdout, grey=terminal and colour)
+    aside = AnswerPrinter(sys.stderr, grey=sys.stderr.isatty() and colour)  # reasoning, when stdout is not a terminal
+    reasoning = None if args.hide_reasoning else answer if terminal else aside
     done: Done | None = None
-    with progress.bar("prefill") as bar:
-        events = engine.generate(req)
-        for ev in events:
-            if isinstance(ev, ReasoningDelta):
-                bar.close()
-                if dim and not in_reasoning:
-                    sys.stdout.write("\x1b[90m")
-                in_reasoning = True
-                sys.stdout.write(ev.text)
-            elif isinstance(ev, TextDelta):
-                bar.close()
-                if in_reasoning:
-                    sys.stdout.write("\x1b[0m\n" if dim else "\n")
-                    in_reasoning = False
-                sys.stdout.write(ev.text)
-            elif isinstance(ev, Done):
-                done = ev
-            elif isinstance(ev, PrefillProgress):
-                bar.update(ev.done, ev.total)
-            sys.stdout.flush()
+    try:
+        with stop_on_interrupt() as stopped, Progress(quiet=args.quiet).bar("prefill") as bar:
+            for ev in engine.generate(req, cancel=stopped):
+                if isinstance(ev, ReasoningDelta):
+                    bar.close()
+                    if reasoning is not None:
+                        reasoning.reasoning(ev.text)
+                elif isinstance(ev, TextDelta):
+                    bar.close()
+                    answer.text(ev.text)
+                elif isinstance(ev, PrefillProgress):
+                    bar.update(ev.done, ev.total)
+                elif isinstance(ev, Done):
+                    done = ev
+    finally:  # also on a second Ctrl+C: the terminal is never left grey
+        answer.end()
+        if reasoning is not None and reasoning is not answer:
+            reasoning.end()
     engine.shutdown()
-    if in_reasoning and dim:
-        sys.stdout.write("\x1b[0m")
-    sys.stdout.write("\n")
     assert done is not None
+    print(stats_line(done), file=sys.stderr)
+    return 130 if done.error == "cancelled" else 0
+
+
+def stats_line(done) -> str:
+    """After the answer: prompt size and reuse, both speeds, MTP acceptance, and why generation ended."""
     u = done.usage
     prefill_tps = (u.prompt_tokens - u.cached_tokens) / done.prefill_seconds if done.prefill_seconds else 0.0
     gen_tps = u.completion_tokens / done.decode_seconds if done.decode_seconds else 0.0
     mtp = f", MTP guesses accepted {done.mtp_accepted}/{done.mtp_drafted}" if done.mtp_drafted else ""
-    print(
+    finish = "cancelled" if done.error == "cancelled" else done.finish_reason
+    return (
         f"ds4-mlx: prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), prefill {prefill_tps:.1f} t/s, "
-        f"generation {u.completion_tokens} tokens at {gen_tps:.1f} t/s{mtp}, finish {done.finish_reason}",
-        file=sys.stderr,
+        f"generation {u.completion_tokens} tokens at {gen_tps:.1f} t/s{mtp}, finish {finish}"
     )
-    return 0
 
 
 def _dump_logprobs(engine, tokens: list[int], args: argparse.Namespace) -> int:
     """ds4's --dump-logprobs: a greedy continuation with each step's choice and its top-K alternatives (spec §7)."""
     from ..sampling import top_logprobs
 
-    k = max(1, min(128, args.logprobs_top_k))
+    k = args.logprobs_top_k or DEFAULT_TOP_K
     tok = engine.tokenizer
 
     def token_json(i: int) -> dict:
@@ -120,7 +143,7 @@ def _dump_logprobs(engine, tokens: list[int], args: argparse.Namespace) -> int:
     session.reset()
     logits = session.prefill(tokens)
     steps = []
-    for step in range(min(args.tokens, session.room)):
+    for step in range(min(token_limit(args, DEFAULT_MAX_TOKENS), session.room)):
         top = top_logprobs(logits, k)
         chosen = top[0][0]
         steps.append(

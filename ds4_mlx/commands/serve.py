@@ -5,9 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
-from .options import add_kv_cache_arguments, add_model_options, add_mtp_options
+from .options import (
+    add_kv_cache_arguments,
+    add_model_options,
+    add_mtp_options,
+    non_negative_int,
+    port_number,
+    positive_int,
+)
 
 DEFAULT_MAX_QUEUE = 64
 
@@ -15,12 +23,12 @@ DEFAULT_MAX_QUEUE = 64
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also serve requests whose Host header is NAME (repeatable; '*' = any). By default only "
                         "localhost, loopback addresses and the --host address are served, so that web pages cannot "
                         "reach the server through DNS rebinding")
-    p.add_argument("-n", "--tokens", type=int, default=393216,
+    p.add_argument("-n", "--tokens", type=positive_int, default=393216,
                    help="most tokens to generate when a request sets no limit (default 393216)")
     p.add_argument("--cors", action="store_true", help="allow browser clients from any origin (CORS headers)")
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
@@ -28,23 +36,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $DS4_API_KEY; none = no authentication)")
     p.add_argument("--trace", metavar="FILE",
                    help="append rendered prompts, cache decisions, generated text and tool-parser events to FILE")
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+    p.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait behind the running one; more get 429 (default {DEFAULT_MAX_QUEUE})")
     add_kv_cache_arguments(p)
     add_mtp_options(p)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_listen(host: str, port: int) -> None:
+    """Stops before the model loads (minutes for the real one) when the address cannot be listened on: a port in
+    use, an address that is not this machine's."""
     from ..errors import Ds4Error
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise Ds4Error(f"cannot listen on {host}:{port}: {reason}") from None
+
+
+def run(args: argparse.Namespace) -> int:
     from ..serve.app import HttpServer, ServerOptions, create_app
     from ..serve.worker import Worker
     from .options import kv_cache_options, open_engine
 
-    if args.max_queue < 0:
-        raise Ds4Error(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.tokens < 1:
-        raise Ds4Error(f"--tokens must be >= 1, got {args.tokens}")
     kv_cache = kv_cache_options(args)  # validated before the model loads
+    check_listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S%z", stream=sys.stderr)  # ISO 8601
     worker = Worker(lambda: open_engine(args, default_max_tokens=args.tokens, kv_cache=kv_cache), args.max_queue)

@@ -7,6 +7,7 @@ seven chat specials recognized unless --no-specials is given.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..errors import RequestError
@@ -14,23 +15,39 @@ from ..model.gguf import GGUFFile
 from ..tokenizer import Tokenizer
 from .options import DEFAULT_MODEL
 
+STDIN = Path("-")
+"""`-p -` and `--prompt-file -`: the prompt comes from standard input."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=Path(DEFAULT_MODEL), help="GGUF file (default ./ds4flash.gguf)")
+    p.add_argument("--demo", action="store_true", help="use the built-in tiny demo model's vocabulary (the real one)")
     text = p.add_mutually_exclusive_group(required=True)
-    text.add_argument("-p", "--prompt", help="text to tokenize")
-    text.add_argument("--prompt-file", type=Path, help="file whose UTF-8 text is tokenized")
+    text.add_argument("-p", "--prompt", help="text to tokenize; - reads it from standard input")
+    text.add_argument("--prompt-file", type=Path, help="file whose UTF-8 text is tokenized (- for standard input)")
     p.add_argument("--no-specials", action="store_true", help="treat the chat special strings as plain text")
 
 
 def read_prompt_file(path: Path) -> str:
-    """The UTF-8 text of a prompt file, or a RequestError that names the file and the problem."""
+    """The UTF-8 text of a prompt file (standard input for `-`), or a RequestError that names the file and the
+    problem."""
+    name = "standard input" if path == STDIN else f"prompt file {path}"
     try:
-        return path.read_bytes().decode("utf-8")
+        data = sys.stdin.buffer.read() if path == STDIN else path.read_bytes()
+        return data.decode("utf-8")
     except OSError as e:
-        raise RequestError(f"cannot read prompt file {path}: {e.strerror}") from None
+        raise RequestError(f"cannot read {name}: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise RequestError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise RequestError(f"{name} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def prompt_from_args(args: argparse.Namespace) -> str | None:
+    """The text of -p TEXT or --prompt-file FILE (`-` for either reads standard input); None when neither is given."""
+    if args.prompt is not None:
+        return read_prompt_file(STDIN) if args.prompt == "-" else args.prompt
+    if args.prompt_file is not None:
+        return read_prompt_file(args.prompt_file)
+    return None
 
 
 def format_tokens(tokenizer: Tokenizer, ids: list[int]) -> str:
@@ -42,8 +59,13 @@ def format_tokens(tokenizer: Tokenizer, ids: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    text = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
-    with GGUFFile.open(args.model) as f:
+    text = prompt_from_args(args)
+    path = args.model
+    if args.demo:
+        from ..engine import ensure_demo_model  # built on first use: only --demo pays for importing MLX
+
+        path = ensure_demo_model()
+    with GGUFFile.open(path) as f:
         tokenizer = Tokenizer.from_gguf(f.metadata)
     print(format_tokens(tokenizer, tokenizer.encode(text, specials=not args.no_specials)))
     return 0

@@ -268,7 +268,7 @@ class GGUFFile:
         """Map `path` and parse everything up to the tensor data; raise GGUFError if it is not a sound GGUF v3."""
         path = Path(path)
         if not path.exists():
-            raise ModelFileMissing(f"no model file at {path}")
+            raise ModelFileMissing.at(path)
         if not path.is_file():
             raise GGUFError(f"{path} is not a regular file")
         with open(path, "rb") as f:

@@ -52,23 +52,31 @@ def uses_affine(ggml_type: int, expert_bank: bool = False) -> bool:
     return AFFINE_MATMUL.enabled(ggml_type) and (not expert_bank or AFFINE_GATHER.enabled(ggml_type))
 
 
-def loaded_nbytes(weights: ModelWeights) -> int:
-    """The bytes a Model built from these weights keeps in memory, known before loading anything.
+def loaded_forms(weights: ModelWeights) -> dict[str, tuple[int, int]]:
+    """For each form tensors take once loaded ("affine", "float32", "raw"): their bytes in the file and in memory,
+    known before loading anything (`inspect` shows them; the memory check adds them up).
 
     Affine tensors take their converted size; vectors and matrices whose float32 form fits RESIDENT_BYTES are
     held as float32 (int32 for tid2eid); everything else stays as its raw blocks.
     """
-    total = 0
+    forms = {"affine": (0, 0), "float32": (0, 0), "raw": (0, 0)}
     for info in weights.file.tensors.values():
         shape = tuple(reversed(info.shape))
         float_bytes = 4 * info.n_elements
         if uses_affine(info.ggml_type, expert_bank=len(shape) == 3):
-            total += affine_nbytes(info.ggml_type, shape)
+            form, loaded = "affine", affine_nbytes(info.ggml_type, shape)
         elif len(shape) < 3 and float_bytes <= RESIDENT_BYTES:
-            total += float_bytes
+            form, loaded = "float32", float_bytes
         else:
-            total += info.nbytes
-    return total
+            form, loaded = "raw", info.nbytes
+        stored, held = forms[form]
+        forms[form] = (stored + info.nbytes, held + loaded)
+    return forms
+
+
+def loaded_nbytes(weights: ModelWeights) -> int:
+    """The bytes a Model built from these weights keeps in memory, known before loading anything."""
+    return sum(held for _, held in loaded_forms(weights).values())
 
 
 def _row_major_shape(info: TensorInfo) -> tuple[int, ...]:
