@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ..errors import Ds4Error
 from ..model.gguf import GGMLType
-from .affine import GROUP_SIZE, AffineWeight, to_affine
+from .affine import AffineWeight, to_affine
 from .probe import random_activations, random_blocks
 from .quants import reference_matmul
 from .registry import FastPath, current_backend
@@ -49,7 +49,7 @@ def prefill_dtype() -> mx.Dtype:
 
 def dense_matmul(x: mx.array, weight: AffineWeight, dtype: mx.Dtype) -> mx.array:
     """x @ W.T as float32 with W dequantized into `dtype` (W (OUT, IN), or a batch of them against a batch of x)."""
-    w = mx.dequantize(weight.wq, weight.scales, weight.biases, GROUP_SIZE, weight.bits, dtype=dtype)
+    w = weight.dequantize().astype(dtype)  # exact float32 values, rounded once (see grouped.affine_scratch)
     return (x.astype(dtype) @ mx.swapaxes(w, -1, -2)).astype(mx.float32)
 
 

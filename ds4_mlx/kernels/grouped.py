@@ -6,14 +6,20 @@ runs one grouped GEMM per projection (on CUDA a CUTLASS grouped GEMM; elsewhere 
 host round-trip and no per-expert Python loop. Its right-hand side is the bank as floats, a *scratch*:
 
 - raw IQ2_XXS / Q2_K banks (q2 files): on a GPU the used experts are decoded by `dequant.dequantize_used`, one
-  kernel per projection. Scratch bound: one bank, E * OUT * IN values (8 GiB float32, 4 GiB bfloat16 at Flash
-  size: 256 x 2048 x 4096), live while its GEMM runs; the three projections of a layer are consumed in order;
-- affine Q4_K banks (q4 files): on a GPU `mx.dequantize` of the bank, the same bound; on the CPU no scratch at all,
-  `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
+  kernel per projection;
+- affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
+  CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
 - the reference (the CPU, DS4_KERNELS=reference, or a kernel that failed its check): the reference dequantizer
   over slices of experts whose float32 form is at most SLICE_BYTES, each slice a gather_mm over all pairs with the
   rows of other slices masked out. Bounded by SLICE_BYTES plus the dequantizer's temporaries; a bank that fits
   one slice (every test preset) costs nothing extra, a Flash bank costs 8 GEMMs over the chunk instead of one.
+
+Scratch bound on a GPU: one bank, E * OUT * IN values: 8 GiB in float32, 4 GiB in bfloat16 at Flash size (256 x
+2048 x 4096; an affine bank in bfloat16 also holds its float32 form while it is cast). `ExpertBank.grouped` reads
+each bank only after the previous projection's GEMM (`mx.depends`), and a layer's first bank after its routing, so
+one scratch is alive at a time and MLX's stream-ordered allocator reuses it. At 2048 tokens the other transients
+are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as loaded (84 GiB) + 8 GiB scratch +
+a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay far below the H200's 139 GiB.
 
 Arithmetic: float32 by default, the reference's type; `DS4_PREFILL_DTYPE=bfloat16` keeps the scratch and the GEMM
 inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy).
@@ -123,8 +129,9 @@ RAW_GROUPED = {t: RawGrouped(t) for t in (GGMLType.IQ2_XXS, GGMLType.Q2_K)}
 
 
 def affine_scratch(weight: AffineWeight, dtype: mx.Dtype) -> mx.array:
-    """An affine bank (E, OUT, IN) dequantized into `dtype` (exactly the reference values in float32)."""
-    return mx.dequantize(weight.wq, weight.scales, weight.biases, GROUP_SIZE, weight.bits, dtype=dtype)
+    """An affine bank (E, OUT, IN) as `dtype`: the reference's float32 values, rounded once if dtype is narrower
+    (dequantizing straight into bfloat16 would round scale * q before adding the bias, which cancels)."""
+    return weight.dequantize().astype(dtype)
 
 
 def affine_grouped(weight: AffineWeight, x: mx.array, sorted_ids: mx.array) -> mx.array:

@@ -189,12 +189,19 @@ class ExpertBank:
             return MATVECS[self.ggml_type](x, self._raw, ids, self.shape)
         return (x[:, None, :] @ mx.swapaxes(self.experts(ids), 1, 2))[:, 0, :]
 
-    def grouped(self, x: mx.array, sorted_ids: mx.array, counts: mx.array) -> mx.array:
+    def grouped(self, x: mx.array, sorted_ids: mx.array, counts: mx.array, after: mx.array) -> mx.array:
         """x[i] @ W[ids[i]].T for N (input, expert) pairs sorted by expert: x (N, IN), ids (N,) uint32 ascending,
-        counts (E,) pairs per expert -> (N, OUT). Grouped GEMMs over all the pairs at once (kernels/grouped.py)."""
+        counts (E,) pairs per expert -> (N, OUT). Grouped GEMMs over all the pairs at once (kernels/grouped.py).
+
+        The bank is read (and its float scratch made) only once `after` is computed: chaining the projections
+        of a layer this way keeps one scratch alive at a time, whatever order MLX would otherwise pick.
+        """
         if self._affine is not None and _fast():
-            return affine_grouped(self._affine, x, sorted_ids)
+            w = self._affine
+            return affine_grouped(AffineWeight(*mx.depends([w.wq, w.scales, w.biases], [after]), w.bits), x,
+                                  sorted_ids)
         if self._raw is not None and self.ggml_type in RAW_GROUPED:
-            return RAW_GROUPED[self.ggml_type](x, self._raw, sorted_ids, counts, self.shape)
+            raw = mx.depends([self._raw], [after])[0]
+            return RAW_GROUPED[self.ggml_type](x, raw, sorted_ids, counts, self.shape)
         return sliced_grouped(x, sorted_ids, self.shape,
                               lambda first, count: self.experts(mx.arange(first, first + count, dtype=mx.int32)))

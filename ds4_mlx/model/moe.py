@@ -97,8 +97,10 @@ class RoutedExperts:
         order, sorted_ids = sort_by_expert(ids)
         counts = expert_counts(sorted_ids, self.gate.n_expert)
         xs = x[order // k]
-        h = swiglu(self.gate.grouped(xs, sorted_ids, counts), self.up.grouped(xs, sorted_ids, counts), self.clamp)
-        y = self.down.grouped(h * weights.reshape(-1)[order][:, None], sorted_ids, counts)
+        gate = self.gate.grouped(xs, sorted_ids, counts, after=counts)  # each bank read after the previous GEMM
+        up = self.up.grouped(xs, sorted_ids, counts, after=gate)
+        h = swiglu(gate, up, self.clamp) * weights.reshape(-1)[order][:, None]
+        y = self.down.grouped(h, sorted_ids, counts, after=up)
         return mx.sum(y[mx.argsort(order)].reshape(t, k, -1), axis=1)  # back to (token, slot) order: as _gathered
 
 
