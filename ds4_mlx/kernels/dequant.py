@@ -4,11 +4,11 @@ A prefill chunk routes thousands of (token, expert) pairs, so every expert of a 
 decoding its blocks once into float32 (or bfloat16) and handing the result to one grouped GEMM
 (`mx.gather_mm`, kernels/grouped.py) moves the work onto the matmul units instead of re-decoding per token.
 
-One thread writes 32 consecutive values (an IQ2_XXS sub-block; a quarter of a Q2_K half-block, the values that
-share one 2-bit shift), so a block is 8 threads and a bank (E, OUT, IN) is E * OUT * IN / 32 threads. Experts whose
-count is 0 (no pair of the chunk uses them) are skipped and their part of the output is left unwritten: the grouped
-GEMM never reads it, and the count input also ties the scratch to this layer's routing, so MLX does not schedule
-it before the layer's input exists.
+One SIMD group (32 threads) decodes one 256-value block: in step i (0..7) lane l writes value 32 i + l, so every
+store of the group covers 32 consecutive values (128 contiguous bytes in float32) and the group reads the block's
+few bytes together. Experts whose count is 0 (no pair of the chunk uses them) are skipped and their part of the
+output is left unwritten: the grouped GEMM never reads it, and the count input also ties the scratch to this
+layer's routing.
 
 Each value is computed with the reference dequantizer's float32 operations in the same order (`quants.py`), so
 the two agree up to the one rounding a compiler may skip by contracting a multiply and a subtract (Q2_K's
@@ -20,21 +20,19 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..model.gguf import BLOCK_SIZES, GGMLType
-from .dialect import Kernel, build
+from .dialect import SIMD_WIDTH, Kernel, build
 from .iq2_xxs import grid_codes
 from .registry import current_backend
 
 THREADS = 256
-UNIT_VALUES = 32
 DEQUANT_TOLERANCE = 1e-6
 """Relative to the bank's largest value: a contracted multiply-add rounds once where the reference rounds twice."""
 
 _PROLOGUE = """
-const size_t unit = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
-const size_t block = unit >> 3;
-const unsigned int part = (unsigned int)(unit & 7);
-const bool live = unit < (size_t)N_UNITS && counts[block / BLOCKS_PER_EXPERT] != 0u;
-GLOBAL_MEM T* out = y + unit * 32;
+const size_t block = ((size_t)GROUP_X * THREADS + THREAD_IN_GROUP) >> 5;
+const unsigned int lane = SIMD_LANE;
+const bool live = block < (size_t)N_BLOCKS && counts[block / BLOCKS_PER_EXPERT] != 0u;
+GLOBAL_MEM T* out = y + block * 256;
 """
 
 _IQ2_XXS = """
@@ -46,19 +44,18 @@ ds4_barrier();
 if (live) {
   const GLOBAL_MEM unsigned char* b = w + block * 66;
   const float d = ds4_half_to_float((unsigned short)(b[0] | (b[1] << 8)));
-  const GLOBAL_MEM unsigned char* q = b + 2 + part * 8;
-  const unsigned int aux = (unsigned int)q[4] | ((unsigned int)q[5] << 8) | ((unsigned int)q[6] << 16)
-      | ((unsigned int)q[7] << 24);
-  const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
-  for (int g = 0; g < 4; ++g) {
-    const unsigned int codes = grid[q[g]];
+  const unsigned int g = lane >> 3;
+  const unsigned int j = lane & 7u;
+  for (int i = 0; i < 8; ++i) {
+    const GLOBAL_MEM unsigned char* q = b + 2 + i * 8;
+    const unsigned int aux = (unsigned int)q[4] | ((unsigned int)q[5] << 8) | ((unsigned int)q[6] << 16)
+        | ((unsigned int)q[7] << 24);
+    const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
     const unsigned int low = (aux >> (7 * g)) & 127u;
     const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
-    for (int j = 0; j < 8; ++j) {
-      const unsigned int c = (codes >> (2 * j)) & 3u;
-      const float value = db * (float)(8u + 17u * c + (c >> 1));
-      out[8 * g + j] = static_cast<T>((signs >> j) & 1u ? -value : value);
-    }
+    const unsigned int c = ((unsigned int)grid[q[g]] >> (2 * j)) & 3u;
+    const float value = db * (float)(8u + 17u * c + (c >> 1));
+    out[32 * i + lane] = static_cast<T>((signs >> j) & 1u ? -value : value);
   }
 }
 """
@@ -68,16 +65,13 @@ if (live) {
   const GLOBAL_MEM unsigned char* b = w + block * 84;
   const float d = ds4_half_to_float((unsigned short)(b[80] | (b[81] << 8)));
   const float dmin = ds4_half_to_float((unsigned short)(b[82] | (b[83] << 8)));
-  const unsigned int h = part >> 2;
-  const unsigned int shift = 2 * (part & 3);
-  const GLOBAL_MEM unsigned char* qs = b + 16 + 32 * h;
-  for (int r = 0; r < 2; ++r) {
-    const unsigned int sc = b[8 * h + (part & 3) * 2 + r];
+  for (int i = 0; i < 8; ++i) {
+    const unsigned int h = i >> 2;
+    const unsigned int shift = 2 * (i & 3);
+    const unsigned int sc = b[8 * h + 2 * (i & 3) + (lane >> 4)];
     const float dl = d * (float)(sc & 15u);
     const float ml = dmin * (float)(sc >> 4);
-    for (int l = 16 * r; l < 16 * r + 16; ++l) {
-      out[l] = static_cast<T>(dl * (float)((qs[l] >> shift) & 3u) - ml);
-    }
+    out[32 * i + lane] = static_cast<T>(dl * (float)((b[16 + 32 * h + lane] >> shift) & 3u) - ml);
   }
 }
 """
@@ -101,12 +95,12 @@ def dequantize_used(blocks: mx.array, counts: mx.array, ggml_type: GGMLType, sha
     n_expert, n_out, n_in = shape
     block_values = BLOCK_SIZES[ggml_type][0]
     blocks_per_expert = n_out * n_in // block_values
-    n_units = n_expert * n_out * n_in // UNIT_VALUES
+    n_blocks = n_expert * blocks_per_expert
     kernel = build(KERNELS[ggml_type], current_backend())
     (y,) = kernel(
         inputs=[blocks, counts.astype(mx.uint32)],
-        template=[("T", dtype), ("THREADS", THREADS), ("N_UNITS", n_units), ("BLOCKS_PER_EXPERT", blocks_per_expert)],
-        grid=(-(-n_units // THREADS) * THREADS, 1, 1),
+        template=[("T", dtype), ("THREADS", THREADS), ("N_BLOCKS", n_blocks), ("BLOCKS_PER_EXPERT", blocks_per_expert)],
+        grid=(-(-n_blocks * SIMD_WIDTH // THREADS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[shape],
         output_dtypes=[dtype],
