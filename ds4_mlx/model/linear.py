@@ -150,7 +150,7 @@ class Linear:
 
     def __call__(self, x: mx.array) -> mx.array:
         if self._affine is not None and _fast():
-            return batch_matmul(x, self._affine) if x.shape[0] >= BATCH_TOKENS else self._affine.matmul(x)
+            return batch_matmul(x, self._affine) if x.size >= BATCH_TOKENS * x.shape[-1] else self._affine.matmul(x)
         return x @ self.weight.T
 
 
