@@ -35,7 +35,7 @@ import numpy as np
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, to_affine
 from ds4_mlx.kernels.batch import AFFINE_BATCH, dense_matmul
 from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, SLICE_BYTES, affine_scratch, expert_counts,
-                                     scratch_matmul, sliced_reference, sort_by_expert)
+                                     grouped_swiglu, scratch_matmul, sliced_reference, sort_by_expert)
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import QuantMatvec, gathered_reference
 from ds4_mlx.kernels.probe import random_activations, random_blocks
@@ -56,6 +56,8 @@ class Timing:
     fast_path_used: bool
     max_relative_error: float
     flops: int = 0
+    peak_gib: float = 0.0
+    """Memory above what was allocated before the fast call (scratch and transients), where measured."""
 
     @property
     def speedup(self) -> float:
@@ -229,6 +231,55 @@ def batch_projection(n_out: int, n_in: int, dtype: mx.Dtype, args: argparse.Name
     )
 
 
+def moe_layer(dtype: mx.Dtype, args: argparse.Namespace) -> Timing:
+    """One q2 MoE layer of a chunk: sort, gate and up (IQ2_XXS), SwiGLU, down (Q2_K), unsort and sum, as
+    `RoutedExperts._grouped` runs it; the peak memory above the inputs shows the scratch bound."""
+    embd, ff, n_expert = FLASH.n_embd, FLASH.n_ff_exp, args.experts
+    banks = {name: (ggml_type, (n_expert, n_out, n_in),
+                    random_blocks(ggml_type, n_expert * n_out, n_in, seed=14 + i).reshape(n_expert, -1))
+             for i, (name, ggml_type, n_out, n_in) in enumerate((("gate", GGMLType.IQ2_XXS, ff, embd),
+                                                                  ("up", GGMLType.IQ2_XXS, ff, embd),
+                                                                  ("down", GGMLType.Q2_K, embd, ff)))}
+    rng = np.random.default_rng(15)
+    ids = mx.array(np.stack([rng.choice(n_expert, args.pairs, replace=False) for _ in range(args.tokens)]).astype(
+        np.int32))
+    weights = mx.array(rng.uniform(0.1, 1.5, (args.tokens, args.pairs)).astype(np.float32))
+    x = random_activations((args.tokens, embd), seed=16)
+    mx.eval(x, ids, weights, *(blocks for _, _, blocks in banks.values()))
+
+    def projection(name: str, fast: bool):
+        ggml_type, shape, blocks = banks[name]
+        path = RAW_GROUPED[ggml_type].fast_paths[dtype]
+
+        def run(xs, sorted_ids, counts, after):
+            if not fast:
+                return sliced_reference(xs, blocks, sorted_ids, ggml_type, shape)
+            return path.fast(xs, mx.depends([blocks], [after])[0], sorted_ids, counts, shape)
+        return run
+
+    def layer(fast: bool) -> mx.array:
+        return grouped_swiglu(x, ids, weights, *(projection(n, fast) for n in ("gate", "up", "down")),
+                              lambda g, u: mx.minimum(g, 10) * mx.sigmoid(mx.minimum(g, 10)) * mx.clip(u, -10, 10),
+                              n_expert)
+
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(layer(True))
+    peak = (mx.get_peak_memory() - before) / 2**30
+    return Timing(
+        operation=f"q2 MoE layer, {dtype_name(dtype)} scratch ({args.tokens} tok x top-{args.pairs})",
+        shape=f"{n_expert}x{ff}x{embd}",
+        weight_bytes=sum(blocks.nbytes for _, _, blocks in banks.values()),
+        reference_us=per_call_us(lambda: layer(False), 1, args.repeats, SLICE_BYTES),
+        fast_us=per_call_us(lambda: layer(True), 1, args.repeats),
+        fast_path_used=all(RAW_GROUPED[t].fast_paths[dtype].enabled(shape[1:]) for t, shape, _ in banks.values()),
+        max_relative_error=relative_error(layer(True), layer(False)),
+        flops=3 * 2 * ids.size * ff * embd,
+        peak_gib=peak,
+    )
+
+
 def prefill_rows(args: argparse.Namespace) -> list[Timing]:
     """Grouped experts (gate/up IQ2_XXS, down Q2_K, Q4_K) and a batch projection, float32 then bfloat16."""
     embd, ff = FLASH.n_embd, FLASH.n_ff_exp
@@ -239,6 +290,7 @@ def prefill_rows(args: argparse.Namespace) -> list[Timing]:
             raw_grouped(GGMLType.Q2_K, embd, ff, dtype, args),
             affine_grouped_row(ff, embd, dtype, args),
             batch_projection(embd, embd, dtype, args),
+            moe_layer(dtype, args),
         ]
     return rows
 
@@ -286,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rate = t.weight_bytes / (t.fast_us * 1e-6) / 1e9
             compute = f", {t.flops / (t.fast_us * 1e-6) / 1e12:5.1f} TFLOP/s" if t.flops else ""
+            compute += f", peak +{t.peak_gib:.2f} GiB" if t.peak_gib else ""
             print(f"{t.operation:48s} {t.shape:>11s}  reference {t.reference_us:9.1f} us  fast {t.fast_us:8.1f} us "
                   f"({t.speedup:5.1f}x, {rate:6.1f} GB/s{compute})  used: {'yes' if t.fast_path_used else 'NO'}  "
                   f"max rel. error {t.max_relative_error:.1e}")

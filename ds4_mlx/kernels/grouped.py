@@ -56,6 +56,29 @@ def expert_counts(sorted_ids: mx.array, n_expert: int) -> mx.array:
     return mx.zeros((n_expert,), dtype=mx.uint32).at[sorted_ids].add(mx.ones(sorted_ids.shape, dtype=mx.uint32))
 
 
+Projection = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
+"""(x (N, IN), sorted ids (N,), counts (E,), after) -> x[i] @ W[ids[i]].T (N, OUT), reading W only once `after` is
+computed (`ExpertBank.grouped`)."""
+
+
+def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projection, up: Projection,
+                   down: Projection, activation: Callable[[mx.array, mx.array], mx.array], n_expert: int) -> mx.array:
+    """sum_i weights[:, i] * down(activation(gate(x), up(x))) over each token's experts ids (T, k), for x (T, D).
+
+    The pairs are sorted by expert on the device; each projection is one grouped GEMM over all of them, chained so
+    that a bank is read only after the previous projection's GEMM (gate after the routing). The weighted outputs
+    go back to (token, slot) order and are summed over the slots, as the decode path sums them.
+    """
+    t, k = ids.shape
+    order, sorted_ids = sort_by_expert(ids)
+    counts = expert_counts(sorted_ids, n_expert)
+    xs = x[order // k]
+    g = gate(xs, sorted_ids, counts, counts)
+    u = up(xs, sorted_ids, counts, g)
+    y = down(activation(g, u) * weights.reshape(-1)[order][:, None], sorted_ids, counts, u)
+    return mx.sum(y[mx.argsort(order)].reshape(t, k, -1), axis=1)
+
+
 def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array:
     """x[i] @ scratch[ids[i]].T as float32 (N, OUT), for x (N, IN), scratch (E, OUT, IN), ids sorted ascending."""
     y = mx.gather_mm(x[:, None, :].astype(scratch.dtype), mx.swapaxes(scratch, 1, 2), rhs_indices=sorted_ids,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.grouped import expert_counts, sort_by_expert
+from ds4_mlx.kernels.grouped import grouped_swiglu
 from ds4_mlx.model.linear import ExpertBank, Linear
 from ds4_mlx.model.topk import top_k_indices
 
@@ -93,15 +93,8 @@ class RoutedExperts:
     def _grouped(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
         """All (token, slot) pairs sorted by expert on the device, then one grouped GEMM per projection; for
         prefill, with no host round-trip (kernels/grouped.py)."""
-        t, k = ids.shape
-        order, sorted_ids = sort_by_expert(ids)
-        counts = expert_counts(sorted_ids, self.gate.n_expert)
-        xs = x[order // k]
-        gate = self.gate.grouped(xs, sorted_ids, counts, after=counts)  # each bank read after the previous GEMM
-        up = self.up.grouped(xs, sorted_ids, counts, after=gate)
-        h = swiglu(gate, up, self.clamp) * weights.reshape(-1)[order][:, None]
-        y = self.down.grouped(h, sorted_ids, counts, after=up)
-        return mx.sum(y[mx.argsort(order)].reshape(t, k, -1), axis=1)  # back to (token, slot) order: as _gathered
+        return grouped_swiglu(x, ids, weights, self.gate.grouped, self.up.grouped, self.down.grouped,
+                              lambda gate, up: swiglu(gate, up, self.clamp), self.gate.n_expert)
 
 
 @dataclass
