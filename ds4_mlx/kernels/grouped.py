@@ -87,20 +87,21 @@ def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.a
 
 
 def sliced_grouped(x: mx.array, sorted_ids: mx.array, shape: tuple[int, int, int],
-                   experts: Callable[[int, int], mx.array]) -> mx.array:
-    """x[i] @ W[ids[i]].T with W's experts as float32 from `experts(first, count)` (count, OUT, IN), taken
-    SLICE_BYTES at a time: one grouped GEMM per slice over all pairs, rows of other slices masked out."""
+                   experts: Callable[[mx.array, mx.array], mx.array]) -> mx.array:
+    """x[i] @ W[ids[i]].T with W's experts as float32 from `experts(index, after)` (the experts `index`, read once
+    `after` is computed), SLICE_BYTES at a time: one grouped GEMM per slice over all pairs, the rows of other slices
+    masked out. Each slice is read after the previous slice's product, so one slice is alive at a time."""
     n_expert, n_out, n_in = shape
     per_slice = max(1, min(n_expert, SLICE_BYTES // (4 * n_out * n_in)))
     if per_slice == n_expert:
-        return scratch_matmul(x, experts(0, n_expert), sorted_ids)
-    out = None
+        return scratch_matmul(x, experts(mx.arange(n_expert), x), sorted_ids)
+    out = x
     for first in range(0, n_expert, per_slice):
         count = min(per_slice, n_expert - first)
         local = mx.clip(sorted_ids.astype(mx.int32) - first, 0, count - 1).astype(mx.uint32)
         inside = ((sorted_ids >= first) & (sorted_ids < first + count))[:, None]
-        part = mx.where(inside, scratch_matmul(x, experts(first, count), local), 0.0)
-        out = part if out is None else out + part
+        part = mx.where(inside, scratch_matmul(x, experts(mx.arange(first, first + count), out), local), 0.0)
+        out = part if first == 0 else out + part
     return out
 
 
@@ -108,8 +109,10 @@ def sliced_reference(x: mx.array, blocks: mx.array, sorted_ids: mx.array, ggml_t
                      shape: tuple[int, int, int]) -> mx.array:
     """`sliced_grouped` over raw blocks and the reference dequantizer: what the grouped fast paths must equal."""
     rows = blocks.reshape(shape[0], -1)
-    return sliced_grouped(x, sorted_ids, shape,
-                          lambda first, count: dequantize(rows[first : first + count], ggml_type, (count, *shape[1:])))
+
+    def experts(index: mx.array, after: mx.array) -> mx.array:
+        return dequantize(mx.depends([rows[index]], [after])[0], ggml_type, (index.size, *shape[1:]))
+    return sliced_grouped(x, sorted_ids, shape, experts)
 
 
 class RawGrouped:

@@ -204,4 +204,4 @@ class ExpertBank:
             raw = mx.depends([self._raw], [after])[0]
             return RAW_GROUPED[self.ggml_type](x, raw, sorted_ids, counts, self.shape)
         return sliced_grouped(x, sorted_ids, self.shape,
-                              lambda first, count: self.experts(mx.arange(first, first + count, dtype=mx.int32)))
+                              lambda index, slice_after: self.experts(mx.depends([index], [slice_after, after])[0]))
