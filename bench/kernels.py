@@ -3,6 +3,7 @@
     python bench/kernels.py                 # the GPU (MLX's default device there)
     python bench/kernels.py --json --calls 64
     python bench/kernels.py --backend cpu --experts 16
+    python bench/kernels.py --grouped-only --tokens 2048   # prefill: grouped experts and batch projections
 
 Each line is one operation at one shape: the reference (the blocks dequantized in MLX ops, then a matmul) and the
 fast path (a custom kernel, or a built-in quantized matmul over the affine form), as microseconds per call and
@@ -10,6 +11,11 @@ the weight bytes read per second. `--calls` independent calls go into one evalua
 and sync latency is spread over them; the median of `--repeats` evaluations is reported. Before timing, each fast
 path's first-use check runs: a fast path that fails it (it would fall back in the model) is reported as such
 and its kernel is still timed directly, so a wrong-but-fast kernel shows up as both.
+
+The prefill rows (GPU backends) time one chunk of `--tokens` tokens: a routed-expert projection over all its
+(token, slot) pairs sorted by expert (kernels/grouped.py: dequantize into a float32 or bfloat16 scratch, then one
+grouped GEMM) against the reference (slices of reference-dequantized experts), and a Q8_0 projection as dequantize
++ dense GEMM against MLX's quantized matmul. They also report TFLOP/s (2 * rows * OUT * IN per call).
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, to_affine
+from ds4_mlx.kernels.batch import AFFINE_BATCH, dense_matmul
+from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, SLICE_BYTES, affine_scratch, expert_counts,
+                                     grouped_swiglu, scratch_matmul, sliced_reference, sort_by_expert)
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import QuantMatvec, gathered_reference
 from ds4_mlx.kernels.probe import random_activations, random_blocks
@@ -45,6 +55,9 @@ class Timing:
     fast_us: float
     fast_path_used: bool
     max_relative_error: float
+    flops: int = 0
+    peak_gib: float = 0.0
+    """Memory above what was allocated before the fast call (scratch and transients), where measured."""
 
     @property
     def speedup(self) -> float:
@@ -134,6 +147,154 @@ def affine_experts(n_out: int, n_in: int, args: argparse.Namespace) -> Timing:
     )
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def sorted_pairs(args: argparse.Namespace) -> mx.array:
+    """The sorted expert ids of a chunk: `--tokens` tokens, each routed to `--pairs` distinct random experts."""
+    rng = np.random.default_rng(7)
+    ids = np.stack([rng.choice(args.experts, args.pairs, replace=False) for _ in range(args.tokens)])
+    return sort_by_expert(mx.array(ids.astype(np.int32)))[1]
+
+
+def raw_grouped(ggml_type: GGMLType, n_out: int, n_in: int, dtype: mx.Dtype, args: argparse.Namespace) -> Timing:
+    shape = (args.experts, n_out, n_in)
+    blocks = random_blocks(ggml_type, args.experts * n_out, n_in, seed=8).reshape(args.experts, -1)
+    ids = sorted_pairs(args)
+    counts = expert_counts(ids, args.experts)
+    x = random_activations((ids.size, n_in), seed=9)
+    mx.eval(blocks, ids, counts, x)
+    grouped = RAW_GROUPED[ggml_type].fast_paths[dtype]
+    fast = grouped.fast
+
+    def reference() -> mx.array:
+        return sliced_reference(x, blocks, ids, ggml_type, shape)
+
+    scratch_bytes = 4 * args.experts * n_out * n_in
+    return Timing(
+        operation=f"{ggml_type.name} grouped, {dtype_name(dtype)} scratch ({args.tokens} tok x top-{args.pairs})",
+        shape=f"{n_out}x{n_in}",
+        weight_bytes=blocks.nbytes,
+        reference_us=per_call_us(reference, 1, args.repeats, SLICE_BYTES),
+        fast_us=per_call_us(lambda: fast(x, blocks, ids, counts, shape), args.calls, args.repeats, scratch_bytes),
+        fast_path_used=grouped.enabled((n_out, n_in)),
+        max_relative_error=relative_error(fast(x, blocks, ids, counts, shape), reference()),
+        flops=2 * ids.size * n_out * n_in,
+    )
+
+
+def affine_grouped_row(n_out: int, n_in: int, dtype: mx.Dtype, args: argparse.Namespace) -> Timing:
+    ggml_type = GGMLType.Q4_K
+    shape = (args.experts, n_out, n_in)
+    blocks = random_blocks(ggml_type, args.experts * n_out, n_in, seed=10).reshape(args.experts, -1)
+    weight = to_affine(blocks, ggml_type, shape)
+    ids = sorted_pairs(args)
+    x = random_activations((ids.size, n_in), seed=11)
+    mx.eval(blocks, weight.wq, weight.scales, weight.biases, ids, x)
+
+    def old() -> mx.array:  # what prefill would do without a scratch: gather_qmm over the sorted pairs
+        return mx.gather_qmm(x[:, None, :], weight.wq, weight.scales, weight.biases, rhs_indices=ids, transpose=True,
+                             group_size=32, bits=4, sorted_indices=True)[:, 0, :]
+
+    def fast() -> mx.array:
+        return scratch_matmul(x, affine_scratch(weight, dtype), ids)
+
+    return Timing(
+        operation=f"Q4_K grouped, {dtype_name(dtype)} scratch vs gather_qmm ({args.tokens} tok)",
+        shape=f"{n_out}x{n_in}",
+        weight_bytes=weight.nbytes,
+        reference_us=per_call_us(old, 1, args.repeats),
+        fast_us=per_call_us(fast, args.calls, args.repeats, 4 * args.experts * n_out * n_in),
+        fast_path_used=AFFINE_GROUPED[dtype].enabled(ggml_type),
+        max_relative_error=relative_error(fast(), old()),
+        flops=2 * ids.size * n_out * n_in,
+    )
+
+
+def batch_projection(n_out: int, n_in: int, dtype: mx.Dtype, args: argparse.Namespace) -> Timing:
+    ggml_type = GGMLType.Q8_0
+    blocks = random_blocks(ggml_type, n_out, n_in, seed=12)
+    weight = to_affine(blocks, ggml_type, (n_out, n_in))
+    x = random_activations((args.tokens, n_in), seed=13)
+    mx.eval(blocks, weight.wq, weight.scales, weight.biases, x)
+    return Timing(
+        operation=f"Q8_0 dequantize + {dtype_name(dtype)} GEMM vs qmm ({args.tokens} tok)",
+        shape=f"{n_out}x{n_in}",
+        weight_bytes=weight.nbytes,
+        reference_us=per_call_us(lambda: weight.matmul(x), args.calls, args.repeats),
+        fast_us=per_call_us(lambda: dense_matmul(x, weight, dtype), args.calls, args.repeats, 4 * n_out * n_in),
+        fast_path_used=AFFINE_BATCH[dtype].enabled(ggml_type),
+        max_relative_error=relative_error(dense_matmul(x, weight, dtype), reference_matmul(x, blocks, ggml_type,
+                                                                                             (n_out, n_in))),
+        flops=2 * args.tokens * n_out * n_in,
+    )
+
+
+def moe_layer(dtype: mx.Dtype, args: argparse.Namespace) -> Timing:
+    """One q2 MoE layer of a chunk: sort, gate and up (IQ2_XXS), SwiGLU, down (Q2_K), unsort and sum, as
+    `RoutedExperts._grouped` runs it; the peak memory above the inputs shows the scratch bound."""
+    embd, ff, n_expert = FLASH.n_embd, FLASH.n_ff_exp, args.experts
+    banks = {name: (ggml_type, (n_expert, n_out, n_in),
+                    random_blocks(ggml_type, n_expert * n_out, n_in, seed=14 + i).reshape(n_expert, -1))
+             for i, (name, ggml_type, n_out, n_in) in enumerate((("gate", GGMLType.IQ2_XXS, ff, embd),
+                                                                  ("up", GGMLType.IQ2_XXS, ff, embd),
+                                                                  ("down", GGMLType.Q2_K, embd, ff)))}
+    rng = np.random.default_rng(15)
+    ids = mx.array(np.stack([rng.choice(n_expert, args.pairs, replace=False) for _ in range(args.tokens)]).astype(
+        np.int32))
+    weights = mx.array(rng.uniform(0.1, 1.5, (args.tokens, args.pairs)).astype(np.float32))
+    x = random_activations((args.tokens, embd), seed=16)
+    mx.eval(x, ids, weights, *(blocks for _, _, blocks in banks.values()))
+
+    def projection(name: str, fast: bool):
+        ggml_type, shape, blocks = banks[name]
+        path = RAW_GROUPED[ggml_type].fast_paths[dtype]
+
+        def run(xs, sorted_ids, counts, after):
+            if not fast:
+                return sliced_reference(xs, blocks, sorted_ids, ggml_type, shape)
+            return path.fast(xs, mx.depends([blocks], [after])[0], sorted_ids, counts, shape)
+        return run
+
+    def layer(fast: bool) -> mx.array:
+        return grouped_swiglu(x, ids, weights, *(projection(n, fast) for n in ("gate", "up", "down")),
+                              lambda g, u: mx.minimum(g, 10) * mx.sigmoid(mx.minimum(g, 10)) * mx.clip(u, -10, 10),
+                              n_expert)
+
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(layer(True))
+    peak = (mx.get_peak_memory() - before) / 2**30
+    return Timing(
+        operation=f"q2 MoE layer, {dtype_name(dtype)} scratch ({args.tokens} tok x top-{args.pairs})",
+        shape=f"{n_expert}x{ff}x{embd}",
+        weight_bytes=sum(blocks.nbytes for _, _, blocks in banks.values()),
+        reference_us=per_call_us(lambda: layer(False), 1, args.repeats, SLICE_BYTES),
+        fast_us=per_call_us(lambda: layer(True), 1, args.repeats),
+        fast_path_used=all(RAW_GROUPED[t].fast_paths[dtype].enabled(shape[1:]) for t, shape, _ in banks.values()),
+        max_relative_error=relative_error(layer(True), layer(False)),
+        flops=3 * 2 * ids.size * ff * embd,
+        peak_gib=peak,
+    )
+
+
+def prefill_rows(args: argparse.Namespace) -> list[Timing]:
+    """Grouped experts (gate/up IQ2_XXS, down Q2_K, Q4_K) and a batch projection, float32 then bfloat16."""
+    embd, ff = FLASH.n_embd, FLASH.n_ff_exp
+    rows = []
+    for dtype in (mx.float32, mx.bfloat16):
+        rows += [
+            raw_grouped(GGMLType.IQ2_XXS, ff, embd, dtype, args),
+            raw_grouped(GGMLType.Q2_K, embd, ff, dtype, args),
+            affine_grouped_row(ff, embd, dtype, args),
+            batch_projection(embd, embd, dtype, args),
+            moe_layer(dtype, args),
+        ]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", choices=["cpu", "gpu"], help="MLX device (default: MLX's default device)")
@@ -141,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=FLASH.n_expert_used, help="selected experts per call (default 6)")
     p.add_argument("--calls", type=int, default=32, help="independent calls per evaluation (default 32)")
     p.add_argument("--repeats", type=int, default=5, help="timed evaluations; the median is kept (default 5)")
+    p.add_argument("--tokens", type=int, default=2048, help="prefill chunk of the prefill rows (default 2048)")
+    p.add_argument("--grouped-only", action="store_true", help="only the prefill rows (GPU backends)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(argv)
     if args.backend:
@@ -149,19 +312,23 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings(record=True) as fallbacks:
         warnings.simplefilter("always", KernelFallbackWarning)
         timings = []
-        if current_backend() in IQ2_XXS_MATVEC.fast_path.backends:
+        gpu = current_backend() in IQ2_XXS_MATVEC.fast_path.backends
+        if not gpu:
+            print(f"no custom kernels on the {current_backend()} backend: the affine paths only", file=sys.stderr)
+        if gpu and not args.grouped_only:
             timings += [
                 expert_kernel(IQ2_XXS_MATVEC, ff, embd, args),  # gate / up
                 expert_kernel(Q2_K_MATVEC, embd, ff, args),  # down
             ]
-        else:
-            print(f"no custom kernels on the {current_backend()} backend: the affine paths only", file=sys.stderr)
-        timings += [
-            affine_experts(ff, embd, args),
-            affine_matmul(GGMLType.Q8_0, embd, embd, 1, args),
-            affine_matmul(GGMLType.Q8_0, FLASH.n_vocab, embd, 1, args),  # LM head
-            affine_matmul(GGMLType.Q8_0, embd, embd, 512, args),
-        ]
+        if not args.grouped_only:
+            timings += [
+                affine_experts(ff, embd, args),
+                affine_matmul(GGMLType.Q8_0, embd, embd, 1, args),
+                affine_matmul(GGMLType.Q8_0, FLASH.n_vocab, embd, 1, args),  # LM head
+                affine_matmul(GGMLType.Q8_0, embd, embd, 512, args),
+            ]
+        if gpu:
+            timings += prefill_rows(args)
     for warning in fallbacks:
         print(f"fallback: {warning.message}", file=sys.stderr)
     print(f"backend {current_backend()}, device {mx.default_device()}, MLX {mx.__version__}", file=sys.stderr)
@@ -170,8 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({**asdict(t), "speedup": t.speedup, "backend": current_backend()}))
         else:
             rate = t.weight_bytes / (t.fast_us * 1e-6) / 1e9
+            compute = f", {t.flops / (t.fast_us * 1e-6) / 1e12:5.1f} TFLOP/s" if t.flops else ""
+            compute += f", peak +{t.peak_gib:.2f} GiB" if t.peak_gib else ""
             print(f"{t.operation:48s} {t.shape:>11s}  reference {t.reference_us:9.1f} us  fast {t.fast_us:8.1f} us "
-                  f"({t.speedup:5.1f}x, {rate:6.1f} GB/s)  used: {'yes' if t.fast_path_used else 'NO'}  "
+                  f"({t.speedup:5.1f}x, {rate:6.1f} GB/s{compute})  used: {'yes' if t.fast_path_used else 'NO'}  "
                   f"max rel. error {t.max_relative_error:.1e}")
     return 0
 

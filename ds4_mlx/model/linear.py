@@ -12,7 +12,9 @@ A matrix is held in one of three forms:
 
 Routed experts (ExpertBank) are affine when their type allows it, else raw, and only the experts a token selects
 are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go through the dequant-matvec kernels
-(GPU only). With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path;
+(GPU only). A prefill chunk's pairs, sorted by expert, go through grouped GEMMs instead (`ExpertBank.grouped`,
+kernels/grouped.py), and projections of BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends
+(kernels/batch.py). With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path;
 after loading, the reference mode multiplies affine tensors by their dequantized values, which are the
 reference's.
 """
@@ -26,6 +28,8 @@ import mlx.core as mx
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
+from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
+from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, sliced_grouped
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import QuantMatvec
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
@@ -165,12 +169,13 @@ class Linear:
         if self._affine is not None and _fast():
             w = self._affine
             split = AffineWeight(*(a.reshape(groups, -1, a.shape[-1]) for a in (w.wq, w.scales, w.biases)), w.bits)
-            return mx.swapaxes(split.matmul(mx.swapaxes(x, 0, 1)), 0, 1)
+            xg = mx.swapaxes(x, 0, 1)
+            return mx.swapaxes(batch_matmul(xg, split) if x.shape[0] >= BATCH_TOKENS else split.matmul(xg), 0, 1)
         return mx.einsum("tgi,goi->tgo", x, self.weight.reshape(groups, -1, self.shape[1]))
 
     def __call__(self, x: mx.array) -> mx.array:
         if self._affine is not None and _fast():
-            return self._affine.matmul(x)
+            return batch_matmul(x, self._affine) if x.size >= BATCH_TOKENS * x.shape[-1] else self._affine.matmul(x)
         return x @ self.weight.T
 
 
@@ -209,8 +214,19 @@ class ExpertBank:
             return MATVECS[self.ggml_type](x, self._raw, ids, self.shape)
         return (x[:, None, :] @ mx.swapaxes(self.experts(ids), 1, 2))[:, 0, :]
 
-    def matmul(self, x: mx.array, expert: int) -> mx.array:
-        """x @ W[expert].T for x (T, IN): all the tokens routed to one expert."""
+    def grouped(self, x: mx.array, sorted_ids: mx.array, counts: mx.array, after: mx.array) -> mx.array:
+        """x[i] @ W[ids[i]].T for N (input, expert) pairs sorted by expert: x (N, IN), ids (N,) uint32 ascending,
+        counts (E,) pairs per expert -> (N, OUT). Grouped GEMMs over all the pairs at once (kernels/grouped.py).
+
+        The bank is read (and its float scratch made) only once `after` is computed: chaining the projections
+        of a layer this way keeps one scratch alive at a time, whatever order MLX would otherwise pick.
+        """
         if self._affine is not None and _fast():
-            return self._affine.take(expert).matmul(x)
-        return x @ self.experts(mx.array([expert], dtype=mx.int32))[0].T
+            w = self._affine
+            return affine_grouped(AffineWeight(*mx.depends([w.wq, w.scales, w.biases], [after]), w.bits), x,
+                                  sorted_ids)
+        if self._raw is not None and self.ggml_type in RAW_GROUPED:
+            raw = mx.depends([self._raw], [after])[0]
+            return RAW_GROUPED[self.ggml_type](x, raw, sorted_ids, counts, self.shape)
+        return sliced_grouped(x, sorted_ids, self.shape,
+                              lambda index, slice_after: self.experts(mx.depends([index], [slice_after, after])[0]))

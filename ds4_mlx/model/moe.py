@@ -11,14 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
+from ds4_mlx.kernels.grouped import grouped_swiglu
 from ds4_mlx.model.linear import ExpertBank, Linear
 from ds4_mlx.model.topk import top_k_indices
 
 WEIGHT_SUM_FLOOR = 6.103515625e-5  # ds4 divides by max(sum of selected scores, 2^-14)
 GATHER_LIMIT = 32
-"""At most this many (token, expert) pairs dequantize one expert copy per pair; more are grouped by expert."""
+"""At most this many (token, expert) pairs dequantize one expert copy per pair; more are sorted by expert and
+grouped."""
 
 
 def softplus(x: mx.array) -> mx.array:
@@ -90,19 +91,10 @@ class RoutedExperts:
         return mx.sum(self.down(h, flat).reshape(t, k, -1), axis=1)
 
     def _grouped(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
-        """Each used expert once, over all its tokens, for prefill."""
-        ids_np = np.array(ids)
-        out = mx.zeros(x.shape, dtype=mx.float32)
-        for expert in np.unique(ids_np):
-            token, slot = np.nonzero(ids_np == expert)
-            token_ix = mx.array(token.astype(np.int32))
-            w = weights[token_ix, mx.array(slot.astype(np.int32))][:, None]
-            e = int(expert)
-            xs = x[token_ix]
-            h = swiglu(self.gate.matmul(xs, e), self.up.matmul(xs, e), self.clamp) * w
-            out = out.at[token_ix].add(self.down.matmul(h, e))
-            mx.eval(out)  # one dequantized expert alive at a time
-        return out
+        """All (token, slot) pairs sorted by expert on the device, then one grouped GEMM per projection; for
+        prefill, with no host round-trip (kernels/grouped.py)."""
+        return grouped_swiglu(x, ids, weights, self.gate.grouped, self.up.grouped, self.down.grouped,
+                              lambda gate, up: swiglu(gate, up, self.clamp), self.gate.n_expert)
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""Prefill-sized projections: dequantize the weight to floats once, then one dense GEMM.
+
+MLX's quantized matmul with float32 activations has no tensor-core kernel on CUDA (its fast qmm needs float16 or
+bfloat16 activations), so a Q8_0 projection of 512 tokens ran at 36 GB/s there (bench/RESULTS.md). From
+BATCH_TOKENS rows on, a GPU backend instead dequantizes the affine weight (one fused `mx.dequantize`, the
+reference's values exactly) and calls the dense GEMM (cuBLAS on CUDA). The transient copy is one matrix: at most
+OUT * IN * 4 bytes (128 MiB for Flash's largest per-token projection, attn_q_b 32768 x 1024). On the CPU MLX's
+quantized matmul is as fast as dequantize + GEMM at these sizes (measured on the 2-core VM, within its noise), so
+the CPU keeps it: no transient copy there.
+
+Arithmetic: float32, the reference's type, unless DS4_PREFILL_DTYPE=bfloat16 on a GPU backend: weights and
+activations then go to the GEMM (and the expert GEMMs, grouped.py) in bfloat16 with float32 accumulation. Rounding
+both operands to 8 significant bits moves each output by ~2e-3 of the output's largest magnitude (BF16_TOLERANCE);
+float32 stays the default, and the CPU always uses it (MLX's CPU gather_mm is float32 only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from ..errors import Ds4Error
+from ..model.gguf import GGMLType
+from .affine import AffineWeight, to_affine
+from .probe import random_activations, random_blocks
+from .quants import reference_matmul
+from .registry import FastPath, current_backend
+
+BATCH_TOKENS = 16
+"""Rows from which a projection takes the dequantize + GEMM path (below it, the quantized matvec kernels win)."""
+DTYPE_ENV = "DS4_PREFILL_DTYPE"
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+TOLERANCE = 1e-5
+"""float32: summation order only (a GEMM's tiling against the reference's), as the matvec kernels."""
+BF16_TOLERANCE = 1e-2
+"""bfloat16 operands, each rounded by up to 2^-9 relative, and a bfloat16 GEMM output (another 2^-9): measured in
+float32 emulation at Flash widths, 1.8e-3 to 2.5e-3 of the output's largest magnitude for the four weight types
+(tests/test_kernels_grouped.py); the output rounding can add 2e-3 more."""
+
+
+def prefill_dtype() -> mx.Dtype:
+    """The float type of batch and grouped GEMMs: DS4_PREFILL_DTYPE on GPU backends, float32 on the CPU."""
+    name = os.environ.get(DTYPE_ENV, "float32") or "float32"
+    if name not in DTYPES:
+        raise Ds4Error(f"{DTYPE_ENV} must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name] if current_backend() != "cpu" else mx.float32
+
+
+def dense_matmul(x: mx.array, weight: AffineWeight, dtype: mx.Dtype) -> mx.array:
+    """x @ W.T as float32 with W dequantized into `dtype` (W (OUT, IN), or a batch of them against a batch of x)."""
+    w = weight.dequantize().astype(dtype)  # exact float32 values, rounded once (see grouped.affine_scratch)
+    return (x.astype(dtype) @ mx.swapaxes(w, -1, -2)).astype(mx.float32)
+
+
+def batch_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
+    """x @ W.T for x of at least BATCH_TOKENS rows: dequantize + GEMM where its check passed, else the quantized
+    matmul."""
+    dtype = prefill_dtype()
+    ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
+    if AFFINE_BATCH[dtype].enabled(ggml_type):
+        return dense_matmul(x, weight, dtype)
+    return weight.matmul(x)
+
+
+def _probe(ggml_type: GGMLType) -> tuple:
+    shape = (128, 512)
+    return random_blocks(ggml_type, *shape, seed=25), ggml_type, shape, random_activations((48, 512), seed=26)
+
+
+def _reference(blocks, ggml_type, shape, x) -> mx.array:
+    return reference_matmul(x, blocks, ggml_type, shape)
+
+
+def _fast(dtype: mx.Dtype):
+    def fast(blocks, ggml_type, shape, x) -> mx.array:
+        return dense_matmul(x, to_affine(blocks, ggml_type, shape), dtype)
+    return fast
+
+
+AFFINE_BATCH = {
+    dtype: FastPath(f"affine_batch_{name}", _reference, _fast(dtype), _probe,
+                    tolerance=TOLERANCE if dtype == mx.float32 else BF16_TOLERANCE, backends=("cuda", "metal"))
+    for name, dtype in DTYPES.items()
+}
+"""Q8_0 / Q4_K projections of a prefill batch as dequantize + dense GEMM, per GEMM type; key: the ggml type."""

@@ -1,0 +1,198 @@
+"""Routed experts of a whole prefill chunk on the device: (token, slot) pairs sorted by expert, then grouped GEMMs.
+
+A chunk of T tokens with top-k routing gives N = T * k pairs. Sorting their expert ids on the device
+(`sort_by_expert`) puts each expert's pairs next to each other, and `mx.gather_mm(..., sorted_indices=True)` then
+runs one grouped GEMM per projection (on CUDA a CUTLASS grouped GEMM; elsewhere one product per pair), with no
+host round-trip and no per-expert Python loop. Its right-hand side is the bank as floats, a *scratch*:
+
+- raw IQ2_XXS / Q2_K banks (q2 files): on a GPU the used experts are decoded by `dequant.dequantize_used`, one
+  kernel per projection;
+- affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
+  CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
+- the reference (the CPU, DS4_KERNELS=reference, or a kernel that failed its check): the reference dequantizer
+  over slices of experts whose float32 form is at most SLICE_BYTES, each slice a gather_mm over all pairs with the
+  rows of other slices masked out. Bounded by SLICE_BYTES plus the dequantizer's temporaries; a bank that fits
+  one slice (every test preset) costs nothing extra, a Flash bank costs 8 GEMMs over the chunk instead of one.
+
+Scratch bound on a GPU: one bank, E * OUT * IN values: 8 GiB in float32, 4 GiB in bfloat16 at Flash size (256 x
+2048 x 4096; an affine bank in bfloat16 also holds its float32 form while it is cast). `ExpertBank.grouped` reads
+each bank only after the previous projection's GEMM (`mx.depends`), and a layer's first bank after its routing, so
+one scratch is alive at a time and MLX's stream-ordered allocator reuses it. At 2048 tokens the other transients
+are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as loaded (84 GiB) + 8 GiB scratch +
+a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay far below the H200's 139 GiB.
+
+Arithmetic: float32 by default, the reference's type; `DS4_PREFILL_DTYPE=bfloat16` keeps the scratch and the GEMM
+inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import mlx.core as mx
+
+from ..model.gguf import GGMLType
+from .affine import GROUP_SIZE, AffineWeight, to_affine
+from .batch import BF16_TOLERANCE, DTYPES, TOLERANCE, prefill_dtype
+from .dequant import dequantize_used
+from .matvec import gathered_reference
+from .probe import random_activations, random_blocks
+from .quants import dequantize
+from .registry import FastPath
+
+SLICE_BYTES = 1 << 30
+"""The reference path dequantizes at most this many bytes of float32 experts at a time."""
+
+
+def sort_by_expert(ids: mx.array) -> tuple[mx.array, mx.array]:
+    """(order, sorted ids) of the flattened (T, k) expert ids: pair order[i] = (token order // k, slot order % k)."""
+    flat = ids.reshape(-1)
+    order = mx.argsort(flat)
+    return order, flat[order].astype(mx.uint32)
+
+
+def expert_counts(sorted_ids: mx.array, n_expert: int) -> mx.array:
+    """How many pairs use each expert, (E,) uint32."""
+    return mx.zeros((n_expert,), dtype=mx.uint32).at[sorted_ids].add(mx.ones(sorted_ids.shape, dtype=mx.uint32))
+
+
+Projection = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
+"""(x (N, IN), sorted ids (N,), counts (E,), after) -> x[i] @ W[ids[i]].T (N, OUT), reading W only once `after` is
+computed (`ExpertBank.grouped`)."""
+
+
+def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projection, up: Projection,
+                   down: Projection, activation: Callable[[mx.array, mx.array], mx.array], n_expert: int) -> mx.array:
+    """sum_i weights[:, i] * down(activation(gate(x), up(x))) over each token's experts ids (T, k), for x (T, D).
+
+    The pairs are sorted by expert on the device; each projection is one grouped GEMM over all of them, chained so
+    that a bank is read only after the previous projection's GEMM (gate after the routing). The weighted outputs
+    go back to (token, slot) order and are summed over the slots, as the decode path sums them.
+    """
+    t, k = ids.shape
+    order, sorted_ids = sort_by_expert(ids)
+    counts = expert_counts(sorted_ids, n_expert)
+    xs = x[order // k]
+    g = gate(xs, sorted_ids, counts, counts)
+    u = up(xs, sorted_ids, counts, g)
+    y = down(activation(g, u) * weights.reshape(-1)[order][:, None], sorted_ids, counts, u)
+    return mx.sum(y[mx.argsort(order)].reshape(t, k, -1), axis=1)
+
+
+def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array:
+    """x[i] @ scratch[ids[i]].T as float32 (N, OUT), for x (N, IN), scratch (E, OUT, IN), ids sorted ascending."""
+    y = mx.gather_mm(x[:, None, :].astype(scratch.dtype), mx.swapaxes(scratch, 1, 2), rhs_indices=sorted_ids,
+                     sorted_indices=True)
+    return y[:, 0, :].astype(mx.float32)
+
+
+def sliced_grouped(x: mx.array, sorted_ids: mx.array, shape: tuple[int, int, int],
+                   experts: Callable[[mx.array, mx.array], mx.array]) -> mx.array:
+    """x[i] @ W[ids[i]].T with W's experts as float32 from `experts(index, after)` (the experts `index`, read once
+    `after` is computed), SLICE_BYTES at a time: one grouped GEMM per slice over all pairs, the rows of other slices
+    masked out. Each slice is read after the previous slice's product, so one slice is alive at a time."""
+    n_expert, n_out, n_in = shape
+    per_slice = max(1, min(n_expert, SLICE_BYTES // (4 * n_out * n_in)))
+    if per_slice == n_expert:
+        return scratch_matmul(x, experts(mx.arange(n_expert), x), sorted_ids)
+    out = x
+    for first in range(0, n_expert, per_slice):
+        count = min(per_slice, n_expert - first)
+        local = mx.clip(sorted_ids.astype(mx.int32) - first, 0, count - 1).astype(mx.uint32)
+        inside = ((sorted_ids >= first) & (sorted_ids < first + count))[:, None]
+        part = mx.where(inside, scratch_matmul(x, experts(mx.arange(first, first + count), out), local), 0.0)
+        out = part if first == 0 else out + part
+    return out
+
+
+def sliced_reference(x: mx.array, blocks: mx.array, sorted_ids: mx.array, ggml_type: GGMLType,
+                     shape: tuple[int, int, int]) -> mx.array:
+    """`sliced_grouped` over raw blocks and the reference dequantizer: what the grouped fast paths must equal."""
+    rows = blocks.reshape(shape[0], -1)
+
+    def experts(index: mx.array, after: mx.array) -> mx.array:
+        return dequantize(mx.depends([rows[index]], [after])[0], ggml_type, (index.size, *shape[1:]))
+    return sliced_grouped(x, sorted_ids, shape, experts)
+
+
+class RawGrouped:
+    """The grouped expert GEMM over raw IQ2_XXS / Q2_K blocks: dequantize-to-scratch kernel + gather_mm on GPUs,
+    `sliced_reference` elsewhere or where the first-use check fails. One fast path per scratch type."""
+
+    def __init__(self, ggml_type: GGMLType):
+        self.ggml_type = ggml_type
+        self.fast_paths = {
+            dtype: FastPath(f"{ggml_type.name.lower()}_grouped_{name}", self._reference, self._make_fast(dtype),
+                            self._probe, tolerance=TOLERANCE if dtype == mx.float32 else BF16_TOLERANCE,
+                            backends=("cuda", "metal"))
+            for name, dtype in DTYPES.items()
+        }
+
+    def __call__(self, x: mx.array, blocks: mx.array, sorted_ids: mx.array, counts: mx.array,
+                 shape: tuple[int, int, int]) -> mx.array:
+        """x[i] @ W[ids[i]].T (N, OUT) for x (N, IN) and expert ids sorted ascending, counts (E,) per expert."""
+        return self.fast_paths[prefill_dtype()](x, blocks, sorted_ids, counts, shape, key=tuple(shape[1:]))
+
+    def _reference(self, x, blocks, sorted_ids, counts, shape) -> mx.array:
+        return sliced_reference(x, blocks, sorted_ids, self.ggml_type, shape)
+
+    def _make_fast(self, dtype: mx.Dtype):
+        def fast(x, blocks, sorted_ids, counts, shape) -> mx.array:
+            return scratch_matmul(x, dequantize_used(blocks, counts, self.ggml_type, shape, dtype), sorted_ids)
+        return fast
+
+    def _probe(self, key: Hashable) -> tuple:
+        """Five experts: one unused, one with a single pair, one with most pairs."""
+        n_out, n_in = key
+        shape = (5, n_out, n_in)
+        blocks = random_blocks(self.ggml_type, 5 * n_out, n_in, seed=21).reshape(5, -1)
+        ids = mx.array([0, 1, 1, 1, 1, 1, 3, 3, 4, 4, 4, 4], dtype=mx.uint32)
+        return random_activations((ids.size, n_in), seed=22), blocks, ids, expert_counts(ids, 5), shape
+
+
+RAW_GROUPED = {t: RawGrouped(t) for t in (GGMLType.IQ2_XXS, GGMLType.Q2_K)}
+"""Grouped expert GEMMs over raw blocks, by ggml type."""
+
+
+def affine_scratch(weight: AffineWeight, dtype: mx.Dtype) -> mx.array:
+    """An affine bank (E, OUT, IN) as `dtype`: the reference's float32 values, rounded once if dtype is narrower
+    (dequantizing straight into bfloat16 would round scale * q before adding the bias, which cancels)."""
+    return weight.dequantize().astype(dtype)
+
+
+def affine_grouped(weight: AffineWeight, x: mx.array, sorted_ids: mx.array) -> mx.array:
+    """x[i] @ W[ids[i]].T for an affine bank: scratch + grouped GEMM where its check passed (GPUs), else
+    gather_qmm over the sorted pairs (no scratch)."""
+    dtype = prefill_dtype()
+    ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
+    if AFFINE_GROUPED[dtype].enabled(ggml_type):
+        return scratch_matmul(x, affine_scratch(weight, dtype), sorted_ids)
+    y = mx.gather_qmm(x[:, None, :], weight.wq, weight.scales, weight.biases, rhs_indices=sorted_ids,
+                      transpose=True, group_size=GROUP_SIZE, bits=weight.bits, sorted_indices=True)
+    return y[:, 0, :]
+
+
+def _affine_probe(ggml_type: GGMLType) -> tuple:
+    shape = (5, 64, 512)
+    blocks = random_blocks(ggml_type, 5 * 64, 512, seed=23).reshape(5, -1)
+    ids = mx.array([0, 1, 1, 1, 3, 3, 4, 4, 4], dtype=mx.uint32)
+    return random_activations((ids.size, 512), seed=24), blocks, ids, ggml_type, shape
+
+
+def _affine_reference(x, blocks, ids, ggml_type, shape) -> mx.array:
+    return gathered_reference(x, blocks, ids, ggml_type, shape)
+
+
+def _affine_fast(dtype: mx.Dtype):
+    def fast(x, blocks, ids, ggml_type, shape) -> mx.array:
+        return scratch_matmul(x, affine_scratch(to_affine(blocks, ggml_type, shape), dtype), ids)
+    return fast
+
+
+AFFINE_GROUPED = {
+    dtype: FastPath(f"affine_grouped_{name}", _affine_reference, _affine_fast(dtype), _affine_probe,
+                    tolerance=TOLERANCE if dtype == mx.float32 else BF16_TOLERANCE, backends=("cuda", "metal"))
+    for name, dtype in DTYPES.items()
+}
+"""Affine (Q4_K) banks as a dequantized scratch + grouped GEMM, per scratch type; key: the ggml type."""
+
