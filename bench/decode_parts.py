@@ -4,7 +4,7 @@ part of one layer of every kind (hyper-connection, attention, MoE) timed on its 
     python bench/decode_parts.py --layers 4            # the first 4 Flash layers (every kind of layer once)
     python bench/decode_parts.py --layers 4 --json
 
-Synthetic weights in the published layout (bench/synthetic_flash.py). Each figure is the median over `--steps`
+Synthetic weights in the published layout (ds4_mlx/model/synthetic.py, as `ds4-mlx bench --synthetic`). Each figure is the median over `--steps`
 timed steps after warm-up, one mx.eval per step (what greedy decoding does).
 """
 
@@ -16,17 +16,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from synthetic_flash import flash_config, synthetic_weights  # noqa: E402
-
-from ds4_mlx.kernels import registry  # noqa: E402
-from ds4_mlx.model.model import Model  # noqa: E402
-from ds4_mlx.model.norm import rms_norm  # noqa: E402
+from ds4_mlx.kernels import registry
+from ds4_mlx.model.model import Model
+from ds4_mlx.model.norm import rms_norm
+from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 
 
 def median_ms(run: Callable[[], list[mx.array]], steps: int) -> float:
