@@ -38,6 +38,7 @@ from .dequant import dequantize_used
 from .matvec import gathered_reference
 from .probe import random_activations, random_blocks
 from .quants import dequantize
+from . import registry
 from .registry import FastPath
 
 SLICE_BYTES = 1 << 30
@@ -79,10 +80,17 @@ def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projecti
     return mx.sum(y[mx.argsort(order)].reshape(t, k, -1), axis=1)
 
 
+def trusts_sorted_indices() -> bool:
+    """Whether to tell MLX that the pairs are sorted. MLX 0.32.4's CUDA gather_mm gives wrong products with
+    sorted_indices=True (measured on the H200: relative error ~1 for 12 to 4096 sorted pairs, float32 and bf16,
+    while the unsorted call is right to 4e-7), so on CUDA the pairs are passed as unsorted."""
+    return registry.current_backend() != "cuda"
+
+
 def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array:
     """x[i] @ scratch[ids[i]].T as float32 (N, OUT), for x (N, IN), scratch (E, OUT, IN), ids sorted ascending."""
     y = mx.gather_mm(x[:, None, :].astype(scratch.dtype), mx.swapaxes(scratch, 1, 2), rhs_indices=sorted_ids,
-                     sorted_indices=True)
+                     sorted_indices=trusts_sorted_indices())
     return y[:, 0, :].astype(mx.float32)
 
 
@@ -168,7 +176,8 @@ def affine_grouped(weight: AffineWeight, x: mx.array, sorted_ids: mx.array) -> m
     if AFFINE_GROUPED[dtype].enabled(ggml_type):
         return scratch_matmul(x, affine_scratch(weight, dtype), sorted_ids)
     y = mx.gather_qmm(x[:, None, :], weight.wq, weight.scales, weight.biases, rhs_indices=sorted_ids,
-                      transpose=True, group_size=GROUP_SIZE, bits=weight.bits, sorted_indices=True)
+                      transpose=True, group_size=GROUP_SIZE, bits=weight.bits,
+                      sorted_indices=trusts_sorted_indices())
     return y[:, 0, :]
 
 

@@ -28,7 +28,7 @@ from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.model.gguf import TensorInfo
 from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead
 from ds4_mlx.model.linear import ExpertBank, Linear
-from ds4_mlx.model.moe import MoE, RoutedExperts, Router, SharedExpert
+from ds4_mlx.model.moe import GATHER_LIMIT, MoE, RoutedExperts, Router, SharedExpert
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import simulate_indexer_fp4, simulate_kv_fp8
 from ds4_mlx.model.rope import RoPE, Yarn
@@ -229,8 +229,11 @@ class Model:
         streams = mx.broadcast_to(self.embedding.rows(tokens)[:, None, :],
                                   (tokens.size, self.config.n_hc, self.config.n_embd))
         layers = list(cache.layers)
+        grouped = tokens.size * self.config.n_expert_used > GATHER_LIMIT
         for layer, block in enumerate(self.blocks):
             streams, layers[layer] = block(streams, tokens, n_past, layers[layer])
+            if grouped:  # a layer's float expert scratch (GiBs at Flash size) is freed before the next is made
+                mx.eval(streams, *layers[layer].arrays())
         cache.layers, cache.n_tokens = layers, n_past + tokens.size
         return streams
 
