@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from ds4_mlx.kernels.attention import DecodeAttention
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import Linear
@@ -193,18 +194,33 @@ class Attention:
         return self.out_b(low.reshape(t, -1))
 
     def _attend(self, q: mx.array, keys: list[mx.array], masks: list[mx.array]) -> mx.array:
-        """Softmax attention with sinks over several key sets (each (N, d) shared or (B, N, d) per query)."""
+        """Softmax attention with sinks over several key sets (each (N, d) shared or (B, N, d) per query).
+        One query token's keys become one set, for the decode kernel."""
         scale = 1.0 / math.sqrt(self.head_dim)
-        scores = []
-        for k, mask in zip(keys, masks):
-            s = q @ (k.T if k.ndim == 2 else mx.swapaxes(k, 1, 2)) * scale  # (B, H, N)
-            scores.append(mx.where(mask[:, None, :], s, -mx.inf))
-        sinks = self.sinks[None, :, None]
-        top = mx.maximum(mx.max(mx.concatenate(scores, axis=-1), axis=-1, keepdims=True), sinks)
-        probs = [mx.exp(s - top) for s in scores]
-        denom = mx.exp(sinks - top) + sum(mx.sum(p, axis=-1, keepdims=True) for p in probs)
-        out = sum(p @ k for p, k in zip(probs, keys))
-        return out / denom
+        if q.shape[0] > 1:
+            return attend(q, keys, masks, self.sinks, scale)
+        return DECODE_ATTENTION(q, tuple(keys), tuple(masks), self.sinks, scale)
+
+
+def attend(q: mx.array, keys: list[mx.array], masks: list[mx.array], sinks: mx.array, scale: float) -> mx.array:
+    """Softmax attention of queries q (B, H, d) with per-head sink logits over key sets that are also the values
+    (each (N, d) shared or (B, N, d) per query), where masks (B, N) allow."""
+    scores = []
+    for k, mask in zip(keys, masks):
+        s = q @ (k.T if k.ndim == 2 else mx.swapaxes(k, 1, 2)) * scale  # (B, H, N)
+        scores.append(mx.where(mask[:, None, :], s, -mx.inf))
+    sinks = sinks[None, :, None]
+    top = mx.maximum(mx.max(mx.concatenate(scores, axis=-1), axis=-1, keepdims=True), sinks)
+    probs = [mx.exp(s - top) for s in scores]
+    denom = mx.exp(sinks - top) + sum(mx.sum(p, axis=-1, keepdims=True) for p in probs)
+    out = sum(p @ k for p, k in zip(probs, keys))
+    return out / denom
+
+
+DECODE_ATTENTION = DecodeAttention(
+    lambda q, keys, masks, sinks, scale: attend(q, list(keys), list(masks), sinks, scale))
+"""`attend` for one query token as one kernel where a GPU backend has passed the first-use check
+(kernels/attention.py)."""
 
 
 @dataclass

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.kernels.attention import Rope
+
 
 @dataclass(frozen=True)
 class Yarn:
@@ -63,13 +65,23 @@ class RoPE:
     def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
         """Rotate x (T, ..., D) where row t sits at positions[t]; `inverse` rotates by the negated angle."""
         cos, sin = self.cos_sin(positions)
-        if inverse:
-            sin = -sin
-        extra = x.ndim - 2  # broadcast over the head axes between T and D
-        cos = cos.reshape(cos.shape[0], *([1] * extra), cos.shape[1])
-        sin = sin.reshape(sin.shape[0], *([1] * extra), sin.shape[1])
-        nope, tail = x[..., : -self.n_rot], x[..., -self.n_rot :]
-        pairs = tail.reshape(*tail.shape[:-1], self.n_rot // 2, 2)
-        a, b = pairs[..., 0], pairs[..., 1]
-        rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(tail.shape)
-        return mx.concatenate([nope, rotated], axis=-1)
+        return ROTATE(x, cos, sin, self.n_rot, inverse)
+
+
+def rotate(x: mx.array, cos: mx.array, sin: mx.array, n_rot: int, inverse: bool) -> mx.array:
+    """x (T, ..., D) with its trailing n_rot dims rotated in adjacent pairs by angles with these cos and sin
+    (T, n_rot / 2), or by the negated angles."""
+    if inverse:
+        sin = -sin
+    extra = x.ndim - 2  # broadcast over the head axes between T and D
+    cos = cos.reshape(cos.shape[0], *([1] * extra), cos.shape[1])
+    sin = sin.reshape(sin.shape[0], *([1] * extra), sin.shape[1])
+    nope, tail = x[..., :-n_rot], x[..., -n_rot:]
+    pairs = tail.reshape(*tail.shape[:-1], n_rot // 2, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(tail.shape)
+    return mx.concatenate([nope, rotated], axis=-1)
+
+
+ROTATE = Rope(rotate)
+"""`rotate` as one kernel where a GPU backend has passed the first-use check (kernels/attention.py)."""
