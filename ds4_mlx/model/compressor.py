@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ds4_mlx.kernels.compressor import CompressorStep
 from ds4_mlx.model.linear import Linear
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.rope import RoPE
@@ -105,22 +106,35 @@ class Compressor:
     def step(self, x: mx.array, position: mx.array, frontier: Frontier) -> tuple[mx.array, Frontier]:
         """Feed one normed input x (1, D) at array `position`; return the row its window gives so far (1, width)
         and the new frontier. Equal to `__call__` for a finished window; the row is final once it is."""
-        r, d = self.ratio, self.width
-        slot = position % r
-        kv = self.kv(x)
-        score = self.gate(x) + mx.take(self.ape, slot, axis=0)
-        current = r if self.overlap else 0
-        here = (mx.arange(frontier.kv.shape[0]) == current + slot)[:, None]
-        fkv, fscore = mx.where(here, kv, frontier.kv), mx.where(here, score, frontier.score)
-        if self.overlap:  # lane 0 of the previous window and lane 1 of this one: 2r candidates per dim
-            window_kv = mx.concatenate([fkv[:r, :d], fkv[r:, d:]])
-            window_score = mx.concatenate([fscore[:r, :d], fscore[r:, d:]])
-        else:
-            window_kv, window_score = fkv, fscore
-        pooled = mx.sum(mx.softmax(window_score, axis=0) * window_kv, axis=0, keepdims=True)
-        row = self.finish(self.rope(rms_norm(pooled, self.norm, self.eps), (position - slot).reshape(1)))
-        done = slot == r - 1
-        empty = Frontier.empty(self.ratio, self.width)
-        if self.overlap:  # the finished window moves to rows 0..r-1
-            empty = Frontier(mx.concatenate([fkv[r:], empty.kv[r:]]), mx.concatenate([fscore[r:], empty.score[r:]]))
-        return row, Frontier(mx.where(done, empty.kv, fkv), mx.where(done, empty.score, fscore))
+        pooled, kv, score = POOL_STEP(self.kv(x), self.gate(x), self.ape, frontier.kv, frontier.score, position,
+                                      self.ratio, self.width)
+        first = (position - position % self.ratio).reshape(1)  # the row's position: its window's first token
+        return self.finish(self.rope(rms_norm(pooled, self.norm, self.eps), first)), Frontier(kv, score)
+
+
+def pool_step(kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.array, frontier_score: mx.array,
+              position: mx.array, ratio: int, width: int) -> tuple[mx.array, mx.array, mx.array]:
+    """One token's kv and gate score (1, coff*width) into the frontier at `position`: its window pooled so far
+    (1, width), and the new frontier (shifted, for ratio 4, or emptied once the window is complete)."""
+    r, d = ratio, width
+    overlap = ratio == 4
+    slot = position % r
+    score = score + mx.take(ape, slot, axis=0)
+    current = r if overlap else 0
+    here = (mx.arange(frontier_kv.shape[0]) == current + slot)[:, None]
+    fkv, fscore = mx.where(here, kv, frontier_kv), mx.where(here, score, frontier_score)
+    if overlap:  # lane 0 of the previous window and lane 1 of this one: 2r candidates per dim
+        window_kv = mx.concatenate([fkv[:r, :d], fkv[r:, d:]])
+        window_score = mx.concatenate([fscore[:r, :d], fscore[r:, d:]])
+    else:
+        window_kv, window_score = fkv, fscore
+    pooled = mx.sum(mx.softmax(window_score, axis=0) * window_kv, axis=0, keepdims=True)
+    done = slot == r - 1
+    empty = Frontier.empty(ratio, width)
+    if overlap:  # the finished window moves to rows 0..r-1
+        empty = Frontier(mx.concatenate([fkv[r:], empty.kv[r:]]), mx.concatenate([fscore[r:], empty.score[r:]]))
+    return pooled, mx.where(done, empty.kv, fkv), mx.where(done, empty.score, fscore)
+
+
+POOL_STEP = CompressorStep(pool_step)
+"""`pool_step` as one kernel where a GPU backend has passed the first-use check (kernels/compressor.py)."""
