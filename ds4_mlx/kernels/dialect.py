@@ -15,7 +15,8 @@ share, plus a few neutral words that each dialect spells its own way:
   (the 32 threads of a SIMD group), ds4_simd_sum(float), ds4_popcount(unsigned int), ds4_half_to_float(unsigned
   short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float), ds4_bits(float) /
   ds4_float(unsigned int) (reinterpret), ds4_rint(float) (ties to even), ds4_div(float, float) (correctly
-  rounded, whatever fast-math setting the backend compiles with).
+  rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float) (Metal has no log1p: log(1 + x)
+  there).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -113,6 +114,7 @@ __device__ __forceinline__ unsigned int ds4_bits(float v) { return __float_as_ui
 __device__ __forceinline__ float ds4_float(unsigned int v) { return __uint_as_float(v); }
 __device__ __forceinline__ float ds4_rint(float v) { return rintf(v); }
 __device__ __forceinline__ float ds4_div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float ds4_log1p(float v) { return log1pf(v); }
 __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
   return __half2float(__ushort_as_half(bits));
 }
@@ -145,6 +147,7 @@ inline unsigned int ds4_bits(float v) { return as_type<unsigned int>(v); }
 inline float ds4_float(unsigned int v) { return as_type<float>(v); }
 inline float ds4_rint(float v) { return metal::rint(v); }
 inline float ds4_div(float a, float b) { return metal::precise::divide(a, b); }
+inline float ds4_log1p(float v) { return metal::precise::log(1.0f + v); }
 inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
 """,
     make=mx.fast.metal_kernel,

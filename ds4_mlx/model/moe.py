@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ds4_mlx.kernels.grouped import grouped_swiglu
+from ds4_mlx.kernels.router import Route
 from ds4_mlx.model.linear import ExpertBank, Linear
 from ds4_mlx.model.topk import top_k_indices
 
@@ -45,15 +46,29 @@ class Router:
 
     def __call__(self, x: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D)."""
+        if self.tid2eid is None:
+            bias = self.bias if self.bias is not None else mx.zeros((self.gate.shape[0],))
+            return ROUTE(self.gate(x), bias, self.n_used, self.scale)
         probs = mx.sqrt(softplus(self.gate(x)))
-        if self.tid2eid is not None:
-            ids = self.tid2eid[tokens]
-        else:
-            score = probs if self.bias is None else probs + self.bias
-            ids = top_k_indices(score, self.n_used)
-        chosen = mx.take_along_axis(probs, ids, axis=-1)
-        total = mx.maximum(mx.sum(chosen, axis=-1, keepdims=True), WEIGHT_SUM_FLOOR)
-        return ids, chosen / total * self.scale
+        return weigh(probs, self.tid2eid[tokens], self.scale)
+
+
+def route(logits: mx.array, bias: mx.array, k: int, scale: float) -> tuple[mx.array, mx.array]:
+    """The learned router: the k experts of highest sqrt(softplus(logit)) + bias (ascending ids; ties to the lower
+    id) and their weights."""
+    probs = mx.sqrt(softplus(logits))
+    return weigh(probs, top_k_indices(probs + bias, k), scale)
+
+
+def weigh(probs: mx.array, ids: mx.array, scale: float) -> tuple[mx.array, mx.array]:
+    """ids and their normalised, unbiased scores times scale."""
+    chosen = mx.take_along_axis(probs, ids, axis=-1)
+    total = mx.maximum(mx.sum(chosen, axis=-1, keepdims=True), WEIGHT_SUM_FLOOR)
+    return ids, chosen / total * scale
+
+
+ROUTE = Route(route, WEIGHT_SUM_FLOOR)
+"""`route` as one kernel where a GPU backend has passed the first-use check (kernels/router.py)."""
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""The learned router's selection (spec §3.9) as one kernel: sqrt(softplus(logit)), the biased top-k with ds4's
+tie rule, and the normalised weights.
+
+In MLX ops the selection alone is ~12 launches (a partition for the k-th value, comparisons, a cumulative sum, an
+argpartition, a gather and a sort) on top of the scoring and weighting ones. Here one threadgroup takes one token:
+each thread scores one expert, then finds its rank by comparing with every other score in threadgroup memory
+(greater score, or an equal score at a lower index, ranks first: ds4's rule, so ties go to the lower index), and
+the experts ranked below k are listed in ascending order with their weights.
+
+Its reference is `route` in model/moe.py, handed in by the model. The scores are the same float32 operations
+(log1p, exp, sqrt) and the selection is exact, so the ids equal the reference's; the weights differ at most by
+the order of a 6-term sum (TOLERANCE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import mlx.core as mx
+
+from .dialect import Kernel, build
+from .probe import random_activations
+from .registry import FastPath, current_backend
+
+TOLERANCE = 1e-6
+
+_ROUTE = """
+const int t = GROUP_X;
+const int e = THREAD_IN_GROUP;
+SHARED float score[E];
+SHARED float prob[E];
+SHARED int chosen[E];
+const float l = logits[(size_t)t * E + e];
+const float soft = l > 20.0f ? l : ds4_log1p(ds4_exp(l < 20.0f ? l : 20.0f));
+const float p = sqrt(soft);
+prob[e] = p;
+score[e] = p + bias[e];
+ds4_barrier();
+const float mine = score[e];
+int rank = 0;
+for (int o = 0; o < E; ++o) {
+  const float other = score[o];
+  rank += (other > mine || (other == mine && o < e)) ? 1 : 0;
+}
+chosen[e] = rank < K ? 1 : 0;
+ds4_barrier();
+if (e == 0) {
+  int n = 0;
+  float total = 0.0f;
+  int picked[K];
+  for (int o = 0; o < E && n < K; ++o) {
+    if (chosen[o]) {
+      picked[n] = o;
+      total += prob[o];
+      n += 1;
+    }
+  }
+  total = total > FLOOR ? total : FLOOR;
+  for (int i = 0; i < K; ++i) {
+    ids[(size_t)t * K + i] = picked[i];
+    weights[(size_t)t * K + i] = prob[picked[i]] / total * SCALE;
+  }
+}
+"""
+
+
+def route_kernel(floor: float, scale: float) -> Kernel:
+    header = f"CONSTANT float FLOOR = {floor!r}f;\nCONSTANT float SCALE = {scale!r}f;\n"
+    return Kernel("ds4_route", ("logits", "bias"), ("ids", "weights"), _ROUTE, header)
+
+
+class Route:
+    """(ids (T, k) int32 ascending, weights (T, k)) of the learned router, by the kernel where it passed."""
+
+    def __init__(self, reference: Callable[..., tuple[mx.array, mx.array]], floor: float):
+        self.floor = floor
+        self.fast_path = FastPath("route", reference, self._kernel, self._probe, tolerance=(0.0, TOLERANCE),
+                                  backends=("cuda", "metal"))
+
+    def __call__(self, logits: mx.array, bias: mx.array, k: int, scale: float) -> tuple[mx.array, mx.array]:
+        """logits (T, E) of the gate, bias (E,) added for the selection only."""
+        e = logits.shape[-1]
+        if e % 32 or e > 1024:  # one thread per expert, whole SIMD groups: other widths (test models) take the reference
+            return self.fast_path.reference(logits, bias, k, scale)
+        return self.fast_path(logits, bias, k, scale, key=(e, k, scale))
+
+    def _kernel(self, logits, bias, k, scale) -> tuple[mx.array, mx.array]:
+        t, e = logits.shape
+        return tuple(build(route_kernel(self.floor, scale), current_backend())(
+            inputs=[logits, bias], template=[("E", e), ("K", k)],
+            grid=(t * e, 1, 1), threadgroup=(e, 1, 1),
+            output_shapes=[(t, k), (t, k)], output_dtypes=[mx.int32, mx.float32],
+        ))
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        e, k, scale = key
+        logits = random_activations((3, e), seed=71) * 4.0
+        logits = mx.concatenate([logits[:2], mx.zeros((1, e))])  # a row of ties: lower indices must win
+        return logits, random_activations((e,), seed=72) * 0.1, k, scale
