@@ -66,6 +66,18 @@ def on_cpu():
 
 
 @pytest.fixture
+def on_gpu():
+    """Runs a gpu-marked test on MLX's GPU backend (CUDA or Metal), which the machine must have."""
+    import mlx.core as mx
+
+    assert mx.metal.is_available() or mx.cuda.is_available(), "gpu tests need MLX's CUDA or Metal backend"
+    before = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(before)
+
+
+@pytest.fixture
 def kernels_unforced(monkeypatch):
     """Fast paths decided by the registry itself: no DS4_KERNELS override, no forced mode, before or after."""
     from ds4_mlx.kernels import registry

@@ -187,15 +187,6 @@ def test_mlx_has_no_quantized_matmul_for_groups_of_16():
 # On the GPU (pytest -m gpu)
 
 
-@pytest.fixture
-def on_gpu():
-    assert mx.metal.is_available() or mx.cuda.is_available(), "gpu tests need MLX's CUDA or Metal backend"
-    before = mx.default_device()
-    mx.set_default_device(mx.gpu)
-    yield
-    mx.set_default_device(before)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("ggml_type", AFFINE_TYPES, ids=lambda t: t.name)
 def test_first_use_checks_pass_on_the_gpu(on_gpu, ggml_type):

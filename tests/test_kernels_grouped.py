@@ -190,15 +190,6 @@ def test_dequant_kernels_render_for_cuda_and_metal(ggml_type):
 FLASH_SHAPES = {GGMLType.IQ2_XXS: (2048, 4096), GGMLType.Q2_K: (4096, 2048)}
 
 
-@pytest.fixture
-def on_gpu():
-    assert mx.metal.is_available() or mx.cuda.is_available(), "gpu tests need MLX's CUDA or Metal backend"
-    before = mx.default_device()
-    mx.set_default_device(mx.gpu)
-    yield
-    mx.set_default_device(before)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("size", [(64, 512), "flash"], ids=str)

@@ -145,15 +145,6 @@ def test_no_kernels_for_the_cpu_backend():
 FLASH_SHAPES = {IQ2_XXS_MATVEC.ggml_type: (2048, 4096), Q2_K_MATVEC.ggml_type: (4096, 2048)}
 
 
-@pytest.fixture
-def on_gpu():
-    assert mx.metal.is_available() or mx.cuda.is_available(), "gpu tests need MLX's CUDA or Metal backend"
-    before = mx.default_device()
-    mx.set_default_device(mx.gpu)
-    yield
-    mx.set_default_device(before)
-
-
 def kernel_error(matvec, n_out, n_in, pairs, experts=4, seed=0) -> float:
     shape = (experts, n_out, n_in)
     blocks = random_blocks(matvec.ggml_type, experts * n_out, n_in, seed=seed).reshape(experts, -1)

@@ -2,9 +2,10 @@
 
 On a GPU every primitive MLX evaluates costs a launch (about 10 µs for a built-in op on the H200, bench/README.md),
 so a decode step's speed follows how many primitives its graph holds. The graph is built by running the model on
-one token without evaluating it, written with `mx.export_to_dot`, and its nodes counted by primitive name. A
-function under `mx.compile` appears as one node (its name starts with "Compiled"), as it is one launch or a few;
-custom kernels appear as their own primitive. Arrays already evaluated (the weights, the cache) are inputs, not
+one token without evaluating it, written with `mx.export_to_dot`, and its nodes counted by primitive name. The
+step is the compiled one `Model.decode` replays: elementwise chains fused by `mx.compile` appear as one node each
+(their names start with "Compiled"), custom kernels as their own primitive (on the CPU, which has none, their
+references' primitives appear instead). Arrays already evaluated (the weights, the cache) are inputs, not
 nodes.
 """
 
@@ -39,7 +40,8 @@ def graph_nodes(arrays: Sequence[mx.array]) -> dict[str, str]:
 
 
 def decode_step_ops(model: Model, cache: SessionCache, token: int = 0) -> dict:
-    """Primitives in the graph of one decode step of `token` at the cache's position; the cache is left as it was.
+    """Primitives in the graph of one decode step of `token` at the cache's position, as `Model.decode` runs it
+    (the compiled step: its fused elementwise kernels count once each); the cache is left as it was.
 
     Returns {"total": n, "kernels": n (total less VIEWS), "by_primitive": {name: n, ...} (most frequent first), "per_layer": [n, ...],
     "outside_layers": n}. A layer's count is the primitives its cache update needs that no earlier layer's does:
@@ -48,7 +50,10 @@ def decode_step_ops(model: Model, cache: SessionCache, token: int = 0) -> dict:
     """
     before = cache.snapshot()
     try:
-        logits = model(mx.array([token], dtype=mx.int32), cache)
+        model.decode(token, cache)  # a layout's first step runs eagerly (first-use checks); the next is compiled
+        mx.eval(cache.arrays())
+        cache.restore(before)
+        _, logits = model.decode(token, cache)
         everything = graph_nodes([logits, *cache.arrays()])
         seen: set[str] = set()
         per_layer = []
