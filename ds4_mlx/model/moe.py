@@ -47,8 +47,9 @@ class Router:
     def __call__(self, x: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D)."""
         if self.tid2eid is None:
-            bias = self.bias if self.bias is not None else mx.zeros((self.gate.shape[0],))
-            return ROUTE(self.gate(x), bias, self.n_used, self.scale)
+            logits = self.gate(x)
+            bias = self.bias if self.bias is not None else mx.zeros(logits.shape[-1:])
+            return ROUTE(logits, bias, self.n_used, self.scale)
         probs = mx.sqrt(softplus(self.gate(x)))
         return weigh(probs, self.tid2eid[tokens], self.scale)
 
