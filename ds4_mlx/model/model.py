@@ -141,7 +141,7 @@ class Model:
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
         self._steps: dict[tuple, Callable[..., list[mx.array]]] = {}
-        """Compiled decode steps by cache layout (the shapes of the cache's arrays) and kernel mode."""
+        """Compiled decode steps by cache layout (the shapes of the cache's arrays)."""
 
     def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
         """The block whose tensors are named `prefix` + suffix (§2.3-2.5), at a compression ratio, with token-hash
@@ -265,7 +265,7 @@ class Model:
         if cache.n_tokens >= cache.ctx:
             raise RequestError(f"1 token does not fit: the cache holds {cache.n_tokens} of a {cache.ctx}-token "
                                "context")
-        layout = (registry.mode(), tuple(a.shape for a in cache.arrays()))
+        layout = tuple(a.shape for a in cache.arrays())
         compiled = self._steps.get(layout)
         if compiled is None:
             self._steps[layout] = mx.compile(self._flat_step)
