@@ -106,3 +106,14 @@ def live_server(engine, options: ServerOptions = ServerOptions(), max_queue: int
         thread.join(15)
         sock.close()
 
+
+def sse_frames(text: str) -> list[tuple[str | None, str]]:
+    """(event name or None, data) of every SSE frame."""
+    frames = []
+    for frame in text.split("\n\n"):
+        lines = frame.split("\n")
+        data = [line[6:] for line in lines if line.startswith("data: ")]
+        if data:
+            event = [line[7:] for line in lines if line.startswith("event: ")]
+            frames.append((event[0] if event else None, data[0]))
+    return frames

@@ -27,7 +27,7 @@ from ds4_mlx.serve.app import ServerOptions, create_app
 from ds4_mlx.serve.worker import Worker
 from ds4_mlx.tokenizer import Tokenizer
 from scripted import scripted_engine
-from serve_support import ScriptedEngine, live_server, small_tokenizer
+from serve_support import ScriptedEngine, live_server, small_tokenizer, sse_frames
 
 USER = [{"role": "user", "content": "hi"}]
 PROMPT = "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>"
@@ -67,21 +67,6 @@ def assert_error_shape(r: httpx.Response, path: str) -> None:
     else:
         assert isinstance(error["type"], str)
     assert isinstance(error["message"], str) and error["message"]
-
-
-def sse_frames(text: str) -> list[tuple[str | None, str]]:
-    """(event name or None, data) of every SSE frame."""
-    out = []
-    for frame in text.split("\n\n"):
-        event = data = None
-        for line in frame.split("\n"):
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                data = line[6:]
-        if data is not None:
-            out.append((event, data))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from ds4_mlx.serve import anthropic, openai
 from ds4_mlx.serve import app as app_module
 from ds4_mlx.serve.app import ServerOptions
 from ds4_mlx.serve.common import CallIds, ChatRequest, Options
-from serve_support import MODEL, ScriptedEngine, live_server
+from serve_support import MODEL, ScriptedEngine, live_server, sse_frames
 
 USER = [{"role": "user", "content": "hi"}]
 CORS = {
@@ -55,18 +55,6 @@ def sse_data(text: str) -> list[dict | str]:
                 payload = line[6:]
                 out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
-
-def sse_frames(text: str) -> list[tuple[str | None, str]]:
-    """(event name or None, data) of every SSE frame."""
-    frames = []
-    for frame in text.split("\n\n"):
-        lines = frame.split("\n")
-        data = [line[6:] for line in lines if line.startswith("data: ")]
-        if data:
-            event = [line[7:] for line in lines if line.startswith("event: ")]
-            frames.append((event[0] if event else None, data[0]))
-    return frames
 
 
 def wait_until(predicate, timeout: float = 10.0) -> None:

@@ -21,7 +21,7 @@ from ds4_mlx.model.weights import open_weights
 from ds4_mlx.serve import anthropic
 from ds4_mlx.serve.rawjson import parse_body
 from ds4_mlx.tokenizer import Tokenizer
-from serve_support import live_server
+from serve_support import live_server, sse_frames
 
 CTX = 8192
 CLAUDE_HEADERS = {
@@ -64,14 +64,7 @@ def post(http: httpx.Client, url: str, body: dict, headers: dict | None = None) 
 
 def events(text: str) -> list[tuple[str | None, dict | str]]:
     """(event name, decoded data) of every SSE frame."""
-    out = []
-    for frame in text.split("\n\n"):
-        lines = frame.split("\n")
-        data = [line[6:] for line in lines if line.startswith("data: ")]
-        if data:
-            name = [line[7:] for line in lines if line.startswith("event: ")]
-            out.append((name[0] if name else None, data[0] if data[0] == "[DONE]" else json.loads(data[0])))
-    return out
+    return [(name, data if data == "[DONE]" else json.loads(data)) for name, data in sse_frames(text)]
 
 
 def claude_code_body(prompt: str) -> dict:
