@@ -275,3 +275,36 @@ def test_one_flash_layer_runs():
     result = json.loads(stdout.getvalue())
     assert result["frontiers"][0]["prefill_tps"] > 0 and result["frontiers"][0]["gen_tps"] > 0
     assert result["weights_bytes"] > 3 * 1024**3
+
+
+def _arrays(obj, seen=None) -> list[mx.array]:
+    """Every array an object of the model holds, in attribute order."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, mx.array):
+        return [obj]
+    if id(obj) in seen or not (isinstance(obj, (list, tuple, dict)) or type(obj).__module__.startswith("ds4_mlx")):
+        return []
+    seen.add(id(obj))
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else vars(obj).values()
+    return [a for v in values for a in _arrays(v, seen)]
+
+
+def test_synthetic_layers_copy_their_twins_on_the_device(monkeypatch):
+    """Layers of a synthetic layout share their random draws; the loader copies the first layer's resident arrays
+    instead of moving the same bytes again. The model must be the one a plain read of every tensor makes, each
+    layer with its own arrays."""
+    from ds4_mlx.model.factory import preset_config
+    from ds4_mlx.model.model import Model
+    from ds4_mlx.model.synthetic import SyntheticFile
+
+    config = preset_config("tiny")
+    copied = Model(synthetic_weights(config))
+    monkeypatch.setattr(SyntheticFile, "twin", lambda self, name: None)
+    read = Model(synthetic_weights(config))
+    assert copied.load_stats.resident_bytes == read.load_stats.resident_bytes
+    pairs = list(zip(_arrays(copied.blocks), _arrays(read.blocks), strict=True))
+    assert len(pairs) > 20
+    for x, y in pairs:
+        assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y).item()
+    first, second = _arrays(copied.blocks[1]), _arrays(copied.blocks[2])
+    assert first and all(x is not y for x in first for y in second)

@@ -71,6 +71,7 @@ class Loader:
         self.weights = weights
         self.stream = TensorStream(weights, progress, chunk_bytes)
         self.nbytes = 0
+        self._kept: dict[str, list[mx.array]] = {}  # resident arrays of tensors that have twins (synthetic layouts)
 
     def has(self, name: str) -> bool:
         return self.weights.has(name)
@@ -80,7 +81,13 @@ class Loader:
 
     def read(self, name: str, convert: Convert) -> list[mx.array]:
         """The arrays `convert` makes of a tensor's raw rows (linear.py's constructors read through this)."""
-        arrays = self.stream.read(name, convert)
+        twin = self.weights.twin(name)
+        if twin is not None and twin in self._kept:
+            arrays = self.stream.copy(name, self._kept[twin])
+        else:
+            arrays = self.stream.read(name, convert)
+            if twin == name:
+                self._kept[name] = arrays
         self.nbytes += sum(a.nbytes for a in arrays)
         return arrays
 

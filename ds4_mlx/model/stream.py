@@ -155,6 +155,17 @@ class TensorStream:
             self._evaluate(outputs, (end - first) * info.row_bytes)
         return outputs
 
+    def copy(self, name: str, arrays: Sequence[mx.array]) -> list[mx.array]:
+        """Stands for tensor `name`: device copies of the resident arrays of a tensor with the same bytes, made
+        with the pending batch (a synthetic layout's layers share their draws but each keeps its own memory)."""
+        self._learn(name)
+        outputs = [mx.add(a, mx.array(0, a.dtype)) for a in arrays]
+        self._outputs += outputs
+        self._pending_bytes += self.weights.info(name).nbytes
+        if self._pending_bytes >= self.chunk_bytes:
+            self.flush()
+        return outputs
+
     def flush(self) -> None:
         """Evaluates the pending batch and frees its staging arrays."""
         if not self._outputs:

@@ -59,14 +59,25 @@ class SyntheticFile:
             self.tensors[name] = TensorInfo(name, tuple(spec.ne), GGMLType(int(spec.ggml_type)), offset, spec.n_bytes)
             offset += spec.n_bytes
         self._draws: dict[tuple, np.ndarray] = {}
+        self._first: dict[tuple, str] = {}
+        for name in self.tensors:
+            self._first.setdefault(self._key(name), name)
+
+    def _key(self, name: str) -> tuple:
+        spec = self._specs[name]
+        return (_LAYER.sub("blk.*.", name), spec.ne, spec.ggml_type)
+
+    def twin(self, name: str) -> str:
+        """The first tensor (in file order) holding the same bytes as `name` (`name` itself if it is the first):
+        the loader copies that one's resident arrays on the device instead of moving the same bytes again."""
+        return self._first[self._key(name)]
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The tensor's raw blocks; the same array for every layer's tensor of the same role, shape and type."""
-        spec = self._specs[name]
-        key = (_LAYER.sub("blk.*.", name), spec.ne, spec.ggml_type)
+        key = self._key(name)
         data = self._draws.get(key)
         if data is None:
-            data = self._draws[key] = _draw(spec, self.seed)
+            data = self._draws[key] = _draw(self._specs[name], self.seed)
         return data
 
     def close(self) -> None:

@@ -155,6 +155,12 @@ class ModelWeights:
     def has(self, name: str) -> bool:
         return name in self.file.tensors
 
+    def twin(self, name: str) -> str | None:
+        """The first tensor known to hold the same bytes as `name` (itself if it is the first), or None where
+        nothing is known (a real file: only synthetic layouts share bytes)."""
+        twin = getattr(self.file, "twin", None)
+        return None if twin is None else twin(name)
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """Raw ggml blocks of a tensor as a zero-copy uint8 view of the mapped file."""
         self.info(name)
