@@ -1,4 +1,5 @@
-"""The CUDA rendering of the dequant-matvec kernels, run on the CPU: one std::thread per GPU thread.
+"""The CUDA rendering of custom kernels (dequant-matvec, hyper-connection), run on the CPU: one std::thread per GPU
+thread.
 
 Without a GPU the kernels cannot run through MLX, but their CUDA text is C++: compiled by the host's g++ with the
 CUDA words (threadIdx, __shared__, ...) and the dialect's helpers (barriers, SIMD sums) defined for threads on the
@@ -6,8 +7,8 @@ CPU, it computes what the GPU would. Each threadgroup runs as `threadgroup` thre
 the staging, the SIMD reductions and the row and unit indexing are all exercised. The signature is the one MLX
 generates for a custom CUDA kernel (inputs, outputs, template constants at the top of the body).
 
-Slow (it compiles C++ with g++ -std=c++20, which must be installed); the GPU tests in test_kernels_matvec.py
-check the same kernels through MLX on the device.
+Slow (it compiles C++ with g++ -std=c++20, which must be installed); the GPU tests in test_kernels_matvec.py and
+test_kernels_hc.py check the same kernels through MLX on the device.
 """
 
 from __future__ import annotations
@@ -15,22 +16,26 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels.dialect import CUDA
+from ds4_mlx.kernels import hc
+from ds4_mlx.kernels.dialect import CUDA, Kernel
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import TOLERANCE, QuantMatvec, gathered_reference, launch_plan
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
 from ds4_mlx.model.gguf import BLOCK_SIZES
+from ds4_mlx.model.hyper_connection import pre, split
 
 pytestmark = pytest.mark.slow
 
 HOST = r"""
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -61,15 +66,23 @@ inline float ds4_simd_sum(float v) {
   }
   return v;
 }
+inline float ds4_simd_xor(float v, int mask) {
+  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  exchange[simd][lane] = v;
+  ds4_simd_barrier();
+  const float other = exchange[simd][lane ^ mask];
+  ds4_simd_barrier();
+  return other;
+}
+inline float ds4_exp(float v) { return std::exp(v); }
 inline unsigned int ds4_popcount(unsigned int v) { return __builtin_popcount(v); }
 inline float ds4_half_to_float(unsigned short bits) { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
 """
 
 LAUNCH = r"""
-extern "C" void launch(const float* x, const uint8_t* w, const uint32_t* ids, float* y, int groups, int slots,
-                       int threads) {
-  for (int slot = 0; slot < slots; ++slot) {
-    for (int group = 0; group < groups; ++group) {
+extern "C" void launch(void** args, int groups_x, int groups_y, int threads) {
+  for (int y = 0; y < groups_y; ++y) {
+    for (int group = 0; group < groups_x; ++group) {
       std::barrier<> all(threads);
       group_barrier = &all;
       std::vector<std::unique_ptr<std::barrier<>>> simds;
@@ -81,8 +94,8 @@ extern "C" void launch(const float* x, const uint8_t* w, const uint32_t* ids, fl
       for (int t = 0; t < threads; ++t) {
         pool.emplace_back([=] {
           threadIdx = {(unsigned)t, 0, 0};
-          blockIdx = {(unsigned)group, (unsigned)slot, 0};
-          kernel(x, w, ids, y);
+          blockIdx = {(unsigned)group, (unsigned)y, 0};
+          kernel(ARGS);
         });
       }
       for (auto& thread : pool) thread.join();
@@ -92,35 +105,48 @@ extern "C" void launch(const float* x, const uint8_t* w, const uint32_t* ids, fl
 """
 
 
-def emulated(matvec: QuantMatvec, n_out: int, n_in: int, tmp_path):
-    """The kernel for (n_out, n_in) compiled for the CPU: a function of (x, blocks, ids) -> y."""
+def emulated(kernel: Kernel, types: tuple[str, ...], template: dict[str, int], tmp_path) -> Callable:
+    """`kernel` compiled for the CPU with its template constants: a function of (inputs, output shapes, grid of
+    threadgroups (x, y), threads per group) -> outputs. `types` are the C element types of inputs then outputs."""
     if shutil.which("g++") is None:
         pytest.fail("the emulated kernel tests need g++ (C++20)")
-    block_values, block_bytes = BLOCK_SIZES[matvec.ggml_type]
-    row_bytes = n_in // block_values * block_bytes
-    simds, rows = launch_plan(row_bytes)
-    template = {"OUT": n_out, "IN": n_in, "ROW_BYTES": row_bytes, "UNITS": n_in // matvec.unit_values,
-                "SIMDS": simds, "ROWS": rows}
-    source = HOST + CUDA.render(matvec.kernel.header)
-    source += "void kernel(const float* x, const uint8_t* w, const uint32_t* ids, float* y) {\n"
+    names = kernel.inputs + kernel.outputs
+    params = [f"{'const ' if i < len(kernel.inputs) else ''}{c_type}* {name}"
+              for i, (c_type, name) in enumerate(zip(types, names))]
+    source = HOST + CUDA.render(kernel.header) + f"void kernel({', '.join(params)}) {{\n"
     source += "".join(f"  constexpr int {name} = {value};\n" for name, value in template.items())
-    source += CUDA.render(matvec.kernel.source) + "\n}\n" + LAUNCH
-    path = tmp_path / f"{matvec.kernel.name}_{n_out}_{n_in}"
+    source += CUDA.render(kernel.source) + "\n}\n"
+    source += LAUNCH.replace("ARGS", ", ".join(f"({c_type}*)args[{i}]" for i, c_type in enumerate(types)))
+    path = tmp_path / ("_".join([kernel.name, *map(str, template.values())]))
     path.with_suffix(".cpp").write_text(source)
     build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(path.with_suffix(".cpp")),
                             "-o", str(path.with_suffix(".so"))], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     library = ctypes.CDLL(str(path.with_suffix(".so")))
+    dtypes = {"float": np.float32, "uint8_t": np.uint8, "uint32_t": np.uint32}
+
+    def run(inputs, output_shapes, groups: tuple[int, int], threads: int) -> list[np.ndarray]:
+        arrays = [np.ascontiguousarray(a, dtypes[c_type]) for a, c_type in zip(inputs, types)]
+        outputs = [np.full(shape, np.nan, dtypes[c_type]) for shape, c_type in zip(output_shapes, types[len(inputs):])]
+        pointers = (ctypes.c_void_p * len(names))(*(a.ctypes.data for a in arrays + outputs))
+        library.launch(pointers, groups[0], groups[1], threads)
+        return outputs
+
+    return run
+
+
+def emulated_matvec(matvec: QuantMatvec, n_out: int, n_in: int, tmp_path):
+    """The kernel for (n_out, n_in) compiled for the CPU: a function of (x, blocks, ids) -> y."""
+    block_values, block_bytes = BLOCK_SIZES[matvec.ggml_type]
+    row_bytes = n_in // block_values * block_bytes
+    simds, rows = launch_plan(row_bytes)
+    template = {"OUT": n_out, "IN": n_in, "ROW_BYTES": row_bytes, "UNITS": n_in // matvec.unit_values,
+                "SIMDS": simds, "ROWS": rows}
+    kernel = emulated(matvec.kernel, ("float", "uint8_t", "uint32_t", "float"), template, tmp_path)
     groups = -(-n_out // (simds * rows))
 
     def run(x: np.ndarray, blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, np.float32)
-        blocks = np.ascontiguousarray(blocks, np.uint8)
-        ids = np.ascontiguousarray(ids, np.uint32)
-        y = np.full((ids.size, n_out), np.nan, np.float32)
-        pointer = ctypes.c_void_p
-        library.launch(pointer(x.ctypes.data), pointer(blocks.ctypes.data), pointer(ids.ctypes.data),
-                       pointer(y.ctypes.data), groups, ids.size, simds * 32)
+        (y,) = kernel([x, blocks, ids], [(ids.size, n_out)], (groups, ids.size), simds * 32)
         return y
 
     return run
@@ -137,6 +163,53 @@ def test_emulated_cuda_kernel_equals_the_reference(matvec, size, tmp_path):
     ids = mx.array([2, 0, 2, 1], dtype=mx.uint32)
     x = random_activations((4, n_in), seed=n_out)
     want = np.array(gathered_reference(x, blocks, ids, matvec.ggml_type, shape))
-    got = emulated(matvec, n_out, n_in, tmp_path)(np.array(x), np.array(blocks), np.array(ids))
+    got = emulated_matvec(matvec, n_out, n_in, tmp_path)(np.array(x), np.array(blocks), np.array(ids))
     assert np.isfinite(got).all()  # every output row was written
     assert np.abs(got - want).max() <= TOLERANCE * np.abs(want).max()
+
+
+def through_emulation(monkeypatch, tmp_path) -> None:
+    """kernels/hc.py's `build` made to return the emulated kernel behind MLX's calling convention (float32 buffers,
+    `grid` in threads), so the wrappers' own templates and grids are what runs."""
+
+    def build(kernel: Kernel, backend: str) -> Callable:
+        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes) -> list[mx.array]:
+            assert all(a.dtype == mx.float32 for a in inputs) and set(output_dtypes) == {mx.float32}
+            run = emulated(kernel, ("float",) * (len(inputs) + len(output_shapes)), dict(template), tmp_path)
+            groups = (-(-grid[0] // threadgroup[0]), grid[1])
+            return [mx.array(y) for y in run([np.array(a) for a in inputs], output_shapes, groups, threadgroup[0])]
+
+        return call
+
+    monkeypatch.setattr(hc, "build", build)
+
+
+def assert_close(got: tuple, want: tuple) -> None:
+    for g, w in zip(got, want, strict=True):
+        g, w = np.array(g), np.array(w)
+        assert g.shape == w.shape and np.isfinite(g).all()  # every output was written
+        assert np.abs(g - w).max() <= hc.TOLERANCE * np.abs(w).max()
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 4096), (5, 4, 512), (3, 2, 320)], ids=str)
+def test_emulated_hc_pre_equals_the_reference(shape, monkeypatch, tmp_path):
+    """Flash's width for one token; several tokens, and a width that leaves a collapse group partly idle (n = 2)."""
+    tokens, n, d = shape
+    m = (2 + n) * n
+    args = (random_activations((tokens, n, d), seed=d), random_activations((m, n * d), seed=1) * (2 / (n * d) ** 0.5),
+            1.0 + 0.2 * random_activations((3,), seed=2), 0.5 * random_activations((m,), seed=3), 20, 1e-6, 1e-6)
+    assert hc.HCPre.fits(*args[:2])
+    want = pre(*args)
+    through_emulation(monkeypatch, tmp_path)
+    assert_close(hc.HCPre._kernel(*args), want)
+
+
+@pytest.mark.parametrize("n", [4, 2])
+def test_emulated_hc_split_equals_the_reference(n, monkeypatch, tmp_path):
+    """The split kernel of prefill chunks, its Sinkhorn one lane per comb entry."""
+    tokens, d, m = 3, 1000, (2 + n) * n
+    args = (random_activations((tokens, m), seed=5) * 3.0, random_activations((3,), seed=6),
+            random_activations((m,), seed=7), random_activations((tokens, n, d), seed=8), 20, 1e-6)
+    want = split(*args)
+    through_emulation(monkeypatch, tmp_path)
+    assert_close(hc.HCSplit._kernel(*args), want)

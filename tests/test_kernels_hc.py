@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.hc import TOLERANCE
+from ds4_mlx.kernels import hc, registry
+from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.hc import PRE_TOKENS, TOLERANCE, HCPre
 from ds4_mlx.kernels.probe import random_activations
-from ds4_mlx.model.hyper_connection import SPLIT, UPDATE, split, update
+from ds4_mlx.model.config import FLASH
+from ds4_mlx.model.hyper_connection import PRE, SPLIT, UPDATE, pre, split, update
 
-N_HC, N_EMBD, ITERS, EPS = 4, 4096, 20, 1e-6
+N_HC, N_EMBD, ITERS, EPS, NORM_EPS = FLASH.n_hc, FLASH.n_embd, FLASH.sinkhorn_iters, FLASH.hc_eps, FLASH.rms_eps
 
 
 def scaled(shape, seed, scale=1.0):
@@ -27,6 +31,42 @@ def test_split_kernel_is_used_and_equals_reference(kernels_unforced, tokens):
     assert SPLIT.fast_path.decisions()[registry.current_backend(), ((N_HC, N_EMBD), ITERS, EPS)].fast
     for g, w in zip(got, split(*args)):
         assert mx.max(mx.abs(g - w)).item() <= TOLERANCE * mx.max(mx.abs(w)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_pre_kernels_are_used_and_equal_reference(kernels_unforced, tokens):
+    """rms_norm + mix projection + split in two launches, against `pre` (the mix matmul, then SPLIT)."""
+    m, k = (2 + N_HC) * N_HC, N_HC * N_EMBD
+    args = (scaled((tokens, N_HC, N_EMBD), 13), scaled((m, k), 14, 2 / k**0.5), 1 + scaled((3,), 15, 0.2),
+            scaled((m,), 16, 0.5), ITERS, EPS, NORM_EPS)
+    got = PRE(*args)
+    assert PRE.fast_path.decisions()[registry.current_backend(), ((N_HC, N_EMBD), ITERS, EPS, NORM_EPS)].fast
+    for g, w in zip(got, pre(*args), strict=True):
+        assert mx.max(mx.abs(g - w)).item() <= TOLERANCE * mx.max(mx.abs(w)).item()
+
+
+@pytest.mark.parametrize("kernel", [hc.split_kernel(EPS), hc.PARTIALS_KERNEL, hc.collapse_kernel(EPS, NORM_EPS),
+                                    hc.UPDATE_KERNEL], ids=lambda k: k.name)
+def test_kernels_render_for_cuda_and_metal(kernel):
+    """Every neutral word spelled out and every helper called defined, in both dialects (the GPU tests compile
+    one of them; tests/test_kernels_emulated.py runs the CUDA text on the CPU)."""
+    for target in (CUDA, METAL):
+        source, header = target.render(kernel.source), target.header(kernel)
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", source + header)
+        for helper in set(re.findall(r"\bds4_\w+(?=\()", source)):
+            assert re.search(rf"\b{helper}\(", header), f"{helper} is called but not defined"
+        for open_, close in ("{}", "()", "[]"):
+            assert source.count(open_) == source.count(close)
+
+
+def test_fused_pre_takes_decode_sized_float32_inputs():
+    """Longer chunks keep the mix matmul and HC_SPLIT; the Sinkhorn's lanes need n x n to divide 32."""
+    fn = mx.zeros(((2 + N_HC) * N_HC, N_HC * N_EMBD))
+    assert HCPre.fits(mx.zeros((PRE_TOKENS, N_HC, N_EMBD)), fn)
+    assert not HCPre.fits(mx.zeros((PRE_TOKENS + 1, N_HC, N_EMBD)), fn)
+    assert not HCPre.fits(mx.zeros((1, N_HC, N_EMBD), dtype=mx.bfloat16), fn)
+    assert not HCPre.fits(mx.zeros((1, 3, 4096)), mx.zeros((15, 3 * 4096)))
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
 
 MATVECS = [IQ2_XXS_MATVEC, Q2_K_MATVEC]
-HELPERS = ("ds4_barrier", "ds4_simd_barrier", "ds4_simd_sum", "ds4_popcount", "ds4_half_to_float")
+HELPERS = ("ds4_barrier", "ds4_simd_barrier", "ds4_simd_sum", "ds4_simd_xor", "ds4_popcount", "ds4_half_to_float")
 CUDA_ONLY = ("__shared__", "threadIdx", "blockIdx", "__syncthreads", "__shfl_xor_sync", "__device__", "__constant__")
 METAL_ONLY = ("threadgroup", "simdgroup", "thread_index_in_simdgroup", "device ", "metal::", "constant ")
 

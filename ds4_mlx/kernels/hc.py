@@ -1,13 +1,17 @@
-"""Hyper-connection kernels (spec §3.2): the mix's split with its Sinkhorn projection, and the stream update.
+"""Hyper-connection kernels (spec §3.2): the pre (mix projection and split with its Sinkhorn projection), and the
+stream update.
 
-Both are tiny in arithmetic (4 streams, a 4x4 matrix) but many in operations: written in MLX ops, the Sinkhorn
+All are tiny in arithmetic (4 streams, a 4x4 matrix) but many in operations: written in MLX ops, the Sinkhorn
 projection alone is ~80 reductions and divisions per hyper-connection, two hyper-connections per layer, each one
-a kernel launch on a GPU. Here each is one launch:
+a kernel launch on a GPU. Here:
 
-- `HC_SPLIT`: mix (T, (2+n)n) -> pre weights, post (T, n), comb (T, n, n) by the Sinkhorn projection (one thread
-  per token does the n x n iterations in threadgroup memory), and the collapsed input sum_r pre_r H_r (T, D) by
-  every thread of the group;
-- `HC_UPDATE`: new streams H'_c = post_c * out + sum_r comb[r, c] H_r (T, n, D), one thread per (token, dim).
+- `HCPre`, for decode-sized inputs: rms_norm, the mix projection fn (24 x n D) and the split in two
+  launches (the first spreads the 16384-long dot products over many threadgroups, the second adds their partial
+  sums and splits);
+- `HCSplit`: mix (T, (2+n)n) -> pre weights, post (T, n), comb (T, n, n) by the Sinkhorn projection (one SIMD
+  group per token, one lane per comb entry), and the collapsed input sum_r pre_r H_r (T, D) by every thread of
+  the group; prefill chunks use it after the mix matmul;
+- `HCUpdate`: new streams H'_c = post_c * out + sum_r comb[r, c] H_r (T, n, D), one thread per (token, dim).
 
 Their references are the plain MLX formulas in model/hyper_connection.py, passed in by the model (so the two
 cannot drift apart); the kernels must equal them to float32 summation order (TOLERANCE).
@@ -20,13 +24,51 @@ from functools import cache
 
 import mlx.core as mx
 
-from .dialect import Kernel, build
+from .dialect import SIMD_WIDTH, Kernel, build
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
 TOLERANCE = 1e-5
-"""Float32 summation and exp/sigmoid rounding order only: a handful of ulps through 20 Sinkhorn steps."""
+"""Float32 summation and exp/sigmoid rounding order only: a handful of ulps through 20 Sinkhorn steps. HCPre also
+reassociates the 16384-term dot products and applies the rms factor after them rather than to each input: a few
+1e-7 relative on a mix of size ~1, shrunk by the sigmoids' slope, so the same bound holds."""
 THREADS = 256
+PRE_TOKENS = 8
+"""Token counts up to this take HCPre's two launches (decode, drafts); longer chunks the mix matmul + HCSplit."""
+PRE_SLICE = 4 * SIMD_WIDTH
+"""Inputs per threadgroup of the fused pre's first launch: one float4 per lane."""
+
+_SINKHORN = """
+float top = c;
+for (int o = 1; o < N; o <<= 1) {
+  const float other = ds4_simd_xor(top, o);
+  top = other > top ? other : top;
+}
+c = ds4_exp(c - top);
+float total = c;
+for (int o = 1; o < N; o <<= 1) {
+  total += ds4_simd_xor(total, o);
+}
+c = c / total + EPS;
+for (int it = 0; it < ITERS; ++it) {
+  if (it > 0) {
+    total = c;
+    for (int o = 1; o < N; o <<= 1) {
+      total += ds4_simd_xor(total, o);
+    }
+    c = c / (total + EPS);
+  }
+  total = c;
+  for (int o = N; o < N * N; o <<= 1) {
+    total += ds4_simd_xor(total, o);
+  }
+  c = c / (total + EPS);
+}
+"""
+"""The Sinkhorn projection of one token's comb, run by one whole SIMD group: lane l holds entry e = l % (N N)
+(row e / N, column e % N) as the logit `c` and ends with the projected value in `c`. Row sums are butterflies over
+the N lanes of a row (xor masks 1 .. N/2), column sums over the lanes of a column (xor masks N .. N N / 2); every
+lane of a row or column gets the same bits, and lanes past N N repeat the first ones. Same steps as `sinkhorn`."""
 
 _SPLIT = """
 const int t = GROUP_X;
@@ -37,65 +79,98 @@ if (tid < (2 + N) * N) {
   w[tid] = mix[(size_t)t * (2 + N) * N + tid] * scale[part] + base[tid];
 }
 ds4_barrier();
-if (tid == 0) {
-  for (int i = 0; i < N; ++i) {
-    w[i] = 1.0f / (1.0f + ds4_exp(-w[i])) + EPS;
-    w[N + i] = 2.0f / (1.0f + ds4_exp(-w[N + i]));
+if (SIMD_INDEX == 0) {
+  const int lane = SIMD_LANE;
+  if (lane < N) {
+    post[t * N + lane] = 2.0f / (1.0f + ds4_exp(-w[N + lane]));
   }
-  SHARED_MEM float* c = w + 2 * N;
-  for (int r = 0; r < N; ++r) {
-    float top = c[r * N];
-    for (int k = 1; k < N; ++k) {
-      top = c[r * N + k] > top ? c[r * N + k] : top;
-    }
-    float total = 0.0f;
-    for (int k = 0; k < N; ++k) {
-      c[r * N + k] = ds4_exp(c[r * N + k] - top);
-      total += c[r * N + k];
-    }
-    for (int k = 0; k < N; ++k) {
-      c[r * N + k] = c[r * N + k] / total + EPS;
-    }
-  }
-  for (int it = 0; it < ITERS; ++it) {
-    if (it > 0) {
-      for (int r = 0; r < N; ++r) {
-        float total = 0.0f;
-        for (int k = 0; k < N; ++k) {
-          total += c[r * N + k];
-        }
-        for (int k = 0; k < N; ++k) {
-          c[r * N + k] = c[r * N + k] / (total + EPS);
-        }
-      }
-    }
-    for (int k = 0; k < N; ++k) {
-      float total = 0.0f;
-      for (int r = 0; r < N; ++r) {
-        total += c[r * N + k];
-      }
-      for (int r = 0; r < N; ++r) {
-        c[r * N + k] = c[r * N + k] / (total + EPS);
-      }
-    }
+  float c = w[2 * N + lane % (N * N)];
+/*SINKHORN*/
+  if (lane < N * N) {
+    comb[t * N * N + lane] = c;
   }
 }
-ds4_barrier();
-if (tid < N) {
-  post[t * N + tid] = w[N + tid];
-}
-if (tid < N * N) {
-  comb[t * N * N + tid] = w[2 * N + tid];
+float pre[N];
+for (int r = 0; r < N; ++r) {
+  pre[r] = 1.0f / (1.0f + ds4_exp(-w[r])) + EPS;
 }
 const GLOBAL_MEM float* h = streams + (size_t)t * N * D;
 for (int d = tid; d < D; d += THREADS) {
   float acc = 0.0f;
   for (int r = 0; r < N; ++r) {
-    acc += w[r] * h[r * D + d];
+    acc += pre[r] * h[r * D + d];
   }
   x[(size_t)t * D + d] = acc;
 }
+""".replace("/*SINKHORN*/", _SINKHORN)
+
+_PARTIALS = """
+const int t = GROUP_Y;
+const int b = GROUP_X;
+const int lane = SIMD_LANE;
+const size_t at = (size_t)b * (4 * 32) + lane * 4;
+const float4 v = *reinterpret_cast<const GLOBAL_MEM float4*>(streams + (size_t)t * K + at);
+GLOBAL_MEM float* out = partials + (size_t)t * (M + 1) * BLOCKS + b;
+if (SIMD_INDEX == 0) {
+  const float squares = ds4_simd_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w);
+  if (lane == 0) {
+    out[0] = squares;
+  }
+}
+for (int j = SIMD_INDEX; j < M; j += WARPS) {
+  const float4 f = *reinterpret_cast<const GLOBAL_MEM float4*>(fn + (size_t)j * K + at);
+  const float dot = ds4_simd_sum(v.x * f.x + v.y * f.y + v.z * f.z + v.w * f.w);
+  if (lane == 0) {
+    out[(size_t)(j + 1) * BLOCKS] = dot;
+  }
+}
 """
+
+_COLLAPSE = """
+const int t = GROUP_Y;
+const int g = GROUP_X;
+const int tid = THREAD_IN_GROUP;
+const int lane = SIMD_LANE;
+SHARED float sums[M + 1];
+const int needed = g == SLICES ? M + 1 : N + 1;
+const GLOBAL_MEM float* part = partials + (size_t)t * (M + 1) * BLOCKS;
+for (int p = SIMD_INDEX; p < needed; p += THREADS / 32) {
+  float acc = 0.0f;
+  for (int i = lane; i < BLOCKS; i += 32) {
+    acc += part[(size_t)p * BLOCKS + i];
+  }
+  acc = ds4_simd_sum(acc);
+  if (lane == 0) {
+    sums[p] = acc;
+  }
+}
+ds4_barrier();
+const float rms_scale = 1.0f / sqrt(sums[0] / (float)(N * D) + NORM_EPS);
+if (g == SLICES) {
+  if (SIMD_INDEX == 0) {
+    if (lane < N) {
+      post[t * N + lane] = 2.0f / (1.0f + ds4_exp(-(sums[1 + N + lane] * rms_scale * scale[1] + base[N + lane])));
+    }
+    const int e = lane % (N * N);
+    float c = sums[1 + 2 * N + e] * rms_scale * scale[2] + base[2 * N + e];
+/*SINKHORN*/
+    if (lane < N * N) {
+      comb[t * N * N + lane] = c;
+    }
+  }
+} else {
+  const int d = g * THREADS + tid;
+  if (d < D) {
+    const GLOBAL_MEM float* h = streams + (size_t)t * N * D + d;
+    float acc = 0.0f;
+    for (int r = 0; r < N; ++r) {
+      const float pre = 1.0f / (1.0f + ds4_exp(-(sums[1 + r] * rms_scale * scale[0] + base[r]))) + EPS;
+      acc += pre * h[(size_t)r * D];
+    }
+    x[(size_t)t * D + d] = acc;
+  }
+}
+""".replace("/*SINKHORN*/", _SINKHORN)
 
 _UPDATE = """
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
@@ -126,6 +201,20 @@ def split_kernel(eps: float) -> Kernel:
 
 
 UPDATE_KERNEL = Kernel("ds4_hc_update", ("out", "streams", "post", "comb"), ("y",), _UPDATE)
+PARTIALS_KERNEL = Kernel("ds4_hc_pre_partials", ("streams", "fn"), ("partials",), _PARTIALS)
+
+
+@cache
+def collapse_kernel(eps: float, norm_eps: float) -> Kernel:
+    """The second launch of the fused pre, with both epsilons written in."""
+    header = f"CONSTANT float EPS = {eps!r}f;\nCONSTANT float NORM_EPS = {norm_eps!r}f;\n"
+    return Kernel("ds4_hc_pre_collapse", ("partials", "scale", "base", "streams"), ("x", "post", "comb"), _COLLAPSE,
+                  header)
+
+
+def sinkhorn_fits(n: int) -> bool:
+    """Whether one SIMD group holds whole copies of an n x n comb (n = 1, 2 or 4), as _SINKHORN needs."""
+    return SIMD_WIDTH % (n * n) == 0
 
 
 class HCSplit:
@@ -138,6 +227,8 @@ class HCSplit:
     def __call__(self, mix: mx.array, scale: mx.array, base: mx.array, streams: mx.array, iters: int,
                  eps: float) -> tuple[mx.array, mx.array, mx.array]:
         """mix (T, (2+n)n), scale (3,), base ((2+n)n,), streams (T, n, D) -> (T, D), (T, n), (T, n, n)."""
+        if not sinkhorn_fits(streams.shape[1]):
+            return self.fast_path.reference(mix, scale, base, streams, iters, eps)
         return self.fast_path(mix, scale, base, streams, iters, eps, key=(streams.shape[1:], iters, eps))
 
     @staticmethod
@@ -156,6 +247,69 @@ class HCSplit:
         m = (2 + n) * n
         return (random_activations((3, m), seed=21), random_activations((3,), seed=22),
                 random_activations((m,), seed=23), random_activations((3, n, d), seed=24), iters, eps)
+
+
+class HCPre:
+    """A hyper-connection's whole pre (rms_norm, the mix projection, split) in two launches, for a few tokens.
+
+    The mix is 24 dot products of length n D = 16384 per token: as a matmul it is a gemv whose 24 rows leave the
+    GPU mostly idle, followed by the split. Here the first launch (PARTIALS_KERNEL) spreads the inputs over
+    n D / 128 threadgroups, each adding one float4 per lane of the streams and of every fn row, and writes the
+    per-group sums of squares and dot products, (T, 1 + M, groups); the second (collapse_kernel) has every group
+    add those up (M + 1 values per token, n + 1 where only the pre weights are needed), scale them by the rms
+    factor and apply the split: ceil(D / THREADS) groups per token write the collapsed input, one more the post
+    weights and the Sinkhorn-projected comb (_SINKHORN). fn is read once per token, the streams twice.
+    """
+
+    def __init__(self, reference: Callable[..., tuple[mx.array, mx.array, mx.array]]):
+        self.fast_path = FastPath("hc_pre", reference, self._kernel, self._probe, tolerance=TOLERANCE,
+                                  backends=("cuda", "metal"))
+
+    def __call__(self, streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
+                 norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+        """streams (T, n, D), fn ((2+n)n, nD), scale (3,), base ((2+n)n,) -> (T, D), (T, n), (T, n, n)."""
+        args = (streams, fn, scale, base, iters, eps, norm_eps)
+        if not self.fits(streams, fn):
+            return self.fast_path.reference(*args)
+        return self.fast_path(*args, key=(streams.shape[1:], iters, eps, norm_eps))
+
+    @staticmethod
+    def fits(streams: mx.array, fn: mx.array) -> bool:
+        """A decode-sized float32 input whose width splits into whole 128-value slices (prefill chunks take
+        the mix matmul and HCSplit: their matmul is efficient, while this path reads fn once per token)."""
+        t, n, d = streams.shape
+        return (t <= PRE_TOKENS and sinkhorn_fits(n) and (n * d) % PRE_SLICE == 0
+                and fn.shape == ((2 + n) * n, n * d) and streams.dtype == fn.dtype == mx.float32)
+
+    @staticmethod
+    def _kernel(streams, fn, scale, base, iters, eps, norm_eps) -> tuple[mx.array, mx.array, mx.array]:
+        t, n, d = streams.shape
+        m, k = fn.shape
+        groups = k // PRE_SLICE
+        backend = current_backend()
+        (partials,) = build(PARTIALS_KERNEL, backend)(
+            inputs=[streams, fn],
+            template=[("K", k), ("M", m), ("BLOCKS", groups), ("WARPS", THREADS // SIMD_WIDTH)],
+            grid=(groups * THREADS, t, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[(t, m + 1, groups)], output_dtypes=[mx.float32],
+        )
+        slices = -(-d // THREADS)
+        return tuple(build(collapse_kernel(eps, norm_eps), backend)(
+            inputs=[partials, scale, base, streams],
+            template=[("N", n), ("D", d), ("M", m), ("BLOCKS", groups), ("SLICES", slices), ("ITERS", iters),
+                      ("THREADS", THREADS)],
+            grid=((slices + 1) * THREADS, t, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[(t, d), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 3,
+        ))
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """Three tokens; fn at 2 / sqrt(n D) so the mix is O(2): the sigmoids and the Sinkhorn are not saturated."""
+        (n, d), iters, eps, norm_eps = key
+        m, k = (2 + n) * n, n * d
+        return (random_activations((3, n, d), seed=41), random_activations((m, k), seed=42) * (2.0 / k**0.5),
+                1.0 + 0.2 * random_activations((3,), seed=43), 0.5 * random_activations((m,), seed=44), iters, eps,
+                norm_eps)
 
 
 class HCUpdate:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.hc import HCSplit, HCUpdate
+from ds4_mlx.kernels.hc import HCPre, HCSplit, HCUpdate
 from ds4_mlx.model.norm import rms_norm
 
 
@@ -52,9 +52,19 @@ def update(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array) 
     return post[:, :, None] * output[:, None, :] + mx.swapaxes(comb, -1, -2) @ streams
 
 
+def pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
+        norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """`HyperConnection.pre` of streams (T, n, D): mix = rms_norm(flattened streams) @ fn.T, then `split`."""
+    flat = streams.reshape(streams.shape[0], -1)
+    mix = rms_norm(flat, None, norm_eps) @ fn.T
+    return SPLIT(mix, scale, base, streams, iters, eps)
+
+
 SPLIT = HCSplit(split)
 UPDATE = HCUpdate(update)
-"""The two as one fused kernel each where a GPU backend has passed the first-use check (kernels/hc.py)."""
+PRE = HCPre(pre)
+"""Fused kernels where a GPU backend has passed the first-use check (kernels/hc.py): split and update one launch
+each, and the whole pre of a few tokens two launches (longer chunks: `pre` itself, the mix matmul then SPLIT)."""
 
 
 @dataclass
@@ -74,9 +84,7 @@ class HyperConnection:
 
         comb[t, r, c] is the weight of source stream r in destination stream c.
         """
-        flat = streams.reshape(streams.shape[0], -1)
-        mix = rms_norm(flat, None, self.norm_eps) @ self.fn.T
-        return SPLIT(mix, self.scale, self.base, streams, self.sinkhorn_iters, self.hc_eps)
+        return PRE(streams, self.fn, self.scale, self.base, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
 
     @staticmethod
     def post(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
