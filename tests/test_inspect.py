@@ -58,7 +58,7 @@ def test_weights_breakdown_explains_the_difference_from_the_file(flash_path, cap
     weights = open_weights(flash_path)
     forms = loaded_forms(weights)
     _, out, _ = _inspect(capsys, flash_path)
-    held = dict(re.findall(r"^    (affine|float32|raw) +(\S+ \S+)  ", out, re.M))
+    held = dict(re.findall(r"^    (affine|float16|float32|raw) +(\S+ \S+)  ", out, re.M))
     assert held == {form: format_bytes(b) for form, (a, b) in forms.items() if a}
     assert sum(a for a, _ in forms.values()) == weights.nbytes
     assert sum(b for _, b in forms.values()) == loaded_nbytes(weights) > weights.nbytes

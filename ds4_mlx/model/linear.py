@@ -1,12 +1,17 @@
 """How the forward pass reads its weights: the one place that turns GGUF tensors into matrix products.
 
 Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF ne = [IN, OUT], spec §2.1).
-A matrix is held in one of three forms:
+A matrix is held in one of four forms:
 
 - affine: Q8_0 and Q4_K tensors converted at load to MLX's affine quantized layout (kernels/affine.py) and
   multiplied by MLX's quantized matmuls. Memory stays close to the file size, and dequantizing the converted
   arrays gives the reference values bit for bit. This is a fast path: it is taken when the kernel mode is "fast"
   and its first-use check passes on this backend (kernels/registry.py);
+- float16: the F16 compressor, indexer and router projections (HALF_LINEARS), kept as the file's float16 values
+  where the half-precision matvec (kernels/half.py) has passed its first-use check on this backend for their
+  shape: up to 8 rows (a decode token, a short chunk) go through that kernel, more through
+  x @ W.astype(float32).T. F16 converts to float32 exactly, so both give the dense form's products up to float32
+  summation order, from half its memory. Also a fast path: never taken in the reference mode at load;
 - dense: other matrices whose float32 form is at most RESIDENT_BYTES, dequantized once at load;
 - raw: the rest, kept as their GGUF blocks and dequantized per call.
 
@@ -15,8 +20,8 @@ are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go throu
 (GPU only). A prefill chunk's pairs, sorted by expert, go through grouped GEMMs instead (`ExpertBank.grouped`,
 kernels/grouped.py), and projections of BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends
 (kernels/batch.py). With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path;
-after loading, the reference mode multiplies affine tensors by their dequantized values, which are the
-reference's.
+after loading, the reference mode multiplies affine tensors by their dequantized values and float16 tensors by their
+float32 values, which are the reference's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
 from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
 from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, sliced_grouped
+from ds4_mlx.kernels.half import half_matvec, matvec_enabled
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import QuantMatvec
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
@@ -56,19 +62,35 @@ def uses_affine(ggml_type: int, expert_bank: bool = False) -> bool:
     return AFFINE_MATMUL.enabled(ggml_type) and (not expert_bank or AFFINE_GATHER.enabled(ggml_type))
 
 
-def loaded_forms(weights: ModelWeights) -> dict[str, tuple[int, int]]:
-    """For each form tensors take once loaded ("affine", "float32", "raw"): their bytes in the file and in memory,
-    known before loading anything (`inspect` shows them; the memory check adds them up).
+HALF_LINEARS = ("compressor_kv.weight", "compressor_gate.weight", "indexer.attn_q_b.weight", "indexer.proj.weight",
+                "ffn_gate_inp.weight")
+"""Name endings of the matrices that take the float16 form when F16: those the model multiplies by whole. The
+other 2-D F16 tensors are the embedding (rows only), and the hyper-connection fn and compressor ape, which the
+model reads as float32 vectors (Loader.dense); by name, `loaded_forms` knows before loading what Linear does."""
 
-    Affine tensors take their converted size; vectors and matrices whose float32 form fits RESIDENT_BYTES are
-    held as float32 (int32 for tid2eid); everything else stays as its raw blocks.
+
+def uses_half(name: str, ggml_type: int, shape: tuple[int, ...]) -> bool:
+    """Whether a matrix is kept as float16 here: an F16 one of HALF_LINEARS whose (OUT, IN) shape the half
+    matvec takes and whose first-use check passed on this backend (never in the reference mode)."""
+    return ggml_type == GGMLType.F16 and name.endswith(HALF_LINEARS) and matvec_enabled(shape)
+
+
+def loaded_forms(weights: ModelWeights) -> dict[str, tuple[int, int]]:
+    """For each form tensors take once loaded ("affine", "float16", "float32", "raw"): their bytes in the file and
+    in memory, known before loading anything (`inspect` shows them; the memory check adds them up).
+
+    Affine tensors take their converted size; F16 matrices of HALF_LINEARS that fit RESIDENT_BYTES as float32
+    are held as float16 where `uses_half`; other vectors and matrices that fit are held as float32 (int32 for
+    tid2eid); everything else stays as its raw blocks.
     """
-    forms = {"affine": (0, 0), "float32": (0, 0), "raw": (0, 0)}
-    for info in weights.file.tensors.values():
+    forms = {"affine": (0, 0), "float16": (0, 0), "float32": (0, 0), "raw": (0, 0)}
+    for name, info in weights.file.tensors.items():
         shape = tuple(reversed(info.shape))
         float_bytes = 4 * info.n_elements
         if uses_affine(info.ggml_type, expert_bank=len(shape) == 3):
             form, loaded = "affine", affine_nbytes(info.ggml_type, shape)
+        elif len(shape) == 2 and float_bytes <= RESIDENT_BYTES and uses_half(name, info.ggml_type, shape):
+            form, loaded = "float16", 2 * info.n_elements
         elif len(shape) < 3 and float_bytes <= RESIDENT_BYTES:
             form, loaded = "float32", float_bytes
         else:
@@ -112,6 +134,12 @@ def _dense(source: TensorSource, name: str, ggml_type: int, shape: tuple[int, ..
     return dense.reshape(shape)
 
 
+def _half(source: TensorSource, name: str, shape: tuple[int, ...]) -> mx.array:
+    """An F16 tensor's values as float16 of row-major `shape`: the file's bytes, viewed."""
+    (values,) = source.read(name, lambda rows: (mx.view(rows, mx.float16),))
+    return values.reshape(shape)
+
+
 def _affine_now(source: TensorSource, name: str, ggml_type: int, shape: tuple[int, ...]) -> AffineWeight:
     """The tensor converted to the affine form at load, a batch of rows at a time (the rows are independent)."""
 
@@ -131,11 +159,15 @@ class Linear:
         self.shape, self.ggml_type = _stored(source, name, 2, "a 2-D matrix")
         shape = self.shape
         self._affine: AffineWeight | None = None
+        self._half: mx.array | None = None
         self._dense: mx.array | None = None
         self._raw: mx.array | None = None
+        fits = shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes)
         if uses_affine(self.ggml_type):
             self._affine = _affine_now(source, name, self.ggml_type, shape)
-        elif shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes):
+        elif fits and uses_half(name, self.ggml_type, shape):
+            self._half = _half(source, name, shape)
+        elif fits:
             self._dense = _dense(source, name, self.ggml_type, shape)
         else:
             self._raw = _raw(source, name, shape)
@@ -145,21 +177,26 @@ class Linear:
         """W as float32 (dequantized now if it is not held dense)."""
         if self._dense is not None:
             return self._dense
+        if self._half is not None:
+            return self._half.astype(mx.float32)
         if self._affine is not None:
             return self._affine.dequantize()
         return dequantize(self._raw, self.ggml_type, self.shape)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory: the affine arrays, the float32 matrix, or the raw blocks."""
+        """Bytes held in memory: the affine arrays, the float16 or float32 matrix, or the raw blocks."""
         if self._affine is not None:
             return self._affine.nbytes
-        return (self._dense if self._dense is not None else self._raw).nbytes
+        held = next(a for a in (self._half, self._dense, self._raw) if a is not None)
+        return held.nbytes
 
     def rows(self, index: mx.array) -> mx.array:
         """Selected rows of W as float32 (index (N,) -> (N, IN)); dequantizes only those rows."""
         if self._dense is not None:
             return self._dense[index]
+        if self._half is not None:
+            return self._half[index].astype(mx.float32)
         if self._affine is not None:
             return self._affine.take(index).dequantize()
         return dequantize(self._raw[index], self.ggml_type, (index.size, self.shape[1]))
@@ -181,6 +218,8 @@ class Linear:
     def __call__(self, x: mx.array) -> mx.array:
         if self._affine is not None and _fast():
             return batch_matmul(x, self._affine) if x.size >= BATCH_TOKENS * x.shape[-1] else self._affine.matmul(x)
+        if self._half is not None:
+            return half_matvec(x, self._half)
         return x @ self.weight.T
 
 

@@ -1,0 +1,195 @@
+"""y = x @ W.T for an F16 matrix W kept as float16 and a few float32 rows x: one bandwidth-bound launch.
+
+The file's F16 matrices (compressor kv/gate, indexer q_b/proj and compressor, the router) are small enough to stay
+resident; held as float32 and multiplied by MLX's built-in gemv, a decode token reads twice the bytes the file
+holds, in a slow kernel. Here W stays float16 and one kernel reads it once:
+
+- a threadgroup is SIMDS SIMD groups of 32 threads; SPLIT consecutive SIMD groups share one row (SIMDS / SPLIT
+  rows per threadgroup), each taking a contiguous 1/SPLIT of it: enough SIMD groups in flight for small OUT;
+- each lane issues all its 16-byte loads (8 halves each) before using them, converts the halves to float32 and
+  multiplies them by the matching activations, read through the cache with 16-byte loads (x is shared by every
+  row and stays in L1/L2), accumulating one float32 sum per token;
+- one SIMD reduction per token, then, when a row is split, the SPLIT partial sums are added in threadgroup memory.
+
+Every F16 value converts to float32 exactly, so the kernel multiplies and adds the very float32 values that
+`reference` (x @ W.astype(float32).T) does: the results differ only in the order of the float32 sums (and where
+products are fused into them), a few ulps of the output's scale over IN terms; TOLERANCE leaves a wide margin.
+It takes IN a multiple of 256 (every lane a whole number of 16-byte loads) and 1 to MAX_TOKENS rows; other shapes
+take the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import mlx.core as mx
+import numpy as np
+
+from .dialect import SIMD_WIDTH, Kernel, build
+from .probe import random_activations
+from .registry import FastPath, current_backend
+
+TOLERANCE = 1e-5
+"""Float32 summation order only: ~1e-7 of the output's largest magnitude for IN = 4096, with margin."""
+MAX_TOKENS = 8
+"""Most rows of x the kernel takes (decode: one; a few for short chunks); more go through a GEMM."""
+SIMDS = 8
+MAX_STEPS = 16
+"""Most 16-byte loads one lane holds for its part of a row (registers)."""
+TARGET_SIMDS = 2048
+"""Rows are split until about this many SIMD groups run (~16 per SM on an H200), at most SIMDS per row."""
+PROBE_TOKENS = (1, 5)
+"""Token counts the first-use check compiles and compares (each is its own compiled variant)."""
+
+_MATVEC = """
+constexpr int ROWS = SIMDS / SPLIT;
+constexpr int PART = IN / (8 * SPLIT);
+constexpr int STEPS = PART / 32;
+const int lane = SIMD_LANE;
+const int sg = SIMD_INDEX;
+const int first_row = GROUP_X * ROWS;
+const int row = first_row + sg / SPLIT;
+const int part = sg % SPLIT;
+SHARED float partial[SIMDS * TOKENS];
+
+float acc[TOKENS];
+for (int t = 0; t < TOKENS; ++t) {
+  acc[t] = 0.0f;
+}
+if (row < OUT) {
+  const GLOBAL_MEM uint4* wp = reinterpret_cast<const GLOBAL_MEM uint4*>(w + (size_t)row * IN) + part * PART + lane;
+  uint4 wv[STEPS];
+  for (int s = 0; s < STEPS; ++s) {
+    wv[s] = wp[32 * s];
+  }
+  for (int s = 0; s < STEPS; ++s) {
+    const unsigned int words[4] = {wv[s].x, wv[s].y, wv[s].z, wv[s].w};
+    float wf[8];
+    for (int j = 0; j < 4; ++j) {
+      wf[2 * j] = ds4_half_to_float((unsigned short)(words[j] & 0xffffu));
+      wf[2 * j + 1] = ds4_half_to_float((unsigned short)(words[j] >> 16));
+    }
+    const int column = 8 * (part * PART + lane + 32 * s);
+    for (int t = 0; t < TOKENS; ++t) {
+      const GLOBAL_MEM float4* xp = reinterpret_cast<const GLOBAL_MEM float4*>(x + (size_t)t * IN + column);
+      const float4 a = xp[0];
+      const float4 b = xp[1];
+      float sum = wf[0] * a.x;
+      sum += wf[1] * a.y;
+      sum += wf[2] * a.z;
+      sum += wf[3] * a.w;
+      sum += wf[4] * b.x;
+      sum += wf[5] * b.y;
+      sum += wf[6] * b.z;
+      sum += wf[7] * b.w;
+      acc[t] += sum;
+    }
+  }
+}
+for (int t = 0; t < TOKENS; ++t) {
+  acc[t] = ds4_simd_sum(acc[t]);
+}
+if (SPLIT == 1) {
+  if (lane == 0 && row < OUT) {
+    for (int t = 0; t < TOKENS; ++t) {
+      y[(size_t)t * OUT + row] = acc[t];
+    }
+  }
+} else {
+  if (lane == 0) {
+    for (int t = 0; t < TOKENS; ++t) {
+      partial[sg * TOKENS + t] = acc[t];
+    }
+  }
+  ds4_barrier();
+  const int i = THREAD_IN_GROUP;
+  if (i < ROWS * TOKENS) {
+    const int r = i / TOKENS;
+    const int t = i % TOKENS;
+    if (first_row + r < OUT) {
+      float total = 0.0f;
+      for (int p = 0; p < SPLIT; ++p) {
+        total += partial[(r * SPLIT + p) * TOKENS + t];
+      }
+      y[(size_t)t * OUT + first_row + r] = total;
+    }
+  }
+}
+"""
+
+HALF_MATVEC_KERNEL = Kernel("ds4_half_matvec", ("x", "w"), ("y",), _MATVEC)
+
+
+def split_plan(n_out: int, n_in: int) -> int | None:
+    """SIMD groups per row for W (n_out, n_in), or None where the kernel does not apply.
+
+    A row is 256-value chunks (32 lanes x 8 halves); each of SPLIT parts takes whole chunks, at most MAX_STEPS.
+    """
+    if n_out < 1 or n_in < 256 or n_in % 256:
+        return None
+    chunks = n_in // 256
+    split = 1
+    while split < SIMDS and chunks % (2 * split) == 0 and (
+            n_out * split < TARGET_SIMDS or chunks // split > MAX_STEPS):
+        split *= 2
+    return split if chunks // split <= MAX_STEPS else None
+
+
+def reference(x: mx.array, w: mx.array) -> mx.array:
+    """x (..., IN) float32 @ W.T for W (OUT, IN) float16: the dense form's product (float16 -> float32 is exact)."""
+    return x @ w.astype(mx.float32).T
+
+
+def _kernel(x: mx.array, w: mx.array) -> mx.array:
+    """x (T, IN) float32, T <= MAX_TOKENS, W (OUT, IN) float16 with a split plan -> (T, OUT) float32."""
+    n_out, n_in = w.shape
+    tokens = x.shape[0]
+    split = split_plan(n_out, n_in)
+    groups = -(-n_out // (SIMDS // split))
+    (y,) = build(HALF_MATVEC_KERNEL, current_backend())(
+        inputs=[x, w],
+        template=[("OUT", n_out), ("IN", n_in), ("TOKENS", tokens), ("SPLIT", split), ("SIMDS", SIMDS)],
+        grid=(groups * SIMDS * SIMD_WIDTH, 1, 1),
+        threadgroup=(SIMDS * SIMD_WIDTH, 1, 1),
+        output_shapes=[(tokens, n_out)],
+        output_dtypes=[mx.float32],
+    )
+    return y
+
+
+def _probe(key: Hashable) -> tuple[mx.array, mx.array]:
+    """Activations for the largest probed token count, and W with magnitudes from 2^-16 (subnormal halves) to 1."""
+    n_out, n_in = key
+    rng = np.random.default_rng(41)
+    w = rng.standard_normal((n_out, n_in)) * np.exp2(rng.uniform(-16, 0, (n_out, n_in)))
+    return random_activations((max(PROBE_TOKENS), n_in), seed=42), mx.array(w.astype(np.float16))
+
+
+def _probe_reference(x: mx.array, w: mx.array) -> tuple[mx.array, ...]:
+    return tuple(reference(x[:n], w) for n in PROBE_TOKENS)
+
+
+def _probe_kernel(x: mx.array, w: mx.array) -> tuple[mx.array, ...]:
+    return tuple(_kernel(x[:n], w) for n in PROBE_TOKENS)
+
+
+HALF_MATVEC = FastPath("half_matvec", _probe_reference, _probe_kernel, _probe, tolerance=TOLERANCE,
+                       backends=("cuda", "metal"))
+"""The kernel for W of one shape; key: (OUT, IN). The check compiles and compares the 1- and 5-token variants; the
+other token counts are the same source with another constant."""
+
+
+def matvec_enabled(shape: tuple[int, ...]) -> bool:
+    """Whether W of this (OUT, IN) shape is multiplied by the kernel here: the shape fits it and its check passed."""
+    return len(shape) == 2 and split_plan(*shape) is not None and HALF_MATVEC.enabled(tuple(shape))
+
+
+def half_matvec(x: mx.array, w: mx.array) -> mx.array:
+    """x (..., IN) float32 @ W.T for W (OUT, IN) float16: the kernel for 1 to MAX_TOKENS rows where it passed its
+    check, the reference otherwise (more rows, the reference mode, another backend)."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if not 1 <= rows <= MAX_TOKENS or x.dtype != mx.float32 or not matvec_enabled(w.shape):
+        return reference(x, w)
+    if x.ndim == 2:
+        return _kernel(x, w)
+    return _kernel(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
