@@ -10,12 +10,16 @@ chunk over the first --gb of FILE (every chunk checked against the file):
   host), then a device op (`+ 0`) writes a device allocation and the copy is freed;
 - load: `mx.load` of a file object that presents the chunk as an .npy file. MLX's CUDA Load primitive reads it into a
   malloc'd host buffer and cudaMemcpyAsync's it into device memory: no managed memory. `--threads N` copies into
-  that buffer with N threads (numpy copies release the GIL).
+  that buffer with N threads (numpy copies release the GIL);
+- memcpy: a device allocation (`mx.zeros`, written by the GPU, so its managed pages live in device memory) filled
+  by the CUDA runtime's cudaMemcpy straight from the mapped file (ctypes; the array's pointer through the buffer
+  protocol): one copy by the DMA engines, no host staging array. `--threads N` splits each chunk over N threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import io
 import json
 import mmap
@@ -92,7 +96,55 @@ def via_load(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -
     return mx.load(NpyView(chunk, pool, threads), format="npy")
 
 
-PATHS = {"array": via_array, "load": via_load}
+_CUDART = None
+
+
+def cudart() -> ctypes.CDLL:
+    """The CUDA runtime MLX's CUDA build loaded into this process."""
+    global _CUDART
+    if _CUDART is None:
+        import glob
+        import os
+
+        import mlx
+        names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+        for root in {os.path.dirname(os.path.dirname(mlx.__file__)), *__import__("site").getsitepackages()}:
+            names += glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"), recursive=True)
+        for name in names:
+            try:
+                _CUDART = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if _CUDART is None:
+            raise SystemExit("memcpy path: no libcudart found")
+    return _CUDART
+
+
+def via_memcpy(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> mx.array:
+    resident = mx.zeros((chunk.size,), mx.uint8)
+    mx.eval(resident)
+    mx.synchronize()
+    dst = np.asarray(resident).ctypes.data  # the managed allocation's address (no page is touched)
+    src = chunk.ctypes.data
+    rt = cudart()
+
+    def copy(first: int, end: int) -> None:
+        err = rt.cudaMemcpy(ctypes.c_void_p(dst + first), ctypes.c_void_p(src + first), ctypes.c_size_t(end - first),
+                            ctypes.c_int(4))  # cudaMemcpyDefault
+        if err:
+            raise SystemExit(f"cudaMemcpy failed: error {err}")
+
+    bounds = np.linspace(0, chunk.size, max(1, threads) + 1, dtype=np.int64)
+    if pool is None:
+        copy(0, chunk.size)
+    else:
+        list(pool.map(lambda i: copy(int(bounds[i]), int(bounds[i + 1])), range(len(bounds) - 1)))
+    rt.cudaDeviceSynchronize()
+    return resident
+
+
+PATHS = {"array": via_array, "load": via_load, "memcpy": via_memcpy}
 
 
 def measure(data: np.ndarray, path: str, chunk_bytes: int, threads: int) -> dict:
@@ -124,12 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gb", type=float, default=8.0, help="how much of the file to move (default 8 GB)")
     p.add_argument("--chunk-mb", type=int, default=512, help="bytes per array (default 512 MB)")
     p.add_argument("--threads", type=int, default=4, help="copy threads for the second load run (default 4)")
+    p.add_argument("--path", choices=sorted(PATHS), help="measure only this path (with --threads)")
     p.add_argument("--json", action="store_true", help="one JSON object per run")
     args = p.parse_args(argv)
     with open(args.file, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     data = np.frombuffer(mapped, np.uint8, count=min(len(mapped), int(args.gb * 1e9)))
-    for path, threads in (("array", 1), ("load", 1), ("load", args.threads)):
+    runs = [("array", 1), ("load", 1), ("load", args.threads), ("memcpy", 1), ("memcpy", args.threads)]
+    for path, threads in runs if args.path is None else [(args.path, args.threads)]:
         result = measure(data, path, args.chunk_mb << 20, threads)
         if args.json:
             print(json.dumps(result))
