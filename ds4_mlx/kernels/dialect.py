@@ -13,7 +13,9 @@ share, plus a few neutral words that each dialect spells its own way:
   program-scope tables and DEVICE_FN helper functions;
 - helper functions each dialect's prelude defines: ds4_barrier() (all threads of the group), ds4_simd_barrier()
   (the 32 threads of a SIMD group), ds4_simd_sum(float), ds4_popcount(unsigned int), ds4_half_to_float(unsigned
-  short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float), ds4_bits(float) /
+  short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float),
+  ds4_simd_shuffle_xor(float, int) (the value of the lane whose index differs by the mask: for reductions over
+  part of a SIMD group, all 32 lanes taking part), ds4_bits(float) /
   ds4_float(unsigned int) (reinterpret), ds4_rint(float) (ties to even), ds4_div(float, float) (correctly
   rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float) (Metal has no log1p: log(1 + x)
   there).
@@ -110,6 +112,9 @@ __device__ __forceinline__ float ds4_simd_max(float v) {
   }
   return v;
 }
+__device__ __forceinline__ float ds4_simd_shuffle_xor(float v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
 __device__ __forceinline__ unsigned int ds4_bits(float v) { return __float_as_uint(v); }
 __device__ __forceinline__ float ds4_float(unsigned int v) { return __uint_as_float(v); }
 __device__ __forceinline__ float ds4_rint(float v) { return rintf(v); }
@@ -143,6 +148,7 @@ inline float ds4_simd_sum(float v) { return metal::simd_sum(v); }
 inline unsigned int ds4_popcount(unsigned int v) { return metal::popcount(v); }
 inline float ds4_exp(float v) { return metal::precise::exp(v); }
 inline float ds4_simd_max(float v) { return metal::simd_max(v); }
+inline float ds4_simd_shuffle_xor(float v, int mask) { return metal::simd_shuffle_xor(v, (ushort)mask); }
 inline unsigned int ds4_bits(float v) { return as_type<unsigned int>(v); }
 inline float ds4_float(unsigned int v) { return as_type<float>(v); }
 inline float ds4_rint(float v) { return metal::rint(v); }
