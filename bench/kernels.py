@@ -4,6 +4,7 @@
     python bench/kernels.py --json --calls 64
     python bench/kernels.py --backend cpu --experts 16
     python bench/kernels.py --grouped-only --tokens 2048   # prefill: grouped experts and batch projections
+    python bench/kernels.py --matvec-only                  # decode: the affine matvec kernel vs MLX's qmv
 
 Each line is one operation at one shape: the reference (the blocks dequantized in MLX ops, then a matmul) and the
 fast path (a custom kernel, or a built-in quantized matmul over the affine form), as microseconds per call and
@@ -11,6 +12,10 @@ the weight bytes read per second. `--calls` independent calls go into one evalua
 and sync latency is spread over them; the median of `--repeats` evaluations is reported. Before timing, each fast
 path's first-use check runs: a fast path that fails it (it would fall back in the model) is reported as such
 and its kernel is still timed directly, so a wrong-but-fast kernel shows up as both.
+
+The affine matvec rows (GPU backends) time kernels/affine_matvec.py against the built-in quantized matmul it
+replaces (`mx.quantized_matmul`, `mx.gather_qmm` for Q4_K experts) at every Q8_0 shape of a decode token, for one
+token and five.
 
 The prefill rows (GPU backends) time one chunk of `--tokens` tokens: a routed-expert projection over all its
 (token, slot) pairs sorted by expert (kernels/grouped.py: dequantize into a float32 or bfloat16 scratch, then one
@@ -33,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, to_affine
+from ds4_mlx.kernels.affine_matvec import AFFINE_MATVEC, launch_plan
 from ds4_mlx.kernels.batch import AFFINE_BATCH, dense_matmul
 from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, SLICE_BYTES, affine_scratch, expert_counts,
                                      grouped_swiglu, scratch_matmul, sliced_reference, sort_by_expert)
@@ -145,6 +151,47 @@ def affine_experts(n_out: int, n_in: int, args: argparse.Namespace) -> Timing:
         max_relative_error=relative_error(weight.gather_matmul(x, ids),
                                           gathered_reference(x, blocks, ids, ggml_type, shape)),
     )
+
+
+def affine_matvec_row(n_out: int, n_in: int, tokens: int, args: argparse.Namespace, experts: int = 0) -> Timing:
+    """The affine matvec kernel against MLX's quantized matmul: a Q8_0 matrix, or with `experts` the selected
+    `--pairs` of a Q4_K bank."""
+    ggml_type = GGMLType.Q4_K if experts else GGMLType.Q8_0
+    shape = (experts, n_out, n_in) if experts else (n_out, n_in)
+    blocks = random_blocks(ggml_type, max(1, experts) * n_out, n_in, seed=17)
+    weight = to_affine(blocks, ggml_type, shape)
+    ids = mx.array([(7 * i) % experts for i in range(args.pairs)], dtype=mx.uint32) if experts else None
+    x = random_activations((args.pairs if experts else tokens, n_in), seed=18)
+    mx.eval(weight.wq, weight.scales, weight.biases, x)
+    del blocks
+    plan = launch_plan(n_out, n_in, weight.bits, tokens)
+    key = (weight.bits, n_in, tokens, *plan)
+
+    def built_in() -> mx.array:
+        return weight.matmul(x) if ids is None else weight.gather_matmul(x, ids)
+
+    def kernel() -> mx.array:
+        return AFFINE_MATVEC.fast(x, weight, ids, plan)
+
+    return Timing(
+        operation=(f"Q4_K experts kernel vs gather_qmm (top-{args.pairs} of {experts})" if experts
+                   else f"Q8_0 matvec kernel vs qmv, {tokens} token(s)"),
+        shape=f"{n_out}x{n_in}",
+        weight_bytes=args.pairs * weight.nbytes // experts if experts else weight.nbytes,
+        reference_us=per_call_us(built_in, args.calls, args.repeats),
+        fast_us=per_call_us(kernel, args.calls, args.repeats),
+        fast_path_used=AFFINE_MATVEC.enabled(key),
+        max_relative_error=relative_error(kernel(), built_in()),
+    )
+
+
+def matvec_rows(args: argparse.Namespace) -> list[Timing]:
+    """Every Q8_0 matrix of a decode token (attention q_a, q_b, kv, output_b; shared expert gate/up, down; the LM
+    head) at one token and five, and the Q4_K routed experts."""
+    embd, ff = FLASH.n_embd, FLASH.n_ff_exp
+    shapes = [(1024, embd), (32768, 1024), (512, embd), (embd, 8192), (ff, embd), (embd, ff), (FLASH.n_vocab, embd)]
+    rows = [affine_matvec_row(n_out, n_in, tokens, args) for tokens in (1, 5) for n_out, n_in in shapes]
+    return rows + [affine_matvec_row(n_out, n_in, 1, args, args.experts) for n_out, n_in in ((ff, embd), (embd, ff))]
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -304,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed evaluations; the median is kept (default 5)")
     p.add_argument("--tokens", type=int, default=2048, help="prefill chunk of the prefill rows (default 2048)")
     p.add_argument("--grouped-only", action="store_true", help="only the prefill rows (GPU backends)")
+    p.add_argument("--matvec-only", action="store_true", help="only the affine matvec rows (GPU backends)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(argv)
     if args.backend:
@@ -316,18 +364,20 @@ def main(argv: list[str] | None = None) -> int:
         if not gpu:
             print(f"no custom kernels on the {current_backend()} backend: the affine paths only", file=sys.stderr)
         if gpu and not args.grouped_only:
+            timings += matvec_rows(args)
+        if gpu and not (args.grouped_only or args.matvec_only):
             timings += [
                 expert_kernel(IQ2_XXS_MATVEC, ff, embd, args),  # gate / up
                 expert_kernel(Q2_K_MATVEC, embd, ff, args),  # down
             ]
-        if not args.grouped_only:
+        if not (args.grouped_only or args.matvec_only):
             timings += [
                 affine_experts(ff, embd, args),
                 affine_matmul(GGMLType.Q8_0, embd, embd, 1, args),
                 affine_matmul(GGMLType.Q8_0, FLASH.n_vocab, embd, 1, args),  # LM head
                 affine_matmul(GGMLType.Q8_0, embd, embd, 512, args),
             ]
-        if gpu:
+        if gpu and not args.matvec_only:
             timings += prefill_rows(args)
     for warning in fallbacks:
         print(f"fallback: {warning.message}", file=sys.stderr)

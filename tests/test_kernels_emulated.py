@@ -1,5 +1,5 @@
-"""The CUDA rendering of custom kernels (dequant-matvec, hyper-connection), run on the CPU: one std::thread per GPU
-thread.
+"""The CUDA rendering of custom kernels (dequant-matvec, affine matvec, hyper-connection), run on the CPU: one
+std::thread per GPU thread.
 
 Without a GPU the kernels cannot run through MLX, but their CUDA text is C++: compiled by the host's g++ with the
 CUDA words (threadIdx, __shared__, ...) and the dialect's helpers (barriers, SIMD sums) defined for threads on the
@@ -7,13 +7,14 @@ CPU, it computes what the GPU would. Each threadgroup runs as `threadgroup` thre
 the staging, the SIMD reductions and the row and unit indexing are all exercised. The signature is the one MLX
 generates for a custom CUDA kernel (inputs, outputs, template constants at the top of the body).
 
-Slow (it compiles C++ with g++ -std=c++20, which must be installed); the GPU tests in test_kernels_matvec.py and
-test_kernels_hc.py check the same kernels through MLX on the device.
+Slow (it compiles C++ with g++ -std=c++20, which must be installed); the GPU tests in test_kernels_matvec.py,
+test_kernels_affine_matvec.py and test_kernels_hc.py check the same kernels through MLX on the device.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -22,13 +23,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import hc
+from ds4_mlx.kernels import affine_matvec, hc
+from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.dialect import CUDA, Kernel
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import TOLERANCE, QuantMatvec, gathered_reference, launch_plan
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
-from ds4_mlx.model.gguf import BLOCK_SIZES
+from ds4_mlx.kernels.quants import dequantize
+from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType
 from ds4_mlx.model.hyper_connection import pre, split
 
 pytestmark = pytest.mark.slow
@@ -77,7 +80,24 @@ inline float ds4_simd_xor(float v, int mask) {
 inline float ds4_exp(float v) { return std::exp(v); }
 inline unsigned int ds4_popcount(unsigned int v) { return __builtin_popcount(v); }
 inline float ds4_half_to_float(unsigned short bits) { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
+inline float __uint_as_float(unsigned int v) { float f; std::memcpy(&f, &v, 4); return f; }
+inline float ds4_float(unsigned int v) { return __uint_as_float(v); }
+// PTX prmt, default mode: byte n of the result is byte (s >> 4n) & 7 of {y, x} (x the low four)
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const unsigned long long both = ((unsigned long long)y << 32) | x;
+  unsigned int r = 0;
+  for (int n = 0; n < 4; ++n) r |= (unsigned int)((both >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+  return r;
+}
 """
+
+
+def cuda_helper(name: str) -> str:
+    """A helper's definition as the CUDA prelude spells it, for helpers whose CUDA intrinsics HOST defines."""
+    return re.search(rf"__device__ __forceinline__ \w+ {name}\(.*?\n}}\n", CUDA.prelude, re.S).group(0)
+
+
+HOST += cuda_helper("ds4_byte_float")
 
 LAUNCH = r"""
 extern "C" void launch(void** args, int groups_x, int groups_y, int threads) {
@@ -119,8 +139,9 @@ def emulated(kernel: Kernel, types: tuple[str, ...], template: dict[str, int], t
     source += LAUNCH.replace("ARGS", ", ".join(f"({c_type}*)args[{i}]" for i, c_type in enumerate(types)))
     path = tmp_path / ("_".join([kernel.name, *map(str, template.values())]))
     path.with_suffix(".cpp").write_text(source)
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(path.with_suffix(".cpp")),
-                            "-o", str(path.with_suffix(".so"))], capture_output=True, text=True)
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
+                            str(path.with_suffix(".cpp")), "-o", str(path.with_suffix(".so"))],
+                           capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     library = ctypes.CDLL(str(path.with_suffix(".so")))
     dtypes = {"float": np.float32, "uint8_t": np.uint8, "uint32_t": np.uint32}
@@ -213,3 +234,49 @@ def test_emulated_hc_split_equals_the_reference(n, monkeypatch, tmp_path):
     want = split(*args)
     through_emulation(monkeypatch, tmp_path)
     assert_close(hc.HCSplit._kernel(*args), want)
+
+
+C_TYPES = {mx.float32: "float", mx.uint32: "uint32_t"}
+
+
+@pytest.mark.parametrize(("bits", "size", "tokens", "plan"), [
+    (8, (9, 512), 1, (4, 1)),  # the last threadgroup one row deep
+    (8, (7, 1024), 3, (2, 2)),
+    (8, (5, 4096), 5, (2, 4)),
+    (8, (3, 768), 8, (1, 3)),  # 48 loads a row for 96 threads: some idle in the only step
+    (8, (17, 2048), 1, (4, 1)),  # two steps a thread
+    (4, (9, 512), 1, (4, 1)),
+    (4, (5, 1024), 2, (4, 2)),
+    (4, (3, 2048), 8, (2, 1)),
+], ids=str)
+def test_emulated_affine_matvec_equals_the_reference(bits, size, tokens, plan, monkeypatch, tmp_path):
+    """One matrix for several tokens, or (one token) a bank of three matrices with four slots picking them; through
+    kernels/affine_matvec.py's own wrapper (templates, grid), with `build` returning the emulated kernel."""
+
+    def build(kernel: Kernel, backend: str) -> Callable:
+        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes) -> list[mx.array]:
+            types = tuple(C_TYPES[a.dtype] for a in inputs) + tuple(C_TYPES[d] for d in output_dtypes)
+            run = emulated(kernel, types, dict(template), tmp_path)
+            groups = (-(-grid[0] // threadgroup[0]), grid[1])
+            return [mx.array(y) for y in run([np.array(a) for a in inputs], output_shapes, groups, threadgroup[0])]
+
+        return call
+
+    monkeypatch.setattr(affine_matvec, "build", build)
+    n_out, n_in = size
+    ggml_type = GGMLType.Q8_0 if bits == 8 else GGMLType.Q4_K
+    experts = 3 if tokens == 1 else 1
+    shape = (experts, n_out, n_in)
+    blocks = random_blocks(ggml_type, experts * n_out, n_in, seed=n_in + tokens)
+    w = np.array(dequantize(blocks, ggml_type, shape))
+    if experts > 1:
+        weight, ids = to_affine(blocks, ggml_type, shape), mx.array([2, 0, 2, 1], dtype=mx.uint32)
+        x = random_activations((ids.size, n_in), seed=n_out)
+        want = np.stack([np.array(x[i]) @ w[ids[i].item()].T for i in range(ids.size)])
+    else:
+        weight, ids = to_affine(blocks, ggml_type, shape[1:]), None
+        x = random_activations((tokens, n_in), seed=n_out)
+        want = np.array(x) @ w[0].T
+    got = np.array(affine_matvec.AFFINE_MATVEC.fast(x, weight, ids, plan))
+    assert got.shape == want.shape and np.isfinite(got).all()  # every output was written
+    assert np.abs(got - want).max() <= affine_matvec.TOLERANCE * np.abs(want).max()

@@ -15,9 +15,10 @@ share, plus a few neutral words that each dialect spells its own way:
   (the 32 threads of a SIMD group), ds4_simd_sum(float), ds4_popcount(unsigned int), ds4_half_to_float(unsigned
   short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float), ds4_simd_xor(float,
   int) (the value of the lane whose index differs by that xor mask; all 32 lanes must take part), ds4_bits(float) /
-  ds4_float(unsigned int) (reinterpret), ds4_rint(float) (ties to even), ds4_div(float, float) (correctly
-  rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float) (Metal has no log1p: log(1 + x)
-  there).
+  ds4_float(unsigned int) (reinterpret), ds4_byte_float(unsigned int w, int k) (the float 2^23 + byte k of w, so
+  that subtracting 2^23 gives the byte's value exactly: one byte permute on CUDA), ds4_rint(float) (ties to even),
+  ds4_div(float, float) (correctly rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float)
+  (Metal has no log1p: log(1 + x) there).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -114,6 +115,9 @@ __device__ __forceinline__ float ds4_simd_max(float v) {
 __device__ __forceinline__ float ds4_simd_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ unsigned int ds4_bits(float v) { return __float_as_uint(v); }
 __device__ __forceinline__ float ds4_float(unsigned int v) { return __uint_as_float(v); }
+__device__ __forceinline__ float ds4_byte_float(unsigned int w, int k) {
+  return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650u | (unsigned int)k));
+}
 __device__ __forceinline__ float ds4_rint(float v) { return rintf(v); }
 __device__ __forceinline__ float ds4_div(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ float ds4_log1p(float v) { return log1pf(v); }
@@ -148,6 +152,7 @@ inline float ds4_simd_max(float v) { return metal::simd_max(v); }
 inline float ds4_simd_xor(float v, int mask) { return metal::simd_shuffle_xor(v, (ushort)mask); }
 inline unsigned int ds4_bits(float v) { return as_type<unsigned int>(v); }
 inline float ds4_float(unsigned int v) { return as_type<float>(v); }
+inline float ds4_byte_float(unsigned int w, int k) { return as_type<float>(0x4B000000u | ((w >> (8 * k)) & 0xFFu)); }
 inline float ds4_rint(float v) { return metal::rint(v); }
 inline float ds4_div(float a, float b) { return metal::precise::divide(a, b); }
 inline float ds4_log1p(float v) { return metal::precise::log(1.0f + v); }

@@ -33,6 +33,7 @@ import mlx.core as mx
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
+from ds4_mlx.kernels.affine_matvec import affine_matvec
 from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
 from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, sliced_grouped
 from ds4_mlx.kernels.half import half_matvec, matvec_enabled
@@ -217,7 +218,9 @@ class Linear:
 
     def __call__(self, x: mx.array) -> mx.array:
         if self._affine is not None and _fast():
-            return batch_matmul(x, self._affine) if x.size >= BATCH_TOKENS * x.shape[-1] else self._affine.matmul(x)
+            if x.size >= BATCH_TOKENS * x.shape[-1]:
+                return batch_matmul(x, self._affine)
+            return affine_matvec(x, self._affine)  # a few rows: one kernel launch (GPU), quantized_matmul elsewhere
         if self._half is not None:
             return half_matvec(x, self._half)
         return x @ self.weight.T
@@ -253,7 +256,7 @@ class ExpertBank:
     def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
         """x[i] @ W[ids[i]].T for each of N (input, expert) pairs: x (N, IN), ids (N,) -> (N, OUT)."""
         if self._affine is not None and _fast():
-            return self._affine.gather_matmul(x, ids)
+            return affine_matvec(x, self._affine, ids)
         if self._raw is not None and self.ggml_type in MATVECS:
             return MATVECS[self.ggml_type](x, self._raw, ids, self.shape)
         return (x[:, None, :] @ mx.swapaxes(self.experts(ids), 1, 2))[:, 0, :]

@@ -1,0 +1,235 @@
+"""A few rows times an affine 8-bit (Q8_0) or 4-bit (Q4_K) matrix in one launch, for decode.
+
+y = x @ W.T for x (T, IN) float32 with T <= MAX_TOKENS and W an `AffineWeight` (OUT, IN), or y[i] = x[i] @
+W[ids[i]].T over a bank (E, OUT, IN). Decode reads each weight once, so this is written for memory bandwidth: on
+the H200 MLX's built-in one-token kernel (`qmv`) moved 0.6-0.8 TB/s at Flash's attention and shared-expert sizes
+and ~1.15 TB/s on the LM head, and costs ~10 us of host time per launch against ~3.3 us for a custom kernel.
+
+- A threadgroup owns ROWS consecutive rows of one matrix (grid y: the slot, which picks the matrix through ids);
+  its SIMDS x 32 threads split the rows into 16-byte loads of wq (16 values at 8 bits, 32 at 4 bits: always
+  inside one group of 32), consecutive threads on consecutive loads, about two loads each (`launch_plan`).
+- Per load a thread reads the group's scale and bias once per row, then the activations of every token with
+  16-byte loads (x is at most 8 x 32 KB, so they come from L1/L2); each activation feeds all ROWS rows.
+- A quant q becomes a float with one byte permute and one subtraction: the bits 0x4B000000 | q are the float
+  2^23 + q (ds4_byte_float), and minus 2^23 + C it is q - C exactly, C = 2^(BITS-1) the middle of the range.
+  Per 4 values w . x = s * sum (q - C) x + (b + C s) * sum x; for Q8_0 (b = -128 s exactly) the second term is
+  exactly zero. The scale is applied per 4 values rather than once per load so that its use comes first: with
+  the scale and bias loads written before the quant loads, the CUDA compiler then issues all of a step's loads
+  together (checked in the SASS); used only at the end, they were sunk below the arithmetic, costing a second
+  memory round trip per step.
+- One SIMD reduction per (row, token), then the SIMDS partial sums in threadgroup memory, added in a fixed order.
+
+Its reference is the path it replaces: `mx.quantized_matmul` (or `mx.gather_qmm` for a bank), itself checked
+against the reference dequantizer (kernels/affine.py). They differ in float32 rounding and summation order only
+(TOLERANCE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from functools import cache
+
+import mlx.core as mx
+
+from ..model.gguf import GGMLType
+from .affine import AffineWeight, to_affine
+from .dialect import SIMD_WIDTH, Kernel, build
+from .probe import random_activations, random_blocks
+from .registry import FastPath, current_backend
+
+MAX_TOKENS = 8
+"""Most activation rows per launch (decode, speculative drafts); more take the built-in matmuls."""
+TOLERANCE = 1e-5
+"""Float32 summation order only (per load, per thread, per SIMD group, then across them): ~1e-7 per add over
+IN <= 8192 terms, with margin; the same bound the built-in quantized matmuls are held to (affine.py)."""
+MIN_THREADGROUPS = 1024
+"""Rows per threadgroup shrink until a matrix spreads over at least this many (~8 per SM of an H200)."""
+
+_SOURCE = """
+const int WORD_VALUES = 32 / BITS;
+const int UNIT_VALUES = 4 * WORD_VALUES;
+const int UNITS = IN / UNIT_VALUES;
+const int GROUPS = IN / 32;
+const int THREADS = SIMDS * 32;
+const int STEPS = (UNITS + THREADS - 1) / THREADS;
+const float CENTRE = (float)(1 << (BITS - 1));
+const float MAGIC = 8388608.0f + CENTRE;
+
+SHARED float part[SIMDS * ROWS * TOKENS];
+
+const int slot = GROUP_Y;
+const int first_row = GROUP_X * ROWS;
+const size_t first_bank_row = (size_t)ids[slot] * OUT;
+size_t row[ROWS];
+#pragma unroll
+for (int r = 0; r < ROWS; ++r) {
+  row[r] = first_bank_row + (size_t)(first_row + r < OUT ? first_row + r : OUT - 1);
+}
+const GLOBAL_MEM uint4* wv = reinterpret_cast<const GLOBAL_MEM uint4*>(wq);
+const GLOBAL_MEM float4* xv = reinterpret_cast<const GLOBAL_MEM float4*>(x + (size_t)slot * TOKENS * IN);
+
+float acc[ROWS][TOKENS];
+#pragma unroll
+for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+  for (int t = 0; t < TOKENS; ++t) {
+    acc[r][t] = 0.0f;
+  }
+}
+
+for (int step = 0; step < STEPS; ++step) {
+  const int u = step * THREADS + (int)THREAD_IN_GROUP;
+  if (UNITS % THREADS == 0 || u < UNITS) {
+    const int group = u * UNIT_VALUES / 32;
+    unsigned int q[ROWS][4];
+    float scale[ROWS];
+    float centre[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      scale[r] = scales[row[r] * GROUPS + group];
+      centre[r] = biases[row[r] * GROUPS + group];
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const uint4 v = wv[row[r] * UNITS + u];
+      q[r][0] = v.x;
+      q[r][1] = v.y;
+      q[r][2] = v.z;
+      q[r][3] = v.w;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      centre[r] += CENTRE * scale[r];
+    }
+#pragma unroll
+    for (int j = 0; j < UNIT_VALUES / 4; ++j) {
+      float4 xj[TOKENS];
+      float xsum[TOKENS];
+#pragma unroll
+      for (int t = 0; t < TOKENS; ++t) {
+        xj[t] = xv[(t * IN + u * UNIT_VALUES) / 4 + j];
+        xsum[t] = (xj[t].x + xj[t].y) + (xj[t].z + xj[t].w);
+      }
+      const int word = j * 4 / WORD_VALUES;
+      const int quad = j * 4 % WORD_VALUES / 4;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const unsigned int lo = BITS == 8 ? q[r][word] : q[r][word] & 0x0F0F0F0Fu;
+        const unsigned int hi = BITS == 8 ? q[r][word] : (q[r][word] >> 4) & 0x0F0F0F0Fu;
+        const float q0 = ds4_byte_float(lo, BITS == 8 ? 0 : 2 * quad) - MAGIC;
+        const float q1 = ds4_byte_float(hi, BITS == 8 ? 1 : 2 * quad) - MAGIC;
+        const float q2 = ds4_byte_float(lo, BITS == 8 ? 2 : 2 * quad + 1) - MAGIC;
+        const float q3 = ds4_byte_float(hi, BITS == 8 ? 3 : 2 * quad + 1) - MAGIC;
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) {
+          const float sum4 = q3 * xj[t].w + (q2 * xj[t].z + (q1 * xj[t].y + q0 * xj[t].x));
+          acc[r][t] = scale[r] * sum4 + (centre[r] * xsum[t] + acc[r][t]);
+        }
+      }
+    }
+  }
+}
+
+#pragma unroll
+for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+  for (int t = 0; t < TOKENS; ++t) {
+    const float total = ds4_simd_sum(acc[r][t]);
+    if (SIMD_LANE == 0) {
+      part[(SIMD_INDEX * ROWS + r) * TOKENS + t] = total;
+    }
+  }
+}
+ds4_barrier();
+const int i = (int)THREAD_IN_GROUP;
+if (i < ROWS * TOKENS && first_row + i / TOKENS < OUT) {
+  float total = 0.0f;
+  for (int s = 0; s < SIMDS; ++s) {
+    total += part[s * ROWS * TOKENS + i];
+  }
+  y[((size_t)slot * TOKENS + i % TOKENS) * OUT + first_row + i / TOKENS] = total;
+}
+"""
+
+KERNEL = Kernel("ds4_affine_matvec", ("x", "wq", "scales", "biases", "ids"), ("y",), _SOURCE)
+
+
+def launch_plan(out_features: int, in_features: int, bits: int, tokens: int) -> tuple[int, int]:
+    """(rows per threadgroup, SIMD groups per threadgroup).
+
+    Four rows share each activation load (two from five tokens on, to bound the ROWS x TOKENS accumulators
+    and keep occupancy), fewer when the matrix would span under MIN_THREADGROUPS threadgroups; enough SIMD
+    groups that each thread takes about two 16-byte loads of a row (one to eight SIMD groups).
+    """
+    rows = 4 if tokens <= 4 else 2
+    while rows > 1 and out_features < rows * MIN_THREADGROUPS:
+        rows //= 2
+    units = in_features * bits // 128
+    return rows, max(1, min(8, units // (2 * SIMD_WIDTH)))
+
+
+@cache
+def _single_matrix() -> mx.array:
+    """ids of a lone matrix: slot 0 reads matrix 0 (evaluated once, a constant inside mx.compile)."""
+    ids = mx.zeros((1,), dtype=mx.uint32)
+    mx.eval(ids)
+    return ids
+
+
+def _reference(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int]) -> mx.array:
+    return weight.matmul(x) if ids is None else weight.gather_matmul(x, ids)
+
+
+def _kernel(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int]) -> mx.array:
+    rows, simds = plan
+    n_out, n_in = weight.shape[-2:]
+    if ids is None:
+        tokens, slots, ids = x.size // n_in, 1, _single_matrix()
+    else:
+        tokens, slots = 1, ids.size
+    (y,) = build(KERNEL, current_backend())(
+        inputs=[x, weight.wq, weight.scales, weight.biases, ids.astype(mx.uint32)],
+        template=[("BITS", weight.bits), ("IN", n_in), ("OUT", n_out), ("TOKENS", tokens), ("ROWS", rows),
+                  ("SIMDS", simds)],
+        grid=(-(-n_out // rows) * simds * SIMD_WIDTH, slots, 1),
+        threadgroup=(simds * SIMD_WIDTH, 1, 1),
+        output_shapes=[(slots * tokens, n_out)],
+        output_dtypes=[mx.float32],
+    )
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+PROBE_EXPERTS = 3
+
+
+def _probe(key: Hashable) -> tuple:
+    """Random weights of the key's type and row length, 2 * ROWS + 1 rows (the last threadgroup mostly past the
+    end). One token: a bank of three matrices and four slots (a lone matrix is the same kernel with one slot)."""
+    bits, n_in, tokens, rows, simds = key
+    ggml_type = GGMLType.Q8_0 if bits == 8 else GGMLType.Q4_K
+    n_out = 2 * rows + 1
+    if tokens == 1:
+        blocks = random_blocks(ggml_type, PROBE_EXPERTS * n_out, n_in, seed=31)
+        bank = to_affine(blocks, ggml_type, (PROBE_EXPERTS, n_out, n_in))
+        ids = mx.array([2, 0, 2, 1], dtype=mx.uint32)
+        return random_activations((ids.size, n_in), seed=32), bank, ids, (rows, simds)
+    weight = to_affine(random_blocks(ggml_type, n_out, n_in, seed=31), ggml_type, (n_out, n_in))
+    return random_activations((tokens, n_in), seed=32), weight, None, (rows, simds)
+
+
+AFFINE_MATVEC = FastPath("affine_matvec", _reference, _kernel, _probe, tolerance=TOLERANCE,
+                         backends=("cuda", "metal"))
+"""A few rows times an affine matrix or bank by the kernel; key (bits, IN, tokens, rows, SIMD groups)."""
+
+
+def affine_matvec(x: mx.array, weight: AffineWeight, ids: mx.array | None = None) -> mx.array:
+    """x @ W.T for x (..., IN) of at most MAX_TOKENS rows and W (OUT, IN), or with ids (N,) x[i] @ W[ids[i]].T
+    for x (N, IN) over a bank W (E, OUT, IN): by the kernel where it passed its check, else by the built-in
+    quantized matmul (mx.gather_qmm for a bank), as for more rows or activations other than float32."""
+    n_out, n_in = weight.shape[-2:]
+    n_rows = x.size // n_in
+    if x.dtype != mx.float32 or n_rows == 0 or (ids is None and n_rows > MAX_TOKENS):
+        return _reference(x, weight, ids, (1, 1))
+    tokens = 1 if ids is not None else n_rows
+    rows, simds = launch_plan(n_out, n_in, weight.bits, tokens)
+    return AFFINE_MATVEC(x, weight, ids, (rows, simds), key=(weight.bits, n_in, tokens, rows, simds))
