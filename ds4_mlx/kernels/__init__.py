@@ -4,6 +4,7 @@
 - `registry`: uses a fast path per backend and shape class once it has matched its reference on a probe input,
   else the reference (one warning); `DS4_KERNELS=reference` forces the reference everywhere;
 - `affine`: Q8_0 and Q4_K as MLX affine quantized arrays (exact) for `mx.quantized_matmul` / `mx.gather_qmm`;
+  `affine_matvec`: decode's few rows (or selected experts) times an affine matrix as one custom kernel;
 - `dialect`: one custom-kernel definition rendered for CUDA (`mx.fast.cuda_kernel`) or Metal;
 - `matvec`: the dequant-matvec kernel for decode over raw blocks, with `iq2_xxs` and `q2_k` its two quant types;
 - `half`: the matvec of F16 matrices kept as float16, for decode (float32 accumulation);

@@ -40,8 +40,9 @@ from .registry import FastPath, current_backend
 MAX_TOKENS = 8
 """Most activation rows per launch (decode, speculative drafts); more take the built-in matmuls."""
 TOLERANCE = 1e-5
-"""Float32 summation order only (per load, per thread, per SIMD group, then across them): ~1e-7 per add over
-IN <= 8192 terms, with margin; the same bound the built-in quantized matmuls are held to (affine.py)."""
+"""Float32 rounding and summation order only (4-value sums scaled one by one, then per thread, SIMD group and
+threadgroup): ~1e-7 per add over IN <= 8192 terms, with margin; the bound the built-in quantized matmuls are held
+to (affine.py). Measured on the CPU emulation (tests/test_kernels_emulated.py): ~1e-7 of the largest output."""
 MIN_THREADGROUPS = 1024
 """Rows per threadgroup shrink until a matrix spreads over at least this many (~8 per SM of an H200)."""
 
@@ -224,8 +225,8 @@ AFFINE_MATVEC = FastPath("affine_matvec", _reference, _kernel, _probe, tolerance
 
 def affine_matvec(x: mx.array, weight: AffineWeight, ids: mx.array | None = None) -> mx.array:
     """x @ W.T for x (..., IN) of at most MAX_TOKENS rows and W (OUT, IN), or with ids (N,) x[i] @ W[ids[i]].T
-    for x (N, IN) over a bank W (E, OUT, IN): by the kernel where it passed its check, else by the built-in
-    quantized matmul (mx.gather_qmm for a bank), as for more rows or activations other than float32."""
+    for x (N, IN) over a bank W (E, OUT, IN): by the kernel where it passed its check, else (and for more rows,
+    or activations other than float32) by the built-in quantized matmul (mx.gather_qmm for a bank)."""
     n_out, n_in = weight.shape[-2:]
     n_rows = x.size // n_in
     if x.dtype != mx.float32 or n_rows == 0 or (ids is None and n_rows > MAX_TOKENS):

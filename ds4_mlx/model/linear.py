@@ -4,7 +4,8 @@ Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF
 A matrix is held in one of four forms:
 
 - affine: Q8_0 and Q4_K tensors converted at load to MLX's affine quantized layout (kernels/affine.py) and
-  multiplied by MLX's quantized matmuls. Memory stays close to the file size, and dequantizing the converted
+  multiplied by MLX's quantized matmuls, or for up to 8 rows (decode) and selected experts by one custom kernel on
+  GPU backends (kernels/affine_matvec.py). Memory stays close to the file size, and dequantizing the converted
   arrays gives the reference values bit for bit. This is a fast path: it is taken when the kernel mode is "fast"
   and its first-use check passes on this backend (kernels/registry.py);
 - float16: the F16 compressor, indexer and router projections (HALF_LINEARS), kept as the file's float16 values
