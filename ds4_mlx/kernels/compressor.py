@@ -79,7 +79,7 @@ for (int k = 0; k < PER; ++k) {  // the new frontier: rows i at columns j (lane 
   }
 }
 for (int mask = COLS; mask < 32; mask <<= 1) {  // lanes of one SIMD group holding the same dim
-  const float other = ds4_simd_shuffle_xor(top, mask);
+  const float other = ds4_simd_xor(top, mask);
   top = other > top ? other : top;
 }
 if (SIMDS > 1) {
@@ -99,8 +99,8 @@ for (int k = 0; k < PER; ++k) {
   acc += e * v[k];
 }
 for (int mask = COLS; mask < 32; mask <<= 1) {
-  total += ds4_simd_shuffle_xor(total, mask);
-  acc += ds4_simd_shuffle_xor(acc, mask);
+  total += ds4_simd_xor(total, mask);
+  acc += ds4_simd_xor(acc, mask);
 }
 if (SIMDS > 1) {
   if (SIMD_LANE < COLS) {
