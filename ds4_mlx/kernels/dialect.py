@@ -16,7 +16,8 @@ share, plus a few neutral words that each dialect spells its own way:
   short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float), ds4_bits(float) /
   ds4_float(unsigned int) (reinterpret), ds4_rint(float) (ties to even), ds4_div(float, float) (correctly
   rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float) (Metal has no log1p: log(1 + x)
-  there).
+  there), ds4_simd_xor(int, int mask) (the value of lane ^ mask), ds4_atomic_add(SHARED_MEM int*, int) (an atomic
+  add to threadgroup memory, result unused).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -118,6 +119,8 @@ __device__ __forceinline__ float ds4_log1p(float v) { return log1pf(v); }
 __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
   return __half2float(__ushort_as_half(bits));
 }
+__device__ __forceinline__ int ds4_simd_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ void ds4_atomic_add(int* p, int v) { atomicAdd(p, v); }
 """,
     make=mx.fast.cuda_kernel,
 )
@@ -149,6 +152,10 @@ inline float ds4_rint(float v) { return metal::rint(v); }
 inline float ds4_div(float a, float b) { return metal::precise::divide(a, b); }
 inline float ds4_log1p(float v) { return metal::precise::log(1.0f + v); }
 inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
+inline int ds4_simd_xor(int v, int mask) { return metal::simd_shuffle_xor(v, (ushort)mask); }
+inline void ds4_atomic_add(threadgroup int* p, int v) {
+  metal::atomic_fetch_add_explicit((threadgroup metal::atomic_int*)p, v, metal::memory_order_relaxed);
+}
 """,
     make=mx.fast.metal_kernel,
 )
