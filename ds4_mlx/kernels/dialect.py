@@ -13,8 +13,9 @@ share, plus a few neutral words that each dialect spells its own way:
   program-scope tables and DEVICE_FN helper functions;
 - helper functions each dialect's prelude defines: ds4_barrier() (all threads of the group), ds4_simd_barrier()
   (the 32 threads of a SIMD group), ds4_simd_sum(float), ds4_popcount(unsigned int), ds4_half_to_float(unsigned
-  short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float), ds4_simd_xor(float,
-  int) (the value of the lane whose index differs by that xor mask; all 32 lanes must take part), ds4_bits(float) /
+  short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float), ds4_simd_xor(float
+  or int, int mask) (the value of the lane whose index differs by that xor mask; all 32 lanes must take part),
+  ds4_atomic_add(SHARED_MEM int*, int) (an atomic add to threadgroup memory, result unused), ds4_bits(float) /
   ds4_float(unsigned int) (reinterpret), ds4_byte_float(unsigned int w, int k) (the float 2^23 + byte k of w, so
   that subtracting 2^23 gives the byte's value exactly: one byte permute on CUDA), ds4_rint(float) (ties to even),
   ds4_div(float, float) (correctly rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float)
@@ -124,6 +125,8 @@ __device__ __forceinline__ float ds4_log1p(float v) { return log1pf(v); }
 __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
   return __half2float(__ushort_as_half(bits));
 }
+__device__ __forceinline__ int ds4_simd_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ void ds4_atomic_add(int* p, int v) { atomicAdd(p, v); }
 """,
     make=mx.fast.cuda_kernel,
 )
@@ -157,6 +160,10 @@ inline float ds4_rint(float v) { return metal::rint(v); }
 inline float ds4_div(float a, float b) { return metal::precise::divide(a, b); }
 inline float ds4_log1p(float v) { return metal::precise::log(1.0f + v); }
 inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
+inline int ds4_simd_xor(int v, int mask) { return metal::simd_shuffle_xor(v, (ushort)mask); }
+inline void ds4_atomic_add(threadgroup int* p, int v) {
+  metal::atomic_fetch_add_explicit((threadgroup metal::atomic_int*)p, v, metal::memory_order_relaxed);
+}
 """,
     make=mx.fast.metal_kernel,
 )

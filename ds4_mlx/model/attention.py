@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from ds4_mlx.kernels.attention import DecodeAttention
+from ds4_mlx.kernels.indexer import IndexerPick
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import Linear
@@ -64,10 +65,37 @@ class Indexer:
 
     def select(self, q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
         """Mask (B, n_rows) of the rows each query attends: its top_k visible rows by score (ties to lower c)."""
-        dots = mx.maximum(q @ rows.T, 0)  # (B, n_head, n_rows)
-        scores = mx.sum(weights[:, :, None] * dots, axis=1)
-        scores = mx.where(visible, scores, -mx.inf)
-        return top_k_mask(scores, self.top_k) & visible
+        return top_k_mask(index_scores(q, weights, rows, visible), self.top_k) & visible
+
+    def pick(self, q_latent: mx.array, x: mx.array, positions: mx.array, rows: mx.array
+             ) -> tuple[mx.array, mx.array]:
+        """Decode form of `select`: the rows' indices (T, top_k) ascending and which of them are real, for queries
+        at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK)."""
+        q, weights = self.queries(q_latent, x, positions)
+        return INDEXER_PICK(q, weights, rows, positions, self.compressor.ratio, self.top_k)
+
+
+def index_scores(q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
+    """sum_h w_h relu(q_h . k_c) (B, n_rows) for queries q (B, n_head, d), -inf where `visible` (B, n_rows) is not."""
+    dots = mx.maximum(q @ rows.T, 0)  # (B, n_head, n_rows)
+    scores = mx.sum(weights[:, :, None] * dots, axis=1)
+    return mx.where(visible, scores, -mx.inf)
+
+
+def pick_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int, top_k: int
+              ) -> tuple[mx.array, mx.array]:
+    """The indexer's choice for queries at positions (T,), which see rows c < (p + 1) // ratio of rows (N, d):
+    ascending indices (T, top_k) and whether each is a chosen row. With at most top_k visible rows these are
+    0..top_k-1, real below the visible count (with N <= top_k: 0..N-1, shape (T, N))."""
+    visible = mx.arange(rows.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
+    chosen = top_k_mask(index_scores(q, weights, rows, visible), top_k) & visible
+    picked = mask_to_indices(chosen, top_k)
+    return picked, mx.take_along_axis(chosen, picked, axis=-1)
+
+
+INDEXER_PICK = IndexerPick(pick_rows)
+"""`pick_rows` as two kernels (scores, then the top k) where a GPU backend has passed the first-use check
+(kernels/indexer.py)."""
 
 
 @dataclass
@@ -158,18 +186,16 @@ class Attention:
             row_at = (position // self.ratio).reshape(1)
             row, frontier = self.compressor.step(x, position, state.comp_frontier)
             state = replace(state, comp=mx.slice_update(state.comp, row, row_at, axes=(0,)), comp_frontier=frontier)
-            visible = (mx.arange(state.comp.shape[0]) < (position + 1) // self.ratio)[None]
             if self.indexer is None:
                 keys.append(state.comp)
-                masks.append(visible)
+                masks.append((mx.arange(state.comp.shape[0]) < (position + 1) // self.ratio)[None])
             else:
                 row, frontier = self.indexer.compressor.step(x, position, state.index_frontier)
                 index = mx.slice_update(state.index, row, row_at, axes=(0,))
                 state = replace(state, index=index, index_frontier=frontier)
-                chosen = self.indexer.select(*self.indexer.queries(q_latent, x, positions), index, visible)
-                picked = mask_to_indices(chosen, self.indexer.top_k)
+                picked, valid = self.indexer.pick(q_latent, x, positions, index)
                 keys.append(state.comp[picked])
-                masks.append(mx.take_along_axis(chosen, picked, axis=-1))
+                masks.append(valid)
         out = self.rope(self._attend(q, keys, masks), positions, inverse=True)
         return self._project_out(out), state
 

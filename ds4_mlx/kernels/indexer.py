@@ -1,0 +1,339 @@
+"""The lightning indexer's choice for decode queries (spec §3.7) in two launches: the scores, then the top k.
+
+In MLX ops the decode step's choice is ~20 launches per ratio-4 layer: the score product, relu, weighting and head
+sum, the visibility mask, `top_k_mask` (partition, comparisons, sum, cumulative sum), `mask_to_indices`
+(argpartition, gather, sort) and the validity gather. Here, for queries (T, H, D) at `positions` (T,) over the
+indexer rows (N, D), of which the first (p + 1) // ratio are visible to a query at p:
+
+- `SCORES_KERNEL`: score_r = sum_h w_h relu(q_h . k_r), float32, for every visible row; -inf for the others. Each
+  SIMD group takes 4 rows at a time (float4 loads every lane shares), each lane 2 of the 64 heads (the queries sit
+  transposed in threadgroup memory), the lanes' weighted terms are summed across the group. A query with at most
+  top_k visible rows writes nothing: all of them are picked, so no score is read.
+- `SELECT_KERNEL`: one threadgroup of 1024 threads per query. With at most top_k visible rows the answer is fixed:
+  indices 0..top_k-1, valid below the visible count (what `mask_to_indices` pads with). Otherwise it finds the
+  top_k-th largest score by a radix select over order-preserving uint32 keys (4 passes of 8 bits, a 256-bin
+  histogram in threadgroup memory each), admits the rows above it and the tied rows in index order until top_k
+  (ds4's rule: the lower index wins), and writes them in ascending order: a threadgroup-wide prefix count over
+  contiguous row ranges gives each thread its first output slot.
+
+Any number of queries T works (the decode step has one). Expected on the H200 (estimates, not measured): the
+score kernel does 8k FP32 FMAs per visible row (64 heads x 128 dims), ~1 us at 2k rows and ~3-4 us at 8k (32k
+tokens); the select is one threadgroup: ~1 us with at most top_k rows visible (every position below 2k tokens),
+a few us at 8k rows (4 histogram passes over them).
+
+Its reference is `pick_rows` in model/attention.py, handed in by the model: `mask_to_indices(select(...))` and the
+validity gather. The selection is exact given the scores; the scores are the reference's float32 products and sums
+in another order (within SCORE_TOLERANCE of the largest score), so where two scores at the top_k-th place are
+closer than that rounding, the two can pick different rows. The first-use probe therefore uses integer-valued
+inputs, whose scores are exact in any summation order, with triplicated rows so that the top_k-th place is tied,
+and asks for identical indices and validity (tolerance 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import mlx.core as mx
+import numpy as np
+
+from .dialect import SIMD_WIDTH, Kernel, build
+from .registry import FastPath, current_backend
+
+SCORE_TOLERANCE = 1e-5
+"""The kernel's scores against the reference's, relative to the largest: float32 sums of 128 products per head and
+of 64 weighted heads, in another order."""
+ROWS_PER_SIMD = 4
+SCORE_SIMDS = 8
+MAX_SCORE_GROUPS = 512
+"""Threadgroups of the score kernel at most (each stages the queries once; more rows loop)."""
+SELECT_THREADS = 1024
+QUERY_BYTES = 32768
+"""Threadgroup memory for a query's heads (64 heads of 128 floats exactly): Metal's limit."""
+
+_HELPERS = """
+DEVICE_FN float ix_lane(float4 v, int e) {
+  return e == 0 ? v.x : (e == 1 ? v.y : (e == 2 ? v.z : v.w));
+}
+DEVICE_FN unsigned int ix_key(float score) {
+  unsigned int bits = ds4_bits(score);
+  bits = (bits << 1) == 0u ? 0u : bits;  // -0 is +0, as comparisons have it
+  return (bits & 0x80000000u) != 0u ? ~bits : (bits | 0x80000000u);
+}
+DEVICE_FN int ix_exclusive(int v, int lane) {
+  int before = 0;
+  int group = v;
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int other = ds4_simd_xor(group, offset);
+    before += (lane & offset) != 0 ? other : 0;
+    group += other;
+  }
+  return before;
+}
+"""
+"""ix_key: float -> uint32 in the same order (negatives bit-flipped, positives with the sign bit set).
+ix_exclusive: the sum of v over the SIMD group's lower lanes (a butterfly: each step adds the lower half's total)."""
+
+_SCORES = """
+const int t = GROUP_Y;
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+SHARED float qt[D * HP];
+int visible = (position[t] + 1) / RATIO;
+visible = visible < N ? visible : N;
+if (visible <= K) {
+  return;
+}
+for (int i = THREAD_IN_GROUP; i < D * HP; i += WARPS * 32) {
+  const int d = i / HP;
+  const int h = i - d * HP;
+  qt[i] = h < H ? q[((size_t)t * H + h) * D + d] : 0.0f;
+}
+float wl[HP / 32];
+for (int j = 0; j < HP / 32; ++j) {
+  const int h = 32 * j + lane;
+  wl[j] = h < H ? w[(size_t)t * H + h] : 0.0f;
+}
+ds4_barrier();
+const GLOBAL_MEM float4* rows4 = reinterpret_cast<const GLOBAL_MEM float4*>(rows);
+GLOBAL_MEM float* out = scores + (size_t)t * N;
+const float below = -ds4_float(0x7f800000u);
+for (int g = GROUP_X * WARPS + warp; g * R < N; g += BLOCKS * WARPS) {
+  const int r0 = g * R;
+  if (r0 >= visible) {
+    if (lane < R && r0 + lane < N) {
+      out[r0 + lane] = below;
+    }
+    continue;
+  }
+  float acc[R][HP / 32];  // unrolled loops keep acc and k in registers
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    #pragma unroll
+    for (int j = 0; j < HP / 32; ++j) {
+      acc[r][j] = 0.0f;
+    }
+  }
+  for (int c = 0; c < D / 4; ++c) {
+    float4 k[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      k[r] = rows4[(size_t)(r0 + r < N ? r0 + r : N - 1) * (D / 4) + c];
+    }
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      #pragma unroll
+      for (int j = 0; j < HP / 32; ++j) {
+        const float qv = qt[(4 * c + e) * HP + 32 * j + lane];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          acc[r][j] += qv * ix_lane(k[r], e);
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float part = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < HP / 32; ++j) {
+      part += wl[j] * (acc[r][j] > 0.0f ? acc[r][j] : 0.0f);
+    }
+    const float score = ds4_simd_sum(part);
+    if (lane == 0 && r0 + r < N) {
+      out[r0 + r] = r0 + r < visible ? score : below;
+    }
+  }
+}
+"""
+
+_SELECT = """
+const int t = GROUP_X;
+const int tid = THREAD_IN_GROUP;
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+SHARED int hist[256];
+SHARED int sums[2 * (THREADS / 32)];
+SHARED int found[2];
+int visible = (position[t] + 1) / RATIO;
+visible = visible < N ? visible : N;
+GLOBAL_MEM int* out = picked + (size_t)t * W;
+GLOBAL_MEM bool* ok = valid + (size_t)t * W;
+if (visible <= K) {
+  for (int i = tid; i < W; i += THREADS) {
+    out[i] = i;
+    ok[i] = i < visible;
+  }
+  return;
+}
+for (int i = tid; i < W; i += THREADS) {
+  ok[i] = true;
+}
+const GLOBAL_MEM float* s = scores + (size_t)t * N;
+const int rounds = (visible + THREADS - 1) / THREADS;
+unsigned int prefix = 0u;
+unsigned int decided = 0u;
+int rank = K;  // the wanted key is the rank-th largest of those that match prefix on the decided bits
+for (int shift = 24; shift >= 0; shift -= 8) {
+  for (int b = tid; b < 256; b += THREADS) {
+    hist[b] = 0;
+  }
+  ds4_barrier();
+  for (int j = 0; j < rounds; ++j) {
+    const int i = j * THREADS + tid;
+    if (i < visible) {
+      const unsigned int key = ix_key(s[i]);
+      if ((key & decided) == prefix) {
+        ds4_atomic_add(hist + ((key >> shift) & 255u), 1);
+      }
+    }
+  }
+  ds4_barrier();
+  if (warp == 0) {
+    const int top = 255 - 8 * lane;  // this lane's bins, from the highest: top, top - 1, ..., top - 7
+    int count = 0;
+    for (int b = 0; b < 8; ++b) {
+      count += hist[top - b];
+    }
+    int above = ix_exclusive(count, lane);
+    for (int b = 0; b < 8; ++b) {
+      const int c = hist[top - b];
+      if (above < rank && rank <= above + c) {
+        found[0] = top - b;
+        found[1] = rank - above;
+      }
+      above += c;
+    }
+  }
+  ds4_barrier();
+  prefix |= (unsigned int)found[0] << shift;
+  decided |= 255u << shift;
+  rank = found[1];
+}
+const int lo = tid * rounds;
+const int hi = lo + rounds < visible ? lo + rounds : visible;
+int n_above = 0;
+int n_tied = 0;
+for (int i = lo; i < hi; ++i) {
+  const unsigned int key = ix_key(s[i]);
+  n_above += key > prefix ? 1 : 0;
+  n_tied += key == prefix ? 1 : 0;
+}
+int above = ix_exclusive(n_above, lane);
+int tied = ix_exclusive(n_tied, lane);
+if (lane == 31) {
+  sums[warp] = above + n_above;
+  sums[THREADS / 32 + warp] = tied + n_tied;
+}
+ds4_barrier();
+for (int g = 0; g < warp; ++g) {
+  above += sums[g];
+  tied += sums[THREADS / 32 + g];
+}
+for (int i = lo; i < hi; ++i) {
+  const unsigned int key = ix_key(s[i]);
+  if (key > prefix) {
+    out[above + (tied < rank ? tied : rank)] = i;
+    above += 1;
+  } else if (key == prefix) {
+    if (tied < rank) {
+      out[above + tied] = i;
+    }
+    tied += 1;
+  }
+}
+"""
+"""After the passes `prefix` is the top_k-th largest key and `rank` the number of rows with that key to admit
+(top_k less those above it); a row's slot is the rows above it before it plus min(tied rows before it, rank)."""
+
+SCORES_KERNEL = Kernel("ds4_indexer_scores", ("q", "w", "rows", "position"), ("scores",), _SCORES, _HELPERS)
+SELECT_KERNEL = Kernel("ds4_indexer_select", ("scores", "position"), ("picked", "valid"), _SELECT, _HELPERS)
+
+
+def heads_padded(n_head: int) -> int:
+    """Heads rounded up to whole SIMD groups: each lane takes every 32nd head."""
+    return -(-n_head // SIMD_WIDTH) * SIMD_WIDTH
+
+
+def scores_template(h: int, d: int, n: int, ratio: int, top_k: int) -> dict[str, int]:
+    """The score kernel's constants; BLOCKS is its number of threadgroups per query."""
+    groups = -(-n // ROWS_PER_SIMD)
+    return {"H": h, "HP": heads_padded(h), "D": d, "N": n, "K": top_k, "RATIO": ratio, "R": ROWS_PER_SIMD,
+            "WARPS": SCORE_SIMDS, "BLOCKS": min(-(-groups // SCORE_SIMDS), MAX_SCORE_GROUPS)}
+
+
+def select_template(n: int, ratio: int, top_k: int) -> dict[str, int]:
+    """The select kernel's constants; W is its output width."""
+    return {"N": n, "K": top_k, "W": min(n, top_k), "RATIO": ratio, "THREADS": SELECT_THREADS}
+
+
+def indexer_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int,
+                   top_k: int) -> mx.array:
+    """Scores (T, N) of rows (N, D) for queries q (T, H, D) with head weights (T, H) at positions (T,): -inf where
+    not visible; a query with at most top_k visible rows is left unwritten (its rows are all picked)."""
+    t, h, d = q.shape
+    template = scores_template(h, d, rows.shape[0], ratio, top_k)
+    (scores,) = build(SCORES_KERNEL, current_backend())(
+        inputs=[q.astype(mx.float32), weights.astype(mx.float32), rows.astype(mx.float32),
+                positions.astype(mx.int32)],
+        template=list(template.items()),
+        grid=(template["BLOCKS"] * SCORE_SIMDS * SIMD_WIDTH, t, 1), threadgroup=(SCORE_SIMDS * SIMD_WIDTH, 1, 1),
+        output_shapes=[(t, rows.shape[0])], output_dtypes=[mx.float32],
+    )
+    return scores
+
+
+def select_rows(scores: mx.array, positions: mx.array, ratio: int, top_k: int) -> tuple[mx.array, mx.array]:
+    """(picked (T, min(N, top_k)) int32 ascending, valid (T, min(N, top_k)) bool) from scores (T, N)."""
+    t, n = scores.shape
+    template = select_template(n, ratio, top_k)
+    return tuple(build(SELECT_KERNEL, current_backend())(
+        inputs=[scores, positions.astype(mx.int32)], template=list(template.items()),
+        grid=(t * SELECT_THREADS, 1, 1), threadgroup=(SELECT_THREADS, 1, 1),
+        output_shapes=[(t, template["W"])] * 2, output_dtypes=[mx.int32, mx.bool_],
+    ))
+
+
+def exact_inputs(h: int, d: int, n: int, positions: list[int], seed: int, copies: int = 3
+                 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Queries, weights, rows and positions whose scores are exact in float32 whatever the summation order: small
+    integers, weights in sixteenths (|score| < 2^17 in steps of 2^-4). Rows come in runs of `copies` equal ones,
+    so equal scores (ties) are everywhere, the top_k-th place included."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(-2, 3, (-(-n // copies), d), dtype=np.int8)[np.arange(n) // copies]
+    q = rng.integers(-2, 3, (len(positions), h, d))
+    weights = rng.integers(-3, 4, (len(positions), h)) / 16
+    return (mx.array(q.astype(np.float32)), mx.array(weights.astype(np.float32)), mx.array(rows.astype(np.float32)),
+            mx.array(positions, dtype=mx.int32))
+
+
+def position_seeing(rows: int, ratio: int) -> int:
+    """A position p whose query sees exactly `rows` rows: (p + 1) // ratio == rows."""
+    return rows * ratio + ratio - 2
+
+
+class IndexerPick:
+    """(picked (T, top_k) int32 ascending, valid (T, top_k) bool): the rows decode queries attend, by the two
+    kernels where they passed their check ((T, N) where the buffer holds N <= top_k rows)."""
+
+    def __init__(self, reference: Callable[..., tuple[mx.array, mx.array]]):
+        self.fast_path = FastPath("indexer_pick", reference, self._kernel, self._probe, tolerance=0.0,
+                                  backends=("cuda", "metal"))
+
+    def __call__(self, q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int,
+                 top_k: int) -> tuple[mx.array, mx.array]:
+        """q (T, H, D) and weights (T, H) of queries at positions (T,) over rows (N, D)."""
+        h, d = q.shape[1:]
+        if d % 4 or heads_padded(h) * d * 4 > QUERY_BYTES:  # float4 rows; the queries fit threadgroup memory
+            return self.fast_path.reference(q, weights, rows, positions, ratio, top_k)
+        return self.fast_path(q, weights, rows, positions, ratio, top_k, key=(h, d, rows.shape[0], ratio, top_k))
+
+    @staticmethod
+    def _kernel(q, weights, rows, positions, ratio, top_k) -> tuple[mx.array, mx.array]:
+        return select_rows(indexer_scores(q, weights, rows, positions, ratio, top_k), positions, ratio, top_k)
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """Three queries: all rows but the last visible, fewer than top_k, and one more than top_k (as N allows)."""
+        h, d, n, ratio, top_k = key
+        seen = [n - 1, max(top_k - 3, 0), min(top_k + 1, n)]
+        return (*exact_inputs(h, d, n, [position_seeing(v, ratio) for v in seen], seed=81), ratio, top_k)

@@ -1,0 +1,191 @@
+"""The indexer kernels (kernels/indexer.py) against `pick_rows` and `index_scores` in model/attention.py.
+
+Inputs with integer values (`exact_inputs`) give scores that are exact whatever the summation order, so the picked
+rows and their validity must be identical, ties at the top_k-th place included; float inputs check the scores to
+SCORE_TOLERANCE. On the GPU through MLX (gpu marker), and on the CPU through the kernels' CUDA text compiled by
+g++ (emulated_cuda.py, slow marker). The CPU tests pin what the kernels assume of the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.indexer import (
+    SCORE_SIMDS,
+    SCORE_TOLERANCE,
+    SCORES_KERNEL,
+    SELECT_KERNEL,
+    SELECT_THREADS,
+    exact_inputs,
+    indexer_scores,
+    position_seeing,
+    scores_template,
+    select_template,
+)
+from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.model.attention import INDEXER_PICK, index_scores, pick_rows
+from ds4_mlx.model.topk import mask_to_indices, top_k_mask
+from emulated_cuda import compile_library, kernel_function
+
+HEADS, DIM, RATIO, TOP_K = 64, 128, 4, 512
+SIZES = [(512, TOP_K), (2048, TOP_K), (2050, TOP_K), (8192, TOP_K), (300, 64)]
+"""(rows, top_k): as many rows as top_k (all picked), 2k and 8k rows (8k and 32k tokens), 2050 (Flash's buffer at 8k
+tokens: not a whole number of the score kernel's 4-row groups) and a small top_k."""
+
+
+def seen_counts(n: int, top_k: int) -> list[int]:
+    """Visible row counts around top_k and at the ends: none, below, at and above top_k, all but one, all."""
+    return sorted({min(v, n) for v in (0, top_k - 1, top_k, top_k + 1, n - 1, n)})
+
+
+def queries(n: int, top_k: int, seed: int, copies: int = 3):
+    return exact_inputs(HEADS, DIM, n, [position_seeing(v, RATIO) for v in seen_counts(n, top_k)], seed, copies)
+
+
+def float_inputs(n: int, top_k: int):
+    """Queries with float values for the score check: every one sees more than top_k rows."""
+    positions = mx.array([position_seeing(v, RATIO) for v in (top_k + 1, n - 1, n)], dtype=mx.int32)
+    return (random_activations((3, HEADS, DIM), seed=11), random_activations((3, HEADS), seed=12) * 0.1,
+            random_activations((n, DIM), seed=13), positions)
+
+
+def visible_mask(n: int, positions: mx.array) -> mx.array:
+    return mx.arange(n)[None, :] < ((positions + 1) // RATIO)[:, None]
+
+
+def test_pick_rows_pads_with_the_first_rows(on_cpu):
+    """The kernels write 0..top_k-1 (valid below the visible count) when at most top_k rows are visible, and
+    (T, N) when N <= top_k: what `mask_to_indices` gives. Above top_k: top_k valid rows, ascending."""
+    for n, top_k in [(40, 8), (8, 8), (6, 8)]:
+        q, w, rows, positions = queries(n, top_k, seed=1)
+        picked, valid = pick_rows(q, w, rows, positions, RATIO, top_k)
+        seen = (positions + 1) // RATIO
+        for i, v in enumerate(seen.tolist()):
+            if v <= top_k:
+                assert picked[i].tolist() == list(range(min(n, top_k)))
+                assert valid[i].tolist() == [j < v for j in range(min(n, top_k))]
+            else:
+                assert valid[i].all().item() and (picked[i][1:] > picked[i][:-1]).all().item()
+
+
+def test_pick_rows_is_the_chunk_paths_choice(on_cpu):
+    """`pick_rows` is the chunk path's `select` + `mask_to_indices` + validity gather, bit for bit."""
+    q, w, rows, positions = queries(40, 8, seed=2)
+    visible = visible_mask(40, positions)
+    chosen = top_k_mask(index_scores(q, w, rows, visible), 8) & visible
+    picked = mask_to_indices(chosen, 8)
+    got = pick_rows(q, w, rows, positions, RATIO, 8)
+    assert mx.array_equal(got[0], picked) and mx.array_equal(got[1], mx.take_along_axis(chosen, picked, axis=-1))
+
+
+def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
+    q, w, rows, positions = queries(600, TOP_K, seed=3)
+    got = INDEXER_PICK(q, w, rows, positions, RATIO, TOP_K)
+    want = pick_rows(q, w, rows, positions, RATIO, TOP_K)
+    assert all(mx.array_equal(g, v) for g, v in zip(got, want))
+    assert not INDEXER_PICK.fast_path.enabled((HEADS, DIM, 600, RATIO, TOP_K))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "top_k"), SIZES, ids=str)
+@pytest.mark.parametrize("copies", [3, 1, 10**6], ids=["triples", "distinct", "all-equal"])
+def test_indexer_pick_kernels_are_used_and_equal_reference(kernels_unforced, n, top_k, copies):
+    q, w, rows, positions = queries(n, top_k, seed=n + copies, copies=copies)
+    got = INDEXER_PICK(q, w, rows, positions, RATIO, top_k)
+    assert INDEXER_PICK.fast_path.decisions()[registry.current_backend(), (HEADS, DIM, n, RATIO, top_k)].fast
+    want = pick_rows(q, w, rows, positions, RATIO, top_k)
+    assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+
+
+def zero_rows(n: int, top_k: int):
+    """Every other row zero and the weights negative: no score is above 0 and half of them are 0, all tied."""
+    q, w, rows, positions = queries(n, top_k, seed=4)
+    return q, -mx.abs(w), mx.where((mx.arange(n) % 2 == 0)[:, None], 0.0, rows), positions
+
+
+@pytest.mark.gpu
+def test_indexer_pick_kernels_tie_zero_scores(kernels_unforced):
+    q, w, rows, positions = zero_rows(2048, TOP_K)
+    got = INDEXER_PICK(q, w, rows, positions, RATIO, TOP_K)
+    want = pick_rows(q, w, rows, positions, RATIO, TOP_K)
+    assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2048, 8192])
+def test_indexer_scores_kernel_within_tolerance(n):
+    q, w, rows, positions = float_inputs(n, TOP_K)
+    got = indexer_scores(q, w, rows, positions, RATIO, TOP_K)
+    assert registry.disagreement(got, index_scores(q, w, rows, visible_mask(n, positions)), SCORE_TOLERANCE) is None
+
+
+SCORES_LAUNCH = r"""
+extern "C" void launch(const float* q, const float* w, const float* rows, const int32_t* position, float* scores,
+                       int groups, int queries, int threads) {
+  run_groups(groups, queries, threads, [=] { ds4_indexer_scores(q, w, rows, position, scores); });
+}
+"""
+SELECT_LAUNCH = r"""
+extern "C" void launch(const float* scores, const int32_t* position, int32_t* picked, bool* valid, int queries,
+                       int threads) {
+  run_groups(queries, 1, threads, [=] { ds4_indexer_select(scores, position, picked, valid); });
+}
+"""
+
+
+def emulated_pick(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array, top_k: int, tmp_path
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scores, picked, valid) from the two kernels' CUDA text run on the CPU."""
+    t, n = q.shape[0], rows.shape[0]
+    scores_params = ["const float* q", "const float* w", "const float* rows", "const int32_t* position",
+                     "float* scores"]
+    template = scores_template(HEADS, DIM, n, RATIO, top_k)
+    scorer = compile_library(kernel_function(SCORES_KERNEL, scores_params, template) + SCORES_LAUNCH,
+                             tmp_path / f"scores_{n}_{top_k}")
+    select_params = ["const float* scores", "const int32_t* position", "int32_t* picked", "bool* valid"]
+    selector = compile_library(kernel_function(SELECT_KERNEL, select_params, select_template(n, RATIO, top_k))
+                               + SELECT_LAUNCH, tmp_path / f"select_{n}_{top_k}")
+    q, w, rows = (np.ascontiguousarray(a, np.float32) for a in (q, w, rows))
+    positions = np.ascontiguousarray(positions, np.int32)
+    scores = np.full((t, n), np.nan, np.float32)
+    picked = np.full((t, min(n, top_k)), -1, np.int32)
+    valid = np.zeros((t, min(n, top_k)), np.bool_)
+    pointer = ctypes.c_void_p
+    scorer.launch(*(pointer(a.ctypes.data) for a in (q, w, rows, positions, scores)), template["BLOCKS"], t,
+                  SCORE_SIMDS * 32)
+    selector.launch(*(pointer(a.ctypes.data) for a in (scores, positions, picked, valid)), t, SELECT_THREADS)
+    return scores, picked, valid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "top_k"), SIZES, ids=str)
+@pytest.mark.parametrize("copies", [3, 10**6], ids=["triples", "all-equal"])
+def test_emulated_cuda_kernels_equal_reference(on_cpu, n, top_k, copies, tmp_path):
+    q, w, rows, positions = queries(n, top_k, seed=n + copies, copies=copies)
+    scores, picked, valid = emulated_pick(q, w, rows, positions, top_k, tmp_path)
+    want_picked, want_valid = pick_rows(q, w, rows, positions, RATIO, top_k)
+    assert (picked == np.array(want_picked)).all() and (valid == np.array(want_valid)).all()
+    wide = ((positions + 1) // RATIO > top_k).tolist()  # the kernel scores only queries that choose
+    want = np.array(index_scores(q, w, rows, visible_mask(n, positions)))
+    assert (scores[wide] == want[wide]).all()  # exact inputs: exact scores
+
+
+@pytest.mark.slow
+def test_emulated_cuda_kernels_tie_zero_scores(on_cpu, tmp_path):
+    q, w, rows, positions = zero_rows(300, 64)
+    _, picked, valid = emulated_pick(q, w, rows, positions, 64, tmp_path)
+    want_picked, want_valid = pick_rows(q, w, rows, positions, RATIO, 64)
+    assert (picked == np.array(want_picked)).all() and (valid == np.array(want_valid)).all()
+
+
+@pytest.mark.slow
+def test_emulated_cuda_scores_within_tolerance(on_cpu, tmp_path):
+    q, w, rows, positions = float_inputs(2050, TOP_K)
+    scores, _, _ = emulated_pick(q, w, rows, positions, TOP_K, tmp_path)
+    want = index_scores(q, w, rows, visible_mask(2050, positions))
+    assert registry.disagreement(mx.array(scores), want, SCORE_TOLERANCE) is None
