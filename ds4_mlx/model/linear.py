@@ -209,10 +209,12 @@ class Linear:
             w = self._affine
             split = AffineWeight(*(a.reshape(groups, -1, a.shape[-1]) for a in (w.wq, w.scales, w.biases)), w.bits)
             if x.shape[0] < BATCH_TOKENS and AFFINE_GATHER.enabled(GGMLType(self.ggml_type)):
-                # a few tokens: each (token, group) pair is a matvec against its group's rows, in one gather_qmm
-                # launch (a batched quantized_matmul of one row per batch takes MLX's slow naive kernel)
-                ids = mx.tile(mx.arange(groups, dtype=mx.uint32), x.shape[0])
-                return split.gather_matmul(x.reshape(-1, x.shape[-1]), ids).reshape(x.shape[0], groups, -1)
+                # a few tokens: each (token, group) pair is a matvec against its group's rows, in one launch of
+                # the matvec kernel over the groups as a bank (MLX's batched quantized_matmul of one row per batch,
+                # and its 8-bit gather_qmm, both take its slow naive kernel: 127 us a layer on the H200)
+                ids = mx.arange(groups, dtype=mx.uint32)
+                ids = ids if x.shape[0] == 1 else mx.tile(ids, x.shape[0])
+                return affine_matvec(x.reshape(-1, x.shape[-1]), split, ids).reshape(x.shape[0], groups, -1)
             xg = mx.swapaxes(x, 0, 1)
             return mx.swapaxes(batch_matmul(xg, split) if x.shape[0] >= BATCH_TOKENS else split.matmul(xg), 0, 1)
         return mx.einsum("tgi,goi->tgo", x, self.weight.reshape(groups, -1, self.shape[1]))
