@@ -298,3 +298,19 @@ def test_bfloat16_prefill_stays_close_to_float32(on_gpu, model_files, kind, monk
     error = relative_error(logits["bfloat16"], logits["float32"])
     agree = (logits["bfloat16"].argmax(-1) == logits["float32"].argmax(-1)).mean().item()
     assert 0 < error <= 5e-2 and agree >= 0.9, (error, agree)
+
+
+@pytest.mark.parametrize("ids", [
+    [0, 1, 1, 1, 1, 1, 3, 3, 4, 4, 4, 4],  # an unused expert, one with a single pair, one with most
+    [2] * 40,  # every pair on one expert: the capacity is the whole chunk
+    list(range(5)) * 7,  # one pair per expert, seven times
+])
+def test_padded_matmul_equals_the_gathered_products(ids):
+    """The batched GEMM over per-expert padded blocks (CUDA's grouped path) gives each pair its own product."""
+    sorted_ids = mx.sort(mx.array(ids, dtype=mx.uint32))
+    x = random_activations((sorted_ids.size, 64), seed=41)
+    scratch = random_activations((5, 48, 64), seed=42)
+    want = (x[:, None, :] @ mx.swapaxes(scratch[sorted_ids], 1, 2))[:, 0, :]
+    got = grouped.padded_matmul(x, scratch, sorted_ids)
+    assert got.shape == want.shape and got.dtype == mx.float32
+    assert mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()

@@ -81,17 +81,38 @@ def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projecti
 
 
 def trusts_sorted_indices() -> bool:
-    """Whether to tell MLX that the pairs are sorted. MLX 0.32.4's CUDA gather_mm gives wrong products with
-    sorted_indices=True (measured on the H200: relative error ~1 for 12 to 4096 sorted pairs, float32 and bf16,
-    while the unsorted call is right to 4e-7), so on CUDA the pairs are passed as unsorted."""
+    """Whether MLX's gather_mm may be told that the pairs are sorted. MLX 0.32.4's CUDA gather_mm gives wrong
+    products with sorted_indices=True (measured on the H200: relative error ~1.5 from 64 pairs of 8 small experts
+    on, float32 and bf16, and an illegal memory access at 12,288 pairs of 256 Flash experts), so on CUDA the
+    grouped GEMM is a padded batched matmul instead (`padded_matmul`)."""
     return registry.current_backend() != "cuda"
 
 
 def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array:
     """x[i] @ scratch[ids[i]].T as float32 (N, OUT), for x (N, IN), scratch (E, OUT, IN), ids sorted ascending."""
+    if not trusts_sorted_indices():
+        return padded_matmul(x, scratch, sorted_ids)
     y = mx.gather_mm(x[:, None, :].astype(scratch.dtype), mx.swapaxes(scratch, 1, 2), rhs_indices=sorted_ids,
-                     sorted_indices=trusts_sorted_indices())
+                     sorted_indices=True)
     return y[:, 0, :].astype(mx.float32)
+
+
+def padded_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array:
+    """`scratch_matmul` as one batched GEMM where the sorted gather_mm cannot be used (CUDA): each expert's pairs are
+    placed in its own block of C rows (C: the largest count, rounded up to a power of two), (E, C, IN) @ (E, IN, OUT)
+    runs as a dense batched matmul, and each pair's row is read back. The unsorted gather_mm it replaces does one
+    matrix-vector product per pair, reading its expert's whole matrix each time (~400 GB per Flash projection of a
+    2048-token chunk). C needs the largest count on the host: one small read-back per projection. Transient memory:
+    E * C * (IN + OUT) values, with C <= the chunk's tokens (a token's k experts are distinct)."""
+    n_expert = scratch.shape[0]
+    counts = expert_counts(sorted_ids, n_expert)
+    capacity = 1 << max(4, (int(mx.max(counts).item()) - 1).bit_length())
+    starts = mx.cumsum(counts) - counts
+    slot = sorted_ids * capacity + mx.arange(sorted_ids.size, dtype=mx.uint32) - starts[sorted_ids]
+    padded = mx.zeros((n_expert * capacity, x.shape[-1]), scratch.dtype)
+    padded[slot] = x.astype(scratch.dtype)
+    y = mx.matmul(padded.reshape(n_expert, capacity, -1), mx.swapaxes(scratch, 1, 2))
+    return y.reshape(n_expert * capacity, -1)[slot].astype(mx.float32)
 
 
 def sliced_grouped(x: mx.array, sorted_ids: mx.array, shape: tuple[int, int, int],
