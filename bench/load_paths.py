@@ -106,9 +106,10 @@ def cudart() -> ctypes.CDLL:
         import glob
         import os
 
-        import mlx
+        import site
+        import sys
         names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-        for root in {os.path.dirname(os.path.dirname(mlx.__file__)), *__import__("site").getsitepackages()}:
+        for root in {*sys.path, *site.getsitepackages()}:
             names += glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"), recursive=True)
         for name in names:
             try:
