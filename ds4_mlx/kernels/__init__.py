@@ -6,6 +6,8 @@
 - `affine`: Q8_0 and Q4_K as MLX affine quantized arrays (exact) for `mx.quantized_matmul` / `mx.gather_qmm`;
 - `dialect`: one custom-kernel definition rendered for CUDA (`mx.fast.cuda_kernel`) or Metal;
 - `matvec`: the dequant-matvec kernel for decode over raw blocks, with `iq2_xxs` and `q2_k` its two quant types;
+- `experts`: a decode token's routed experts over raw IQ2_XXS / Q2_K banks in two launches (gate + up + SwiGLU, down
+  + the sum over slots);
 - `grouped`: prefill's routed experts as grouped GEMMs over expert-sorted pairs, with `dequant` (IQ2_XXS / Q2_K
   banks into a float scratch) and `batch` (projections of 16+ rows as dequantize + GEMM, DS4_PREFILL_DTYPE);
 - `probe`: random valid quant blocks for the first-use checks.

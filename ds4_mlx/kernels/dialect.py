@@ -16,7 +16,10 @@ share, plus a few neutral words that each dialect spells its own way:
   short) (IEEE half bits to float), ds4_exp(float) (full-precision e^x), ds4_simd_max(float), ds4_bits(float) /
   ds4_float(unsigned int) (reinterpret), ds4_rint(float) (ties to even), ds4_div(float, float) (correctly
   rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float) (Metal has no log1p: log(1 + x)
-  there).
+  there), ds4_byte_perm(lo, hi, selector) (CUDA's __byte_perm: byte n of the result is byte (selector >> 4n) & 7
+  of the eight bytes hi:lo; selector nibbles stay below 8) and ds4_magic_byte(word, j) (2^23 + byte j of word, an
+  exact float made by one byte permute: quants become floats without an int-to-float conversion, which runs at a
+  quarter of the FMA rate on NVIDIA GPUs).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -118,6 +121,14 @@ __device__ __forceinline__ float ds4_log1p(float v) { return log1pf(v); }
 __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
   return __half2float(__ushort_as_half(bits));
 }
+__device__ __forceinline__ unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int selector) {
+  unsigned int r;  // prmt itself: __byte_perm would first mask the selector to 3-bit nibbles
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(selector));
+  return r;
+}
+__device__ __forceinline__ float ds4_magic_byte(unsigned int word, int j) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u + (unsigned int)j));
+}
 """,
     make=mx.fast.cuda_kernel,
 )
@@ -149,6 +160,17 @@ inline float ds4_rint(float v) { return metal::rint(v); }
 inline float ds4_div(float a, float b) { return metal::precise::divide(a, b); }
 inline float ds4_log1p(float v) { return metal::precise::log(1.0f + v); }
 inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
+inline unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int selector) {
+  unsigned int r = 0u;
+  for (int n = 0; n < 4; ++n) {
+    const unsigned int k = (selector >> (4 * n)) & 7u;
+    r |= (((k < 4u ? lo : hi) >> (8u * (k & 3u))) & 255u) << (8 * n);
+  }
+  return r;
+}
+inline float ds4_magic_byte(unsigned int word, int j) {
+  return as_type<float>(0x4B000000u | ((word >> (8 * j)) & 255u));
+}
 """,
     make=mx.fast.metal_kernel,
 )
