@@ -189,10 +189,12 @@ def test_kernel_runs_inside_a_compiled_function(on_gpu, matvec):
 
 @pytest.mark.gpu
 def test_q2_model_decode_with_kernels_equals_the_reference(on_gpu, tmp_path):
-    """Decode steps of the tiny q2 model: routed experts through the kernels against the forced reference path
-    (activation simulation off, so that no FP8/FP4 rounding step can amplify a reassociation difference)."""
+    """Decode steps of the tiny q2 model: routed experts through the kernels (the fused ones of kernels/experts.py,
+    which the decode path now prefers to these matvecs) against the forced reference path (activation simulation
+    off, so that no FP8/FP4 rounding step can amplify a reassociation difference)."""
     from ds4_mlx.model.factory import write_model
     from ds4_mlx.model.model import Model
+    from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
     from ds4_mlx.model.weights import open_weights
 
     weights = open_weights(write_model(tmp_path / "tiny-q2.gguf", preset="tiny", experts="q2", seed=7))
@@ -207,8 +209,9 @@ def test_q2_model_decode_with_kernels_equals_the_reference(on_gpu, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fast = decode()
-    assert all(matvec.fast_path.decisions() for matvec in MATVECS)  # the kernels were checked and used
-    assert all(decision.fast for matvec in MATVECS for decision in matvec.fast_path.decisions().values())
+    fused = (GATE_UP.fast_path, DOWN_SUM.fast_path)
+    assert all(path.decisions() for path in fused)  # the kernels were checked and used
+    assert all(decision.fast for path in fused for decision in path.decisions().values())
     with registry.forced_mode("reference"):
         reference = decode()
     assert np.abs(fast - reference).max() <= 1e-4 * np.abs(reference).max()

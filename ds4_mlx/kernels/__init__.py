@@ -8,6 +8,8 @@
 - `dialect`: one custom-kernel definition rendered for CUDA (`mx.fast.cuda_kernel`) or Metal;
 - `matvec`: the dequant-matvec kernel for decode over raw blocks, with `iq2_xxs` and `q2_k` its two quant types;
 - `half`: the matvec of F16 matrices kept as float16, for decode (float32 accumulation);
+- `experts`: a decode token's routed experts over raw IQ2_XXS / Q2_K banks in two launches (gate + up + SwiGLU, down
+  + the sum over slots);
 - `grouped`: prefill's routed experts as grouped GEMMs over expert-sorted pairs, with `dequant` (IQ2_XXS / Q2_K
   banks into a float scratch) and `batch` (projections of 16+ rows as dequantize + GEMM, DS4_PREFILL_DTYPE);
 - `probe`: random valid quant blocks for the first-use checks.

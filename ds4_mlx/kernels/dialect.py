@@ -19,7 +19,10 @@ share, plus a few neutral words that each dialect spells its own way:
   ds4_float(unsigned int) (reinterpret), ds4_byte_float(unsigned int w, int k) (the float 2^23 + byte k of w, so
   that subtracting 2^23 gives the byte's value exactly: one byte permute on CUDA), ds4_rint(float) (ties to even),
   ds4_div(float, float) (correctly rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float)
-  (Metal has no log1p: log(1 + x) there).
+  (Metal has no log1p: log(1 + x) there), ds4_byte_perm(lo, hi, selector) (CUDA's __byte_perm: byte n of the result is
+  byte (selector >> 4n) & 7 of the eight bytes hi:lo; selector nibbles stay below 8) and ds4_magic_byte(word,
+  j) (2^23 + byte j of word, an exact float made by one byte permute: quants become floats without an
+  int-to-float conversion, which runs at a quarter of the FMA rate on NVIDIA GPUs).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -127,6 +130,14 @@ __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
 }
 __device__ __forceinline__ int ds4_simd_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ void ds4_atomic_add(int* p, int v) { atomicAdd(p, v); }
+__device__ __forceinline__ unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int selector) {
+  unsigned int r;  // prmt itself: __byte_perm would first mask the selector to 3-bit nibbles
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(selector));
+  return r;
+}
+__device__ __forceinline__ float ds4_magic_byte(unsigned int word, int j) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u + (unsigned int)j));
+}
 """,
     make=mx.fast.cuda_kernel,
 )
@@ -163,6 +174,17 @@ inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>
 inline int ds4_simd_xor(int v, int mask) { return metal::simd_shuffle_xor(v, (ushort)mask); }
 inline void ds4_atomic_add(threadgroup int* p, int v) {
   metal::atomic_fetch_add_explicit((threadgroup metal::atomic_int*)p, v, metal::memory_order_relaxed);
+}
+inline unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int selector) {
+  unsigned int r = 0u;
+  for (int n = 0; n < 4; ++n) {
+    const unsigned int k = (selector >> (4 * n)) & 7u;
+    r |= (((k < 4u ? lo : hi) >> (8u * (k & 3u))) & 255u) << (8 * n);
+  }
+  return r;
+}
+inline float ds4_magic_byte(unsigned int word, int j) {
+  return as_type<float>(0x4B000000u | ((word >> (8 * j)) & 255u));
 }
 """,
     make=mx.fast.metal_kernel,

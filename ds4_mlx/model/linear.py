@@ -17,12 +17,13 @@ A matrix is held in one of four forms:
 - raw: the rest, kept as their GGUF blocks and dequantized per call.
 
 Routed experts (ExpertBank) are affine when their type allows it, else raw, and only the experts a token selects
-are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go through the dequant-matvec kernels
-(GPU only). A prefill chunk's pairs, sorted by expert, go through grouped GEMMs instead (`ExpertBank.grouped`,
-kernels/grouped.py), and projections of BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends
-(kernels/batch.py). With DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path;
-after loading, the reference mode multiplies affine tensors by their dequantized values and float16 tensors by their
-float32 values, which are the reference's.
+are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go through the fused expert kernels
+(kernels/experts.py, called by model/moe.py) or the dequant-matvec kernels (GPU only). A prefill chunk's pairs,
+sorted by expert, go through grouped GEMMs instead (`ExpertBank.grouped`, kernels/grouped.py), and projections of
+BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends (kernels/batch.py). With
+DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path; after loading, the
+reference mode multiplies affine tensors by their dequantized values and float16 tensors by their float32 values,
+which are the reference's.
 """
 
 from __future__ import annotations
@@ -249,6 +250,12 @@ class ExpertBank:
     @property
     def nbytes(self) -> int:
         return self._affine.nbytes if self._affine is not None else self._raw.nbytes
+
+    @property
+    def raw(self) -> mx.array | None:
+        """The GGUF blocks (E, bytes per expert) of a bank held raw, for kernels that read several banks in one
+        launch (kernels/experts.py); None for an affine bank."""
+        return self._raw
 
     def experts(self, ids: mx.array) -> mx.array:
         """Float32 weights of the experts `ids` (K,) -> (K, OUT, IN)."""

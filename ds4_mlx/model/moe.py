@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ds4_mlx.kernels.experts import DownSum, GateUpSwiglu
 from ds4_mlx.kernels.grouped import grouped_swiglu
 from ds4_mlx.kernels.router import Route
 from ds4_mlx.model.linear import ExpertBank, Linear
@@ -32,6 +33,21 @@ def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
     """silu(min(gate, clamp)) * clip(up, -clamp, clamp)."""
     gate = mx.minimum(gate, clamp)
     return gate * mx.sigmoid(gate) * mx.clip(up, -clamp, clamp)
+
+
+def weighted_swiglu(gate: mx.array, up: mx.array, weights: mx.array, clamp: float) -> mx.array:
+    """The routed experts' hidden activations: swiglu of (N, F) gate and up, row n times the routing weight n."""
+    return swiglu(gate, up, clamp) * weights.reshape(-1, 1)
+
+
+def sum_slots(y: mx.array, k: int) -> mx.array:
+    """(T*k, D) expert outputs in (token, slot) order summed over each token's k slots -> (T, D)."""
+    return mx.sum(y.reshape(-1, k, y.shape[-1]), axis=1)
+
+
+GATE_UP = GateUpSwiglu(weighted_swiglu)
+DOWN_SUM = DownSum(sum_slots)
+"""The decode path's two fused kernels over raw q2 banks (kernels/experts.py), checked against the formulas above."""
 
 
 @dataclass
@@ -99,12 +115,21 @@ class RoutedExperts:
         return self._grouped(x, ids, weights)
 
     def _gathered(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
-        """One expert product per (token, slot); no host sync, for decode."""
-        t, k = ids.shape
+        """One expert product per (token, slot); no host sync, for decode. Raw banks whose fused kernels passed
+        their checks take one launch for gate, up and the SwiGLU and one for down and the slot sum; the others
+        (and the CPU) one product per projection and MLX ops between them."""
+        k = ids.shape[1]
         flat = ids.reshape(-1).astype(mx.uint32)  # the index type of gather_qmm and the kernels: cast once, not 3x
-        xs = mx.repeat(x, k, axis=0)  # (T*k, D)
-        h = swiglu(self.gate(xs, flat), self.up(xs, flat), self.clamp) * weights.reshape(-1, 1)
-        return mx.sum(self.down(h, flat).reshape(t, k, -1), axis=1)
+        gate, up, down = self.gate, self.up, self.down
+        if (gate.raw is not None and up.raw is not None and (gate.ggml_type, gate.shape) == (up.ggml_type, up.shape)
+                and GATE_UP.enabled(gate.ggml_type, gate.shape, k, self.clamp)):
+            h = GATE_UP(x, ids, weights, gate.raw, up.raw, gate.ggml_type, gate.shape, self.clamp)
+        else:
+            xs = mx.repeat(x, k, axis=0)  # (T*k, D)
+            h = weighted_swiglu(gate(xs, flat), up(xs, flat), weights, self.clamp)
+        if down.raw is not None and DOWN_SUM.enabled(down.ggml_type, down.shape, k):
+            return DOWN_SUM(h, ids, down.raw, down.ggml_type, down.shape)
+        return sum_slots(down(h, flat), k)
 
     def _grouped(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
         """All (token, slot) pairs sorted by expert on the device, then one grouped GEMM per projection; for
