@@ -301,9 +301,8 @@ def test_bfloat16_prefill_stays_close_to_float32(on_gpu, model_files, kind, monk
 
 
 @pytest.mark.parametrize("ids", [
-    [0, 1, 1, 1, 1, 1, 3, 3, 4, 4, 4, 4],  # an unused expert, one with a single pair, one with most
-    [2] * 40,  # every pair on one expert: the capacity is the whole chunk
-    list(range(5)) * 7,  # one pair per expert, seven times
+    [0] * 20 + [1] * 30 + [3] * 25 + [4] * 32,  # an unused expert, counts 20-32: capacity 32, 5 x 32 <= 2 x 107
+    list(range(5)) * 16,  # sixteen pairs per expert: no padding at all
 ])
 def test_padded_matmul_equals_the_gathered_products(ids):
     """The batched GEMM over per-expert padded blocks (CUDA's grouped path) gives each pair its own product."""
@@ -314,3 +313,10 @@ def test_padded_matmul_equals_the_gathered_products(ids):
     got = grouped.padded_matmul(x, scratch, sorted_ids)
     assert got.shape == want.shape and got.dtype == mx.float32
     assert mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()
+
+
+@pytest.mark.parametrize("ids", [[2] * 40, [0, 1, 1, 1, 1, 1, 3, 3, 4, 4, 4, 4]])
+def test_padded_matmul_declines_when_padding_more_than_doubles_the_work(ids):
+    """Every pair on one expert, or few pairs: the caller keeps the unsorted gather_mm."""
+    sorted_ids = mx.array(ids, dtype=mx.uint32)
+    assert grouped.padded_matmul(random_activations((len(ids), 64), seed=43), mx.zeros((5, 48, 64)), sorted_ids) is None

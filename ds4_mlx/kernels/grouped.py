@@ -90,23 +90,32 @@ def trusts_sorted_indices() -> bool:
 
 def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array:
     """x[i] @ scratch[ids[i]].T as float32 (N, OUT), for x (N, IN), scratch (E, OUT, IN), ids sorted ascending."""
-    if not trusts_sorted_indices():
-        return padded_matmul(x, scratch, sorted_ids)
+    sorted_ok = trusts_sorted_indices()
+    if not sorted_ok:
+        padded = padded_matmul(x, scratch, sorted_ids)
+        if padded is not None:
+            return padded
     y = mx.gather_mm(x[:, None, :].astype(scratch.dtype), mx.swapaxes(scratch, 1, 2), rhs_indices=sorted_ids,
-                     sorted_indices=True)
+                     sorted_indices=sorted_ok)
     return y[:, 0, :].astype(mx.float32)
 
 
-def padded_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array:
+def padded_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array | None:
     """`scratch_matmul` as one batched GEMM where the sorted gather_mm cannot be used (CUDA): each expert's pairs are
     placed in its own block of C rows (C: the largest count, rounded up to a power of two), (E, C, IN) @ (E, IN, OUT)
-    runs as a dense batched matmul, and each pair's row is read back. The unsorted gather_mm it replaces does one
-    matrix-vector product per pair, reading its expert's whole matrix each time (~400 GB per Flash projection of a
-    2048-token chunk). C needs the largest count on the host: one small read-back per projection. Transient memory:
-    E * C * (IN + OUT) values, with C <= the chunk's tokens (a token's k experts are distinct)."""
+    runs as a dense batched matmul, and each pair's row is read back. The unsorted gather_mm it stands in for does
+    one matrix-vector product per pair, reading its expert's whole matrix each time (~400 GB per Flash projection of
+    a 2048-token chunk). C needs the largest count on the host: one small read-back per projection.
+
+    None when the padding would more than double the work (E * C > 2 N: a skewed routing, or few pairs), where the
+    caller keeps the unsorted gather_mm: the padded GEMM's cost grows with E * C, so a chunk whose every token
+    shares one expert would cost the whole chunk's rows for every expert. Transient memory at most 2 N * (IN + OUT)
+    values. Not yet measured on the H200 (bench/RESULTS.md)."""
     n_expert = scratch.shape[0]
     counts = expert_counts(sorted_ids, n_expert)
     capacity = 1 << max(4, (int(mx.max(counts).item()) - 1).bit_length())
+    if n_expert * capacity > 2 * sorted_ids.size:
+        return None
     starts = mx.cumsum(counts) - counts
     slot = sorted_ids * capacity + mx.arange(sorted_ids.size, dtype=mx.uint32) - starts[sorted_ids]
     padded = mx.zeros((n_expert * capacity, x.shape[-1]), scratch.dtype)
