@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx import hostmem
-from ds4_mlx.model.stream import to_device
+from ds4_mlx.model.stream import on_cuda, to_device
 
 
 class NpyView(io.RawIOBase):
@@ -183,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.file, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     data = np.frombuffer(mapped, np.uint8, count=min(len(mapped), int(args.gb * 1e9)))
-    runs = [("array", 1), ("load", 1), ("load", args.threads), ("memcpy", 1), ("memcpy", args.threads)]
+    runs = [("array", 1), ("load", 1), ("load", args.threads)]
+    if on_cuda():  # the memcpy path needs MLX's CUDA backend: its arrays are CUDA allocations
+        runs += [("memcpy", 1), ("memcpy", args.threads)]
+    elif args.path == "memcpy":
+        raise SystemExit("--path memcpy needs MLX's CUDA backend")
     for path, threads in runs if args.path is None else [(args.path, args.threads)]:
         result = measure(data, path, args.chunk_mb << 20, threads)
         if args.json:
