@@ -1,20 +1,29 @@
 """The CUDA rendering of custom kernels, compiled for the CPU: one std::thread per GPU thread.
 
 Without a GPU the kernels cannot run through MLX, but their CUDA text is C++: compiled by the host's g++ with the
-CUDA words (threadIdx, __shared__, ...) and the dialect's helpers (barriers, SIMD sums and shuffles, threadgroup
-atomics) defined for threads on the CPU, it computes what the GPU would. Each threadgroup runs as its threads
-meeting at std::barriers, one threadgroup after the other, so staging, SIMD reductions and indexing are all
-exercised, and a barrier or SIMD operation that not every thread reaches hangs instead of passing. The signature
-is the one MLX generates for a custom CUDA kernel (inputs, outputs, template constants at the top of the body).
+CUDA words (threadIdx, __shared__, __half, ...) and every helper of the dialect's prelude (barriers, SIMD sums,
+maxima and shuffles, threadgroup atomics, byte permutes, bit casts, rounding, division) defined for threads on the
+CPU, it computes what the GPU would. A launch runs its threadgroups one after the other, each as its threads meeting
+at std::barriers, so staging, SIMD and threadgroup reductions and indexing are all exercised, and a barrier or SIMD
+operation that not every thread reaches hangs instead of passing. The kernel is declared as MLX declares a custom
+CUDA kernel (inputs then outputs, element types from the arrays' dtypes, template constants at the top of the body).
+
+`emulated` runs a kernel on numpy arrays; `emulated_build` stands in for dialect.build, so that a wrapper's own
+templates and grids are what runs. Used by test_kernels_emulated.py and test_kernels_indexer.py (slow tests).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import re
 import shutil
 import subprocess
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from ds4_mlx.kernels.dialect import CUDA, Kernel
@@ -22,6 +31,7 @@ from ds4_mlx.kernels.dialect import CUDA, Kernel
 HOST = r"""
 #include <atomic>
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -34,80 +44,169 @@ HOST = r"""
 #define __constant__
 struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct __half { unsigned short bits; };
 struct Index { unsigned int x, y, z; };
 thread_local Index threadIdx, blockIdx;
 std::barrier<>* group_barrier;
 std::barrier<>* simd_barriers[32];
-float exchange[32][32];
-int exchange_int[32][32];
 inline void ds4_barrier() { group_barrier->arrive_and_wait(); }
 inline void ds4_simd_barrier() { simd_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
-inline float ds4_simd_sum(float v) {
+template <class T> T lane_xor(T v, int mask) {
+  static T exchange[32][32];
   const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (unsigned int offset = 16; offset > 0; offset >>= 1) {
-    exchange[simd][lane] = v;
-    ds4_simd_barrier();
-    const float other = exchange[simd][lane ^ offset];
-    ds4_simd_barrier();
-    v += other;
-  }
-  return v;
-}
-inline int ds4_simd_xor(int v, int mask) {
-  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  exchange_int[simd][lane] = v;
+  exchange[simd][lane] = v;
   ds4_simd_barrier();
-  const int other = exchange_int[simd][lane ^ mask];
+  const T other = exchange[simd][lane ^ mask];
   ds4_simd_barrier();
   return other;
 }
+inline float ds4_simd_xor(float v, int mask) { return lane_xor(v, mask); }
+inline int ds4_simd_xor(int v, int mask) { return lane_xor(v, mask); }
+inline float ds4_simd_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += ds4_simd_xor(v, offset);
+  return v;
+}
+inline float ds4_simd_max(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = std::fmax(v, ds4_simd_xor(v, offset));
+  return v;
+}
 inline void ds4_atomic_add(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned int ds4_popcount(unsigned int v) { return __builtin_popcount(v); }
+inline float ds4_exp(float v) { return std::exp(v); }
+inline float ds4_log1p(float v) { return std::log1p(v); }
+inline float ds4_rint(float v) { return std::rint(v); }
+inline float ds4_div(float a, float b) { return a / b; }
+inline float __uint_as_float(unsigned int v) { float f; std::memcpy(&f, &v, 4); return f; }
 inline unsigned int ds4_bits(float v) { unsigned int u; std::memcpy(&u, &v, 4); return u; }
-inline float ds4_float(unsigned int u) { float v; std::memcpy(&v, &u, 4); return v; }
+inline float ds4_float(unsigned int v) { return __uint_as_float(v); }
 inline float ds4_half_to_float(unsigned short bits) { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
+// CUDA's __byte_perm: byte n of the result is byte (s >> 4n) & 7 of {y, x} (x the low four)
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const unsigned long long both = ((unsigned long long)y << 32) | x;
+  unsigned int r = 0;
+  for (int n = 0; n < 4; ++n) r |= (unsigned int)((both >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+  return r;
+}
+// PTX prmt, as CUDA runs ds4_byte_perm: a selector nibble with bit 3 set replicates the selected byte's sign bit
+inline unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int selector) {
+  const unsigned long long bytes = lo | ((unsigned long long)hi << 32);
+  unsigned int r = 0;
+  for (int n = 0; n < 4; ++n) {
+    const unsigned int s = (selector >> (4 * n)) & 15u;
+    const unsigned int byte = (unsigned int)(bytes >> (8 * (s & 7u))) & 255u;
+    r |= (s & 8u ? (byte & 128u ? 255u : 0u) : byte) << (8 * n);
+  }
+  return r;
+}
 
+// Threadgroups one after the other, by the same threads; a separate barrier ends each group, so a thread that
+// leaves the kernel early cannot stand in for one at the kernel's own barriers, and the next group does not touch
+// the static threadgroup memory before every thread is done with it.
 template <class Body>
 void run_groups(int groups_x, int groups_y, int threads, Body body) {
-  for (int y = 0; y < groups_y; ++y) {
-    for (int x = 0; x < groups_x; ++x) {
-      std::barrier<> all(threads);
-      group_barrier = &all;
-      std::vector<std::unique_ptr<std::barrier<>>> simds;
-      for (int s = 0; s < threads / 32; ++s) {
-        simds.emplace_back(new std::barrier<>(32));
-        simd_barriers[s] = simds.back().get();
-      }
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([=] {
-          threadIdx = {(unsigned)t, 0, 0};
+  std::barrier<> all(threads), done(threads);
+  group_barrier = &all;
+  std::vector<std::unique_ptr<std::barrier<>>> simds;
+  for (int s = 0; s < threads / 32; ++s) {
+    simds.emplace_back(new std::barrier<>(32));
+    simd_barriers[s] = simds.back().get();
+  }
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([=, &done] {
+      threadIdx = {(unsigned)t, 0, 0};
+      for (int y = 0; y < groups_y; ++y) {
+        for (int x = 0; x < groups_x; ++x) {
           blockIdx = {(unsigned)x, (unsigned)y, 0};
           body();
-        });
+          done.arrive_and_wait();
+        }
       }
-      for (auto& thread : pool) thread.join();
-    }
+    });
   }
+  for (auto& thread : pool) thread.join();
 }
 """
 
 
-def kernel_function(kernel: Kernel, params: list[str], template: dict[str, int]) -> str:
-    """The kernel as MLX's CUDA backend declares it: a function named after it taking `params` ("type name",
-    inputs then outputs), with the template constants at the top of the body, after its rendered header."""
-    source = CUDA.render(kernel.header)
-    source += f"void {kernel.name}({', '.join(params)}) {{\n"
-    source += "".join(f"  constexpr int {name} = {value};\n" for name, value in template.items())
-    return source + CUDA.render(kernel.source) + "\n}\n"
+def cuda_helper(name: str) -> str:
+    """A helper's definition as the CUDA prelude spells it, for helpers whose CUDA intrinsics HOST defines."""
+    return re.search(rf"__device__ __forceinline__ \w+ {name}\(.*?\n}}\n", CUDA.prelude, re.S).group(0)
 
 
-def compile_library(source: str, path: Path) -> ctypes.CDLL:
-    """HOST + source (kernel functions and extern "C" launchers calling run_groups) as a loaded shared library."""
+HOST += cuda_helper("ds4_byte_float") + cuda_helper("ds4_magic_byte")
+
+C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", np.dtype(np.int32): "int32_t",
+           np.dtype(np.uint32): "uint32_t", np.dtype(np.uint8): "uint8_t", np.dtype(np.bool_): "bool"}
+UNWRITTEN = {"float": np.nan, "__half": np.nan, "int32_t": -1, "uint32_t": 0xFFFFFFFF, "uint8_t": 0xFF,
+             "bool": False}
+"""What outputs hold before a launch: NaN (or -1, all ones) shows a value the kernel did not write."""
+
+
+def compile_library(source: str, directory: Path, name: str) -> ctypes.CDLL:
+    """HOST + source as a loaded shared library, compiled once per text in `directory`."""
     if shutil.which("g++") is None:
         pytest.fail("the emulated kernel tests need g++ (C++20)")
-    path.with_suffix(".cpp").write_text(HOST + source)
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(path.with_suffix(".cpp")),
-                            "-o", str(path.with_suffix(".so"))], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
+    source = HOST + source
+    path = directory / f"{name}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
+    if not path.with_suffix(".so").exists():
+        path.with_suffix(".cpp").write_text(source)
+        build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
+                                str(path.with_suffix(".cpp")), "-o", str(path.with_suffix(".so"))],
+                               capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr[-3000:]
     return ctypes.CDLL(str(path.with_suffix(".so")))
+
+
+def kernel_library(kernel: Kernel, template: Mapping[str, int], types: Sequence[str], directory: Path) -> ctypes.CDLL:
+    """The kernel declared as MLX declares it (`types`: C element types of inputs then outputs), with an extern "C"
+    launch(void** buffers, groups_x, groups_y, threads) running it over the grid of threadgroups."""
+    params = [f"{'const ' if i < len(kernel.inputs) else ''}{c_type}* {name}"
+              for i, (c_type, name) in enumerate(zip(types, kernel.inputs + kernel.outputs, strict=True))]
+    source = CUDA.render(kernel.header) + f"void emulated_kernel({', '.join(params)}) {{\n"
+    source += "".join(f"  constexpr int {name} = {value};\n" for name, value in template.items())
+    source += CUDA.render(kernel.source) + "\n}\n"
+    arguments = ", ".join(f"({param.rsplit(' ', 1)[0]})buffers[{i}]" for i, param in enumerate(params))
+    source += ('extern "C" void launch(void** buffers, int groups_x, int groups_y, int threads) {\n'
+               f"  run_groups(groups_x, groups_y, threads, [=] {{ emulated_kernel({arguments}); }});\n}}\n")
+    return compile_library(source, directory, kernel.name)
+
+
+def emulated(kernel: Kernel, template: Mapping[str, int], directory: Path) -> Callable:
+    """`kernel` with these template constants, run on the CPU: a function of (inputs, output shapes, groups (x, y),
+    threads per group, output dtypes (float32 unless given)) -> outputs, which start as UNWRITTEN. Inputs' dtypes
+    type the signature, as MLX's do; it is compiled once per signature."""
+
+    def run(inputs: Sequence[np.ndarray], output_shapes: Sequence[tuple[int, ...]], groups: tuple[int, int],
+            threads: int, output_dtypes: Sequence[np.dtype] | None = None) -> list[np.ndarray]:
+        inputs = [np.ascontiguousarray(a) for a in inputs]
+        output_dtypes = [np.dtype(d) for d in output_dtypes or [np.float32] * len(output_shapes)]
+        types = [C_TYPES[a.dtype] for a in inputs] + [C_TYPES[d] for d in output_dtypes]
+        outputs = [np.full(shape, UNWRITTEN[C_TYPES[d]], d) for shape, d in zip(output_shapes, output_dtypes)]
+        buffers = (ctypes.c_void_p * len(types))(*[a.ctypes.data for a in inputs + outputs])
+        kernel_library(kernel, template, types, directory).launch(buffers, *groups, threads)
+        return outputs
+
+    return run
+
+
+def numpy_dtype(dtype: mx.Dtype) -> np.dtype:
+    return np.dtype(str(dtype).rsplit(".", 1)[-1])
+
+
+def emulated_build(directory: Path) -> Callable:
+    """A stand-in for dialect.build(kernel, backend): the kernel's CUDA text run here, called as MLX's custom kernels
+    are (template as (name, value) pairs, `grid` in threads, whole threadgroups of one dimension)."""
+
+    def build(kernel: Kernel, backend: str) -> Callable:
+        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes) -> list[mx.array]:
+            threads = threadgroup[0]
+            assert grid[0] % threads == 0 and grid[2] == 1 and tuple(threadgroup[1:]) == (1, 1)
+            run = emulated(kernel, dict(template), directory)
+            outputs = run([np.array(a) for a in inputs], output_shapes, (grid[0] // threads, grid[1]), threads,
+                          [numpy_dtype(d) for d in output_dtypes])
+            return [mx.array(y) for y in outputs]
+
+        return call
+
+    return build

@@ -1,204 +1,95 @@
-"""The CUDA rendering of custom kernels (dequant-matvec, affine matvec, hyper-connection), run on the CPU: one
-std::thread per GPU thread.
-
-Without a GPU the kernels cannot run through MLX, but their CUDA text is C++: compiled by the host's g++ with the
-CUDA words (threadIdx, __shared__, ...) and the dialect's helpers (barriers, SIMD sums) defined for threads on the
-CPU, it computes what the GPU would. Each threadgroup runs as `threadgroup` threads that meet at std::barriers, so
-the staging, the SIMD reductions and the row and unit indexing are all exercised. The signature is the one MLX
-generates for a custom CUDA kernel (inputs, outputs, template constants at the top of the body).
+"""Custom kernels' CUDA text run on the CPU by emulated_cuda.py (one std::thread per GPU thread), against their
+references: the dequant-matvecs (IQ2_XXS, Q2_K), the half matvec, the affine matvec, the hyper-connection pre and
+split, the compressor's decode step, the FP8 KV rounding and the fused expert kernels (gate + up + SwiGLU, down
+summed over the slots). Each runs as its wrapper launches it where the wrapper calls `build` (emulated_build stands
+in), otherwise with the wrapper's templates and grid spelled out here. The indexer's emulated tests are in
+test_kernels_indexer.py.
 
 Slow (it compiles C++ with g++ -std=c++20, which must be installed); the GPU tests in test_kernels_matvec.py,
-test_kernels_affine_matvec.py and test_kernels_hc.py check the same kernels through MLX on the device.
+test_kernels_half.py, test_kernels_affine_matvec.py, test_kernels_hc.py, test_kernels_compressor.py,
+test_kernels_actquant.py and test_kernels_experts.py check the same kernels through MLX on the device.
 """
 
 from __future__ import annotations
 
-import ctypes
-import re
-import shutil
-import subprocess
 from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import affine_matvec, hc
+from ds4_mlx.kernels import affine_matvec, experts, hc
+from ds4_mlx.kernels.actquant import FP8_KERNEL, FP8_THREADS
 from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.dialect import CUDA, Kernel
+from ds4_mlx.kernels.compressor import LAYOUTS, STEP_KERNEL
+from ds4_mlx.kernels.compressor import TOLERANCE as STEP_TOLERANCE
+from ds4_mlx.kernels.dialect import Kernel
+from ds4_mlx.kernels.half import HALF_MATVEC_KERNEL, SIMDS, reference, split_plan
+from ds4_mlx.kernels.half import TOLERANCE as HALF_TOLERANCE
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import TOLERANCE, QuantMatvec, gathered_reference, launch_plan
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
 from ds4_mlx.kernels.quants import dequantize
+from ds4_mlx.model.compressor import Frontier, pool_step
 from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType
 from ds4_mlx.model.hyper_connection import pre, split
+from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
+from ds4_mlx.model.quant_sim import kv_fp8
+from emulated_cuda import emulated, emulated_build
+from test_kernels_half import random_half
 
 pytestmark = pytest.mark.slow
-
-HOST = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
-#include <vector>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-#define __constant__
-struct uint4 { unsigned int x, y, z, w; };
-struct float4 { float x, y, z, w; };
-struct Index { unsigned int x, y, z; };
-thread_local Index threadIdx, blockIdx;
-std::barrier<>* group_barrier;
-std::barrier<>* simd_barriers[32];
-float exchange[32][32];
-inline void ds4_barrier() { group_barrier->arrive_and_wait(); }
-inline void ds4_simd_barrier() { simd_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
-inline float ds4_simd_sum(float v) {
-  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (unsigned int offset = 16; offset > 0; offset >>= 1) {
-    exchange[simd][lane] = v;
-    ds4_simd_barrier();
-    const float other = exchange[simd][lane ^ offset];
-    ds4_simd_barrier();
-    v += other;
-  }
-  return v;
-}
-inline float ds4_simd_xor(float v, int mask) {
-  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  exchange[simd][lane] = v;
-  ds4_simd_barrier();
-  const float other = exchange[simd][lane ^ mask];
-  ds4_simd_barrier();
-  return other;
-}
-inline float ds4_exp(float v) { return std::exp(v); }
-inline unsigned int ds4_popcount(unsigned int v) { return __builtin_popcount(v); }
-inline float ds4_half_to_float(unsigned short bits) { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
-inline float __uint_as_float(unsigned int v) { float f; std::memcpy(&f, &v, 4); return f; }
-inline float ds4_float(unsigned int v) { return __uint_as_float(v); }
-// PTX prmt, default mode: byte n of the result is byte (s >> 4n) & 7 of {y, x} (x the low four)
-inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
-  const unsigned long long both = ((unsigned long long)y << 32) | x;
-  unsigned int r = 0;
-  for (int n = 0; n < 4; ++n) r |= (unsigned int)((both >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
-  return r;
-}
-"""
-
-
-def cuda_helper(name: str) -> str:
-    """A helper's definition as the CUDA prelude spells it, for helpers whose CUDA intrinsics HOST defines."""
-    return re.search(rf"__device__ __forceinline__ \w+ {name}\(.*?\n}}\n", CUDA.prelude, re.S).group(0)
-
-
-HOST += cuda_helper("ds4_byte_float")
-
-LAUNCH = r"""
-extern "C" void launch(void** args, int groups_x, int groups_y, int threads) {
-  for (int y = 0; y < groups_y; ++y) {
-    for (int group = 0; group < groups_x; ++group) {
-      std::barrier<> all(threads);
-      group_barrier = &all;
-      std::vector<std::unique_ptr<std::barrier<>>> simds;
-      for (int s = 0; s < threads / 32; ++s) {
-        simds.emplace_back(new std::barrier<>(32));
-        simd_barriers[s] = simds.back().get();
-      }
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([=] {
-          threadIdx = {(unsigned)t, 0, 0};
-          blockIdx = {(unsigned)group, (unsigned)y, 0};
-          kernel(ARGS);
-        });
-      }
-      for (auto& thread : pool) thread.join();
-    }
-  }
-}
-"""
-
-
-def emulated(kernel: Kernel, types: tuple[str, ...], template: dict[str, int], tmp_path) -> Callable:
-    """`kernel` compiled for the CPU with its template constants: a function of (inputs, output shapes, grid of
-    threadgroups (x, y), threads per group) -> outputs. `types` are the C element types of inputs then outputs."""
-    if shutil.which("g++") is None:
-        pytest.fail("the emulated kernel tests need g++ (C++20)")
-    names = kernel.inputs + kernel.outputs
-    params = [f"{'const ' if i < len(kernel.inputs) else ''}{c_type}* {name}"
-              for i, (c_type, name) in enumerate(zip(types, names))]
-    source = HOST + CUDA.render(kernel.header) + f"void kernel({', '.join(params)}) {{\n"
-    source += "".join(f"  constexpr int {name} = {value};\n" for name, value in template.items())
-    source += CUDA.render(kernel.source) + "\n}\n"
-    source += LAUNCH.replace("ARGS", ", ".join(f"({c_type}*)args[{i}]" for i, c_type in enumerate(types)))
-    path = tmp_path / ("_".join([kernel.name, *map(str, template.values())]))
-    path.with_suffix(".cpp").write_text(source)
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                            str(path.with_suffix(".cpp")), "-o", str(path.with_suffix(".so"))],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    library = ctypes.CDLL(str(path.with_suffix(".so")))
-    dtypes = {"float": np.float32, "uint8_t": np.uint8, "uint32_t": np.uint32}
-
-    def run(inputs, output_shapes, groups: tuple[int, int], threads: int) -> list[np.ndarray]:
-        arrays = [np.ascontiguousarray(a, dtypes[c_type]) for a, c_type in zip(inputs, types)]
-        outputs = [np.full(shape, np.nan, dtypes[c_type]) for shape, c_type in zip(output_shapes, types[len(inputs):])]
-        pointers = (ctypes.c_void_p * len(names))(*(a.ctypes.data for a in arrays + outputs))
-        library.launch(pointers, groups[0], groups[1], threads)
-        return outputs
-
-    return run
-
-
-def emulated_matvec(matvec: QuantMatvec, n_out: int, n_in: int, tmp_path):
-    """The kernel for (n_out, n_in) compiled for the CPU: a function of (x, blocks, ids) -> y."""
-    block_values, block_bytes = BLOCK_SIZES[matvec.ggml_type]
-    row_bytes = n_in // block_values * block_bytes
-    simds, rows = launch_plan(row_bytes)
-    template = {"OUT": n_out, "IN": n_in, "ROW_BYTES": row_bytes, "UNITS": n_in // matvec.unit_values,
-                "SIMDS": simds, "ROWS": rows}
-    kernel = emulated(matvec.kernel, ("float", "uint8_t", "uint32_t", "float"), template, tmp_path)
-    groups = -(-n_out // (simds * rows))
-
-    def run(x: np.ndarray, blocks: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        (y,) = kernel([x, blocks, ids], [(ids.size, n_out)], (groups, ids.size), simds * 32)
-        return y
-
-    return run
 
 
 @pytest.mark.parametrize("matvec", [IQ2_XXS_MATVEC, Q2_K_MATVEC], ids=lambda m: m.ggml_type.name)
 @pytest.mark.parametrize("size", [(64, 256), (40, 512), (24, 2048), (20, 4096)], ids=str)
-def test_emulated_cuda_kernel_equals_the_reference(matvec, size, tmp_path):
+def test_emulated_quant_matvec_equals_the_reference(matvec: QuantMatvec, size, tmp_path):
     """Rows staged by 2-byte (256, 512) and 16-byte loads (2048, 4096), threadgroups left partly idle by row
     counts that do not divide, several experts and slots."""
     n_out, n_in = size
     shape = (3, n_out, n_in)
+    block_values, block_bytes = BLOCK_SIZES[matvec.ggml_type]
+    row_bytes = n_in // block_values * block_bytes
+    simds, rows = launch_plan(row_bytes)
     blocks = random_blocks(matvec.ggml_type, 3 * n_out, n_in, seed=n_in).reshape(3, -1)
     ids = mx.array([2, 0, 2, 1], dtype=mx.uint32)
     x = random_activations((4, n_in), seed=n_out)
     want = np.array(gathered_reference(x, blocks, ids, matvec.ggml_type, shape))
-    got = emulated_matvec(matvec, n_out, n_in, tmp_path)(np.array(x), np.array(blocks), np.array(ids))
+    template = {"OUT": n_out, "IN": n_in, "ROW_BYTES": row_bytes, "UNITS": n_in // matvec.unit_values,
+                "SIMDS": simds, "ROWS": rows}
+    (got,) = emulated(matvec.kernel, template, tmp_path)(
+        [np.array(x), np.array(blocks), np.array(ids)], [want.shape], (-(-n_out // (simds * rows)), ids.size),
+        simds * 32)
     assert np.isfinite(got).all()  # every output row was written
     assert np.abs(got - want).max() <= TOLERANCE * np.abs(want).max()
+
+
+@pytest.mark.parametrize(("n_out", "n_in", "tokens"), [(100, 256, 1), (100, 768, 8), (60, 4096, 5), (520, 1024, 5),
+                                                       (1030, 4096, 1)], ids=str)
+def test_emulated_half_matvec_equals_the_reference(n_out, n_in, tokens, tmp_path):
+    """Every split (1, 8, 4, 2 SIMD groups a row), threadgroups left partly idle by row counts that do not divide,
+    one token and several."""
+    w = random_half((n_out, n_in), seed=n_in)
+    x = random_activations((tokens, n_in), seed=n_out)
+    split = split_plan(n_out, n_in)
+    template = {"OUT": n_out, "IN": n_in, "TOKENS": tokens, "SPLIT": split, "SIMDS": SIMDS}
+    (got,) = emulated(HALF_MATVEC_KERNEL, template, tmp_path)(
+        [np.array(x), np.array(w)], [(tokens, n_out)], (-(-n_out // (SIMDS // split)), 1), SIMDS * 32)
+    want = np.array(reference(x, w))
+    assert np.isfinite(got).all()  # every output was written
+    assert np.abs(got - want).max() <= HALF_TOLERANCE * np.abs(want).max()
 
 
 def through_emulation(monkeypatch, tmp_path) -> None:
     """kernels/hc.py's `build` made to return the emulated kernel behind MLX's calling convention (float32 buffers,
     `grid` in threads), so the wrappers' own templates and grids are what runs."""
+    emulated_kernel = emulated_build(tmp_path)
 
     def build(kernel: Kernel, backend: str) -> Callable:
         def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes) -> list[mx.array]:
             assert all(a.dtype == mx.float32 for a in inputs) and set(output_dtypes) == {mx.float32}
-            run = emulated(kernel, ("float",) * (len(inputs) + len(output_shapes)), dict(template), tmp_path)
-            groups = (-(-grid[0] // threadgroup[0]), grid[1])
-            return [mx.array(y) for y in run([np.array(a) for a in inputs], output_shapes, groups, threadgroup[0])]
+            return emulated_kernel(kernel, backend)(inputs, template, grid, threadgroup, output_shapes, output_dtypes)
 
         return call
 
@@ -236,9 +127,6 @@ def test_emulated_hc_split_equals_the_reference(n, monkeypatch, tmp_path):
     assert_close(hc.HCSplit._kernel(*args), want)
 
 
-C_TYPES = {mx.float32: "float", mx.uint32: "uint32_t"}
-
-
 @pytest.mark.parametrize(("bits", "size", "tokens", "plan"), [
     (8, (9, 512), 1, (4, 1)),  # the last threadgroup one row deep
     (8, (7, 1024), 3, (2, 2)),
@@ -253,16 +141,7 @@ def test_emulated_affine_matvec_equals_the_reference(bits, size, tokens, plan, m
     """One matrix for several tokens, or (one token) a bank of three matrices with four slots picking them; through
     kernels/affine_matvec.py's own wrapper (templates, grid), with `build` returning the emulated kernel."""
 
-    def build(kernel: Kernel, backend: str) -> Callable:
-        def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes) -> list[mx.array]:
-            types = tuple(C_TYPES[a.dtype] for a in inputs) + tuple(C_TYPES[d] for d in output_dtypes)
-            run = emulated(kernel, types, dict(template), tmp_path)
-            groups = (-(-grid[0] // threadgroup[0]), grid[1])
-            return [mx.array(y) for y in run([np.array(a) for a in inputs], output_shapes, groups, threadgroup[0])]
-
-        return call
-
-    monkeypatch.setattr(affine_matvec, "build", build)
+    monkeypatch.setattr(affine_matvec, "build", emulated_build(tmp_path))
     n_out, n_in = size
     ggml_type = GGMLType.Q8_0 if bits == 8 else GGMLType.Q4_K
     experts = 3 if tokens == 1 else 1
@@ -280,3 +159,73 @@ def test_emulated_affine_matvec_equals_the_reference(bits, size, tokens, plan, m
     got = np.array(affine_matvec.AFFINE_MATVEC.fast(x, weight, ids, plan))
     assert got.shape == want.shape and np.isfinite(got).all()  # every output was written
     assert np.abs(got - want).max() <= affine_matvec.TOLERANCE * np.abs(want).max()
+
+
+@pytest.mark.parametrize(("ratio", "width", "positions"), [(4, 512, range(10)), (4, 128, (3, 4, 1001)),
+                                                           (128, 512, (5, 127, 128))], ids=str)
+def test_emulated_compressor_step_equals_the_reference(ratio, width, positions, tmp_path):
+    """Tokens fed through window boundaries (the frontier shifting or emptying), each on the frontier the
+    reference left; every pooled dim and frontier value written."""
+    coff = 2 if ratio == 4 else 1
+    cols, threads = LAYOUTS[ratio]
+    template = {"R": ratio, "D": width, "COFF": coff, "COLS": cols, "THREADS": threads}
+    frontier = Frontier.empty(ratio, width)
+    frontier_kv = mx.where(mx.arange(coff * ratio)[:, None] < coff * ratio - 1,
+                           random_activations(frontier.kv.shape, seed=3), 0.0)
+    frontier_score = mx.where(frontier_kv != 0, 3 * random_activations(frontier.kv.shape, seed=4), -mx.inf)
+    ape = random_activations((ratio, coff * width), seed=5)
+    run = emulated(STEP_KERNEL, template, tmp_path)
+    for position in positions:
+        kv, score = (random_activations((1, coff * width), seed=10 * position + k) for k in range(2))
+        args = (kv, score, ape, frontier_kv, frontier_score, mx.array(position, dtype=mx.int32))
+        want = [np.array(w) for w in pool_step(*args, ratio, width)]
+        inputs = [np.array(a) for a in args[:5]] + [np.array([position], np.int32)]
+        pooled, new_kv, new_score = run(inputs, [w.shape for w in want], (width // cols, 1), threads)
+        assert np.isfinite(pooled).all() and not np.isnan(new_kv).any() and not np.isnan(new_score).any()
+        assert np.abs(pooled - want[0]).max() <= STEP_TOLERANCE * np.abs(want[0]).max()
+        assert np.array_equal(new_kv, want[1]) and np.array_equal(new_score, want[2])
+        frontier_kv, frontier_score = mx.array(want[1]), mx.array(want[2])
+
+
+@pytest.mark.parametrize(("rows", "width", "n_rot"), [(1, 512, 64), (7, 512, 64), (3, 192, 64), (2, 512, 0)])
+def test_emulated_fp8_kv_is_exact(rows, width, n_rot, tmp_path):
+    """Rows from 1e-8 to 1e4 in scale (floors, subnormal steps, saturation); a threadgroup partly idle (3 x 3)."""
+    x = random_activations((rows, width), seed=rows) * mx.power(10.0, mx.linspace(-8, 4, rows))[:, None]
+    want = np.array(kv_fp8(x, n_rot))
+    threads = rows * (width // 64) * 32
+    template = {"R": rows, "W": width, "NROT": n_rot, "THREADS": FP8_THREADS}
+    (got,) = emulated(FP8_KERNEL, template, tmp_path)(
+        [np.array(x)], [want.shape], (-(-threads // FP8_THREADS), 1), FP8_THREADS)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+FUSED_CASES = {  # (OUT, IN) and the (T, k) routing
+    "tiny": ((256, 256), [[1, 3]]),
+    "two_tokens": ((64, 512), [[0, 2, 2, 1], [3, 3, 0, 1]]),
+    "three_tokens": ((96, 1024), [[1, 2], [0, 0], [3, 1]]),
+    "eight_simds": ((1024, 2048), [[3, 0, 1, 2, 2, 1]]),
+}
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.IQ2_XXS, GGMLType.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_emulated_fused_expert_kernels_equal_their_references(ggml_type, case, tmp_path, monkeypatch):
+    """Rows staged in 2-, 4- and 16-byte words, several tokens, repeated experts, 1 to 8 SIMD groups per
+    threadgroup; each kernel as its FastPath launches it (templates, grid), against the FastPath's reference."""
+    monkeypatch.setattr(experts, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(experts, "current_backend", lambda: "cuda")
+    (n_out, n_in), routing = FUSED_CASES[case]
+    ids = mx.array(np.array(routing, dtype=np.int32))
+    shape = (4, n_out, n_in)
+    gate, up, down = (random_blocks(ggml_type, 4 * n_out, n_in, seed=s).reshape(4, -1) for s in (1, 2, 3))
+    x = random_activations((ids.shape[0], n_in), seed=4)
+    w = mx.array(np.random.default_rng(5).uniform(0.1, 1.5, ids.shape).astype(np.float32))
+    args = (x, ids, w, gate, up, ggml_type, shape, 10.0)
+    got, want = GATE_UP.fast_path.fast(*args), GATE_UP.fast_path.reference(*args)
+    assert np.isfinite(np.array(got)).all()
+    assert mx.abs(got - want).max().item() <= experts.GATE_UP_TOLERANCE * mx.abs(want).max().item()
+    h = random_activations((ids.size, n_in), seed=6)
+    got, want = DOWN_SUM.fast_path.fast(h, ids, down, ggml_type, shape), DOWN_SUM.fast_path.reference(
+        h, ids, down, ggml_type, shape)
+    assert np.isfinite(np.array(got)).all()
+    assert mx.abs(got - want).max().item() <= experts.TOLERANCE * mx.abs(want).max().item()

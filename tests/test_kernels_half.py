@@ -1,17 +1,15 @@
 """The half-precision matvec (kernels/half.py) and the float16 form of F16 matrices (model/linear.py).
 
-On the CPU: the kernel's two renderings, its launch plan, its CUDA text run by the host emulator (slow), and the
-model with the float16 form forced on (the kernel falls back to its reference there): the memory it predicts, and
-logits equal to the float32 form's bit for bit. On the GPU (`pytest -m gpu`): the kernel used at the Flash shapes
-and equal to the reference within float32 summation order, inside mx.compile too, and the model over it.
+On the CPU: the kernel's two renderings, its launch plan, and the model with the float16 form forced on (the
+kernel falls back to its reference there): the memory it predicts, and logits equal to the float32 form's bit for
+bit (test_kernels_emulated.py runs the kernel's CUDA text on the host). On the GPU (`pytest -m gpu`): the kernel
+used at the Flash shapes and equal to the reference within float32 summation order, inside mx.compile too, and the
+model over it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import re
-import shutil
-import subprocess
 import warnings
 
 import mlx.core as mx
@@ -87,78 +85,6 @@ def test_the_cpu_uses_the_reference_without_a_warning(on_cpu):
     assert HALF_MATVEC.decisions() == {}  # nothing to check: no kernel exists for the CPU
     assert got.dtype == mx.float32
     np.testing.assert_array_equal(np.array(got), np.array(x @ w.astype(mx.float32).T))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The CUDA text on the host (tests/test_kernels_emulated.py's emulator)
-
-LAUNCH = r"""
-extern "C" void launch(const float* x, const __half* w, float* y, int groups, int threads) {
-  for (int group = 0; group < groups; ++group) {
-    std::barrier<> all(threads);
-    group_barrier = &all;
-    std::vector<std::unique_ptr<std::barrier<>>> simds;
-    for (int s = 0; s < threads / 32; ++s) {
-      simds.emplace_back(new std::barrier<>(32));
-      simd_barriers[s] = simds.back().get();
-    }
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([=] {
-        threadIdx = {(unsigned)t, 0, 0};
-        blockIdx = {(unsigned)group, 0, 0};
-        kernel(x, w, y);
-      });
-    }
-    for (auto& thread : pool) thread.join();
-  }
-}
-"""
-
-
-def emulated(n_out: int, n_in: int, tokens: int, tmp_path):
-    """The kernel's CUDA text for (n_out, n_in, tokens) compiled for the CPU: a function of (x, w) -> y."""
-    from test_kernels_emulated import HOST
-
-    if shutil.which("g++") is None:
-        pytest.fail("the emulated kernel tests need g++ (C++20)")
-    split = split_plan(n_out, n_in)
-    template = {"OUT": n_out, "IN": n_in, "TOKENS": tokens, "SPLIT": split, "SIMDS": SIMDS}
-    source = HOST + "struct __half { unsigned short bits; };\n"
-    source += "void kernel(const float* x, const __half* w, float* y) {\n"
-    source += "".join(f"  constexpr int {name} = {value};\n" for name, value in template.items())
-    source += CUDA.render(HALF_MATVEC_KERNEL.source) + "\n}\n" + LAUNCH
-    path = tmp_path / f"half_{n_out}_{n_in}_{tokens}"
-    path.with_suffix(".cpp").write_text(source)
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(path.with_suffix(".cpp")),
-                            "-o", str(path.with_suffix(".so"))], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    library = ctypes.CDLL(str(path.with_suffix(".so")))
-    groups = -(-n_out // (SIMDS // split))
-
-    def run(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, np.float32)
-        w = np.ascontiguousarray(w, np.float16)
-        y = np.full((tokens, n_out), np.nan, np.float32)
-        pointer = ctypes.c_void_p
-        library.launch(pointer(x.ctypes.data), pointer(w.ctypes.data), pointer(y.ctypes.data), groups, SIMDS * 32)
-        return y
-
-    return run
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("n_out", "n_in", "tokens"), [(100, 256, 1), (100, 768, 8), (60, 4096, 5), (520, 1024, 5),
-                                                       (1030, 4096, 1)], ids=str)
-def test_emulated_cuda_kernel_equals_the_reference(n_out, n_in, tokens, tmp_path):
-    """Every split (1, 8, 4, 2 SIMD groups a row), threadgroups left partly idle by row counts that do not divide,
-    one token and several."""
-    w = random_half((n_out, n_in), seed=n_in)
-    x = random_activations((tokens, n_in), seed=n_out)
-    got = emulated(n_out, n_in, tokens, tmp_path)(np.array(x), np.array(w))
-    want = np.array(reference(x, w))
-    assert np.isfinite(got).all()  # every output was written
-    assert np.abs(got - want).max() <= TOLERANCE * np.abs(want).max()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ g++ (emulated_cuda.py, slow marker). The CPU tests pin what the kernels assume o
 
 from __future__ import annotations
 
-import ctypes
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -30,7 +28,7 @@ from ds4_mlx.kernels.indexer import (
 from ds4_mlx.kernels.probe import random_activations
 from ds4_mlx.model.attention import INDEXER_PICK, index_scores, pick_rows
 from ds4_mlx.model.topk import mask_to_indices, top_k_mask
-from emulated_cuda import compile_library, kernel_function
+from emulated_cuda import emulated
 
 HEADS, DIM, RATIO, TOP_K = 64, 128, 4, 512
 SIZES = [(512, TOP_K), (2048, TOP_K), (2050, TOP_K), (8192, TOP_K), (300, 64)]
@@ -124,41 +122,17 @@ def test_indexer_scores_kernel_within_tolerance(n):
     assert registry.disagreement(got, index_scores(q, w, rows, visible_mask(n, positions)), SCORE_TOLERANCE) is None
 
 
-SCORES_LAUNCH = r"""
-extern "C" void launch(const float* q, const float* w, const float* rows, const int32_t* position, float* scores,
-                       int groups, int queries, int threads) {
-  run_groups(groups, queries, threads, [=] { ds4_indexer_scores(q, w, rows, position, scores); });
-}
-"""
-SELECT_LAUNCH = r"""
-extern "C" void launch(const float* scores, const int32_t* position, int32_t* picked, bool* valid, int queries,
-                       int threads) {
-  run_groups(queries, 1, threads, [=] { ds4_indexer_select(scores, position, picked, valid); });
-}
-"""
-
-
 def emulated_pick(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array, top_k: int, tmp_path
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(scores, picked, valid) from the two kernels' CUDA text run on the CPU."""
     t, n = q.shape[0], rows.shape[0]
-    scores_params = ["const float* q", "const float* w", "const float* rows", "const int32_t* position",
-                     "float* scores"]
     template = scores_template(HEADS, DIM, n, RATIO, top_k)
-    scorer = compile_library(kernel_function(SCORES_KERNEL, scores_params, template) + SCORES_LAUNCH,
-                             tmp_path / f"scores_{n}_{top_k}")
-    select_params = ["const float* scores", "const int32_t* position", "int32_t* picked", "bool* valid"]
-    selector = compile_library(kernel_function(SELECT_KERNEL, select_params, select_template(n, RATIO, top_k))
-                               + SELECT_LAUNCH, tmp_path / f"select_{n}_{top_k}")
-    q, w, rows = (np.ascontiguousarray(a, np.float32) for a in (q, w, rows))
-    positions = np.ascontiguousarray(positions, np.int32)
-    scores = np.full((t, n), np.nan, np.float32)
-    picked = np.full((t, min(n, top_k)), -1, np.int32)
-    valid = np.zeros((t, min(n, top_k)), np.bool_)
-    pointer = ctypes.c_void_p
-    scorer.launch(*(pointer(a.ctypes.data) for a in (q, w, rows, positions, scores)), template["BLOCKS"], t,
-                  SCORE_SIMDS * 32)
-    selector.launch(*(pointer(a.ctypes.data) for a in (scores, positions, picked, valid)), t, SELECT_THREADS)
+    q, w, rows = (np.array(a, np.float32) for a in (q, w, rows))
+    positions = np.array(positions, np.int32)
+    (scores,) = emulated(SCORES_KERNEL, template, tmp_path)(
+        [q, w, rows, positions], [(t, n)], (template["BLOCKS"], t), SCORE_SIMDS * 32)
+    picked, valid = emulated(SELECT_KERNEL, select_template(n, RATIO, top_k), tmp_path)(
+        [scores, positions], [(t, min(n, top_k))] * 2, (t, 1), SELECT_THREADS, [np.int32, np.bool_])
     return scores, picked, valid
 
 
