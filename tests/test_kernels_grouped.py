@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.kernels import batch, dialect, grouped, registry
+from ds4_mlx.kernels import batch, dialect, grouped, grouped_gemm, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import AFFINE_BATCH, BF16_TOLERANCE, DTYPE_ENV, TOLERANCE, dense_matmul, prefill_dtype
 from ds4_mlx.kernels.dequant import DEQUANT_TOLERANCE, KERNELS, dequantize_used
@@ -310,7 +310,7 @@ def test_padded_matmul_equals_the_gathered_products(ids):
     x = random_activations((sorted_ids.size, 64), seed=41)
     scratch = random_activations((5, 48, 64), seed=42)
     want = (x[:, None, :] @ mx.swapaxes(scratch[sorted_ids], 1, 2))[:, 0, :]
-    got = grouped.padded_matmul(x, scratch, sorted_ids)
+    got = grouped_gemm.padded_matmul(x, scratch, sorted_ids)
     assert got.shape == want.shape and got.dtype == mx.float32
     assert mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()
 
@@ -319,4 +319,5 @@ def test_padded_matmul_equals_the_gathered_products(ids):
 def test_padded_matmul_declines_when_padding_more_than_doubles_the_work(ids):
     """Every pair on one expert, or few pairs: the caller keeps the unsorted gather_mm."""
     sorted_ids = mx.array(ids, dtype=mx.uint32)
-    assert grouped.padded_matmul(random_activations((len(ids), 64), seed=43), mx.zeros((5, 48, 64)), sorted_ids) is None
+    x = random_activations((len(ids), 64), seed=43)
+    assert grouped_gemm.padded_matmul(x, mx.zeros((5, 48, 64)), sorted_ids) is None

@@ -2,8 +2,9 @@
 
 A chunk of T tokens with top-k routing gives N = T * k pairs. Sorting their expert ids on the device
 (`sort_by_expert`) puts each expert's pairs next to each other, and `mx.gather_mm(..., sorted_indices=True)` then
-runs one grouped GEMM per projection (on CUDA a CUTLASS grouped GEMM; elsewhere one product per pair), with no
-host round-trip and no per-expert Python loop. Its right-hand side is the bank as floats, a *scratch*:
+runs one grouped GEMM per projection, with no host round-trip and no per-expert Python loop. On CUDA, whose sorted
+gather_mm is wrong in MLX 0.32.4 (`trusts_sorted_indices`), the grouped GEMM is one custom kernel over the sorted
+pairs and their per-expert counts instead (grouped_gemm.py). Its right-hand side is the bank as floats, a *scratch*:
 
 - raw IQ2_XXS / Q2_K banks (q2 files): on a GPU the used experts are decoded by `dequant.dequantize_used`, one
   kernel per projection;
@@ -22,7 +23,7 @@ are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as loa
 a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay far below the H200's 139 GiB.
 
 Arithmetic: float32 by default, the reference's type; `DS4_PREFILL_DTYPE=bfloat16` keeps the scratch and the GEMM
-inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy).
+inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy; CUDA's kernel keeps x in float32).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .batch import BF16_TOLERANCE, DTYPES, TOLERANCE, prefill_dtype
 from .dequant import dequantize_used
+from .grouped_gemm import expert_counts, untrusted_matmul
 from .matvec import gathered_reference
 from .probe import random_activations, random_blocks
 from .quants import dequantize
@@ -50,11 +52,6 @@ def sort_by_expert(ids: mx.array) -> tuple[mx.array, mx.array]:
     flat = ids.reshape(-1)
     order = mx.argsort(flat)
     return order, flat[order].astype(mx.uint32)
-
-
-def expert_counts(sorted_ids: mx.array, n_expert: int) -> mx.array:
-    """How many pairs use each expert, (E,) uint32."""
-    return mx.zeros((n_expert,), dtype=mx.uint32).at[sorted_ids].add(mx.ones(sorted_ids.shape, dtype=mx.uint32))
 
 
 Projection = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
@@ -84,44 +81,19 @@ def trusts_sorted_indices() -> bool:
     """Whether MLX's gather_mm may be told that the pairs are sorted. MLX 0.32.4's CUDA gather_mm gives wrong
     products with sorted_indices=True (measured on the H200: relative error ~1.5 from 64 pairs of 8 small experts
     on, float32 and bf16, and an illegal memory access at 12,288 pairs of 256 Flash experts), so on CUDA the
-    grouped GEMM is a padded batched matmul instead (`padded_matmul`)."""
+    grouped GEMM is the custom kernel of grouped_gemm.py instead."""
     return registry.current_backend() != "cuda"
 
 
-def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array:
-    """x[i] @ scratch[ids[i]].T as float32 (N, OUT), for x (N, IN), scratch (E, OUT, IN), ids sorted ascending."""
-    sorted_ok = trusts_sorted_indices()
-    if not sorted_ok:
-        padded = padded_matmul(x, scratch, sorted_ids)
-        if padded is not None:
-            return padded
+def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array, counts: mx.array | None = None
+                   ) -> mx.array:
+    """x[i] @ scratch[ids[i]].T as float32 (N, OUT), for x (N, IN), scratch (E, OUT, IN), ids sorted ascending and
+    counts (E,) the pairs per expert (computed from the ids where not given and needed)."""
+    if not trusts_sorted_indices():
+        return untrusted_matmul(x, scratch, sorted_ids, counts)
     y = mx.gather_mm(x[:, None, :].astype(scratch.dtype), mx.swapaxes(scratch, 1, 2), rhs_indices=sorted_ids,
-                     sorted_indices=sorted_ok)
+                     sorted_indices=True)
     return y[:, 0, :].astype(mx.float32)
-
-
-def padded_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array | None:
-    """`scratch_matmul` as one batched GEMM where the sorted gather_mm cannot be used (CUDA): each expert's pairs are
-    placed in its own block of C rows (C: the largest count, rounded up to a power of two), (E, C, IN) @ (E, IN, OUT)
-    runs as a dense batched matmul, and each pair's row is read back. The unsorted gather_mm it stands in for does
-    one matrix-vector product per pair, reading its expert's whole matrix each time (~400 GB per Flash projection of
-    a 2048-token chunk). C needs the largest count on the host: one small read-back per projection.
-
-    None when the padding would more than double the work (E * C > 2 N: a skewed routing, or few pairs), where the
-    caller keeps the unsorted gather_mm: the padded GEMM's cost grows with E * C, so a chunk whose every token
-    shares one expert would cost the whole chunk's rows for every expert. Transient memory at most 2 N * (IN + OUT)
-    values. Not yet measured on the H200 (bench/RESULTS.md)."""
-    n_expert = scratch.shape[0]
-    counts = expert_counts(sorted_ids, n_expert)
-    capacity = 1 << max(4, (int(mx.max(counts).item()) - 1).bit_length())
-    if n_expert * capacity > 2 * sorted_ids.size:
-        return None
-    starts = mx.cumsum(counts) - counts
-    slot = sorted_ids * capacity + mx.arange(sorted_ids.size, dtype=mx.uint32) - starts[sorted_ids]
-    padded = mx.zeros((n_expert * capacity, x.shape[-1]), scratch.dtype)
-    padded[slot] = x.astype(scratch.dtype)
-    y = mx.matmul(padded.reshape(n_expert, capacity, -1), mx.swapaxes(scratch, 1, 2))
-    return y.reshape(n_expert * capacity, -1)[slot].astype(mx.float32)
 
 
 def sliced_grouped(x: mx.array, sorted_ids: mx.array, shape: tuple[int, int, int],
@@ -176,7 +148,8 @@ class RawGrouped:
 
     def _make_fast(self, dtype: mx.Dtype):
         def fast(x, blocks, sorted_ids, counts, shape) -> mx.array:
-            return scratch_matmul(x, dequantize_used(blocks, counts, self.ggml_type, shape, dtype), sorted_ids)
+            scratch = dequantize_used(blocks, counts, self.ggml_type, shape, dtype)
+            return scratch_matmul(x, scratch, sorted_ids, counts)
         return fast
 
     def _probe(self, key: Hashable) -> tuple:
@@ -198,13 +171,14 @@ def affine_scratch(weight: AffineWeight, dtype: mx.Dtype) -> mx.array:
     return weight.dequantize().astype(dtype)
 
 
-def affine_grouped(weight: AffineWeight, x: mx.array, sorted_ids: mx.array) -> mx.array:
+def affine_grouped(weight: AffineWeight, x: mx.array, sorted_ids: mx.array, counts: mx.array | None = None
+                   ) -> mx.array:
     """x[i] @ W[ids[i]].T for an affine bank: scratch + grouped GEMM where its check passed (GPUs), else
-    gather_qmm over the sorted pairs (no scratch)."""
+    gather_qmm over the sorted pairs (no scratch). counts (E,): the pairs per expert, where known."""
     dtype = prefill_dtype()
     ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
     if AFFINE_GROUPED[dtype].enabled(ggml_type):
-        return scratch_matmul(x, affine_scratch(weight, dtype), sorted_ids)
+        return scratch_matmul(x, affine_scratch(weight, dtype), sorted_ids, counts)
     y = mx.gather_qmm(x[:, None, :], weight.wq, weight.scales, weight.biases, rhs_indices=sorted_ids,
                       transpose=True, group_size=GROUP_SIZE, bits=weight.bits,
                       sorted_indices=trusts_sorted_indices())

@@ -281,7 +281,7 @@ class ExpertBank:
         if self._affine is not None and _fast():
             w = self._affine
             return affine_grouped(AffineWeight(*mx.depends([w.wq, w.scales, w.biases], [after]), w.bits), x,
-                                  sorted_ids)
+                                  sorted_ids, counts)
         if self._raw is not None and self.ggml_type in RAW_GROUPED:
             raw = mx.depends([self._raw], [after])[0]
             return RAW_GROUPED[self.ggml_type](x, raw, sorted_ids, counts, self.shape)
