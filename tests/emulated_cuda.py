@@ -158,12 +158,14 @@ def compile_library(source: str, directory: Path, name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(path.with_suffix(".so")))
 
 
-def kernel_library(kernel: Kernel, template: Mapping[str, int], types: Sequence[str], directory: Path) -> ctypes.CDLL:
-    """The kernel declared as MLX declares it (`types`: C element types of inputs then outputs), with an extern "C"
-    launch(void** buffers, groups_x, groups_y, threads) running it over the grid of threadgroups."""
+def kernel_library(kernel: Kernel, template: Mapping[str, int], types: Sequence[str], directory: Path,
+                   prelude: str = "") -> ctypes.CDLL:
+    """The kernel declared as MLX declares it (`types`: C element types of inputs then outputs, any `prelude`
+    defining types of its own), with an extern "C" launch(void** buffers, groups_x, groups_y, threads) running it
+    over the grid of threadgroups."""
     params = [f"{'const ' if i < len(kernel.inputs) else ''}{c_type}* {name}"
               for i, (c_type, name) in enumerate(zip(types, kernel.inputs + kernel.outputs, strict=True))]
-    source = CUDA.render(kernel.header) + f"void emulated_kernel({', '.join(params)}) {{\n"
+    source = prelude + CUDA.render(kernel.header) + f"void emulated_kernel({', '.join(params)}) {{\n"
     source += "".join(f"  constexpr int {name} = {value};\n" for name, value in template.items())
     source += CUDA.render(kernel.source) + "\n}\n"
     arguments = ", ".join(f"({param.rsplit(' ', 1)[0]})buffers[{i}]" for i, param in enumerate(params))

@@ -25,7 +25,7 @@ from ds4_mlx.kernels.grouped import scratch_matmul
 from ds4_mlx.kernels.grouped_gemm import (GROUPED_GEMM, KERNEL, TK, TM, TN, THREADS, expert_counts, fallback_matmul,
                                           grouped_gemm, row_tiles, untrusted_matmul)
 from ds4_mlx.kernels.probe import random_activations
-from emulated_cuda import compile_library, kernel_function
+from emulated_cuda import kernel_library
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 
@@ -97,12 +97,6 @@ def test_the_cpu_keeps_the_sorted_gather_mm_and_the_fallback_is_right(on_cpu, ca
             assert got.dtype == mx.float32 and within(np.array(got), want, TOLERANCE)
 
 
-LAUNCH = r"""
-extern "C" void launch(const float* x, const T* scratch, const uint32_t* counts, const int32_t* dims, float* y,
-                       int groups_x, int groups_y, int threads) {
-  run_groups(groups_x, groups_y, threads, [=] { ds4_grouped_gemm(x, scratch, counts, dims, y); });
-}
-"""
 BF16 = """
 struct bf16 {
   unsigned short bits;
@@ -113,19 +107,18 @@ struct bf16 {
 
 def emulated(x: np.ndarray, scratch: np.ndarray, counts: list[int], bfloat16: bool, tmp_path) -> np.ndarray:
     """The kernel's CUDA text run on the CPU; the output starts as NaN, so a row left unwritten shows."""
-    params = ["const float* x", "const T* scratch", "const uint32_t* counts", "const int32_t* dims", "float* y"]
-    prefix = BF16 + "using T = bf16;\n" if bfloat16 else "using T = float;\n"
-    source = prefix + kernel_function(KERNEL, params, {"TM": TM, "TN": TN, "TK": TK, "THREADS": THREADS}) + LAUNCH
-    library = compile_library(source, tmp_path / f"grouped_gemm_{int(bfloat16)}")
+    types = ["float", "bf16" if bfloat16 else "float", "uint32_t", "int32_t", "float"]
+    prelude = BF16 + f"using T = {'bf16' if bfloat16 else 'float'};\n"  # MLX's dtype template argument
+    library = kernel_library(KERNEL, {"TM": TM, "TN": TN, "TK": TK, "THREADS": THREADS}, types, tmp_path, prelude)
     n_expert, n_out, n_in = scratch.shape
     weights = np.array(mx.array(scratch).astype(mx.bfloat16).view(mx.uint16)) if bfloat16 else scratch
     weights = np.ascontiguousarray(weights)
     counts_array = np.array(counts, np.uint32)
     dims = np.array([n_expert, n_out, n_in], np.int32)
     y = np.full((x.shape[0], n_out), np.nan, np.float32)
-    pointer = ctypes.c_void_p
-    library.launch(*(pointer(a.ctypes.data) for a in (np.ascontiguousarray(x), weights, counts_array, dims, y)),
-                   -(-n_out // TN), row_tiles(x.shape[0], n_expert), THREADS)
+    arrays = (np.ascontiguousarray(x), weights, counts_array, dims, y)
+    buffers = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    library.launch(buffers, -(-n_out // TN), row_tiles(x.shape[0], n_expert), THREADS)
     return y
 
 
