@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from gguf.quants import IQ2_XXS
 
-from ds4_mlx.kernels import dialect
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
 from ds4_mlx.kernels.experts import (BIAS, DEFAULT_SHARED_BYTES, GATE_UP_TOLERANCE, SHARED_BYTES,
                                      SIGNED_MAGNITUDES, TOLERANCE, UNITS, WORDS, Plan, down_plan, down_sum_kernel,
@@ -29,6 +28,7 @@ from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.linear import ExpertBank
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP, RoutedExperts, sum_slots, weighted_swiglu
 from ds4_mlx.model.weights import open_weights
+from kernel_text import balanced, rendered
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 IQ2, Q2K = GGMLType.IQ2_XXS, GGMLType.Q2_K
@@ -38,22 +38,6 @@ CUDA_ONLY = ("__shared__", "threadIdx", "blockIdx", "__syncthreads", "__shfl_xor
 METAL_ONLY = ("threadgroup", "simdgroup", "thread_index_in_simdgroup", "device ", "metal::", "constant ")
 
 
-def rendered(kernel, target):
-    seen = {}
-    dialect.Dialect(target.name, target.words, target.prelude, make=lambda **kw: seen.update(kw)).compile(kernel)
-    return seen
-
-
-def balanced(text: str) -> bool:
-    for open_, close in ("{}", "()", "[]"):
-        depth = 0
-        for ch in text:
-            depth += (ch == open_) - (ch == close)
-            if depth < 0:
-                return False
-        if depth:
-            return False
-    return True
 
 
 def without_spellings(target, text: str) -> str:

@@ -22,6 +22,7 @@ from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC, grid_codes
 from ds4_mlx.kernels.matvec import STAGE_BYTES, TOLERANCE, gathered_reference, launch_plan
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
+from kernel_text import balanced, rendered
 
 MATVECS = [IQ2_XXS_MATVEC, Q2_K_MATVEC]
 HELPERS = ("ds4_barrier", "ds4_simd_barrier", "ds4_simd_sum", "ds4_simd_xor", "ds4_popcount", "ds4_half_to_float")
@@ -36,24 +37,6 @@ def ids(matvec):
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 
 
-def rendered(matvec, target):
-    """(name, inputs, outputs, source, header) as handed to mx.fast.<backend>_kernel."""
-    seen = {}
-    target = dialect.Dialect(target.name, target.words, target.prelude, make=lambda **kw: seen.update(kw))
-    target.compile(matvec.kernel)
-    return seen
-
-
-def balanced(text: str) -> bool:
-    for open_, close in ("{}", "()", "[]"):
-        depth = 0
-        for ch in text:
-            depth += (ch == open_) - (ch == close)
-            if depth < 0:
-                return False
-        if depth:
-            return False
-    return True
 
 
 def without_spellings(target: dialect.Dialect, text: str) -> str:
@@ -64,7 +47,7 @@ def without_spellings(target: dialect.Dialect, text: str) -> str:
 
 @pytest.mark.parametrize("matvec", MATVECS, ids=ids)
 def test_one_definition_renders_for_cuda_and_metal(matvec):
-    cuda, metal = rendered(matvec, CUDA), rendered(matvec, METAL)
+    cuda, metal = rendered(matvec.kernel, CUDA), rendered(matvec.kernel, METAL)
     for out in (cuda, metal):
         assert out["name"] == matvec.kernel.name
         assert out["input_names"] == ["x", "w", "ids"] and out["output_names"] == ["y"]

@@ -39,6 +39,22 @@ import mlx.core as mx
 SIMD_WIDTH = 32
 
 
+SIMD_EXCLUSIVE_SUM = """
+DEVICE_FN int ds4_simd_exclusive_sum(int v, int lane) {
+  int before = 0;
+  int group = v;
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int other = ds4_simd_xor(group, offset);
+    before += (lane & offset) != 0 ? other : 0;
+    group += other;
+  }
+  return before;
+}
+"""
+"""A helper for kernel headers (neutral text): the sum of v over the SIMD group's lower lanes, all 32 lanes taking
+part (a butterfly: each step adds the lower partner block's total)."""
+
+
 @dataclass(frozen=True)
 class Kernel:
     """A custom kernel in the neutral dialect: its name, input and output names, body and helper header."""

@@ -34,7 +34,7 @@ from collections.abc import Hashable
 import mlx.core as mx
 
 from .batch import BF16_TOLERANCE, DTYPES, TOLERANCE
-from .dialect import Kernel, build
+from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
@@ -44,19 +44,6 @@ thread mappings below assume these values."""
 MAX_ROW_TILES = 65535
 """CUDA's limit on grid y: larger chunks (over 4M pairs) keep the fallback."""
 
-_HELPERS = """
-DEVICE_FN int gg_exclusive(int v, int lane) {
-  int before = 0;
-  int group = v;
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int other = ds4_simd_xor(group, offset);
-    before += (lane & offset) != 0 ? other : 0;
-    group += other;
-  }
-  return before;
-}
-"""
-"""The sum of v over the SIMD group's lower lanes (each butterfly step adds the lower partner block's total)."""
 
 _SOURCE = """
 const int tid = THREAD_IN_GROUP;
@@ -85,8 +72,8 @@ if (SIMD_INDEX == 0) {
     tiles += (c + TM - 1) / TM;
     rows += c;
   }
-  int tile_at = gg_exclusive(tiles, lane);
-  int row_at = gg_exclusive(rows, lane);
+  int tile_at = ds4_simd_exclusive_sum(tiles, lane);
+  int row_at = ds4_simd_exclusive_sum(rows, lane);
   for (int j = 0; j < per; ++j) {
     const int e = lane * per + j;
     const int c = e < n_expert ? (int)counts[e] : 0;
@@ -195,7 +182,7 @@ for (int i = 0; i < 4; ++i) {
 every thread is past the multiply. x rows past the tile's and W rows past OUT read as zeros (never stored), as do
 k past IN."""
 
-KERNEL = Kernel("ds4_grouped_gemm", ("x", "scratch", "counts", "dims"), ("y",), _SOURCE, _HELPERS)
+KERNEL = Kernel("ds4_grouped_gemm", ("x", "scratch", "counts", "dims"), ("y",), _SOURCE, SIMD_EXCLUSIVE_SUM)
 
 
 def expert_counts(sorted_ids: mx.array, n_expert: int) -> mx.array:

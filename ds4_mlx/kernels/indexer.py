@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable
 import mlx.core as mx
 import numpy as np
 
-from .dialect import SIMD_WIDTH, Kernel, build
+from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
 from .registry import FastPath, current_backend
 
 SCORE_TOLERANCE = 1e-5
@@ -59,19 +59,9 @@ DEVICE_FN unsigned int ix_key(float score) {
   bits = (bits << 1) == 0u ? 0u : bits;  // -0 is +0, as comparisons have it
   return (bits & 0x80000000u) != 0u ? ~bits : (bits | 0x80000000u);
 }
-DEVICE_FN int ix_exclusive(int v, int lane) {
-  int before = 0;
-  int group = v;
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int other = ds4_simd_xor(group, offset);
-    before += (lane & offset) != 0 ? other : 0;
-    group += other;
-  }
-  return before;
-}
 """
 """ix_key: float -> uint32 in the same order (negatives bit-flipped, positives with the sign bit set).
-ix_exclusive: the sum of v over the SIMD group's lower lanes (a butterfly: each step adds the lower half's total)."""
+The header also takes dialect.SIMD_EXCLUSIVE_SUM."""
 
 _SCORES = """
 const int t = GROUP_Y;
@@ -194,7 +184,7 @@ for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = 0; b < 8; ++b) {
       count += hist[top - b];
     }
-    int above = ix_exclusive(count, lane);
+    int above = ds4_simd_exclusive_sum(count, lane);
     for (int b = 0; b < 8; ++b) {
       const int c = hist[top - b];
       if (above < rank && rank <= above + c) {
@@ -218,8 +208,8 @@ for (int i = lo; i < hi; ++i) {
   n_above += key > prefix ? 1 : 0;
   n_tied += key == prefix ? 1 : 0;
 }
-int above = ix_exclusive(n_above, lane);
-int tied = ix_exclusive(n_tied, lane);
+int above = ds4_simd_exclusive_sum(n_above, lane);
+int tied = ds4_simd_exclusive_sum(n_tied, lane);
 if (lane == 31) {
   sums[warp] = above + n_above;
   sums[THREADS / 32 + warp] = tied + n_tied;
@@ -246,7 +236,8 @@ for (int i = lo; i < hi; ++i) {
 (top_k less those above it); a row's slot is the rows above it before it plus min(tied rows before it, rank)."""
 
 SCORES_KERNEL = Kernel("ds4_indexer_scores", ("q", "w", "rows", "position"), ("scores",), _SCORES, _HELPERS)
-SELECT_KERNEL = Kernel("ds4_indexer_select", ("scores", "position"), ("picked", "valid"), _SELECT, _HELPERS)
+SELECT_KERNEL = Kernel("ds4_indexer_select", ("scores", "position"), ("picked", "valid"), _SELECT,
+                       _HELPERS + SIMD_EXCLUSIVE_SUM)
 
 
 def heads_padded(n_head: int) -> int:
