@@ -17,7 +17,7 @@ import pytest
 from ds4_mlx.kernels import dialect, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.affine_matvec import (AFFINE_MATVEC, KERNEL, MAX_TOKENS, MIN_THREADGROUPS, TOLERANCE,
-                                           affine_matvec, launch_plan)
+                                           affine_matvec, launch_plan, norm_kernel)
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import dequantize, reference_matmul
@@ -223,3 +223,77 @@ def test_q4_model_decode_with_the_kernel_equals_the_reference(on_gpu, tmp_path):
     with registry.forced_mode("reference"):
         reference = decode()
     assert np.abs(fast - reference).max() <= 1e-4 * np.abs(reference).max()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The input norm folded in (kernels/fused_norm.py)
+
+FLASH_NORMED = ("attn_q_a", "attn_kv", "attn_q_b", "shexp_gate_up", "output")
+"""The Q8_0 matrices whose input is an rms_norm output: attn_norm, q_a_norm, ffn_norm, output_norm."""
+
+
+def test_the_normed_kernel_renders_and_the_plain_one_is_unchanged():
+    for target in (CUDA, METAL):
+        seen = {}
+        target_norm = dialect.Dialect(target.name, target.words, target.prelude, make=lambda **kw: seen.update(kw))
+        target_norm.compile(norm_kernel(1e-6))
+        assert seen["input_names"] == ["x", "wq", "scales", "biases", "ids", "norm_w"]
+        assert "NORM_EPS = 1e-06f;" in seen["header"] and "@" not in seen["source"]
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", seen["source"] + seen["header"])
+    assert "norm" not in KERNEL.source and "@" not in KERNEL.source and "squares" not in KERNEL.source
+    assert norm_kernel(1e-6) is norm_kernel(1e-6) and norm_kernel(1e-6).name != norm_kernel(1e-5).name
+
+
+def test_the_cpu_norms_then_multiplies(on_cpu):
+    weight = to_affine(random_blocks(GGMLType.Q8_0, 40, 512, seed=43), GGMLType.Q8_0, (40, 512))
+    bank = to_affine(random_blocks(GGMLType.Q4_K, 3 * 24, 512, seed=44), GGMLType.Q4_K, (3, 24, 512))
+    norm = (1.0 + 0.5 * random_activations((512,), seed=46), 1e-6)
+    x = 5.0 * random_activations((3, 512), seed=47)
+    normed = mx.fast.rms_norm(x, *norm)
+    np.testing.assert_array_equal(np.array(affine_matvec(x, weight, norm=norm)), np.array(weight.matmul(normed)))
+    ids = mx.array([2, 0, 2], dtype=mx.uint32)
+    np.testing.assert_array_equal(np.array(affine_matvec(x, bank, ids, norm)),
+                                  np.array(bank.gather_matmul(normed, ids)))
+    assert AFFINE_MATVEC.decisions() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FLASH_NORMED)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_normed_kernel_equals_the_reference_at_flash_shapes(on_gpu, name, tokens):
+    """rms_norm folded into the matvecs whose input is a norm's output; rows far from unit rms."""
+    shape = FLASH_Q8[name]
+    weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=61), GGMLType.Q8_0, shape)
+    x = random_activations((tokens, shape[1]), seed=62) * mx.linspace(1.0, 20.0, tokens)[:, None]
+    norm = (1.0 + 0.5 * random_activations((shape[1],), seed=63), 1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = affine_matvec(x, weight, norm=norm)
+    key = (8, shape[1], tokens, *launch_plan(*shape, 8, tokens), 1e-6)
+    assert AFFINE_MATVEC.decisions()[(registry.current_backend(), key)].fast
+    assert relative_error(got, weight.matmul(mx.fast.rms_norm(x, *norm))) <= TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_normed_kernel_over_a_bank_norms_each_pair_on_its_own(on_gpu, ggml_type):
+    n_out, n_in, experts = 2048, 4096, 8
+    bank = to_affine(random_blocks(ggml_type, experts * n_out, n_in, seed=64), ggml_type, (experts, n_out, n_in))
+    ids = mx.array([5, 0, 7, 5, 2, 3], dtype=mx.uint32)
+    x = random_activations((ids.size, n_in), seed=65) * mx.linspace(1.0, 20.0, ids.size)[:, None]
+    norm = (1.0 + 0.5 * random_activations((n_in,), seed=66), 1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = affine_matvec(x, bank, ids, norm)
+    assert relative_error(got, bank.gather_matmul(mx.fast.rms_norm(x, *norm), ids)) <= TOLERANCE
+    assert all(decision.fast for decision in AFFINE_MATVEC.decisions().values())
+
+
+@pytest.mark.gpu
+def test_normed_kernel_runs_inside_a_compiled_function(on_gpu):
+    shape = FLASH_Q8["attn_q_a"]
+    weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=67), GGMLType.Q8_0, shape)
+    x = 9.0 * random_activations((1, shape[1]), seed=68)
+    norm = (1.0 + 0.5 * random_activations((shape[1],), seed=69), 1e-6)
+    compiled = mx.compile(lambda a: affine_matvec(a, weight, norm=norm))
+    assert relative_error(compiled(x), weight.matmul(mx.fast.rms_norm(x, *norm))) <= TOLERANCE

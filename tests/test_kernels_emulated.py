@@ -1,9 +1,9 @@
 """Custom kernels' CUDA text run on the CPU by emulated_cuda.py (one std::thread per GPU thread), against their
-references: the dequant-matvecs (IQ2_XXS, Q2_K), the half matvec, the affine matvec, the hyper-connection pre and
-split, the compressor's decode step, the FP8 KV rounding and the fused expert kernels (gate + up + SwiGLU, down
-summed over the slots). Each runs as its wrapper launches it where the wrapper calls `build` (emulated_build stands
-in), otherwise with the wrapper's templates and grid spelled out here. The indexer's emulated tests are in
-test_kernels_indexer.py.
+references: the dequant-matvecs (IQ2_XXS, Q2_K), the half and affine matvecs (with and without the input norm folded
+in), the hyper-connection pre and split, the compressor's decode step, the FP8 KV rounding and the fused expert
+kernels (gate + up + SwiGLU, down summed over the slots). Each runs as its wrapper launches it where the wrapper
+calls `build` (emulated_build stands in), otherwise with the wrapper's templates and grid spelled out here. The
+indexer's emulated tests are in test_kernels_indexer.py.
 
 Slow (it compiles C++ with g++ -std=c++20, which must be installed); the GPU tests in test_kernels_matvec.py,
 test_kernels_half.py, test_kernels_affine_matvec.py, test_kernels_hc.py, test_kernels_compressor.py,
@@ -18,12 +18,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import affine_matvec, experts, hc
+from ds4_mlx.kernels import affine_matvec, experts, half, hc
 from ds4_mlx.kernels.actquant import FP8_KERNEL, FP8_THREADS
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.compressor import LAYOUTS, STEP_KERNEL
 from ds4_mlx.kernels.compressor import TOLERANCE as STEP_TOLERANCE
 from ds4_mlx.kernels.dialect import Kernel
+from ds4_mlx.kernels.fused_norm import Norm, apply, probe_norm
 from ds4_mlx.kernels.half import HALF_MATVEC_KERNEL, SIMDS, reference, split_plan
 from ds4_mlx.kernels.half import TOLERANCE as HALF_TOLERANCE
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
@@ -63,6 +64,25 @@ def test_emulated_quant_matvec_equals_the_reference(matvec: QuantMatvec, size, t
         simds * 32)
     assert np.isfinite(got).all()  # every output row was written
     assert np.abs(got - want).max() <= TOLERANCE * np.abs(want).max()
+
+
+def row_scaled(x: mx.array, norm: Norm | None) -> mx.array:
+    """With a norm, rows 1x to 16x away from unit rms, so that each row's own 1 / rms matters."""
+    return x if norm is None else x * mx.linspace(1.0, 16.0, x.shape[0])[:, None]
+
+
+@pytest.mark.parametrize(("n_out", "n_in", "tokens"), [(100, 768, 1), (60, 4096, 5), (520, 1024, 3),
+                                                       (1030, 4096, 1)], ids=str)
+def test_emulated_half_matvec_with_the_input_norm_equals_the_reference(n_out, n_in, tokens, monkeypatch, tmp_path):
+    """Splits 1, 8, 4 and 2 (the sum of squares over a row's parts), through half.py's wrapper."""
+    monkeypatch.setattr(half, "build", emulated_build(tmp_path))
+    w = random_half((n_out, n_in), seed=n_in)
+    norm = probe_norm(n_in, 1e-6, seed=n_out)
+    x = row_scaled(random_activations((tokens, n_in), seed=n_out), norm)
+    got = np.array(half._kernel(x, w, norm))
+    want = np.array(reference(x, w, norm))
+    assert np.isfinite(got).all()  # every output was written
+    assert np.abs(got - want).max() <= HALF_TOLERANCE * np.abs(want).max()
 
 
 @pytest.mark.parametrize(("n_out", "n_in", "tokens"), [(100, 256, 1), (100, 768, 8), (60, 4096, 5), (520, 1024, 5),
@@ -140,7 +160,23 @@ def test_emulated_hc_split_equals_the_reference(n, monkeypatch, tmp_path):
 def test_emulated_affine_matvec_equals_the_reference(bits, size, tokens, plan, monkeypatch, tmp_path):
     """One matrix for several tokens, or (one token) a bank of three matrices with four slots picking them; through
     kernels/affine_matvec.py's own wrapper (templates, grid), with `build` returning the emulated kernel."""
+    check_affine_matvec(bits, size, tokens, plan, None, monkeypatch, tmp_path)
 
+
+@pytest.mark.parametrize(("bits", "size", "tokens", "plan"), [
+    (8, (9, 512), 1, (4, 1)),  # a bank: each slot's row normed by its own sum of squares
+    (8, (5, 4096), 5, (2, 4)),
+    (8, (3, 768), 8, (1, 3)),  # threads idle in the only step add no squares
+    (4, (5, 1024), 2, (4, 2)),
+], ids=str)
+def test_emulated_affine_matvec_with_the_input_norm_equals_the_reference(bits, size, tokens, plan, monkeypatch,
+                                                                        tmp_path):
+    """The normed kernel against rms_norm then the product, rows of different scales (each its own rms)."""
+    norm = probe_norm(size[1], 1e-6, seed=size[1])
+    check_affine_matvec(bits, size, tokens, plan, norm, monkeypatch, tmp_path)
+
+
+def check_affine_matvec(bits, size, tokens, plan, norm, monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(affine_matvec, "build", emulated_build(tmp_path))
     n_out, n_in = size
     ggml_type = GGMLType.Q8_0 if bits == 8 else GGMLType.Q4_K
@@ -150,13 +186,14 @@ def test_emulated_affine_matvec_equals_the_reference(bits, size, tokens, plan, m
     w = np.array(dequantize(blocks, ggml_type, shape))
     if experts > 1:
         weight, ids = to_affine(blocks, ggml_type, shape), mx.array([2, 0, 2, 1], dtype=mx.uint32)
-        x = random_activations((ids.size, n_in), seed=n_out)
-        want = np.stack([np.array(x[i]) @ w[ids[i].item()].T for i in range(ids.size)])
+        x = row_scaled(random_activations((ids.size, n_in), seed=n_out), norm)
+        normed = np.array(apply(x, norm))
+        want = np.stack([normed[i] @ w[ids[i].item()].T for i in range(ids.size)])
     else:
         weight, ids = to_affine(blocks, ggml_type, shape[1:]), None
-        x = random_activations((tokens, n_in), seed=n_out)
-        want = np.array(x) @ w[0].T
-    got = np.array(affine_matvec.AFFINE_MATVEC.fast(x, weight, ids, plan))
+        x = row_scaled(random_activations((tokens, n_in), seed=n_out), norm)
+        want = np.array(apply(x, norm)) @ w[0].T
+    got = np.array(affine_matvec.AFFINE_MATVEC.fast(x, weight, ids, plan, norm))
     assert got.shape == want.shape and np.isfinite(got).all()  # every output was written
     assert np.abs(got - want).max() <= affine_matvec.TOLERANCE * np.abs(want).max()
 

@@ -19,7 +19,7 @@ import pytest
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS, Dialect
 from ds4_mlx.kernels.half import (HALF_MATVEC, HALF_MATVEC_KERNEL, MAX_STEPS, MAX_TOKENS, SIMDS, TOLERANCE,
-                                  half_matvec, matvec_enabled, reference, split_plan)
+                                  half_matvec, matvec_enabled, norm_kernel, reference, split_plan)
 from ds4_mlx.kernels.probe import random_activations
 from ds4_mlx.model import linear
 from ds4_mlx.model.factory import write_model
@@ -207,3 +207,52 @@ def test_tiny_model_decode_with_the_kernel_equals_the_reference(on_gpu, tiny_wei
     with registry.forced_mode("reference"):
         reference_logits = decode_logits(Model(tiny_weights, simulate_quant=False), tokens)
     assert np.abs(fast - reference_logits).max() <= 1e-4 * np.abs(reference_logits).max()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The input norm folded in (kernels/fused_norm.py)
+
+
+def test_the_normed_kernel_renders_and_the_plain_one_is_unchanged():
+    for target in (CUDA, METAL):
+        seen = {}
+        Dialect(target.name, target.words, target.prelude, make=lambda **kw: seen.update(kw)).compile(
+            norm_kernel(1e-6))
+        assert seen["input_names"] == ["x", "w", "norm_w"] and "NORM_EPS = 1e-06f;" in seen["header"]
+        assert "@" not in seen["source"]
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", seen["source"] + seen["header"])
+    assert "norm" not in HALF_MATVEC_KERNEL.source and "squares" not in HALF_MATVEC_KERNEL.source
+
+
+def test_the_cpu_norms_then_multiplies(on_cpu):
+    w = random_half((64, 1024), seed=1)
+    x = 5.0 * random_activations((3, 1024), seed=2)
+    norm = (1.0 + 0.5 * random_activations((1024,), seed=3), 1e-6)
+    np.testing.assert_array_equal(np.array(half_matvec(x, w, norm)),
+                                  np.array(mx.fast.rms_norm(x, *norm) @ w.astype(mx.float32).T))
+    assert HALF_MATVEC.decisions() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", FLASH_SHAPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_normed_kernel_is_used_and_equals_the_reference_on_the_gpu(on_gpu, shape, tokens):
+    """rms_norm folded in at the Flash F16 shapes (compressor, indexer and router inputs are norm outputs); rows
+    far from unit rms."""
+    w = random_half(shape, seed=shape[0])
+    x = random_activations((tokens, shape[1]), seed=tokens) * mx.linspace(1.0, 20.0, tokens)[:, None]
+    norm = (1.0 + 0.5 * random_activations((shape[1],), seed=4), 1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = half_matvec(x, w, norm)
+    assert HALF_MATVEC.decisions()[registry.current_backend(), (*shape, 1e-6)].fast
+    assert relative_error(got, reference(x, w, norm)) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_normed_kernel_runs_inside_a_compiled_function(on_gpu):
+    w = random_half((1024, 4096), seed=9)
+    x = 9.0 * random_activations((1, 4096), seed=10)
+    norm = (1.0 + 0.5 * random_activations((4096,), seed=11), 1e-6)
+    compiled = mx.compile(lambda a: half_matvec(a, w, norm))
+    assert relative_error(compiled(x), reference(x, w, norm)) <= TOLERANCE

@@ -8,6 +8,7 @@
 - `dialect`: one custom-kernel definition rendered for CUDA (`mx.fast.cuda_kernel`) or Metal;
 - `matvec`: the dequant-matvec kernel for decode over raw blocks, with `iq2_xxs` and `q2_k` its two quant types;
 - `half`: the matvec of F16 matrices kept as float16, for decode (float32 accumulation);
+- `fused_norm`: an input RMSNorm folded into `affine_matvec` and `half_matvec` (their `norm=` argument);
 - `experts`: a decode token's routed experts over raw IQ2_XXS / Q2_K banks in two launches (gate + up + SwiGLU, down
   + the sum over slots);
 - `grouped`: prefill's routed experts as grouped GEMMs over expert-sorted pairs, with `dequant` (IQ2_XXS / Q2_K

@@ -19,9 +19,14 @@ and ~1.15 TB/s on the LM head, and costs ~10 us of host time per launch against 
   memory round trip per step.
 - One SIMD reduction per (row, token), then the SIMDS partial sums in threadgroup memory, added in a fixed order.
 
-Its reference is the path it replaces: `mx.quantized_matmul` (or `mx.gather_qmm` for a bank), itself checked
-against the reference dequantizer (kernels/affine.py). They differ in float32 rounding and summation order only
-(TOLERANCE).
+- With `norm` the input RMSNorm is folded in (kernels/fused_norm.py): each thread also sums the squares of the
+  activations it reads (the threadgroup reads every value of its row(s) of x exactly once), multiplies them by
+  the norm weight before use, and the final sum is scaled by the row's 1 / rms. Over a bank each slot's row is
+  normed by its own sum. Without a norm the kernel's text is exactly the plain one.
+
+Its reference is the path it replaces: `mx.quantized_matmul` (or `mx.gather_qmm` for a bank), after
+`rms_norm` when normed, itself checked against the reference dequantizer (kernels/affine.py). They differ in
+float32 rounding and summation order only (TOLERANCE).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import mlx.core as mx
 from ..model.gguf import GGMLType
 from .affine import AffineWeight, to_affine
 from .dialect import SIMD_WIDTH, Kernel, build
+from .fused_norm import PROBE_SCALE, Norm, apply, fits, normed_kernel, probe_norm, variant
 from .probe import random_activations, random_blocks
 from .registry import FastPath, current_backend
 
@@ -42,7 +48,9 @@ MAX_TOKENS = 8
 TOLERANCE = 1e-5
 """Float32 rounding and summation order only (4-value sums scaled one by one, then per thread, SIMD group and
 threadgroup): ~1e-7 per add over IN <= 8192 terms, with margin; the bound the built-in quantized matmuls are held
-to (affine.py). Measured on the CPU emulation (tests/test_kernels_emulated.py): ~1e-7 of the largest output."""
+to (affine.py). Measured on the CPU emulation (tests/test_kernels_emulated.py): ~1e-7 of the largest output.
+With the norm folded in, up to ~3e-6 against MLX's CPU rms_norm, whose own 1 / rms is off by up to ~1e-6
+(the kernel is within ~1e-7 of a float64 evaluation); the same bound holds."""
 MIN_THREADGROUPS = 1024
 """Rows per threadgroup shrink until a matrix spreads over at least this many (~8 per SM of an H200)."""
 
@@ -57,6 +65,7 @@ const float CENTRE = (float)(1 << (BITS - 1));
 const float MAGIC = 8388608.0f + CENTRE;
 
 SHARED float part[SIMDS * ROWS * TOKENS];
+@SHARED float squares_part[SIMDS * TOKENS];
 
 const int slot = GROUP_Y;
 const int first_row = GROUP_X * ROWS;
@@ -77,6 +86,12 @@ for (int r = 0; r < ROWS; ++r) {
     acc[r][t] = 0.0f;
   }
 }
+@const GLOBAL_MEM float4* nv = reinterpret_cast<const GLOBAL_MEM float4*>(norm_w);
+@float squares[TOKENS];
+@#pragma unroll
+@for (int t = 0; t < TOKENS; ++t) {
+@  squares[t] = 0.0f;
+@}
 
 for (int step = 0; step < STEPS; ++step) {
   const int u = step * THREADS + (int)THREAD_IN_GROUP;
@@ -106,9 +121,15 @@ for (int step = 0; step < STEPS; ++step) {
     for (int j = 0; j < UNIT_VALUES / 4; ++j) {
       float4 xj[TOKENS];
       float xsum[TOKENS];
+@      const float4 nj = nv[u * UNIT_VALUES / 4 + j];
 #pragma unroll
       for (int t = 0; t < TOKENS; ++t) {
         xj[t] = xv[(t * IN + u * UNIT_VALUES) / 4 + j];
+@        squares[t] += (xj[t].x * xj[t].x + xj[t].y * xj[t].y) + (xj[t].z * xj[t].z + xj[t].w * xj[t].w);
+@        xj[t].x *= nj.x;
+@        xj[t].y *= nj.y;
+@        xj[t].z *= nj.z;
+@        xj[t].w *= nj.w;
         xsum[t] = (xj[t].x + xj[t].y) + (xj[t].z + xj[t].w);
       }
       const int word = j * 4 / WORD_VALUES;
@@ -141,6 +162,13 @@ for (int r = 0; r < ROWS; ++r) {
     }
   }
 }
+@#pragma unroll
+@for (int t = 0; t < TOKENS; ++t) {
+@  const float total = ds4_simd_sum(squares[t]);
+@  if (SIMD_LANE == 0) {
+@    squares_part[SIMD_INDEX * TOKENS + t] = total;
+@  }
+@}
 ds4_barrier();
 const int i = (int)THREAD_IN_GROUP;
 if (i < ROWS * TOKENS && first_row + i / TOKENS < OUT) {
@@ -148,11 +176,24 @@ if (i < ROWS * TOKENS && first_row + i / TOKENS < OUT) {
   for (int s = 0; s < SIMDS; ++s) {
     total += part[s * ROWS * TOKENS + i];
   }
+@  float sum_squares = 0.0f;
+@  for (int s = 0; s < SIMDS; ++s) {
+@    sum_squares += squares_part[s * TOKENS + i % TOKENS];
+@  }
+@  total *= 1.0f / sqrt(sum_squares / (float)IN + NORM_EPS);
   y[((size_t)slot * TOKENS + i % TOKENS) * OUT + first_row + i / TOKENS] = total;
 }
 """
 
-KERNEL = Kernel("ds4_affine_matvec", ("x", "wq", "scales", "biases", "ids"), ("y",), _SOURCE)
+_NAMES = ("ds4_affine_matvec", ("x", "wq", "scales", "biases", "ids"), ("y",))
+KERNEL = Kernel(*_NAMES, variant(_SOURCE, False))
+"""The plain kernel: the text without its `@` lines (the input norm, fused_norm.py)."""
+
+
+@cache
+def norm_kernel(eps: float) -> Kernel:
+    """The kernel with the input norm folded in: x * rsqrt(mean(x^2) + eps) * norm_w in place of x."""
+    return normed_kernel(*_NAMES, _SOURCE, eps)
 
 
 def launch_plan(out_features: int, in_features: int, bits: int, tokens: int) -> tuple[int, int]:
@@ -177,19 +218,23 @@ def _single_matrix() -> mx.array:
     return ids
 
 
-def _reference(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int]) -> mx.array:
+def _reference(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int],
+               norm: Norm | None = None) -> mx.array:
+    x = apply(x, norm)
     return weight.matmul(x) if ids is None else weight.gather_matmul(x, ids)
 
 
-def _kernel(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int]) -> mx.array:
+def _kernel(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int],
+            norm: Norm | None = None) -> mx.array:
     rows, simds = plan
     n_out, n_in = weight.shape[-2:]
     if ids is None:
         tokens, slots, ids = x.size // n_in, 1, _single_matrix()
     else:
         tokens, slots = 1, ids.size
-    (y,) = build(KERNEL, current_backend())(
-        inputs=[x, weight.wq, weight.scales, weight.biases, ids.astype(mx.uint32)],
+    kernel, extra = (KERNEL, []) if norm is None else (norm_kernel(float(norm[1])), [norm[0]])
+    (y,) = build(kernel, current_backend())(
+        inputs=[x, weight.wq, weight.scales, weight.biases, ids.astype(mx.uint32), *extra],
         template=[("BITS", weight.bits), ("IN", n_in), ("OUT", n_out), ("TOKENS", tokens), ("ROWS", rows),
                   ("SIMDS", simds)],
         grid=(-(-n_out // rows) * simds * SIMD_WIDTH, slots, 1),
@@ -205,32 +250,39 @@ PROBE_EXPERTS = 3
 
 def _probe(key: Hashable) -> tuple:
     """Random weights of the key's type and row length, 2 * ROWS + 1 rows (the last threadgroup mostly past the
-    end). One token: a bank of three matrices and four slots (a lone matrix is the same kernel with one slot)."""
-    bits, n_in, tokens, rows, simds = key
+    end). One token: a bank of three matrices and four slots (a lone matrix is the same kernel with one slot).
+    A key ending in an epsilon is the normed kernel's: activations off unit rms, a norm weight around 1."""
+    bits, n_in, tokens, rows, simds, *eps = key
+    norm = probe_norm(n_in, eps[0], seed=33) if eps else None
+    scale = PROBE_SCALE if eps else 1.0
     ggml_type = GGMLType.Q8_0 if bits == 8 else GGMLType.Q4_K
     n_out = 2 * rows + 1
     if tokens == 1:
         blocks = random_blocks(ggml_type, PROBE_EXPERTS * n_out, n_in, seed=31)
         bank = to_affine(blocks, ggml_type, (PROBE_EXPERTS, n_out, n_in))
         ids = mx.array([2, 0, 2, 1], dtype=mx.uint32)
-        return random_activations((ids.size, n_in), seed=32), bank, ids, (rows, simds)
+        return scale * random_activations((ids.size, n_in), seed=32), bank, ids, (rows, simds), norm
     weight = to_affine(random_blocks(ggml_type, n_out, n_in, seed=31), ggml_type, (n_out, n_in))
-    return random_activations((tokens, n_in), seed=32), weight, None, (rows, simds)
+    return scale * random_activations((tokens, n_in), seed=32), weight, None, (rows, simds), norm
 
 
 AFFINE_MATVEC = FastPath("affine_matvec", _reference, _kernel, _probe, tolerance=TOLERANCE,
                          backends=("cuda", "metal"))
-"""A few rows times an affine matrix or bank by the kernel; key (bits, IN, tokens, rows, SIMD groups)."""
+"""A few rows times an affine matrix or bank by the kernel; key (bits, IN, tokens, rows, SIMD groups), and the
+norm's epsilon after them for the kernel with the input norm folded in."""
 
 
-def affine_matvec(x: mx.array, weight: AffineWeight, ids: mx.array | None = None) -> mx.array:
+def affine_matvec(x: mx.array, weight: AffineWeight, ids: mx.array | None = None,
+                  norm: Norm | None = None) -> mx.array:
     """x @ W.T for x (..., IN) of at most MAX_TOKENS rows and W (OUT, IN), or with ids (N,) x[i] @ W[ids[i]].T
     for x (N, IN) over a bank W (E, OUT, IN): by the kernel where it passed its check, else (and for more rows,
-    or activations other than float32) by the built-in quantized matmul (mx.gather_qmm for a bank)."""
+    or activations other than float32) by the built-in quantized matmul (mx.gather_qmm for a bank). With a norm
+    (weight (IN,), eps), x is first rms_norm(x, weight, eps), row by row: folded into the same launch."""
     n_out, n_in = weight.shape[-2:]
     n_rows = x.size // n_in
-    if x.dtype != mx.float32 or n_rows == 0 or (ids is None and n_rows > MAX_TOKENS):
-        return _reference(x, weight, ids, (1, 1))
+    if x.dtype != mx.float32 or n_rows == 0 or (ids is None and n_rows > MAX_TOKENS) or not fits(norm, n_in):
+        return _reference(x, weight, ids, (1, 1), norm)
     tokens = 1 if ids is not None else n_rows
     rows, simds = launch_plan(n_out, n_in, weight.bits, tokens)
-    return AFFINE_MATVEC(x, weight, ids, (rows, simds), key=(weight.bits, n_in, tokens, rows, simds))
+    key = (weight.bits, n_in, tokens, rows, simds) + (() if norm is None else (float(norm[1]),))
+    return AFFINE_MATVEC(x, weight, ids, (rows, simds), norm, key=key)

@@ -14,6 +14,11 @@ holds, in a slow kernel. Here W stays float16 and one kernel reads it once:
 Every F16 value converts to float32 exactly, so the kernel multiplies and adds the very float32 values that
 `reference` (x @ W.astype(float32).T) does: the results differ only in the order of the float32 sums (and where
 products are fused into them), a few ulps of the output's scale over IN terms; TOLERANCE leaves a wide margin.
+With `norm` the input RMSNorm is folded in (kernels/fused_norm.py): W's values are multiplied by the norm
+weight as they are converted, each lane sums the squares of the activations it reads (a row's SPLIT parts read
+all of x once), and each output is scaled by 1 / rms: a reassociation again, plus the rounding of the weight
+products. Without a norm the kernel's text is exactly the plain one.
+
 It takes IN a multiple of 256 (every lane a whole number of 16-byte loads) and 1 to MAX_TOKENS rows; other shapes
 take the reference.
 """
@@ -21,16 +26,20 @@ take the reference.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
 
 from .dialect import SIMD_WIDTH, Kernel, build
+from .fused_norm import PROBE_SCALE, Norm, apply, fits, normed_kernel, probe_norm, variant
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
 TOLERANCE = 1e-5
-"""Float32 summation order only: ~1e-7 of the output's largest magnitude for IN = 4096, with margin."""
+"""Float32 summation order only: ~1e-7 of the output's largest magnitude for IN = 4096, with margin. With the
+norm folded in, up to ~3e-6 against MLX's CPU rms_norm, whose own 1 / rms is off by up to ~1e-6 (the kernel is
+within ~1e-7 of a float64 evaluation)."""
 MAX_TOKENS = 8
 """Most rows of x the kernel takes (decode: one; a few for short chunks); more go through a GEMM."""
 SIMDS = 8
@@ -51,11 +60,16 @@ const int first_row = GROUP_X * ROWS;
 const int row = first_row + sg / SPLIT;
 const int part = sg % SPLIT;
 SHARED float partial[SIMDS * TOKENS];
+@SHARED float squares_part[SIMDS * TOKENS];
 
 float acc[TOKENS];
 for (int t = 0; t < TOKENS; ++t) {
   acc[t] = 0.0f;
 }
+@float squares[TOKENS];
+@for (int t = 0; t < TOKENS; ++t) {
+@  squares[t] = 0.0f;
+@}
 if (row < OUT) {
   const GLOBAL_MEM uint4* wp = reinterpret_cast<const GLOBAL_MEM uint4*>(w + (size_t)row * IN) + part * PART + lane;
   uint4 wv[STEPS];
@@ -70,10 +84,23 @@ if (row < OUT) {
       wf[2 * j + 1] = ds4_half_to_float((unsigned short)(words[j] >> 16));
     }
     const int column = 8 * (part * PART + lane + 32 * s);
+@    const GLOBAL_MEM float4* nw = reinterpret_cast<const GLOBAL_MEM float4*>(norm_w + column);
+@    const float4 na = nw[0];
+@    const float4 nb = nw[1];
+@    wf[0] *= na.x;
+@    wf[1] *= na.y;
+@    wf[2] *= na.z;
+@    wf[3] *= na.w;
+@    wf[4] *= nb.x;
+@    wf[5] *= nb.y;
+@    wf[6] *= nb.z;
+@    wf[7] *= nb.w;
     for (int t = 0; t < TOKENS; ++t) {
       const GLOBAL_MEM float4* xp = reinterpret_cast<const GLOBAL_MEM float4*>(x + (size_t)t * IN + column);
       const float4 a = xp[0];
       const float4 b = xp[1];
+@      squares[t] += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) +
+@                    ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
       float sum = wf[0] * a.x;
       sum += wf[1] * a.y;
       sum += wf[2] * a.z;
@@ -89,6 +116,12 @@ if (row < OUT) {
 for (int t = 0; t < TOKENS; ++t) {
   acc[t] = ds4_simd_sum(acc[t]);
 }
+@for (int t = 0; t < TOKENS; ++t) {
+@  squares[t] = ds4_simd_sum(squares[t]);
+@  if (SPLIT == 1) {
+@    acc[t] *= 1.0f / sqrt(squares[t] / (float)IN + NORM_EPS);
+@  }
+@}
 if (SPLIT == 1) {
   if (lane == 0 && row < OUT) {
     for (int t = 0; t < TOKENS; ++t) {
@@ -99,6 +132,7 @@ if (SPLIT == 1) {
   if (lane == 0) {
     for (int t = 0; t < TOKENS; ++t) {
       partial[sg * TOKENS + t] = acc[t];
+@      squares_part[sg * TOKENS + t] = squares[t];
     }
   }
   ds4_barrier();
@@ -111,13 +145,26 @@ if (SPLIT == 1) {
       for (int p = 0; p < SPLIT; ++p) {
         total += partial[(r * SPLIT + p) * TOKENS + t];
       }
+@      float sum_squares = 0.0f;
+@      for (int p = 0; p < SPLIT; ++p) {
+@        sum_squares += squares_part[(r * SPLIT + p) * TOKENS + t];
+@      }
+@      total *= 1.0f / sqrt(sum_squares / (float)IN + NORM_EPS);
       y[(size_t)t * OUT + first_row + r] = total;
     }
   }
 }
 """
 
-HALF_MATVEC_KERNEL = Kernel("ds4_half_matvec", ("x", "w"), ("y",), _MATVEC)
+_NAMES = ("ds4_half_matvec", ("x", "w"), ("y",))
+HALF_MATVEC_KERNEL = Kernel(*_NAMES, variant(_MATVEC, False))
+"""The plain kernel: the text without its `@` lines (the input norm, fused_norm.py)."""
+
+
+@cache
+def norm_kernel(eps: float) -> Kernel:
+    """The kernel with the input norm folded in: W's values times norm_w, each output times the row's 1 / rms."""
+    return normed_kernel(*_NAMES, _MATVEC, eps)
 
 
 def split_plan(n_out: int, n_in: int) -> int | None:
@@ -135,19 +182,21 @@ def split_plan(n_out: int, n_in: int) -> int | None:
     return split if chunks // split <= MAX_STEPS else None
 
 
-def reference(x: mx.array, w: mx.array) -> mx.array:
-    """x (..., IN) float32 @ W.T for W (OUT, IN) float16: the dense form's product (float16 -> float32 is exact)."""
-    return x @ w.astype(mx.float32).T
+def reference(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
+    """x (..., IN) float32 @ W.T for W (OUT, IN) float16: the dense form's product (float16 -> float32 is exact);
+    with a norm, of rms_norm(x, weight, eps)."""
+    return apply(x, norm) @ w.astype(mx.float32).T
 
 
-def _kernel(x: mx.array, w: mx.array) -> mx.array:
+def _kernel(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
     """x (T, IN) float32, T <= MAX_TOKENS, W (OUT, IN) float16 with a split plan -> (T, OUT) float32."""
     n_out, n_in = w.shape
     tokens = x.shape[0]
     split = split_plan(n_out, n_in)
     groups = -(-n_out // (SIMDS // split))
-    (y,) = build(HALF_MATVEC_KERNEL, current_backend())(
-        inputs=[x, w],
+    kernel, extra = (HALF_MATVEC_KERNEL, []) if norm is None else (norm_kernel(float(norm[1])), [norm[0]])
+    (y,) = build(kernel, current_backend())(
+        inputs=[x, w, *extra],
         template=[("OUT", n_out), ("IN", n_in), ("TOKENS", tokens), ("SPLIT", split), ("SIMDS", SIMDS)],
         grid=(groups * SIMDS * SIMD_WIDTH, 1, 1),
         threadgroup=(SIMDS * SIMD_WIDTH, 1, 1),
@@ -157,26 +206,31 @@ def _kernel(x: mx.array, w: mx.array) -> mx.array:
     return y
 
 
-def _probe(key: Hashable) -> tuple[mx.array, mx.array]:
-    """Activations for the largest probed token count, and W with magnitudes from 2^-16 (subnormal halves) to 1."""
-    n_out, n_in = key
+def _probe(key: Hashable) -> tuple[mx.array, mx.array, Norm | None]:
+    """Activations for the largest probed token count, and W with magnitudes from 2^-16 (subnormal halves) to 1.
+    A key ending in an epsilon is the normed kernel's: activations off unit rms, a norm weight around 1."""
+    n_out, n_in, *eps = key
     rng = np.random.default_rng(41)
     w = rng.standard_normal((n_out, n_in)) * np.exp2(rng.uniform(-16, 0, (n_out, n_in)))
-    return random_activations((max(PROBE_TOKENS), n_in), seed=42), mx.array(w.astype(np.float16))
+    x = random_activations((max(PROBE_TOKENS), n_in), seed=42)
+    if not eps:
+        return x, mx.array(w.astype(np.float16)), None
+    return PROBE_SCALE * x, mx.array(w.astype(np.float16)), probe_norm(n_in, eps[0], seed=43)
 
 
-def _probe_reference(x: mx.array, w: mx.array) -> tuple[mx.array, ...]:
-    return tuple(reference(x[:n], w) for n in PROBE_TOKENS)
+def _probe_reference(x: mx.array, w: mx.array, norm: Norm | None) -> tuple[mx.array, ...]:
+    return tuple(reference(x[:n], w, norm) for n in PROBE_TOKENS)
 
 
-def _probe_kernel(x: mx.array, w: mx.array) -> tuple[mx.array, ...]:
-    return tuple(_kernel(x[:n], w) for n in PROBE_TOKENS)
+def _probe_kernel(x: mx.array, w: mx.array, norm: Norm | None) -> tuple[mx.array, ...]:
+    return tuple(_kernel(x[:n], w, norm) for n in PROBE_TOKENS)
 
 
 HALF_MATVEC = FastPath("half_matvec", _probe_reference, _probe_kernel, _probe, tolerance=TOLERANCE,
                        backends=("cuda", "metal"))
-"""The kernel for W of one shape; key: (OUT, IN). The check compiles and compares the 1- and 5-token variants; the
-other token counts are the same source with another constant."""
+"""The kernel for W of one shape; key: (OUT, IN), and the norm's epsilon after them for the kernel with the input
+norm folded in. The check compiles and compares the 1- and 5-token variants; the other token counts are the same
+source with another constant."""
 
 
 def matvec_enabled(shape: tuple[int, ...]) -> bool:
@@ -184,12 +238,16 @@ def matvec_enabled(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and split_plan(*shape) is not None and HALF_MATVEC.enabled(tuple(shape))
 
 
-def half_matvec(x: mx.array, w: mx.array) -> mx.array:
+def half_matvec(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
     """x (..., IN) float32 @ W.T for W (OUT, IN) float16: the kernel for 1 to MAX_TOKENS rows where it passed its
-    check, the reference otherwise (more rows, the reference mode, another backend)."""
+    check, the reference otherwise (more rows, the reference mode, another backend). With a norm (weight (IN,),
+    eps), x is first rms_norm(x, weight, eps), row by row: folded into the same launch."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if not 1 <= rows <= MAX_TOKENS or x.dtype != mx.float32 or not matvec_enabled(w.shape):
-        return reference(x, w)
+    if not 1 <= rows <= MAX_TOKENS or x.dtype != mx.float32 or not matvec_enabled(w.shape) or not fits(
+            norm, w.shape[-1]):
+        return reference(x, w, norm)
+    if norm is not None and not HALF_MATVEC.enabled((*w.shape, float(norm[1]))):
+        return reference(x, w, norm)
     if x.ndim == 2:
-        return _kernel(x, w)
-    return _kernel(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+        return _kernel(x, w, norm)
+    return _kernel(x.reshape(rows, x.shape[-1]), w, norm).reshape(*x.shape[:-1], w.shape[0])
