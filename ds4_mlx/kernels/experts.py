@@ -513,14 +513,10 @@ class GateUpSwiglu:
         plan = gate_up_plan(ggml_type, n_out, n_in, k, shared_budget())
         if plan is None:
             raise ValueError(f"{n_in} activations and two rows per SIMD group do not fit threadgroup memory")
-        size = row_bytes(ggml_type, n_in)
-        word = copy_word(size)
-        values = UNITS[ggml_type].values
+        word, template = _row_template(ggml_type, n_out, n_in, k, plan.simds)
         (h,) = build(gate_up_kernel(ggml_type, word), current_backend())(
             inputs=[x.astype(mx.float32), gate, up, ids.astype(mx.int32), weights.astype(mx.float32)],
-            template=[("IN", n_in), ("OUT", n_out), ("ROW_BYTES", size), ("ROW_WORDS", size // word),
-                      ("UNITS", n_in // values), ("CHUNKS", values // 4), ("K", k), ("SIMDS", plan.simds),
-                      ("RB", plan.rows), ("CLAMP_BITS", struct.unpack("<i", struct.pack("<f", clamp))[0])],
+            template=template + [("RB", plan.rows), ("CLAMP_BITS", struct.unpack("<i", struct.pack("<f", clamp))[0])],
             grid=(n_out // plan.rows * plan.simds * SIMD_WIDTH, t, 1),
             threadgroup=(plan.simds * SIMD_WIDTH, 1, 1),
             output_shapes=[(t * k, n_out)],
@@ -536,6 +532,15 @@ class GateUpSwiglu:
         ids = _probe_ids(k)
         weights = mx.array(np.random.default_rng(33).uniform(0.1, 1.5, ids.shape).astype(np.float32))
         return random_activations((2, n_in), seed=34), ids, weights, gate, up, ggml_type, shape, clamp
+
+
+def _row_template(ggml_type: GGMLType, n_out: int, n_in: int, k: int, simds: int) -> tuple[int, list[tuple[str, int]]]:
+    """The copy word of a bank row and the row-layout constants both expert kernels take."""
+    size = row_bytes(ggml_type, n_in)
+    word = copy_word(size)
+    values = UNITS[ggml_type].values
+    return word, [("IN", n_in), ("OUT", n_out), ("ROW_BYTES", size), ("ROW_WORDS", size // word),
+                  ("UNITS", n_in // values), ("CHUNKS", values // 4), ("K", k), ("SIMDS", simds)]
 
 
 class DownSum:
@@ -568,14 +573,10 @@ class DownSum:
         plan = down_plan(ggml_type, n_out, n_in, shared_budget())
         if plan is None:
             raise ValueError(f"{n_in} activations and one row per SIMD group do not fit threadgroup memory")
-        size = row_bytes(ggml_type, n_in)
-        word = copy_word(size)
-        values = UNITS[ggml_type].values
+        word, template = _row_template(ggml_type, n_out, n_in, k, plan.simds)
         (y,) = build(down_sum_kernel(ggml_type, word), current_backend())(
             inputs=[h.astype(mx.float32), blocks, ids.astype(mx.int32)],
-            template=[("IN", n_in), ("OUT", n_out), ("ROW_BYTES", size), ("ROW_WORDS", size // word),
-                      ("UNITS", n_in // values), ("CHUNKS", values // 4), ("K", k), ("SIMDS", plan.simds),
-                      ("ROWS", plan.rows // plan.simds)],
+            template=template + [("ROWS", plan.rows // plan.simds)],
             grid=(n_out // plan.rows * plan.simds * SIMD_WIDTH, t, 1),
             threadgroup=(plan.simds * SIMD_WIDTH, 1, 1),
             output_shapes=[(t, n_out)],
