@@ -22,6 +22,7 @@ from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import GGMLType
+from kernel_checks import tiny_decode_fast_and_reference
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 
@@ -203,25 +204,8 @@ def test_kernel_runs_inside_a_compiled_function(on_gpu):
 def test_q4_model_decode_with_the_kernel_equals_the_reference(on_gpu, tmp_path):
     """Decode steps of the tiny q4 model (Q8_0 projections, Q4_K experts): the kernel against the forced
     reference path (no activation simulation, whose FP8/FP4 rounding could amplify a reassociation difference)."""
-    from ds4_mlx.model.factory import write_model
-    from ds4_mlx.model.model import Model
-    from ds4_mlx.model.weights import open_weights
-
-    weights = open_weights(write_model(tmp_path / "tiny-q4.gguf", preset="tiny", experts="q4", seed=7))
-    tokens = np.random.default_rng(11).integers(0, weights.config.n_vocab, 24).astype(np.int32)
-    model = Model(weights, simulate_quant=False)
-
-    def decode() -> np.ndarray:
-        cache = model.new_cache(64)
-        model.prefill(mx.array(tokens[:16]), cache)
-        return np.stack([np.array(model(mx.array(tokens[i : i + 1]), cache)) for i in range(16, 24)])
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        fast = decode()
+    fast, reference = tiny_decode_fast_and_reference(tmp_path, "q4")
     assert AFFINE_MATVEC.decisions() and all(d.fast for d in AFFINE_MATVEC.decisions().values())
-    with registry.forced_mode("reference"):
-        reference = decode()
     assert np.abs(fast - reference).max() <= 1e-4 * np.abs(reference).max()
 
 

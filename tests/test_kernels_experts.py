@@ -28,7 +28,7 @@ from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.linear import ExpertBank
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP, RoutedExperts, sum_slots, weighted_swiglu
 from ds4_mlx.model.weights import open_weights
-from kernel_text import balanced, rendered
+from kernel_checks import balanced, rendered
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 IQ2, Q2K = GGMLType.IQ2_XXS, GGMLType.Q2_K

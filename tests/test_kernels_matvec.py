@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from gguf.quants import IQ2_XXS
 
-from ds4_mlx.kernels import dialect, registry
+from ds4_mlx.kernels import dialect
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS, build
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC, grid_codes
 from ds4_mlx.kernels.matvec import STAGE_BYTES, TOLERANCE, gathered_reference, launch_plan
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
-from kernel_text import balanced, rendered
+from kernel_checks import balanced, rendered, tiny_decode_fast_and_reference
 
 MATVECS = [IQ2_XXS_MATVEC, Q2_K_MATVEC]
 HELPERS = ("ds4_barrier", "ds4_simd_barrier", "ds4_simd_sum", "ds4_simd_xor", "ds4_popcount", "ds4_half_to_float")
@@ -175,26 +175,10 @@ def test_q2_model_decode_with_kernels_equals_the_reference(on_gpu, tmp_path):
     """Decode steps of the tiny q2 model: routed experts through the kernels (the fused ones of kernels/experts.py,
     which the decode path now prefers to these matvecs) against the forced reference path (activation simulation
     off, so that no FP8/FP4 rounding step can amplify a reassociation difference)."""
-    from ds4_mlx.model.factory import write_model
-    from ds4_mlx.model.model import Model
     from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
-    from ds4_mlx.model.weights import open_weights
 
-    weights = open_weights(write_model(tmp_path / "tiny-q2.gguf", preset="tiny", experts="q2", seed=7))
-    tokens = np.random.default_rng(11).integers(0, weights.config.n_vocab, 24).astype(np.int32)
-    model = Model(weights, simulate_quant=False)
-
-    def decode() -> np.ndarray:
-        cache = model.new_cache(64)
-        model.prefill(mx.array(tokens[:16]), cache)
-        return np.stack([np.array(model(mx.array(tokens[i : i + 1]), cache)) for i in range(16, 24)])
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        fast = decode()
+    fast, reference = tiny_decode_fast_and_reference(tmp_path, "q2")
     fused = (GATE_UP.fast_path, DOWN_SUM.fast_path)
     assert all(path.decisions() for path in fused)  # the kernels were checked and used
     assert all(decision.fast for path in fused for decision in path.decisions().values())
-    with registry.forced_mode("reference"):
-        reference = decode()
     assert np.abs(fast - reference).max() <= 1e-4 * np.abs(reference).max()

@@ -1,0 +1,57 @@
+"""What the kernel tests share: the rendering a kernel definition hands to MLX (checked without a GPU), and decode
+steps of the tiny model with the fast paths on and off (checked on one)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.kernels import dialect, registry
+
+
+def rendered(kernel: dialect.Kernel, target: dialect.Dialect) -> dict:
+    """(name, input_names, output_names, source, header) as `target` would hand them to mx.fast.<backend>_kernel."""
+    seen: dict = {}
+    dialect.Dialect(target.name, target.words, target.prelude, make=lambda **kw: seen.update(kw)).compile(kernel)
+    return seen
+
+
+def balanced(text: str) -> bool:
+    """Whether braces, parentheses and brackets pair up in order (a rendering that lost or doubled one would not)."""
+    for open_, close in ("{}", "()", "[]"):
+        depth = 0
+        for ch in text:
+            depth += (ch == open_) - (ch == close)
+            if depth < 0:
+                return False
+        if depth:
+            return False
+    return True
+
+
+def tiny_decode_fast_and_reference(tmp_path: Path, experts: str) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of 8 decode steps of the tiny model (`experts`: "q2" or "q4") after a 16-token prompt, with the fast
+    paths (any fallback warning is an error) and with the forced reference path. Activation simulation is off, so
+    that no FP8/FP4 rounding step can amplify a reassociation difference."""
+    from ds4_mlx.model.factory import write_model
+    from ds4_mlx.model.model import Model
+    from ds4_mlx.model.weights import open_weights
+
+    weights = open_weights(write_model(tmp_path / f"tiny-{experts}.gguf", preset="tiny", experts=experts, seed=7))
+    tokens = np.random.default_rng(11).integers(0, weights.config.n_vocab, 24).astype(np.int32)
+    model = Model(weights, simulate_quant=False)
+
+    def decode() -> np.ndarray:
+        cache = model.new_cache(64)
+        model.prefill(mx.array(tokens[:16]), cache)
+        return np.stack([np.array(model(mx.array(tokens[i : i + 1]), cache)) for i in range(16, 24)])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = decode()
+    with registry.forced_mode("reference"):
+        reference = decode()
+    return fast, reference
