@@ -17,12 +17,14 @@ fed one at a time. Queries run in blocks to bound the memory of scores and gathe
 `step` is the decode form of the same sublayer: one token at a position held in an array, every shape fixed by
 the context size, so a compiled decode step traces it once. It always lets the indexer choose among the visible
 compressed rows (with at most top_k visible, it chooses all of them, as the chunk form does by not asking it).
+It multiplies the token's normed input by all the matrices that read it (q_a, kv, the compressors' kv and gate,
+the indexer's proj) through one FusedLinear: one launch per storage form rather than one per matrix.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -30,7 +32,7 @@ from ds4_mlx.kernels.attention import DecodeAttention
 from ds4_mlx.kernels.indexer import IndexerPick
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
-from ds4_mlx.model.linear import Linear
+from ds4_mlx.model.linear import FusedLinear, Linear
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import round_to_f16, simulate_indexer_fp4, simulate_kv_fp8
 from ds4_mlx.model.rope import RoPE
@@ -54,24 +56,25 @@ class Indexer:
     rope: RoPE
     simulate_quant: bool
 
-    def queries(self, q_latent: mx.array, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
-        """Indexer queries (T, n_head, head_dim) and head weights (T, n_head) for a chunk."""
-        q = self.q_b(q_latent).reshape(x.shape[0], self.n_head, self.head_dim)
+    def queries(self, q_latent: mx.array, proj: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """Indexer queries (T, n_head, head_dim) and head weights (T, n_head) for a chunk, from the query latents
+        and `proj` (T, n_head), the indexer's proj of the normed inputs."""
+        q = self.q_b(q_latent).reshape(proj.shape[0], self.n_head, self.head_dim)
         q = self.rope(q, positions)
         if self.simulate_quant:
             q = simulate_indexer_fp4(q)
-        weights = self.proj(x) * (1.0 / math.sqrt(self.head_dim * self.n_head))
+        weights = proj * (1.0 / math.sqrt(self.head_dim * self.n_head))
         return q, weights
 
     def select(self, q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
         """Mask (B, n_rows) of the rows each query attends: its top_k visible rows by score (ties to lower c)."""
         return top_k_mask(index_scores(q, weights, rows, visible), self.top_k) & visible
 
-    def pick(self, q_latent: mx.array, x: mx.array, positions: mx.array, rows: mx.array
+    def pick(self, q_latent: mx.array, proj: mx.array, positions: mx.array, rows: mx.array
              ) -> tuple[mx.array, mx.array]:
         """Decode form of `select`: the rows' indices (T, top_k) ascending and which of them are real, for queries
         at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK)."""
-        q, weights = self.queries(q_latent, x, positions)
+        q, weights = self.queries(q_latent, proj, positions)
         return INDEXER_PICK(q, weights, rows, positions, self.compressor.ratio, self.top_k)
 
 
@@ -120,6 +123,21 @@ class Attention:
     indexer: Indexer | None
     simulate_quant: bool
     eps: float
+    project: FusedLinear = field(init=False, repr=False)
+    """`input_projections` read as one at load: a decode step's products of its normed input, in that order."""
+
+    def __post_init__(self) -> None:
+        self.project = FusedLinear(self.input_projections())
+
+    def input_projections(self) -> list[Linear]:
+        """The matrices a decode step multiplies its normed input x by: q_a and kv, then the compressor's kv and
+        gate, and on indexed layers the indexer compressor's kv and gate and the indexer's proj."""
+        found = [self.q_a, self.kv]
+        if self.compressor is not None:
+            found += [self.compressor.kv, self.compressor.gate]
+        if self.indexer is not None:
+            found += [self.indexer.compressor.kv, self.indexer.compressor.gate, self.indexer.proj]
+        return found
 
     @property
     def ratio(self) -> int:
@@ -145,7 +163,7 @@ class Attention:
         if self.compressor is not None:
             state, comp_rows, index_rows = self._compress(x, n_past, state)
             if index_rows is not None and index_rows.shape[0] > self.indexer.top_k:
-                index_queries = self.indexer.queries(q_latent, x, positions)
+                index_queries = self.indexer.queries(q_latent, self.indexer.proj(x), positions)
 
         block = QUERY_BLOCK
         if index_queries is not None:
@@ -173,10 +191,11 @@ class Attention:
     def step(self, x: mx.array, position: mx.array, state: LayerState) -> tuple[mx.array, LayerState]:
         """Attention output (1, n_embd) for one normed input x (1, n_embd) at array `position`, and the new state."""
         positions = position.reshape(1)
-        q_latent = rms_norm(self.q_a(x), self.q_a_norm, self.eps)
+        q_a, kv, *compressing = self.project(x)  # the input_projections of x, one launch per storage form
+        q_latent = rms_norm(q_a, self.q_a_norm, self.eps)
         q = self.q_b(q_latent).reshape(1, self.n_head, self.head_dim)
         q = self.rope(rms_norm(q, None, self.eps), positions)
-        kv = self.rope(rms_norm(self.kv(x), self.kv_norm, self.eps), positions)
+        kv = self.rope(rms_norm(kv, self.kv_norm, self.eps), positions)
         if self.simulate_quant:
             kv = round_to_f16(simulate_kv_fp8(kv, self.n_rot))
         raw = mx.concatenate([state.raw[1:], kv])  # row j holds position - window + 1 + j
@@ -184,16 +203,18 @@ class Attention:
         keys, masks = [raw], [(mx.arange(self.window) >= self.window - 1 - position)[None]]
         if self.compressor is not None:
             row_at = (position // self.ratio).reshape(1)
-            row, frontier = self.compressor.step(x, position, state.comp_frontier)
+            comp_kv, comp_gate, *indexing = compressing
+            row, frontier = self.compressor.step(comp_kv, comp_gate, position, state.comp_frontier)
             state = replace(state, comp=mx.slice_update(state.comp, row, row_at, axes=(0,)), comp_frontier=frontier)
             if self.indexer is None:
                 keys.append(state.comp)
                 masks.append((mx.arange(state.comp.shape[0]) < (position + 1) // self.ratio)[None])
             else:
-                row, frontier = self.indexer.compressor.step(x, position, state.index_frontier)
+                index_kv, index_gate, index_proj = indexing
+                row, frontier = self.indexer.compressor.step(index_kv, index_gate, position, state.index_frontier)
                 index = mx.slice_update(state.index, row, row_at, axes=(0,))
                 state = replace(state, index=index, index_frontier=frontier)
-                picked, valid = self.indexer.pick(q_latent, x, positions, index)
+                picked, valid = self.indexer.pick(q_latent, index_proj, positions, index)
                 keys.append(state.comp[picked])
                 masks.append(valid)
         out = self.rope(self._attend(q, keys, masks), positions, inverse=True)

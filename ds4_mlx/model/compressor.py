@@ -15,8 +15,10 @@ hold no token have kv 0 and score -inf. A chunk of any length leaves the frontie
 one at a time would.
 
 `step` is the decode form: one token at a position held in an array, with shapes that do not depend on it, so
-a compiled decode step can trace it once. It returns the row of the token's window as it stands (final once the
-window is complete) and the caller writes it at row position // ratio, where it stays invisible until then.
+a compiled decode step can trace it once. It takes the token's kv and gate projections from the caller (the
+attention's step computes them with its other projections of the same input, model/linear.py FusedLinear) and
+returns the row of the token's window as it stands (final once the window is complete); the caller writes it at
+row position // ratio, where it stays invisible until then.
 """
 
 from __future__ import annotations
@@ -103,11 +105,13 @@ class Compressor:
             new_score.insert(0, last[1])
         return rows, Frontier(mx.concatenate(new_kv), mx.concatenate(new_score))
 
-    def step(self, x: mx.array, position: mx.array, frontier: Frontier) -> tuple[mx.array, Frontier]:
-        """Feed one normed input x (1, D) at array `position`; return the row its window gives so far (1, width)
-        and the new frontier. Equal to `__call__` for a finished window; the row is final once it is."""
-        pooled, kv, score = POOL_STEP(self.kv(x), self.gate(x), self.ape, frontier.kv, frontier.score, position,
-                                      self.ratio, self.width)
+    def step(self, kv: mx.array, gate: mx.array, position: mx.array, frontier: Frontier
+             ) -> tuple[mx.array, Frontier]:
+        """Feed one token at array `position`, given as kv(x) and gate(x) (1, coff*width) of its normed input x;
+        return the row its window gives so far (1, width) and the new frontier. Equal to `__call__` for a
+        finished window; the row is final once it is."""
+        pooled, kv, score = POOL_STEP(kv, gate, self.ape, frontier.kv, frontier.score, position, self.ratio,
+                                      self.width)
         first = (position - position % self.ratio).reshape(1)  # the row's position: its window's first token
         return self.finish(self.rope(rms_norm(pooled, self.norm, self.eps), first)), Frontier(kv, score)
 

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from .cache import SessionCache
     from .model import Model
 
-VIEWS = frozenset({"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided", "View",
-                   "StopGradient", "Depends", "Flatten", "Unflatten"})
+VIEWS = frozenset({"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Split", "Transpose", "AsStrided",
+                   "View", "StopGradient", "Depends", "Flatten", "Unflatten"})
 """Primitives that usually only reinterpret their input (no kernel launch; a reshape of a strided input copies)."""
 
 _NODE = re.compile(r'^\{ (\d+) \[label ="([^"]*)"', re.MULTILINE)

@@ -24,10 +24,16 @@ BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends (kerne
 DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path; after loading, the
 reference mode multiplies affine tensors by their dequantized values and float16 tensors by their float32 values,
 which are the reference's.
+
+Matrices that a decode step multiplies by the same input (a layer's q_a and kv, its compressors' kv and gate, the
+indexer's proj) are also read as one: `FusedLinear` concatenates those held in one fast form along OUT at load,
+one kernel launch per form instead of one per matrix, and each member keeps a view of its rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -35,9 +41,11 @@ import mlx.core as mx
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
+from ds4_mlx.kernels.affine_matvec import MAX_TOKENS as AFFINE_MATVEC_TOKENS
 from ds4_mlx.kernels.affine_matvec import affine_matvec
 from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
 from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, sliced_grouped
+from ds4_mlx.kernels.half import MAX_TOKENS as HALF_MATVEC_TOKENS
 from ds4_mlx.kernels.half import half_matvec, matvec_enabled
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import QuantMatvec
@@ -228,6 +236,90 @@ class Linear:
         if self._half is not None:
             return half_matvec(x, self._half)
         return x @ self.weight.T
+
+
+FUSED_TOKENS = min(AFFINE_MATVEC_TOKENS, HALF_MATVEC_TOKENS)
+"""Most rows of input a FusedLinear multiplies by its fused matrices (the matvec kernels' limit); more (a prefill
+chunk) go member by member, as they did before."""
+
+
+class FusedLinear:
+    """Matrices that multiply the same input, applied with one matvec launch per storage form (decode).
+
+    Why: on a GPU backend every graph node costs host time (~5 us on MLX CUDA) and a decode token multiplies its
+    normed input by up to seven small matrices a layer. At construction (at load, in the fast mode) the members
+    held in one fast form with the same IN, affine of one width or float16, are concatenated along OUT into one
+    matrix (float16 only where the half matvec has passed its check for the concatenated shape) and evaluated; each
+    member then holds a view of its rows of it instead of its own arrays, so memory stays the members' bytes and
+    the members' own products (the chunk path's) are unchanged. Other members (dense, raw, a form of their own)
+    are applied alone.
+
+    Each output element is the same dot product of the same values as the member's own, only in another launch.
+    """
+
+    def __init__(self, members: Sequence[Callable[[mx.array], mx.array]]):
+        self.members = list(members)
+        by_form: dict[tuple, list[int]] = {}
+        for i, member in enumerate(self.members):
+            form = _fusable_form(member)
+            if form is not None:
+                by_form.setdefault(form, []).append(i)
+        self._groups: list[tuple[list[int], list[int], AffineWeight | mx.array]] = []
+        """(member indices, their OUT offsets in the fused matrix and its total, the fused matrix)."""
+        for indices in by_form.values():
+            parts = [self.members[i] for i in indices]
+            offsets = [0, *accumulate(p.shape[0] for p in parts)]
+            if len(parts) > 1 and (fused := _concatenate(parts, offsets)) is not None:
+                self._groups.append((indices, offsets, fused))
+
+    @property
+    def launches(self) -> int:
+        """Products a call of up to FUSED_TOKENS rows makes: one per fused matrix, one per other member."""
+        return len(self.members) - sum(len(indices) - 1 for indices, _, _ in self._groups)
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        """Each member's x @ W.T, in order, for x (..., IN)."""
+        rows = x.size // x.shape[-1]
+        if not self._groups or not _fast() or rows > FUSED_TOKENS:
+            return [member(x) for member in self.members]
+        out: list[mx.array | None] = [None] * len(self.members)
+        for indices, offsets, fused in self._groups:
+            y = affine_matvec(x, fused) if isinstance(fused, AffineWeight) else half_matvec(x, fused)
+            for i, part in zip(indices, mx.split(y, offsets[1:-1], axis=-1)):  # one graph node, views
+                out[i] = part
+        return [y if y is not None else member(x) for y, member in zip(out, self.members)]
+
+
+def _fusable_form(member: object) -> tuple | None:
+    """The key FusedLinear groups a member by: its fast form (affine and its width, or float16) and IN."""
+    if not isinstance(member, Linear):
+        return None
+    if member._affine is not None:
+        return "affine", member._affine.bits, member.shape[1]
+    if member._half is not None:
+        return "float16", member.shape[1]
+    return None
+
+
+def _concatenate(parts: list[Linear], offsets: list[int]) -> AffineWeight | mx.array | None:
+    """The parts' matrices, of one form, concatenated along OUT and evaluated, each part now holding a view of its
+    rows (its own arrays are freed); None where the float16 matvec does not take the concatenated shape."""
+    if parts[0]._affine is not None:
+        weights = [p._affine for p in parts]
+        fused = AffineWeight(*(mx.concatenate([getattr(w, a) for w in weights]) for a in ("wq", "scales", "biases")),
+                             weights[0].bits)
+        for part, lo, hi in zip(parts, offsets, offsets[1:]):
+            part._affine = fused.take(slice(lo, hi))
+        mx.eval(fused.wq, fused.scales, fused.biases, *(a for p in parts for a in (p._affine.wq, p._affine.scales,
+                                                                                   p._affine.biases)))
+        return fused
+    if not matvec_enabled((offsets[-1], parts[0].shape[1])):
+        return None
+    fused = mx.concatenate([p._half for p in parts])
+    for part, lo, hi in zip(parts, offsets, offsets[1:]):
+        part._half = fused[lo:hi]
+    mx.eval(fused, *(p._half for p in parts))
+    return fused
 
 
 class ExpertBank:
