@@ -2,8 +2,10 @@
 
 On the CPU: what each layer fuses at load (q_a and kv as affine; with the float16 form forced on, as where its
 kernel passed its check, the compressors' kv and gate and the indexer's proj too), products equal to the members'
-own bit for bit, memory as predicted, and nothing fused in the reference mode. On the GPU (`pytest -m gpu`): the
-fused launches used at Flash's shapes, equal to the members' products within the kernels' tolerances.
+own bit for bit, memory as predicted, and nothing fused in the reference mode; with an input norm, products equal
+to the members' of the normed input bit for bit. On the GPU (`pytest -m gpu`): the fused launches used at Flash's
+shapes, equal to the members' products within the kernels' tolerances, and the decode step's input norms folded
+into its matvec launches.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import pytest
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.affine_matvec import AFFINE_MATVEC, launch_plan
 from ds4_mlx.kernels.affine_matvec import TOLERANCE as AFFINE_TOLERANCE
+from ds4_mlx.kernels.fused_norm import apply
 from ds4_mlx.kernels.half import HALF_MATVEC
 from ds4_mlx.kernels.half import TOLERANCE as HALF_TOLERANCE
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.model import linear
 from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.graph import decode_step_ops
 from ds4_mlx.model.gguf import GGMLType, TensorInfo
-from ds4_mlx.model.linear import FUSED_TOKENS, FusedLinear, Linear
+from ds4_mlx.model.linear import FUSED_TOKENS, FusedLinear, Linear, _fusable_form
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights
 
@@ -97,6 +101,26 @@ def test_fused_products_equal_the_members_own(tiny_weights, monkeypatch, on_cpu,
         assert len(got) == len(project.members)
         for y, member in zip(got, project.members):
             assert mx.array_equal(y, member(x))  # the same dot products, bit for bit on the CPU
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["float32-f16", "float16-f16"])
+@pytest.mark.parametrize("tokens", [1, FUSED_TOKENS + 1, 16])
+def test_products_of_a_normed_input_equal_the_members_of_the_norm(tiny_weights, monkeypatch, on_cpu, half, tokens):
+    """With `norm`, FusedLinear and Linear give the products of rms_norm(x, *norm) bit for bit on the CPU (the
+    kernels' references norm first): decode and chunk results do not change where no kernel runs."""
+    if half:
+        force_half_form(monkeypatch)
+    model = Model(tiny_weights)
+    x = 7.0 * random_activations((tokens, model.config.n_embd), seed=tokens)
+    for block in model.blocks:
+        norm = (block.attn_norm, block.eps)
+        normed = mx.fast.rms_norm(x, *norm)
+        project = block.attention.project
+        for y, member in zip(project(x, norm=norm), project.members):
+            assert mx.array_equal(y, member(normed))
+            assert mx.array_equal(member(x, norm=norm), member(normed))
+    norm = (model.output_norm, model.config.rms_eps)
+    assert mx.array_equal(model.output(x, norm=norm), model.output(mx.fast.rms_norm(x, *norm)))
 
 
 def test_the_reference_mode_fuses_nothing(tiny_weights, monkeypatch, on_cpu):
@@ -197,4 +221,65 @@ def test_tiny_model_layers_fuse_on_the_gpu(on_gpu, tiny_weights):
     fast = logits(model)
     with registry.forced_mode("reference"):
         want = logits(Model(tiny_weights, simulate_quant=False))
+    assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def unfolded(patch: pytest.MonkeyPatch) -> None:
+    """The matvecs with their input norm as an op of its own before them, as the decode step had it: each normed
+    input made once, whichever projections read it."""
+    made: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}  # holds x, so that its id stays its own
+
+    def norm_once(x: mx.array, norm: tuple[mx.array, float] | None) -> mx.array:
+        if norm is None:
+            return x
+        key = (id(x), id(norm[0]))
+        if key not in made:
+            made[key] = (x, apply(x, norm))
+        return made[key][1]
+
+    affine, half = linear.affine_matvec, linear.half_matvec
+    patch.setattr(linear, "apply", norm_once)
+    patch.setattr(linear, "affine_matvec", lambda x, w, ids=None, norm=None: affine(norm_once(x, norm), w, ids))
+    patch.setattr(linear, "half_matvec", lambda x, w, norm=None: half(norm_once(x, norm), w))
+
+
+@pytest.mark.gpu
+def test_tiny_model_decode_folds_its_input_norms_on_the_gpu(on_gpu, tiny_weights, monkeypatch):
+    """attn_norm, q_a_norm (where both q_b's take it: the tiny indexer's q_b, IN 64, has no matvec form) and
+    output_norm leave the compiled decode graph, one RMSNorm node each, into checked normed matvec kernels; decode
+    equal to the reference path within float32 reassociation (activation simulation off)."""
+    tokens = np.random.default_rng(13).integers(0, tiny_weights.config.n_vocab, 26).astype(np.int32)
+
+    def decode(m: Model, ops: bool = False) -> tuple[np.ndarray, dict | None]:
+        cache = m.new_cache(64)
+        m.prefill(mx.array(tokens[:20]), cache)
+        counts = decode_step_ops(m, cache) if ops else None
+        return np.stack([np.array(m.decode(int(t), cache)[1]) for t in tokens[20:]]), counts
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = Model(tiny_weights, simulate_quant=False)
+        fast, folded = decode(model, ops=True)
+    eps = float(model.config.rms_eps)
+    backend = registry.current_backend()
+    normed = {path: [(key, d.fast) for (b, key), d in path.decisions().items()
+                     if b == backend and isinstance(key[-1], float) and key[-1] == eps]
+              for path in (AFFINE_MATVEC, HALF_MATVEC)}
+    assert all(fast_path for decisions in normed.values() for _, fast_path in decisions)
+    affine_inputs = {key[1] for key, _ in normed[AFFINE_MATVEC]}
+    assert {model.config.n_embd, model.config.q_lora_rank} <= affine_inputs  # q_a + kv and the LM head; q_b
+    assert any(key[1] == model.config.n_embd for key, _ in normed[HALF_MATVEC])  # the compressors' kv and gate
+
+    with monkeypatch.context() as patch:
+        unfolded(patch)
+        _, separate = decode(Model(tiny_weights, simulate_quant=False), ops=True)
+    q_a_folded = sum(b.attention.indexer is None or _fusable_form(b.attention.indexer.q_b) is not None
+                     for b in model.blocks)
+    folds = len(model.blocks) + q_a_folded + 1
+    rms = "RMSNorm"
+    assert separate["by_primitive"].get(rms, 0) - folded["by_primitive"].get(rms, 0) == folds
+    assert separate["kernels"] - folded["kernels"] == folds
+
+    with registry.forced_mode("reference"):
+        want, _ = decode(Model(tiny_weights, simulate_quant=False))
     assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()

@@ -18,7 +18,10 @@ fed one at a time. Queries run in blocks to bound the memory of scores and gathe
 the context size, so a compiled decode step traces it once. It always lets the indexer choose among the visible
 compressed rows (with at most top_k visible, it chooses all of them, as the chunk form does by not asking it).
 It multiplies the token's normed input by all the matrices that read it (q_a, kv, the compressors' kv and gate,
-the indexer's proj) through one FusedLinear: one launch per storage form rather than one per matrix.
+the indexer's proj) through one FusedLinear: one launch per storage form rather than one per matrix. Since only
+projections read them, the layer's input norm (attn_norm) and the query latents' (q_a_norm) are not computed on
+their own there: the projections take the raw input and the norm, and fold it into their matvec launches
+(model/linear.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ds4_mlx.kernels.attention import DecodeAttention
 from ds4_mlx.kernels.indexer import IndexerPick
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
+from ds4_mlx.kernels.fused_norm import Norm
 from ds4_mlx.model.linear import FusedLinear, Linear
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import round_to_f16, simulate_indexer_fp4, simulate_kv_fp8
@@ -56,10 +60,12 @@ class Indexer:
     rope: RoPE
     simulate_quant: bool
 
-    def queries(self, q_latent: mx.array, proj: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+    def queries(self, q_latent: mx.array, proj: mx.array, positions: mx.array, norm: Norm | None = None
+                ) -> tuple[mx.array, mx.array]:
         """Indexer queries (T, n_head, head_dim) and head weights (T, n_head) for a chunk, from the query latents
-        and `proj` (T, n_head), the indexer's proj of the normed inputs."""
-        q = self.q_b(q_latent).reshape(proj.shape[0], self.n_head, self.head_dim)
+        and `proj` (T, n_head), the indexer's proj of the normed inputs. With `norm` (q_a_norm, eps), q_latent is
+        q_a's output before that norm, which q_b applies."""
+        q = self.q_b(q_latent, norm=norm).reshape(proj.shape[0], self.n_head, self.head_dim)
         q = self.rope(q, positions)
         if self.simulate_quant:
             q = simulate_indexer_fp4(q)
@@ -70,11 +76,12 @@ class Indexer:
         """Mask (B, n_rows) of the rows each query attends: its top_k visible rows by score (ties to lower c)."""
         return top_k_mask(index_scores(q, weights, rows, visible), self.top_k) & visible
 
-    def pick(self, q_latent: mx.array, proj: mx.array, positions: mx.array, rows: mx.array
+    def pick(self, q_latent: mx.array, proj: mx.array, positions: mx.array, rows: mx.array, norm: Norm | None = None
              ) -> tuple[mx.array, mx.array]:
         """Decode form of `select`: the rows' indices (T, top_k) ascending and which of them are real, for queries
-        at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK)."""
-        q, weights = self.queries(q_latent, proj, positions)
+        at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK). `norm` as
+        in `queries`."""
+        q, weights = self.queries(q_latent, proj, positions, norm)
         return INDEXER_PICK(q, weights, rows, positions, self.compressor.ratio, self.top_k)
 
 
@@ -188,12 +195,16 @@ class Attention:
         out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
         return self._project_out(out), state
 
-    def step(self, x: mx.array, position: mx.array, state: LayerState) -> tuple[mx.array, LayerState]:
-        """Attention output (1, n_embd) for one normed input x (1, n_embd) at array `position`, and the new state."""
+    def step(self, x: mx.array, position: mx.array, state: LayerState, norm: Norm
+             ) -> tuple[mx.array, LayerState]:
+        """Attention output (1, n_embd) for one input x (1, n_embd) at array `position`, and the new state. x is
+        the layer's input before its norm `norm` (attn_norm, eps): only the input projections read the normed
+        input, and they apply the norm themselves (folded into their matvec launches on GPU backends)."""
         positions = position.reshape(1)
-        q_a, kv, *compressing = self.project(x)  # the input_projections of x, one launch per storage form
-        q_latent = rms_norm(q_a, self.q_a_norm, self.eps)
-        q = self.q_b(q_latent).reshape(1, self.n_head, self.head_dim)
+        # the input_projections of rms_norm(x, *norm), one launch per storage form
+        q_a, kv, *compressing = self.project(x, norm=norm)
+        q_norm = (self.q_a_norm, self.eps)  # the query latents' norm, applied by q_b and the indexer's q_b
+        q = self.q_b(q_a, norm=q_norm).reshape(1, self.n_head, self.head_dim)
         q = self.rope(rms_norm(q, None, self.eps), positions)
         kv = self.rope(rms_norm(kv, self.kv_norm, self.eps), positions)
         if self.simulate_quant:
@@ -214,7 +225,7 @@ class Attention:
                 row, frontier = self.indexer.compressor.step(index_kv, index_gate, position, state.index_frontier)
                 index = mx.slice_update(state.index, row, row_at, axes=(0,))
                 state = replace(state, index=index, index_frontier=frontier)
-                picked, valid = self.indexer.pick(q_latent, index_proj, positions, index)
+                picked, valid = self.indexer.pick(q_a, index_proj, positions, index, norm=q_norm)
                 keys.append(state.comp[picked])
                 masks.append(valid)
         out = self.rope(self._attend(q, keys, masks), positions, inverse=True)

@@ -28,6 +28,11 @@ which are the reference's.
 Matrices that a decode step multiplies by the same input (a layer's q_a and kv, its compressors' kv and gate, the
 indexer's proj) are also read as one: `FusedLinear` concatenates those held in one fast form along OUT at load,
 one kernel launch per form instead of one per matrix, and each member keeps a view of its rows.
+
+Both take the RMSNorm of their input when every reader of the normed input is a projection (`norm=(weight, eps)`):
+the matvec kernels fold it into their launch (kernels/fused_norm.py), which takes an op and a graph node out of a
+decode step; every other path (more rows, the reference mode, another backend, the dense and raw forms) applies
+rms_norm(x, weight, eps) first, as the caller would have, so its results are unchanged bit for bit.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWei
 from ds4_mlx.kernels.affine_matvec import MAX_TOKENS as AFFINE_MATVEC_TOKENS
 from ds4_mlx.kernels.affine_matvec import affine_matvec
 from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
+from ds4_mlx.kernels.fused_norm import Norm, apply
 from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, sliced_grouped
 from ds4_mlx.kernels.half import MAX_TOKENS as HALF_MATVEC_TOKENS
 from ds4_mlx.kernels.half import half_matvec, matvec_enabled
@@ -228,14 +234,17 @@ class Linear:
             return mx.swapaxes(batch_matmul(xg, split) if x.shape[0] >= BATCH_TOKENS else split.matmul(xg), 0, 1)
         return mx.einsum("tgi,goi->tgo", x, self.weight.reshape(groups, -1, self.shape[1]))
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
+        """x @ W.T, or with `norm` (weight (IN,), eps) rms_norm(x, weight, eps) @ W.T: the matvec kernels fold the
+        norm into their launch, the other paths (and the kernels' own fallbacks) apply it first."""
         if self._affine is not None and _fast():
             if x.size >= BATCH_TOKENS * x.shape[-1]:
-                return batch_matmul(x, self._affine)
-            return affine_matvec(x, self._affine)  # a few rows: one kernel launch (GPU), quantized_matmul elsewhere
+                return batch_matmul(apply(x, norm), self._affine)
+            # a few rows: one kernel launch (GPU), quantized_matmul elsewhere
+            return affine_matvec(x, self._affine, norm=norm)
         if self._half is not None:
-            return half_matvec(x, self._half)
-        return x @ self.weight.T
+            return half_matvec(x, self._half, norm)
+        return apply(x, norm) @ self.weight.T
 
 
 FUSED_TOKENS = min(AFFINE_MATVEC_TOKENS, HALF_MATVEC_TOKENS)
@@ -277,17 +286,28 @@ class FusedLinear:
         """Products a call of up to FUSED_TOKENS rows makes: one per fused matrix, one per other member."""
         return len(self.members) - sum(len(indices) - 1 for indices, _, _ in self._groups)
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
-        """Each member's x @ W.T, in order, for x (..., IN)."""
+    def __call__(self, x: mx.array, norm: Norm | None = None) -> list[mx.array]:
+        """Each member's x @ W.T, in order, for x (..., IN); with `norm` (weight (IN,), eps), of rms_norm(x, weight,
+        eps): folded into the matvec launches, applied once first where the members go another way."""
         rows = x.size // x.shape[-1]
-        if not self._groups or not _fast() or rows > FUSED_TOKENS:
+        if not _fast() or rows > FUSED_TOKENS:
+            x = apply(x, norm)
             return [member(x) for member in self.members]
         out: list[mx.array | None] = [None] * len(self.members)
         for indices, offsets, fused in self._groups:
-            y = affine_matvec(x, fused) if isinstance(fused, AffineWeight) else half_matvec(x, fused)
+            y = affine_matvec(x, fused, norm=norm) if isinstance(fused, AffineWeight) else half_matvec(x, fused, norm)
             for i, part in zip(indices, mx.split(y, offsets[1:-1], axis=-1)):  # one graph node, views
                 out[i] = part
-        return [y if y is not None else member(x) for y, member in zip(out, self.members)]
+        normed = None
+        for i, member in enumerate(self.members):
+            if out[i] is not None:
+                continue
+            if _fusable_form(member) is not None:  # a matvec kernel of its own: the norm folds into it too
+                out[i] = member(x, norm=norm)
+            else:
+                normed = apply(x, norm) if normed is None else normed
+                out[i] = member(normed)
+        return out
 
 
 def _fusable_form(member: object) -> tuple | None:

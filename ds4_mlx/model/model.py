@@ -54,9 +54,11 @@ class Block:
         self, streams: mx.array, tokens: mx.array, n_past: int | mx.array, state: LayerState
     ) -> tuple[mx.array, LayerState]:
         """A chunk of tokens at positions n_past.., or one token at a position held in an array (decode step)."""
-        attention = self.attention.step if isinstance(n_past, mx.array) else self.attention
         x, post, comb = self.attn_hc.pre(streams)
-        out, state = attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
+        if isinstance(n_past, mx.array):  # decode: the input projections apply attn_norm (folded into their matvecs)
+            out, state = self.attention.step(x, n_past, state, norm=(self.attn_norm, self.eps))
+        else:
+            out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
         streams = HyperConnection.post(out, streams, post, comb)
         x, post, comb = self.ffn_hc.pre(streams)
         out = self.moe(rms_norm(x, self.ffn_norm, self.eps), tokens)
@@ -291,8 +293,9 @@ class Model:
         return [streams, logits, *(a for state in layers for a in state.arrays())]
 
     def head(self, streams: mx.array) -> mx.array:
-        """Logits (T, n_vocab) of final streams (T, n_hc, n_embd): HC collapse, output norm, LM head (§3.10)."""
-        return self.output(rms_norm(self.head_hc(streams), self.output_norm, self.config.rms_eps))
+        """Logits (T, n_vocab) of final streams (T, n_hc, n_embd): HC collapse, output norm, LM head (§3.10).
+        The LM head applies the output norm (folded into its matvec for a decode token on GPU backends)."""
+        return self.output(self.head_hc(streams), norm=(self.output_norm, self.config.rms_eps))
 
     def prefill(
         self,
