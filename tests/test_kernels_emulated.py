@@ -266,3 +266,25 @@ def test_emulated_fused_expert_kernels_equal_their_references(ggml_type, case, t
         h, ids, down, ggml_type, shape)
     assert np.isfinite(np.array(got)).all()
     assert mx.abs(got - want).max().item() <= experts.TOLERANCE * mx.abs(want).max().item()
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.IQ2_XXS, GGMLType.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_emulated_fused_expert_gate_up_with_the_input_norm_equals_the_reference(ggml_type, case, tmp_path, monkeypatch):
+    """The normed gate/up kernel (x normed while staged) against rms_norm then the reference, tokens 1x to 16x away
+    from unit rms (each normed by its own sum of squares), 1 to 8 SIMD groups adding their partial sums."""
+    monkeypatch.setattr(experts, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(experts, "current_backend", lambda: "cuda")
+    (n_out, n_in), routing = FUSED_CASES[case]
+    ids = mx.array(np.array(routing, dtype=np.int32))
+    shape = (4, n_out, n_in)
+    gate, up = (random_blocks(ggml_type, 4 * n_out, n_in, seed=s).reshape(4, -1) for s in (1, 2))
+    norm = probe_norm(n_in, 1e-6, seed=n_in)
+    x = row_scaled(random_activations((ids.shape[0], n_in), seed=4), norm)
+    w = mx.array(np.random.default_rng(5).uniform(0.1, 1.5, ids.shape).astype(np.float32))
+    args = (x, ids, w, gate, up, ggml_type, shape, 10.0, norm)
+    got, want = GATE_UP.fast_path.fast(*args), GATE_UP.fast_path.reference(*args)
+    assert np.isfinite(np.array(got)).all()
+    assert mx.abs(got - want).max().item() <= experts.GATE_UP_TOLERANCE * mx.abs(want).max().item()
+    plain = GATE_UP.fast_path.reference(apply(x, norm), ids, w, gate, up, ggml_type, shape, 10.0)
+    assert mx.array_equal(want, plain)  # the reference: rms_norm, then today's

@@ -21,6 +21,7 @@ from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
 from ds4_mlx.kernels.experts import (BIAS, DEFAULT_SHARED_BYTES, GATE_UP_TOLERANCE, SHARED_BYTES,
                                      SIGNED_MAGNITUDES, TOLERANCE, UNITS, WORDS, Plan, down_plan, down_sum_kernel,
                                      gate_up_kernel, gate_up_plan, grid_nibbles, sign_nibbles)
+from ds4_mlx.kernels.fused_norm import probe_norm
 from ds4_mlx.kernels.matvec import gathered_reference
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.model.factory import write_model
@@ -284,3 +285,57 @@ def test_gathered_experts_take_the_fused_kernels_on_the_gpu(on_gpu, q2_experts):
     with registry.forced_mode("reference"):
         want = q2_experts._gathered(x, ids, w)
     assert relative_error(got, want) <= GATE_UP_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTINGS, ids=str)
+def test_flash_gate_up_kernel_with_the_input_norm_equals_the_reference(on_gpu, routing):
+    """ffn_norm folded into the gate/up kernel at Flash's shapes: rms_norm then today's reference, rows off unit rms;
+    its first-use check passes."""
+    x, *rest = gate_up_case(IQ2, *FLASH_GATE, ROUTINGS[routing])
+    norm = probe_norm(FLASH_GATE[1], 1e-6, seed=9)
+    args = (x * mx.linspace(3.0, 11.0, x.shape[0])[:, None], *rest, norm)
+    assert relative_error(GATE_UP.fast_path.fast(*args), GATE_UP.fast_path.reference(*args)) <= GATE_UP_TOLERANCE
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GATE_UP.enabled(IQ2, (256, *FLASH_GATE), 6, 10.0, norm)
+
+
+@pytest.mark.gpu
+def test_tiny_q2_decode_folds_ffn_norm_on_the_gpu(on_gpu, tmp_path, monkeypatch):
+    """A tiny q2 model's decode step: the MoE's readers fold ffn_norm (the normed gate/up kernel used), one RMSNorm
+    node fewer per layer than with the norm applied first, equal to the reference path within 1e-4."""
+    from ds4_mlx.kernels import registry
+    from ds4_mlx.model.graph import decode_step_ops
+    from ds4_mlx.model.model import Model
+    from ds4_mlx.model.moe import MoE
+
+    weights = open_weights(write_model(tmp_path / "tiny-q2.gguf", preset="tiny", experts="q2", seed=3))
+    tokens = np.random.default_rng(13).integers(0, weights.config.n_vocab, 26).astype(np.int32)
+
+    def decode(m: Model) -> tuple[np.ndarray, dict]:
+        cache = m.new_cache(64)
+        m.prefill(mx.array(tokens[:20]), cache)
+        counts = decode_step_ops(m, cache)
+        return np.stack([np.array(m.decode(int(t), cache)[1]) for t in tokens[20:]]), counts
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = Model(weights, simulate_quant=False)
+        fast, folded = decode(model)
+    eps = float(model.config.rms_eps)
+    normed = [d.fast for (_, key), d in GATE_UP.fast_path.decisions().items() if key[-1] == eps and len(key) == 6]
+    assert normed and all(normed)
+    x = mx.zeros((1, model.config.n_embd))
+    layers = sum(block.moe.folds(x, (block.ffn_norm, block.eps)) for block in model.blocks)
+    assert layers == len(model.blocks)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MoE, "folds", lambda self, x, norm: False)  # ffn_norm as its own op, as before
+        _, separate = decode(Model(weights, simulate_quant=False))
+    assert separate["by_primitive"].get("RMSNorm", 0) - folded["by_primitive"].get("RMSNorm", 0) == layers
+    assert separate["kernels"] - folded["kernels"] == layers
+
+    with registry.forced_mode("reference"):
+        want, _ = decode(Model(weights, simulate_quant=False))
+    assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()

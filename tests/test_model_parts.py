@@ -17,6 +17,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
+from ds4_mlx.kernels.fused_norm import Norm, apply
 from ds4_mlx.model.compressor import Compressor, Frontier
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.factory import preset_config, reference_config
@@ -42,8 +43,11 @@ class Dense:
     def __init__(self, w: np.ndarray):
         self.weight = mx.array(w.astype(np.float32))
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return x @ self.weight.T
+    def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
+        return apply(x, norm) @ self.weight.T
+
+    def folds(self, x: mx.array, norm: Norm) -> bool:
+        return False  # no kernel: a norm is applied first, as Linear's dense form does
 
 
 def hf_config(config=TINY) -> DeepseekV4Config:

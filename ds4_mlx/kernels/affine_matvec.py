@@ -278,11 +278,26 @@ def affine_matvec(x: mx.array, weight: AffineWeight, ids: mx.array | None = None
     for x (N, IN) over a bank W (E, OUT, IN): by the kernel where it passed its check, else (and for more rows,
     or activations other than float32) by the built-in quantized matmul (mx.gather_qmm for a bank). With a norm
     (weight (IN,), eps), x is first rms_norm(x, weight, eps), row by row: folded into the same launch."""
+    launch = _launch(x, weight, ids is not None, norm)
+    if launch is None:
+        return _reference(x, weight, ids, (1, 1), norm)
+    plan, key = launch
+    return AFFINE_MATVEC(x, weight, ids, plan, norm, key=key)
+
+
+def folds(x: mx.array, weight: AffineWeight, bank: bool, norm: Norm | None) -> bool:
+    """Whether affine_matvec(x, weight, ids (over a bank) or None, norm) takes the normed kernel, so that no
+    rms_norm op runs (checking the kernel first if this is its first use)."""
+    launch = _launch(x, weight, bank, norm)
+    return norm is not None and launch is not None and AFFINE_MATVEC.enabled(launch[1])
+
+
+def _launch(x: mx.array, weight: AffineWeight, bank: bool, norm: Norm | None) -> tuple[tuple[int, int], tuple] | None:
+    """The kernel's plan and key for this call; None where the call takes the reference whatever the checks say."""
     n_out, n_in = weight.shape[-2:]
     n_rows = x.size // n_in
-    if x.dtype != mx.float32 or n_rows == 0 or (ids is None and n_rows > MAX_TOKENS) or not fits(norm, n_in):
-        return _reference(x, weight, ids, (1, 1), norm)
-    tokens = 1 if ids is not None else n_rows
+    if x.dtype != mx.float32 or n_rows == 0 or (not bank and n_rows > MAX_TOKENS) or not fits(norm, n_in):
+        return None
+    tokens = 1 if bank else n_rows
     rows, simds = launch_plan(n_out, n_in, weight.bits, tokens)
-    key = (weight.bits, n_in, tokens, rows, simds) + (() if norm is None else (float(norm[1]),))
-    return AFFINE_MATVEC(x, weight, ids, (rows, simds), norm, key=key)
+    return (rows, simds), (weight.bits, n_in, tokens, rows, simds) + (() if norm is None else (float(norm[1]),))

@@ -43,6 +43,7 @@ from gguf.quants import IQ2_XXS
 
 from ..model.gguf import BLOCK_SIZES, GGMLType
 from .dialect import SIMD_WIDTH, Kernel, build
+from .fused_norm import PROBE_SCALE, Norm, apply, fits, normed_kernel, probe_norm, variant
 from .iq2_xxs import grid_codes
 from .matvec import gathered_reference
 from .probe import random_activations, random_blocks
@@ -254,13 +255,40 @@ const int COPY_STEPS = (ROW_WORDS + 31) / 32;
 const float CLAMP = ds4_float((unsigned int)CLAMP_BITS);
 SHARED float4 xsh[IN / 4];
 SHARED STAGE_WORD stage[SIMDS * 2 * ROW_WORDS];
+@SHARED float squares_part[SIMDS];
 /*SETUP*/
 const GLOBAL_MEM float4* xg = reinterpret_cast<const GLOBAL_MEM float4*>(x) + (size_t)token * (IN / 4);
+@float squares = 0.0f;
 for (int i = THREAD_IN_GROUP; i < IN / 4; i += SIMDS * 32) {
   const int xu = i / CHUNKS;
   const int xc = i % CHUNKS;
   X4(xu, xc) = xg[/*X_CHUNK*/];
+@  const float4 v = X4(xu, xc);
+@  squares += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
 }
+@// the input norm: the group's sum of squares, then each thread scales the chunks it staged by 1 / rms and norm_w
+@squares = ds4_simd_sum(squares);
+@if (lane == 0) {
+@  squares_part[SIMD_INDEX] = squares;
+@}
+@ds4_barrier();
+@float sum_squares = 0.0f;
+@for (int s = 0; s < SIMDS; ++s) {
+@  sum_squares += squares_part[s];
+@}
+@const float inv_rms = 1.0f / sqrt(sum_squares / (float)IN + NORM_EPS);
+@const GLOBAL_MEM float4* nv = reinterpret_cast<const GLOBAL_MEM float4*>(norm_w);
+@for (int i = THREAD_IN_GROUP; i < IN / 4; i += SIMDS * 32) {
+@  const int xu = i / CHUNKS;
+@  const int xc = i % CHUNKS;
+@  const float4 nw = nv[/*X_CHUNK*/];
+@  float4 v = X4(xu, xc);
+@  v.x = v.x * inv_rms * nw.x;
+@  v.y = v.y * inv_rms * nw.y;
+@  v.z = v.z * inv_rms * nw.z;
+@  v.w = v.w * inv_rms * nw.w;
+@  X4(xu, xc) = v;
+@}
 ds4_barrier();
 
 SHARED_MEM STAGE_WORD* mine_words = stage + SIMD_INDEX * (2 * ROW_WORDS);
@@ -397,11 +425,15 @@ def _render(skeleton: str, unit: Unit, word: int) -> str:
 
 
 @cache
-def gate_up_kernel(ggml_type: GGMLType, word: int) -> Kernel:
-    """GateUpSwiglu's kernel for one quant type and staging word size."""
+def gate_up_kernel(ggml_type: GGMLType, word: int, eps: float | None = None) -> Kernel:
+    """GateUpSwiglu's kernel for one quant type and staging word size; with an epsilon, the variant that norms x
+    (its `@` lines, fused_norm.py; without, the text is exactly the plain kernel's)."""
     unit = UNITS[ggml_type]
-    return Kernel(f"ds4_gate_up_swiglu_{ggml_type.name.lower()}_w{word}", ("x", "gate", "up", "ids", "weights"),
-                  ("h",), _render(_GATE_UP, unit, word), unit.header)
+    names = (f"ds4_gate_up_swiglu_{ggml_type.name.lower()}_w{word}", ("x", "gate", "up", "ids", "weights"), ("h",))
+    source = _render(_GATE_UP, unit, word)
+    if eps is None:
+        return Kernel(*names, variant(source, False), unit.header)
+    return normed_kernel(*names, source, eps, unit.header)
 
 
 @cache
@@ -443,10 +475,11 @@ class Plan:
     shared_bytes: int
 
 
-def gate_up_plan(ggml_type: GGMLType, n_out: int, n_in: int, k: int, budget: int) -> Plan | None:
-    """RB rows x k slots per threadgroup, one (slot, row) job per SIMD group at a time; None if it cannot fit."""
+def gate_up_plan(ggml_type: GGMLType, n_out: int, n_in: int, k: int, budget: int, norm: bool = False) -> Plan | None:
+    """RB rows x k slots per threadgroup, one (slot, row) job per SIMD group at a time; None if it cannot fit. The
+    normed kernel also declares one float per SIMD group (its partial sums of squares)."""
     unit, size = UNITS[ggml_type], row_bytes(ggml_type, n_in)
-    fixed = 4 * n_in + unit.table_bytes
+    fixed = 4 * n_in + unit.table_bytes + (4 * MAX_SIMDS if norm else 0)
     rows = rows_per_group(n_out, GATE_UP_GROUPS)
     simds = min(MAX_SIMDS, _floor_pow2(k * rows), _floor_pow2(max(0, budget - fixed) // (2 * size)))
     return Plan(simds, rows, fixed + simds * 2 * size) if simds else None
@@ -478,44 +511,52 @@ PROBE_EXPERTS = 3
 
 class GateUpSwiglu:
     """h (T*k, OUT) for x (T, IN), ids and weights (T, k) over raw gate and up banks (E, OUT, IN) of one type, by one
-    kernel where it passed its check. `activation(gate, up, weights, clamp)` is the model's weighted SwiGLU."""
+    kernel where it passed its check. `activation(gate, up, weights, clamp)` is the model's weighted SwiGLU.
+
+    With `norm` (weight (IN,) float32, eps) x is first rms_norm(x, weight, eps): the kernel's threadgroups each
+    stage all of their token's x anyway, so they sum its squares as they stage it and scale it in threadgroup
+    memory before the products (one more barrier), which takes the norm's own launch out of a decode step. Key:
+    the plain kernel's, and the epsilon after it."""
 
     def __init__(self, activation: Callable[[mx.array, mx.array, mx.array, float], mx.array]):
         self.activation = activation
         self.fast_path = FastPath("gate_up_swiglu", self._reference, self._kernel, self._probe,
                                   tolerance=GATE_UP_TOLERANCE, backends=("cuda", "metal"))
 
-    def enabled(self, ggml_type: int, shape: tuple[int, int, int], k: int, clamp: float) -> bool:
+    def enabled(self, ggml_type: int, shape: tuple[int, int, int], k: int, clamp: float,
+                norm: Norm | None = None) -> bool:
         """Whether __call__ takes the kernel for these banks (checking it first if this is its first use)."""
-        if ggml_type not in UNITS or gate_up_plan(GGMLType(ggml_type), *shape[1:], k, shared_budget()) is None:
+        if (ggml_type not in UNITS or not fits(norm, shape[2])
+                or gate_up_plan(GGMLType(ggml_type), *shape[1:], k, shared_budget(), norm is not None) is None):
             return False
-        return self.fast_path.enabled(self._key(ggml_type, shape, k, clamp))
+        return self.fast_path.enabled(self._key(ggml_type, shape, k, clamp, norm))
 
     def __call__(self, x: mx.array, ids: mx.array, weights: mx.array, gate: mx.array, up: mx.array,
-                 ggml_type: int, shape: tuple[int, int, int], clamp: float) -> mx.array:
-        return self.fast_path(x, ids, weights, gate, up, ggml_type, shape, clamp,
-                              key=self._key(ggml_type, shape, ids.shape[1], clamp))
+                 ggml_type: int, shape: tuple[int, int, int], clamp: float, norm: Norm | None = None) -> mx.array:
+        return self.fast_path(x, ids, weights, gate, up, ggml_type, shape, clamp, norm,
+                              key=self._key(ggml_type, shape, ids.shape[1], clamp, norm))
 
     @staticmethod
-    def _key(ggml_type: int, shape: tuple[int, int, int], k: int, clamp: float) -> Hashable:
-        return GGMLType(ggml_type), shape[1], shape[2], k, clamp
+    def _key(ggml_type: int, shape: tuple[int, int, int], k: int, clamp: float, norm: Norm | None) -> Hashable:
+        return (GGMLType(ggml_type), shape[1], shape[2], k, clamp) + (() if norm is None else (float(norm[1]),))
 
-    def _reference(self, x, ids, weights, gate, up, ggml_type, shape, clamp) -> mx.array:
+    def _reference(self, x, ids, weights, gate, up, ggml_type, shape, clamp, norm=None) -> mx.array:
         flat = ids.reshape(-1)
-        xs = mx.repeat(x, ids.shape[1], axis=0)
+        xs = mx.repeat(apply(x, norm), ids.shape[1], axis=0)
         return self.activation(gathered_reference(xs, gate, flat, ggml_type, shape),
                                gathered_reference(xs, up, flat, ggml_type, shape), weights, clamp)
 
-    def _kernel(self, x, ids, weights, gate, up, ggml_type, shape, clamp) -> mx.array:
+    def _kernel(self, x, ids, weights, gate, up, ggml_type, shape, clamp, norm=None) -> mx.array:
         ggml_type = GGMLType(ggml_type)
         t, k = ids.shape
         _, n_out, n_in = shape
-        plan = gate_up_plan(ggml_type, n_out, n_in, k, shared_budget())
+        plan = gate_up_plan(ggml_type, n_out, n_in, k, shared_budget(), norm is not None)
         if plan is None:
             raise ValueError(f"{n_in} activations and two rows per SIMD group do not fit threadgroup memory")
         word, template = _row_template(ggml_type, n_out, n_in, k, plan.simds)
-        (h,) = build(gate_up_kernel(ggml_type, word), current_backend())(
-            inputs=[x.astype(mx.float32), gate, up, ids.astype(mx.int32), weights.astype(mx.float32)],
+        eps, extra = (None, []) if norm is None else (float(norm[1]), [norm[0]])
+        (h,) = build(gate_up_kernel(ggml_type, word, eps), current_backend())(
+            inputs=[x.astype(mx.float32), gate, up, ids.astype(mx.int32), weights.astype(mx.float32), *extra],
             template=template + [("RB", plan.rows), ("CLAMP_BITS", struct.unpack("<i", struct.pack("<f", clamp))[0])],
             grid=(n_out // plan.rows * plan.simds * SIMD_WIDTH, t, 1),
             threadgroup=(plan.simds * SIMD_WIDTH, 1, 1),
@@ -525,13 +566,19 @@ class GateUpSwiglu:
         return h
 
     def _probe(self, key: Hashable) -> tuple:
-        ggml_type, n_out, n_in, k, clamp = key
+        """A key ending in an epsilon is the normed kernel's: activations off unit rms (by a different factor per
+        token, so that each token's own 1 / rms matters), a norm weight around 1."""
+        ggml_type, n_out, n_in, k, clamp, *eps = key
         shape = (PROBE_EXPERTS, n_out, n_in)
         gate, up = (random_blocks(ggml_type, PROBE_EXPERTS * n_out, n_in, seed=seed).reshape(PROBE_EXPERTS, -1)
                     for seed in (31, 32))
         ids = _probe_ids(k)
         weights = mx.array(np.random.default_rng(33).uniform(0.1, 1.5, ids.shape).astype(np.float32))
-        return random_activations((2, n_in), seed=34), ids, weights, gate, up, ggml_type, shape, clamp
+        x = random_activations((2, n_in), seed=34)
+        if not eps:
+            return x, ids, weights, gate, up, ggml_type, shape, clamp, None
+        norm = probe_norm(n_in, eps[0], seed=37)
+        return x * mx.array([[PROBE_SCALE], [1.0 / PROBE_SCALE]]), ids, weights, gate, up, ggml_type, shape, clamp, norm
 
 
 def _row_template(ggml_type: GGMLType, n_out: int, n_in: int, k: int, simds: int) -> tuple[int, list[tuple[str, int]]]:

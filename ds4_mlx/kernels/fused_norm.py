@@ -39,13 +39,14 @@ def variant(source: str, norm: bool) -> str:
     return "\n".join(line for line in lines if not line.startswith("@"))
 
 
-def normed_kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, eps: float) -> Kernel:
+def normed_kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, eps: float,
+                  header: str = "") -> Kernel:
     """The normed variant of a text written with `@` lines, for one epsilon: the norm weight as a last input `norm_w`
-    and the epsilon in its header; its name carries the epsilon's bits, since MLX may cache compiled kernels by
-    name. Callers cache it per epsilon, so that dialect.build compiles it once."""
+    and the epsilon in its header (after the plain kernel's `header`); its name carries the epsilon's bits, since
+    MLX may cache compiled kernels by name. Callers cache it per epsilon, so that dialect.build compiles it once."""
     bits = struct.unpack("<I", struct.pack("<f", eps))[0]
     return Kernel(f"{name}_norm_{bits:08x}", (*inputs, "norm_w"), outputs, variant(source, True),
-                  f"CONSTANT float NORM_EPS = {eps!r}f;\n")
+                  header + f"CONSTANT float NORM_EPS = {eps!r}f;\n")
 
 
 def fits(norm: Norm | None, n_in: int) -> bool:

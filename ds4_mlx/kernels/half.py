@@ -242,12 +242,23 @@ def half_matvec(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
     """x (..., IN) float32 @ W.T for W (OUT, IN) float16: the kernel for 1 to MAX_TOKENS rows where it passed its
     check, the reference otherwise (more rows, the reference mode, another backend). With a norm (weight (IN,),
     eps), x is first rms_norm(x, weight, eps), row by row: folded into the same launch."""
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if not 1 <= rows <= MAX_TOKENS or x.dtype != mx.float32 or not matvec_enabled(w.shape) or not fits(
-            norm, w.shape[-1]):
+    if not _takes_kernel(x, w, norm):
         return reference(x, w, norm)
-    if norm is not None and not HALF_MATVEC.enabled((*w.shape, float(norm[1]))):
-        return reference(x, w, norm)
+    rows = x.size // x.shape[-1]
     if x.ndim == 2:
         return _kernel(x, w, norm)
     return _kernel(x.reshape(rows, x.shape[-1]), w, norm).reshape(*x.shape[:-1], w.shape[0])
+
+
+def folds(x: mx.array, w: mx.array, norm: Norm | None) -> bool:
+    """Whether half_matvec(x, w, norm) takes the normed kernel, so that no rms_norm op runs (checking it first if
+    this is its first use)."""
+    return norm is not None and _takes_kernel(x, w, norm)
+
+
+def _takes_kernel(x: mx.array, w: mx.array, norm: Norm | None) -> bool:
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if not 1 <= rows <= MAX_TOKENS or x.dtype != mx.float32 or not matvec_enabled(w.shape) or not fits(
+            norm, w.shape[-1]):
+        return False
+    return norm is None or HALF_MATVEC.enabled((*w.shape, float(norm[1])))

@@ -48,10 +48,12 @@ from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
 from ds4_mlx.kernels.affine_matvec import MAX_TOKENS as AFFINE_MATVEC_TOKENS
 from ds4_mlx.kernels.affine_matvec import affine_matvec
+from ds4_mlx.kernels.affine_matvec import folds as affine_folds
 from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
 from ds4_mlx.kernels.fused_norm import Norm, apply
 from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, sliced_grouped
 from ds4_mlx.kernels.half import MAX_TOKENS as HALF_MATVEC_TOKENS
+from ds4_mlx.kernels.half import folds as half_folds
 from ds4_mlx.kernels.half import half_matvec, matvec_enabled
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import QuantMatvec
@@ -246,6 +248,13 @@ class Linear:
             return half_matvec(x, self._half, norm)
         return apply(x, norm) @ self.weight.T
 
+    def folds(self, x: mx.array, norm: Norm) -> bool:
+        """Whether __call__(x, norm=norm) folds the norm into a matvec kernel (checked on first use), rather than
+        applying rms_norm first: for a caller that would otherwise norm x once for several readers."""
+        if self._affine is not None and _fast():
+            return x.size < BATCH_TOKENS * x.shape[-1] and affine_folds(x, self._affine, False, norm)
+        return self._half is not None and half_folds(x, self._half, norm)
+
 
 FUSED_TOKENS = min(AFFINE_MATVEC_TOKENS, HALF_MATVEC_TOKENS)
 """Most rows of input a FusedLinear multiplies by its fused matrices (the matvec kernels' limit); more (a prefill
@@ -375,13 +384,20 @@ class ExpertBank:
             return self._affine.take(ids).dequantize()
         return dequantize(self._raw[ids], self.ggml_type, (ids.size, *self.shape[1:]))
 
-    def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
-        """x[i] @ W[ids[i]].T for each of N (input, expert) pairs: x (N, IN), ids (N,) -> (N, OUT)."""
+    def __call__(self, x: mx.array, ids: mx.array, norm: Norm | None = None) -> mx.array:
+        """x[i] @ W[ids[i]].T for each of N (input, expert) pairs: x (N, IN), ids (N,) -> (N, OUT); with `norm`,
+        of rms_norm(x, weight, eps): folded into the affine matvec kernel, applied first on the other paths."""
         if self._affine is not None and _fast():
-            return affine_matvec(x, self._affine, ids)
+            return affine_matvec(x, self._affine, ids, norm=norm)
+        x = apply(x, norm)
         if self._raw is not None and self.ggml_type in MATVECS:
             return MATVECS[self.ggml_type](x, self._raw, ids, self.shape)
         return (x[:, None, :] @ mx.swapaxes(self.experts(ids), 1, 2))[:, 0, :]
+
+    def folds(self, x: mx.array, norm: Norm) -> bool:
+        """Whether __call__ of x's rows (repeated per slot) with `norm` folds it into the matvec kernel (checked on
+        first use): affine banks where their kernel passed its normed check."""
+        return self._affine is not None and _fast() and affine_folds(x, self._affine, True, norm)
 
     def grouped(self, x: mx.array, sorted_ids: mx.array, counts: mx.array, after: mx.array) -> mx.array:
         """x[i] @ W[ids[i]].T for N (input, expert) pairs sorted by expert: x (N, IN), ids (N,) uint32 ascending,

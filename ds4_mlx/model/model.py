@@ -55,13 +55,17 @@ class Block:
     ) -> tuple[mx.array, LayerState]:
         """A chunk of tokens at positions n_past.., or one token at a position held in an array (decode step)."""
         x, post, comb = self.attn_hc.pre(streams)
-        if isinstance(n_past, mx.array):  # decode: the input projections apply attn_norm (folded into their matvecs)
+        decode = isinstance(n_past, mx.array)
+        if decode:  # the input projections apply attn_norm (folded into their matvecs)
             out, state = self.attention.step(x, n_past, state, norm=(self.attn_norm, self.eps))
         else:
             out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
         streams = HyperConnection.post(out, streams, post, comb)
         x, post, comb = self.ffn_hc.pre(streams)
-        out = self.moe(rms_norm(x, self.ffn_norm, self.eps), tokens)
+        if decode:  # the MoE's readers apply ffn_norm (folded into their kernels where all of them can)
+            out = self.moe(x, tokens, norm=(self.ffn_norm, self.eps))
+        else:
+            out = self.moe(rms_norm(x, self.ffn_norm, self.eps), tokens)
         return HyperConnection.post(out, streams, post, comb), state
 
 

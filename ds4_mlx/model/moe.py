@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ds4_mlx.kernels.experts import DownSum, GateUpSwiglu
+from ds4_mlx.kernels.fused_norm import Norm, apply
 from ds4_mlx.kernels.grouped import grouped_swiglu
 from ds4_mlx.kernels.router import Route
 from ds4_mlx.model.linear import ExpertBank, Linear
@@ -60,13 +61,13 @@ class Router:
     n_used: int
     scale: float
 
-    def __call__(self, x: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
-        """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D)."""
+    def __call__(self, x: mx.array, tokens: mx.array, norm: Norm | None = None) -> tuple[mx.array, mx.array]:
+        """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D) (or x and its norm)."""
         if self.tid2eid is None:
-            logits = self.gate(x)
+            logits = self.gate(x, norm=norm)
             bias = self.bias if self.bias is not None else mx.zeros(logits.shape[-1:])
             return ROUTE(logits, bias, self.n_used, self.scale)
-        probs = mx.sqrt(softplus(self.gate(x)))
+        probs = mx.sqrt(softplus(self.gate(x, norm=norm)))
         return weigh(probs, self.tid2eid[tokens], self.scale)
 
 
@@ -95,8 +96,12 @@ class SharedExpert:
     down: Linear
     clamp: float
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down(swiglu(self.gate(x), self.up(x), self.clamp))
+    def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
+        return self.down(swiglu(self.gate(x, norm=norm), self.up(x, norm=norm), self.clamp))
+
+    def folds(self, x: mx.array, norm: Norm) -> bool:
+        """Whether both input projections fold x's norm into their matvec kernels."""
+        return self.gate.folds(x, norm) and self.up.folds(x, norm)
 
 
 @dataclass
@@ -108,25 +113,40 @@ class RoutedExperts:
     down: ExpertBank
     clamp: float
 
-    def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
-        """sum_i weights[:, i] * expert_{ids[:, i]}(x) for x (T, D)."""
+    def __call__(self, x: mx.array, ids: mx.array, weights: mx.array, norm: Norm | None = None) -> mx.array:
+        """sum_i weights[:, i] * expert_{ids[:, i]}(x) for x (T, D) (with `norm`, of rms_norm(x, *norm))."""
         if ids.size <= GATHER_LIMIT:
-            return self._gathered(x, ids, weights)
-        return self._grouped(x, ids, weights)
+            return self._gathered(x, ids, weights, norm)
+        return self._grouped(apply(x, norm), ids, weights)
 
-    def _gathered(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
+    def folds(self, x: mx.array, k: int, norm: Norm) -> bool:
+        """Whether a decode call of x's rows and k slots folds x's norm into its gate and up launches: the fused
+        kernel's normed variant, or the affine matvec kernel of both banks."""
+        if x.size // x.shape[-1] * k > GATHER_LIMIT:
+            return False
+        return self._fused_gate_up(k, norm) or (self.gate.folds(x, norm) and self.up.folds(x, norm))
+
+    def _fused_gate_up(self, k: int, norm: Norm | None) -> bool:
+        """Whether gate, up and the SwiGLU take GateUpSwiglu (with this norm folded in, or none)."""
+        gate, up = self.gate, self.up
+        return (gate.raw is not None and up.raw is not None and (gate.ggml_type, gate.shape) == (up.ggml_type, up.shape)
+                and GATE_UP.enabled(gate.ggml_type, gate.shape, k, self.clamp, norm))
+
+    def _gathered(self, x: mx.array, ids: mx.array, weights: mx.array, norm: Norm | None = None) -> mx.array:
         """One expert product per (token, slot); no host sync, for decode. Raw banks whose fused kernels passed
         their checks take one launch for gate, up and the SwiGLU and one for down and the slot sum; the others
-        (and the CPU) one product per projection and MLX ops between them."""
+        (and the CPU) one product per projection and MLX ops between them. With `norm`, x is normed in the gate
+        and up launches where they fold it, else once here."""
         k = ids.shape[1]
         flat = ids.reshape(-1).astype(mx.uint32)  # the index type of gather_qmm and the kernels: cast once, not 3x
         gate, up, down = self.gate, self.up, self.down
-        if (gate.raw is not None and up.raw is not None and (gate.ggml_type, gate.shape) == (up.ggml_type, up.shape)
-                and GATE_UP.enabled(gate.ggml_type, gate.shape, k, self.clamp)):
-            h = GATE_UP(x, ids, weights, gate.raw, up.raw, gate.ggml_type, gate.shape, self.clamp)
+        if self._fused_gate_up(k, norm):
+            h = GATE_UP(x, ids, weights, gate.raw, up.raw, gate.ggml_type, gate.shape, self.clamp, norm)
         else:
+            if norm is not None and not (gate.folds(x, norm) and up.folds(x, norm)):
+                x, norm = apply(x, norm), None
             xs = mx.repeat(x, k, axis=0)  # (T*k, D)
-            h = weighted_swiglu(gate(xs, flat), up(xs, flat), weights, self.clamp)
+            h = weighted_swiglu(gate(xs, flat, norm), up(xs, flat, norm), weights, self.clamp)
         if down.raw is not None and DOWN_SUM.enabled(down.ggml_type, down.shape, k):
             return DOWN_SUM(h, ids, down.raw, down.ggml_type, down.shape)
         return sum_slots(down(h, flat), k)
@@ -144,6 +164,16 @@ class MoE:
     experts: RoutedExperts
     shared: SharedExpert
 
-    def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
-        ids, weights = self.router(x, tokens)
-        return self.experts(x, ids, weights) + self.shared(x)
+    def __call__(self, x: mx.array, tokens: mx.array, norm: Norm | None = None) -> mx.array:
+        """The sublayer for normed inputs x (T, D), or (decode) for raw x and its norm (weight, eps): folded into
+        every reader's kernel (router gate, shared gate and up, routed gate and up) where all of them fold it, so
+        that the norm is no op of its own; otherwise applied here, once."""
+        if norm is not None and not self.folds(x, norm):
+            x, norm = apply(x, norm), None
+        ids, weights = self.router(x, tokens, norm)
+        return self.experts(x, ids, weights, norm) + self.shared(x, norm)
+
+    def folds(self, x: mx.array, norm: Norm) -> bool:
+        """Whether every reader of x folds its norm into a kernel launch (checking those kernels on first use)."""
+        return (self.router.gate.folds(x, norm) and self.shared.folds(x, norm)
+                and self.experts.folds(x, self.router.n_used, norm))
