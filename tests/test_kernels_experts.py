@@ -33,7 +33,8 @@ from kernel_checks import balanced, rendered
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 IQ2, Q2K = GGMLType.IQ2_XXS, GGMLType.Q2_K
-KERNELS = [make(t, word) for make in (gate_up_kernel, down_sum_kernel) for t in UNITS for word in WORDS]
+KERNELS = ([make(t, word) for make in (gate_up_kernel, down_sum_kernel) for t in UNITS for word in WORDS]
+           + [gate_up_kernel(t, word, 1e-6) for t in UNITS for word in WORDS])  # and with the input norm
 NEW_HELPERS = ("ds4_byte_perm", "ds4_magic_byte")
 CUDA_ONLY = ("__shared__", "threadIdx", "blockIdx", "__syncthreads", "__shfl_xor_sync", "__device__", "__constant__")
 METAL_ONLY = ("threadgroup", "simdgroup", "thread_index_in_simdgroup", "device ", "metal::", "constant ")
