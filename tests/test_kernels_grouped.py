@@ -310,7 +310,7 @@ def test_padded_matmul_equals_the_gathered_products(ids):
     x = random_activations((sorted_ids.size, 64), seed=41)
     scratch = random_activations((5, 48, 64), seed=42)
     want = (x[:, None, :] @ mx.swapaxes(scratch[sorted_ids], 1, 2))[:, 0, :]
-    got = grouped_gemm.padded_matmul(x, scratch, sorted_ids)
+    got = grouped_gemm.padded_matmul(x, scratch, sorted_ids, expert_counts(sorted_ids, 5))
     assert got.shape == want.shape and got.dtype == mx.float32
     assert mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()
 
@@ -320,4 +320,4 @@ def test_padded_matmul_declines_when_padding_more_than_doubles_the_work(ids):
     """Every pair on one expert, or few pairs: the caller keeps the unsorted gather_mm."""
     sorted_ids = mx.array(ids, dtype=mx.uint32)
     x = random_activations((len(ids), 64), seed=43)
-    assert grouped_gemm.padded_matmul(x, mx.zeros((5, 48, 64)), sorted_ids) is None
+    assert grouped_gemm.padded_matmul(x, mx.zeros((5, 48, 64)), sorted_ids, expert_counts(sorted_ids, 5)) is None

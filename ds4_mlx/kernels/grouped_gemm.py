@@ -212,19 +212,18 @@ def grouped_gemm(x: mx.array, scratch: mx.array, counts: mx.array) -> mx.array:
     return y
 
 
-def padded_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.array | None:
+def padded_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array, counts: mx.array) -> mx.array | None:
     """x[i] @ scratch[ids[i]].T as one batched GEMM where the sorted gather_mm cannot be used (CUDA): each expert's
     pairs are placed in its own block of C rows (C: the largest count, rounded up to a power of two), (E, C, IN) @
     (E, IN, OUT) runs as a dense batched matmul, and each pair's row is read back. The unsorted gather_mm it stands
-    in for does one matrix-vector product per pair, reading its expert's whole matrix each time. C needs the
-    largest count on the host: one small read-back per projection.
+    in for does one matrix-vector product per pair, reading its expert's whole matrix each time. counts (E,): the
+    pairs per expert. C needs the largest count on the host: one small read-back per projection.
 
     None when the padding would more than double the work (E * C > 2 N: a skewed routing, or few pairs), where the
     caller keeps the unsorted gather_mm: the padded GEMM's cost grows with E * C, so a chunk whose every token
     shares one expert would cost the whole chunk's rows for every expert. Transient memory at most 2 N * (IN + OUT)
     values."""
     n_expert = scratch.shape[0]
-    counts = expert_counts(sorted_ids, n_expert)
     capacity = 1 << max(4, (int(mx.max(counts).item()) - 1).bit_length())
     if n_expert * capacity > 2 * sorted_ids.size:
         return None
@@ -238,8 +237,8 @@ def padded_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array) -> mx.ar
 
 def fallback_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array, counts: mx.array) -> mx.array:
     """What the kernel replaces, and its reference: `padded_matmul` where it applies, else the unsorted gather_mm
-    (one matrix-vector product per pair). counts is unused: it is the kernel's input."""
-    padded = padded_matmul(x, scratch, sorted_ids)
+    (one matrix-vector product per pair)."""
+    padded = padded_matmul(x, scratch, sorted_ids, counts)
     if padded is not None:
         return padded
     y = mx.gather_mm(x[:, None, :].astype(scratch.dtype), mx.swapaxes(scratch, 1, 2), rhs_indices=sorted_ids)

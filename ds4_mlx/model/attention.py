@@ -32,10 +32,10 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 
 from ds4_mlx.kernels.attention import DecodeAttention
+from ds4_mlx.kernels.fused_norm import Norm
 from ds4_mlx.kernels.indexer import IndexerPick
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
-from ds4_mlx.kernels.fused_norm import Norm
 from ds4_mlx.model.linear import FusedLinear, Linear
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import round_to_f16, simulate_indexer_fp4, simulate_kv_fp8
