@@ -308,3 +308,14 @@ def test_synthetic_layers_copy_their_twins_on_the_device(monkeypatch):
         assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y).item()
     first, second = _arrays(copied.blocks[1]), _arrays(copied.blocks[2])
     assert first and all(x is not y for x in first for y in second)
+
+
+def test_ops_for_a_gpu_backend_counts_kernel_launches_on_the_cpu(model_path, walked, capsys):
+    assert main(["bench", "-m", str(model_path), "--ctx-start", "16", "--ctx-max", "16", "--ops-for", "cuda",
+                 "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    ops, on_cpu = planned["decode_ops"], walked[0]["decode_ops"]
+    assert planned["planned_for"] == "cuda" and len(ops["kernels_per_layer"]) == 6
+    assert ops["by_primitive"]["CustomKernel"] > 0 and "CustomKernel" not in on_cpu["by_primitive"]
+    assert sum(ops["last_layer"].values()) == ops["per_layer"][-1]
+    assert ops["kernels"] < on_cpu["kernels"]  # each kernel stands for the several ops of its reference

@@ -184,3 +184,27 @@ def test_a_fast_path_that_raises_on_real_inputs_falls_back_for_good():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         path(mx.ones((4, 64)), key=64)  # decided: the reference, silently
+
+
+def test_planning_takes_gpu_fast_paths_unchecked_and_stands_in_for_kernels():
+    from ds4_mlx.kernels import dialect
+
+    def launches(x: mx.array) -> mx.array:
+        (y,) = dialect.build(dialect.Kernel("k", ("x",), ("y",), "y[0] = x[0];"), registry.current_backend())(
+            inputs=[x], output_shapes=[(2, 3)], output_dtypes=[mx.int32], grid=(1, 1, 1), threadgroup=(1, 1, 1))
+        return y
+
+    path, calls = make(launches, backends=("cuda",))
+    x = mx.ones((4, 8))
+    rms_norm = mx.fast.rms_norm
+    with registry.planning("cuda"):
+        assert registry.current_backend() == "cuda" and registry.planned() == "cuda"
+        y = path(x, key=8)
+        assert (y.shape, y.dtype) == ((2, 3), mx.int32) and not y.any().item()
+        assert mx.fast.rms_norm is not rms_norm
+    assert calls.probes == 0 and calls.fast_calls == 1  # taken without a check
+    assert registry.current_backend() == "cpu" and registry.planned() is None and mx.fast.rms_norm is rms_norm
+    assert path(x, key=8).shape == (4,)  # the CPU's reference again, nothing remembered from the plan
+    with pytest.raises(Ds4Error, match="plan"):
+        with registry.planning("cpu"):
+            pass

@@ -82,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ops", action="store_true",
                    help="also count the primitives in one decode step's graph at the first frontier, in total, "
                         "per layer and by name (an mx.compile'd function counts as one node)")
+    g.add_argument("--ops-for", choices=("cuda", "metal"), metavar="BACKEND",
+                   help="only count one decode step's primitives, as the cuda or metal backend "
+                        "builds the step (every fast path taken, each custom kernel one node), on any machine: "
+                        "no timings, and the model computes nothing meaningful")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the result as one JSON object")
     out.add_argument("--csv", type=Path, metavar="FILE", help=f"write one row per frontier: {','.join(CSV_COLUMNS)}")
@@ -402,10 +406,7 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
                   + (f"median (min-max) of {walk.repeats} walks" if walk.repeats > 1 else "one walk")
                   + ", after a warm-up")
     if counts is not None:
-        top = ", ".join(f"{name} {n}" for name, n in list(counts["by_primitive"].items())[:8])
-        console.print(f"decode step graph: {counts['total']} primitives ({counts['kernels']} not views), per layer "
-                      f"{counts['per_layer']}, outside layers {counts['outside_layers']}; most used: {top}",
-                      soft_wrap=True)
+        console.print(ops_line(counts), soft_wrap=True)
 
 
 def _available(host: dict) -> str:
@@ -429,8 +430,39 @@ def _load_stats(model: Model) -> dict:
             "prefetched": s.prefetched}
 
 
+def run_planned(args: argparse.Namespace, walk: Walk, text: str) -> int:
+    """--ops-for: the decode step's counts as the GPU backend builds it (registry.planning), for a session of the
+    walk's context. The step is one fixed-shape graph whatever the position, so the first token's is counted and
+    nothing is prefilled (a chunk's GPU paths would make float scratch the CPU has no room for)."""
+    from ..kernels.registry import planning
+    from ..model.graph import decode_step_ops
+
+    with planning(args.ops_for):
+        loaded = load(args, walk)
+        session = loaded.session
+        counts = decode_step_ops(session.model, session.cache, prompt_ids(loaded.tokenizer, text, 1)[0])
+    if args.json:
+        print(json.dumps({"model": loaded.label, "planned_for": args.ops_for, "ctx": session.ctx,
+                          "decode_ops": counts}))
+    else:
+        console = Console(highlight=False, markup=False)
+        console.print(f"ds4-mlx bench: {loaded.label}, planned for {args.ops_for}, {session.ctx}-token session",
+                      soft_wrap=True)
+        console.print(ops_line(counts), soft_wrap=True)
+    return 0
+
+
+def ops_line(counts: dict) -> str:
+    top = ", ".join(f"{name} {n}" for name, n in list(counts["by_primitive"].items())[:8])
+    return (f"decode step graph: {counts['total']} primitives ({counts['kernels']} not views), per layer "
+            f"{counts['per_layer']} ({counts['kernels_per_layer']} not views), outside layers "
+            f"{counts['outside_layers']}; most used: {top}")
+
+
 def run(args: argparse.Namespace) -> int:
     walk = plan(args)
+    if args.ops_for is not None:
+        return run_planned(args, walk, read_prompt(args.prompt_file))
     text = read_prompt(args.prompt_file)
     if args.plot is not None:
         _pyplot()

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import Ds4Error
+from . import dialect
 
 ENV = "DS4_KERNELS"
 MODES = ("fast", "reference")
 BACKENDS = ("cpu", "cuda", "metal")
 
 _forced: str | None = None
+_planned: str | None = None
 
 
 class KernelFallbackWarning(RuntimeWarning):
@@ -68,8 +70,39 @@ def forced_mode(value: str) -> Iterator[None]:
         _forced = before
 
 
+@contextmanager
+def planning(backend: str) -> Iterator[None]:
+    """Build graphs as `backend` would, on whatever machine this is, to count their launches: every fast path
+    written for `backend` is taken without its check, and each custom kernel launch is a stand-in node
+    (dialect.stand_in) whose outputs are zeros, as is each mx.fast.rms_norm (one launch there, three ops on the
+    CPU). Nothing computed inside means anything but the graph's shape."""
+    global _planned
+    if backend not in dialect.DIALECTS:
+        raise Ds4Error(f"can only plan for a backend with custom kernels ({', '.join(dialect.DIALECTS)}), "
+                       f"not {backend!r}")
+    before = _planned, dialect.STAND_INS, mx.fast.rms_norm
+    _planned, dialect.STAND_INS = backend, True
+    mx.fast.rms_norm = _one_launch_rms_norm  # one kernel on GPU backends, composed of three ops on the CPU
+    try:
+        yield
+    finally:
+        _planned, dialect.STAND_INS, mx.fast.rms_norm = before
+
+
+def _one_launch_rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    inputs = [x] if weight is None else [x, weight]
+    return dialect.stand_in(inputs=inputs, output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
+
+
+def planned() -> str | None:
+    """The backend graphs are being planned for (see `planning`), or None."""
+    return _planned
+
+
 def current_backend() -> str:
-    """The backend MLX computes on now: "cpu", "cuda" or "metal"."""
+    """The backend MLX computes on now ("cpu", "cuda" or "metal"), or the one being planned for."""
+    if _planned is not None:
+        return _planned
     if mx.default_device().type == mx.DeviceType.gpu:
         return "cuda" if mx.cuda.is_available() else "metal"
     return "cpu"
@@ -148,6 +181,8 @@ class FastPath:
         backend = current_backend()
         if backend not in self.backends:
             return False
+        if _planned is not None:
+            return True
         with self._lock:
             decision = self._decisions.get((backend, key))
             if decision is None:

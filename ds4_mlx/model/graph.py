@@ -5,7 +5,8 @@ so a decode step's speed follows how many primitives its graph holds. The graph 
 one token without evaluating it, written with `mx.export_to_dot`, and its nodes counted by primitive name. The
 step is the compiled one `Model.decode` replays: elementwise chains fused by `mx.compile` appear as one node each
 (their names start with "Compiled"), custom kernels as their own primitive (on the CPU, which has none, their
-references' primitives appear instead). Arrays already evaluated (the weights, the cache) are inputs, not
+references' primitives appear instead, unless the graph is planned for a GPU backend: `registry.planning`, where
+each launch is one stand-in node). Arrays already evaluated (the weights, the cache) are inputs, not
 nodes.
 """
 
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from ..kernels import registry
+
 if TYPE_CHECKING:
     from .cache import SessionCache
     from .model import Model
@@ -31,22 +34,33 @@ VIEWS = frozenset({"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Sp
 _NODE = re.compile(r'^\{ (\d+) \[label ="([^"]*)"', re.MULTILINE)
 
 
+STAND_IN = "CustomKernel"
+"""The name a custom kernel's stand-in node (a Depends, kernels/dialect.py) is counted under while planning."""
+
+
 def graph_nodes(arrays: Sequence[mx.array]) -> dict[str, str]:
-    """The primitives the arrays' unevaluated graph holds: node id -> primitive name."""
+    """The primitives the arrays' unevaluated graph holds: node id -> primitive name. While graphs are planned for
+    another backend (registry.planning), the stand-ins of custom kernels are named STAND_IN (the decode step has
+    no Depends of its own)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "graph.dot"
         mx.export_to_dot(str(path), *arrays)
-        return dict(_NODE.findall(path.read_text()))
+        nodes = dict(_NODE.findall(path.read_text()))
+    if registry.planned() is not None:
+        nodes = {node: STAND_IN if name == "Depends" else name for node, name in nodes.items()}
+    return nodes
 
 
 def decode_step_ops(model: Model, cache: SessionCache, token: int = 0) -> dict:
     """Primitives in the graph of one decode step of `token` at the cache's position, as `Model.decode` runs it
     (the compiled step: its fused elementwise kernels count once each); the cache is left as it was.
 
-    Returns {"total": n, "kernels": n (total less VIEWS), "by_primitive": {name: n, ...} (most frequent first), "per_layer": [n, ...],
-    "outside_layers": n}. A layer's count is the primitives its cache update needs that no earlier layer's does:
-    its attention and compression, and the previous layer's MoE (the first layer's holds the embedding); what no
-    layer's state needs (the last MoE, the head) is `outside_layers`.
+    Returns {"total": n, "kernels": n (total less VIEWS), "by_primitive": {name: n, ...} (most frequent first),
+    "per_layer": [n, ...], "kernels_per_layer": [n, ...], "last_layer": {name: n, ...}, "outside_layers": n}. A
+    layer's nodes are those its cache update needs that no earlier layer's does: its attention and compression, and
+    the previous layer's MoE (the first layer's hold the embedding); what no layer's state needs (the last MoE, the
+    head) is `outside_layers`. `last_layer` lists the last layer's by name: one attention and one MoE, a steady
+    layer's work.
     """
     before = cache.snapshot()
     try:
@@ -56,17 +70,19 @@ def decode_step_ops(model: Model, cache: SessionCache, token: int = 0) -> dict:
         _, logits = model.decode(token, cache)
         everything = graph_nodes([logits, *cache.arrays()])
         seen: set[str] = set()
-        per_layer = []
+        layers = []
         for layer in cache.layers:
-            nodes = graph_nodes(layer.arrays()).keys()
-            per_layer.append(len(nodes - seen))
-            seen |= nodes
+            nodes = graph_nodes(layer.arrays())
+            layers.append([name for node, name in nodes.items() if node not in seen])
+            seen |= nodes.keys()
     finally:
         cache.restore(before)
     return {
         "total": len(everything),
         "kernels": sum(name not in VIEWS for name in everything.values()),
         "by_primitive": dict(Counter(everything.values()).most_common()),
-        "per_layer": per_layer,
+        "per_layer": [len(names) for names in layers],
+        "kernels_per_layer": [sum(name not in VIEWS for name in names) for names in layers],
+        "last_layer": dict(Counter(layers[-1]).most_common()) if layers else {},
         "outside_layers": len(everything.keys() - seen),
     }
