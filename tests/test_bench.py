@@ -1,5 +1,5 @@
-"""`ds4-mlx bench`: the frontier walk on a tiny model (CSV, JSON, plot, op counts, progress lines), the flags it
-refuses before loading, and the synthetic Flash layout against the loader's layout rules."""
+"""`ds4-mlx bench`: the frontier walk on a tiny model (CSV, JSON, plot, op counts, progress lines, the --mtp
+figures), the flags it refuses before loading, and the synthetic Flash layout against the loader's layout rules."""
 
 from __future__ import annotations
 
@@ -9,17 +9,21 @@ import io
 import json
 import sys
 from argparse import Namespace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from rich.console import Console
 
 from ds4_mlx.cli import main
-from ds4_mlx.commands.bench import CSV_COLUMNS, Walk, live_kv_bytes, plan, prompt_ids, read_prompt
+from ds4_mlx.commands.bench import (CSV_COLUMNS, MTP_COLUMNS, Loaded, Walk, live_kv_bytes, mtp_table, plan,
+                                   prompt_ids, read_prompt, report, run_walk, speculative_probe, verify_call)
 from ds4_mlx.engine import Engine
 from ds4_mlx.errors import Ds4Error, LayoutError
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.gguf import GGMLType
+from ds4_mlx.model.mtp import MTP
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 from ds4_mlx.model.weights import model_layout
 
@@ -119,8 +123,6 @@ def test_plot_without_matplotlib_fails_before_loading(monkeypatch, capsys):
 
 
 def test_walk_continues_from_the_prompt_after_each_probe(model_path):
-    from ds4_mlx.commands.bench import Loaded, run_walk
-
     engine = Engine.load(model_path, 40)
     loaded = Loaded("tiny", engine.session, engine.tokenizer, 1.0, 1, {})
     prompt = prompt_ids(engine.tokenizer, read_prompt(None), 32)
@@ -138,7 +140,8 @@ def test_walk_continues_from_the_prompt_after_each_probe(model_path):
 
 def _args(**kw) -> Namespace:
     base = dict(ctx_start=2048, ctx_max=32768, step_incr=None, step_mul=None, gen_tokens=128, repeats=1,
-                layers=None, synthetic=None, demo=False, ctx=None)
+                layers=None, synthetic=None, demo=False, ctx=None, ops_for=None, mtp=None, mtp_draft=1,
+                mtp_margin=3.0)
     return Namespace(**(base | kw))
 
 
@@ -148,6 +151,9 @@ def test_frontiers_step_by_increment_or_factor():
     assert plan(_args(step_mul=2.0, ctx_max=20000)).frontiers == (2048, 4096, 8192, 16384)
     assert plan(_args(ctx_start=100, ctx_max=350, step_incr=100, gen_tokens=0)).frontiers == (100, 200, 300)
     assert plan(_args(ctx_start=3, ctx_max=5, step_mul=1.1)).frontiers == (3, 4, 5)  # at least one token a step
+    mtp = plan(_args(ctx_max=2048, gen_tokens=2, mtp=Path("m.gguf"), mtp_draft=4, mtp_margin=0.5))
+    assert (mtp.mtp_draft, mtp.mtp_margin, mtp.ctx) == (4, 0.5, 2048 + 4)  # room for the 4-token verify call
+    assert plan(_args(ctx_max=2048, mtp_draft=1)).mtp_draft == 0
 
 
 @pytest.mark.parametrize(
@@ -319,3 +325,155 @@ def test_ops_for_a_gpu_backend_counts_kernel_launches_on_the_cpu(model_path, wal
     assert ops["by_primitive"]["CustomKernel"] > 0 and "CustomKernel" not in on_cpu["by_primitive"]
     assert sum(ops["last_layer"].values()) == ops["per_layer"][-1]
     assert ops["kernels"] < on_cpu["kernels"]  # each kernel stands for the several ops of its reference
+
+
+# --------------------------------------------------------------------------------------------------------------
+# --mtp: what speculative greedy decoding costs at each frontier
+
+MTP_DRAFT = 3
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(tmp_path_factory):
+    """A tiny model and its MTP draft file, written by `ds4-mlx make-model --mtp`."""
+    root = tmp_path_factory.mktemp("bench-mtp")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["make-model", str(root / "tiny.gguf"), "--preset", "tiny", "--mtp", str(root / "mtp.gguf")]) == 0
+    return root / "tiny.gguf", root / "mtp.gguf"
+
+
+@pytest.fixture(scope="module")
+def mtp_walked(mtp_pair, tmp_path_factory):
+    """One --mtp bench run (two timed calls per figure): (JSON result, stderr, CSV header, CSV rows)."""
+    csv_path = tmp_path_factory.mktemp("bench-mtp-out") / "walk.csv"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        patch.setattr("ds4_mlx.commands.bench.MTP_CALLS", 2)
+        assert main(["bench", "-m", str(mtp_pair[0]), "--mtp", str(mtp_pair[1]), "--mtp-draft", str(MTP_DRAFT),
+                     "--mtp-margin", "0", "--ctx-start", "16", "--ctx-max", "16", "--gen-tokens", "4", "--json",
+                     "--csv", str(csv_path)]) == 0
+    with open(csv_path, newline="") as f:
+        header = next(csv.reader(f))
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return json.loads(stdout.getvalue()), stderr.getvalue(), header, rows
+
+
+def test_mtp_figures_in_json_and_csv(mtp_walked):
+    result, stderr, header, rows = mtp_walked
+    assert result["ctx"] == 16 + 4
+    mtp = result["mtp"]
+    assert (mtp["draft"], mtp["margin"], mtp["calls"]) == (MTP_DRAFT, 0, 2) and mtp["weights_bytes"] > 0
+    (f,) = result["frontiers"]
+    for key in ("decode_step_ms", "verify_1_ms", "verify_n_ms", "draft_ms", "spec_tps", "gen_tps", "prefill_tps"):
+        assert f[key] > 0, key
+    assert f["spec_tps_min"] == f["spec_tps"] == f["spec_tps_max"]  # one walk
+    assert (f["verify_tokens"], f["draft_tokens"]) == (MTP_DRAFT, MTP_DRAFT - 1)
+    assert 0 <= f["mtp_acceptance"] <= 1
+    assert header == [*CSV_COLUMNS, *MTP_COLUMNS]  # ds4-bench's columns first, unchanged
+    assert rows == [{k: str(v) for k, v in row.items()} for row in result["frontiers"]]
+    (line,) = [line for line in stderr.splitlines() if ", ctx " in line]
+    assert ", decode 4 tokens at " in line and ", speculative " in line and "MTP guesses accepted " in line
+
+
+@pytest.fixture
+def mtp_engine(mtp_pair):
+    return Engine.load(mtp_pair[0], 40, mtp=mtp_pair[1], mtp_draft=MTP_DRAFT, quiet=True)
+
+
+def test_verify_call_gives_logits_for_every_token_of_the_block(mtp_engine):
+    session = mtp_engine.session
+    prompt = prompt_ids(mtp_engine.tokenizer, read_prompt(None), 12)
+    session.prefill(prompt[:8])
+    at = session.snapshot()
+    logits = verify_call(session, prompt[8:8 + MTP_DRAFT])
+    assert logits.shape == (MTP_DRAFT, mtp_engine.model.config.n_vocab)
+    session.restore(at)
+    for i, token in enumerate(prompt[8:8 + MTP_DRAFT]):  # row i: the logits after the block's token i
+        np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(session.decode(token)), atol=1e-4)
+
+
+def test_mtp_walk_leaves_the_session_on_the_prompt(mtp_engine, mtp_pair, monkeypatch, capsys):
+    monkeypatch.setattr("ds4_mlx.commands.bench.MTP_CALLS", 1)
+    session = mtp_engine.session
+    prompt = prompt_ids(mtp_engine.tokenizer, read_prompt(None), 16)
+    host = {"peak_rss_bytes": 1, "peak_anon_bytes_sampled": 1, "available_before_bytes": None,
+            "min_available_bytes": None}
+    loaded = Loaded("tiny", session, mtp_engine.tokenizer, 1.0, 1, host)
+    walk = Walk((8, 16), 2, 2, mtp_draft=2, mtp_margin=0.0)
+    results, _ = run_walk(loaded, walk, prompt)
+    assert session.tokens == prompt and session.mtp is not None  # every probe and timed call was rolled back
+    fresh = Engine.load(mtp_pair[0], 40, mtp=mtp_pair[1], mtp_draft=2, quiet=True).session
+    fresh.prefill(prompt[:8])
+    fresh.prefill(prompt[8:])
+    np.testing.assert_allclose(np.asarray(session.mtp_cache.hidden), np.asarray(fresh.mtp_cache.hidden), atol=1e-5)
+    for r in results:
+        figures = r.mtp
+        assert len(figures.step_s) == len(figures.verify_n_s) == len(figures.spec_tps) == 2  # one call, two walks
+        assert r.row()["verify_tokens"] == 2 and 0 <= r.row()["mtp_acceptance"] <= 1
+    report(loaded, walk, results, None, as_json=False)
+    text = capsys.readouterr().out
+    assert "MTP t/s" in text and "one MTP draft of 1 guess (" in text
+    console = Console(file=io.StringIO(), width=200)
+    console.print(mtp_table(results, walk))
+    table = console.file.getvalue()
+    assert "verify 2 ms" in table and len([x for x in table.splitlines() if "│" in x]) == 2  # one row a frontier
+    with pytest.raises(ValueError, match="no MTP draft block"):
+        run_walk(Loaded("tiny", Engine.load(mtp_pair[0], 40).session, mtp_engine.tokenizer, 1.0, 1, {}), walk, prompt)
+
+
+def test_speculative_probe_decodes_greedily_and_counts_guesses(mtp_engine, monkeypatch):
+    """With an MTP block that guesses the greedy continuation, every guess is accepted, and the probe feeds the
+    tokens plain greedy decoding feeds, several per model call."""
+    session, eos = mtp_engine.session, mtp_engine.tokenizer.eos_id
+    no_eos = mx.where(mx.arange(mtp_engine.model.config.n_vocab) == eos, -mx.inf, 0.0)
+
+    def greedy(logits: mx.array) -> int:
+        return int(mx.argmax(logits + no_eos).item())
+
+    prompt = prompt_ids(mtp_engine.tokenizer, read_prompt(None), 10)
+    session.prefill(prompt)
+    at = session.snapshot()
+    token = greedy(session.logits)
+    plain = [token]
+    for _ in range(6):
+        plain.append(greedy(session.decode(plain[-1])))
+    session.restore(at)
+    sequence = [*prompt, *plain]
+    real = MTP.__call__
+
+    def oracle(self, tokens, hidden, position, cache):
+        _, streams = real(self, tokens, hidden, position, cache)
+        target = position + tokens.size
+        guess = sequence[target] if target < len(sequence) else 0
+        cache.logits = mx.where(mx.arange(self.config.n_vocab) == guess, 100.0, -100.0)
+        return cache.logits, streams
+
+    monkeypatch.setattr(MTP, "__call__", oracle)
+    session.reset()
+    session.prefill(prompt)  # the block now follows the prompt with the oracle's guesses
+    calls = []
+    monkeypatch.setattr(session, "_verify", lambda block, real=session._verify: calls.append(block) or real(block))
+    seconds, drafted, accepted = speculative_probe(session, token, 6, MTP_DRAFT, 0.0, greedy, eos)
+    assert session.tokens == [*prompt, *plain[:6]]
+    assert seconds > 0 and drafted == accepted == 6 and [len(block) for block in calls] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--synthetic", "q2", "--mtp", "m.gguf", "--mtp-draft", "2"],
+         "--mtp needs a model file: --synthetic has no MTP draft file (make-model --preset flash --mtp FILE writes "
+         "a matching pair; see bench/README.md)"),
+        (["--mtp", "m.gguf"], "--mtp needs --mtp-draft N (N >= 2): bench measures verify calls over N tokens"),
+        (["--mtp-draft", "3"], "--mtp-draft 3 needs an MTP draft file: --mtp FILE"),
+        (["--mtp", "m.gguf", "--mtp-draft", "2", "--ops-for", "cuda"],
+         "--ops-for counts the plain decode step only: --mtp is unused there"),
+        (["--mtp", "m.gguf", "--mtp-draft", "4", "--gen-tokens", "2", "--ctx-max", "64", "--ctx-start", "64",
+          "-c", "67"], "--ctx 67 is too small for the walk: the last frontier 64 + --mtp-draft 4 need 68"),
+    ],
+)
+def test_bench_refuses_mtp_flags_as_usage_errors(flags, message, capsys):
+    code = 1 if message.startswith("--ctx") else 2  # the flag checks of the walk itself stay errors (1)
+    assert main(["bench", "-m", "/nonexistent.gguf", *flags]) == code
+    assert capsys.readouterr().err == f"ds4-mlx bench: error: {message}\n"

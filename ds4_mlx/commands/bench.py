@@ -11,6 +11,14 @@ along the prompt. A short warm-up (compilation, first allocations) comes first a
 during the frontier's interval and probe, weights included.
 
 `--synthetic q2|q4` measures the full published layout built in memory (model/synthetic.py) instead of a file.
+
+`--mtp FILE --mtp-draft N` also measures what speculative greedy decoding costs at each frontier (the draft block
+then follows the stream through every prefill, as the engine runs it): one plain decode step (the compiled step),
+one verify call over 1 token and over N tokens (one main-model call with logits for every position, the check
+`Session.speculate` makes of a token and its N - 1 guesses), one MTP draft of N - 1 guesses, each the median of a
+few calls after a warm-up, each from the frontier; then a speculative greedy probe of `--gen-tokens` tokens through
+`Session.speculate` as the engine runs it, with the share of MTP guesses the model accepted. The plain probe runs
+without the draft block, as a session loaded without --mtp does.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import csv
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,10 +37,12 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import Ds4Error
-from .options import add_model_options, open_engine, select_backend
+from ..errors import Ds4Error, UsageError
+from .options import add_model_options, add_mtp_options, open_engine, select_backend
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from ..model.model import Model
     from ..session import Session
     from ..tokenizer import Tokenizer
@@ -42,6 +53,11 @@ WARMUP_DECODE_STEPS = 2
 CSV_COLUMNS = ("ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes",
                "peak_memory_bytes", "prefill_tps_min", "prefill_tps_max", "gen_tps_min", "gen_tps_max")
 """ds4-bench's columns first, so one plot script reads both engines' files; then ours."""
+MTP_COLUMNS = ("decode_step_ms", "verify_1_ms", "verify_n_ms", "verify_tokens", "draft_ms", "draft_tokens",
+               "spec_tps", "spec_tps_min", "spec_tps_max", "mtp_acceptance")
+"""With --mtp, after CSV_COLUMNS: call times (medians, ms), the speculative probe's t/s and acceptance."""
+MTP_CALLS = 5
+"""Timed calls per figure and frontier with --mtp, after one warm-up call."""
 
 BUILTIN_TEXT = """\
 The river came down from the hills in three long bends before it reached the town, and in each bend the water
@@ -86,6 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only count one decode step's primitives, as the cuda or metal backend "
                         "builds the step (every fast path taken, each custom kernel one node), on any machine: "
                         "no timings, and the model computes nothing meaningful")
+    add_mtp_options(p)
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the result as one JSON object")
     out.add_argument("--csv", type=Path, metavar="FILE", help=f"write one row per frontier: {','.join(CSV_COLUMNS)}")
@@ -100,11 +117,14 @@ class Walk:
     frontiers: tuple[int, ...]
     gen_tokens: int
     repeats: int
+    mtp_draft: int = 0
+    """--mtp-draft N with --mtp: tokens per verify call; 0 = no MTP figures."""
+    mtp_margin: float = 0.0
 
     @property
     def ctx(self) -> int:
-        """The context the walk needs: the last frontier plus its probe."""
-        return self.frontiers[-1] + self.gen_tokens
+        """The context the walk needs: the last frontier plus its probe (or its N-token verify call)."""
+        return self.frontiers[-1] + max(self.gen_tokens, self.mtp_draft)
 
 
 def plan(args: argparse.Namespace) -> Walk:
@@ -125,6 +145,7 @@ def plan(args: argparse.Namespace) -> Walk:
         raise Ds4Error("--layers needs --synthetic")
     if args.synthetic is not None and args.demo:
         raise Ds4Error("--synthetic and --demo both choose the model; give one")
+    _check_mtp(args)
     frontiers = [args.ctx_start]
     while True:
         last = frontiers[-1]
@@ -132,11 +153,65 @@ def plan(args: argparse.Namespace) -> Walk:
         if following > args.ctx_max:
             break
         frontiers.append(following)
-    walk = Walk(tuple(frontiers), args.gen_tokens, args.repeats)
+    mtp_draft = args.mtp_draft if args.mtp is not None else 0
+    walk = Walk(tuple(frontiers), args.gen_tokens, args.repeats, mtp_draft, args.mtp_margin)
     if args.ctx is not None and args.ctx < walk.ctx:
+        probe = f"--gen-tokens {args.gen_tokens}" if args.gen_tokens >= mtp_draft else f"--mtp-draft {mtp_draft}"
         raise Ds4Error(f"--ctx {args.ctx} is too small for the walk: the last frontier {frontiers[-1]} + "
-                       f"--gen-tokens {args.gen_tokens} need {walk.ctx}")
+                       f"{probe} need {walk.ctx}")
     return walk
+
+
+def _check_mtp(args: argparse.Namespace) -> None:
+    """--mtp and --mtp-draft go together (N >= 2: a verify call over N tokens), on a model file."""
+    if args.mtp is None:
+        if args.mtp_draft > 1:
+            raise UsageError(f"--mtp-draft {args.mtp_draft} needs an MTP draft file: --mtp FILE")
+        return
+    if args.synthetic is not None:
+        raise UsageError("--mtp needs a model file: --synthetic has no MTP draft file (make-model --preset flash "
+                         "--mtp FILE writes a matching pair; see bench/README.md)")
+    if args.ops_for is not None:
+        raise UsageError("--ops-for counts the plain decode step only: --mtp is unused there")
+    if args.mtp_draft < 2:
+        raise UsageError("--mtp needs --mtp-draft N (N >= 2): bench measures verify calls over N tokens")
+
+
+@dataclass
+class MTPFigures:
+    """One frontier's --mtp figures: seconds of every timed call of every run, and the speculative probes."""
+
+    draft: int
+    """--mtp-draft N: a verify call takes N tokens, a draft makes N - 1 guesses."""
+    step_s: list[float] = field(default_factory=list)
+    verify_1_s: list[float] = field(default_factory=list)
+    verify_n_s: list[float] = field(default_factory=list)
+    draft_s: list[float] = field(default_factory=list)
+    spec_tps: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """The share of MTP guesses the model agreed with (Speculation's counts); 0 when none was checked."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def row(self) -> dict:
+        def ms(seconds: list[float]) -> float:
+            return round(statistics.median(seconds) * 1e3, 4)
+
+        return {
+            "decode_step_ms": ms(self.step_s),
+            "verify_1_ms": ms(self.verify_1_s),
+            "verify_n_ms": ms(self.verify_n_s),
+            "verify_tokens": self.draft,
+            "draft_ms": ms(self.draft_s),
+            "draft_tokens": self.draft - 1,
+            "spec_tps": round(statistics.median(self.spec_tps), 3),
+            "spec_tps_min": round(min(self.spec_tps), 3),
+            "spec_tps_max": round(max(self.spec_tps), 3),
+            "mtp_acceptance": round(self.acceptance, 4),
+        }
 
 
 @dataclass
@@ -150,9 +225,11 @@ class FrontierResult:
     prefill_tps: list[float] = field(default_factory=list)
     gen_tps: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
+    mtp: MTPFigures | None = None
 
     def row(self) -> dict:
-        """The CSV / JSON row: medians under ds4-bench's names, then min and max."""
+        """The CSV / JSON row: medians under ds4-bench's names, then min and max, then the --mtp figures."""
+        mtp = self.mtp.row() if self.mtp is not None else {}
         return {
             "ctx_tokens": self.ctx_tokens,
             "prefill_tokens": self.prefill_tokens,
@@ -165,7 +242,7 @@ class FrontierResult:
             "prefill_tps_max": round(max(self.prefill_tps), 3),
             "gen_tps_min": round(min(self.gen_tps), 3),
             "gen_tps_max": round(max(self.gen_tps), 3),
-        }
+        } | mtp
 
 
 @dataclass
@@ -234,10 +311,13 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
     token = greedy(session.logits)
     for _ in range(min(WARMUP_DECODE_STEPS, session.room)):
         token = greedy(session.decode(token))
+    if walk.mtp_draft and session.mtp is None:
+        raise ValueError("the walk measures MTP figures but the session has no MTP draft block")
     results = []
     previous = 0
     for frontier in walk.frontiers:
-        results.append(FrontierResult(frontier, frontier - previous, walk.gen_tokens, live_kv_bytes(model, frontier)))
+        results.append(FrontierResult(frontier, frontier - previous, walk.gen_tokens, live_kv_bytes(model, frontier),
+                                      mtp=MTPFigures(walk.mtp_draft) if walk.mtp_draft else None))
         previous = frontier
     counts = None
     for run in range(walk.repeats):
@@ -254,18 +334,99 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
 
                 counts = decode_step_ops(model, session.cache, greedy(session.logits))
             at_frontier = session.snapshot()
-            t1 = time.perf_counter()
-            token = greedy(session.logits)
-            for _ in range(walk.gen_tokens):
-                token = greedy(session.decode(token))
-            gen_s = time.perf_counter() - t1
+            with without_mtp(session):
+                t1 = time.perf_counter()
+                token = greedy(session.logits)
+                for _ in range(walk.gen_tokens):
+                    token = greedy(session.decode(token))
+                gen_s = time.perf_counter() - t1
             session.restore(at_frontier)
             result.prefill_tps.append(result.prefill_tokens / prefill_s)
             result.gen_tps.append(walk.gen_tokens / gen_s if walk.gen_tokens else 0.0)
+            line = (f"run {run + 1}/{walk.repeats}, ctx {result.ctx_tokens}: prefill {result.prefill_tokens} tokens "
+                    f"at {result.prefill_tps[-1]:.1f} t/s, decode {walk.gen_tokens} tokens at "
+                    f"{result.gen_tps[-1]:.2f} t/s")
+            if result.mtp is not None:
+                drafted, accepted = measure_mtp(session, result.mtp, walk, greedy, loaded.tokenizer.eos_id)
+                line += (f", speculative {result.mtp.spec_tps[-1]:.2f} t/s (MTP guesses accepted "
+                         f"{accepted}/{drafted})")
             result.peak_memory_bytes = max(result.peak_memory_bytes, mx.get_peak_memory())
-            say(f"run {run + 1}/{walk.repeats}, ctx {result.ctx_tokens}: prefill {result.prefill_tokens} tokens at "
-                f"{result.prefill_tps[-1]:.1f} t/s, decode {walk.gen_tokens} tokens at {result.gen_tps[-1]:.2f} t/s")
+            say(line)
     return results, counts
+
+
+@contextmanager
+def without_mtp(session: Session) -> Iterator[None]:
+    """The session decodes as one loaded without --mtp: the draft block does not run, its state is left as it was
+    (the frontier's snapshot, restored after, holds it anyway)."""
+    mtp, session.mtp = session.mtp, None
+    try:
+        yield
+    finally:
+        session.mtp = mtp
+
+
+def verify_call(session: Session, block: list[int]) -> mx.array:
+    """One main-model call over `block` with logits for every position, evaluated: the call `Session.speculate`
+    checks a token and its guesses with. The tokens stay in the cache; the caller restores the session."""
+    import mlx.core as mx
+
+    logits = session.model(mx.array(block, dtype=mx.int32), session.cache, all_logits=True)
+    mx.eval(logits, *session.cache.arrays())
+    return logits
+
+
+def timed_calls(call: Callable[[], object], restore: Callable[[], None], n: int) -> list[float]:
+    """Seconds of n calls after one warm-up call, the state restored after each."""
+    times = []
+    for i in range(n + 1):
+        t0 = time.perf_counter()
+        call()
+        if i:
+            times.append(time.perf_counter() - t0)
+        restore()
+    return times
+
+
+def speculative_probe(session: Session, token: int, n_tokens: int, draft: int, margin: float,
+                      greedy: Callable[[mx.array], int], eos: int) -> tuple[float, int, int]:
+    """Feeds `token` and the greedy tokens after it, n_tokens in all, through `Session.speculate` as the engine's
+    greedy decoding does (up to draft - 1 guesses a step, never a token past the n_tokens plain decoding feeds, one
+    greedy choice read back per token). Returns the seconds, and the guesses drafted and accepted."""
+    fed = drafted = accepted = 0
+    t0 = time.perf_counter()
+    while fed < n_tokens:
+        step = session.speculate(token, min(draft - 1, n_tokens - fed - 1), margin, stop=(eos,))
+        fed += len(step.tokens)
+        drafted, accepted = drafted + step.drafted, accepted + step.accepted
+        for row in step.logits:
+            token = greedy(row)
+    return time.perf_counter() - t0, drafted, accepted
+
+
+def measure_mtp(session: Session, figures: MTPFigures, walk: Walk, greedy: Callable[[mx.array], int],
+                eos: int) -> tuple[int, int]:
+    """At a frontier: one plain decode step, verify calls over 1 and N tokens, an MTP draft of N - 1 guesses (each
+    timed from the frontier), then the speculative probe; the session is left at the frontier. Returns the probe's
+    guesses drafted and accepted."""
+    at_frontier = session.snapshot()
+    token = greedy(session.logits)
+
+    def restore() -> None:
+        session.restore(at_frontier)
+
+    with without_mtp(session):
+        figures.step_s += timed_calls(lambda: session.decode(token), restore, MTP_CALLS)
+    drafts, _ = session._draft(token, walk.mtp_draft - 1, stop=())  # the guesses speculate would verify
+    figures.draft_s += timed_calls(lambda: session._draft(token, walk.mtp_draft - 1, stop=()), restore, MTP_CALLS)
+    figures.verify_1_s += timed_calls(lambda: verify_call(session, [token]), restore, MTP_CALLS)
+    figures.verify_n_s += timed_calls(lambda: verify_call(session, [token, *drafts]), restore, MTP_CALLS)
+    seconds, drafted, accepted = speculative_probe(session, token, walk.gen_tokens, walk.mtp_draft,
+                                                   walk.mtp_margin, greedy, eos)
+    restore()
+    figures.spec_tps.append(walk.gen_tokens / seconds if walk.gen_tokens else 0.0)
+    figures.drafted, figures.accepted = figures.drafted + drafted, figures.accepted + accepted
+    return drafted, accepted
 
 
 def load(args: argparse.Namespace, walk: Walk) -> Loaded:
@@ -322,7 +483,7 @@ def describe(model: Model) -> str:
 def write_csv(path: Path, results: list[FrontierResult]) -> None:
     try:
         with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS + (MTP_COLUMNS if results[0].mtp else ()))
             writer.writeheader()
             writer.writerows(r.row() for r in results)
     except OSError as e:
@@ -382,6 +543,9 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
     }
     if counts is not None:
         summary["decode_ops"] = counts
+    if walk.mtp_draft:
+        summary["mtp"] = {"draft": walk.mtp_draft, "margin": walk.mtp_margin, "calls": MTP_CALLS,
+                          "weights_bytes": loaded.session.mtp.nbytes}
     if as_json:
         print(json.dumps(summary))
         return
@@ -405,8 +569,30 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
     console.print(f"{walk.gen_tokens} greedy tokens per probe; "
                   + (f"median (min-max) of {walk.repeats} walks" if walk.repeats > 1 else "one walk")
                   + ", after a warm-up")
+    if walk.mtp_draft:
+        console.print(mtp_table(results, walk))
+        n = walk.mtp_draft
+        guesses = f"{n - 1} guess" + ("es" if n > 2 else "")
+        console.print(f"--mtp-draft {n}: ms of one compiled decode step, of one main-model call over 1 and over {n} "
+                      f"tokens (logits for each), of one MTP draft of {guesses} (medians over {MTP_CALLS} calls a "
+                      f"walk); MTP t/s: the probe through Session.speculate (margin {walk.mtp_margin:g}), and the "
+                      "share of MTP guesses the model accepted", soft_wrap=True)
     if counts is not None:
         console.print(ops_line(counts), soft_wrap=True)
+
+
+def mtp_table(results: list[FrontierResult], walk: Walk) -> Table:
+    """The --mtp figures, one row per frontier."""
+    n = walk.mtp_draft
+    table = Table()
+    for name in ("context", "step ms", "verify 1 ms", f"verify {n} ms", "draft ms", "MTP t/s", "accepted"):
+        table.add_column(name, justify="right")
+    for r in results:
+        row = r.row()
+        table.add_row(str(r.ctx_tokens), f"{row['decode_step_ms']:.2f}", f"{row['verify_1_ms']:.2f}",
+                      f"{row['verify_n_ms']:.2f}", f"{row['draft_ms']:.2f}", _spread(row, "spec_tps", walk.repeats),
+                      f"{row['mtp_acceptance']:.0%}")
+    return table
 
 
 def _available(host: dict) -> str:
