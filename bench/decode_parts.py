@@ -86,7 +86,8 @@ def main() -> int:
             "attention": lambda b=block, s=state: (lambda o: [o[0], *o[1].arrays()])(b.attention.step(
                 rms_norm(x, b.attn_norm, b.eps), position, s)),
             "moe": lambda b=block: [b.moe(rms_norm(x, b.ffn_norm, b.eps), token)],
-            "block": lambda b=block, s=state: (lambda o: [o[0], *o[1].arrays()])(b(streams, token, position, s)),
+            "block": lambda b=block, s=state: (lambda o: [o[0].apply(), *o[1].arrays()])(
+                b(streams, token, position, s)),
         }
         for part, fn in parts.items():
             out[f"{name} {part} ms"] = median_ms(mx.compile(lambda f=fn: f()), args.steps)

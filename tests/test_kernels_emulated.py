@@ -1,6 +1,6 @@
 """Custom kernels' CUDA text run on the CPU by emulated_cuda.py (one std::thread per GPU thread), against their
 references: the dequant-matvecs (IQ2_XXS, Q2_K), the half and affine matvecs (with and without the input norm folded
-in), the hyper-connection pre and split, the compressor's decode step, the FP8 KV rounding and the fused expert
+in), the hyper-connection pre, split, update and post+pre, the compressor's decode step, the FP8 KV rounding and the fused expert
 kernels (gate + up + SwiGLU, down summed over the slots). Each runs as its wrapper launches it where the wrapper
 calls `build` (emulated_build stands in), otherwise with the wrapper's templates and grid spelled out here. The
 indexer's emulated tests are in test_kernels_indexer.py.
@@ -34,7 +34,7 @@ from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
 from ds4_mlx.kernels.quants import dequantize
 from ds4_mlx.model.compressor import Frontier, pool_step
 from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType
-from ds4_mlx.model.hyper_connection import pre, split
+from ds4_mlx.model.hyper_connection import post_pre, pre, split, update
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
 from ds4_mlx.model.quant_sim import kv_fp8
 from emulated_cuda import emulated, emulated_build
@@ -145,6 +145,39 @@ def test_emulated_hc_split_equals_the_reference(n, monkeypatch, tmp_path):
     want = split(*args)
     through_emulation(monkeypatch, tmp_path)
     assert_close(hc.HCSplit._kernel(*args), want)
+
+
+def post_pre_args(tokens: int, n: int, d: int, addends: int) -> tuple:
+    """An update's inputs (comb rows a softmax, as near-stochastic as the Sinkhorn's), then a pre's (as above)."""
+    m = (2 + n) * n
+    return (random_activations((tokens, d), seed=d + 1),
+            random_activations((tokens, d), seed=d + 2) if addends == 2 else None,
+            random_activations((tokens, n, d), seed=d), 2 * mx.sigmoid(random_activations((tokens, n), seed=4)),
+            mx.softmax(random_activations((tokens, n, n), seed=5), axis=-1),
+            random_activations((m, n * d), seed=1) * (2 / (n * d) ** 0.5), 1.0 + 0.2 * random_activations((3,), seed=2),
+            0.5 * random_activations((m,), seed=3), 20, 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("addends", [2, 1])
+@pytest.mark.parametrize("shape", [(1, 4, 4096), (5, 4, 512), (3, 2, 320), (2, 4, 96)], ids=str)
+def test_emulated_hc_post_pre_equals_the_reference(shape, addends, monkeypatch, tmp_path):
+    """Flash's width for one token; several tokens; 128-value slices that straddle two streams (n = 2, D = 320) and a
+    width below one collapse group (D = 96). Two addends are the MoE's routed and shared outputs."""
+    args = post_pre_args(*shape, addends)
+    assert hc.HCPostPre.fits(*args[:6])
+    want = post_pre(*args)
+    through_emulation(monkeypatch, tmp_path)
+    assert_close(hc.HCPostPre._kernel(*args), want)
+
+
+@pytest.mark.parametrize("addends", [2, 1])
+@pytest.mark.parametrize("shape", [(1, 4, 4096), (3, 4, 1000)], ids=str)
+def test_emulated_hc_update_equals_the_reference(shape, addends, monkeypatch, tmp_path):
+    """The update alone (before the head; longer chunks), its output whole or as two addends."""
+    out, addend, streams, post, comb = post_pre_args(*shape, addends)[:5]
+    want = update(out, streams, post, comb, addend)
+    through_emulation(monkeypatch, tmp_path)
+    assert_close((hc.HCUpdate._kernel(out, streams, post, comb, addend),), (want,))
 
 
 @pytest.mark.parametrize(("bits", "size", "tokens", "plan"), [

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import mlx.core as mx
 import pytest
 
 from ds4_mlx.kernels import hc, registry
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.hc import PRE_TOKENS, TOLERANCE, HCPre
+from ds4_mlx.kernels.hc import PRE_TOKENS, TOLERANCE, HCPostPre, HCPre
 from ds4_mlx.kernels.probe import random_activations
 from ds4_mlx.model.config import FLASH
-from ds4_mlx.model.hyper_connection import PRE, SPLIT, UPDATE, pre, split, update
+from ds4_mlx.model.graph import STAND_IN, VIEWS, graph_nodes
+from ds4_mlx.model.hyper_connection import (POST_PRE, PRE, SPLIT, UPDATE, HyperConnection, PendingPost, post_pre, pre,
+                                            split, update)
 
 N_HC, N_EMBD, ITERS, EPS, NORM_EPS = FLASH.n_hc, FLASH.n_embd, FLASH.sinkhorn_iters, FLASH.hc_eps, FLASH.rms_eps
 
@@ -47,7 +50,8 @@ def test_pre_kernels_are_used_and_equal_reference(kernels_unforced, tokens):
 
 
 @pytest.mark.parametrize("kernel", [hc.split_kernel(EPS), hc.PARTIALS_KERNEL, hc.collapse_kernel(EPS, NORM_EPS),
-                                    hc.UPDATE_KERNEL], ids=lambda k: k.name)
+                                    hc.update_kernel(1), hc.update_kernel(2), hc.post_partials_kernel(1),
+                                    hc.post_partials_kernel(2)], ids=lambda k: k.name)
 def test_kernels_render_for_cuda_and_metal(kernel):
     """Every neutral word spelled out and every helper called defined, in both dialects (the GPU tests compile
     one of them; tests/test_kernels_emulated.py runs the CUDA text on the CPU)."""
@@ -70,14 +74,48 @@ def test_fused_pre_takes_decode_sized_float32_inputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("addends", [1, 2])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_update_kernel_is_used_and_equals_reference(kernels_unforced, tokens):
+def test_update_kernel_is_used_and_equals_reference(kernels_unforced, tokens, addends):
+    """The output whole, or as two addends (the MoE's routed and shared parts) that the kernel adds."""
     args = (scaled((tokens, N_EMBD), 5), scaled((tokens, N_HC, N_EMBD), 6), scaled((tokens, N_HC), 7),
-            mx.softmax(scaled((tokens, N_HC, N_HC), 8), axis=-1))
+            mx.softmax(scaled((tokens, N_HC, N_HC), 8), axis=-1), scaled((tokens, N_EMBD), 9) if addends == 2 else None)
     got = UPDATE(*args)
-    assert UPDATE.fast_path.decisions()[registry.current_backend(), (N_HC, N_EMBD)].fast
+    assert UPDATE.fast_path.decisions()[registry.current_backend(), ((N_HC, N_EMBD), addends)].fast
     want = update(*args)
     assert mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()
+
+
+def post_pre_args(tokens: int, addends: int) -> tuple:
+    m, k = (2 + N_HC) * N_HC, N_HC * N_EMBD
+    return (scaled((tokens, N_EMBD), 17), scaled((tokens, N_EMBD), 18) if addends == 2 else None,
+            scaled((tokens, N_HC, N_EMBD), 19), 2 * mx.sigmoid(scaled((tokens, N_HC), 20)),
+            mx.softmax(scaled((tokens, N_HC, N_HC), 21), axis=-1), scaled((m, k), 22, 2 / k**0.5),
+            1 + scaled((3,), 23, 0.2), scaled((m,), 24, 0.5), ITERS, EPS, NORM_EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("addends", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_post_pre_kernels_are_used_and_equal_reference(kernels_unforced, tokens, addends):
+    """An update and the next pre in two launches, against `post_pre` (`update`, then `pre`)."""
+    args = post_pre_args(tokens, addends)
+    assert HCPostPre.fits(*args[:6])
+    got = POST_PRE(*args)
+    key = ((N_HC, N_EMBD), addends, ITERS, EPS, NORM_EPS)
+    assert POST_PRE.fast_path.decisions()[registry.current_backend(), key].fast
+    for g, w in zip(got, post_pre(*args), strict=True):
+        assert mx.max(mx.abs(g - w)).item() <= TOLERANCE * mx.max(mx.abs(w)).item()
+
+
+def test_post_pre_apart_equals_the_reference_composition(on_cpu):
+    """Where the fused kernels are not used (the CPU here; longer chunks), POST_PRE is UPDATE then PRE: the same
+    bits as `update` followed by `pre`, the chunk path's reference."""
+    for addends in (1, 2):
+        args = post_pre_args(PRE_TOKENS + 1, addends)
+        assert not HCPostPre.fits(*args[:6])
+        for g, w in zip(POST_PRE(*args), post_pre(*args), strict=True):
+            assert mx.array_equal(g, w).item()
 
 
 def test_references_are_the_hyper_connection_formulas(on_cpu):
@@ -94,3 +132,18 @@ def test_references_are_the_hyper_connection_formulas(on_cpu):
     out = scaled((2, d), 12)
     want = post[:, :, None] * out[:, None, :] + mx.einsum("trc,trd->tcd", comb, streams)
     assert mx.allclose(update(out, streams, post, comb), want, atol=1e-6)
+
+
+def test_a_pending_post_and_the_next_pre_are_two_launches_on_gpu_backends(on_cpu):
+    """Planned for CUDA: a post with two addends and the pre after it are two kernels, no Add (three kernels and
+    an Add apart); the last post alone (PendingPost.apply) is one."""
+    args = post_pre_args(1, 2)
+    out, addend, streams, post, comb, fn, scale, base = args[:8]
+    hyper = HyperConnection(fn, scale, base, N_HC, ITERS, EPS, NORM_EPS)
+    pending = PendingPost(out, addend, streams, post, comb)
+    mx.eval(*pending.arrays(), fn, scale, base)
+    with registry.planning("cuda"):
+        fused = graph_nodes(list(hyper.pre_after(pending)))
+        alone = graph_nodes([pending.apply()])
+    assert Counter(n for n in fused.values() if n not in VIEWS) == {STAND_IN: 2}
+    assert Counter(n for n in alone.values() if n not in VIEWS) == {STAND_IN: 1}

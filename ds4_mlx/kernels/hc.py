@@ -1,5 +1,5 @@
-"""Hyper-connection kernels (spec §3.2): the pre (mix projection and split with its Sinkhorn projection), and the
-stream update.
+"""Hyper-connection kernels (spec §3.2): the pre (mix projection and split with its Sinkhorn projection), the
+stream update, and the update fused with the pre that follows it.
 
 All are tiny in arithmetic (4 streams, a 4x4 matrix) but many in operations: written in MLX ops, the Sinkhorn
 projection alone is ~80 reductions and divisions per hyper-connection, two hyper-connections per layer, each one
@@ -11,7 +11,10 @@ a kernel launch on a GPU. Here:
 - `HCSplit`: mix (T, (2+n)n) -> pre weights, post (T, n), comb (T, n, n) by the Sinkhorn projection (one SIMD
   group per token, one lane per comb entry), and the collapsed input sum_r pre_r H_r (T, D) by every thread of
   the group; prefill chunks use it after the mix matmul;
-- `HCUpdate`: new streams H'_c = post_c * out + sum_r comb[r, c] H_r (T, n, D), one thread per (token, dim).
+- `HCUpdate`: new streams H'_c = post_c * out + sum_r comb[r, c] H_r (T, n, D), one thread per (token, dim); the
+  output may come as two addends (the MoE's routed and shared parts), added here rather than in a launch of its own;
+- `HCPostPre`, for decode-sized inputs: a sublayer's update and the next sublayer's pre in two launches instead of
+  three (the first writes the new streams and the partial sums the pre's collapse adds up).
 
 Their references are the plain MLX formulas in model/hyper_connection.py, passed in by the model (so the two
 cannot drift apart); the kernels must equal them to float32 summation order (TOLERANCE).
@@ -104,27 +107,73 @@ for (int d = tid; d < D; d += THREADS) {
 }
 """.replace("/*SINKHORN*/", _SINKHORN)
 
-_PARTIALS = """
-const int t = GROUP_Y;
-const int b = GROUP_X;
-const int lane = SIMD_LANE;
-const size_t at = (size_t)b * (4 * 32) + lane * 4;
-const float4 v = *reinterpret_cast<const GLOBAL_MEM float4*>(streams + (size_t)t * K + at);
-GLOBAL_MEM float* out = partials + (size_t)t * (M + 1) * BLOCKS + b;
+_SUMS = """
+GLOBAL_MEM float* part = partials + (size_t)t * (M + 1) * BLOCKS + b;
 if (SIMD_INDEX == 0) {
   const float squares = ds4_simd_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w);
   if (lane == 0) {
-    out[0] = squares;
+    part[0] = squares;
   }
 }
 for (int j = SIMD_INDEX; j < M; j += WARPS) {
   const float4 f = *reinterpret_cast<const GLOBAL_MEM float4*>(fn + (size_t)j * K + at);
   const float dot = ds4_simd_sum(v.x * f.x + v.y * f.y + v.z * f.z + v.w * f.w);
   if (lane == 0) {
-    out[(size_t)(j + 1) * BLOCKS] = dot;
+    part[(size_t)(j + 1) * BLOCKS] = dot;
   }
 }
 """
+"""The partial sums of one 128-value slice (`at`: this lane's float4 `v` of token t's flattened streams, slice b):
+its sum of squares by SIMD group 0, its dot product with fn's row j by SIMD group j % WARPS."""
+
+_PARTIALS = """
+const int t = GROUP_Y;
+const int b = GROUP_X;
+const int lane = SIMD_LANE;
+const size_t at = (size_t)b * (4 * 32) + lane * 4;
+const float4 v = *reinterpret_cast<const GLOBAL_MEM float4*>(streams + (size_t)t * K + at);
+""" + _SUMS
+
+_POST_PARTIALS = """
+const int t = GROUP_Y;
+const int b = GROUP_X;
+const int lane = SIMD_LANE;
+const size_t at = (size_t)b * (4 * 32) + lane * 4;
+const int c = (int)(at / D);
+const size_t d = at - (size_t)c * D;
+const float4 o4 = *reinterpret_cast<const GLOBAL_MEM float4*>(out + (size_t)t * D + d);
+float o[4] = {o4.x, o4.y, o4.z, o4.w};
+/*ADDEND*/
+float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+for (int r = 0; r < N; ++r) {
+  const float4 h = *reinterpret_cast<const GLOBAL_MEM float4*>(streams + (size_t)t * K + (size_t)r * D + d);
+  const float w = comb[t * N * N + r * N + c];
+  acc[0] += w * h.x;
+  acc[1] += w * h.y;
+  acc[2] += w * h.z;
+  acc[3] += w * h.w;
+}
+const float p = post[t * N + c];
+float4 v;
+v.x = p * o[0] + acc[0];
+v.y = p * o[1] + acc[1];
+v.z = p * o[2] + acc[2];
+v.w = p * o[3] + acc[3];
+if (SIMD_INDEX == 0) {
+  *reinterpret_cast<GLOBAL_MEM float4*>(y + (size_t)t * K + at) = v;
+}
+""" + _SUMS
+"""The update of one 128-value slice of the new streams (lane: 4 values of stream c, which D % 4 == 0 keeps whole;
+every SIMD group computes the same bits, group 0 writes them), then its partial sums for the next pre (_SUMS)."""
+
+_ADDEND = """
+const float4 a4 = *reinterpret_cast<const GLOBAL_MEM float4*>(addend + (size_t)t * D + d);
+o[0] += a4.x;
+o[1] += a4.y;
+o[2] += a4.z;
+o[3] += a4.w;
+"""
+"""The sublayer output's second addend, added as one float32 add per value, as `out + addend` would be."""
 
 _COLLAPSE = """
 const int t = GROUP_Y;
@@ -181,7 +230,7 @@ if (i < (size_t)T * D) {
   for (int r = 0; r < N; ++r) {
     h[r] = streams[(t * N + r) * D + d];
   }
-  const float o = out[i];
+  const float o = out[i]/*ADDEND*/;
   for (int c = 0; c < N; ++c) {
     float acc = 0.0f;
     for (int r = 0; r < N; ++r) {
@@ -200,7 +249,23 @@ def split_kernel(eps: float) -> Kernel:
     return Kernel("ds4_hc_split", ("mix", "scale", "base", "streams"), ("x", "post", "comb"), _SPLIT, header)
 
 
-UPDATE_KERNEL = Kernel("ds4_hc_update", ("out", "streams", "post", "comb"), ("y",), _UPDATE)
+@cache
+def update_kernel(addends: int) -> Kernel:
+    """The update of a sublayer output given as 1 or 2 addends (the second named `addend`)."""
+    if addends == 1:
+        return Kernel("ds4_hc_update", ("out", "streams", "post", "comb"), ("y",), _UPDATE.replace("/*ADDEND*/", ""))
+    return Kernel("ds4_hc_update2", ("out", "addend", "streams", "post", "comb"), ("y",),
+                  _UPDATE.replace("/*ADDEND*/", " + addend[i]"))
+
+
+@cache
+def post_partials_kernel(addends: int) -> Kernel:
+    """The first launch of HCPostPre: new streams and the next pre's partial sums, for 1 or 2 output addends."""
+    inputs = ("out", "addend")[:addends] + ("streams", "post", "comb", "fn")
+    source = _POST_PARTIALS.replace("/*ADDEND*/", _ADDEND if addends == 2 else "")
+    return Kernel(f"ds4_hc_post_partials{addends}", inputs, ("y", "partials"), source)
+
+
 PARTIALS_KERNEL = Kernel("ds4_hc_pre_partials", ("streams", "fn"), ("partials",), _PARTIALS)
 
 
@@ -286,15 +351,21 @@ class HCPre:
         t, n, d = streams.shape
         m, k = fn.shape
         groups = k // PRE_SLICE
-        backend = current_backend()
-        (partials,) = build(PARTIALS_KERNEL, backend)(
+        (partials,) = build(PARTIALS_KERNEL, current_backend())(
             inputs=[streams, fn],
             template=[("K", k), ("M", m), ("BLOCKS", groups), ("WARPS", THREADS // SIMD_WIDTH)],
             grid=(groups * THREADS, t, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(t, m + 1, groups)], output_dtypes=[mx.float32],
         )
+        return HCPre.collapse(partials, scale, base, streams, iters, eps, norm_eps)
+
+    @staticmethod
+    def collapse(partials, scale, base, streams, iters, eps, norm_eps) -> tuple[mx.array, mx.array, mx.array]:
+        """The second launch: partial sums (T, 1 + M, groups) of `streams` -> (T, D), (T, n), (T, n, n)."""
+        t, n, d = streams.shape
+        m, groups = partials.shape[1] - 1, partials.shape[2]
         slices = -(-d // THREADS)
-        return tuple(build(collapse_kernel(eps, norm_eps), backend)(
+        return tuple(build(collapse_kernel(eps, norm_eps), current_backend())(
             inputs=[partials, scale, base, streams],
             template=[("N", n), ("D", d), ("M", m), ("BLOCKS", groups), ("SLICES", slices), ("ITERS", iters),
                       ("THREADS", THREADS)],
@@ -319,16 +390,20 @@ class HCUpdate:
         self.fast_path = FastPath("hc_update", reference, self._kernel, self._probe, tolerance=TOLERANCE,
                                   backends=("cuda", "metal"))
 
-    def __call__(self, out: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-        """out (T, D), streams (T, n, D), post (T, n), comb (T, n, n) -> (T, n, D)."""
-        return self.fast_path(out, streams, post, comb, key=streams.shape[1:])
+    def __call__(self, out: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
+                 addend: mx.array | None = None) -> mx.array:
+        """out (T, D) (plus addend (T, D): the output as two parts), streams (T, n, D), post (T, n), comb (T, n, n)
+        -> (T, n, D)."""
+        key = (streams.shape[1:], 1 if addend is None else 2)
+        return self.fast_path(out, streams, post, comb, addend, key=key)
 
     @staticmethod
-    def _kernel(out, streams, post, comb) -> mx.array:
+    def _kernel(out, streams, post, comb, addend) -> mx.array:
         t, n, d = streams.shape
         groups = -(-t * d // THREADS)
-        (y,) = build(UPDATE_KERNEL, current_backend())(
-            inputs=[out, streams, post, comb],
+        outputs = [out] if addend is None else [out, addend]
+        (y,) = build(update_kernel(len(outputs)), current_backend())(
+            inputs=[*outputs, streams, post, comb],
             template=[("N", n), ("D", d), ("T", t), ("THREADS", THREADS)],
             grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(t, n, d)], output_dtypes=[mx.float32],
@@ -337,6 +412,70 @@ class HCUpdate:
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
-        n, d = key
+        (n, d), addends = key
         return (random_activations((3, d), seed=31), random_activations((3, n, d), seed=32),
-                random_activations((3, n), seed=33), random_activations((3, n, n), seed=34))
+                random_activations((3, n), seed=33), random_activations((3, n, n), seed=34),
+                random_activations((3, d), seed=35) if addends == 2 else None)
+
+
+class HCPostPre:
+    """A sublayer's HC-post and the next sublayer's HC-pre, in two launches for a few tokens (three apart).
+
+    The pre's first launch reads the streams the post has just written, to add up their squares and their dot
+    products with fn; here one launch (post_partials_kernel) computes each 128-value slice of the new streams, writes
+    it and adds up its partial sums at once, over HCPre's threadgroups; HCPre's collapse then finishes the pre.
+    The output may come as two addends, summed in the kernel. Elsewhere (longer chunks, other dtypes, a backend
+    where the kernel failed its check) the update and the pre run apart, each by its own fast path.
+    """
+
+    def __init__(self, reference: Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]], update: HCUpdate,
+                 pre: HCPre):
+        self.fast_path = FastPath("hc_post_pre", reference, self._kernel, self._probe, tolerance=TOLERANCE,
+                                  backends=("cuda", "metal"))
+        self.update, self.pre = update, pre
+
+    def __call__(self, out: mx.array, addend: mx.array | None, streams: mx.array, post: mx.array, comb: mx.array,
+                 fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
+                 norm_eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The update's arguments (addend None for a one-part output), then the pre's -> the new streams (T, n, D)
+        and the pre's (T, D), (T, n), (T, n, n)."""
+        key = (streams.shape[1:], 1 if addend is None else 2, iters, eps, norm_eps)
+        if self.fits(out, addend, streams, post, comb, fn) and self.fast_path.enabled(key):
+            return self.fast_path(out, addend, streams, post, comb, fn, scale, base, iters, eps, norm_eps, key=key)
+        new = self.update(out, streams, post, comb, addend)
+        return (new, *self.pre(new, fn, scale, base, iters, eps, norm_eps))
+
+    @staticmethod
+    def fits(out: mx.array, addend: mx.array | None, streams: mx.array, post: mx.array, comb: mx.array,
+             fn: mx.array) -> bool:
+        """What HCPre takes, float32 throughout, and streams whose width keeps each lane's 4 values in one stream."""
+        parts = (out, post, comb) if addend is None else (out, addend, post, comb)
+        return (HCPre.fits(streams, fn) and streams.shape[2] % 4 == 0
+                and all(a.dtype == mx.float32 for a in parts) and out.shape == (streams.shape[0], streams.shape[2]))
+
+    @staticmethod
+    def _kernel(out, addend, streams, post, comb, fn, scale, base, iters, eps,
+                norm_eps) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        t, n, d = streams.shape
+        m, k = fn.shape
+        groups = k // PRE_SLICE
+        outputs = [out] if addend is None else [out, addend]
+        new, partials = build(post_partials_kernel(len(outputs)), current_backend())(
+            inputs=[*outputs, streams, post, comb, fn],
+            template=[("N", n), ("D", d), ("K", k), ("M", m), ("BLOCKS", groups), ("WARPS", THREADS // SIMD_WIDTH)],
+            grid=(groups * THREADS, t, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[(t, n, d), (t, m + 1, groups)], output_dtypes=[mx.float32] * 2,
+        )
+        return (new, *HCPre.collapse(partials, scale, base, new, iters, eps, norm_eps))
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """Three tokens, comb rows a softmax (near-stochastic, as the Sinkhorn makes it), the pre's inputs as
+        HCPre's probe makes them."""
+        (n, d), addends, iters, eps, norm_eps = key
+        m, k = (2 + n) * n, n * d
+        return (random_activations((3, d), seed=51), random_activations((3, d), seed=52) if addends == 2 else None,
+                random_activations((3, n, d), seed=53), 2 * mx.sigmoid(random_activations((3, n), seed=54)),
+                mx.softmax(random_activations((3, n, n), seed=55), axis=-1),
+                random_activations((m, k), seed=56) * (2.0 / k**0.5), 1.0 + 0.2 * random_activations((3,), seed=57),
+                0.5 * random_activations((m,), seed=58), iters, eps, norm_eps)

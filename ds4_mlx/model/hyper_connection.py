@@ -4,6 +4,9 @@ The residual is `n_hc` parallel streams H (T, n_hc, D). Before each sublayer a l
 mix collapses them into one input (`pre`); afterwards the sublayer output is spread back with `post` while the
 streams themselves are mixed by `comb`, a Sinkhorn-projected (near doubly-stochastic) matrix that keeps the
 residual from growing with depth.
+
+A post is not applied at once: it is handed on (`PendingPost`) to the next sublayer's pre, which applies it in
+the same launches as its own first step where a fused kernel is used (kernels/hc.py, HCPostPre).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.hc import HCPre, HCSplit, HCUpdate
+from ds4_mlx.kernels.hc import HCPostPre, HCPre, HCSplit, HCUpdate
 from ds4_mlx.model.norm import rms_norm
 
 
@@ -47,8 +50,12 @@ def split(mix: mx.array, scale: mx.array, base: mx.array, streams: mx.array, ite
     return mx.sum(pre[:, :, None] * streams, axis=1), post, comb
 
 
-def update(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """New streams (T, n, D): H'_c = post_c * output + sum_r comb[r, c] * H_r."""
+def update(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
+           addend: mx.array | None = None) -> mx.array:
+    """New streams (T, n, D): H'_c = post_c * output + sum_r comb[r, c] * H_r, the output given whole or as two
+    addends (output + addend)."""
+    if addend is not None:
+        output = output + addend
     return post[:, :, None] * output[:, None, :] + mx.swapaxes(comb, -1, -2) @ streams
 
 
@@ -60,11 +67,40 @@ def pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters:
     return SPLIT(mix, scale, base, streams, iters, eps)
 
 
+def post_pre(output: mx.array, addend: mx.array | None, streams: mx.array, post: mx.array, comb: mx.array,
+             fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
+             norm_eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """`update`, then the next sublayer's `pre` of the new streams: (new streams, x, post, comb)."""
+    new = update(output, streams, post, comb, addend)
+    return (new, *pre(new, fn, scale, base, iters, eps, norm_eps))
+
+
 SPLIT = HCSplit(split)
 UPDATE = HCUpdate(update)
 PRE = HCPre(pre)
+POST_PRE = HCPostPre(post_pre, UPDATE, PRE)
 """Fused kernels where a GPU backend has passed the first-use check (kernels/hc.py): split and update one launch
-each, and the whole pre of a few tokens two launches (longer chunks: `pre` itself, the mix matmul then SPLIT)."""
+each, the whole pre of a few tokens two launches (longer chunks: `pre` itself, the mix matmul then SPLIT), and an
+update with the pre after it two launches too (elsewhere UPDATE, then PRE)."""
+
+
+@dataclass
+class PendingPost:
+    """A sublayer's HC-post not yet applied: its output (whole, or as two addends: the MoE's routed and shared
+    parts), the streams it updates and the post weights and comb of its pre."""
+
+    output: mx.array
+    addend: mx.array | None
+    streams: mx.array
+    post: mx.array
+    comb: mx.array
+
+    def apply(self) -> mx.array:
+        """The new streams (T, n, D), by the update alone (where no pre follows: the head, the MTP block)."""
+        return UPDATE(self.output, self.streams, self.post, self.comb, self.addend)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.output, self.addend, self.streams, self.post, self.comb) if a is not None]
 
 
 @dataclass
@@ -85,6 +121,15 @@ class HyperConnection:
         comb[t, r, c] is the weight of source stream r in destination stream c.
         """
         return PRE(streams, self.fn, self.scale, self.base, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+
+    def pre_after(self, residual: mx.array | PendingPost) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The streams (given, or made by the previous sublayer's pending post) and this sublayer's `pre` of them:
+        (streams, x, post, comb). A pending post and this pre take two launches where the fused kernels are used."""
+        if isinstance(residual, mx.array):
+            return (residual, *self.pre(residual))
+        p = residual
+        return POST_PRE(p.output, p.addend, p.streams, p.post, p.comb, self.fn, self.scale, self.base,
+                        self.sinkhorn_iters, self.hc_eps, self.norm_eps)
 
     @staticmethod
     def post(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:

@@ -26,7 +26,7 @@ from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.model.gguf import TensorInfo
-from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead
+from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead, PendingPost
 from ds4_mlx.model.linear import ExpertBank, Linear
 from ds4_mlx.model.moe import GATHER_LIMIT, MoE, RoutedExperts, Router, SharedExpert
 from ds4_mlx.model.norm import rms_norm
@@ -51,22 +51,25 @@ class Block:
     eps: float
 
     def __call__(
-        self, streams: mx.array, tokens: mx.array, n_past: int | mx.array, state: LayerState
-    ) -> tuple[mx.array, LayerState]:
-        """A chunk of tokens at positions n_past.., or one token at a position held in an array (decode step)."""
-        x, post, comb = self.attn_hc.pre(streams)
+        self, residual: mx.array | PendingPost, tokens: mx.array, n_past: int | mx.array, state: LayerState
+    ) -> tuple[PendingPost, LayerState]:
+        """A chunk of tokens at positions n_past.., or one token at a position held in an array (decode step).
+
+        Takes the streams, or the previous block's FFN post still pending, and returns its own FFN post pending
+        (`PendingPost.apply` makes the streams): each post is applied with the pre that follows it, which fused
+        kernels do in the launches of that pre (hyper_connection.py)."""
+        streams, x, post, comb = self.attn_hc.pre_after(residual)
         decode = isinstance(n_past, mx.array)
         if decode:  # the input projections apply attn_norm (folded into their matvecs)
             out, state = self.attention.step(x, n_past, state, norm=(self.attn_norm, self.eps))
         else:
             out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
-        streams = HyperConnection.post(out, streams, post, comb)
-        x, post, comb = self.ffn_hc.pre(streams)
+        streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(out, None, streams, post, comb))
         if decode:  # the MoE's readers apply ffn_norm (folded into their kernels where all of them can)
-            out = self.moe(x, tokens, norm=(self.ffn_norm, self.eps))
+            routed, shared = self.moe.parts(x, tokens, norm=(self.ffn_norm, self.eps))
         else:
-            out = self.moe(rms_norm(x, self.ffn_norm, self.eps), tokens)
-        return HyperConnection.post(out, streams, post, comb), state
+            routed, shared = self.moe.parts(rms_norm(x, self.ffn_norm, self.eps), tokens)
+        return PendingPost(routed, shared, streams, post, comb), state  # the update adds the two parts
 
 
 class Loader:
@@ -243,10 +246,12 @@ class Model:
                                   (tokens.size, self.config.n_hc, self.config.n_embd))
         layers = list(cache.layers)
         grouped = tokens.size * self.config.n_expert_used > GATHER_LIMIT
+        residual: mx.array | PendingPost = streams
         for layer, block in enumerate(self.blocks):
-            streams, layers[layer] = block(streams, tokens, n_past, layers[layer])
+            residual, layers[layer] = block(residual, tokens, n_past, layers[layer])
             if grouped:  # a layer's float expert scratch (GiBs at Flash size) is freed before the next is made
-                mx.eval(streams, *layers[layer].arrays())
+                mx.eval(*residual.arrays(), *layers[layer].arrays())
+        streams = residual.apply()
         cache.layers, cache.n_tokens = layers, n_past + tokens.size
         return streams
 
@@ -259,8 +264,10 @@ class Model:
         """
         streams = mx.broadcast_to(self.embedding.rows(token)[:, None, :], (1, self.config.n_hc, self.config.n_embd))
         layers = list(layers)
-        for layer, block in enumerate(self.blocks):
-            streams, layers[layer] = block(streams, token, position, layers[layer])
+        residual: mx.array | PendingPost = streams
+        for layer, block in enumerate(self.blocks):  # each block's last post is applied with the next one's first pre
+            residual, layers[layer] = block(residual, token, position, layers[layer])
+        streams = residual.apply()
         return streams, self.head(streams)[0], layers
 
     def decode(self, token: int, cache: SessionCache) -> tuple[mx.array, mx.array]:

@@ -168,10 +168,16 @@ class MoE:
         """The sublayer for normed inputs x (T, D), or (decode) for raw x and its norm (weight, eps): folded into
         every reader's kernel (router gate, shared gate and up, routed gate and up) where all of them fold it, so
         that the norm is no op of its own; otherwise applied here, once."""
+        routed, shared = self.parts(x, tokens, norm)
+        return routed + shared
+
+    def parts(self, x: mx.array, tokens: mx.array, norm: Norm | None = None) -> tuple[mx.array, mx.array]:
+        """The routed experts' and the shared expert's outputs, whose sum `__call__` returns: kept apart for the
+        HC-post, which adds them in its own launch (model.py's Block)."""
         if norm is not None and not self.folds(x, norm):
             x, norm = apply(x, norm), None
         ids, weights = self.router(x, tokens, norm)
-        return self.experts(x, ids, weights, norm) + self.shared(x, norm)
+        return self.experts(x, ids, weights, norm), self.shared(x, norm)
 
     def folds(self, x: mx.array, norm: Norm) -> bool:
         """Whether every reader of x folds its norm into a kernel launch (checking those kernels on first use)."""

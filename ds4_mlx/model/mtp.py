@@ -145,7 +145,8 @@ class MTP:
         from_token = self.e_proj(embedded)[:, None, :]
         from_hidden = self.h_proj(rms_norm(hidden, self.hnorm, c.rms_eps).reshape(-1, c.n_embd))
         streams = from_token + from_hidden.reshape(t, c.n_hc, c.n_embd)
-        streams, cache.layer = self.block(streams, tokens, cache.n_tokens, cache.layer)
+        pending, cache.layer = self.block(streams, tokens, cache.n_tokens, cache.layer)
+        streams = pending.apply()
         cache.n_tokens += t
         last = streams[-1:]
         logits = self.model.output(rms_norm(self.head_hc(last), self.norm, c.rms_eps))[0]
