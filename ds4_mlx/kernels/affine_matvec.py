@@ -23,15 +23,20 @@ and ~1.15 TB/s on the LM head, and costs ~10 us of host time per launch against 
   activations it reads (the threadgroup reads every value of its row(s) of x exactly once), multiplies them by
   the norm weight before use, and the final sum is scaled by the row's 1 / rms. Over a bank each slot's row is
   normed by its own sum. Without a norm the kernel's text is exactly the plain one.
+- `SwigluMatvec` (the shared expert's down projection) takes rows of 2 IN, [gate | up], and multiplies W by
+  swiglu(gate, up): each thread computes the activations of its loads from their gate and up values as it reads
+  them (`%` lines; X_ROW, the row stride of x, is 2 IN there and IN in the other variants), so the SwiGLU is no
+  op of its own. A threadgroup reads each activation once, for all its rows: an exp per value and threadgroup.
 
 Its reference is the path it replaces: `mx.quantized_matmul` (or `mx.gather_qmm` for a bank), after
-`rms_norm` when normed, itself checked against the reference dequantizer (kernels/affine.py). They differ in
-float32 rounding and summation order only (TOLERANCE).
+`rms_norm` when normed or the model's SwiGLU, itself checked against the reference dequantizer (kernels/affine.py).
+They differ in float32 rounding and summation order only (TOLERANCE).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import struct
+from collections.abc import Callable, Hashable
 from functools import cache
 
 import mlx.core as mx
@@ -76,7 +81,7 @@ for (int r = 0; r < ROWS; ++r) {
   row[r] = first_bank_row + (size_t)(first_row + r < OUT ? first_row + r : OUT - 1);
 }
 const GLOBAL_MEM uint4* wv = reinterpret_cast<const GLOBAL_MEM uint4*>(wq);
-const GLOBAL_MEM float4* xv = reinterpret_cast<const GLOBAL_MEM float4*>(x + (size_t)slot * TOKENS * IN);
+const GLOBAL_MEM float4* xv = reinterpret_cast<const GLOBAL_MEM float4*>(x + (size_t)slot * TOKENS * X_ROW);
 
 float acc[ROWS][TOKENS];
 #pragma unroll
@@ -124,7 +129,8 @@ for (int step = 0; step < STEPS; ++step) {
 @      const float4 nj = nv[u * UNIT_VALUES / 4 + j];
 #pragma unroll
       for (int t = 0; t < TOKENS; ++t) {
-        xj[t] = xv[(t * IN + u * UNIT_VALUES) / 4 + j];
+        xj[t] = xv[(t * X_ROW + u * UNIT_VALUES) / 4 + j];
+%        xj[t] = ds4_swiglu4(xj[t], xv[(t * X_ROW + IN + u * UNIT_VALUES) / 4 + j]);
 @        squares[t] += (xj[t].x * xj[t].x + xj[t].y * xj[t].y) + (xj[t].z * xj[t].z + xj[t].w * xj[t].w);
 @        xj[t].x *= nj.x;
 @        xj[t].y *= nj.y;
@@ -185,15 +191,49 @@ if (i < ROWS * TOKENS && first_row + i / TOKENS < OUT) {
 }
 """
 
+_SWIGLU = """
+DEVICE_FN float ds4_swiglu(float g, float u) {
+  const float gc = g > CLAMP ? CLAMP : g;
+  const float uc = u > CLAMP ? CLAMP : (u < -CLAMP ? -CLAMP : u);
+  return gc * ds4_div(1.0f, 1.0f + ds4_exp(-gc)) * uc;
+}
+DEVICE_FN float4 ds4_swiglu4(float4 g, float4 u) {
+  g.x = ds4_swiglu(g.x, u.x);
+  g.y = ds4_swiglu(g.y, u.y);
+  g.z = ds4_swiglu(g.z, u.z);
+  g.w = ds4_swiglu(g.w, u.w);
+  return g;
+}
+"""
+"""The model's silu(min(gate, CLAMP)) * clip(up, -CLAMP, CLAMP), per value and per float4 (CLAMP: the header's)."""
+
+
+def _input_form(swiglu: bool) -> str:
+    """_SOURCE for rows of IN activations, or (swiglu) of 2 IN, [gate | up], whose SwiGLU is the input: its `%`
+    lines kept, unmarked, and X_ROW, x's row stride, 2 IN."""
+    lines = [line[1:] if line.startswith("%") else line for line in _SOURCE.split("\n")
+             if swiglu or not line.startswith("%")]
+    return "\n".join(lines).replace("X_ROW", "(2 * IN)" if swiglu else "IN")
+
+
 _NAMES = ("ds4_affine_matvec", ("x", "wq", "scales", "biases", "ids"), ("y",))
-KERNEL = Kernel(*_NAMES, variant(_SOURCE, False))
-"""The plain kernel: the text without its `@` lines (the input norm, fused_norm.py)."""
+KERNEL = Kernel(*_NAMES, variant(_input_form(False), False))
+"""The plain kernel: the text without its `@` lines (the input norm, fused_norm.py) and `%` lines (the SwiGLU)."""
 
 
 @cache
 def norm_kernel(eps: float) -> Kernel:
     """The kernel with the input norm folded in: x * rsqrt(mean(x^2) + eps) * norm_w in place of x."""
-    return normed_kernel(*_NAMES, _SOURCE, eps)
+    return normed_kernel(*_NAMES, _input_form(False), eps)
+
+
+@cache
+def swiglu_kernel(clamp: float) -> Kernel:
+    """The kernel whose input is the SwiGLU of [gate | up] rows, for one clamp (written into its header; its name
+    carries the clamp's bits, since MLX may cache compiled kernels by name)."""
+    bits = struct.unpack("<I", struct.pack("<f", clamp))[0]
+    return Kernel(f"ds4_affine_matvec_swiglu_{bits:08x}", *_NAMES[1:], variant(_input_form(True), False),
+                  f"CONSTANT float CLAMP = {clamp!r}f;\n" + _SWIGLU)
 
 
 def launch_plan(out_features: int, in_features: int, bits: int, tokens: int) -> tuple[int, int]:
@@ -226,15 +266,22 @@ def _reference(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tu
 
 def _kernel(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int],
             norm: Norm | None = None) -> mx.array:
-    rows, simds = plan
     n_out, n_in = weight.shape[-2:]
     if ids is None:
         tokens, slots, ids = x.size // n_in, 1, _single_matrix()
     else:
         tokens, slots = 1, ids.size
     kernel, extra = (KERNEL, []) if norm is None else (norm_kernel(float(norm[1])), [norm[0]])
+    return _launch_kernel(kernel, [x, *extra], weight, ids, tokens, slots, plan).reshape(*x.shape[:-1], n_out)
+
+
+def _launch_kernel(kernel: Kernel, x: list[mx.array], weight: AffineWeight, ids: mx.array, tokens: int, slots: int,
+                   plan: tuple[int, int]) -> mx.array:
+    """One launch of a variant of the kernel: x then its extra inputs -> y (slots * tokens, OUT)."""
+    rows, simds = plan
+    n_out, n_in = weight.shape[-2:]
     (y,) = build(kernel, current_backend())(
-        inputs=[x, weight.wq, weight.scales, weight.biases, ids.astype(mx.uint32), *extra],
+        inputs=[x[0], weight.wq, weight.scales, weight.biases, ids.astype(mx.uint32), *x[1:]],
         template=[("BITS", weight.bits), ("IN", n_in), ("OUT", n_out), ("TOKENS", tokens), ("ROWS", rows),
                   ("SIMDS", simds)],
         grid=(-(-n_out // rows) * simds * SIMD_WIDTH, slots, 1),
@@ -242,7 +289,7 @@ def _kernel(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple
         output_shapes=[(slots * tokens, n_out)],
         output_dtypes=[mx.float32],
     )
-    return y.reshape(*x.shape[:-1], n_out)
+    return y
 
 
 PROBE_EXPERTS = 3
@@ -301,3 +348,52 @@ def _launch(x: mx.array, weight: AffineWeight, bank: bool, norm: Norm | None) ->
     tokens = 1 if bank else n_rows
     rows, simds = launch_plan(n_out, n_in, weight.bits, tokens)
     return (rows, simds), (weight.bits, n_in, tokens, rows, simds) + (() if norm is None else (float(norm[1]),))
+
+
+class SwigluMatvec:
+    """activation(gate, up, clamp) @ W.T for rows gate_up (..., 2 IN) = [gate | up] and an affine W (OUT, IN): the
+    shared expert's down projection of its fused gate and up products. At most MAX_TOKENS float32 rows take one
+    launch of the kernel's SwiGLU variant where it passed its check; otherwise the activation is an op of its own,
+    then affine_matvec. `activation` is the model's SwiGLU (model/moe.py), the reference's first step."""
+
+    def __init__(self, activation: Callable[[mx.array, mx.array, float], mx.array]):
+        self.activation = activation
+        self.fast_path = FastPath("swiglu_affine_matvec", self._reference, self._kernel, self._probe,
+                                  tolerance=TOLERANCE, backends=("cuda", "metal"))
+
+    def __call__(self, gate_up: mx.array, weight: AffineWeight, clamp: float) -> mx.array:
+        key = self._key(gate_up, weight, clamp)
+        if key is not None and self.fast_path.enabled(key):
+            return self.fast_path(gate_up, weight, clamp, key[3:5], key=key)
+        return affine_matvec(self._activation(gate_up, clamp), weight)
+
+    @staticmethod
+    def _key(gate_up: mx.array, weight: AffineWeight, clamp: float) -> tuple | None:
+        """(bits, IN, tokens, rows, SIMD groups, clamp) of the launch; None where the call takes the other path."""
+        n_out, n_in = weight.shape
+        tokens = gate_up.size // gate_up.shape[-1]
+        if gate_up.dtype != mx.float32 or gate_up.shape[-1] != 2 * n_in or not 0 < tokens <= MAX_TOKENS:
+            return None
+        return (weight.bits, n_in, tokens, *launch_plan(n_out, n_in, weight.bits, tokens), float(clamp))
+
+    def _activation(self, gate_up: mx.array, clamp: float) -> mx.array:
+        gate, up = mx.split(gate_up, 2, axis=-1)
+        return self.activation(gate, up, clamp)
+
+    def _reference(self, gate_up: mx.array, weight: AffineWeight, clamp: float, plan: tuple[int, int]) -> mx.array:
+        return weight.matmul(self._activation(gate_up, clamp))
+
+    def _kernel(self, gate_up: mx.array, weight: AffineWeight, clamp: float, plan: tuple[int, int]) -> mx.array:
+        tokens = gate_up.size // gate_up.shape[-1]
+        y = _launch_kernel(swiglu_kernel(float(clamp)), [gate_up], weight, _single_matrix(), tokens, 1, plan)
+        return y.reshape(*gate_up.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """Random weights of 2 * ROWS + 1 rows (the last threadgroup mostly past the end); gate and up values
+        spread over about 1.6 clamps, so that about a fifth of each are clamped."""
+        bits, n_in, tokens, rows, simds, clamp = key
+        ggml_type = GGMLType.Q8_0 if bits == 8 else GGMLType.Q4_K
+        n_out = 2 * rows + 1
+        weight = to_affine(random_blocks(ggml_type, n_out, n_in, seed=34), ggml_type, (n_out, n_in))
+        return 0.8 * clamp * random_activations((tokens, 2 * n_in), seed=35), weight, clamp, (rows, simds)

@@ -10,6 +10,12 @@ the experts ranked below k are listed in ascending order with their weights.
 Its reference is `route` in model/moe.py, handed in by the model. The scores are the same float32 operations
 (log1p, exp, sqrt) and the selection is exact, so the ids equal the reference's; the weights differ at most by
 the order of a 6-term sum (TOLERANCE).
+
+The hash layers (the first few) take their experts from a fixed token-id table instead: in MLX ops the table row's
+gather, the scores, the gather of the chosen ones, their sum and the weights are five launches. `HashRoute` is
+one: a SIMD group per token, each of its first k lanes reads one id of the token's row and scores that expert
+only, and a SIMD sum gives the total. Its reference is `hash_route` in model/moe.py; the ids are copied, the
+weights as above.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import mlx.core as mx
+import numpy as np
 
-from .dialect import Kernel, build
+from .dialect import SIMD_WIDTH, Kernel, build
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
@@ -98,3 +105,64 @@ class Route:
         logits = random_activations((3, e), seed=71) * 4.0
         logits = mx.concatenate([logits[:2], mx.zeros((1, e))])  # a row of ties: lower indices must win
         return logits, random_activations((e,), seed=72) * 0.1, k, scale
+
+
+_HASH_ROUTE = """
+const int t = GROUP_X;
+const int i = SIMD_LANE;
+int id = 0;
+float p = 0.0f;
+if (i < K) {
+  id = table[(size_t)tokens[t] * K + i];
+  const float l = logits[(size_t)t * E + id];
+  const float soft = l > 20.0f ? l : ds4_log1p(ds4_exp(l < 20.0f ? l : 20.0f));
+  p = sqrt(soft);
+}
+const float total = ds4_simd_sum(p);
+const float floored = total > FLOOR ? total : FLOOR;
+if (i < K) {
+  ids[(size_t)t * K + i] = id;
+  weights[(size_t)t * K + i] = ds4_div(p, floored) * SCALE;
+}
+"""
+
+
+def hash_route_kernel(floor: float, scale: float) -> Kernel:
+    header = f"CONSTANT float FLOOR = {floor!r}f;\nCONSTANT float SCALE = {scale!r}f;\n"
+    return Kernel("ds4_hash_route", ("logits", "table", "tokens"), ("ids", "weights"), _HASH_ROUTE, header)
+
+
+class HashRoute:
+    """(ids (T, k) int32, weights (T, k)) of a hash layer: the tokens' rows of the table and their weights, by
+    the kernel where it passed."""
+
+    def __init__(self, reference: Callable[..., tuple[mx.array, mx.array]], floor: float):
+        self.floor = floor
+        self.fast_path = FastPath("hash_route", reference, self._kernel, self._probe, tolerance=(0.0, TOLERANCE),
+                                  backends=("cuda", "metal"))
+
+    def __call__(self, logits: mx.array, table: mx.array, tokens: mx.array, scale: float
+                 ) -> tuple[mx.array, mx.array]:
+        """logits (T, E) of the gate, table (n_vocab, k) int32 (tid2eid), tokens (T,) int32."""
+        k = table.shape[-1]
+        if k > SIMD_WIDTH or (logits.dtype, table.dtype, tokens.dtype) != (mx.float32, mx.int32, mx.int32):
+            return self.fast_path.reference(logits, table, tokens, scale)
+        return self.fast_path(logits, table, tokens, scale, key=(logits.shape[-1], k, scale))
+
+    def _kernel(self, logits, table, tokens, scale) -> tuple[mx.array, mx.array]:
+        t, e = logits.shape
+        k = table.shape[-1]
+        return tuple(build(hash_route_kernel(self.floor, scale), current_backend())(
+            inputs=[logits, table, tokens], template=[("E", e), ("K", k)],
+            grid=(t * SIMD_WIDTH, 1, 1), threadgroup=(SIMD_WIDTH, 1, 1),
+            output_shapes=[(t, k), (t, k)], output_dtypes=[mx.int32, mx.float32],
+        ))
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """Three tokens of an 11-row table of random ids; the last token's logits above 20 (softplus linear)."""
+        e, k, scale = key
+        logits = random_activations((3, e), seed=73) * 4.0
+        logits = mx.concatenate([logits[:2], 22.0 + mx.abs(logits[2:])])
+        table = mx.array(np.random.default_rng(74).integers(0, e, (11, k)).astype(np.int32))
+        return logits, table, mx.array([7, 0, 10], dtype=mx.int32), scale

@@ -47,7 +47,7 @@ from ds4_mlx.errors import LayoutError
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
 from ds4_mlx.kernels.affine_matvec import MAX_TOKENS as AFFINE_MATVEC_TOKENS
-from ds4_mlx.kernels.affine_matvec import affine_matvec
+from ds4_mlx.kernels.affine_matvec import SwigluMatvec, affine_matvec
 from ds4_mlx.kernels.affine_matvec import folds as affine_folds
 from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
 from ds4_mlx.kernels.fused_norm import Norm, apply
@@ -255,6 +255,15 @@ class Linear:
             return x.size < BATCH_TOKENS * x.shape[-1] and affine_folds(x, self._affine, False, norm)
         return self._half is not None and half_folds(x, self._half, norm)
 
+    def after_swiglu(self, gate_up: mx.array, swiglu: SwigluMatvec, clamp: float) -> mx.array:
+        """swiglu.activation(gate, up, clamp) @ W.T for gate_up (..., 2 IN) = [gate | up]: a few rows of an affine
+        matrix by one launch that applies the activation as it reads its input (kernels/affine_matvec.py), the
+        other paths by the activation, then __call__."""
+        if self._affine is not None and _fast() and gate_up.size < BATCH_TOKENS * gate_up.shape[-1]:
+            return swiglu(gate_up, self._affine, clamp)
+        gate, up = mx.split(gate_up, 2, axis=-1)
+        return self(swiglu.activation(gate, up, clamp))
+
 
 FUSED_TOKENS = min(AFFINE_MATVEC_TOKENS, HALF_MATVEC_TOKENS)
 """Most rows of input a FusedLinear multiplies by its fused matrices (the matvec kernels' limit); more (a prefill
@@ -304,7 +313,7 @@ class FusedLinear:
             return [member(x) for member in self.members]
         out: list[mx.array | None] = [None] * len(self.members)
         for indices, offsets, fused in self._groups:
-            y = affine_matvec(x, fused, norm=norm) if isinstance(fused, AffineWeight) else half_matvec(x, fused, norm)
+            y = _product(x, fused, norm)
             for i, part in zip(indices, mx.split(y, offsets[1:-1], axis=-1)):  # one graph node, views
                 out[i] = part
         normed = None
@@ -317,6 +326,35 @@ class FusedLinear:
                 normed = apply(x, norm) if normed is None else normed
                 out[i] = member(normed)
         return out
+
+    def joined(self, x: mx.array, norm: Norm | None = None) -> mx.array | None:
+        """All members' products side by side, (..., total OUT) = [member 0 | member 1 | ...], by one launch: where
+        every member is in the one fused matrix and x is at most FUSED_TOKENS rows; None otherwise (__call__ then).
+        For a reader of the products together (the shared expert's down, through their SwiGLU)."""
+        rows = x.size // x.shape[-1]
+        if not _fast() or rows > FUSED_TOKENS or len(self._groups) != 1 or len(self._groups[0][0]) != len(self.members):
+            return None
+        return _product(x, self._groups[0][2], norm)
+
+    def folds(self, x: mx.array, norm: Norm) -> bool:
+        """Whether __call__(x, norm=norm) folds the norm into every launch it makes (checked on first use), rather
+        than applying rms_norm once: for a caller that would otherwise norm x once for several readers."""
+        if not _fast() or x.size // x.shape[-1] > FUSED_TOKENS:
+            return False
+        grouped = {i for indices, _, _ in self._groups for i in indices}
+        alone = [member for i, member in enumerate(self.members) if i not in grouped]
+        return (all(_folds(x, fused, norm) for _, _, fused in self._groups)
+                and all(isinstance(member, Linear) and member.folds(x, norm) for member in alone))
+
+
+def _product(x: mx.array, fused: AffineWeight | mx.array, norm: Norm | None) -> mx.array:
+    """x (with `norm`, rms_norm(x, *norm)) times a fused matrix, affine or float16: one matvec launch."""
+    return affine_matvec(x, fused, norm=norm) if isinstance(fused, AffineWeight) else half_matvec(x, fused, norm)
+
+
+def _folds(x: mx.array, fused: AffineWeight | mx.array, norm: Norm) -> bool:
+    """Whether _product(x, fused, norm) folds the norm into its launch."""
+    return affine_folds(x, fused, False, norm) if isinstance(fused, AffineWeight) else half_folds(x, fused, norm)
 
 
 def _fusable_form(member: object) -> tuple | None:

@@ -8,15 +8,16 @@ scores times 1.5. Each expert is a SwiGLU whose gate is clamped above at 10 and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ds4_mlx.kernels.affine_matvec import SwigluMatvec
 from ds4_mlx.kernels.experts import DownSum, GateUpSwiglu
 from ds4_mlx.kernels.fused_norm import Norm, apply
 from ds4_mlx.kernels.grouped import grouped_swiglu
-from ds4_mlx.kernels.router import Route
-from ds4_mlx.model.linear import ExpertBank, Linear
+from ds4_mlx.kernels.router import HashRoute, Route
+from ds4_mlx.model.linear import ExpertBank, FusedLinear, Linear
 from ds4_mlx.model.topk import top_k_indices
 
 WEIGHT_SUM_FLOOR = 6.103515625e-5  # ds4 divides by max(sum of selected scores, 2^-14)
@@ -63,12 +64,11 @@ class Router:
 
     def __call__(self, x: mx.array, tokens: mx.array, norm: Norm | None = None) -> tuple[mx.array, mx.array]:
         """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D) (or x and its norm)."""
+        logits = self.gate(x, norm=norm)
         if self.tid2eid is None:
-            logits = self.gate(x, norm=norm)
             bias = self.bias if self.bias is not None else mx.zeros(logits.shape[-1:])
             return ROUTE(logits, bias, self.n_used, self.scale)
-        probs = mx.sqrt(softplus(self.gate(x, norm=norm)))
-        return weigh(probs, self.tid2eid[tokens], self.scale)
+        return HASH_ROUTE(logits, self.tid2eid, tokens, self.scale)
 
 
 def route(logits: mx.array, bias: mx.array, k: int, scale: float) -> tuple[mx.array, mx.array]:
@@ -76,6 +76,12 @@ def route(logits: mx.array, bias: mx.array, k: int, scale: float) -> tuple[mx.ar
     id) and their weights."""
     probs = mx.sqrt(softplus(logits))
     return weigh(probs, top_k_indices(probs + bias, k), scale)
+
+
+def hash_route(logits: mx.array, table: mx.array, tokens: mx.array, scale: float) -> tuple[mx.array, mx.array]:
+    """A hash layer's router: each token's experts from its row of the table, weighed by their scores as in
+    `route`."""
+    return weigh(mx.sqrt(softplus(logits)), table[tokens], scale)
 
 
 def weigh(probs: mx.array, ids: mx.array, scale: float) -> tuple[mx.array, mx.array]:
@@ -86,22 +92,38 @@ def weigh(probs: mx.array, ids: mx.array, scale: float) -> tuple[mx.array, mx.ar
 
 
 ROUTE = Route(route, WEIGHT_SUM_FLOOR)
-"""`route` as one kernel where a GPU backend has passed the first-use check (kernels/router.py)."""
+HASH_ROUTE = HashRoute(hash_route, WEIGHT_SUM_FLOOR)
+"""`route` and `hash_route` as one kernel each where a GPU backend has passed the first-use check
+(kernels/router.py)."""
+SHARED_DOWN = SwigluMatvec(swiglu)
+"""The shared expert's down projection of its joined gate and up products with `swiglu` in the same launch
+(kernels/affine_matvec.py), checked against the formula."""
 
 
 @dataclass
 class SharedExpert:
+    """The shared SwiGLU expert. Its gate and up read the same input: a decode step multiplies it by both as one
+    matrix (`gate_up`, joined at load) and hands their [gate | up] products to down's launch, which applies the
+    SwiGLU as it reads them: two launches where each projection and the SwiGLU would be one of their own."""
+
     gate: Linear
     up: Linear
     down: Linear
     clamp: float
+    gate_up: FusedLinear = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.gate_up = FusedLinear([self.gate, self.up])
 
     def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
+        joined = self.gate_up.joined(x, norm)  # [gate | up] by one launch (decode), or None
+        if joined is not None:
+            return self.down.after_swiglu(joined, SHARED_DOWN, self.clamp)
         return self.down(swiglu(self.gate(x, norm=norm), self.up(x, norm=norm), self.clamp))
 
     def folds(self, x: mx.array, norm: Norm) -> bool:
-        """Whether both input projections fold x's norm into their matvec kernels."""
-        return self.gate.folds(x, norm) and self.up.folds(x, norm)
+        """Whether the input projections fold x's norm into their matvec launches."""
+        return self.gate_up.folds(x, norm)
 
 
 @dataclass
