@@ -20,6 +20,7 @@ weights as above.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Hashable
 
 import mlx.core as mx
@@ -71,9 +72,16 @@ if (e == 0) {
 """
 
 
+def _constants(floor: float, scale: float) -> tuple[str, str]:
+    """The header that sets FLOOR and SCALE, and a name suffix from their bits: MLX may cache compiled kernels by
+    name, so kernels with other constants must not share one."""
+    bits = struct.pack("<ff", floor, scale).hex()
+    return f"CONSTANT float FLOOR = {floor!r}f;\nCONSTANT float SCALE = {scale!r}f;\n", bits
+
+
 def route_kernel(floor: float, scale: float) -> Kernel:
-    header = f"CONSTANT float FLOOR = {floor!r}f;\nCONSTANT float SCALE = {scale!r}f;\n"
-    return Kernel("ds4_route", ("logits", "bias"), ("ids", "weights"), _ROUTE, header)
+    header, bits = _constants(floor, scale)
+    return Kernel(f"ds4_route_{bits}", ("logits", "bias"), ("ids", "weights"), _ROUTE, header)
 
 
 class Route:
@@ -128,8 +136,8 @@ if (i < K) {
 
 
 def hash_route_kernel(floor: float, scale: float) -> Kernel:
-    header = f"CONSTANT float FLOOR = {floor!r}f;\nCONSTANT float SCALE = {scale!r}f;\n"
-    return Kernel("ds4_hash_route", ("logits", "table", "tokens"), ("ids", "weights"), _HASH_ROUTE, header)
+    header, bits = _constants(floor, scale)
+    return Kernel(f"ds4_hash_route_{bits}", ("logits", "table", "tokens"), ("ids", "weights"), _HASH_ROUTE, header)
 
 
 class HashRoute:
