@@ -74,12 +74,15 @@ inline void ds4_atomic_add(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v
 inline unsigned int ds4_popcount(unsigned int v) { return __builtin_popcount(v); }
 inline float ds4_exp(float v) { return std::exp(v); }
 inline float ds4_log1p(float v) { return std::log1p(v); }
+inline float ds4_cos(float v) { return std::cos(v); }
+inline float ds4_sin(float v) { return std::sin(v); }
 inline float ds4_rint(float v) { return std::rint(v); }
 inline float ds4_div(float a, float b) { return a / b; }
 inline float __uint_as_float(unsigned int v) { float f; std::memcpy(&f, &v, 4); return f; }
 inline unsigned int ds4_bits(float v) { unsigned int u; std::memcpy(&u, &v, 4); return u; }
 inline float ds4_float(unsigned int v) { return __uint_as_float(v); }
 inline float ds4_half_to_float(unsigned short bits) { _Float16 h; std::memcpy(&h, &bits, 2); return (float)h; }
+inline float ds4_round_half(float v) { return (float)(_Float16)v; }
 // CUDA's __byte_perm: byte n of the result is byte (s >> 4n) & 7 of {y, x} (x the low four)
 inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
   const unsigned long long both = ((unsigned long long)y << 32) | x;

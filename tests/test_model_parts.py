@@ -26,6 +26,7 @@ from ds4_mlx.model.moe import Router, softplus, swiglu
 from ds4_mlx.model.quant_sim import (
     fp4_e2m1_roundtrip,
     fp8_e4m3_roundtrip,
+    RowQuant,
     hadamard,
     round_to_f16,
     simulate_indexer_fp4,
@@ -282,7 +283,7 @@ def make_compressor(ratio: int, width: int, seed: int) -> tuple[Compressor, np.n
     norm = (1 + 0.1 * rng.standard_normal(width)).astype(np.float32)
     rope = RoPE(16, 160000.0, Yarn(16.0, 65536, 32.0, 1.0))
     compressor = Compressor(kv=Dense(wkv), gate=Dense(wgate), ape=mx.array(ape), norm=mx.array(norm), ratio=ratio,
-                            width=width, rope=rope, finish=lambda rows: rows, eps=1e-6)
+                            width=width, rope=rope, quant=RowQuant.NONE, eps=1e-6)
     x = rng.standard_normal((300, d_in)).astype(np.float32)
     a = x @ wkv.T
     s = x @ wgate.T + ape[np.arange(len(x)) % ratio]

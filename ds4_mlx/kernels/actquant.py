@@ -12,6 +12,8 @@ rounding), so they must equal the reference in model/quant_sim.py bit for bit (t
   row is 8 SIMD groups in 2 threadgroups (one thread per block, looping over 64 values, took ~15 us).
 - `INDEXER_FP4`: rows (R, 128); a 128-point Walsh-Hadamard transform (butterflies through threadgroup memory, one
   thread per value) then an FP4 E2M1 round trip in blocks of 32 (one SIMD group per block).
+
+The arithmetic is HELPERS (block scales, roundings, the Hadamard), which kernels/rows.py's finish kernel shares.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .registry import FastPath, current_backend
 
 HADAMARD_WIDTH = 128
 
-_HELPERS = """
+HELPERS = """
 DEVICE_FN int aq_exponent(float x) {
   return (int)((ds4_bits(x) >> 23) & 255u) - 127;
 }
@@ -44,6 +46,35 @@ DEVICE_FN float aq_round(float x, int mantissa_bits, int min_exponent, float max
   const float step = aq_pow2(e - mantissa_bits);
   return ds4_rint(ds4_div(x, step)) * step;
 }
+DEVICE_FN float aq_fp8_scale(float amax) {  // a 64-value block's power-of-two scale, from its largest |value|
+  amax = amax > 1e-4f ? amax : 1e-4f;
+  return aq_pow2(aq_ceil_log2(ds4_div(amax, 448.0f)));
+}
+DEVICE_FN float aq_fp8(float v, float scale) {
+  return aq_round(ds4_div(v, scale), 3, -6, 448.0f) * scale;
+}
+DEVICE_FN float aq_fp4_scale(float amax) {  // a 32-value block's, likewise
+  amax = amax > 7.052966e-38f ? amax : 7.052966e-38f;
+  return aq_pow2(aq_ceil_log2(ds4_div(amax, 6.0f)));
+}
+DEVICE_FN float aq_fp4(float v, float scale) {
+  return aq_round(ds4_div(v, scale), 1, 0, 6.0f) * scale;
+}
+// The orthonormal 128-point Walsh-Hadamard transform of the values v of threads i = 0..127 (every thread of the
+// group takes part), through buf (2 x 128 floats of threadgroup memory): the reference's butterflies, in its order.
+DEVICE_FN float aq_hadamard(SHARED_MEM float* buf, int i, float v) {
+  buf[i] = v;
+  ds4_barrier();
+  int from = 0;
+  for (int s = 1; s < 128; s <<= 1) {
+    const float a = buf[from * 128 + (i & ~s)];
+    const float b = buf[from * 128 + (i | s)];
+    buf[(1 - from) * 128 + i] = (i & s) ? a - b : a + b;
+    from = 1 - from;
+    ds4_barrier();
+  }
+  return buf[from * 128 + i] * 0.08838834764831845f;
+}
 """
 
 _FP8 = """
@@ -59,11 +90,9 @@ if (chunk < (size_t)R * (W / 64)) {  // whole SIMD groups, as the grid counts th
     float amax = a < 0.0f ? -a : a;
     const float abs_b = b < 0.0f ? -b : b;
     amax = abs_b > amax ? abs_b : amax;
-    amax = ds4_simd_max(amax);
-    amax = amax > 1e-4f ? amax : 1e-4f;
-    const float scale = aq_pow2(aq_ceil_log2(ds4_div(amax, 448.0f)));
-    dst[SIMD_LANE] = aq_round(ds4_div(a, scale), 3, -6, 448.0f) * scale;
-    dst[SIMD_LANE + 32] = aq_round(ds4_div(b, scale), 3, -6, 448.0f) * scale;
+    const float scale = aq_fp8_scale(ds4_simd_max(amax));
+    dst[SIMD_LANE] = aq_fp8(a, scale);
+    dst[SIMD_LANE + 32] = aq_fp8(b, scale);
   } else {
     dst[SIMD_LANE] = a;
     dst[SIMD_LANE + 32] = b;
@@ -74,27 +103,13 @@ if (chunk < (size_t)R * (W / 64)) {  // whole SIMD groups, as the grid counts th
 _FP4 = """
 const size_t row = GROUP_X;
 const int i = THREAD_IN_GROUP;
-SHARED float buf[2][128];
-buf[0][i] = x[row * 128 + i];
-ds4_barrier();
-int from = 0;
-for (int s = 1; s < 128; s <<= 1) {
-  const float a = buf[from][i & ~s];
-  const float b = buf[from][i | s];
-  buf[1 - from][i] = (i & s) ? a - b : a + b;
-  from = 1 - from;
-  ds4_barrier();
-}
-const float v = buf[from][i] * 0.08838834764831845f;
-float amax = v < 0.0f ? -v : v;
-amax = ds4_simd_max(amax);
-amax = amax > 7.052966e-38f ? amax : 7.052966e-38f;
-const float scale = aq_pow2(aq_ceil_log2(ds4_div(amax, 6.0f)));
-y[row * 128 + i] = aq_round(ds4_div(v, scale), 1, 0, 6.0f) * scale;
+SHARED float buf[2 * 128];
+const float v = aq_hadamard(buf, i, x[row * 128 + i]);
+y[row * 128 + i] = aq_fp4(v, aq_fp4_scale(ds4_simd_max(v < 0.0f ? -v : v)));
 """
 
-FP8_KERNEL = Kernel("ds4_fp8_kv", ("x",), ("y",), _FP8, _HELPERS)
-FP4_KERNEL = Kernel("ds4_indexer_fp4", ("x",), ("y",), _FP4, _HELPERS)
+FP8_KERNEL = Kernel("ds4_fp8_kv", ("x",), ("y",), _FP8, HELPERS)
+FP4_KERNEL = Kernel("ds4_indexer_fp4", ("x",), ("y",), _FP4, HELPERS)
 FP8_THREADS = 128  # 4 blocks of 64 values per threadgroup
 
 

@@ -22,7 +22,9 @@ share, plus a few neutral words that each dialect spells its own way:
   (Metal has no log1p: log(1 + x) there), ds4_byte_perm(lo, hi, selector) (CUDA's __byte_perm: byte n of the result is
   byte (selector >> 4n) & 7 of the eight bytes hi:lo; selector nibbles stay below 8) and ds4_magic_byte(word,
   j) (2^23 + byte j of word, an exact float made by one byte permute: quants become floats without an
-  int-to-float conversion, which runs at a quarter of the FMA rate on NVIDIA GPUs).
+  int-to-float conversion, which runs at a quarter of the FMA rate on NVIDIA GPUs). Also ds4_cos(float) and
+  ds4_sin(float) (full precision, with full range reduction) and ds4_round_half(float) (to the nearest float16
+  value, ties to even, back as a float).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -142,9 +144,12 @@ __device__ __forceinline__ float ds4_byte_float(unsigned int w, int k) {
 __device__ __forceinline__ float ds4_rint(float v) { return rintf(v); }
 __device__ __forceinline__ float ds4_div(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ float ds4_log1p(float v) { return log1pf(v); }
+__device__ __forceinline__ float ds4_cos(float v) { return cosf(v); }
+__device__ __forceinline__ float ds4_sin(float v) { return sinf(v); }
 __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
   return __half2float(__ushort_as_half(bits));
 }
+__device__ __forceinline__ float ds4_round_half(float v) { return __half2float(__float2half_rn(v)); }
 __device__ __forceinline__ int ds4_simd_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ void ds4_atomic_add(int* p, int v) { atomicAdd(p, v); }
 __device__ __forceinline__ unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int selector) {
@@ -187,7 +192,10 @@ inline float ds4_byte_float(unsigned int w, int k) { return as_type<float>(0x4B0
 inline float ds4_rint(float v) { return metal::rint(v); }
 inline float ds4_div(float a, float b) { return metal::precise::divide(a, b); }
 inline float ds4_log1p(float v) { return metal::precise::log(1.0f + v); }
+inline float ds4_cos(float v) { return metal::precise::cos(v); }
+inline float ds4_sin(float v) { return metal::precise::sin(v); }
 inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
+inline float ds4_round_half(float v) { return float(half(v)); }
 inline int ds4_simd_xor(int v, int mask) { return metal::simd_shuffle_xor(v, (ushort)mask); }
 inline void ds4_atomic_add(threadgroup int* p, int v) {
   metal::atomic_fetch_add_explicit((threadgroup metal::atomic_int*)p, v, metal::memory_order_relaxed);

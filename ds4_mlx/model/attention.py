@@ -38,7 +38,7 @@ from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import FusedLinear, Linear
 from ds4_mlx.model.norm import rms_norm
-from ds4_mlx.model.quant_sim import round_to_f16, simulate_indexer_fp4, simulate_kv_fp8
+from ds4_mlx.model.quant_sim import FINISH_ROWS, RowQuant
 from ds4_mlx.model.rope import RoPE
 from ds4_mlx.model.topk import mask_to_indices, top_k_mask
 
@@ -66,9 +66,8 @@ class Indexer:
         and `proj` (T, n_head), the indexer's proj of the normed inputs. With `norm` (q_a_norm, eps), q_latent is
         q_a's output before that norm, which q_b applies."""
         q = self.q_b(q_latent, norm=norm).reshape(proj.shape[0], self.n_head, self.head_dim)
-        q = self.rope(q, positions)
-        if self.simulate_quant:
-            q = simulate_indexer_fp4(q)
+        quant = RowQuant.INDEXER_FP4 if self.simulate_quant else RowQuant.NONE
+        q = FINISH_ROWS(q, positions, self.rope, None, quant, False)  # RoPE, then Hadamard + FP4: one launch
         weights = proj * (1.0 / math.sqrt(self.head_dim * self.n_head))
         return q, weights
 
@@ -159,9 +158,7 @@ class Attention:
         q = self.q_b(q_latent).reshape(t, self.n_head, self.head_dim)
         q = self.rope(rms_norm(q, None, self.eps), positions)
 
-        kv = self.rope(rms_norm(self.kv(x), self.kv_norm, self.eps), positions)
-        if self.simulate_quant:
-            kv = round_to_f16(simulate_kv_fp8(kv, self.n_rot))
+        kv = self._finish_kv(self.kv(x), positions)
         n_prev = min(n_past, self.window - 1)
         raw = _RawKeys(mx.concatenate([state.raw[self.window - n_prev :], kv]), n_past - n_prev, n_past, self.window)
         state = replace(state, raw=mx.concatenate([state.raw, kv])[-self.window :])
@@ -206,9 +203,7 @@ class Attention:
         q_norm = (self.q_a_norm, self.eps)  # the query latents' norm, applied by q_b and the indexer's q_b
         q = self.q_b(q_a, norm=q_norm).reshape(1, self.n_head, self.head_dim)
         q = self.rope(rms_norm(q, None, self.eps), positions)
-        kv = self.rope(rms_norm(kv, self.kv_norm, self.eps), positions)
-        if self.simulate_quant:
-            kv = round_to_f16(simulate_kv_fp8(kv, self.n_rot))
+        kv = self._finish_kv(kv, positions)
         raw = mx.concatenate([state.raw[1:], kv])  # row j holds position - window + 1 + j
         state = replace(state, raw=raw)
         keys, masks = [raw], [(mx.arange(self.window) >= self.window - 1 - position)[None]]
@@ -243,6 +238,12 @@ class Attention:
         rows, frontier = self.indexer.compressor(x, n_past, state.index_frontier)
         state = replace(state, index=_append_rows(state.index, n_before, rows), index_frontier=frontier)
         return state, state.comp[:n_rows], state.index[:n_rows]
+
+    def _finish_kv(self, kv: mx.array, positions: mx.array) -> mx.array:
+        """KV rows as the raw ring holds them: kv_norm, RoPE and, simulating, FP8 and the float16 round (one launch
+        on GPU backends)."""
+        quant = RowQuant.KV_FP8 if self.simulate_quant else RowQuant.NONE
+        return FINISH_ROWS(kv, positions, self.rope, (self.kv_norm, self.eps), quant, self.simulate_quant)
 
     def _project_out(self, heads: mx.array) -> mx.array:
         """Grouped low-rank output: group g's heads (concatenated) -> o_lora_rank, then all groups -> n_embd."""

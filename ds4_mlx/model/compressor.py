@@ -7,12 +7,12 @@ tokens with a softmax over tokens taken separately for every dim.
 * Ratio 4 (overlapping, two lanes of width d): row c pools the previous window 4c-4..4c-1 through lane 0 (dims
   0..d-1) together with its own window 4c..4c+3 through lane 1 (dims d..2d-1), a softmax over 8 candidates.
 
-A row is finished with RMSNorm, RoPE at position c*ratio and the caller's quantisation simulation, and becomes
-visible when its last token is processed. Tokens of an unfinished window wait in the frontier (state_kv,
-state_score: coff*ratio rows of coff*d, coff = 2 for ratio 4), laid out as ds4 lays it out: for ratio 4, rows
-0..3 hold the last complete window and rows 4+(t mod 4) the current one; for ratio 128, row t mod 128. Rows that
-hold no token have kv 0 and score -inf. A chunk of any length leaves the frontier exactly as feeding its tokens
-one at a time would.
+A row is finished with RMSNorm, RoPE at position c*ratio and the quantisation simulation the model chose (`quant`),
+in one launch on GPU backends (model/quant_sim.py FINISH_ROWS), and becomes visible when its last token is
+processed. Tokens of an unfinished window wait in the frontier (state_kv, state_score: coff*ratio rows of coff*d,
+coff = 2 for ratio 4), laid out as ds4 lays it out: for ratio 4, rows 0..3 hold the last complete window and rows
+4+(t mod 4) the current one; for ratio 128, row t mod 128. Rows that hold no token have kv 0 and score -inf. A chunk
+of any length leaves the frontier exactly as feeding its tokens one at a time would.
 
 `step` is the decode form: one token at a position held in an array, with shapes that do not depend on it, so
 a compiled decode step can trace it once. It takes the token's kv and gate projections from the caller (the
@@ -23,14 +23,13 @@ row position // ratio, where it stays invisible until then.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ds4_mlx.kernels.compressor import CompressorStep
 from ds4_mlx.model.linear import Linear
-from ds4_mlx.model.norm import rms_norm
+from ds4_mlx.model.quant_sim import FINISH_ROWS, RowQuant
 from ds4_mlx.model.rope import RoPE
 
 
@@ -58,7 +57,7 @@ class Compressor:
     ratio: int
     width: int
     rope: RoPE
-    finish: Callable[[mx.array], mx.array]  # quantisation simulation of finished rows (identity when off)
+    quant: RowQuant  # the quantisation simulation of finished rows (NONE when off)
     eps: float
 
     @property
@@ -91,7 +90,7 @@ class Compressor:
             pooled = mx.sum(mx.softmax(windows_score, axis=1) * windows_kv, axis=1)
             first_row = (n_past - waiting) // r
             row_positions = (mx.arange(first_row, first_row + n_rows) * r).astype(mx.int32)
-            rows = self.finish(self.rope(rms_norm(pooled, self.norm, self.eps), row_positions))
+            rows = self._finish(pooled, row_positions)
         else:
             rows = mx.zeros((0, d))
 
@@ -113,7 +112,11 @@ class Compressor:
         pooled, kv, score = POOL_STEP(kv, gate, self.ape, frontier.kv, frontier.score, position, self.ratio,
                                       self.width)
         first = (position - position % self.ratio).reshape(1)  # the row's position: its window's first token
-        return self.finish(self.rope(rms_norm(pooled, self.norm, self.eps), first)), Frontier(kv, score)
+        return self._finish(pooled, first), Frontier(kv, score)
+
+    def _finish(self, pooled: mx.array, positions: mx.array) -> mx.array:
+        """Pooled rows (n, width) at their positions (n,), finished: norm, RoPE, quantisation simulation."""
+        return FINISH_ROWS(pooled, positions, self.rope, (self.norm, self.eps), self.quant, False)
 
 
 def pool_step(kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.array, frontier_score: mx.array,

@@ -30,7 +30,7 @@ from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead, PendingPo
 from ds4_mlx.model.linear import ExpertBank, Linear
 from ds4_mlx.model.moe import GATHER_LIMIT, MoE, RoutedExperts, Router, SharedExpert
 from ds4_mlx.model.norm import rms_norm
-from ds4_mlx.model.quant_sim import simulate_indexer_fp4, simulate_kv_fp8
+from ds4_mlx.model.quant_sim import RowQuant
 from ds4_mlx.model.rope import RoPE, Yarn
 from ds4_mlx.model.stream import Convert, LoadStats, TensorStream
 from ds4_mlx.model.weights import ModelWeights
@@ -171,12 +171,13 @@ class Model:
                 hc_eps=c.hc_eps, norm_eps=c.rms_eps,
             )
 
-        def compressor(kind: str, width: int, finish: Callable[[mx.array], mx.array]) -> Compressor:
+        def compressor(kind: str, width: int, quant: RowQuant) -> Compressor:
             name = f"{prefix}{kind}_compressor_"
             return Compressor(
                 kv=load.linear(name + "kv.weight"), gate=load.linear(name + "gate.weight"),
                 ape=load.dense(name + "ape.weight"), norm=load.dense(name + "norm.weight"),
-                ratio=ratio, width=width, rope=rope, finish=finish, eps=c.rms_eps,
+                ratio=ratio, width=width, rope=rope, quant=quant if self.simulate_quant else RowQuant.NONE,
+                eps=c.rms_eps,
             )
 
         rope = self.compressed_rope if ratio else self.main_rope
@@ -184,7 +185,7 @@ class Model:
         if ratio == 4:
             indexer = Indexer(
                 q_b=load.linear(prefix + "indexer.attn_q_b.weight"), proj=load.linear(prefix + "indexer.proj.weight"),
-                compressor=compressor("indexer", c.indexer_head_dim, self._finish_index_row),
+                compressor=compressor("indexer", c.indexer_head_dim, RowQuant.INDEXER_FP4),
                 n_head=c.indexer_n_head, head_dim=c.indexer_head_dim, top_k=c.indexer_top_k, rope=rope,
                 simulate_quant=self.simulate_quant,
             )
@@ -194,7 +195,7 @@ class Model:
             kv_norm=load.dense(prefix + "attn_kv_a_norm.weight"), sinks=load.dense(prefix + "attn_sinks.weight"),
             out_a=load.linear(prefix + "attn_output_a.weight"), out_b=load.linear(prefix + "attn_output_b.weight"),
             n_head=c.n_head, head_dim=c.head_dim, n_rot=c.n_rot, window=c.sliding_window, o_groups=c.o_groups,
-            rope=rope, compressor=compressor("attn", c.head_dim, self._finish_kv_row) if ratio else None,
+            rope=rope, compressor=compressor("attn", c.head_dim, RowQuant.KV_FP8) if ratio else None,
             indexer=indexer, simulate_quant=self.simulate_quant, eps=c.rms_eps,
         )
         router = Router(
@@ -216,12 +217,6 @@ class Model:
         )
         return Block(hc("attn"), load.dense(prefix + "attn_norm.weight"), attention, hc("ffn"),
                      load.dense(prefix + "ffn_norm.weight"), moe, eps=c.rms_eps)
-
-    def _finish_kv_row(self, rows: mx.array) -> mx.array:
-        return simulate_kv_fp8(rows, self.config.n_rot) if self.simulate_quant else rows
-
-    def _finish_index_row(self, rows: mx.array) -> mx.array:
-        return simulate_indexer_fp4(rows) if self.simulate_quant else rows
 
     def new_cache(self, ctx: int) -> SessionCache:
         """Empty session state for a context of `ctx` tokens."""

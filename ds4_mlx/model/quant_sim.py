@@ -6,7 +6,8 @@ float32, so the values the attention sees are the ones the model was trained to 
 them; the model switches them off with `simulate_quant=False` to compare against it.
 
 Every rounding here is exact arithmetic on float32 bit patterns (no log2/exp2 approximations), so results
-are identical on every backend.
+are identical on every backend. `finish_rows` is what a row goes through before it is stored or used: RMSNorm,
+RoPE, one of these simulations and ds4's float16 round, one launch on GPU backends (FINISH_ROWS).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import math
 import mlx.core as mx
 
 from ds4_mlx.kernels.actquant import FP8KV, IndexerFP4
+from ds4_mlx.kernels.rows import FinishRows, Norm, RowQuant
+from ds4_mlx.model.norm import rms_norm
+from ds4_mlx.model.rope import RoPE
 
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = 64
@@ -111,3 +115,21 @@ simulate_indexer_fp4 = IndexerFP4(indexer_fp4)
 def round_to_f16(x: mx.array) -> mx.array:
     """Round float32 values to half precision, as ds4 stores its raw KV ring."""
     return x.astype(mx.float16).astype(mx.float32)
+
+
+def finish_rows(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant: RowQuant,
+                round_half: bool) -> mx.array:
+    """Rows x (T, ..., W) as they are stored or used, row t at positions[t]: RMSNorm (`norm`: weight or None, eps)
+    when given, `rope`, the quantisation simulation `quant`, then the float16 round when `round_half`."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    x = rope(x, positions)
+    if quant == RowQuant.KV_FP8:
+        x = simulate_kv_fp8(x, rope.n_rot)
+    elif quant == RowQuant.INDEXER_FP4:
+        x = simulate_indexer_fp4(x)
+    return round_to_f16(x) if round_half else x
+
+
+FINISH_ROWS = FinishRows(finish_rows)
+"""`finish_rows` as one kernel where a GPU backend has passed the first-use check (kernels/rows.py)."""
