@@ -1,55 +1,194 @@
-"""The decode-step attention kernels (kernels/attention.py) against the model's formulas, at Flash shapes (GPU)."""
+"""The decode-step attention kernels (kernels/attention.py) against the model's formulas.
+
+RoPE and the decode attention core at Flash shapes on the GPU, and the tiny model's decode step taking the latter
+(gpu marker); the decode attention core's CUDA text run on the CPU by emulated_cuda.py at Flash shapes and small
+odd ones, and on its first-use probes (slow marker); on the CPU, that its reference, `attend_step`, is the chunk
+form's formulas composed as the decode step composed them, bit for bit.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.attention import TOLERANCE
+from ds4_mlx.kernels import attention, registry
+from ds4_mlx.kernels.attention import TOLERANCE, DecodeAttention
+from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
 from ds4_mlx.kernels.probe import random_activations
-from ds4_mlx.model.attention import DECODE_ATTENTION, attend
-from ds4_mlx.model.rope import ROTATE, RoPE, rotate
+from ds4_mlx.model.attention import DECODE_ATTENTION, attend, attend_step
+from ds4_mlx.model.config import FLASH
+from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.model import Model
+from ds4_mlx.model.norm import rms_norm
+from ds4_mlx.model.rope import ROTATE, RoPE, Yarn, rotate
+from ds4_mlx.model.weights import open_weights
+from emulated_cuda import emulated_build
+from kernel_checks import balanced, rendered
+
+HEADS, DIM, N_ROT, WINDOW = FLASH.n_head, FLASH.head_dim, FLASH.n_rot, FLASH.sliding_window
 
 
 def within(got: mx.array, want: mx.array) -> bool:
     return mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()
 
 
+def rope(n_rot: int, compressed: bool) -> RoPE:
+    """Flash's RoPE of raw-window layers, or of compressed layers (YaRN)."""
+    c = FLASH
+    if not compressed:
+        return RoPE(n_rot, c.rope_freq_base)
+    return RoPE(n_rot, c.compress_rope_freq_base,
+                Yarn(c.rope_scaling_factor, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow))
+
+
+def step_inputs(heads: int, d: int, n_rot: int, window: int, position: int, kind: str, ratio: int = 0,
+                n_rows: int = 0, n_picked: int = 0, seed: int = 0) -> tuple:
+    """attend_step's arguments: q_b's output at 3x unit rms, the window, and by kind no rows ("window"), a row buffer
+    of which (position + 1) // ratio are visible ("rows"), or the indexer's ascending picks of it with every third
+    not real ("picked")."""
+    rows = picked = valid = None
+    if kind != "window":
+        rows = random_activations((n_rows, d), seed=seed + 3)
+    if kind == "picked":
+        chosen = np.sort(np.random.default_rng(seed).choice(n_rows, n_picked, replace=False))
+        picked = mx.array(chosen, dtype=mx.int32)[None]
+        valid = (mx.arange(n_picked) % 3 != 2)[None]
+    return (random_activations((1, heads * d), seed=seed) * 3.0, mx.array([position], dtype=mx.int32),
+            rope(n_rot, kind != "window").inv_freq, random_activations((window, d), seed=seed + 1), rows, picked,
+            valid, random_activations((heads,), seed=seed + 2), ratio, FLASH.rms_eps)
+
+
+FLASH_CASES = {
+    "window-filling": (37, "window"),
+    "window-far": (1_000_003, "window"),  # RoPE angles up to 1e6
+    "ratio4-rows": (101, "rows", 4, 40),  # 25 of 40 rows visible, the window not full yet
+    "ratio128-rows": (128 * 20 + 5, "rows", 128, 40),  # 20 of 40 visible
+    "picked": (2403, "picked", 4, 600, 512),  # 512 of 600 rows, every third not real
+}
+ODD_CASES = {
+    "first-token": (3, 64, 64, 5, 0, "window"),  # every dim rotated, one key
+    "window-filling": (5, 128, 16, 9, 3, "window"),
+    "rows": (3, 64, 64, 5, 13, "rows", 4, 7),  # 3 of 7 visible
+    "no-rows-yet": (3, 64, 32, 5, 2, "rows", 4, 7),
+    "all-rows": (1, 192, 64, 3, 40, "rows", 4, 7),  # visible count capped by the buffer
+    "picked": (3, 64, 64, 5, 30, "picked", 4, 11, 3),
+}
+
+
+def test_step_reference_is_the_chunk_formulas(on_cpu):
+    """`attend_step` is the query's rms_norm and RoPE, `attend` over the window, rows or picks with the step's
+    masks, and the inverse RoPE: the operations the decode step made before the kernel, bit for bit."""
+    for kind, extra in (("window", ()), ("rows", (4, 40)), ("picked", (4, 60, 16))):
+        q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps = step_inputs(
+            4, 128, 64, 16, 101, kind, *extra)
+        r = rope(64, kind != "window")
+        p = position[0]
+        heads = r(rms_norm(q.reshape(1, 4, 128), None, eps), position)
+        keys, masks = [window], [(mx.arange(16) >= 16 - 1 - p)[None]]
+        if kind == "rows":
+            keys.append(rows)
+            masks.append((mx.arange(40) < (p + 1) // ratio)[None])
+        elif kind == "picked":
+            keys.append(rows[picked])
+            masks.append(valid)
+        want = r(attend(heads, keys, masks, sinks, 1.0 / math.sqrt(128)), position, inverse=True)
+        got = attend_step(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps)
+        assert mx.array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", attention.KEY_SETS)
+def test_decode_attention_renders_for_cuda_and_metal(kind):
+    """Each kind's text, placeholders filled, with every neutral word spelled and every helper defined by both
+    preludes (ds4_cos and ds4_sin among them); the kinds' names differ (MLX names compiled kernels after them)."""
+    kernel = attention.ATTEND_KERNELS[kind]
+    for target in (CUDA, METAL):
+        out = rendered(kernel, target)
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r"|EXTRA_KEYS|KEY_ROW)\b", out["source"])
+        assert balanced(out["source"])
+        for helper in {"ds4_cos", "ds4_sin", *re.findall(r"\bds4_\w+(?=\()", out["source"])}:
+            assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
+    assert len({k.name for k in attention.ATTEND_KERNELS.values()}) == len(attention.KEY_SETS)
+
+
+def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
+    args = step_inputs(4, 128, 64, 16, 101, "picked", 4, 60, 16)
+    assert mx.array_equal(DECODE_ATTENTION(*args), attend_step(*args))
+    assert all(backend != "cpu" for backend, _ in DECODE_ATTENTION.fast_path.decisions())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("shape", [(1, 64, 512), (1, 512), (3, 128)])
-def test_rope_kernel_is_used_and_equals_reference(kernels_unforced, shape, inverse):
-    rope = RoPE(64, 160000.0)
+def test_rope_kernel_is_used_and_equals_reference(on_gpu, kernels_unforced, shape, inverse):
+    r = RoPE(64, 160000.0)
     x = random_activations(shape, seed=1)
-    cos, sin = rope.cos_sin(mx.array([1048575, 3, 9][: shape[0]], dtype=mx.int32))
+    cos, sin = r.cos_sin(mx.array([1048575, 3, 9][: shape[0]], dtype=mx.int32))
     got = ROTATE(x, cos, sin, 64, inverse)
     assert ROTATE.fast_path.decisions()[registry.current_backend(), (shape[-1], 64, inverse)].fast
     assert within(got, rotate(x, cos, sin, 64, inverse))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sizes", [(128,), (128, 512), (128, 258)])
-def test_decode_attention_kernel_is_used_and_equals_reference(kernels_unforced, sizes):
-    """Window only (ratio 0), window + indexer picks (ratio 4, gathered rows per query), window + every row."""
-    d, heads = 512, 64
-    q = random_activations((1, heads, d), seed=2) * 0.3
-    keys = tuple(random_activations((n, d), seed=3 + i) if i != 1 else random_activations((1, n, d), seed=9)
-                 for i, n in enumerate(sizes))
-    masks = tuple((mx.arange(n) % 5 != 2)[None] for n in sizes)
-    sinks = random_activations((heads,), seed=4)
-    got = DECODE_ATTENTION(q, keys, masks, sinks, 1 / math.sqrt(d))
-    assert DECODE_ATTENTION.fast_path.decisions()[registry.current_backend(), (d, sum(sizes))].fast
-    assert within(got, attend(q, list(keys), list(masks), sinks, 1 / math.sqrt(d)))
+@pytest.mark.parametrize("case", FLASH_CASES.values(), ids=FLASH_CASES.keys())
+def test_decode_attention_kernel_is_used_and_equals_reference(on_gpu, kernels_unforced, case):
+    """Flash's shapes: window only (filling, and at angles up to 1e6), every visible row of ratio-4 and ratio-128
+    buffers, the indexer's picks (some not real)."""
+    position, kind, *extra = case
+    args = step_inputs(HEADS, DIM, N_ROT, WINDOW, position, kind, *extra)
+    got = DECODE_ATTENTION(*args)
+    q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps = args
+    key = DECODE_ATTENTION.key(inv_freq, window, rows, picked, sinks, ratio)
+    assert key.kind == kind and DECODE_ATTENTION.fast_path.decisions()[registry.current_backend(), key].fast
+    assert within(got, attend_step(*args))
 
 
-def test_one_query_attention_equals_the_chunk_formula(on_cpu, kernels_unforced):
-    """On the CPU the decode form is the chunk formula itself (no kernel): bit for bit."""
-    q = random_activations((1, 4, 64), seed=5)
-    keys = (random_activations((16, 64), seed=6), random_activations((1, 8, 64), seed=7))
-    masks = ((mx.arange(16) > 3)[None], (mx.arange(8) < 5)[None])
-    sinks = random_activations((4,), seed=8)
-    assert mx.array_equal(DECODE_ATTENTION(q, keys, masks, sinks, 0.125), attend(q, list(keys), list(masks), sinks,
-                                                                                   0.125))
+@pytest.mark.gpu
+def test_tiny_model_decode_runs_the_kernel(on_gpu, kernels_unforced, tmp_path):
+    """The tiny model's decode step takes the kernel on its layers of each kind (window only, ratio 128, ratio 4)
+    and its logits equal the reference path's within float32 reassociation (activation simulation off)."""
+    weights = open_weights(write_model(tmp_path / "tiny-q4.gguf", preset="tiny", experts="q4"))
+    tokens = np.random.default_rng(14).integers(0, weights.config.n_vocab, 60).astype(np.int32)
+
+    def logits(model: Model) -> np.ndarray:
+        cache = model.new_cache(128)
+        model.prefill(mx.array(tokens[:50]), cache)
+        return np.stack([np.array(model.decode(int(t), cache)[1]) for t in tokens[50:]])
+
+    fast = logits(Model(weights, simulate_quant=False))
+    shape = (weights.config.n_head, weights.config.head_dim)
+    used = {key.kind for (backend, key), decision in DECODE_ATTENTION.fast_path.decisions().items()
+            if backend == registry.current_backend() and decision.fast and (key.heads, key.head_dim) == shape}
+    assert used == {"window", "rows", "picked"}
+    with registry.forced_mode("reference"):
+        want = logits(Model(weights, simulate_quant=False))
+    assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [(HEADS, DIM, N_ROT, WINDOW, *c) for c in FLASH_CASES.values()]
+                         + list(ODD_CASES.values()), ids=[f"flash-{k}" for k in FLASH_CASES] + list(ODD_CASES))
+def test_emulated_decode_attention_equals_reference(on_cpu, case, monkeypatch, tmp_path):
+    """The kernel's CUDA text run on the CPU as the wrapper launches it, at Flash's shapes and small odd ones:
+    several heads of widths 64 to 512, 16 rotated dims to all of them, windows of 3 to 128 rows at their first
+    token, filling and full, compressed rows none, some and all visible, picks with some not real."""
+    monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
+    args = step_inputs(*case)
+    got = DecodeAttention._kernel(*args)
+    want = attend_step(*args)
+    assert got.shape == want.shape and np.isfinite(np.array(got)).all()  # every output was written
+    assert within(got, want)
+
+
+@pytest.mark.slow
+def test_emulated_probe_passes(on_cpu, monkeypatch, tmp_path):
+    """The first-use probe's inputs, as the GPU will check them, at Flash's three kinds of layer."""
+    monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
+    for key in (attention.StepShape("window", HEADS, DIM, N_ROT, WINDOW, 0, 0, 0),
+                attention.StepShape("rows", HEADS, DIM, N_ROT, WINDOW, 128, 130, 0),  # a 16k-token context
+                attention.StepShape("picked", HEADS, DIM, N_ROT, WINDOW, 0, 0, 512)):
+        args = DecodeAttention._probe(key)
+        assert within(DecodeAttention._kernel(*args), attend_step(*args))

@@ -4,10 +4,16 @@
   given per position (the caller computes them once per position: in a compiled step, once for all layers), or
   by the negated angles. In MLX ops a rotation is ~5 launches (two products, two sums, a stack and a
   concatenation); a decode step has six per compressed layer.
-- `DECODE_ATTENTION`: softmax attention with sinks for one query token over one key set (values = keys):
-  q (H, D) over key sets joined into one (N, D) with their masks. One threadgroup per head; each SIMD group runs an online softmax
-  over every eighth key, with 16 dims per lane, and the groups' partial sums are merged with the sink at the end.
-  Replaces ~15 launches (scores, masks, max, exp, sums, products, division) with one.
+- `DECODE_ATTENTION`: the decode step's attention core for one query token in one launch, where its reference is
+  ~50 MLX ops and the step took ~10 launches with the former kernels (norm, two RoPEs, masks, key joins, a
+  gather, attention). q_b's output is normed per head (RMSNorm without weight) and rotated at the token's
+  position as the kernel loads it; softmax attention with sinks runs over the raw window, then (by kind,
+  KEY_SETS) nothing, the visible compressed rows or the indexer's picked rows, each read where it is stored (no
+  joined key array, no gathered rows) with its mask computed from the position; the output is rotated back by
+  the negated angle as it is written. The angles are position * inv_freq in float32, as the reference's, with
+  cos and sin taken in the kernel (ds4_cos, ds4_sin). One threadgroup per head; each SIMD group runs an online
+  softmax over every eighth key, with D / 32 dims per lane, and the groups' partial sums are merged with the sink
+  at the end.
 
 Their references are the model's plain formulas (model/rope.py, model/attention.py), handed in by the model; the
 kernels equal them to float32 rounding (TOLERANCE): the same products, summed in another order.
@@ -15,17 +21,20 @@ kernels equal them to float32 rounding (TOLERANCE): the same products, summed in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable
+from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from .dialect import SIMD_WIDTH, Kernel, build
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
 TOLERANCE = 1e-5
-"""Float32 summation order (a 512-long dot product, a softmax over up to a few thousand keys) and cos/sin
-rounding: ~1e-6 of the largest output, with margin."""
+"""Float32 summation order (a 512-long dot product and sum of squares, a softmax over up to a few thousand keys)
+and cos/sin rounding: ~1e-6 of the largest output, with margin."""
 
 _ROPE = """
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
@@ -51,24 +60,53 @@ const int h = GROUP_X;
 const int lane = SIMD_LANE;
 const int group = SIMD_INDEX;
 constexpr int PER_LANE = D / 32;
+constexpr int ROT_START = D - NROT;
+const int pos = position[0];
+SHARED float rot_cos[NROT / 2];
+SHARED float rot_sin[NROT / 2];
+for (int i = THREAD_IN_GROUP; i < NROT / 2; i += GROUPS * 32) {
+  const float angle = (float)pos * inv_freq[i];  // the reference's float32 product
+  rot_cos[i] = ds4_cos(angle);
+  rot_sin[i] = ds4_sin(angle);
+}
+ds4_barrier();
 float qv[PER_LANE];
 float acc[PER_LANE];
+float squares = 0.0f;
 for (int j = 0; j < PER_LANE; ++j) {
   qv[j] = q[(size_t)h * D + lane * PER_LANE + j];
+  squares += qv[j] * qv[j];
   acc[j] = 0.0f;
 }
+const float inv_rms = 1.0f / sqrt(ds4_simd_sum(squares) / (float)D + params[1]);
+for (int j = 0; j < PER_LANE; j += 2) {  // a lane's dims hold whole pairs: PER_LANE and ROT_START are even
+  const int d = lane * PER_LANE + j;
+  const float a = qv[j] * inv_rms;
+  const float b = qv[j + 1] * inv_rms;
+  if (d >= ROT_START) {
+    const float c = rot_cos[(d - ROT_START) >> 1];
+    const float s = rot_sin[(d - ROT_START) >> 1];
+    qv[j] = a * c - b * s;
+    qv[j + 1] = a * s + b * c;
+  } else {
+    qv[j] = a;
+    qv[j + 1] = b;
+  }
+}
+const float scale = params[0];
+int first = WINDOW - 1 - pos;  // window row n holds position pos - WINDOW + 1 + n: none below 0 yet
+first = first > 0 ? first : 0;
+EXTRA_KEYS
 float m = -3.0e38f;  // below every score: exp(m - top) is 0
 float l = 0.0f;
-for (int n = group; n < N; n += GROUPS) {
-  if (!valid[n]) {
-    continue;
-  }
-  const GLOBAL_MEM float* k = keys + (size_t)n * D + lane * PER_LANE;
+for (int n = first + group; n < WINDOW + extra; n += GROUPS) {
+KEY_ROW
+  const GLOBAL_MEM float* k = row + lane * PER_LANE;
   float dot = 0.0f;
   for (int j = 0; j < PER_LANE; ++j) {
     dot += qv[j] * k[j];
   }
-  const float score = ds4_simd_sum(dot) * scale[0];
+  const float score = ds4_simd_sum(dot) * scale;
   const float top = score > m ? score : m;
   const float alpha = ds4_exp(m - top);
   const float p = ds4_exp(score - top);
@@ -94,23 +132,73 @@ float top = sink;
 for (int g = 0; g < GROUPS; ++g) {
   top = part_m[g] > top ? part_m[g] : top;
 }
+float weight[GROUPS];
 float total = ds4_exp(sink - top);
 for (int g = 0; g < GROUPS; ++g) {
-  total += part_l[g] * ds4_exp(part_m[g] - top);
+  weight[g] = ds4_exp(part_m[g] - top);
+  total += part_l[g] * weight[g];
 }
 for (int d = THREAD_IN_GROUP; d < D; d += GROUPS * 32) {
   float v = 0.0f;
   for (int g = 0; g < GROUPS; ++g) {
-    v += part_acc[g * D + d] * ds4_exp(part_m[g] - top);
+    v += part_acc[g * D + d] * weight[g];
   }
-  out[(size_t)h * D + d] = v / total;
+  v = v / total;
+  if (d >= ROT_START) {  // rotated back by the negated angle: (a, b) -> (a c + b s, b c - a s)
+    float partner = 0.0f;  // the other dim of d's pair
+    for (int g = 0; g < GROUPS; ++g) {
+      partner += part_acc[g * D + (d ^ 1)] * weight[g];
+    }
+    partner = partner / total;
+    const float c = rot_cos[(d - ROT_START) >> 1];
+    const float s = rot_sin[(d - ROT_START) >> 1];
+    v = (d & 1) ? v * c - partner * s : v * c + partner * s;
+  }
+  out[(size_t)h * D + d] = v;
 }
 """
 
 ROPE_KERNEL = Kernel("ds4_rope", ("x", "cos_t", "sin_t"), ("y",), _ROPE)
-ATTEND_KERNEL = Kernel("ds4_decode_attention", ("q", "keys", "valid", "sinks", "scale"), ("out",), _ATTEND)
 THREADS = 256
 GROUPS = 8
+
+KEY_SETS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "window": ((), "const int extra = 0;", """
+  const GLOBAL_MEM float* row = window + (size_t)n * D;"""),
+    "rows": (("rows",), """
+int extra = (pos + 1) / RATIO;  // compressed rows c < (pos + 1) / ratio are visible
+extra = extra < ROWS ? extra : ROWS;""", """
+  const GLOBAL_MEM float* row = n < WINDOW ? window + (size_t)n * D : rows + (size_t)(n - WINDOW) * D;"""),
+    "picked": (("rows", "picked", "valid"), "const int extra = PICKS;", """
+  if (n >= WINDOW && !valid[n - WINDOW]) {
+    continue;
+  }
+  const GLOBAL_MEM float* row = n < WINDOW ? window + (size_t)n * D : rows + (size_t)picked[n - WINDOW] * D;"""),
+}
+"""Per kind of key set after the window: the inputs it reads, how many keys it adds (`extra`) and where key n's
+row is (`row`). "window": none; "rows": the visible compressed rows, a prefix of the buffer;
+"picked": the indexer's rows, by index into the buffer, skipping those that are not real."""
+
+ATTEND_KERNELS = {
+    kind: Kernel(f"ds4_decode_attention_{kind}", ("q", "position", "inv_freq", "window", *inputs, "sinks", "params"),
+                 ("out",), _ATTEND.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n")))
+    for kind, (inputs, extra, row) in KEY_SETS.items()
+}
+
+
+class StepShape(NamedTuple):
+    """What selects a compiled decode-attention kernel (its fast path's key): the kind of key set after the
+    window (KEY_SETS), the head count and width, the rotated dims, the window, the compression ratio and buffer
+    rows of "rows" and the indexer's picks of "picked" (0 where a kind has none)."""
+
+    kind: str
+    heads: int
+    head_dim: int
+    n_rot: int
+    window: int
+    ratio: int
+    rows: int
+    picked: int
 
 
 class Rope:
@@ -145,38 +233,74 @@ class Rope:
 
 
 class DecodeAttention:
-    """One query token's attention with sinks, by the kernel where it passed its check."""
+    """One query token's attention core in the decode step, by the kernel where it passed its check: the query's
+    norm and RoPE, the masks, the key sets as they are stored, and the output's inverse RoPE."""
 
     def __init__(self, reference: Callable[..., mx.array]):
         self.fast_path = FastPath("decode_attention", reference, self._kernel, self._probe, tolerance=TOLERANCE,
                                   backends=("cuda", "metal"))
 
-    def __call__(self, q: mx.array, keys: tuple[mx.array, ...], masks: tuple[mx.array, ...], sinks: mx.array,
-                 scale: float) -> mx.array:
-        """q (1, H, D); key sets (N_i, D) or (1, N_i, D) with masks (1, N_i); sinks (H,) -> (1, H, D)."""
-        n = sum(k.shape[-2] for k in keys)
-        return self.fast_path(q, keys, masks, sinks, scale, key=(q.shape[-1], n))
+    def __call__(self, q: mx.array, position: mx.array, inv_freq: mx.array, window: mx.array, rows: mx.array | None,
+                 picked: mx.array | None, valid: mx.array | None, sinks: mx.array, ratio: int, eps: float
+                 ) -> mx.array:
+        """q (1, H * D): q_b's output for one token at `position` (1,) int32, before its per-head RMSNorm and its
+        RoPE (angles position * inv_freq (n_rot / 2,)); the raw window (W, D), row j at position - W + 1 + j; the
+        compressed rows buffer (C, D) or None, of which either the first (position + 1) // ratio are visible or,
+        with `picked` (1, P) int32, those rows where `valid` (1, P); sinks (H,) -> (1, H, D), de-rotated."""
+        return self.fast_path(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps,
+                              key=self.key(inv_freq, window, rows, picked, sinks, ratio))
 
     @staticmethod
-    def _kernel(q, keys, masks, sinks, scale) -> mx.array:
-        _, h, d = q.shape
-        if d % SIMD_WIDTH:
-            raise ValueError(f"decode attention needs a head width that is a multiple of 32, got {d}")
-        k = mx.concatenate([key.reshape(-1, d) for key in keys])
-        valid = mx.concatenate([mask.reshape(-1) for mask in masks])
-        (out,) = build(ATTEND_KERNEL, current_backend())(
-            inputs=[q.reshape(h, d), k, valid, sinks, mx.array([scale], dtype=mx.float32)],
-            template=[("D", d), ("N", k.shape[0]), ("GROUPS", GROUPS)],
-            grid=(h * GROUPS * SIMD_WIDTH, 1, 1), threadgroup=(GROUPS * SIMD_WIDTH, 1, 1),
-            output_shapes=[(h, d)], output_dtypes=[mx.float32],
+    def key(inv_freq: mx.array, window: mx.array, rows: mx.array | None, picked: mx.array | None,
+            sinks: mx.array, ratio: int) -> StepShape:
+        """The shape class of a call's arguments (the fast path's key)."""
+        kind = "window" if rows is None else "rows" if picked is None else "picked"
+        return StepShape(kind, sinks.shape[0], window.shape[1], 2 * inv_freq.shape[0], window.shape[0],
+                         ratio if kind == "rows" else 0, rows.shape[0] if kind == "rows" else 0,
+                         picked.shape[-1] if kind == "picked" else 0)
+
+    @staticmethod
+    def _kernel(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps) -> mx.array:
+        heads = sinks.shape[0]
+        w, d = window.shape
+        n_rot = 2 * inv_freq.shape[0]
+        if d % (2 * SIMD_WIDTH) or not 0 < n_rot <= d:
+            raise ValueError(f"decode attention needs a head width that is a multiple of 64 and 0 < n_rot <= it, "
+                             f"got {d} and {n_rot}")
+        template = [("D", d), ("WINDOW", w), ("NROT", n_rot), ("GROUPS", GROUPS)]
+        if rows is None:
+            kind, extra = "window", []
+        elif picked is None:
+            kind, extra = "rows", [rows]
+            template += [("RATIO", ratio), ("ROWS", rows.shape[0])]
+        else:
+            kind, extra = "picked", [rows, picked.reshape(-1), valid.reshape(-1)]
+            template += [("PICKS", picked.shape[-1])]
+        params = mx.array([1.0 / math.sqrt(d), eps], dtype=mx.float32)  # the scores' scale, the query norm's eps
+        (out,) = build(ATTEND_KERNELS[kind], current_backend())(
+            inputs=[q, position, inv_freq, window, *extra, sinks, params],
+            template=template,
+            grid=(heads * GROUPS * SIMD_WIDTH, 1, 1), threadgroup=(GROUPS * SIMD_WIDTH, 1, 1),
+            output_shapes=[(1, heads, d)], output_dtypes=[mx.float32],
         )
-        return out[None]
+        return out
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
-        d, n = key
-        first = min(n, 128)
-        valid = (mx.arange(n) % 3 != 1)[None]
-        keys = random_activations((n, d), seed=53)
-        return (random_activations((1, 4, d), seed=52) * 0.2, (keys[:first], keys[first:]),
-                (valid[:, :first], valid[:, first:]), random_activations((4,), seed=54), 1.0 / d**0.5)
+        """Query values 3x unit rms (the norm matters); half the window not there yet, or about half the rows
+        visible ("rows"), or every third pick not real ("picked", picks among twice as many rows)."""
+        kind, heads, d, n_rot, w, ratio, n_rows, n_picked = key
+        inv_freq = mx.array(10000.0 ** (-np.arange(0, n_rot, 2) / n_rot), dtype=mx.float32)
+        rows = picked = valid = None
+        position = w // 2
+        if kind == "rows":
+            rows = random_activations((n_rows, d), seed=55)
+            position = ratio * ((n_rows + 1) // 2)
+        elif kind == "picked":
+            rows = random_activations((2 * n_picked, d), seed=55)
+            chosen = np.sort(np.random.default_rng(56).choice(2 * n_picked, n_picked, replace=False))
+            picked = mx.array(chosen, dtype=mx.int32)[None]
+            valid = (mx.arange(n_picked) % 3 != 1)[None]
+        return (random_activations((1, heads * d), seed=52) * 3.0, mx.array([position], dtype=mx.int32), inv_freq,
+                random_activations((w, d), seed=53), rows, picked, valid, random_activations((heads,), seed=54),
+                ratio, 1e-6)

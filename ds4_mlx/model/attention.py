@@ -18,7 +18,9 @@ fed one at a time. Queries run in blocks to bound the memory of scores and gathe
 the context size, so a compiled decode step traces it once. It always lets the indexer choose among the visible
 compressed rows (with at most top_k visible, it chooses all of them, as the chunk form does by not asking it).
 It multiplies the token's normed input by all the matrices that read it (q_a, kv, the compressors' kv and gate,
-the indexer's proj) through one FusedLinear: one launch per storage form rather than one per matrix. Since only
+the indexer's proj) through one FusedLinear: one launch per storage form rather than one per matrix. Its attention
+core, `attend_step` (the query's per-head norm and RoPE, the masks, attention over the window and the compressed
+rows as they are stored, the output's inverse RoPE), is one kernel on GPU backends (kernels/attention.py). Since only
 projections read them, the layer's input norm (attn_norm) and the query latents' (q_a_norm) are not computed on
 their own there: the projections take the raw input and the norm, and fold it into their matvec launches
 (model/linear.py).
@@ -39,7 +41,7 @@ from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import FusedLinear, Linear
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import FINISH_ROWS, RowQuant
-from ds4_mlx.model.rope import RoPE
+from ds4_mlx.model.rope import ROTATE, RoPE, cos_sin
 from ds4_mlx.model.topk import mask_to_indices, top_k_mask
 
 QUERY_BLOCK = 128
@@ -188,7 +190,7 @@ class Attention:
                 else:
                     keys.append(comp_rows)
                     masks.append(visible)
-            out.append(self._attend(q[start:stop], keys, masks))
+            out.append(attend(q[start:stop], keys, masks, self.sinks, 1.0 / math.sqrt(self.head_dim)))
         out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
         return self._project_out(out), state
 
@@ -201,29 +203,24 @@ class Attention:
         # the input_projections of rms_norm(x, *norm), one launch per storage form
         q_a, kv, *compressing = self.project(x, norm=norm)
         q_norm = (self.q_a_norm, self.eps)  # the query latents' norm, applied by q_b and the indexer's q_b
-        q = self.q_b(q_a, norm=q_norm).reshape(1, self.n_head, self.head_dim)
-        q = self.rope(rms_norm(q, None, self.eps), positions)
+        q = self.q_b(q_a, norm=q_norm)  # normed per head and rotated by DECODE_ATTENTION
         kv = self._finish_kv(kv, positions)
         raw = mx.concatenate([state.raw[1:], kv])  # row j holds position - window + 1 + j
         state = replace(state, raw=raw)
-        keys, masks = [raw], [(mx.arange(self.window) >= self.window - 1 - position)[None]]
+        picked = valid = None
         if self.compressor is not None:
             row_at = (position // self.ratio).reshape(1)
             comp_kv, comp_gate, *indexing = compressing
             row, frontier = self.compressor.step(comp_kv, comp_gate, position, state.comp_frontier)
             state = replace(state, comp=mx.slice_update(state.comp, row, row_at, axes=(0,)), comp_frontier=frontier)
-            if self.indexer is None:
-                keys.append(state.comp)
-                masks.append((mx.arange(state.comp.shape[0]) < (position + 1) // self.ratio)[None])
-            else:
+            if self.indexer is not None:
                 index_kv, index_gate, index_proj = indexing
                 row, frontier = self.indexer.compressor.step(index_kv, index_gate, position, state.index_frontier)
                 index = mx.slice_update(state.index, row, row_at, axes=(0,))
                 state = replace(state, index=index, index_frontier=frontier)
                 picked, valid = self.indexer.pick(q_a, index_proj, positions, index, norm=q_norm)
-                keys.append(state.comp[picked])
-                masks.append(valid)
-        out = self.rope(self._attend(q, keys, masks), positions, inverse=True)
+        out = DECODE_ATTENTION(q, positions, self.rope.inv_freq, raw, state.comp, picked, valid, self.sinks,
+                               self.ratio, self.eps)
         return self._project_out(out), state
 
     def _compress(
@@ -252,14 +249,6 @@ class Attention:
         low = self.out_a.grouped(heads.reshape(t, self.o_groups, group_in), self.o_groups)
         return self.out_b(low.reshape(t, -1))
 
-    def _attend(self, q: mx.array, keys: list[mx.array], masks: list[mx.array]) -> mx.array:
-        """Softmax attention with sinks over several key sets (each (N, d) shared or (B, N, d) per query).
-        One query token's keys become one set, for the decode kernel."""
-        scale = 1.0 / math.sqrt(self.head_dim)
-        if q.shape[0] > 1:
-            return attend(q, keys, masks, self.sinks, scale)
-        return DECODE_ATTENTION(q, tuple(keys), tuple(masks), self.sinks, scale)
-
 
 def attend(q: mx.array, keys: list[mx.array], masks: list[mx.array], sinks: mx.array, scale: float) -> mx.array:
     """Softmax attention of queries q (B, H, d) with per-head sink logits over key sets that are also the values
@@ -276,10 +265,28 @@ def attend(q: mx.array, keys: list[mx.array], masks: list[mx.array], sinks: mx.a
     return out / denom
 
 
-DECODE_ATTENTION = DecodeAttention(
-    lambda q, keys, masks, sinks, scale: attend(q, list(keys), list(masks), sinks, scale))
-"""`attend` for one query token as one kernel where a GPU backend has passed the first-use check
-(kernels/attention.py)."""
+def attend_step(q: mx.array, position: mx.array, inv_freq: mx.array, window: mx.array, rows: mx.array | None,
+                picked: mx.array | None, valid: mx.array | None, sinks: mx.array, ratio: int, eps: float) -> mx.array:
+    """The decode step's attention core for q_b's output q (1, H * D) at `position` (1,): the query's per-head
+    RMSNorm and RoPE, `attend` over the raw window (W, D) (row j at position - W + 1 + j) and the compressed rows
+    (C, D) (the first (position + 1) // ratio, or with the indexer's `picked` (1, P), those where `valid`), and the
+    output's inverse RoPE -> (1, H, D). The chunk form's formulas, composed as there."""
+    heads, d = sinks.shape[0], window.shape[1]
+    n_rot = 2 * inv_freq.shape[0]
+    cos, sin = cos_sin(position, inv_freq)
+    q = ROTATE(rms_norm(q.reshape(1, heads, d), None, eps), cos, sin, n_rot, False)
+    keys, masks = [window], [mx.arange(window.shape[0])[None, :] >= window.shape[0] - 1 - position[:, None]]
+    if picked is not None:
+        keys.append(rows[picked])  # (1, P, D)
+        masks.append(valid)
+    elif rows is not None:
+        keys.append(rows)
+        masks.append(mx.arange(rows.shape[0])[None, :] < ((position + 1) // ratio)[:, None])
+    return ROTATE(attend(q, keys, masks, sinks, 1.0 / math.sqrt(d)), cos, sin, n_rot, True)
+
+
+DECODE_ATTENTION = DecodeAttention(attend_step)
+"""`attend_step` as one kernel where a GPU backend has passed the first-use check (kernels/attention.py)."""
 
 
 @dataclass

@@ -59,13 +59,18 @@ class RoPE:
 
     def cos_sin(self, positions: mx.array) -> tuple[mx.array, mx.array]:
         """cos and sin of the angles, each (len(positions), n_rot/2), float32."""
-        angles = positions.astype(mx.float32)[:, None] * self.inv_freq[None, :]
-        return mx.cos(angles), mx.sin(angles)
+        return cos_sin(positions, self.inv_freq)
 
     def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
         """Rotate x (T, ..., D) where row t sits at positions[t]; `inverse` rotates by the negated angle."""
         cos, sin = self.cos_sin(positions)
         return ROTATE(x, cos, sin, self.n_rot, inverse)
+
+
+def cos_sin(positions: mx.array, inv_freq: mx.array) -> tuple[mx.array, mx.array]:
+    """cos and sin of the angles positions x inv_freq (float32 products), each (len(positions), len(inv_freq))."""
+    angles = positions.astype(mx.float32)[:, None] * inv_freq[None, :]
+    return mx.cos(angles), mx.sin(angles)
 
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array, n_rot: int, inverse: bool) -> mx.array:
