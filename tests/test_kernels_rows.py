@@ -19,9 +19,9 @@ import pytest
 from ds4_mlx.kernels import actquant, registry, rows
 from ds4_mlx.kernels.actquant import FP4_KERNEL, FP8_KERNEL
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.rows import FINISH_KERNEL, TOLERANCE, RowQuant, steady_rows
+from ds4_mlx.kernels.rows import FINISH_KERNEL, TOLERANCE, WINDOW_KERNEL, RowQuant, steady_rows
 from ds4_mlx.model.norm import rms_norm
-from ds4_mlx.model.quant_sim import FINISH_ROWS, indexer_fp4, round_to_f16, simulate_indexer_fp4, simulate_kv_fp8
+from ds4_mlx.model.quant_sim import FINISH_INTO_WINDOW, FINISH_ROWS, indexer_fp4, round_to_f16, simulate_indexer_fp4, simulate_kv_fp8
 from ds4_mlx.model.rope import RoPE, Yarn
 from emulated_cuda import emulated, emulated_build
 from kernel_checks import balanced, rendered
@@ -150,7 +150,7 @@ def test_rows_the_kernel_does_not_take_go_to_the_reference():
     assert not rows.fits(x, positions, rope, (mx.ones((128,)), 1e-6), NONE)
 
 
-@pytest.mark.parametrize("kernel", [FINISH_KERNEL, FP8_KERNEL, FP4_KERNEL], ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", [FINISH_KERNEL, WINDOW_KERNEL, FP8_KERNEL, FP4_KERNEL], ids=lambda k: k.name)
 def test_one_definition_renders_for_cuda_and_metal(kernel):
     for target in (CUDA, METAL):
         out = rendered(kernel, target)
@@ -215,3 +215,46 @@ def test_kernel_is_used_and_equals_the_reference(on_gpu, kernels_unforced, name)
     assert_steady(got, FINISH_ROWS.fast_path.reference(*args), args)
     args = case_args(name, steady=False, seed=6)
     assert_finished(FINISH_ROWS(*args), FINISH_ROWS.fast_path.reference(*args), flips=1e-3)
+
+
+WINDOW_CASES = {"flash_kv": ("kv_row", 128), "plain": ("all_rope", 5)}  # (CASES row, window rows)
+
+
+def window_args(name: str, steady: bool, seed: int) -> tuple:
+    """FINISH_INTO_WINDOW arguments: a one-row case of CASES and a random window of its width."""
+    case, rows_ = WINDOW_CASES[name]
+    x, positions, rope, norm, quant, half = case_args(case, steady, seed)
+    x, positions = x[:1], positions[:1]
+    window = mx.array(np.random.default_rng(seed + 100).standard_normal((rows_, x.shape[-1])).astype(np.float32))
+    return x, positions, rope, norm, quant, half, window
+
+
+def test_window_reference_is_the_steps_former_composition(on_cpu):
+    args = window_args("flash_kv", steady=False, seed=1)
+    want = mx.concatenate([args[-1][1:], composed(*args[:-1])])
+    assert mx.array_equal(FINISH_INTO_WINDOW(*args), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_emulated_window_kernel_shifts_and_finishes(name, monkeypatch, tmp_path):
+    """The other rows move up exactly; the new last row is FINISH_ROWS's (steady inputs: TOLERANCE alone)."""
+    monkeypatch.setattr(rows, "build", emulated_build(tmp_path))
+    args = window_args(name, steady=True, seed=7)
+    got, want = FINISH_INTO_WINDOW.fast_path.fast(*args), FINISH_INTO_WINDOW.fast_path.reference(*args)
+    assert mx.array_equal(got[:-1], args[-1][1:])
+    assert_steady(got[-1:], want[-1:], args[:-1])
+    key = (args[-1].shape[0], args[0].shape[-1], args[2].n_rot, rows.norm_kind(args[3]), args[4], args[5])
+    probe = rows.FinishIntoWindow._probe(key)
+    assert registry.disagreement(FINISH_INTO_WINDOW.fast_path.fast(*probe),
+                                 FINISH_INTO_WINDOW.fast_path.reference(*probe), TOLERANCE) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_window_kernel_is_used_and_shifts_and_finishes(on_gpu, kernels_unforced, name):
+    args = window_args(name, steady=True, seed=8)
+    got = FINISH_INTO_WINDOW(*args)
+    assert all(d.fast for d in FINISH_INTO_WINDOW.fast_path.decisions().values())
+    assert mx.array_equal(got[:-1], args[-1][1:])
+    assert_steady(got[-1:], FINISH_INTO_WINDOW.fast_path.reference(*args)[-1:], args[:-1])

@@ -99,6 +99,21 @@ y[row * W + i] = v;
 """
 
 FINISH_KERNEL = Kernel("ds4_finish_rows", ("x", "weight", "inv_freq", "positions", "eps"), ("y",), _FINISH, HELPERS)
+_SHIFT = """
+if (GROUP_X < ROWS - 1) {  // the window's other rows move up by one; the last group finishes the new row
+  y[(size_t)GROUP_X * W + THREAD_IN_GROUP] = window[((size_t)GROUP_X + 1) * W + THREAD_IN_GROUP];
+  return;
+}
+"""
+WINDOW_KERNEL = Kernel(
+    "ds4_finish_into_window", FINISH_KERNEL.inputs + ("window",), ("y",),
+    _SHIFT + _FINISH.replace("const size_t row = GROUP_X;", "const size_t row = 0;")
+    .replace("y[row * W + i] = v;", "y[(size_t)(ROWS - 1) * W + i] = v;"),
+    HELPERS,
+)
+"""One decode token's row finished as FINISH_KERNEL does, written after the other rows of a sliding window whose
+oldest row drops out: the window update is part of the launch, not an op of its own. A threadgroup returns early
+only as a whole, so every thread of the finishing group reaches its barriers."""
 MAX_WIDTH = 1024
 """A row is one threadgroup of one thread per value."""
 
@@ -159,6 +174,53 @@ class FinishRows:
         norm = None if kind == "none" else (None if kind == "unweighted" else weight, 1e-6)
         x = steady_rows((3, 2, width), positions, rope, norm, quant, seed=72)
         return x, positions, rope, norm, quant, round_half
+
+
+class FinishIntoWindow:
+    """window[1:] followed by one token's finished row (the decode step's raw KV ring), in one launch where the
+    kernel passed its check; otherwise by `finish` (FinishRows: itself a kernel where that one passed) and a
+    concatenation, the model's composition."""
+
+    def __init__(self, finish: FinishRows):
+        self.finish = finish
+        self.fast_path = FastPath("finish_into_window", self._composed, self._kernel, self._probe,
+                                  tolerance=TOLERANCE, backends=("cuda", "metal"))
+
+    def __call__(self, x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant: RowQuant,
+                 round_half: bool, window: mx.array) -> mx.array:
+        """x (1, W) at positions (1,) finished like FinishRows, appended to window (ROWS, W) float32 less its first
+        row -> (ROWS, W)."""
+        args = (x, positions, rope, norm, quant, round_half, window)
+        if not (x.shape[0] == 1 and x.ndim == 2 and fits(x, positions, rope, norm, quant)
+                and window.dtype == mx.float32 and window.ndim == 2 and window.shape[1] == x.shape[1]):
+            return self._composed(*args)
+        return self.fast_path(*args, key=(window.shape[0], x.shape[-1], rope.n_rot, norm_kind(norm), quant,
+                                          round_half))
+
+    def _composed(self, x, positions, rope, norm, quant, round_half, window) -> mx.array:
+        return mx.concatenate([window[1:], self.finish(x, positions, rope, norm, quant, round_half)])
+
+    @staticmethod
+    def _kernel(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant: RowQuant,
+                round_half: bool, window: mx.array) -> mx.array:
+        rows, width = window.shape
+        eps = mx.array([0.0 if norm is None else norm[1]], dtype=mx.float32)
+        weight = eps if norm is None or norm[0] is None else norm[0]
+        (y,) = build(WINDOW_KERNEL, current_backend())(
+            inputs=[x, weight, rope.inv_freq, positions.astype(mx.int32), eps, window],
+            template=[("W", width), ("NROT", rope.n_rot), ("HEADS", 1), ("ROWS", rows),
+                      ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half))],
+            grid=(rows * width, 1, 1), threadgroup=(width, 1, 1),
+            output_shapes=[window.shape], output_dtypes=[mx.float32],
+        )
+        return y
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        rows, width, n_rot, kind, quant, round_half = key
+        x, positions, rope, norm, quant, round_half = FinishRows._probe((width, n_rot, kind, quant, round_half))
+        window = mx.array(np.random.default_rng(73).standard_normal((rows, width)).astype(np.float32))
+        return x[-1:, 0], positions[-1:], rope, norm, quant, round_half, window
 
 
 FP8_GRID = np.unique(np.concatenate([np.arange(8) * 2.0**-9] + [(8 + np.arange(8)) * 2.0 ** (e - 3)

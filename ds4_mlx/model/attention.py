@@ -40,7 +40,7 @@ from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import FusedLinear, Linear
 from ds4_mlx.model.norm import rms_norm
-from ds4_mlx.model.quant_sim import FINISH_ROWS, RowQuant
+from ds4_mlx.model.quant_sim import FINISH_INTO_WINDOW, FINISH_ROWS, RowQuant
 from ds4_mlx.model.rope import ROTATE, RoPE, cos_sin
 from ds4_mlx.model.topk import mask_to_indices, top_k_mask
 
@@ -204,8 +204,7 @@ class Attention:
         q_a, kv, *compressing = self.project(x, norm=norm)
         q_norm = (self.q_a_norm, self.eps)  # the query latents' norm, applied by q_b and the indexer's q_b
         q = self.q_b(q_a, norm=q_norm)  # normed per head and rotated by DECODE_ATTENTION
-        kv = self._finish_kv(kv, positions)
-        raw = mx.concatenate([state.raw[1:], kv])  # row j holds position - window + 1 + j
+        raw = self._finish_kv(kv, positions, window=state.raw)  # row j holds position - window + 1 + j
         state = replace(state, raw=raw)
         picked = valid = None
         if self.compressor is not None:
@@ -236,11 +235,13 @@ class Attention:
         state = replace(state, index=_append_rows(state.index, n_before, rows), index_frontier=frontier)
         return state, state.comp[:n_rows], state.index[:n_rows]
 
-    def _finish_kv(self, kv: mx.array, positions: mx.array) -> mx.array:
+    def _finish_kv(self, kv: mx.array, positions: mx.array, window: mx.array | None = None) -> mx.array:
         """KV rows as the raw ring holds them: kv_norm, RoPE and, simulating, FP8 and the float16 round (one launch
-        on GPU backends)."""
+        on GPU backends). With `window`, a decode token's row appended to it, its oldest row dropped (the same
+        launch)."""
         quant = RowQuant.KV_FP8 if self.simulate_quant else RowQuant.NONE
-        return FINISH_ROWS(kv, positions, self.rope, (self.kv_norm, self.eps), quant, self.simulate_quant)
+        args = (kv, positions, self.rope, (self.kv_norm, self.eps), quant, self.simulate_quant)
+        return FINISH_ROWS(*args) if window is None else FINISH_INTO_WINDOW(*args, window)
 
     def _project_out(self, heads: mx.array) -> mx.array:
         """Grouped low-rank output: group g's heads (concatenated) -> o_lora_rank, then all groups -> n_embd."""

@@ -42,6 +42,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
 from ds4_mlx.errors import LayoutError
 from ds4_mlx.kernels import registry
@@ -229,7 +230,7 @@ class Linear:
                 # a few tokens: each (token, group) pair is a matvec against its group's rows, in one launch of
                 # the matvec kernel over the groups as a bank (MLX's batched quantized_matmul of one row per batch,
                 # and its 8-bit gather_qmm, both take its slow naive kernel: 127 us a layer on the H200)
-                ids = mx.arange(groups, dtype=mx.uint32)
+                ids = mx.array(np.arange(groups, dtype=np.uint32))  # a constant: no op of its own in the step
                 ids = ids if x.shape[0] == 1 else mx.tile(ids, x.shape[0])
                 return affine_matvec(x.reshape(-1, x.shape[-1]), split, ids).reshape(x.shape[0], groups, -1)
             xg = mx.swapaxes(x, 0, 1)

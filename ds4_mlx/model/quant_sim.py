@@ -17,7 +17,7 @@ import math
 import mlx.core as mx
 
 from ds4_mlx.kernels.actquant import FP8KV, IndexerFP4
-from ds4_mlx.kernels.rows import FinishRows, Norm, RowQuant
+from ds4_mlx.kernels.rows import FinishIntoWindow, FinishRows, Norm, RowQuant
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.rope import RoPE
 
@@ -133,3 +133,6 @@ def finish_rows(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None,
 
 FINISH_ROWS = FinishRows(finish_rows)
 """`finish_rows` as one kernel where a GPU backend has passed the first-use check (kernels/rows.py)."""
+FINISH_INTO_WINDOW = FinishIntoWindow(FINISH_ROWS)
+"""A decode token's finished KV row appended to the raw window (its oldest row dropped), as one kernel where a GPU
+backend has passed the first-use check; otherwise FINISH_ROWS and a concatenation."""
