@@ -122,15 +122,15 @@ def test_indexer_scores_kernel_within_tolerance(n):
     assert registry.disagreement(got, index_scores(q, w, rows, visible_mask(n, positions)), SCORE_TOLERANCE) is None
 
 
-def emulated_pick(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array, top_k: int, tmp_path
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(scores, picked, valid) from the two kernels' CUDA text run on the CPU."""
+def emulated_pick(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array, top_k: int, tmp_path,
+                  scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scores, picked, valid) from the two kernels' CUDA text run on the CPU (head weights times `scale`)."""
     t, n = q.shape[0], rows.shape[0]
     template = scores_template(HEADS, DIM, n, RATIO, top_k)
     q, w, rows = (np.array(a, np.float32) for a in (q, w, rows))
     positions = np.array(positions, np.int32)
     (scores,) = emulated(SCORES_KERNEL, template, tmp_path)(
-        [q, w, rows, positions], [(t, n)], (template["BLOCKS"], t), SCORE_SIMDS * 32)
+        [q, w, rows, positions, np.array([scale], np.float32)], [(t, n)], (template["BLOCKS"], t), SCORE_SIMDS * 32)
     picked, valid = emulated(SELECT_KERNEL, select_template(n, RATIO, top_k), tmp_path)(
         [scores, positions], [(t, min(n, top_k))] * 2, (t, 1), SELECT_THREADS, [np.int32, np.bool_])
     return scores, picked, valid
@@ -163,3 +163,16 @@ def test_emulated_cuda_scores_within_tolerance(on_cpu, tmp_path):
     scores, _, _ = emulated_pick(q, w, rows, positions, TOP_K, tmp_path)
     want = index_scores(q, w, rows, visible_mask(2050, positions))
     assert registry.disagreement(mx.array(scores), want, SCORE_TOLERANCE) is None
+
+
+@pytest.mark.slow
+def test_emulated_cuda_scores_scale_the_weights_as_the_model_does(on_cpu, tmp_path):
+    """The decode step hands the kernel proj's outputs and the indexer's weight scale: the kernel's products
+    w * scale are the reference's `weights * scale`, so exact inputs still give exact scores and picks."""
+    q, w, rows, positions = queries(600, 64, seed=5, copies=3)
+    scale = 1.0 / 16  # exact, as the inputs need; the model's 1/sqrt(8192) is a float32 product all the same
+    scores, picked, valid = emulated_pick(q, w, rows, positions, 64, tmp_path, scale)
+    want_picked, want_valid = pick_rows(q, w, rows, positions, RATIO, 64, scale)
+    assert (picked == np.array(want_picked)).all() and (valid == np.array(want_valid)).all()
+    wide = ((positions + 1) // RATIO > 64).tolist()
+    assert (scores[wide] == np.array(index_scores(q, w * scale, rows, visible_mask(600, positions)))[wide]).all()

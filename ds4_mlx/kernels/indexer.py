@@ -81,7 +81,7 @@ for (int i = THREAD_IN_GROUP; i < D * HP; i += WARPS * 32) {
 float wl[HP / 32];
 for (int j = 0; j < HP / 32; ++j) {
   const int h = 32 * j + lane;
-  wl[j] = h < H ? w[(size_t)t * H + h] : 0.0f;
+  wl[j] = h < H ? w[(size_t)t * H + h] * scale[0] : 0.0f;
 }
 ds4_barrier();
 const GLOBAL_MEM float4* rows4 = reinterpret_cast<const GLOBAL_MEM float4*>(rows);
@@ -235,7 +235,8 @@ for (int i = lo; i < hi; ++i) {
 """After the passes `prefix` is the top_k-th largest key and `rank` the number of rows with that key to admit
 (top_k less those above it); a row's slot is the rows above it before it plus min(tied rows before it, rank)."""
 
-SCORES_KERNEL = Kernel("ds4_indexer_scores", ("q", "w", "rows", "position"), ("scores",), _SCORES, _HELPERS)
+SCORES_KERNEL = Kernel("ds4_indexer_scores", ("q", "w", "rows", "position", "scale"), ("scores",), _SCORES,
+                       _HELPERS)
 SELECT_KERNEL = Kernel("ds4_indexer_select", ("scores", "position"), ("picked", "valid"), _SELECT,
                        _HELPERS + SIMD_EXCLUSIVE_SUM)
 
@@ -258,14 +259,15 @@ def select_template(n: int, ratio: int, top_k: int) -> dict[str, int]:
 
 
 def indexer_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int,
-                   top_k: int) -> mx.array:
-    """Scores (T, N) of rows (N, D) for queries q (T, H, D) with head weights (T, H) at positions (T,): -inf where
-    not visible; a query with at most top_k visible rows is left unwritten (its rows are all picked)."""
+                   top_k: int, scale: float = 1.0) -> mx.array:
+    """Scores (T, N) of rows (N, D) for queries q (T, H, D) with head weights (T, H) times `scale` at positions
+    (T,): -inf where not visible; a query with at most top_k visible rows is left unwritten (its rows are all
+    picked)."""
     t, h, d = q.shape
     template = scores_template(h, d, rows.shape[0], ratio, top_k)
     (scores,) = build(SCORES_KERNEL, current_backend())(
         inputs=[q.astype(mx.float32), weights.astype(mx.float32), rows.astype(mx.float32),
-                positions.astype(mx.int32)],
+                positions.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
         template=list(template.items()),
         grid=(template["BLOCKS"] * SCORE_SIMDS * SIMD_WIDTH, t, 1), threadgroup=(SCORE_SIMDS * SIMD_WIDTH, 1, 1),
         output_shapes=[(t, rows.shape[0])], output_dtypes=[mx.float32],
@@ -311,16 +313,19 @@ class IndexerPick:
                                   backends=("cuda", "metal"))
 
     def __call__(self, q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int,
-                 top_k: int) -> tuple[mx.array, mx.array]:
-        """q (T, H, D) and weights (T, H) of queries at positions (T,) over rows (N, D)."""
+                 top_k: int, scale: float = 1.0) -> tuple[mx.array, mx.array]:
+        """q (T, H, D) and weights (T, H) of queries at positions (T,) over rows (N, D); the weights count times
+        `scale` (applied in the score kernel: no launch of its own)."""
         h, d = q.shape[1:]
+        args = (q, weights, rows, positions, ratio, top_k, scale)
         if d % 4 or heads_padded(h) * d * 4 > QUERY_BYTES:  # float4 rows; the queries fit threadgroup memory
-            return self.fast_path.reference(q, weights, rows, positions, ratio, top_k)
-        return self.fast_path(q, weights, rows, positions, ratio, top_k, key=(h, d, rows.shape[0], ratio, top_k))
+            return self.fast_path.reference(*args)
+        return self.fast_path(*args, key=(h, d, rows.shape[0], ratio, top_k))
 
     @staticmethod
-    def _kernel(q, weights, rows, positions, ratio, top_k) -> tuple[mx.array, mx.array]:
-        return select_rows(indexer_scores(q, weights, rows, positions, ratio, top_k), positions, ratio, top_k)
+    def _kernel(q, weights, rows, positions, ratio, top_k, scale=1.0) -> tuple[mx.array, mx.array]:
+        return select_rows(indexer_scores(q, weights, rows, positions, ratio, top_k, scale), positions, ratio,
+                           top_k)
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:

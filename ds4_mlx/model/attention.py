@@ -67,11 +67,18 @@ class Indexer:
         """Indexer queries (T, n_head, head_dim) and head weights (T, n_head) for a chunk, from the query latents
         and `proj` (T, n_head), the indexer's proj of the normed inputs. With `norm` (q_a_norm, eps), q_latent is
         q_a's output before that norm, which q_b applies."""
-        q = self.q_b(q_latent, norm=norm).reshape(proj.shape[0], self.n_head, self.head_dim)
+        return self.query_rows(q_latent, positions, norm), proj * self.weight_scale
+
+    @property
+    def weight_scale(self) -> float:
+        """What the head weights (proj's outputs) are multiplied by."""
+        return 1.0 / math.sqrt(self.head_dim * self.n_head)
+
+    def query_rows(self, q_latent: mx.array, positions: mx.array, norm: Norm | None = None) -> mx.array:
+        """The indexer queries (T, n_head, head_dim) of `queries`."""
+        q = self.q_b(q_latent, norm=norm).reshape(q_latent.shape[0], self.n_head, self.head_dim)
         quant = RowQuant.INDEXER_FP4 if self.simulate_quant else RowQuant.NONE
-        q = FINISH_ROWS(q, positions, self.rope, None, quant, False)  # RoPE, then Hadamard + FP4: one launch
-        weights = proj * (1.0 / math.sqrt(self.head_dim * self.n_head))
-        return q, weights
+        return FINISH_ROWS(q, positions, self.rope, None, quant, False)  # RoPE, then Hadamard + FP4: one launch
 
     def select(self, q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
         """Mask (B, n_rows) of the rows each query attends: its top_k visible rows by score (ties to lower c)."""
@@ -82,8 +89,8 @@ class Indexer:
         """Decode form of `select`: the rows' indices (T, top_k) ascending and which of them are real, for queries
         at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK). `norm` as
         in `queries`."""
-        q, weights = self.queries(q_latent, proj, positions, norm)
-        return INDEXER_PICK(q, weights, rows, positions, self.compressor.ratio, self.top_k)
+        return INDEXER_PICK(self.query_rows(q_latent, positions, norm), proj, rows, positions, self.compressor.ratio,
+                            self.top_k, self.weight_scale)
 
 
 def index_scores(q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
@@ -93,11 +100,14 @@ def index_scores(q: mx.array, weights: mx.array, rows: mx.array, visible: mx.arr
     return mx.where(visible, scores, -mx.inf)
 
 
-def pick_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int, top_k: int
-              ) -> tuple[mx.array, mx.array]:
-    """The indexer's choice for queries at positions (T,), which see rows c < (p + 1) // ratio of rows (N, d):
-    ascending indices (T, top_k) and whether each is a chosen row. With at most top_k visible rows these are
-    0..top_k-1, real below the visible count (with N <= top_k: 0..N-1, shape (T, N))."""
+def pick_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int, top_k: int,
+              scale: float = 1.0) -> tuple[mx.array, mx.array]:
+    """The indexer's choice for queries at positions (T,), which see rows c < (p + 1) // ratio of rows (N, d), with
+    head weights `weights` times `scale`: ascending indices (T, top_k) and whether each is a chosen row. With at
+    most top_k visible rows these are 0..top_k-1, real below the visible count (with N <= top_k: 0..N-1, shape
+    (T, N))."""
+    if scale != 1.0:
+        weights = weights * scale
     visible = mx.arange(rows.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
     chosen = top_k_mask(index_scores(q, weights, rows, visible), top_k) & visible
     picked = mask_to_indices(chosen, top_k)
