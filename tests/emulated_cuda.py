@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -146,16 +147,22 @@ UNWRITTEN = {"float": np.nan, "__half": np.nan, "int32_t": -1, "uint32_t": 0xFFF
 """What outputs hold before a launch: NaN (or -1, all ones) shows a value the kernel did not write."""
 
 
+SANITIZE = ["-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get("DS4_EMULATE_ASAN") else []
+"""With DS4_EMULATE_ASAN=1 (and libasan preloaded: bench/README.md, "Spending the GPU minutes well"), kernels are
+built with AddressSanitizer, so a read or write past any input, output or threadgroup array stops the test: what
+would be an illegal memory access (or a silent wrong read) on the GPU."""
+
+
 def compile_library(source: str, directory: Path, name: str) -> ctypes.CDLL:
     """HOST + source as a loaded shared library, compiled once per text in `directory`."""
     if shutil.which("g++") is None:
         pytest.fail("the emulated kernel tests need g++ (C++20)")
     source = HOST + source
-    path = directory / f"{name}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
+    path = directory / f"{name}_{hashlib.sha1((source + str(SANITIZE)).encode()).hexdigest()[:12]}"
     if not path.with_suffix(".so").exists():
         path.with_suffix(".cpp").write_text(source)
         build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                                str(path.with_suffix(".cpp")), "-o", str(path.with_suffix(".so"))],
+                                *SANITIZE, str(path.with_suffix(".cpp")), "-o", str(path.with_suffix(".so"))],
                                capture_output=True, text=True)
         assert build.returncode == 0, build.stderr[-3000:]
     return ctypes.CDLL(str(path.with_suffix(".so")))
