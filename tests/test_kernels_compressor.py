@@ -2,18 +2,24 @@
 
 Flash runs it at ratio 4 with overlap for attention rows (width 512) and indexer rows (128), and at ratio 128
 (512). Positions cover the first token of a window, tokens inside it, its last token (the frontier shifts or
-empties) and a frontier whose previous window is still empty (the first four tokens of a sequence).
+empties) and a frontier whose previous window is still empty (the first four tokens of a sequence). The pair
+kernel (both ratio-4 compressors of a layer in one launch) against the two single references; its rendering (CUDA
+and Metal) and its CPU reference are checked without a GPU.
 """
 
 from __future__ import annotations
+
+import re
 
 import mlx.core as mx
 import pytest
 
 from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.compressor import TOLERANCE
+from ds4_mlx.kernels.compressor import PAIR_KERNEL, STEP_KERNEL, TOLERANCE, _STEP
+from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
 from ds4_mlx.kernels.probe import random_activations
-from ds4_mlx.model.compressor import POOL_STEP, Frontier, pool_step
+from ds4_mlx.model.compressor import POOL_STEP, POOL_STEP_PAIR, Frontier, pool_step
+from kernel_checks import balanced, rendered
 
 SHAPES = [(4, 512), (4, 128), (128, 512)]
 POSITIONS = {4: [0, 1, 2, 3, 4, 6, 7, 1000, 1003], 128: [0, 5, 64, 126, 127, 128, 255, 1000]}
@@ -81,3 +87,71 @@ def test_step_kernel_under_compile(on_gpu, kernels_unforced):
     for position in (2, 3, 4):
         args = step_args(4, 512, position)
         assert_close(compiled(*args[:6]), pool_step(*args))
+
+
+PAIR_POSITIONS = [0, 1, 2, 3, 4, 6, 7, 1000, 1002, 1003]
+"""Slot 0, middle slots and the last slot (the frontier shifts) of first, second and later windows."""
+
+
+def pair_args(position: int, widths: tuple[int, int] = (512, 128)) -> tuple:
+    """POOL_STEP_PAIR's arguments for the attention (512) and indexer (128) compressors of a ratio-4 layer."""
+    a, b = (step_args(4, width, position, seed=10 * k) for k, width in enumerate(widths))
+    return a[:5], b[:5], a[5], 4, *widths
+
+
+def pair_reference(a, b, position, ratio, width_a, width_b) -> tuple:
+    return pool_step(*a, position, ratio, width_a), pool_step(*b, position, ratio, width_b)
+
+
+@pytest.mark.parametrize("kernel", [STEP_KERNEL, PAIR_KERNEL], ids=lambda k: k.name)
+def test_step_kernels_render_for_cuda_and_metal(kernel):
+    """Every neutral word spelled, every helper defined; threadgroup memory declared at the kernel's own scope (Metal
+    allows it nowhere else); the pair runs the single kernel's text, its arrays picked per threadgroup."""
+    for target in (CUDA, METAL):
+        out = rendered(kernel, target)
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", out["source"])
+        assert balanced(out["source"])
+        for helper in set(re.findall(r"\bds4_\w+(?=\()", out["source"])):
+            assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
+        for line in out["source"].splitlines():
+            if re.match(r"\s*(__shared__|threadgroup)\b", line):
+                assert not line.startswith(" "), line
+        assert target.render(_STEP) in out["source"]
+    metal = rendered(PAIR_KERNEL, METAL)["source"]
+    assert "const device float* frontier_kv = second ? frontier_kv_b : frontier_kv_a;" in metal
+    assert "device float* pooled = second ? pooled_b : pooled_a;" in metal
+    assert "const  float* kv = second ? kv_b : kv_a;" in rendered(PAIR_KERNEL, CUDA)["source"]
+
+
+def test_pair_on_the_cpu_is_the_two_steps(on_cpu, kernels_unforced):
+    for position in (0, 2, 3):
+        args = pair_args(position)
+        for got, want in zip(POOL_STEP_PAIR(*args), pair_reference(*args)):
+            assert all(mx.array_equal(g, w) for g, w in zip(got, want))
+    assert all(backend != "cpu" for backend, _ in POOL_STEP_PAIR.fast_path.decisions())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("position", PAIR_POSITIONS)
+def test_pair_kernel_is_used_and_equals_the_two_steps(on_gpu, kernels_unforced, position):
+    args = pair_args(position)
+    got = POOL_STEP_PAIR(*args)
+    assert POOL_STEP_PAIR.fast_path.decisions()[registry.current_backend(), (4, 512, 128)].fast
+    for g, w in zip(got, pair_reference(*args)):
+        assert_close(g, w)
+
+
+@pytest.mark.gpu
+def test_pair_kernel_under_compile_across_windows(on_gpu, kernels_unforced):
+    """Compiled with the position as an array, tokens fed through window boundaries on the frontiers it leaves."""
+    assert POOL_STEP_PAIR.fast_path.enabled((4, 512, 128))
+    compiled = mx.compile(lambda a, b, position: POOL_STEP_PAIR(a, b, position, 4, 512, 128))
+    a, b = pair_args(0)[:2]
+    for position in range(10):
+        a = (*(random_activations((1, 1024), seed=200 + 2 * position + k) for k in range(2)), *a[2:])
+        b = (*(random_activations((1, 256), seed=300 + 2 * position + k) for k in range(2)), *b[2:])
+        p = mx.array(position, dtype=mx.int32)
+        got, want = compiled(a, b, p), pair_reference(a, b, p, 4, 512, 128)
+        for g, w in zip(got, want):
+            assert_close(g, w)
+        a, b = (*a[:3], *want[0][1:]), (*b[:3], *want[1][1:])

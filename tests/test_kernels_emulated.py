@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import affine_matvec, experts, half, hc
+from ds4_mlx.kernels import affine_matvec, compressor, experts, half, hc
 from ds4_mlx.kernels.actquant import FP8_KERNEL, FP8_THREADS
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.compressor import LAYOUTS, STEP_KERNEL
@@ -32,7 +32,7 @@ from ds4_mlx.kernels.matvec import TOLERANCE, QuantMatvec, gathered_reference, l
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
 from ds4_mlx.kernels.quants import dequantize
-from ds4_mlx.model.compressor import Frontier, pool_step
+from ds4_mlx.model.compressor import POOL_STEP, POOL_STEP_PAIR, Frontier, pool_step
 from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType
 from ds4_mlx.model.hyper_connection import post_pre, pre, split, update
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
@@ -255,6 +255,46 @@ def test_emulated_compressor_step_equals_the_reference(ratio, width, positions, 
         assert np.abs(pooled - want[0]).max() <= STEP_TOLERANCE * np.abs(want[0]).max()
         assert np.array_equal(new_kv, want[1]) and np.array_equal(new_score, want[2])
         frontier_kv, frontier_score = mx.array(want[1]), mx.array(want[2])
+
+
+def random_frontier(ratio: int, width: int, seed: int) -> tuple[mx.array, mx.array]:
+    """A frontier with every row but the last holding a token (kv, score), the last one empty (0, -inf)."""
+    coff = 2 if ratio == 4 else 1
+    shape = Frontier.empty(ratio, width).kv.shape
+    kv = mx.where(mx.arange(coff * ratio)[:, None] < coff * ratio - 1, random_activations(shape, seed=seed), 0.0)
+    return kv, mx.where(kv != 0, 3 * random_activations(shape, seed=seed + 1), -mx.inf)
+
+
+@pytest.mark.parametrize(("ratio", "widths", "positions"), [
+    (4, (512, 128), range(10)),  # Flash: attention and indexer rows, slots 0..3 of three windows
+    (4, (512, 128), (1001, 1002, 1003, 1004)),
+    (4, (36, 4), (0, 2, 3)),  # one threadgroup for the second compressor
+    (4, (4, 44), (1, 3)),
+    (128, (64, 24), (5, 127, 128)),  # the layout with several SIMD groups per dim (two barriers)
+], ids=str)
+def test_emulated_compressor_step_pair_equals_the_two_steps(ratio, widths, positions, monkeypatch, tmp_path):
+    """The pair kernel as POOL_STEP_PAIR launches it, tokens fed through window boundaries on the frontiers the
+    references leave: equal to the two references (pooled rows within the tolerance, frontiers exactly) and, bit
+    for bit, to the one-compressor kernel run on each compressor (the same text, the same arithmetic)."""
+    monkeypatch.setattr(compressor, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(compressor, "current_backend", lambda: "cuda")
+    coff = 2 if ratio == 4 else 1
+    steps = [[None, None, random_activations((ratio, coff * w), seed=5 + w), *random_frontier(ratio, w, w)]
+             for w in widths]  # kv, score (each token's own), ape, frontier kv and score
+    for position in positions:
+        for k, (step, width) in enumerate(zip(steps, widths)):
+            step[:2] = [random_activations((1, coff * width), seed=10 * position + 2 * k + i) for i in range(2)]
+        p = mx.array(position, dtype=mx.int32)
+        got = POOL_STEP_PAIR.fast_path.fast(*steps[0], *steps[1], p, ratio, *widths)
+        for k, (step, width) in enumerate(zip(steps, widths)):
+            want = pool_step(*step, p, ratio, width)
+            single = POOL_STEP.fast_path.fast(*step, p, ratio, width)
+            pooled, new_kv, new_score = (np.array(y) for y in got[3 * k : 3 * k + 3])
+            assert np.isfinite(pooled).all() and not np.isnan(new_kv).any() and not np.isnan(new_score).any()
+            assert np.abs(pooled - np.array(want[0])).max() <= STEP_TOLERANCE * np.abs(np.array(want[0])).max()
+            assert np.array_equal(new_kv, np.array(want[1])) and np.array_equal(new_score, np.array(want[2]))
+            assert all(np.array_equal(np.array(g), np.array(s)) for g, s in zip(got[3 * k : 3 * k + 3], single))
+            step[3:] = want[1:]
 
 
 @pytest.mark.parametrize(("rows", "width", "n_rot"), [(1, 512, 64), (7, 512, 64), (3, 192, 64), (2, 512, 0)])

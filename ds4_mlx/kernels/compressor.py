@@ -12,6 +12,11 @@ groups through threadgroup memory, and each thread writes the new frontier rows 
 Ratio 4 runs one SIMD group per 4 dims (128 groups for width 512, 32 for 128), ratio 128 eight per 8 dims (64
 groups), each thread holding 4 rows. (One thread per dim, looping over the rows, took 14-90 us on the H200.)
 
+A ratio-4 layer with an indexer steps its two compressors (attention rows 512 wide, indexer rows 128) at the same
+position and ratio, so PAIR_KERNEL does both in one launch: its first D_A / COLS threadgroups run the text on the
+attention compressor's arrays, the rest on the indexer's (each group picks its pointers and width, then the same
+_STEP text runs), saving one launch per ratio-4 layer.
+
 Its reference is `pool_step` in model/compressor.py, handed in by the model; the kernel equals it to float32
 rounding: the sums in another order and the division by the total once, at the end (sum(e * kv) / sum(e) where
 the reference sums softmax(s) * kv).
@@ -19,7 +24,7 @@ the reference sums softmax(s) * kv).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 import mlx.core as mx
 
@@ -31,8 +36,7 @@ TOLERANCE = 1e-5
 LAYOUTS = {4: (4, 32), 128: (8, 256)}
 """ratio -> (COLS pooled dims per threadgroup, THREADS per threadgroup); G = THREADS / COLS threads share a dim."""
 
-_STEP = """
-constexpr int W = COFF * D;            // frontier row width
+_LAYOUT = """
 constexpr int ROWS = COFF * R;         // candidates of one pooled dim
 constexpr int G = THREADS / COLS;      // threads sharing one pooled dim
 constexpr int PER = ROWS / G;          // candidates per thread
@@ -42,7 +46,16 @@ SHARED float part_total[SIMDS * COLS];
 SHARED float part_acc[SIMDS * COLS];
 const int c = THREAD_IN_GROUP % COLS;
 const int g = THREAD_IN_GROUP / COLS;
-const int j = GROUP_X * COLS + c;
+"""
+"""The threadgroup's shape, whatever the width (so at kernel scope, where Metal wants threadgroup memory declared)."""
+
+_ONE = """
+constexpr int W = COFF * D;            // frontier row width
+const int j = GROUP_X * COLS + c;      // the pooled dim
+"""
+"""One compressor of width D (a template constant): every threadgroup pools COLS of its dims."""
+
+_STEP = """
 const int slot = position[0] % R;
 const int here = (COFF == 2 ? R : 0) + slot;
 const bool done = slot == R - 1;
@@ -120,8 +133,24 @@ if (g == 0) {
 }
 """
 
-STEP_KERNEL = Kernel("ds4_compressor_step", ("kv", "score", "ape", "frontier_kv", "frontier_score", "position"),
-                     ("pooled", "new_kv", "new_score"), _STEP)
+_INPUTS = ("kv", "score", "ape", "frontier_kv", "frontier_score")
+_OUTPUTS = ("pooled", "new_kv", "new_score")
+
+STEP_KERNEL = Kernel("ds4_compressor_step", (*_INPUTS, "position"), _OUTPUTS, _LAYOUT + _ONE + _STEP)
+
+_TWO = """
+const bool second = GROUP_X >= D_A / COLS;  // groups 0..D_A/COLS-1 pool compressor a's dims, the rest b's
+const int D = second ? D_B : D_A;
+const int W = COFF * D;
+const int j = (second ? GROUP_X - D_A / COLS : GROUP_X) * COLS + c;
+""" + "".join(f"const GLOBAL_MEM float* {name} = second ? {name}_b : {name}_a;\n" for name in _INPUTS) + "".join(
+    f"GLOBAL_MEM float* {name} = second ? {name}_b : {name}_a;\n" for name in _OUTPUTS)
+"""Two compressors of one ratio (widths D_A and D_B): each threadgroup picks its compressor's arrays and width, and
+runs the one compressor's text on them under the names it uses."""
+
+PAIR_KERNEL = Kernel("ds4_compressor_step_pair",
+                     (*(f"{name}_{x}" for x in "ab" for name in _INPUTS), "position"),
+                     tuple(f"{name}_{x}" for x in "ab" for name in _OUTPUTS), _LAYOUT + _TWO + _STEP)
 
 
 class CompressorStep:
@@ -141,10 +170,7 @@ class CompressorStep:
 
     @staticmethod
     def _kernel(kv, score, ape, frontier_kv, frontier_score, position, ratio, width):
-        if ratio not in LAYOUTS or width % LAYOUTS[ratio][0]:
-            raise ValueError(f"no compressor-step layout for ratio {ratio} and width {width}")
-        cols, threads = LAYOUTS[ratio]
-        coff = 2 if ratio == 4 else 1
+        cols, threads, coff = _layout(ratio, width)
         return tuple(build(STEP_KERNEL, current_backend())(
             inputs=[kv, score, ape, frontier_kv, frontier_score, position.reshape(1).astype(mx.int32)],
             template=[("R", ratio), ("D", width), ("COFF", coff), ("COLS", cols), ("THREADS", threads)],
@@ -163,3 +189,53 @@ class CompressorStep:
                 random_activations((ratio, cols), seed=63), random_activations((rows, cols), seed=64),
                 mx.where(live, random_activations((rows, cols), seed=65), -mx.inf),
                 mx.array(ratio - 1 if ratio == 4 else 5, dtype=mx.int32), ratio, width)
+
+
+class CompressorStepPair:
+    """The decode step of two compressors of one ratio (a layer's attention and indexer compressors) in one launch
+    where the kernel passed: one step's launch overhead instead of two, on every ratio-4 layer."""
+
+    def __init__(self, reference: Callable[..., tuple[mx.array, mx.array, mx.array]]):
+        """`reference` is the one-compressor step (CompressorStep's reference): the pair's is it twice."""
+        self.one = reference
+        self.fast_path = FastPath("compressor_step_pair", self._reference, self._kernel, self._probe,
+                                  tolerance=TOLERANCE, backends=("cuda", "metal"))
+
+    def __call__(self, a: Sequence[mx.array], b: Sequence[mx.array], position: mx.array, ratio: int, width_a: int,
+                 width_b: int) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]:
+        """a and b each (kv, score, ape, frontier_kv, frontier_score) of one compressor, as CompressorStep takes
+        them, at widths width_a and width_b -> each one's (pooled row, new frontier kv, new frontier score)."""
+        out = self.fast_path(*a, *b, position, ratio, width_a, width_b, key=(ratio, width_a, width_b))
+        return out[:3], out[3:]
+
+    def _reference(self, *args: object) -> tuple[mx.array, ...]:
+        position, ratio, width_a, width_b = args[10:]
+        return (*self.one(*args[:5], position, ratio, width_a), *self.one(*args[5:10], position, ratio, width_b))
+
+    @staticmethod
+    def _kernel(*args: object) -> tuple[mx.array, ...]:
+        position, ratio, width_a, width_b = args[10:]
+        cols, threads, coff = _layout(ratio, width_a, width_b)
+        frontier_a, frontier_b = args[3].shape, args[8].shape
+        return tuple(build(PAIR_KERNEL, current_backend())(
+            inputs=[*args[:10], position.reshape(1).astype(mx.int32)],
+            template=[("R", ratio), ("D_A", width_a), ("D_B", width_b), ("COFF", coff), ("COLS", cols),
+                      ("THREADS", threads)],
+            grid=((width_a + width_b) // cols * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(1, width_a), frontier_a, frontier_a, (1, width_b), frontier_b, frontier_b],
+            output_dtypes=[mx.float32] * 6,
+        ))
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        ratio, width_a, width_b = key
+        a = CompressorStep._probe((ratio, width_a))
+        b = CompressorStep._probe((ratio, width_b))
+        return (*a[:5], *b[:5], a[5], ratio, width_a, width_b)
+
+
+def _layout(ratio: int, *widths: int) -> tuple[int, int, int]:
+    """(COLS, THREADS, COFF) of the step at `ratio` for compressors of these widths."""
+    if ratio not in LAYOUTS or any(width % LAYOUTS[ratio][0] for width in widths):
+        raise ValueError(f"no compressor-step layout for ratio {ratio} and widths {widths}")
+    return (*LAYOUTS[ratio], 2 if ratio == 4 else 1)

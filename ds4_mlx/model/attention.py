@@ -220,13 +220,17 @@ class Attention:
         if self.compressor is not None:
             row_at = (position // self.ratio).reshape(1)
             comp_kv, comp_gate, *indexing = compressing
-            row, frontier = self.compressor.step(comp_kv, comp_gate, position, state.comp_frontier)
+            if self.indexer is None:
+                row, frontier = self.compressor.step(comp_kv, comp_gate, position, state.comp_frontier)
+            else:  # both compressors' steps in one launch
+                index_kv, index_gate, index_proj = indexing
+                (row, frontier), (index_row, index_frontier) = self.compressor.step_with(
+                    self.indexer.compressor, comp_kv, comp_gate, state.comp_frontier, index_kv, index_gate,
+                    state.index_frontier, position)
             state = replace(state, comp=mx.slice_update(state.comp, row, row_at, axes=(0,)), comp_frontier=frontier)
             if self.indexer is not None:
-                index_kv, index_gate, index_proj = indexing
-                row, frontier = self.indexer.compressor.step(index_kv, index_gate, position, state.index_frontier)
-                index = mx.slice_update(state.index, row, row_at, axes=(0,))
-                state = replace(state, index=index, index_frontier=frontier)
+                index = mx.slice_update(state.index, index_row, row_at, axes=(0,))
+                state = replace(state, index=index, index_frontier=index_frontier)
                 picked, valid = self.indexer.pick(q_a, index_proj, positions, index, norm=q_norm)
         out = DECODE_ATTENTION(q, positions, self.rope.inv_freq, raw, state.comp, picked, valid, self.sinks,
                                self.ratio, self.eps)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.compressor import CompressorStep
+from ds4_mlx.kernels.compressor import CompressorStep, CompressorStepPair
 from ds4_mlx.model.linear import Linear
 from ds4_mlx.model.quant_sim import FINISH_ROWS, RowQuant
 from ds4_mlx.model.rope import RoPE
@@ -109,8 +109,24 @@ class Compressor:
         """Feed one token at array `position`, given as kv(x) and gate(x) (1, coff*width) of its normed input x;
         return the row its window gives so far (1, width) and the new frontier. Equal to `__call__` for a
         finished window; the row is final once it is."""
-        pooled, kv, score = POOL_STEP(kv, gate, self.ape, frontier.kv, frontier.score, position, self.ratio,
-                                      self.width)
+        stepped = POOL_STEP(kv, gate, self.ape, frontier.kv, frontier.score, position, self.ratio, self.width)
+        return self._stepped(stepped, position)
+
+    def step_with(self, other: Compressor, kv: mx.array, gate: mx.array, frontier: Frontier, other_kv: mx.array,
+                  other_gate: mx.array, other_frontier: Frontier, position: mx.array
+                  ) -> tuple[tuple[mx.array, Frontier], tuple[mx.array, Frontier]]:
+        """`step` of this compressor and of `other`, one of the same ratio (a layer's indexer compressor), for one
+        token: both (row, frontier) pairs, pooled in one launch on GPU backends (POOL_STEP_PAIR)."""
+        if other.ratio != self.ratio:
+            raise ValueError(f"compressors of ratios {self.ratio} and {other.ratio} do not step together")
+        mine, others = POOL_STEP_PAIR((kv, gate, self.ape, frontier.kv, frontier.score),
+                                      (other_kv, other_gate, other.ape, other_frontier.kv, other_frontier.score),
+                                      position, self.ratio, self.width, other.width)
+        return self._stepped(mine, position), other._stepped(others, position)
+
+    def _stepped(self, stepped: tuple[mx.array, mx.array, mx.array], position: mx.array) -> tuple[mx.array, Frontier]:
+        """(pooled row, frontier kv, frontier score) of a step at `position` -> its finished row and frontier."""
+        pooled, kv, score = stepped
         first = (position - position % self.ratio).reshape(1)  # the row's position: its window's first token
         return self._finish(pooled, first), Frontier(kv, score)
 
@@ -145,3 +161,6 @@ def pool_step(kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.arra
 
 POOL_STEP = CompressorStep(pool_step)
 """`pool_step` as one kernel where a GPU backend has passed the first-use check (kernels/compressor.py)."""
+
+POOL_STEP_PAIR = CompressorStepPair(pool_step)
+"""`pool_step` of two compressors of one ratio as one kernel where a GPU backend has passed the first-use check."""
