@@ -133,6 +133,24 @@ def fits(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant:
             and (norm is None or norm[0] is None or (norm[0].dtype == mx.float32 and norm[0].shape == (width,))))
 
 
+def _launch(kernel: Kernel, args: tuple, rows: int, heads: int, shape: tuple[int, ...], *extra: mx.array
+            ) -> mx.array:
+    """One threadgroup per output row of `shape` (float32), each of one thread per value, finishing FinishRows's
+    arguments `args` (x, positions, rope, norm, quant, round_half); `extra` inputs follow the five common ones."""
+    x, positions, rope, norm, quant, round_half = args
+    width = x.shape[-1]
+    eps = mx.array([0.0 if norm is None else norm[1]], dtype=mx.float32)
+    weight = eps if norm is None or norm[0] is None else norm[0]  # read only with a weight
+    (y,) = build(kernel, current_backend())(
+        inputs=[x, weight, rope.inv_freq, positions.astype(mx.int32), eps, *extra],
+        template=[("W", width), ("NROT", rope.n_rot), ("HEADS", heads), ("ROWS", rows),
+                  ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half))],
+        grid=(rows * width, 1, 1), threadgroup=(width, 1, 1),
+        output_shapes=[shape], output_dtypes=[mx.float32],
+    )
+    return y
+
+
 class FinishRows:
     """Norm, RoPE and quantisation simulation of rows in one launch, where the kernel passed its check."""
 
@@ -152,18 +170,9 @@ class FinishRows:
     @staticmethod
     def _kernel(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant: RowQuant,
                 round_half: bool) -> mx.array:
-        width = x.shape[-1]
-        rows = x.size // width
-        eps = mx.array([0.0 if norm is None else norm[1]], dtype=mx.float32)
-        weight = eps if norm is None or norm[0] is None else norm[0]  # read only with a weight
-        (y,) = build(FINISH_KERNEL, current_backend())(
-            inputs=[x, weight, rope.inv_freq, positions.astype(mx.int32), eps],
-            template=[("W", width), ("NROT", rope.n_rot), ("HEADS", rows // positions.size),
-                      ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half))],
-            grid=(rows * width, 1, 1), threadgroup=(width, 1, 1),
-            output_shapes=[x.shape], output_dtypes=[mx.float32],
-        )
-        return y
+        rows = x.size // x.shape[-1]
+        return _launch(FINISH_KERNEL, (x, positions, rope, norm, quant, round_half), rows, rows // positions.size,
+                       x.shape)
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
@@ -203,17 +212,8 @@ class FinishIntoWindow:
     @staticmethod
     def _kernel(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant: RowQuant,
                 round_half: bool, window: mx.array) -> mx.array:
-        rows, width = window.shape
-        eps = mx.array([0.0 if norm is None else norm[1]], dtype=mx.float32)
-        weight = eps if norm is None or norm[0] is None else norm[0]
-        (y,) = build(WINDOW_KERNEL, current_backend())(
-            inputs=[x, weight, rope.inv_freq, positions.astype(mx.int32), eps, window],
-            template=[("W", width), ("NROT", rope.n_rot), ("HEADS", 1), ("ROWS", rows),
-                      ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half))],
-            grid=(rows * width, 1, 1), threadgroup=(width, 1, 1),
-            output_shapes=[window.shape], output_dtypes=[mx.float32],
-        )
-        return y
+        return _launch(WINDOW_KERNEL, (x, positions, rope, norm, quant, round_half), window.shape[0], 1,
+                       window.shape, window)
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
