@@ -20,6 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ds4_mlx.kernels import registry
+from ds4_mlx.model.hyper_connection import PendingPost
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
@@ -82,9 +83,9 @@ def main() -> int:
         state = cache.layers[layer]
         parts = {
             "hc pre": lambda b=block: list(b.attn_hc.pre(streams)),
-            "hc post": lambda b=block: [b.attn_hc.post(x, streams, *b.attn_hc.pre(streams)[1:])],
+            "hc post": lambda b=block: [PendingPost(x, None, streams, *b.attn_hc.pre(streams)[1:]).apply()],
             "attention": lambda b=block, s=state: (lambda o: [o[0], *o[1].arrays()])(b.attention.step(
-                rms_norm(x, b.attn_norm, b.eps), position, s)),
+                x, position, s, norm=(b.attn_norm, b.eps))),
             "moe": lambda b=block: [b.moe(rms_norm(x, b.ffn_norm, b.eps), token)],
             "block": lambda b=block, s=state: (lambda o: [o[0].apply(), *o[1].arrays()])(
                 b(streams, token, position, s)),

@@ -106,8 +106,7 @@ def pick_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.arra
     head weights `weights` times `scale`: ascending indices (T, top_k) and whether each is a chosen row. With at
     most top_k visible rows these are 0..top_k-1, real below the visible count (with N <= top_k: 0..N-1, shape
     (T, N))."""
-    if scale != 1.0:
-        weights = weights * scale
+    weights = weights * scale
     visible = mx.arange(rows.shape[0])[None, :] < ((positions + 1) // ratio)[:, None]
     chosen = top_k_mask(index_scores(q, weights, rows, visible), top_k) & visible
     picked = mask_to_indices(chosen, top_k)

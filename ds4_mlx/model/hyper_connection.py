@@ -131,11 +131,6 @@ class HyperConnection:
         return POST_PRE(p.output, p.addend, p.streams, p.post, p.comb, self.fn, self.scale, self.base,
                         self.sinkhorn_iters, self.hc_eps, self.norm_eps)
 
-    @staticmethod
-    def post(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-        """New streams: H'_c = post_c * output + sum_r comb[r, c] * H_r."""
-        return UPDATE(output, streams, post, comb)
-
 
 @dataclass
 class HyperHead:
