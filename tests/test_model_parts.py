@@ -21,7 +21,7 @@ from ds4_mlx.kernels.fused_norm import Norm, apply
 from ds4_mlx.model.compressor import Compressor, Frontier
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.factory import preset_config, reference_config
-from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead, sinkhorn
+from ds4_mlx.model.hyper_connection import HyperConnection, HyperHead, PendingPost, sinkhorn
 from ds4_mlx.model.moe import Router, softplus, swiglu
 from ds4_mlx.model.quant_sim import (
     fp4_e2m1_roundtrip,
@@ -220,7 +220,7 @@ def test_hyper_connection_equals_transformers():
     np.testing.assert_allclose(np32(collapsed), collapsed_ref[0].numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np32(post), post_ref[0].numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np32(comb), comb_ref[0].numpy(), rtol=1e-5, atol=1e-6)
-    new = HyperConnection.post(mx.array(output[0].numpy()), s, post, comb)
+    new = PendingPost(mx.array(output[0].numpy()), None, s, post, comb).apply()
     np.testing.assert_allclose(np32(new), new_ref[0].numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np32(comb).sum(axis=-2), 1.0, atol=1e-5)  # ends on a column step
 
