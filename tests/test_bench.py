@@ -126,7 +126,13 @@ def test_walk_continues_from_the_prompt_after_each_probe(model_path):
     engine = Engine.load(model_path, 40)
     loaded = Loaded("tiny", engine.session, engine.tokenizer, 1.0, 1, {})
     prompt = prompt_ids(engine.tokenizer, read_prompt(None), 32)
+    fed = []
+    prefill = engine.session.prefill
+    engine.session.prefill = lambda tokens, **kw: fed.append(len(tokens)) or prefill(tokens, **kw)
     results, counts = run_walk(loaded, Walk((16, 32), gen_tokens=4, repeats=1), prompt)
+    # the warm-up runs the first interval's shape twice, then the walk its two intervals (decode steps feed 1 token)
+    assert [n for n in fed if n > 1] == [16, 16, 16, 16]
+    assert loaded.warmup_seconds > 0
     assert engine.session.tokens == prompt  # the probes' tokens were rolled back
     fresh = Engine.load(model_path, 40).session
     fresh.prefill(prompt[:16])

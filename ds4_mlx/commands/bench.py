@@ -6,7 +6,8 @@ frontier by frontier: `--ctx-start`, then every `--step-incr` tokens (or times `
 At each frontier the row gives the prefill speed of the interval since the previous frontier (incremental
 prefill), then the speed of a greedy probe of `--gen-tokens` tokens (EOS never chosen, one argmax read back per
 token, as a temperature-0 request does); the session is then restored to the frontier so that the walk continues
-along the prompt. A short warm-up (compilation, first allocations) comes first and is not counted. The walk runs
+along the prompt. A warm-up (the first interval's chunk shape twice, then a few decode steps: kernel compilation,
+first-use checks) comes first; it is not counted and its seconds are reported. The walk runs
 `--repeats` times; each figure is the median with the min and max beside it. Peak memory is MLX's high-water mark
 during the frontier's interval and probe, weights included.
 
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
 GIB = 1024**3
-WARMUP_TOKENS = 32
 WARMUP_DECODE_STEPS = 2
 CSV_COLUMNS = ("ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes",
                "peak_memory_bytes", "prefill_tps_min", "prefill_tps_max", "gen_tps_min", "gen_tps_max")
@@ -255,6 +255,8 @@ class Loaded:
     seconds: float
     file_bytes: int
     host: dict
+    warmup_seconds: float = 0.0
+    """The walk's warm-up: kernel compilation and first-use checks, paid once per process (not in the figures)."""
 
 
 def read_prompt(path: Path | None) -> str:
@@ -306,11 +308,8 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
     def greedy(logits: mx.array) -> int:
         return int(mx.argmax(logits + no_eos).item())
 
-    session.reset()
-    session.prefill(prompt[:max(1, min(WARMUP_TOKENS, len(prompt), session.ctx - WARMUP_DECODE_STEPS))])
-    token = greedy(session.logits)
-    for _ in range(min(WARMUP_DECODE_STEPS, session.room)):
-        token = greedy(session.decode(token))
+    loaded.warmup_seconds = warm_up(session, prompt, walk.frontiers[0], greedy)
+    say(f"warm-up (compilation, first-use checks) {loaded.warmup_seconds:.1f} s")
     if walk.mtp_draft and session.mtp is None:
         raise ValueError("the walk measures MTP figures but the session has no MTP draft block")
     results = []
@@ -353,6 +352,23 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
             result.peak_memory_bytes = max(result.peak_memory_bytes, mx.get_peak_memory())
             say(line)
     return results, counts
+
+
+def warm_up(session: Session, prompt: list[int], first: int, greedy: Callable[[mx.array], int]) -> float:
+    """Seconds of a throwaway run of the first interval's chunk shape, twice (the second chunk meets the rows the
+    first left: compressed rows, indexer candidates), then a few decode steps. The kernels compile and pass their
+    first-use checks here, so that the timed walk measures the steady state, as ds4-bench does."""
+    t0 = time.perf_counter()
+    session.reset()
+    n = max(1, min(first, session.chunk_size, len(prompt), session.ctx - WARMUP_DECODE_STEPS))
+    session.prefill(prompt[:n])
+    again = min(n, len(prompt) - n, session.ctx - n - WARMUP_DECODE_STEPS)
+    if again > 0:
+        session.prefill(prompt[n:n + again])
+    token = greedy(session.logits)
+    for _ in range(min(WARMUP_DECODE_STEPS, session.room)):
+        token = greedy(session.decode(token))
+    return time.perf_counter() - t0
 
 
 @contextmanager
@@ -537,6 +553,7 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
         "load_bytes": loaded.file_bytes,
         "load_gb_per_second": round(gbps, 3),
         "load_stats": _load_stats(loaded.session.model),
+        "warmup_seconds": round(loaded.warmup_seconds, 3),
         "weights_bytes": loaded.session.model.nbytes,
         "host": loaded.host,
         "frontiers": [r.row() for r in results],
