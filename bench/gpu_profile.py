@@ -4,7 +4,8 @@
     python bench/gpu_profile.py --layers 4 --prefill 512      # one 512-token prefill chunk
 
 The kernels are traced with CUPTI through torch.profiler (the GPU machine has torch; CUPTI sees every kernel of
-the process, MLX's included). Only the optional profiler needs torch: nothing in ds4_mlx imports it. Prints the
+the process, MLX's included), and so are the host's CUDA runtime and driver calls (graph node adds, updates,
+launches: the host side of a step). Only the optional profiler needs torch: nothing in ds4_mlx imports it. Prints the
 graph's primitive count (`decode_step_ops`), the host time of building and submitting a step against its wall
 time, the kernels per step with the GPU's busy time, and the kernels by total time. Synthetic weights in the
 published layout, the first `--layers` Flash layers (model/synthetic.py).
@@ -17,6 +18,7 @@ import collections
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -43,6 +45,30 @@ def kernel_table(run, repeats: int, top: int) -> None:
     print(f"kernels per run {sum(count.values()) / repeats:.0f}, GPU busy {sum(total.values()) / repeats:.0f} us per run")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         print(f"{us / repeats:10.1f} us {count[name] / repeats:7.1f}x  {name[:120]}")
+    api_table(prof, repeats)
+
+
+def api_table(prof, repeats: int) -> None:
+    """The host's CUDA runtime and driver calls per run, by total time (CUPTI records them process-wide, MLX's
+    included): where building and submitting the step's graphs goes (node adds, graph updates, launches)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    total: dict[str, float] = collections.defaultdict(float)
+    count: collections.Counter[str] = collections.Counter()
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in event:
+            total[event["name"]] += event["dur"]
+            count[event["name"]] += 1
+    if not total:
+        print("host API calls: none in the trace")
+        return
+    print(f"host API calls per run {sum(count.values()) / repeats:.0f}, {sum(total.values()) / repeats:.0f} us per run")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"{us / repeats:10.1f} us {count[name] / repeats:7.1f}x  {name[:100]}")
 
 
 def main() -> int:

@@ -7,6 +7,9 @@
 #   prefill        the same for one 2048-token prefill chunk
 #   bench[:N]      `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512 and 2k, the real
 #                  launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
+#   knobs[:N]      decode at 2k over N layers (default 12) under MLX's CUDA graph limits: its defaults (on the
+#                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB, which every
+#                  routed-expert launch does: its banks are ~1 GB), then the MB limit lifted, then larger graphs
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (NVRTC costs ~2 s a kernel cold)
 # and packed again into $OUT/ptx.tgz at the end: copy it to .device/cache/ for the next machine.
 # Full outputs are written under $OUT; the tail of each is printed.
@@ -17,14 +20,15 @@ mkdir -p "$out" /tmp/ptx
 [ -f .device/cache/ptx.tgz ] && [ ! -f /tmp/ptx/.unpacked ] && tar -xzf .device/cache/ptx.tgz -C /tmp/ptx && touch /tmp/ptx/.unpacked
 export MLX_PTX_CACHE_DIR=/tmp/ptx PYTHONPATH=$PWD:${PYTHONPATH:-}
 start=$(date +%s)
-left() { echo $(( limit - ($(date +%s) - start) - ${1:-0} )); }
+left() { local n=$(( limit - ($(date +%s) - start) - ${1:-0} )); echo $(( n > 1 ? n : 1 )); }  # seconds for a step
 for step in "$@"; do
   echo "== $step ($(( $(date +%s) - start )) s in, $(left) s left)"
   case $step in
     tests)
-      DS4_TEST_DEVICE=gpu timeout "$(left 250)" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE \
-        --durations=10 tests/ > "$out/gpu_tests.txt" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tests.txt" | cut -c1-220 | tail -30 ;;
+      DS4_TEST_DEVICE=gpu timeout "$(left 250)" python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfE \
+        --durations=10 tests/test_kernels_*.py tests/test_fused_linear.py > "$out/gpu_tests.txt" 2>&1
+      grep -E "^(FAILED|ERROR)| passed| failed" "$out/gpu_tests.txt" | cut -c1-220 | tail -30
+      echo "$(grep -c PASSED "$out/gpu_tests.txt") passed; last: $(grep "::" "$out/gpu_tests.txt" | tail -1 | cut -c1-150)" ;;
     profile)
       timeout "$(left 120)" python3 bench/gpu_profile.py --layers 4 --top 40 > "$out/profile.txt" 2>&1
       grep -v "warnings.warn" "$out/profile.txt" | cut -c1-170 | tail -48 ;;
@@ -38,6 +42,15 @@ for step in "$@"; do
       echo "rc $?"
       grep -iv "warnings.warn\|it/s\]" "$out/bench$layers.err" | cut -c1-250 | tail -25
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$out/bench$layers.json" 2>&1 | tail -3 ;;
+    knobs*)
+      layers=${step#knobs}; layers=${layers#:}; layers=${layers:-12}
+      for knob in "" "MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=300" \
+                  "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=1000"; do
+        tag=$(echo "${knob:-defaults}" | tr ' =' '_-')
+        env $knob timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 2048 \
+          --ctx-max 2048 --gen-tokens 64 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"
+        echo "${knob:-defaults}: $(python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['frontiers'][0]; print(f['gen_tps'], 't/s decode', f['prefill_tps'], 't/s prefill')" "$out/knobs_$tag.json" 2>&1 | tail -1)"
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done
