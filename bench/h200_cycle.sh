@@ -11,7 +11,8 @@
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB, which every
 #                  routed-expert launch does: its banks are ~1 GB), then the MB limit lifted, then larger graphs
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (NVRTC costs ~2 s a kernel cold)
-# and packed again into $OUT/ptx.tgz at the end: copy it to .device/cache/ for the next machine.
+# and packed again into $OUT/ptx.tgz at the end: copy it to .device/cache/ for the next machine. Kernels are compiled
+# per session context (their templates hold it), so every step here uses the bench's: 2048 + 32 tokens.
 # Full outputs are written under $OUT; the tail of each is printed.
 set -u
 out=${OUT:-/tmp/out}
@@ -30,7 +31,7 @@ for step in "$@"; do
       grep -E "^(FAILED|ERROR)| passed| failed" "$out/gpu_tests.txt" | cut -c1-220 | tail -30
       echo "$(grep -c PASSED "$out/gpu_tests.txt") passed; last: $(grep "::" "$out/gpu_tests.txt" | tail -1 | cut -c1-150)" ;;
     profile)
-      timeout "$(left 120)" python3 bench/gpu_profile.py --layers 4 --top 40 > "$out/profile.txt" 2>&1
+      timeout "$(left 120)" python3 bench/gpu_profile.py --layers 4 --ctx 2080 --top 40 > "$out/profile.txt" 2>&1
       grep -v "warnings.warn" "$out/profile.txt" | cut -c1-170 | tail -48 ;;
     prefill)
       timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill 2048 --top 30 > "$out/prefill.txt" 2>&1
@@ -48,7 +49,7 @@ for step in "$@"; do
                   "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=1000"; do
         tag=$(echo "${knob:-defaults}" | tr ' =' '_-')
         env $knob timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 2048 \
-          --ctx-max 2048 --gen-tokens 64 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"
+          --ctx-max 2048 --gen-tokens 32 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"
         echo "${knob:-defaults}: $(python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['frontiers'][0]; print(f['gen_tps'], 't/s decode', f['prefill_tps'], 't/s prefill')" "$out/knobs_$tag.json" 2>&1 | tail -1)"
       done ;;
     *) echo "unknown step $step" ;;

@@ -145,6 +145,7 @@ class Attention:
 
     def __post_init__(self) -> None:
         self.project = FusedLinear(self.input_projections())
+        self.out_a.hold_groups(self.o_groups)
 
     def input_projections(self) -> list[Linear]:
         """The matrices a decode step multiplies its normed input x by: q_a and kv, then the compressor's kv and

@@ -182,6 +182,7 @@ class Linear:
         self._half: mx.array | None = None
         self._dense: mx.array | None = None
         self._raw: mx.array | None = None
+        self._banks: dict[int, AffineWeight] = {}
         fits = shape[0] * shape[1] * 4 <= (RESIDENT_BYTES if resident_bytes is None else resident_bytes)
         if uses_affine(self.ggml_type):
             self._affine = _affine_now(source, name, self.ggml_type, shape)
@@ -221,11 +222,20 @@ class Linear:
             return self._affine.take(index).dequantize()
         return dequantize(self._raw[index], self.ggml_type, (index.size, self.shape[1]))
 
+    def hold_groups(self, groups: int) -> None:
+        """Keeps W's rows as `groups` banks from load on, for `grouped`: a compiled decode step then reads them as
+        they are, without three reshapes of its own every token."""
+        if self._affine is not None:
+            self._banks[groups] = self._as_banks(groups)
+
+    def _as_banks(self, groups: int) -> AffineWeight:
+        w = self._affine
+        return AffineWeight(*(a.reshape(groups, -1, a.shape[-1]) for a in (w.wq, w.scales, w.biases)), w.bits)
+
     def grouped(self, x: mx.array, groups: int) -> mx.array:
         """Group g of W's rows applied to x[:, g]: x (T, groups, IN) -> (T, groups, OUT / groups)."""
         if self._affine is not None and _fast():
-            w = self._affine
-            split = AffineWeight(*(a.reshape(groups, -1, a.shape[-1]) for a in (w.wq, w.scales, w.biases)), w.bits)
+            split = self._banks[groups] if groups in self._banks else self._as_banks(groups)
             if x.shape[0] < BATCH_TOKENS and AFFINE_GATHER.enabled(GGMLType(self.ggml_type)):
                 # a few tokens: each (token, group) pair is a matvec against its group's rows, in one launch of
                 # the matvec kernel over the groups as a bank (MLX's batched quantized_matmul of one row per batch,
