@@ -7,6 +7,9 @@
 #   prefill        the same for one 2048-token prefill chunk
 #   bench[:N]      `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512 and 2k, the real
 #                  launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
+#   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model, 16
+#                  jobs), then `ds4-mlx bench -m` on it: load time and GB/s, host peak RSS, decode at 2k with
+#                  the MTP verify costs (`--mtp-draft 3`)
 #   knobs[:N]      decode at 2k over N layers (default 12) under MLX's CUDA graph limits: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB, which every
 #                  routed-expert launch does: its banks are ~1 GB), then the MB limit lifted, then larger graphs
@@ -43,6 +46,18 @@ for step in "$@"; do
       echo "rc $?"
       grep -iv "warnings.warn\|it/s\]" "$out/bench$layers.err" | cut -c1-250 | tail -25
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$out/bench$layers.json" 2>&1 | tail -3 ;;
+    file)
+      mkdir -p /mnt/ram && (mountpoint -q /mnt/ram || mount -t tmpfs -o size=100g tmpfs /mnt/ram)
+      t0=$(date +%s)
+      [ -f /mnt/ram/flash.gguf ] || timeout "$(left 200)" python3 -m ds4_mlx.cli make-model --preset flash --jobs 16 \
+        /mnt/ram/flash.gguf --mtp /mnt/ram/flash-mtp.gguf > "$out/make.txt" 2>&1
+      echo "files written in $(( $(date +%s) - t0 )) s: $(ls -la /mnt/ram | tail -2 | awk '{print $5, $9}' | tr '\n' ' ')"
+      timeout "$(left 10)" python3 -m ds4_mlx.cli bench -m /mnt/ram/flash.gguf --mtp /mnt/ram/flash-mtp.gguf \
+        --mtp-draft 3 --ctx-start 2048 --ctx-max 2048 --gen-tokens 32 --json --csv "$out/file.csv" \
+        > "$out/file.json" 2> "$out/file.err"
+      echo "rc $?"
+      grep -iv "warnings.warn\|it/s\]" "$out/file.err" | cut -c1-250 | tail -12
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:2500])" "$out/file.json" 2>&1 | tail -3 ;;
     knobs*)
       layers=${step#knobs}; layers=${layers#:}; layers=${layers:-12}
       for knob in "" "MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=300" \
