@@ -11,7 +11,7 @@ never straddle experts, nothing read back to the host). Only the multiply differ
   dropped lo_x lo_w and lo's own rounding leave ~2^-21 relative per product, float32's class (2^-24 per product
   before the K-long sum's own rounding), at 3 mma per product;
 - a threadgroup is 8 warps over a TM x TN = 64 x 128 tile, each warp a 32 x 32 block of it (2 x 4 mma tiles of 16 x
-  8, 32 float accumulators per thread). A K loop stages TK = 32 wide slices of the tile's x rows and W_e rows in
+  8: 32 float accumulators and 32 partial sums per thread). A K loop stages TK = 32 wide slices of the tile's x rows and W_e rows in
   threadgroup memory, rows padded to LD = 36 floats so that a fragment load (lanes g = lane / 4 on 8 rows, t =
   lane % 4 on 4 columns) hits 32 distinct banks; the next slice's global loads (one warp reads 128 contiguous
   bytes of a row per load) are in flight in registers while the current slice is multiplied, as in the SIMT
@@ -27,7 +27,8 @@ only), so its fast path is registered for CUDA alone, and any failed first-use c
 Cost (estimated, not measured): 206 GFLOP per Flash projection of a 2048-token chunk (N = 12288, 2048 x 4096), 618
 GFLOP of TF32 mma work at 3 mma per product. The H200's dense TF32 peak is ~490 TFLOPS; mma.sync (not wgmma) with
 the splits on the FMA pipes should reach ~35-45% of it, and a random routing fills ~75% of the row tiles: ~4-5 ms
-per projection (against ~19 ms measured for the SIMT kernel), ~13 ms per layer.
+per projection (against ~19 ms measured for the SIMT kernel), ~13 ms per layer. At ~130 registers per thread one
+threadgroup (8 warps) may be all an SM holds; if that starves it, ~6 ms.
 """
 
 from __future__ import annotations
