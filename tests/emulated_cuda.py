@@ -102,6 +102,44 @@ inline unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int
   }
   return r;
 }
+// cvt.rna.tf32.f32: round to nearest, ties away from zero, at the 13th mantissa bit (adding half a TF32 unit to
+// the magnitude bits carries into the exponent as rounding up does); infinities and NaNs pass unchanged
+inline unsigned int tf32_rna(float v) {
+  const unsigned int bits = ds4_bits(v);
+  return (bits & 0x7F800000u) == 0x7F800000u ? bits : (bits + 0x1000u) & 0xFFFFE000u;
+}
+inline void ds4_tf32_split(float v, unsigned int& hi, unsigned int& lo) {
+  hi = tf32_rna(v);
+  lo = tf32_rna(v - __uint_as_float(hi));
+}
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: the warp's fragments gathered as in lane_xor, the matrices
+// rebuilt from them by PTX's fragment layout (g = lane >> 2, t = lane & 3: a0 A[g][t], a1 A[g+8][t], a2 A[g][t+4],
+// a3 A[g+8][t+4]; b0 B[t][g], b1 B[t+4][g]; c0 C[g][2t], c1 C[g][2t+1], c2 C[g+8][2t], c3 C[g+8][2t+1]), each
+// lane given its C elements: c + the 8 products (each exact) summed in double, then truncated to float32, as the
+// tensor cores round toward zero (Fasi et al., "Numerical behavior of NVIDIA tensor cores", 2021) where an IEEE
+// float32 sum would round to nearest: a kernel that lets the truncation drift over a long K shows it here
+inline void ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned int* b) {
+  static unsigned int as[32][32][4], bs[32][32][2];
+  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = 0; i < 4; ++i) as[simd][lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) bs[simd][lane][i] = b[i];
+  ds4_simd_barrier();
+  float A[16][8], B[8][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int i = 0; i < 4; ++i) A[g + 8 * (i & 1)][t + 4 * (i >> 1)] = __uint_as_float(as[simd][l][i] & 0xFFFFE000u);
+    for (int i = 0; i < 2; ++i) B[t + 4 * i][g] = __uint_as_float(bs[simd][l][i] & 0xFFFFE000u);
+  }
+  ds4_simd_barrier();
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    double sum = c[i];
+    for (int k = 0; k < 8; ++k) sum += (double)A[row][k] * B[k][col];
+    const float nearest = (float)sum;
+    c[i] = std::fabs((double)nearest) > std::fabs(sum) ? std::nextafter(nearest, 0.0f) : nearest;
+  }
+}
 
 // Threadgroups one after the other, by the same threads; a separate barrier ends each group, so a thread that
 // leaves the kernel early cannot stand in for one at the kernel's own barriers, and the next group does not touch

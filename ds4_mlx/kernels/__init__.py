@@ -12,7 +12,7 @@
 - `experts`: a decode token's routed experts over raw IQ2_XXS / Q2_K banks in two launches (gate + up + SwiGLU, down
   + the sum over slots);
 - `grouped`: prefill's routed experts as grouped GEMMs over expert-sorted pairs, with `dequant` (IQ2_XXS / Q2_K
-  banks into a float scratch), `grouped_gemm` (CUDA's grouped GEMM kernel) and `batch` (projections of 16+ rows as
-  dequantize + GEMM, DS4_PREFILL_DTYPE);
+  banks into a float scratch), `grouped_gemm` (CUDA's grouped GEMM kernel), `grouped_tf32` (its 3xTF32
+  tensor-core form, CUDA only) and `batch` (projections of 16+ rows as dequantize + GEMM, DS4_PREFILL_DTYPE);
 - `probe`: random valid quant blocks for the first-use checks.
 """

@@ -25,6 +25,13 @@ share, plus a few neutral words that each dialect spells its own way:
   int-to-float conversion, which runs at a quarter of the FMA rate on NVIDIA GPUs). Also ds4_cos(float) and
   ds4_sin(float) (full precision, with full range reduction) and ds4_round_half(float) (to the nearest float16
   value, ties to even, back as a float).
+- CUDA only (tensor cores; kernels that call them are CUDA-only fast paths, Metal keeps a SIMT kernel):
+  ds4_tf32_split(float v, unsigned int& hi, unsigned int& lo) (hi = v rounded to TF32, 10 mantissa bits, nearest
+  with ties away from zero as cvt.rna rounds; lo = v - hi rounded the same way: hi + lo carries ~21 bits of v) and
+  ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned int* b) (c += A B for one warp: A 16 x 8 in
+  a[0..3], B 8 x 8 in b[0..1], C 16 x 8 in c[0..3], each lane holding the fragment elements PTX's mma.m16n8k8
+  .tf32 layout gives it: with g = lane / 4 and t = lane % 4, a = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4];
+  b = B[t][g], B[t+4][g]; c = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]; all 32 lanes take part).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -159,6 +166,17 @@ __device__ __forceinline__ unsigned int ds4_byte_perm(unsigned int lo, unsigned 
 }
 __device__ __forceinline__ float ds4_magic_byte(unsigned int word, int j) {
   return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u + (unsigned int)j));
+}
+__device__ __forceinline__ void ds4_tf32_split(float v, unsigned int& hi, unsigned int& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(v));
+  hi &= 0xFFFFE000u;  // a float again: PTX leaves the low bits of a .tf32 register to the implementation
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(v - __uint_as_float(hi)));
+}
+__device__ __forceinline__ void ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned int* b) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 """,
     make=mx.fast.cuda_kernel,

@@ -4,7 +4,8 @@ A chunk of T tokens with top-k routing gives N = T * k pairs. Sorting their expe
 (`sort_by_expert`) puts each expert's pairs next to each other, and `mx.gather_mm(..., sorted_indices=True)` then
 runs one grouped GEMM per projection, with no host round-trip and no per-expert Python loop. On CUDA, whose sorted
 gather_mm is wrong in MLX 0.32.4 (`trusts_sorted_indices`), the grouped GEMM is one custom kernel over the sorted
-pairs and their per-expert counts instead (grouped_gemm.py). Its right-hand side is the bank as floats, a *scratch*:
+pairs and their per-expert counts instead: for a float32 scratch the 3xTF32 tensor-core kernel (grouped_tf32.py),
+else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand side is the bank as floats, a *scratch*:
 
 - raw IQ2_XXS / Q2_K banks (q2 files): on a GPU the used experts are decoded by `dequant.dequantize_used`, one
   kernel per projection;
@@ -36,7 +37,8 @@ from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .batch import BF16_TOLERANCE, DTYPES, TOLERANCE, prefill_dtype
 from .dequant import dequantize_used
-from .grouped_gemm import expert_counts, untrusted_matmul
+from .grouped_gemm import expert_counts
+from .grouped_tf32 import tensor_core_matmul
 from .matvec import gathered_reference
 from .probe import random_activations, random_blocks
 from .quants import dequantize
@@ -81,7 +83,7 @@ def trusts_sorted_indices() -> bool:
     """Whether MLX's gather_mm may be told that the pairs are sorted. MLX 0.32.4's CUDA gather_mm gives wrong
     products with sorted_indices=True (measured on the H200: relative error ~1.5 from 64 pairs of 8 small experts
     on, float32 and bf16, and an illegal memory access at 12,288 pairs of 256 Flash experts), so on CUDA the
-    grouped GEMM is the custom kernel of grouped_gemm.py instead."""
+    grouped GEMM is a custom kernel instead (grouped_tf32.py, grouped_gemm.py)."""
     return registry.current_backend() != "cuda"
 
 
@@ -90,7 +92,7 @@ def scratch_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array, counts:
     """x[i] @ scratch[ids[i]].T as float32 (N, OUT), for x (N, IN), scratch (E, OUT, IN), ids sorted ascending and
     counts (E,) the pairs per expert (computed from the ids where not given and needed)."""
     if not trusts_sorted_indices():
-        return untrusted_matmul(x, scratch, sorted_ids, counts)
+        return tensor_core_matmul(x, scratch, sorted_ids, counts)
     y = mx.gather_mm(x[:, None, :].astype(scratch.dtype), mx.swapaxes(scratch, 1, 2), rhs_indices=sorted_ids,
                      sorted_indices=True)
     return y[:, 0, :].astype(mx.float32)

@@ -45,18 +45,7 @@ MAX_ROW_TILES = 65535
 """CUDA's limit on grid y: larger chunks (over 4M pairs) keep the fallback."""
 
 
-_SOURCE = """
-const int tid = THREAD_IN_GROUP;
-const int n_expert = dims[0];
-const int n_out = dims[1];
-const int n_in = dims[2];
-const int tile = GROUP_Y;
-const int col0 = GROUP_X * TN;
-SHARED int where[3];
-SHARED float4 xs4[TK * TM / 4];
-SHARED float4 ws4[TK * TN / 4];
-SHARED_MEM float* xs = reinterpret_cast<SHARED_MEM float*>(xs4);
-SHARED_MEM float* ws = reinterpret_cast<SHARED_MEM float*>(ws4);
+TILE_SCAN = """
 if (tid == 0) {
   where[2] = 0;
 }
@@ -95,6 +84,24 @@ const int rows = where[2];
 if (rows == 0) {
   return;
 }
+"""
+"""The row-tile assignment, shared with the tensor-core kernel (grouped_tf32.py): the threadgroup of grid row tile
+`tile` finds its expert, first pair and row count from `counts` (threads tid, SIMD group 0 scanning; `where` an int[3]
+in threadgroup memory) and leaves at once if its tile is past the last. Defines expert, row0 and rows."""
+
+_SOURCE = """
+const int tid = THREAD_IN_GROUP;
+const int n_expert = dims[0];
+const int n_out = dims[1];
+const int n_in = dims[2];
+const int tile = GROUP_Y;
+const int col0 = GROUP_X * TN;
+SHARED int where[3];
+SHARED float4 xs4[TK * TM / 4];
+SHARED float4 ws4[TK * TN / 4];
+SHARED_MEM float* xs = reinterpret_cast<SHARED_MEM float*>(xs4);
+SHARED_MEM float* ws = reinterpret_cast<SHARED_MEM float*>(ws4);
+""" + TILE_SCAN + """
 const int rx = tid % TM;
 const int kx = (tid / TM) * (TK * TM / THREADS);
 const int nw = tid % TN;
@@ -249,7 +256,7 @@ def _fast(x: mx.array, scratch: mx.array, sorted_ids: mx.array, counts: mx.array
     return grouped_gemm(x, scratch, counts)
 
 
-def _probe(dtype: mx.Dtype):
+def make_probe(dtype: mx.Dtype):
     def probe(key: Hashable) -> tuple:
         """Five experts at the real widths: one unused, one with a single pair, one with more than a tile of pairs
         (N = 76, not a multiple of TM)."""
@@ -261,7 +268,7 @@ def _probe(dtype: mx.Dtype):
 
 
 GROUPED_GEMM = {
-    dtype: FastPath(f"grouped_gemm_{name}", fallback_matmul, _fast, _probe(dtype),
+    dtype: FastPath(f"grouped_gemm_{name}", fallback_matmul, _fast, make_probe(dtype),
                     tolerance=TOLERANCE if dtype == mx.float32 else BF16_TOLERANCE, backends=("cuda", "metal"))
     for name, dtype in DTYPES.items()
 }
