@@ -5,8 +5,8 @@
 #   tests          every gpu-marked test (each kernel used on the device and equal to its reference)
 #   profile        per-kernel CUPTI times of the compiled decode step, first 4 layers (bench/gpu_profile.py)
 #   prefill        the same for one 2048-token prefill chunk
-#   bench[:N]      `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512 and 2k, the real
-#                  launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
+#   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
+#                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
 #   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model, 16
 #                  jobs), then `ds4-mlx bench -m` on it: load time and GB/s, host peak RSS, decode at 2k with
 #                  the MTP verify costs (`--mtp-draft 3`)
@@ -45,9 +45,9 @@ for step in "$@"; do
       timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill 2048 --top 30 > "$out/prefill.txt" 2>&1
       grep -v "warnings.warn" "$out/prefill.txt" | cut -c1-170 | tail -38 ;;
     bench*)
-      layers=${step#bench}; layers=${layers#:}; layers=${layers:-43}
+      IFS=: read -r _ layers max <<< "$step:"; layers=${layers:-43}; max=${max:-2048}
       timeout "$(left 15)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 512 \
-        --ctx-max 2048 --step-mul 4 --gen-tokens 32 --ops --json > "$out/bench$layers.json" 2> "$out/bench$layers.err"
+        --ctx-max "$max" --step-mul 4 --gen-tokens 32 --ops --json > "$out/bench$layers.json" 2> "$out/bench$layers.err"
       echo "rc $?"
       grep -iv "warnings.warn\|it/s\]" "$out/bench$layers.err" | cut -c1-250 | tail -25
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$out/bench$layers.json" 2>&1 | tail -3 ;;
