@@ -49,8 +49,9 @@ def block_inputs(heads: int, d: int, window: int, b: int, first: int, raw_first:
         real = rng.random((b, picks)) < 0.67
         real[list(none_real)] = False
         valid = mx.array(real)
-    return (random_activations((b, heads, d), seed=seed), random_activations((first + b - raw_first, d), seed=seed + 1),
-            raw_first, first, window, rows, ratio, picked, valid, random_activations((heads,), seed=seed + 3))
+    raw = random_activations((first + b - raw_first, d), seed=seed + 1)
+    return (random_activations((b, heads, d), seed=seed), raw, raw_first, first, window, rows, ratio, picked, valid,
+            random_activations((heads,), seed=seed + 3))
 
 
 ODD_CASES = {
@@ -134,7 +135,8 @@ def test_chunk_attention_kernel_is_used_and_equals_reference(on_gpu, kernels_unf
 @pytest.mark.gpu
 def test_tiny_model_prefill_runs_the_kernel(on_gpu, kernels_unforced, tmp_path):
     """The tiny model's prefill (two chunks: the first leaves ratio-4 layers at most top k rows, the second
-    passes it) takes the kernel for every kind of key set, and its logits equal the reference path's within float32 reassociation (simulation off)."""
+    passes it) takes the kernel for every kind of key set, and its logits equal the reference path's within
+    float32 reassociation (activation simulation off)."""
     weights = open_weights(write_model(tmp_path / "tiny-q4.gguf", preset="tiny", experts="q4"))
     tokens = mx.array(np.random.default_rng(15).integers(0, weights.config.n_vocab, 100).astype(np.int32))
 
