@@ -1,4 +1,4 @@
-"""Decode-step kernels of the attention sublayer (spec §3.4, §3.8): RoPE, and one query token's attention.
+"""Kernels of the attention sublayer (spec §3.4, §3.8): RoPE, one query token's attention, a chunk block's.
 
 - `ROPE`: rotates the trailing n_rot dims of rows (R, D) in adjacent pairs by the angles whose cos and sin it is
   given per position (the caller computes them once per position: in a compiled step, once for all layers), or
@@ -14,6 +14,20 @@
   cos and sin taken in the kernel (ds4_cos, ds4_sin). One threadgroup per head; each SIMD group runs an online
   softmax over every eighth key, with D / 32 dims per lane, and the groups' partial sums are merged with the sink
   at the end.
+- `CHUNK_ATTENTION`: a block of prefill queries' attention core in one launch (its multi-query sibling), where the
+  reference builds masks, joins and gathers key sets (a (B, top_k, D) copy of the picked rows) and runs ~25 MLX ops
+  per block. Queries arrive normed and rotated; each sees the raw rows of its window (from the positions), then by
+  kind nothing, the visible compressed rows or the indexer's real picks (compacted into threadgroup memory by a
+  prefix sum, so that keys that are not real are never loaded), read where they are stored. Grid: one threadgroup
+  of CHUNK_WARPS = 8 SIMD groups per (query, 16 heads): 4 x B at Flash. Each SIMD group holds two heads' queries
+  and accumulators (lane: dims lane, lane + 32, ...) and keeps an online softmax per head; the threadgroup stages
+  CHUNK_TILE = 8 keys at a time in threadgroup memory, so each key is read from L2 once per 16 heads and from
+  threadgroup memory once per SIMD group (conflict-free). Threadgroup memory: 4 * 8 * D = 16 KB at D = 512, plus
+  4 * top_k (2 KB) for "picked": 18.4 KB at Flash, within Apple GPUs' 32 KB. A key costs a SIMD group 16
+  threadgroup loads per lane, 64 FMAs and 6 shuffles for two heads, about 11 SM cycles per (head, key) on the H200
+  if loads and shuffles bound it; ESTIMATED (not measured) for a 2048-token chunk of Flash: ~1 ms on a window-only
+  or ratio-128 layer, ~3 ms on a ratio-4 layer of the first chunk (~380 keys a query), ~5 ms deep in a context (640
+  keys a query, ~10 GB a layer read from L2 by the 4 head groups).
 
 Their references are the model's plain formulas (model/rope.py, model/attention.py), handed in by the model; the
 kernels equal them to float32 rounding (TOLERANCE): the same products, summed in another order.
@@ -28,13 +42,14 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .dialect import SIMD_WIDTH, Kernel, build
+from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
 TOLERANCE = 1e-5
-"""Float32 summation order (a 512-long dot product and sum of squares, a softmax over up to a few thousand keys)
-and cos/sin rounding: ~1e-6 of the largest output, with margin."""
+"""Float32 summation order (a 512-long dot product and sum of squares, a softmax over up to a few thousand keys,
+online or with the global maximum) and cos/sin rounding: ~1e-6 of the largest output, with margin. The same bound
+serves both attention kernels: the chunk one sums the same products as `attend`, in another order."""
 
 _ROPE = """
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
@@ -304,3 +319,235 @@ class DecodeAttention:
         return (random_activations((1, heads * d), seed=52) * 3.0, mx.array([position], dtype=mx.int32), inv_freq,
                 random_activations((w, d), seed=53), rows, picked, valid, random_activations((heads,), seed=54),
                 ratio, 1e-6)
+
+
+_CHUNK = """
+const int b = GROUP_Y;
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const bool upper = lane >= 16;
+constexpr int PER_LANE = D / 32;  // lane holds dims lane, lane + 32, ...: staged key reads free of bank conflicts
+const int h0 = GROUP_X * (WARPS * 2) + warp * 2;  // the warp's two heads
+const int pos = info[0] + b;
+const int first = info[1];  // raw row j holds position first + j
+int lo = pos - WINDOW + 1 - first;  // the query's window: raw rows lo .. pos - first
+lo = lo > 0 ? lo : 0;
+const int n_raw = pos - first + 1 - lo;
+EXTRA_KEYS
+const int n_keys = n_raw + extra;
+const float scale = params[0];
+float qv[2][PER_LANE];
+float acc[2][PER_LANE];
+float m[2];
+float l[2];
+for (int i = 0; i < 2; ++i) {
+  for (int j = 0; j < PER_LANE; ++j) {
+    qv[i][j] = h0 + i < H ? q[((size_t)b * H + h0 + i) * D + j * 32 + lane] : 0.0f;
+    acc[i][j] = 0.0f;
+  }
+  m[i] = -3.0e38f;  // below every score: exp(m - top) is 0
+  l[i] = 0.0f;
+}
+SHARED float tile[TILE * D];
+for (int t0 = 0; t0 < n_keys; t0 += TILE) {
+  ds4_barrier();  // every warp is done with the previous tile
+  for (int e = THREAD_IN_GROUP; e < TILE * D; e += WARPS * 32) {
+    const int n = t0 + e / D;
+    if (n < n_keys) {
+KEY_ROW
+      tile[e] = row[e % D];
+    }
+  }
+  ds4_barrier();
+  const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
+  for (int k = 0; k < count; ++k) {
+    float kv[PER_LANE];
+    float d0 = 0.0f;
+    float d1 = 0.0f;
+    for (int j = 0; j < PER_LANE; ++j) {
+      kv[j] = tile[k * D + j * 32 + lane];
+      d0 += qv[0][j] * kv[j];
+      d1 += qv[1][j] * kv[j];
+    }
+    // both heads' dots over the 32 lanes in 6 shuffles (not 2 x 5): the lower half-warp sums head 0, the upper
+    // head 1, then the halves swap totals; every lane ends with the same two scores
+    float mine = (upper ? d1 : d0) + ds4_simd_xor(upper ? d0 : d1, 16);
+    for (int offset = 8; offset > 0; offset >>= 1) {
+      mine += ds4_simd_xor(mine, offset);
+    }
+    const float other = ds4_simd_xor(mine, 16);
+    float score[2];
+    score[0] = (upper ? other : mine) * scale;
+    score[1] = (upper ? mine : other) * scale;
+    for (int i = 0; i < 2; ++i) {
+      if (score[i] > m[i]) {  // a new maximum (the same in every lane) rescales what was summed
+        const float alpha = ds4_exp(m[i] - score[i]);
+        l[i] *= alpha;
+        for (int j = 0; j < PER_LANE; ++j) {
+          acc[i][j] *= alpha;
+        }
+        m[i] = score[i];
+      }
+      const float p = ds4_exp(score[i] - m[i]);
+      l[i] += p;
+      for (int j = 0; j < PER_LANE; ++j) {
+        acc[i][j] += p * kv[j];
+      }
+    }
+  }
+}
+for (int i = 0; i < 2; ++i) {
+  if (h0 + i < H) {
+    const float sink = sinks[h0 + i];
+    const float top = m[i] > sink ? m[i] : sink;
+    const float weight = ds4_exp(m[i] - top);
+    const float total = l[i] * weight + ds4_exp(sink - top);  // no key seen: 0 + 1, and the output is 0
+    for (int j = 0; j < PER_LANE; ++j) {
+      out[((size_t)b * H + h0 + i) * D + j * 32 + lane] = acc[i][j] * weight / total;
+    }
+  }
+}
+"""
+
+_COMPACT_PICKS = """
+SHARED int chosen[PICKS];  // the query's real picks, in their order
+SHARED int counts[WARPS];
+int extra = 0;
+for (int base = 0; base < PICKS; base += WARPS * 32) {
+  const int i = base + THREAD_IN_GROUP;
+  const int real = i < PICKS && valid[(size_t)b * PICKS + i] ? 1 : 0;
+  const int before = ds4_simd_exclusive_sum(real, lane);
+  if (lane == 31) {
+    counts[warp] = before + real;
+  }
+  ds4_barrier();
+  int at = extra + before;
+  for (int w = 0; w < WARPS; ++w) {
+    at += w < warp ? counts[w] : 0;
+    extra += counts[w];
+  }
+  if (real) {
+    chosen[at] = picked[(size_t)b * PICKS + i];
+  }
+  ds4_barrier();  // counts is written again next round
+}"""
+
+CHUNK_KEY_SETS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "window": ((), "const int extra = 0;", """
+      const GLOBAL_MEM float* row = raw + (size_t)(lo + n) * D;"""),
+    "rows": (("rows",), """
+int extra = (pos + 1) / RATIO;  // compressed rows c < (pos + 1) / ratio are visible
+extra = extra < info[2] ? extra : info[2];""", """
+      const GLOBAL_MEM float* row = n < n_raw ? raw + (size_t)(lo + n) * D : rows + (size_t)(n - n_raw) * D;"""),
+    "picked": (("rows", "picked", "valid"), _COMPACT_PICKS, """
+      const GLOBAL_MEM float* row = n < n_raw ? raw + (size_t)(lo + n) * D
+                                              : rows + (size_t)chosen[n - n_raw] * D;"""),
+}
+"""Per kind of key set after the raw window, as KEY_SETS: the inputs it reads, how many keys it adds (`extra`) and
+where key n's row is (`row`). "picked" first compacts the query's real picks into threadgroup memory (a prefix sum
+over the valid flags), so that no key that is not real is loaded or scored."""
+
+CHUNK_KERNELS = {
+    kind: Kernel(f"ds4_chunk_attention_{kind}", ("q", "raw", *inputs, "sinks", "info", "params"), ("out",),
+                 _CHUNK.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n")),
+                 header=SIMD_EXCLUSIVE_SUM)
+    for kind, (inputs, extra, row) in CHUNK_KEY_SETS.items()
+}
+CHUNK_WARPS = 8
+"""Warps per threadgroup: 2 heads each, so a threadgroup serves 16 heads of one query."""
+CHUNK_TILE = 8
+"""Keys staged in threadgroup memory at a time: 16 KB at D = 512."""
+
+
+class ChunkShape(NamedTuple):
+    """What selects a compiled chunk-attention kernel (its fast path's key): the kind of key set after the raw
+    window (CHUNK_KEY_SETS), the head count and width, the window, the compression ratio of "rows" and the
+    indexer's picks per query of "picked" (0 where a kind has none)."""
+
+    kind: str
+    heads: int
+    head_dim: int
+    window: int
+    ratio: int
+    picks: int
+
+
+class ChunkAttention:
+    """A block of chunk queries' attention core, by the kernel where it passed its check: the masks from the
+    positions, the key sets read where they are stored, online softmax with the sinks."""
+
+    def __init__(self, reference: Callable[..., mx.array]):
+        self.fast_path = FastPath("chunk_attention", reference, self._kernel, self._probe, tolerance=TOLERANCE,
+                                  backends=("cuda", "metal"))
+
+    def __call__(self, q: mx.array, raw: mx.array, raw_first: int, first: int, window: int, rows: mx.array | None,
+                 ratio: int, picked: mx.array | None, valid: mx.array | None, sinks: mx.array) -> mx.array:
+        """q (B, H, D): queries at positions first..first+B-1; raw (R, D): row j at position raw_first + j, of
+        which a query at p sees p - window < position <= p; then the compressed rows (C, D) or None, of which
+        either the first (p + 1) // ratio are visible or, with the indexer's `picked` (B, K) int32, those rows
+        where `valid` (B, K); sinks (H,) -> (B, H, D)."""
+        return self.fast_path(q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks,
+                              key=self.key(q, window, rows, ratio, picked))
+
+    def used(self, heads: int, head_dim: int, window: int, ratio: int, picks: int) -> bool:
+        """Whether the kernel serves every kind of key set a layer of these shapes can ask for (checking each
+        on its first use): then a block's memory is its output alone, so blocks need not be small."""
+        kinds = ["window"] + (["rows"] if ratio else []) + (["picked"] if picks else [])
+        return all(self.fast_path.enabled(ChunkShape(kind, heads, head_dim, window,
+                                                     ratio if kind == "rows" else 0, picks if kind == "picked" else 0))
+                   for kind in kinds)
+
+    @staticmethod
+    def key(q: mx.array, window: int, rows: mx.array | None, ratio: int, picked: mx.array | None) -> ChunkShape:
+        """The shape class of a call's arguments (the fast path's key)."""
+        kind = "window" if rows is None else "rows" if picked is None else "picked"
+        return ChunkShape(kind, q.shape[1], q.shape[2], window, ratio if kind == "rows" else 0,
+                          picked.shape[-1] if kind == "picked" else 0)
+
+    @staticmethod
+    def _kernel(q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks) -> mx.array:
+        b, heads, d = q.shape
+        if d % SIMD_WIDTH or d > 512:
+            raise ValueError(f"chunk attention needs a head width that is a multiple of 32 up to 512, got {d}")
+        template = [("H", heads), ("D", d), ("WINDOW", window), ("WARPS", CHUNK_WARPS), ("TILE", CHUNK_TILE)]
+        if rows is None:
+            kind, extra = "window", []
+        elif picked is None:
+            kind, extra = "rows", [rows]
+            template += [("RATIO", ratio)]
+        else:
+            kind, extra = "picked", [rows, picked, valid]
+            template += [("PICKS", picked.shape[-1])]
+        info = mx.array([first, raw_first, 0 if rows is None else rows.shape[0]], dtype=mx.int32)
+        params = mx.array([1.0 / math.sqrt(d)], dtype=mx.float32)  # the reference's scale, rounded as it is
+        groups = -(-heads // (2 * CHUNK_WARPS))
+        (out,) = build(CHUNK_KERNELS[kind], current_backend())(
+            inputs=[q, raw, *extra, sinks, info, params],
+            template=template,
+            grid=(groups * CHUNK_WARPS * SIMD_WIDTH, b, 1), threadgroup=(CHUNK_WARPS * SIMD_WIDTH, 1, 1),
+            output_shapes=[(b, heads, d)], output_dtypes=[mx.float32],
+        )
+        return out
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """Five queries whose window starts before the chunk (the first sees a full window); "rows": visible
+        counts that change within the block (at Flash's window, ratio 4: 33 to 34; ratio 128: 2 to 3); "picked":
+        each query's own ascending picks among twice as many rows, about a third not real, the third query's none."""
+        kind, heads, d, window, ratio, picks = key
+        b = 5
+        first = max(window + 3, 3 * ratio - 2)
+        raw_first = max(0, first - window + 1)
+        rows = picked = valid = None
+        if kind == "rows":
+            rows = random_activations(((first + b) // ratio, d), seed=63)
+        elif kind == "picked":
+            rng = np.random.default_rng(64)
+            rows = random_activations((2 * picks, d), seed=63)
+            picked = mx.array(np.stack([np.sort(rng.choice(2 * picks, picks, replace=False)) for _ in range(b)]),
+                              dtype=mx.int32)
+            real = rng.random((b, picks)) < 0.67
+            real[2] = False
+            valid = mx.array(real)
+        return (random_activations((b, heads, d), seed=60), random_activations((first + b - raw_first, d), seed=61),
+                raw_first, first, window, rows, ratio, picked, valid, random_activations((heads,), seed=62))

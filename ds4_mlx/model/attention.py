@@ -12,7 +12,10 @@ output is de-rotated at the query position, then projected per group of heads to
 the model width.
 
 A chunk of T tokens is computed at once; masks give every query exactly the rows it would see if the tokens were
-fed one at a time. Queries run in blocks to bound the memory of scores and gathered rows.
+fed one at a time. Queries run in blocks to bound the memory of scores and gathered rows; on GPU backends a
+block's attention core, `attend_block` (masks from the positions, the key sets read where they are stored, softmax
+with the sinks), is one kernel (kernels/attention.py) that needs neither, so there a layer's queries are one block
+unless the indexer's scores bound it.
 
 `step` is the decode form of the same sublayer: one token at a position held in an array, every shape fixed by
 the context size, so a compiled decode step traces it once. It always lets the indexer choose among the visible
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.attention import DecodeAttention
+from ds4_mlx.kernels.attention import ChunkAttention, DecodeAttention
 from ds4_mlx.kernels.fused_norm import Norm
 from ds4_mlx.kernels.indexer import IndexerPick
 from ds4_mlx.model.cache import LayerState
@@ -172,7 +175,7 @@ class Attention:
 
         kv = self._finish_kv(self.kv(x), positions)
         n_prev = min(n_past, self.window - 1)
-        raw = _RawKeys(mx.concatenate([state.raw[self.window - n_prev :], kv]), n_past - n_prev, n_past, self.window)
+        raw = mx.concatenate([state.raw[self.window - n_prev :], kv])  # row j holds position n_past - n_prev + j
         state = replace(state, raw=mx.concatenate([state.raw, kv])[-self.window :])
 
         comp_rows = index_rows = index_queries = None
@@ -180,27 +183,26 @@ class Attention:
             state, comp_rows, index_rows = self._compress(x, n_past, state)
             if index_rows is not None and index_rows.shape[0] > self.indexer.top_k:
                 index_queries = self.indexer.queries(q_latent, self.indexer.proj(x), positions)
+            if comp_rows.shape[0] == 0:
+                comp_rows = None
 
-        block = QUERY_BLOCK
+        picks = 0 if self.indexer is None else self.indexer.top_k
+        block = t if CHUNK_ATTENTION.used(self.n_head, self.head_dim, self.window, self.ratio, picks) else QUERY_BLOCK
         if index_queries is not None:
-            block = max(1, min(QUERY_BLOCK, INDEXER_SCORE_BYTES // (4 * self.indexer.n_head * index_rows.shape[0])))
+            block = max(1, min(block, INDEXER_SCORE_BYTES // (4 * self.indexer.n_head * index_rows.shape[0])))
         out = []
         for start in range(0, t, block):
             stop = min(start + block, t)
-            block_pos = positions[start:stop]
-            keys, masks = raw.for_queries(block_pos, start, stop)
-            if comp_rows is not None and comp_rows.shape[0]:
+            picked = valid = None
+            if index_queries is not None and (n_past + stop) // self.ratio > self.indexer.top_k:
+                block_pos = positions[start:stop]
                 visible = mx.arange(comp_rows.shape[0])[None, :] < ((block_pos + 1) // self.ratio)[:, None]
-                if index_queries is not None and (n_past + stop) // self.ratio > self.indexer.top_k:
-                    iq, iw = index_queries
-                    chosen = self.indexer.select(iq[start:stop], iw[start:stop], index_rows, visible)
-                    picked = mask_to_indices(chosen, self.indexer.top_k)
-                    keys.append(comp_rows[picked])  # (B, top_k, head_dim): each query's own rows
-                    masks.append(mx.take_along_axis(chosen, picked, axis=-1))
-                else:
-                    keys.append(comp_rows)
-                    masks.append(visible)
-            out.append(attend(q[start:stop], keys, masks, self.sinks, 1.0 / math.sqrt(self.head_dim)))
+                iq, iw = index_queries
+                chosen = self.indexer.select(iq[start:stop], iw[start:stop], index_rows, visible)
+                picked = mask_to_indices(chosen, self.indexer.top_k)
+                valid = mx.take_along_axis(chosen, picked, axis=-1)
+            out.append(CHUNK_ATTENTION(q[start:stop], raw, n_past - n_prev, n_past + start, self.window, comp_rows,
+                                       self.ratio, picked, valid, self.sinks))
         out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
         return self._project_out(out), state
 
@@ -304,22 +306,28 @@ DECODE_ATTENTION = DecodeAttention(attend_step)
 """`attend_step` as one kernel where a GPU backend has passed the first-use check (kernels/attention.py)."""
 
 
-@dataclass
-class _RawKeys:
-    """The raw KV rows a chunk can see: up to window-1 rows before the chunk, then the chunk's own rows."""
+def attend_block(q: mx.array, raw: mx.array, raw_first: int, first: int, window: int, rows: mx.array | None,
+                 ratio: int, picked: mx.array | None, valid: mx.array | None, sinks: mx.array) -> mx.array:
+    """A block of chunk queries' attention core: `attend` for queries q (B, H, D) at positions first.. over the raw
+    rows (R, D) (row j at position raw_first + j) each query's window shows (p - window < position <= p), then
+    the compressed rows (C, D) or None: the indexer's `picked` (B, K) where `valid` (B, K), or without picks the
+    first (p + 1) // ratio."""
+    positions = mx.arange(first, first + q.shape[0], dtype=mx.int32)[:, None]
+    lo, hi = max(0, first - window + 1 - raw_first), first + q.shape[0] - raw_first
+    key_pos = mx.arange(raw_first + lo, raw_first + hi, dtype=mx.int32)[None, :]
+    keys, masks = [raw[lo:hi]], [(key_pos <= positions) & (key_pos > positions - window)]
+    if picked is not None:
+        keys.append(rows[picked])  # (B, K, D): each query's own rows
+        masks.append(valid)
+    elif rows is not None:
+        keys.append(rows)
+        masks.append(mx.arange(rows.shape[0])[None, :] < (positions + 1) // ratio)
+    return attend(q, keys, masks, sinks, 1.0 / math.sqrt(q.shape[-1]))
 
-    rows: mx.array  # row j holds position first_position + j
-    first_position: int
-    n_past: int  # position of the chunk's first token
-    window: int
 
-    def for_queries(self, positions: mx.array, start: int, stop: int) -> tuple[list[mx.array], list[mx.array]]:
-        """Rows of the window of chunk queries start..stop-1 and their mask (p - window < key position <= p)."""
-        lo = max(0, self.n_past + start - self.window + 1 - self.first_position)
-        hi = self.n_past + stop - self.first_position
-        key_pos = mx.arange(self.first_position + lo, self.first_position + hi, dtype=mx.int32)[None, :]
-        p = positions[:, None]
-        return [self.rows[lo:hi]], [(key_pos <= p) & (key_pos > p - self.window)]
+CHUNK_ATTENTION = ChunkAttention(attend_block)
+"""`attend_block` as one kernel per block where a GPU backend has passed the first-use check (kernels/attention.py);
+with it, a layer's queries run as one block unless the indexer's scores bound it."""
 
 
 def _append_rows(buffer: mx.array, n_rows: int, rows: mx.array) -> mx.array:

@@ -1,0 +1,182 @@
+"""The chunk attention kernel (kernels/attention.py, CHUNK_ATTENTION) against its reference, `attend_block`.
+
+At Flash shapes on the GPU, and a tiny model's prefill taking it (gpu marker); its CUDA text run on the CPU by
+emulated_cuda.py at small odd shapes covering each kind of key set, windows that cross the chunk's start, queries
+that see nothing but the sink, picks with slots that are not real, and one Flash-shaped block (slow marker); on the
+CPU, that `attend_block` is the formulas the chunk path composed before it, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4_mlx.kernels import attention, registry
+from ds4_mlx.kernels.attention import TOLERANCE, ChunkAttention, ChunkShape
+from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.model.attention import CHUNK_ATTENTION, attend, attend_block
+from ds4_mlx.model.config import FLASH
+from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.model import Model
+from ds4_mlx.model.weights import open_weights
+from emulated_cuda import emulated_build
+from kernel_checks import balanced, rendered
+
+HEADS, DIM, WINDOW, PICKS = FLASH.n_head, FLASH.head_dim, FLASH.sliding_window, FLASH.indexer_top_k
+
+
+def within(got: mx.array, want: mx.array) -> bool:
+    return mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()
+
+
+def block_inputs(heads: int, d: int, window: int, b: int, first: int, raw_first: int, kind: str, ratio: int = 0,
+                 n_rows: int = 0, picks: int = 0, none_real: tuple[int, ...] = (), seed: int = 0) -> tuple:
+    """attend_block's arguments: b queries at positions first.., the raw rows from position raw_first to the
+    block's last, and by kind no rows, n_rows compressed rows, or each query's own ascending picks among n_rows
+    (about a third not real; none for the queries in `none_real`)."""
+    rows = picked = valid = None
+    if kind != "window":
+        rows = random_activations((n_rows, d), seed=seed + 2)
+    if kind == "picked":
+        rng = np.random.default_rng(seed)
+        picked = mx.array(np.stack([np.sort(rng.choice(n_rows, picks, replace=False)) for _ in range(b)]),
+                          dtype=mx.int32)
+        real = rng.random((b, picks)) < 0.67
+        real[list(none_real)] = False
+        valid = mx.array(real)
+    raw = random_activations((first + b - raw_first, d), seed=seed + 1)
+    return (random_activations((b, heads, d), seed=seed), raw, raw_first, first, window, rows, ratio, picked, valid,
+            random_activations((heads,), seed=seed + 3))
+
+
+ODD_CASES = {
+    "window-crosses-start": (3, 64, 5, 7, 9, 5, "window"),  # the first query's window: 4 rows before the chunk
+    "first-chunk": (5, 96, 6, 9, 0, 0, "window"),  # queries at the start see fewer than a window
+    "few-rows-before": (17, 32, 8, 4, 3, 0, "window"),  # two head groups, the second with one head
+    "rows-none-visible-yet": (3, 64, 4, 6, 1, 0, "rows", 4, 1),  # visible 0, 0, 1, 1, 1, 1
+    "rows-capped-by-buffer": (2, 128, 3, 5, 20, 18, "rows", 3, 4),  # 7 visible by position, 4 in the buffer
+    "rows-growing": (3, 64, 16, 30, 40, 25, "rows", 16, 4),  # visible 2 to 4 within the block
+    "picked": (5, 64, 6, 5, 30, 25, "picked", 4, 20, 7, (1,)),
+    "picked-two-rounds": (2, 32, 3, 3, 50, 48, "picked", 4, 400, 300, (2,)),  # picks > threads: two compactions
+    "sink-only": (3, 64, 0, 4, 12, 12, "picked", 4, 9, 5, (0, 3)),  # no window: queries 0 and 3 see no key
+}
+FLASH_CASE = (HEADS, DIM, WINDOW, 2, 5000, 5000 - WINDOW + 1, "picked", 4, 1250, PICKS, ())
+
+
+def test_block_reference_is_the_former_chunk_formulas(on_cpu):
+    """`attend_block` is `attend` over the raw rows the chunk path sliced for a block (mask p - window < position
+    <= p), then the visible compressed rows or the gathered picks: what Attention.__call__ built before, bit for bit
+    (the CPU's outputs do not change)."""
+    for kind, extra in (("window", ()), ("rows", (4, 10)), ("picked", (4, 20, 7, (1,)))):
+        args = block_inputs(3, 64, 5, 7, 30, 26, kind, *extra)
+        q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks = args
+        p = mx.arange(26, 37, dtype=mx.int32)[4:11]  # the chunk's positions, sliced to the block
+        lo, hi = max(0, first - window + 1 - raw_first), first + 7 - raw_first
+        key_pos = mx.arange(raw_first + lo, raw_first + hi, dtype=mx.int32)[None, :]
+        keys, masks = [raw[lo:hi]], [(key_pos <= p[:, None]) & (key_pos > p[:, None] - window)]
+        if kind == "rows":
+            keys.append(rows)
+            masks.append(mx.arange(rows.shape[0])[None, :] < ((p + 1) // ratio)[:, None])
+        elif kind == "picked":
+            keys.append(rows[picked])
+            masks.append(valid)
+        assert mx.array_equal(attend_block(*args), attend(q, keys, masks, sinks, 1.0 / math.sqrt(64)))
+
+
+def test_sink_only_queries_get_zeros(on_cpu):
+    """A query that sees no key gets exp(-inf) terms that vanish beside the sink: zeros, as the kernel writes."""
+    got = np.array(attend_block(*block_inputs(*ODD_CASES["sink-only"])))
+    assert (got[[0, 3]] == 0).all() and (np.abs(got[[1, 2]]).max(axis=-1) > 0).all()
+
+
+@pytest.mark.parametrize("kind", attention.CHUNK_KEY_SETS)
+def test_chunk_attention_renders_for_cuda_and_metal(kind):
+    """Each kind's text, placeholders filled, every neutral word spelled and every helper defined by both
+    preludes or the kernel's header; the kinds' names differ (MLX names compiled kernels after them)."""
+    kernel = attention.CHUNK_KERNELS[kind]
+    for target in (CUDA, METAL):
+        out = rendered(kernel, target)
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r"|EXTRA_KEYS|KEY_ROW)\b", out["source"])
+        assert balanced(out["source"])
+        for helper in set(re.findall(r"\bds4_\w+(?=\()", out["source"])):
+            assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
+    assert len({k.name for k in attention.CHUNK_KERNELS.values()}) == len(attention.CHUNK_KEY_SETS)
+
+
+def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
+    args = block_inputs(*ODD_CASES["picked"])
+    assert mx.array_equal(CHUNK_ATTENTION(*args), attend_block(*args))
+    assert not CHUNK_ATTENTION.used(5, 64, 6, 4, 7)
+    assert all(backend != "cpu" for backend, _ in CHUNK_ATTENTION.fast_path.decisions())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    (HEADS, DIM, WINDOW, 128, 0, 0, "window"),  # a first chunk
+    (HEADS, DIM, WINDOW, 128, 3000, 3000 - WINDOW + 1, "rows", 4, 782),  # all visible rows of a ratio-4 layer
+    (HEADS, DIM, WINDOW, 128, 20_000, 20_000 - WINDOW + 1, "rows", 128, 157),
+    (HEADS, DIM, WINDOW, 128, 8000, 8000 - WINDOW + 1, "picked", 4, 2032, PICKS, (5, 77)),
+], ids=["window", "ratio4-rows", "ratio128-rows", "picked"])
+def test_chunk_attention_kernel_is_used_and_equals_reference(on_gpu, kernels_unforced, case):
+    """Flash's shapes, a block of 128 queries of each kind of layer."""
+    args = block_inputs(*case)
+    got = CHUNK_ATTENTION(*args)
+    q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks = args
+    key = CHUNK_ATTENTION.key(q, window, rows, ratio, picked)
+    assert key.kind == case[6] and CHUNK_ATTENTION.fast_path.decisions()[registry.current_backend(), key].fast
+    assert within(got, attend_block(*args))
+
+
+@pytest.mark.gpu
+def test_tiny_model_prefill_runs_the_kernel(on_gpu, kernels_unforced, tmp_path):
+    """The tiny model's prefill (two chunks: the first leaves ratio-4 layers at most top k rows, the second
+    passes it) takes the kernel for every kind of key set, and its logits equal the reference path's within
+    float32 reassociation (activation simulation off)."""
+    weights = open_weights(write_model(tmp_path / "tiny-q4.gguf", preset="tiny", experts="q4"))
+    tokens = mx.array(np.random.default_rng(15).integers(0, weights.config.n_vocab, 100).astype(np.int32))
+
+    def logits(model: Model) -> np.ndarray:
+        cache = model.new_cache(128)
+        first = model(tokens[:30], cache, all_logits=True)
+        return np.concatenate([np.array(first), np.array(model(tokens[30:], cache, all_logits=True))])
+
+    fast = logits(Model(weights, simulate_quant=False))
+    shape = (weights.config.n_head, weights.config.head_dim)
+    used = {key.kind for (backend, key), decision in CHUNK_ATTENTION.fast_path.decisions().items()
+            if backend == registry.current_backend() and decision.fast and (key.heads, key.head_dim) == shape}
+    assert used == {"window", "rows", "picked"}
+    with registry.forced_mode("reference"):
+        want = logits(Model(weights, simulate_quant=False))
+    assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(ODD_CASES.values()) + [FLASH_CASE], ids=list(ODD_CASES) + ["flash-picked"])
+def test_emulated_chunk_attention_equals_reference(on_cpu, case, monkeypatch, tmp_path):
+    """The kernel's CUDA text run on the CPU as the wrapper launches it. The Flash case: 64 heads of 512, a full
+    128-row window crossing the chunk's start, 512 picks of 1250 rows with about a third not real."""
+    monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
+    args = block_inputs(*case)
+    got = ChunkAttention._kernel(*args)
+    want = attend_block(*args)
+    assert got.shape == want.shape and np.isfinite(np.array(got)).all()  # every output was written
+    assert within(got, want)
+    if case[2] == 0:  # no window: the queries without a real pick see nothing but the sink
+        assert (np.array(got)[list(case[-1])] == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [ChunkShape("window", 3, 64, 5, 0, 0), ChunkShape("rows", 17, 32, 6, 4, 0),
+                                 ChunkShape("rows", 2, 64, 4, 16, 0), ChunkShape("picked", 5, 64, 6, 0, 9)],
+                         ids=["window", "rows-ratio4", "rows-ratio16", "picked"])
+def test_emulated_probe_passes(on_cpu, monkeypatch, tmp_path, key):
+    """The first-use probe's inputs, as the GPU will check them (at small shapes: the Flash ones take minutes)."""
+    monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
+    args = ChunkAttention._probe(key)
+    assert ChunkAttention.key(args[0], args[4], args[5], args[6], args[7]) == key
+    assert within(ChunkAttention._kernel(*args), attend_block(*args))
