@@ -214,7 +214,8 @@ def kernel_library(kernel: Kernel, template: Mapping[str, int], types: Sequence[
     params = [f"{'const ' if i < len(kernel.inputs) else ''}{c_type}* {name}"
               for i, (c_type, name) in enumerate(zip(types, kernel.inputs + kernel.outputs, strict=True))]
     source = prelude + CUDA.render(kernel.header) + f"void emulated_kernel({', '.join(params)}) {{\n"
-    source += "".join(f"  constexpr int {name} = {value};\n" for name, value in template.items())
+    source += "".join(f"  constexpr bool {name} = {str(value).lower()};\n" if isinstance(value, bool)
+                      else f"  constexpr int {name} = {value};\n" for name, value in template.items())
     source += CUDA.render(kernel.source) + "\n}\n"
     arguments = ", ".join(f"({param.rsplit(' ', 1)[0]})buffers[{i}]" for i, param in enumerate(params))
     source += ('extern "C" void launch(void** buffers, int groups_x, int groups_y, int threads) {\n'

@@ -120,6 +120,18 @@ def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
     assert all(backend != "cpu" for backend, _ in DECODE_ATTENTION.fast_path.decisions())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64, 512), (3, 128), (5, 2, 96)])
+def test_emulated_rope_equals_reference(on_cpu, shape, inverse, monkeypatch, tmp_path):
+    """The RoPE kernel's CUDA text run on the CPU (its INVERSE template constant is a bool, as MLX takes it)."""
+    monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
+    r = RoPE(64, 160000.0)
+    x = random_activations(shape, seed=1)
+    cos, sin = r.cos_sin(mx.array([1048575, 3, 9, 0, 77][: shape[0]], dtype=mx.int32))
+    assert within(attention.Rope._kernel(x, cos, sin, 64, inverse), rotate(x, cos, sin, 64, inverse))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("shape", [(1, 64, 512), (1, 512), (3, 128)])
