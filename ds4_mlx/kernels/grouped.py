@@ -7,8 +7,9 @@ gather_mm is wrong in MLX 0.32.4 (`trusts_sorted_indices`), the grouped GEMM is 
 pairs and their per-expert counts instead: for a float32 scratch the 3xTF32 tensor-core kernel (grouped_tf32.py),
 else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand side is the bank as floats, a *scratch*:
 
-- raw IQ2_XXS / Q2_K banks (q2 files): on a GPU the used experts are decoded by `dequant.dequantize_used`, one
-  kernel per projection;
+- raw IQ2_XXS / Q2_K banks (q2 files): on CUDA no scratch at all, the 3xTF32 kernel decoding the raw blocks in its
+  tile loads (grouped_raw.py, one launch per projection); on Metal, or where its check fails, the used experts
+  are decoded by `dequant.dequantize_used`, one kernel per projection, then the grouped GEMM;
 - affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
   CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
 - the reference (the CPU, DS4_KERNELS=reference, or a kernel that failed its check): the reference dequantizer
@@ -17,14 +18,16 @@ else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand 
   one slice (every test preset) costs nothing extra, a Flash bank costs 8 GEMMs over the chunk instead of one.
 
 Scratch bound on a GPU: one bank, E * OUT * IN values: 8 GiB in float32, 4 GiB in bfloat16 at Flash size (256 x
-2048 x 4096; an affine bank in bfloat16 also holds its float32 form while it is cast). `ExpertBank.grouped` reads
-each bank only after the previous projection's GEMM (`mx.depends`), and a layer's first bank after its routing, so
-one scratch is alive at a time and MLX's stream-ordered allocator reuses it. At 2048 tokens the other transients
-are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as loaded (84 GiB) + 8 GiB scratch +
-a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay far below the H200's 139 GiB.
+2048 x 4096; an affine bank in bfloat16 also holds its float32 form while it is cast); none for raw banks on
+CUDA. `ExpertBank.grouped` reads each bank only after the previous projection's GEMM (`mx.depends`), and a layer's
+first bank after its routing, so one scratch is alive at a time and MLX's stream-ordered allocator reuses it. At
+2048 tokens the other transients are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as
+loaded (84 GiB) + 8 GiB scratch (none on CUDA) + a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay
+far below the H200's 139 GiB.
 
 Arithmetic: float32 by default, the reference's type; `DS4_PREFILL_DTYPE=bfloat16` keeps the scratch and the GEMM
-inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy; CUDA's kernel keeps x in float32).
+inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy; CUDA's kernel keeps x in float32;
+CUDA's raw-bank kernel has no scratch and stays float32).
 """
 
 from __future__ import annotations
