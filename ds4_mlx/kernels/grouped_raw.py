@@ -28,9 +28,10 @@ Costs: threadgroup memory (64 + 128) x 36 x 4 = 27,648 bytes of tiles + 12 of sc
 29,708 bytes (Q2_K: 27,660), under the 48 KB static limit. Global reads: a warp's load touches 16 rows' sectors,
 re-read from L1/L2 over the 8 slices of a block; the whole raw expert (2.2 MB for a Flash gate) per row tile.
 Decode adds ~5 integer / float operations per value (16 per thread per slice) against the slice's 96 mma and 64
-splits per warp. Time (an estimate, not measured): the 3xTF32 GEMM's ~4-5 ms per Flash projection plus ~10-20%
-for decoding, ~5-6 ms, against ~3.2 ms dequantize + the GEMM's ~4-5 ms now; per layer ~1 ms less plus the 8 GiB
-scratch's allocation never made.
+splits per warp; it runs between the slice's two barriers, so with one threadgroup per SM it adds to the mma phase
+rather than hiding under it. Time (an estimate, not measured): the 3xTF32 GEMM's estimated ~4-5 ms per Flash
+projection plus ~20-30% for decoding, ~5-6.5 ms, against ~3.2 ms measured for dequantize_used + that GEMM now
+(~7-8 ms): ~2 ms less per projection, ~6 ms per layer, and the 8 GiB scratch never allocated.
 """
 
 from __future__ import annotations
