@@ -13,6 +13,7 @@
   + the sum over slots);
 - `grouped`: prefill's routed experts as grouped GEMMs over expert-sorted pairs, with `dequant` (IQ2_XXS / Q2_K
   banks into a float scratch), `grouped_gemm` (CUDA's grouped GEMM kernel), `grouped_tf32` (its 3xTF32
-  tensor-core form, CUDA only) and `batch` (projections of 16+ rows as dequantize + GEMM, DS4_PREFILL_DTYPE);
+  tensor-core form, CUDA only), `grouped_raw` (the 3xTF32 kernel reading raw IQ2_XXS / Q2_K banks, no scratch;
+  CUDA only) and `batch` (projections of 16+ rows as dequantize + GEMM, DS4_PREFILL_DTYPE);
 - `probe`: random valid quant blocks for the first-use checks.
 """

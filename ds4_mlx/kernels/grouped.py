@@ -7,8 +7,9 @@ gather_mm is wrong in MLX 0.32.4 (`trusts_sorted_indices`), the grouped GEMM is 
 pairs and their per-expert counts instead: for a float32 scratch the 3xTF32 tensor-core kernel (grouped_tf32.py),
 else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand side is the bank as floats, a *scratch*:
 
-- raw IQ2_XXS / Q2_K banks (q2 files): on a GPU the used experts are decoded by `dequant.dequantize_used`, one
-  kernel per projection;
+- raw IQ2_XXS / Q2_K banks (q2 files): on CUDA no scratch at all, the 3xTF32 kernel decoding the raw blocks in its
+  tile loads (grouped_raw.py, one launch per projection); on Metal, or where its check fails, the used experts
+  are decoded by `dequant.dequantize_used`, one kernel per projection, then the grouped GEMM;
 - affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
   CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
 - the reference (the CPU, DS4_KERNELS=reference, or a kernel that failed its check): the reference dequantizer
@@ -17,14 +18,16 @@ else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand 
   one slice (every test preset) costs nothing extra, a Flash bank costs 8 GEMMs over the chunk instead of one.
 
 Scratch bound on a GPU: one bank, E * OUT * IN values: 8 GiB in float32, 4 GiB in bfloat16 at Flash size (256 x
-2048 x 4096; an affine bank in bfloat16 also holds its float32 form while it is cast). `ExpertBank.grouped` reads
-each bank only after the previous projection's GEMM (`mx.depends`), and a layer's first bank after its routing, so
-one scratch is alive at a time and MLX's stream-ordered allocator reuses it. At 2048 tokens the other transients
-are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as loaded (84 GiB) + 8 GiB scratch +
-a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay far below the H200's 139 GiB.
+2048 x 4096; an affine bank in bfloat16 also holds its float32 form while it is cast); none for raw banks on
+CUDA. `ExpertBank.grouped` reads each bank only after the previous projection's GEMM (`mx.depends`), and a layer's
+first bank after its routing, so one scratch is alive at a time and MLX's stream-ordered allocator reuses it. At
+2048 tokens the other transients are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as
+loaded (84 GiB) + 8 GiB scratch (none on CUDA) + a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay
+far below the H200's 139 GiB.
 
 Arithmetic: float32 by default, the reference's type; `DS4_PREFILL_DTYPE=bfloat16` keeps the scratch and the GEMM
-inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy; CUDA's kernel keeps x in float32).
+inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy; CUDA's kernel keeps x in float32;
+CUDA's raw-bank kernel has no scratch and stays float32).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .batch import BF16_TOLERANCE, DTYPES, TOLERANCE, prefill_dtype
 from .dequant import dequantize_used
-from .grouped_gemm import expert_counts
+from .grouped_gemm import MAX_ROW_TILES, TM, expert_counts, row_tiles
+from .grouped_raw import raw_grouped_gemm
 from .grouped_tf32 import tensor_core_matmul
 from .matvec import gathered_reference
 from .probe import random_activations, random_blocks
@@ -128,8 +132,10 @@ def sliced_reference(x: mx.array, blocks: mx.array, sorted_ids: mx.array, ggml_t
 
 
 class RawGrouped:
-    """The grouped expert GEMM over raw IQ2_XXS / Q2_K blocks: dequantize-to-scratch kernel + gather_mm on GPUs,
-    `sliced_reference` elsewhere or where the first-use check fails. One fast path per scratch type."""
+    """The grouped expert GEMM over raw IQ2_XXS / Q2_K blocks: on CUDA the 3xTF32 kernel reading the blocks
+    directly (grouped_raw.py, no scratch, whatever DS4_PREFILL_DTYPE: float32 is also the more accurate), else
+    the dequantize-to-scratch kernel + grouped GEMM on GPUs (one fast path per scratch type), `sliced_reference`
+    elsewhere or where the first-use checks fail."""
 
     def __init__(self, ggml_type: GGMLType):
         self.ggml_type = ggml_type
@@ -139,11 +145,19 @@ class RawGrouped:
                             backends=("cuda", "metal"))
             for name, dtype in DTYPES.items()
         }
+        self.direct = FastPath(f"{ggml_type.name.lower()}_grouped_raw_3xtf32", self._reference, self._direct,
+                               self._direct_probe, tolerance=TOLERANCE, backends=("cuda",))
+        """The raw-bank kernel against the same reference, within float32 reassociation (TOLERANCE, 1e-5 of the
+        largest output): it decodes the reference's values exactly and sums them as the 3xTF32 scratch kernel
+        does (~1e-6 of the largest output at Flash's K)."""
 
     def __call__(self, x: mx.array, blocks: mx.array, sorted_ids: mx.array, counts: mx.array,
                  shape: tuple[int, int, int]) -> mx.array:
         """x[i] @ W[ids[i]].T (N, OUT) for x (N, IN) and expert ids sorted ascending, counts (E,) per expert."""
-        return self.fast_paths[prefill_dtype()](x, blocks, sorted_ids, counts, shape, key=tuple(shape[1:]))
+        key = tuple(shape[1:])
+        if row_tiles(sorted_ids.size, shape[0]) <= MAX_ROW_TILES and self.direct.enabled(key):
+            return self.direct(x, blocks, sorted_ids, counts, shape, key=key)
+        return self.fast_paths[prefill_dtype()](x, blocks, sorted_ids, counts, shape, key=key)
 
     def _reference(self, x, blocks, sorted_ids, counts, shape) -> mx.array:
         return sliced_reference(x, blocks, sorted_ids, self.ggml_type, shape)
@@ -154,6 +168,9 @@ class RawGrouped:
             return scratch_matmul(x, scratch, sorted_ids, counts)
         return fast
 
+    def _direct(self, x, blocks, sorted_ids, counts, shape) -> mx.array:
+        return raw_grouped_gemm(x, blocks, counts, self.ggml_type, shape)
+
     def _probe(self, key: Hashable) -> tuple:
         """Five experts: one unused, one with a single pair, one with most pairs."""
         n_out, n_in = key
@@ -161,6 +178,14 @@ class RawGrouped:
         blocks = random_blocks(self.ggml_type, 5 * n_out, n_in, seed=21).reshape(5, -1)
         ids = mx.array([0, 1, 1, 1, 1, 1, 3, 3, 4, 4, 4, 4], dtype=mx.uint32)
         return random_activations((ids.size, n_in), seed=22), blocks, ids, expert_counts(ids, 5), shape
+
+    def _direct_probe(self, key: Hashable) -> tuple:
+        """Five experts at the real widths: one unused, one with a single pair, one with two row tiles (76 pairs)."""
+        n_out, n_in = key
+        shape = (5, n_out, n_in)
+        blocks = random_blocks(self.ggml_type, 5 * n_out, n_in, seed=25).reshape(5, -1)
+        ids = mx.array([0] * 3 + [1] + [3] * (TM + 6) + [4] * 2, dtype=mx.uint32)
+        return random_activations((ids.size, n_in), seed=26), blocks, ids, expert_counts(ids, 5), shape
 
 
 RAW_GROUPED = {t: RawGrouped(t) for t in (GGMLType.IQ2_XXS, GGMLType.Q2_K)}

@@ -46,7 +46,14 @@ TK = 32
 LD = TK + 4
 """Threadgroup row stride in floats: 36 = 4 mod 32 puts a fragment load's 8 rows x 4 columns on 32 banks."""
 
-_SOURCE = """
+
+def tf32_source(w_shared: str, w_setup: str, w_load: str, w_store: str) -> str:
+    """The kernel body with its W staging given: `w_shared` declares `ws` (TN x LD floats, row n = output column
+    col0 + n, k along the row) and anything else in threadgroup memory; `w_setup` runs once past the tile scan
+    (pointers, prefetch registers); `w_load` issues slice s's loads into registers (k, k_ok: this thread's x
+    column); `w_store` fills ws with slice s once every warp is past the previous multiply. The float32
+    scratch's pieces are below; grouped_raw.py decodes raw q2 blocks instead."""
+    return """
 const int tid = THREAD_IN_GROUP;
 const int n_expert = dims[0];
 const int n_out = dims[1];
@@ -55,8 +62,7 @@ const int tile = GROUP_Y;
 const int col0 = GROUP_X * TN;
 SHARED int where[3];
 SHARED float xs[TM * LD];
-SHARED float ws[TN * LD];
-""" + TILE_SCAN + """
+""" + w_shared + TILE_SCAN + """
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
 const int gid = lane >> 2;
@@ -66,10 +72,8 @@ const int wn = (warp % (TN / 32)) * 32;
 const int sk = tid % TK;
 const int sr = tid / TK;
 const GLOBAL_MEM float* x_tile = x + (size_t)row0 * n_in;
-const GLOBAL_MEM float* w_tile = scratch + ((size_t)expert * n_out + col0) * n_in;
 float xa[TM * TK / THREADS];
-float wa[TN * TK / THREADS];
-float acc[2][4][4];
+""" + w_setup + """float acc[2][4][4];
 #pragma unroll
 for (int i = 0; i < 2; ++i) {
   #pragma unroll
@@ -90,12 +94,7 @@ for (int s = 0; s <= steps; ++s) {
       const int r = sr + j * (THREADS / TK);
       xa[j] = k_ok && r < rows ? x_tile[(size_t)r * n_in + k] : 0.0f;
     }
-    #pragma unroll
-    for (int j = 0; j < TN * TK / THREADS; ++j) {
-      const int n = sr + j * (THREADS / TK);
-      wa[j] = k_ok && col0 + n < n_out ? w_tile[(size_t)n * n_in + k] : 0.0f;
-    }
-  }
+""" + w_load + """  }
   if (s > 0) {
     float part[2][4][4];
     #pragma unroll
@@ -155,11 +154,7 @@ for (int s = 0; s <= steps; ++s) {
     for (int j = 0; j < TM * TK / THREADS; ++j) {
       xs[(sr + j * (THREADS / TK)) * LD + sk] = xa[j];
     }
-    #pragma unroll
-    for (int j = 0; j < TN * TK / THREADS; ++j) {
-      ws[(sr + j * (THREADS / TK)) * LD + sk] = wa[j];
-    }
-  }
+""" + w_store + """  }
   ds4_barrier();
 }
 #pragma unroll
@@ -177,6 +172,26 @@ for (int i = 0; i < 2; ++i) {
   }
 }
 """
+
+
+_SCRATCH_SHARED = "SHARED float ws[TN * LD];\n"
+"""The float32 scratch's W staging: thread tid loads column sk of rows sr + 8 j, one warp reading 128 contiguous
+bytes of a row per load."""
+_SCRATCH_SETUP = """const GLOBAL_MEM float* w_tile = scratch + ((size_t)expert * n_out + col0) * n_in;
+float wa[TN * TK / THREADS];
+"""
+_SCRATCH_LOAD = """    #pragma unroll
+    for (int j = 0; j < TN * TK / THREADS; ++j) {
+      const int n = sr + j * (THREADS / TK);
+      wa[j] = k_ok && col0 + n < n_out ? w_tile[(size_t)n * n_in + k] : 0.0f;
+    }
+"""
+_SCRATCH_STORE = """    #pragma unroll
+    for (int j = 0; j < TN * TK / THREADS; ++j) {
+      ws[(sr + j * (THREADS / TK)) * LD + sk] = wa[j];
+    }
+"""
+_SOURCE = tf32_source(_SCRATCH_SHARED, _SCRATCH_SETUP, _SCRATCH_LOAD, _SCRATCH_STORE)
 """Step s loads slice s into registers, multiplies slice s - 1 (in threadgroup memory) into `part`, adds `part` to
 `acc`, then stores slice s once every warp is past the multiply. The tensor cores round their sums toward zero: a
 whole K of 4096 accumulated inside them drifts by ~4e-5 of the largest output (a float64 simulation), so each

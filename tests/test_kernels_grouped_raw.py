@@ -1,0 +1,185 @@
+"""The 3xTF32 grouped GEMM that reads raw IQ2_XXS / Q2_K banks directly (kernels/grouped_raw.py).
+
+The kernel must equal one float64 product per pair over the reference dequantizer's weights (quants.py) within
+float32 reassociation (TOLERANCE) for odd shapes and routings: unused experts, a single pair, E = 1, several row and
+column tiles. Its decoding must be the reference's values exactly: with one-hot activations each output is one
+weight, which 3xTF32 carries to ~2^-21 relative, so every decoded value is checked to 2^-20 of itself (a wrong
+grid entry, sign, scale or nibble is off by far more). Without a GPU the CUDA text runs in emulation
+(emulated_cuda.py); gpu-marked tests check it on the device at Flash size.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4_mlx.kernels import grouped_raw, registry
+from ds4_mlx.kernels.batch import TOLERANCE
+from ds4_mlx.kernels.dialect import CUDA, NEUTRAL_WORDS
+from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
+from ds4_mlx.kernels.grouped_raw import KERNELS, grid_words, raw_grouped_gemm
+from ds4_mlx.kernels.grouped_tf32 import LD
+from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
+from ds4_mlx.model.gguf import GGMLType
+from emulated_cuda import emulated_build
+from kernel_checks import balanced, rendered
+from test_kernels_grouped_gemm import FLASH_WIDTHS, flash_routing, products, within
+
+pytestmark = pytest.mark.usefixtures("kernels_unforced")
+
+RAW_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K)
+FLASH_SHAPES = {GGMLType.IQ2_XXS: FLASH_WIDTHS[0], GGMLType.Q2_K: FLASH_WIDTHS[1]}
+"""(OUT, IN) of Flash's IQ2_XXS gate / up and Q2_K down banks."""
+
+
+def bank(ggml_type: GGMLType, counts: list[int], n_out: int, n_in: int, seed: int
+         ) -> tuple[mx.array, np.ndarray, np.ndarray]:
+    """(raw blocks (E, OUT * row bytes), the reference's float32 weights (E, OUT, IN), sorted ids) for these
+    counts."""
+    n_expert = len(counts)
+    blocks = random_blocks(ggml_type, n_expert * n_out, n_in, seed=seed).reshape(n_expert, -1)
+    weights = np.array(dequantize(blocks, ggml_type, (n_expert, n_out, n_in)))
+    return blocks, weights, np.repeat(np.arange(n_expert), counts).astype(np.uint32)
+
+
+def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int], n_out: int, n_in: int
+        ) -> np.ndarray:
+    shape = (len(counts), n_out, n_in)
+    return np.array(raw_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type, shape))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the CPU
+
+@pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
+def test_kernels_render_for_cuda(ggml_type):
+    out = rendered(KERNELS[ggml_type], CUDA)
+    assert out["input_names"] == ["x", "w", "counts", "dims"] and out["output_names"] == ["y"]
+    assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", out["source"] + out["header"])
+    assert balanced(out["source"]) and balanced(out["header"])
+    for helper in set(re.findall(r"\bds4_\w+(?=\()", out["source"])):
+        assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
+    for name in out["input_names"]:  # MLX would add shape arguments for these
+        assert not re.search(rf"\b{name}_(shape|strides|ndim)", out["source"])
+    assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
+    # threadgroup memory: the x and W tiles, the scan, IQ2_XXS's byte grid; under the 48 KB static limit
+    assert (64 + 128) * LD * 4 + 12 + 4 * 512 <= 48 * 1024
+
+
+def test_the_byte_grid_is_ggmls_grid():
+    grid, _ = _iq2_xxs_tables()
+    words = np.array(grid_words(), np.uint32)
+    assert words.size == 512
+    np.testing.assert_array_equal(words.view(np.uint8).reshape(256, 8), np.array(grid).astype(np.uint8))
+
+
+def test_the_cpu_keeps_the_reference_and_cuda_plans_the_kernel(on_cpu):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ggml_type in RAW_TYPES:
+            assert not RAW_GROUPED[ggml_type].direct.enabled(FLASH_SHAPES[ggml_type])
+    with registry.planning("cuda"):
+        assert RAW_GROUPED[GGMLType.IQ2_XXS].direct.enabled(FLASH_SHAPES[GGMLType.IQ2_XXS])
+    with registry.planning("metal"):
+        assert not RAW_GROUPED[GGMLType.IQ2_XXS].direct.enabled(FLASH_SHAPES[GGMLType.IQ2_XXS])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In emulation (slow)
+
+CASES = {
+    "skewed": ([0, 1, 30, 0, 6], 96, 256),  # N = 37: empty experts, a single pair, OUT below one column tile
+    "beyond_a_tile": ([130, 0, 20], 200, 512),  # 3 row tiles for expert 0; 2 column tiles (the second partial)
+    "one_expert": ([5], 8, 256),  # E = 1, OUT below a warp's 32 columns
+    "many_experts": ([0, 3, 0, 0, 1, 7, 0, 2] * 5 + [70], 24, 256),  # 41 experts: two per lane in the scan
+}
+"""counts per expert, OUT, IN (a multiple of 256: whole blocks)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", CASES)
+def test_emulated_kernel_equals_one_product_per_pair(on_cpu, ggml_type, case, monkeypatch, tmp_path):
+    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
+    counts, n_out, n_in = CASES[case]
+    blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=8)
+    x = np.random.default_rng(9).standard_normal((ids.size, n_in)).astype(np.float32)
+    got = run(ggml_type, x, blocks, counts, n_out, n_in)
+    assert np.isfinite(got).all()  # every output was written
+    assert within(got, products(x, weights, ids), TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
+def test_emulated_kernel_decodes_every_value_as_the_reference(on_cpu, ggml_type, monkeypatch, tmp_path):
+    """Pair i has x = the one-hot row of column k_i, so its outputs are W_e(i)[:, k_i]: 3xTF32 carries one value to
+    2^-21 of itself, a decoding mistake moves it by far more. Each of two experts reads every column once, shuffled
+    (OUT 72: a partial column tile)."""
+    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
+    counts, n_out, n_in = [256, 256], 72, 256
+    blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=10)
+    rng = np.random.default_rng(11)
+    columns = np.concatenate([rng.permutation(n_in), rng.permutation(n_in)])
+    x = np.eye(n_in, dtype=np.float32)[columns]
+    got = run(ggml_type, x, blocks, counts, n_out, n_in)
+    want = weights[ids, :, columns]  # (N, OUT): pair i's column of its expert
+    assert (np.abs(got - want) <= 2.0**-20 * np.abs(want)).all()
+
+
+@pytest.mark.slow
+def test_emulated_kernel_at_flash_k(on_cpu, monkeypatch, tmp_path):
+    """IQ2_XXS at Flash's gate / up K = 4096: within TOLERANCE / 10 of the float64 products (the tensor cores'
+    truncation drained per slice, as the scratch kernel). Two experts, 70 pairs, 24 outputs (~30 s on 2 cores)."""
+    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
+    counts, n_out, n_in = [40, 30], 24, 4096
+    blocks, weights, ids = bank(GGMLType.IQ2_XXS, counts, n_out, n_in, seed=12)
+    x = np.random.default_rng(13).standard_normal((ids.size, n_in)).astype(np.float32)
+    got = run(GGMLType.IQ2_XXS, x, blocks, counts, n_out, n_in)
+    assert np.isfinite(got).all()
+    assert within(got, products(x, weights, ids), TOLERANCE / 10)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu)
+
+@pytest.mark.gpu
+def test_raw_kernels_pass_their_checks_on_the_gpu(on_gpu):
+    if not mx.cuda.is_available():
+        pytest.skip("the raw-bank kernel is CUDA only (Metal keeps the scratch path)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ggml_type in RAW_TYPES:
+            assert RAW_GROUPED[ggml_type].direct.enabled(FLASH_SHAPES[ggml_type])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", ["random", "skewed"])
+def test_raw_kernel_equals_the_reference_at_flash_size_without_a_scratch(on_gpu, ggml_type, case):
+    """12,288 pairs of 256 Flash experts: within TOLERANCE of the scratch path's reference (`sliced_reference`),
+    RAW_GROUPED takes this kernel, and the call allocates no bank-sized scratch (the scratch path's float32 bank
+    alone is 8 GiB): its peak above the inputs stays under 1 GiB."""
+    if not mx.cuda.is_available():
+        pytest.skip("the raw-bank kernel is CUDA only (Metal keeps the scratch path)")
+    n_out, n_in = FLASH_SHAPES[ggml_type]
+    shape = (256, n_out, n_in)
+    ids = flash_routing(case)
+    sorted_ids = mx.array(ids)
+    counts = mx.array(np.bincount(ids, minlength=256).astype(np.uint32))
+    blocks = random_blocks(ggml_type, 256 * n_out, n_in, seed=64).reshape(256, -1)
+    x = random_activations((ids.size, n_in), seed=65)
+    mx.eval(sorted_ids, counts, blocks, x)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    got = raw_grouped_gemm(x, blocks, counts, ggml_type, shape)
+    mx.eval(got)
+    assert mx.get_peak_memory() - before <= 1 << 30
+    want = sliced_reference(x, blocks, sorted_ids, ggml_type, shape)
+    assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
+    assert (RAW_GROUPED[ggml_type](x, blocks, sorted_ids, counts, shape) == got).all().item()
