@@ -78,6 +78,15 @@ def on_gpu():
 
 
 @pytest.fixture
+def on_cuda(on_gpu):
+    """Runs a test of a CUDA-only kernel (tensor cores; Metal keeps another kernel) on MLX's CUDA backend. Such tests
+    are also marked `cuda`: on a Mac, run `-m "gpu and not cuda"`."""
+    import mlx.core as mx
+
+    assert mx.cuda.is_available(), "this test needs MLX's CUDA backend: deselect it with -m 'gpu and not cuda'"
+
+
+@pytest.fixture
 def kernels_unforced(monkeypatch):
     """Fast paths decided by the registry itself: no DS4_KERNELS override, no forced mode, before or after."""
     from ds4_mlx.kernels import registry

@@ -3,6 +3,7 @@ steps of the tiny model with the fast paths on and off (checked on one)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,19 @@ def rendered(kernel: dialect.Kernel, target: dialect.Dialect) -> dict:
     seen: dict = {}
     dialect.Dialect(target.name, target.words, target.prelude, make=lambda **kw: seen.update(kw)).compile(kernel)
     return seen
+
+
+def assert_renders_cleanly(out: dict, extra_words: tuple[str, ...] = ()) -> None:
+    """A rendering (`rendered`) MLX can compile as it is: no neutral word (or `extra_words`) left in its text,
+    brackets paired, every ds4_ helper it calls defined in its header, and no reference to the shape arguments MLX
+    would then add for an input."""
+    words = "|".join((*dialect.NEUTRAL_WORDS, *extra_words))
+    assert not re.search(rf"\b({words})\b", out["source"] + out["header"])
+    assert balanced(out["source"]) and balanced(out["header"])
+    for helper in set(re.findall(r"\bds4_\w+(?=\()", out["source"])):
+        assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
+    for name in out["input_names"]:
+        assert not re.search(rf"\b{name}_(shape|strides|ndim)", out["source"])
 
 
 def balanced(text: str) -> bool:

@@ -20,12 +20,12 @@ from ds4_mlx.kernels import batch, dense_tf32, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
 from ds4_mlx.kernels.dense_tf32 import DENSE_TF32, KERNEL, LD, THREADS, TK, TM, TN, tf32_affine_matmul
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
-from kernel_checks import balanced, rendered
+from kernel_checks import assert_renders_cleanly, rendered
 from test_kernels_grouped_tf32 import tf32_rna
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
@@ -54,12 +54,7 @@ def within(got: np.ndarray, want: np.ndarray, bound: float) -> bool:
 def test_kernel_renders_for_cuda_only():
     out = rendered(KERNEL, CUDA)
     assert out["input_names"] == ["x", "wq", "scales", "biases", "dims"] and out["output_names"] == ["y"]
-    assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", out["source"] + out["header"])
-    assert balanced(out["source"]) and balanced(out["header"])
-    for helper in set(re.findall(r"\bds4_\w+(?=\()", out["source"])):
-        assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
-    for name in out["input_names"]:  # MLX would add shape arguments for these
-        assert not re.search(rf"\b{name}_(shape|strides|ndim)", out["source"])
+    assert_renders_cleanly(out)
     assert not re.search(r"\bds4_mma_tf32_16x8x8\(", METAL.prelude)
     assert DENSE_TF32.backends == ("cuda",)
     # threadgroup memory: x and quant slices (padded rows), scales and c, under the 48 KB static limit
@@ -158,9 +153,8 @@ FLASH_SHAPES = {
 
 
 @pytest.mark.gpu
-def test_dense_tf32_passes_its_checks_on_the_gpu(on_gpu):
-    if not mx.cuda.is_available():
-        pytest.skip("the 3xTF32 kernel is CUDA only (Metal keeps dequantize + GEMM)")
+@pytest.mark.cuda
+def test_dense_tf32_passes_its_checks_on_the_gpu(on_cuda):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for ggml_type in TYPES:
@@ -168,12 +162,11 @@ def test_dense_tf32_passes_its_checks_on_the_gpu(on_gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", FLASH_SHAPES)
-def test_dense_tf32_equals_the_reference_at_flash_size(on_gpu, name):
+def test_dense_tf32_equals_the_reference_at_flash_size(on_cuda, name):
     """A 2048-token chunk through Flash's Q8_0 projection shapes: within TOLERANCE of the reference, and
     batch_matmul on CUDA (float32) takes the kernel."""
-    if not mx.cuda.is_available():
-        pytest.skip("the 3xTF32 kernel is CUDA only (Metal keeps dequantize + GEMM)")
     shape = FLASH_SHAPES[name]
     lead, (n_out, n_in) = shape[:-2], shape[-2:]
     blocks = random_blocks(GGMLType.Q8_0, int(np.prod(lead, dtype=int)) * n_out, n_in, seed=41)
@@ -187,9 +180,8 @@ def test_dense_tf32_equals_the_reference_at_flash_size(on_gpu, name):
 
 
 @pytest.mark.gpu
-def test_dense_tf32_q4_equals_the_reference_on_the_gpu(on_gpu):
-    if not mx.cuda.is_available():
-        pytest.skip("the 3xTF32 kernel is CUDA only (Metal keeps dequantize + GEMM)")
+@pytest.mark.cuda
+def test_dense_tf32_q4_equals_the_reference_on_the_gpu(on_cuda):
     shape = (2048, 4096)
     blocks = random_blocks(GGMLType.Q4_K, *shape, seed=43)
     x = random_activations((777, 4096), seed=44)

@@ -10,7 +10,6 @@ grid entry, sign, scale or nibble is off by far more). Without a GPU the CUDA te
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import mlx.core as mx
@@ -19,7 +18,7 @@ import pytest
 
 from ds4_mlx.kernels import grouped_raw, registry
 from ds4_mlx.kernels.batch import TOLERANCE
-from ds4_mlx.kernels.dialect import CUDA, NEUTRAL_WORDS
+from ds4_mlx.kernels.dialect import CUDA
 from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
 from ds4_mlx.kernels.grouped_raw import KERNELS, grid_words, raw_grouped_gemm
 from ds4_mlx.kernels.grouped_tf32 import LD
@@ -27,7 +26,7 @@ from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
-from kernel_checks import balanced, rendered
+from kernel_checks import assert_renders_cleanly, rendered
 from test_kernels_grouped_gemm import FLASH_WIDTHS, flash_routing, products, within
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
@@ -60,12 +59,7 @@ def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int],
 def test_kernels_render_for_cuda(ggml_type):
     out = rendered(KERNELS[ggml_type], CUDA)
     assert out["input_names"] == ["x", "w", "counts", "dims"] and out["output_names"] == ["y"]
-    assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", out["source"] + out["header"])
-    assert balanced(out["source"]) and balanced(out["header"])
-    for helper in set(re.findall(r"\bds4_\w+(?=\()", out["source"])):
-        assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
-    for name in out["input_names"]:  # MLX would add shape arguments for these
-        assert not re.search(rf"\b{name}_(shape|strides|ndim)", out["source"])
+    assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
     # threadgroup memory: the x and W tiles, the scan, IQ2_XXS's byte grid; under the 48 KB static limit
     assert (64 + 128) * LD * 4 + 12 + 4 * 512 <= 48 * 1024
@@ -148,9 +142,8 @@ def test_emulated_kernel_at_flash_k(on_cpu, monkeypatch, tmp_path):
 # On the GPU (pytest -m gpu)
 
 @pytest.mark.gpu
-def test_raw_kernels_pass_their_checks_on_the_gpu(on_gpu):
-    if not mx.cuda.is_available():
-        pytest.skip("the raw-bank kernel is CUDA only (Metal keeps the scratch path)")
+@pytest.mark.cuda
+def test_raw_kernels_pass_their_checks_on_the_gpu(on_cuda):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for ggml_type in RAW_TYPES:
@@ -158,14 +151,13 @@ def test_raw_kernels_pass_their_checks_on_the_gpu(on_gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", ["random", "skewed"])
-def test_raw_kernel_equals_the_reference_at_flash_size_without_a_scratch(on_gpu, ggml_type, case):
+def test_raw_kernel_equals_the_reference_at_flash_size_without_a_scratch(on_cuda, ggml_type, case):
     """12,288 pairs of 256 Flash experts: within TOLERANCE of the scratch path's reference (`sliced_reference`),
     RAW_GROUPED takes this kernel, and the call allocates no bank-sized scratch (the scratch path's float32 bank
     alone is 8 GiB): its peak above the inputs stays under 1 GiB."""
-    if not mx.cuda.is_available():
-        pytest.skip("the raw-bank kernel is CUDA only (Metal keeps the scratch path)")
     n_out, n_in = FLASH_SHAPES[ggml_type]
     shape = (256, n_out, n_in)
     ids = flash_routing(case)

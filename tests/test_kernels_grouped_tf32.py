@@ -20,12 +20,12 @@ import pytest
 
 from ds4_mlx.kernels import grouped_tf32, registry
 from ds4_mlx.kernels.batch import TOLERANCE
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS, Kernel, build
+from ds4_mlx.kernels.dialect import CUDA, METAL, Kernel, build
 from ds4_mlx.kernels.grouped import scratch_matmul
 from ds4_mlx.kernels.grouped_tf32 import GROUPED_GEMM_TF32, KERNEL, LD, TK, tensor_core_matmul, tf32_grouped_gemm
 from ds4_mlx.kernels.probe import random_activations
 from emulated_cuda import emulated, emulated_build
-from kernel_checks import balanced, rendered
+from kernel_checks import assert_renders_cleanly, rendered
 from test_kernels_grouped_gemm import FLASH_WIDTHS, flash_routing, pairs, products, within
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
@@ -121,12 +121,7 @@ def plain_tf32(x: np.ndarray, scratch: np.ndarray, ids: np.ndarray) -> np.ndarra
 def test_kernel_renders_for_cuda_only():
     out = rendered(KERNEL, CUDA)
     assert out["input_names"] == ["x", "scratch", "counts", "dims"] and out["output_names"] == ["y"]
-    assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", out["source"] + out["header"])
-    assert balanced(out["source"]) and balanced(out["header"])
-    for helper in set(re.findall(r"\bds4_\w+(?=\()", out["source"])):
-        assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
-    for name in out["input_names"]:  # MLX would add shape arguments for these
-        assert not re.search(rf"\b{name}_(shape|strides|ndim)", out["source"])
+    assert_renders_cleanly(out)
     for helper in HELPERS:  # tensor-core helpers: CUDA's prelude only, Metal keeps the SIMT kernel
         assert re.search(rf"\b{helper}\(", CUDA.prelude) and not re.search(rf"\b{helper}\(", METAL.prelude)
     assert GROUPED_GEMM_TF32.backends == ("cuda",)
@@ -214,9 +209,8 @@ def test_emulated_kernel_at_flash_k_is_float32_class_and_plain_tf32_is_not(on_cp
 # On the GPU (pytest -m gpu)
 
 @pytest.mark.gpu
-def test_mma_helper_follows_the_ptx_fragment_layout_on_the_gpu(on_gpu):
-    if not mx.cuda.is_available():
-        pytest.skip("tensor-core helpers are CUDA only")
+@pytest.mark.cuda
+def test_mma_helper_follows_the_ptx_fragment_layout_on_the_gpu(on_cuda):
     a, b, c = mma_operands(2)
     (d,) = build(MMA_PROBE, "cuda")(inputs=[mx.array(a), mx.array(b), mx.array(c)], template=[], grid=(64, 1, 1),
                                     threadgroup=(64, 1, 1), output_shapes=[c.shape], output_dtypes=[mx.float32])
@@ -224,9 +218,8 @@ def test_mma_helper_follows_the_ptx_fragment_layout_on_the_gpu(on_gpu):
 
 
 @pytest.mark.gpu
-def test_split_rounds_to_nearest_ties_away_on_the_gpu(on_gpu):
-    if not mx.cuda.is_available():
-        pytest.skip("tensor-core helpers are CUDA only")
+@pytest.mark.cuda
+def test_split_rounds_to_nearest_ties_away_on_the_gpu(on_cuda):
     v = split_inputs()
     hi, lo = build(SPLIT_PROBE, "cuda")(inputs=[mx.array(v)], template=[], grid=(v.size, 1, 1),
                                         threadgroup=(32, 1, 1), output_shapes=[v.shape, v.shape],
@@ -235,9 +228,8 @@ def test_split_rounds_to_nearest_ties_away_on_the_gpu(on_gpu):
 
 
 @pytest.mark.gpu
-def test_tf32_kernel_passes_its_checks_on_the_gpu(on_gpu):
-    if not mx.cuda.is_available():
-        pytest.skip("the 3xTF32 kernel is CUDA only (Metal keeps the SIMT kernel)")
+@pytest.mark.cuda
+def test_tf32_kernel_passes_its_checks_on_the_gpu(on_cuda):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for widths in FLASH_WIDTHS:
@@ -245,13 +237,12 @@ def test_tf32_kernel_passes_its_checks_on_the_gpu(on_gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.parametrize("widths", FLASH_WIDTHS, ids=str)
 @pytest.mark.parametrize("case", ["random", "skewed"])
-def test_tf32_kernel_equals_per_expert_products_at_flash_size(on_gpu, widths, case):
+def test_tf32_kernel_equals_per_expert_products_at_flash_size(on_cuda, widths, case):
     """12,288 pairs of 256 Flash experts: each expert's rows equal x_e @ W_e.T within TOLERANCE, and
     scratch_matmul on CUDA takes this kernel for a float32 scratch."""
-    if not mx.cuda.is_available():
-        pytest.skip("the 3xTF32 kernel is CUDA only (Metal keeps the SIMT kernel)")
     n_out, n_in = widths
     ids = flash_routing(case)
     counts = np.bincount(ids, minlength=256)
