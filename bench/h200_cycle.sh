@@ -10,6 +10,8 @@
 #   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model, 16
 #                  jobs), then `ds4-mlx bench -m` on it: load time and GB/s, host peak RSS, decode at 2k with
 #                  the MTP verify costs (`--mtp-draft 3`)
+#   chunks[:N]     prefill t/s of an 8k prompt over N layers (default 12) in chunks of 1024, 2048 and 4096 tokens
+#                  (issue 9: the chunk size chosen for speed)
 #   knobs[:N]      decode at 2k over N layers (default 12) under MLX's CUDA graph limits: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB, which every
 #                  routed-expert launch does: its banks are ~1 GB), then the MB limit lifted, then larger graphs
@@ -63,6 +65,13 @@ for step in "$@"; do
       echo "rc $?"
       grep -iv "warnings.warn\|it/s\]" "$out/file.err" | cut -c1-250 | tail -12
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:2500])" "$out/file.json" 2>&1 | tail -3 ;;
+    chunks*)
+      layers=${step#chunks}; layers=${layers#:}; layers=${layers:-12}
+      for c in 1024 2048 4096; do
+        timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 8192 \
+          --ctx-max 8192 --gen-tokens 0 --prefill-chunk "$c" --json > "$out/chunks_$c.json" 2> "$out/chunks_$c.err"
+        echo "chunk $c: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['frontiers'][0]; print(f['prefill_tps'], 't/s prefill, warm-up', d['warmup_seconds'], 's, peak', round(f['peak_memory_bytes']/1e9, 1), 'GB')" "$out/chunks_$c.json" 2>&1 | tail -1)"
+      done ;;
     knobs*)
       layers=${step#knobs}; layers=${layers#:}; layers=${layers:-12}
       for knob in "" "MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=300" \

@@ -144,10 +144,23 @@ def test_walk_continues_from_the_prompt_after_each_probe(model_path):
     assert tight.session.tokens == prompt[:4] and results[0].gen_tps[0] > 0
 
 
+def test_walk_prefills_in_the_chunks_asked_for(model_path):
+    engine = Engine.load(model_path, 40)
+    loaded = Loaded("tiny", engine.session, engine.tokenizer, 1.0, 1, {})
+    prompt = prompt_ids(engine.tokenizer, read_prompt(None), 32)
+    fed = []
+    feed = engine.session._feed
+    engine.session._feed = lambda chunk: fed.append(len(chunk)) or feed(chunk)
+    run_walk(loaded, Walk((10, 32), gen_tokens=0, repeats=1, prefill_chunk=4), prompt)
+    assert engine.session.chunk_size == 4
+    assert max(fed) == 4 and sum(n for n in fed if n > 1) >= 32  # the walk's 32 tokens in chunks of at most 4
+    assert main(["bench", "--demo", "--prefill-chunk", "0"]) == 1
+
+
 def _args(**kw) -> Namespace:
     base = dict(ctx_start=2048, ctx_max=32768, step_incr=None, step_mul=None, gen_tokens=128, repeats=1,
                 layers=None, synthetic=None, demo=False, ctx=None, ops_for=None, mtp=None, mtp_draft=1,
-                mtp_margin=3.0)
+                mtp_margin=3.0, prefill_chunk=None)
     return Namespace(**(base | kw))
 
 

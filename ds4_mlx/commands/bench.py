@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text whose tokens are prefilled, repeated as needed (default: a built-in text)")
     g.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="walks to run; figures are the median, with min and max (default 1)")
+    g.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="tokens per prefill chunk (default ds4's 2048, or the whole context below that), to choose "
+                        "a GPU's chunk size by measurement")
     g.add_argument("--ops", action="store_true",
                    help="also count the primitives in one decode step's graph at the first frontier, in total, "
                         "per layer and by name (an mx.compile'd function counts as one node)")
@@ -120,6 +123,8 @@ class Walk:
     mtp_draft: int = 0
     """--mtp-draft N with --mtp: tokens per verify call; 0 = no MTP figures."""
     mtp_margin: float = 0.0
+    prefill_chunk: int | None = None
+    """--prefill-chunk: the session's chunk size for the walk; None keeps the session's own."""
 
     @property
     def ctx(self) -> int:
@@ -141,6 +146,8 @@ def plan(args: argparse.Namespace) -> Walk:
         raise Ds4Error(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
     if args.repeats < 1:
         raise Ds4Error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise Ds4Error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.layers is not None and args.synthetic is None:
         raise Ds4Error("--layers needs --synthetic")
     if args.synthetic is not None and args.demo:
@@ -154,7 +161,7 @@ def plan(args: argparse.Namespace) -> Walk:
             break
         frontiers.append(following)
     mtp_draft = args.mtp_draft if args.mtp is not None else 0
-    walk = Walk(tuple(frontiers), args.gen_tokens, args.repeats, mtp_draft, args.mtp_margin)
+    walk = Walk(tuple(frontiers), args.gen_tokens, args.repeats, mtp_draft, args.mtp_margin, args.prefill_chunk)
     if args.ctx is not None and args.ctx < walk.ctx:
         probe = f"--gen-tokens {args.gen_tokens}" if args.gen_tokens >= mtp_draft else f"--mtp-draft {mtp_draft}"
         raise Ds4Error(f"--ctx {args.ctx} is too small for the walk: the last frontier {frontiers[-1]} + "
@@ -308,6 +315,8 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
     def greedy(logits: mx.array) -> int:
         return int(mx.argmax(logits + no_eos).item())
 
+    if walk.prefill_chunk is not None:
+        session.chunk_size = walk.prefill_chunk
     loaded.warmup_seconds = warm_up(session, prompt, walk.frontiers[0], greedy)
     say(f"warm-up (compilation, first-use checks) {loaded.warmup_seconds:.1f} s")
     if walk.mtp_draft and session.mtp is None:
@@ -554,6 +563,7 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
         "load_gb_per_second": round(gbps, 3),
         "load_stats": _load_stats(loaded.session.model),
         "warmup_seconds": round(loaded.warmup_seconds, 3),
+        "prefill_chunk": loaded.session.chunk_size,
         "weights_bytes": loaded.session.model.nbytes,
         "host": loaded.host,
         "frontiers": [r.row() for r in results],
