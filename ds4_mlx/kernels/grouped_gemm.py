@@ -89,7 +89,7 @@ if (rows == 0) {
 `tile` finds its expert, first pair and row count from `counts` (threads tid, SIMD group 0 scanning; `where` an int[3]
 in threadgroup memory) and leaves at once if its tile is past the last. Defines expert, row0 and rows."""
 
-_SOURCE = """
+TILE_HEAD = """
 const int tid = THREAD_IN_GROUP;
 const int n_expert = dims[0];
 const int n_out = dims[1];
@@ -97,6 +97,11 @@ const int n_in = dims[2];
 const int tile = GROUP_Y;
 const int col0 = GROUP_X * TN;
 SHARED int where[3];
+"""
+"""What a grouped GEMM kernel's threadgroup knows before its row-tile scan (TILE_SCAN, which fills `where`): its
+thread, the bank's dims, its row tile (grid y) and first output column (grid x). Shared with grouped_tf32.py."""
+
+_SOURCE = TILE_HEAD + """
 SHARED float4 xs4[TK * TM / 4];
 SHARED float4 ws4[TK * TN / 4];
 SHARED_MEM float* xs = reinterpret_cast<SHARED_MEM float*>(xs4);

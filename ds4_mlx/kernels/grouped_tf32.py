@@ -37,8 +37,8 @@ import mlx.core as mx
 
 from .batch import TOLERANCE
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
-from .grouped_gemm import (MAX_ROW_TILES, THREADS, TILE_SCAN, TM, TN, expert_counts, fallback_matmul, make_probe,
-                           row_tiles, untrusted_matmul)
+from .grouped_gemm import (MAX_ROW_TILES, THREADS, TILE_HEAD, TILE_SCAN, TM, TN, expert_counts, fallback_matmul,
+                           make_probe, row_tiles, untrusted_matmul)
 from .registry import FastPath, current_backend
 
 TK = 32
@@ -53,14 +53,7 @@ def tf32_source(w_shared: str, w_setup: str, w_load: str, w_store: str) -> str:
     (pointers, prefetch registers); `w_load` issues slice s's loads into registers (k, k_ok: this thread's x
     column); `w_store` fills ws with slice s once every warp is past the previous multiply. The float32
     scratch's pieces are below; grouped_raw.py decodes raw q2 blocks instead."""
-    return """
-const int tid = THREAD_IN_GROUP;
-const int n_expert = dims[0];
-const int n_out = dims[1];
-const int n_in = dims[2];
-const int tile = GROUP_Y;
-const int col0 = GROUP_X * TN;
-SHARED int where[3];
+    return TILE_HEAD + """
 SHARED float xs[TM * LD];
 """ + w_shared + TILE_SCAN + """
 const int lane = SIMD_LANE;
