@@ -40,7 +40,7 @@ from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .batch import BF16_TOLERANCE, DTYPES, TOLERANCE, prefill_dtype
 from .dequant import dequantize_used
-from .grouped_gemm import MAX_ROW_TILES, TM, expert_counts, row_tiles
+from .grouped_gemm import TM, expert_counts, grid_fits
 from .grouped_raw import raw_grouped_gemm
 from .grouped_tf32 import tensor_core_matmul
 from .matvec import gathered_reference
@@ -155,7 +155,7 @@ class RawGrouped:
                  shape: tuple[int, int, int]) -> mx.array:
         """x[i] @ W[ids[i]].T (N, OUT) for x (N, IN) and expert ids sorted ascending, counts (E,) per expert."""
         key = tuple(shape[1:])
-        if row_tiles(sorted_ids.size, shape[0]) <= MAX_ROW_TILES and self.direct.enabled(key):
+        if grid_fits(sorted_ids.size, shape[0]) and self.direct.enabled(key):
             return self.direct(x, blocks, sorted_ids, counts, shape, key=key)
         return self.fast_paths[prefill_dtype()](x, blocks, sorted_ids, counts, shape, key=key)
 

@@ -29,7 +29,7 @@ rows (48 pairs per expert on average in tiles of 64): ~9-12 ms per projection, ~
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import mlx.core as mx
 
@@ -207,21 +207,33 @@ def row_tiles(n_pairs: int, n_expert: int) -> int:
     return -(-n_pairs // TM) + min(n_expert, n_pairs)
 
 
-def grouped_gemm(x: mx.array, scratch: mx.array, counts: mx.array) -> mx.array:
-    """x[i] @ scratch[e(i)].T as float32 (N, OUT), pair i's expert e(i) given by the counts (E,) of pairs sorted by
-    expert (sum N). GPU backends only (`build` refuses the CPU)."""
-    n_expert, n_out, n_in = scratch.shape
+def grid_fits(n_pairs: int, n_expert: int) -> bool:
+    """Whether a grouped GEMM kernel's grid of row tiles fits CUDA's grid y (larger chunks keep the fallback)."""
+    return row_tiles(n_pairs, n_expert) <= MAX_ROW_TILES
+
+
+def launch_grouped(kernel: Callable, x: mx.array, bank: mx.array, counts: mx.array, shape: tuple[int, int, int],
+                   template: list[tuple[str, object]]) -> mx.array:
+    """One launch of a grouped GEMM kernel (`kernel` as dialect.build made it) over pairs sorted by expert: x (N, IN),
+    the bank as the kernel reads it, of shape (E, OUT, IN), and its counts (E,) -> float32 (N, OUT). The grid is the
+    output's column tiles by the row tiles any counts summing to N need; no read-back."""
+    n_expert, n_out, n_in = shape
     n = x.shape[0]
     if n == 0:
         return mx.zeros((0, n_out), dtype=mx.float32)
-    (y,) = build(KERNEL, current_backend())(
-        inputs=[x.astype(mx.float32), scratch, counts.astype(mx.uint32),
-                mx.array([n_expert, n_out, n_in], dtype=mx.int32)],
-        template=[("T", scratch.dtype), ("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS)],
-        grid=(-(-n_out // TN) * THREADS, row_tiles(n, n_expert), 1), threadgroup=(THREADS, 1, 1),
+    (y,) = kernel(
+        inputs=[x.astype(mx.float32), bank, counts.astype(mx.uint32), mx.array([n_expert, n_out, n_in], dtype=mx.int32)],
+        template=template, grid=(-(-n_out // TN) * THREADS, row_tiles(n, n_expert), 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n, n_out)], output_dtypes=[mx.float32],
     )
     return y
+
+
+def grouped_gemm(x: mx.array, scratch: mx.array, counts: mx.array) -> mx.array:
+    """x[i] @ scratch[e(i)].T as float32 (N, OUT), pair i's expert e(i) given by the counts (E,) of pairs sorted by
+    expert (sum N). GPU backends only (`build` refuses the CPU)."""
+    return launch_grouped(build(KERNEL, current_backend()), x, scratch, counts, scratch.shape,
+                          [("T", scratch.dtype), ("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS)])
 
 
 def padded_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array, counts: mx.array) -> mx.array | None:
@@ -288,6 +300,6 @@ def untrusted_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array, count
     check passed, else `fallback_matmul`. counts (E,): the pairs per expert, computed here if not given."""
     n_expert, n_out, n_in = scratch.shape
     counts = expert_counts(sorted_ids, n_expert) if counts is None else counts
-    if scratch.dtype not in GROUPED_GEMM or row_tiles(sorted_ids.size, n_expert) > MAX_ROW_TILES:
+    if scratch.dtype not in GROUPED_GEMM or not grid_fits(sorted_ids.size, n_expert):
         return fallback_matmul(x, scratch, sorted_ids, counts)
     return GROUPED_GEMM[scratch.dtype](x, scratch, sorted_ids, counts, key=(n_out, n_in))

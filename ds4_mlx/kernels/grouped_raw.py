@@ -42,7 +42,7 @@ from gguf.quants import IQ2_XXS
 
 from ..model.gguf import GGMLType
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
-from .grouped_gemm import THREADS, TM, TN, row_tiles
+from .grouped_gemm import THREADS, TM, TN, launch_grouped
 from .grouped_tf32 import LD, TK, tf32_source
 from .registry import current_backend
 
@@ -165,15 +165,5 @@ def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type:
     """x[i] @ W[e(i)].T as float32 (N, OUT) for a raw bank `blocks` (uint8, E rows of OUT * row bytes) of type
     `ggml_type` and row-major shape (E, OUT, IN), pair i's expert given by the counts (E,) of pairs sorted by
     expert. CUDA only."""
-    n_expert, n_out, n_in = shape
-    n = x.shape[0]
-    if n == 0:
-        return mx.zeros((0, n_out), dtype=mx.float32)
-    (y,) = build(KERNELS[ggml_type], current_backend())(
-        inputs=[x.astype(mx.float32), blocks, counts.astype(mx.uint32),
-                mx.array([n_expert, n_out, n_in], dtype=mx.int32)],
-        template=[("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LD", LD)],
-        grid=(-(-n_out // TN) * THREADS, row_tiles(n, n_expert), 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(n, n_out)], output_dtypes=[mx.float32],
-    )
-    return y
+    return launch_grouped(build(KERNELS[ggml_type], current_backend()), x, blocks, counts, shape,
+                          [("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LD", LD)])

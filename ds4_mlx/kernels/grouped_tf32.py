@@ -37,8 +37,8 @@ import mlx.core as mx
 
 from .batch import TOLERANCE
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
-from .grouped_gemm import (MAX_ROW_TILES, THREADS, TILE_HEAD, TILE_SCAN, TM, TN, expert_counts, fallback_matmul,
-                           make_probe, row_tiles, untrusted_matmul)
+from .grouped_gemm import (THREADS, TILE_HEAD, TILE_SCAN, TM, TN, expert_counts, fallback_matmul, grid_fits,
+                           launch_grouped, make_probe, untrusted_matmul)
 from .registry import FastPath, current_backend
 
 TK = 32
@@ -201,18 +201,8 @@ KERNEL = Kernel("ds4_grouped_gemm_tf32", ("x", "scratch", "counts", "dims"), ("y
 def tf32_grouped_gemm(x: mx.array, scratch: mx.array, counts: mx.array) -> mx.array:
     """x[i] @ scratch[e(i)].T as float32 (N, OUT) for a float32 scratch (E, OUT, IN), pair i's expert given by the
     counts (E,) of pairs sorted by expert. CUDA only."""
-    n_expert, n_out, n_in = scratch.shape
-    n = x.shape[0]
-    if n == 0:
-        return mx.zeros((0, n_out), dtype=mx.float32)
-    (y,) = build(KERNEL, current_backend())(
-        inputs=[x.astype(mx.float32), scratch, counts.astype(mx.uint32),
-                mx.array([n_expert, n_out, n_in], dtype=mx.int32)],
-        template=[("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LD", LD)],
-        grid=(-(-n_out // TN) * THREADS, row_tiles(n, n_expert), 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(n, n_out)], output_dtypes=[mx.float32],
-    )
-    return y
+    return launch_grouped(build(KERNEL, current_backend()), x, scratch, counts, scratch.shape,
+                          [("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LD", LD)])
 
 
 def _fast(x: mx.array, scratch: mx.array, sorted_ids: mx.array, counts: mx.array) -> mx.array:
@@ -234,7 +224,7 @@ def tensor_core_matmul(x: mx.array, scratch: mx.array, sorted_ids: mx.array, cou
     passed, else the fallback). counts (E,): the pairs per expert, computed here if not given."""
     n_expert, n_out, n_in = scratch.shape
     counts = expert_counts(sorted_ids, n_expert) if counts is None else counts
-    if (scratch.dtype == mx.float32 and row_tiles(sorted_ids.size, n_expert) <= MAX_ROW_TILES
+    if (scratch.dtype == mx.float32 and grid_fits(sorted_ids.size, n_expert)
             and GROUPED_GEMM_TF32.enabled((n_out, n_in))):
         return GROUPED_GEMM_TF32(x, scratch, sorted_ids, counts, key=(n_out, n_in))
     return untrusted_matmul(x, scratch, sorted_ids, counts)
