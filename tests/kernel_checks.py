@@ -33,6 +33,13 @@ def assert_renders_cleanly(out: dict, extra_words: tuple[str, ...] = ()) -> None
         assert not re.search(rf"\b{name}_(shape|strides|ndim)", out["source"])
 
 
+def used_kinds(fast_path: registry.FastPath, config) -> set[str]:
+    """The key-set kinds an attention fast path took on this backend for the model's head shape."""
+    shape = (config.n_head, config.head_dim)
+    return {key.kind for (backend, key), decision in fast_path.decisions().items()
+            if backend == registry.current_backend() and decision.fast and (key.heads, key.head_dim) == shape}
+
+
 def balanced(text: str) -> bool:
     """Whether braces, parentheses and brackets pair up in order (a rendering that lost or doubled one would not)."""
     for open_, close in ("{}", "()", "[]"):

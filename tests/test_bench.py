@@ -122,13 +122,19 @@ def test_plot_without_matplotlib_fails_before_loading(monkeypatch, capsys):
                                        "pip install 'ds4-mlx[plot]'\n")
 
 
-def test_walk_continues_from_the_prompt_after_each_probe(model_path):
+def recording(model_path: Path, method: str) -> tuple[Engine, Loaded, list[int], list[int]]:
+    """A 40-token session of the tiny model ready to walk, its built-in 32-token prompt, and the lengths of the
+    token lists its `method` ("prefill" or "_feed") is given from now on."""
     engine = Engine.load(model_path, 40)
+    fed: list[int] = []
+    inner = getattr(engine.session, method)
+    setattr(engine.session, method, lambda tokens, **kw: fed.append(len(tokens)) or inner(tokens, **kw))
     loaded = Loaded("tiny", engine.session, engine.tokenizer, 1.0, 1, {})
-    prompt = prompt_ids(engine.tokenizer, read_prompt(None), 32)
-    fed = []
-    prefill = engine.session.prefill
-    engine.session.prefill = lambda tokens, **kw: fed.append(len(tokens)) or prefill(tokens, **kw)
+    return engine, loaded, prompt_ids(engine.tokenizer, read_prompt(None), 32), fed
+
+
+def test_walk_continues_from_the_prompt_after_each_probe(model_path):
+    engine, loaded, prompt, fed = recording(model_path, "prefill")
     results, counts = run_walk(loaded, Walk((16, 32), gen_tokens=4, repeats=1), prompt)
     # the warm-up runs the first interval's shape twice, then the walk its two intervals (decode steps feed 1 token)
     assert [n for n in fed if n > 1] == [16, 16, 16, 16]
@@ -145,12 +151,7 @@ def test_walk_continues_from_the_prompt_after_each_probe(model_path):
 
 
 def test_walk_prefills_in_the_chunks_asked_for(model_path):
-    engine = Engine.load(model_path, 40)
-    loaded = Loaded("tiny", engine.session, engine.tokenizer, 1.0, 1, {})
-    prompt = prompt_ids(engine.tokenizer, read_prompt(None), 32)
-    fed = []
-    feed = engine.session._feed
-    engine.session._feed = lambda chunk: fed.append(len(chunk)) or feed(chunk)
+    engine, loaded, prompt, fed = recording(model_path, "_feed")
     run_walk(loaded, Walk((10, 32), gen_tokens=0, repeats=1, prefill_chunk=4), prompt)
     assert engine.session.chunk_size == 4
     assert max(fed) == 4 and sum(n for n in fed if n > 1) >= 32  # the walk's 32 tokens in chunks of at most 4

@@ -27,7 +27,7 @@ from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.rope import ROTATE, RoPE, Yarn, rotate
 from ds4_mlx.model.weights import open_weights
 from emulated_cuda import emulated_build
-from kernel_checks import balanced, rendered
+from kernel_checks import balanced, rendered, used_kinds
 
 HEADS, DIM, N_ROT, WINDOW = FLASH.n_head, FLASH.head_dim, FLASH.n_rot, FLASH.sliding_window
 
@@ -171,10 +171,7 @@ def test_tiny_model_decode_runs_the_kernel(on_gpu, kernels_unforced, tmp_path):
         return np.stack([np.array(model.decode(int(t), cache)[1]) for t in tokens[50:]])
 
     fast = logits(Model(weights, simulate_quant=False))
-    shape = (weights.config.n_head, weights.config.head_dim)
-    used = {key.kind for (backend, key), decision in DECODE_ATTENTION.fast_path.decisions().items()
-            if backend == registry.current_backend() and decision.fast and (key.heads, key.head_dim) == shape}
-    assert used == {"window", "rows", "picked"}
+    assert used_kinds(DECODE_ATTENTION.fast_path, weights.config) == {"window", "rows", "picked"}
     with registry.forced_mode("reference"):
         want = logits(Model(weights, simulate_quant=False))
     assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()

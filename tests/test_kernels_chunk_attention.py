@@ -24,7 +24,7 @@ from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights
 from emulated_cuda import emulated_build
-from kernel_checks import assert_renders_cleanly, rendered
+from kernel_checks import assert_renders_cleanly, rendered, used_kinds
 
 HEADS, DIM, WINDOW, PICKS = FLASH.n_head, FLASH.head_dim, FLASH.sliding_window, FLASH.indexer_top_k
 
@@ -142,10 +142,7 @@ def test_tiny_model_prefill_runs_the_kernel(on_gpu, kernels_unforced, tmp_path):
         return np.concatenate([np.array(first), np.array(model(tokens[30:], cache, all_logits=True))])
 
     fast = logits(Model(weights, simulate_quant=False))
-    shape = (weights.config.n_head, weights.config.head_dim)
-    used = {key.kind for (backend, key), decision in CHUNK_ATTENTION.fast_path.decisions().items()
-            if backend == registry.current_backend() and decision.fast and (key.heads, key.head_dim) == shape}
-    assert used == {"window", "rows", "picked"}
+    assert used_kinds(CHUNK_ATTENTION.fast_path, weights.config) == {"window", "rows", "picked"}
     with registry.forced_mode("reference"):
         want = logits(Model(weights, simulate_quant=False))
     assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()

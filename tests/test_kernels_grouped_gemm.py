@@ -151,6 +151,23 @@ def flash_routing(case: str, tokens: int = 2048, k: int = 6, n_expert: int = 256
     return np.sort(ids.reshape(-1)).astype(np.uint32)
 
 
+def flash_pairs(case: str, widths: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, mx.array, mx.array]:
+    """A Flash chunk's sorted ids, counts (256,), activations x (N, IN) and a random float32 bank (256, OUT, IN)."""
+    n_out, n_in = widths
+    ids = flash_routing(case)
+    x = random_activations((ids.size, n_in), seed=62)
+    return ids, np.bincount(ids, minlength=256), x, mx.random.normal((256, n_out, n_in), key=mx.random.key(63))
+
+
+def assert_per_expert(got: mx.array, x: mx.array, bank: mx.array, counts: np.ndarray) -> None:
+    """Each used expert's rows of `got` equal x_e @ W_e.T within TOLERANCE of their largest value."""
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for e in np.flatnonzero(counts):
+        rows = slice(int(starts[e]), int(starts[e + 1]))
+        want = x[rows] @ bank[int(e)].astype(mx.float32).T
+        assert (mx.abs(got[rows] - want).max() <= TOLERANCE * mx.abs(want).max()).item(), (bank.dtype, int(e))
+
+
 @pytest.mark.gpu
 def test_grouped_gemm_passes_its_checks_on_the_gpu(on_gpu):
     with warnings.catch_warnings():
@@ -166,20 +183,12 @@ def test_grouped_gemm_passes_its_checks_on_the_gpu(on_gpu):
 def test_grouped_gemm_equals_per_expert_products_at_flash_size(on_gpu, widths, case):
     """12,288 pairs of 256 Flash experts: each expert's rows equal x_e @ W_e.T (float32, and the bf16 scratch's
     exact values), and scratch_matmul on CUDA takes the kernel for a bf16 scratch."""
-    n_out, n_in = widths
-    ids = flash_routing(case)
-    counts = np.bincount(ids, minlength=256)
-    x = random_activations((ids.size, n_in), seed=62)
-    scratch = mx.random.normal((256, n_out, n_in), key=mx.random.key(63))
+    ids, counts, x, scratch = flash_pairs(case, widths)
     sorted_ids, counts_mx = mx.array(ids), mx.array(counts.astype(np.uint32))
     for dtype in (mx.float32, mx.bfloat16):
         weights = scratch.astype(dtype)
         got = grouped_gemm(x, weights, counts_mx)
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        for e in np.flatnonzero(counts):
-            rows = slice(int(starts[e]), int(starts[e + 1]))
-            want = x[rows] @ weights[int(e)].astype(mx.float32).T
-            assert (mx.abs(got[rows] - want).max() <= TOLERANCE * mx.abs(want).max()).item(), (dtype, int(e))
+        assert_per_expert(got, x, weights, counts)
         if mx.cuda.is_available() and dtype == mx.bfloat16:  # float32 takes the 3xTF32 kernel (grouped_tf32.py)
             assert (scratch_matmul(x, weights, sorted_ids, counts_mx) == got).all().item()
         del weights, got

@@ -23,10 +23,9 @@ from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA, METAL, Kernel, build
 from ds4_mlx.kernels.grouped import scratch_matmul
 from ds4_mlx.kernels.grouped_tf32 import GROUPED_GEMM_TF32, KERNEL, LD, TK, tensor_core_matmul, tf32_grouped_gemm
-from ds4_mlx.kernels.probe import random_activations
 from emulated_cuda import emulated, emulated_build
 from kernel_checks import assert_renders_cleanly, rendered
-from test_kernels_grouped_gemm import FLASH_WIDTHS, flash_routing, pairs, products, within
+from test_kernels_grouped_gemm import FLASH_WIDTHS, assert_per_expert, flash_pairs, pairs, products, within
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 
@@ -243,16 +242,8 @@ def test_tf32_kernel_passes_its_checks_on_the_gpu(on_cuda):
 def test_tf32_kernel_equals_per_expert_products_at_flash_size(on_cuda, widths, case):
     """12,288 pairs of 256 Flash experts: each expert's rows equal x_e @ W_e.T within TOLERANCE, and
     scratch_matmul on CUDA takes this kernel for a float32 scratch."""
-    n_out, n_in = widths
-    ids = flash_routing(case)
-    counts = np.bincount(ids, minlength=256)
-    x = random_activations((ids.size, n_in), seed=62)
-    scratch = mx.random.normal((256, n_out, n_in), key=mx.random.key(63))
+    ids, counts, x, scratch = flash_pairs(case, widths)
     sorted_ids, counts_mx = mx.array(ids), mx.array(counts.astype(np.uint32))
     got = tf32_grouped_gemm(x, scratch, counts_mx)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    for e in np.flatnonzero(counts):
-        rows = slice(int(starts[e]), int(starts[e + 1]))
-        want = x[rows] @ scratch[int(e)].T
-        assert (mx.abs(got[rows] - want).max() <= TOLERANCE * mx.abs(want).max()).item(), int(e)
+    assert_per_expert(got, x, scratch, counts)
     assert (scratch_matmul(x, scratch, sorted_ids, counts_mx) == got).all().item()
