@@ -2,7 +2,8 @@
 # Measure steps on the GPU machine, for the device calls that follow the stage call (bench/README.md):
 #   source .device/bin/install.sh && bash bench/h200_cycle.sh STEP...
 # Steps (run in the order given, each under a timeout so that the output comes back within a call's 10 minutes):
-#   tests          every gpu-marked test (each kernel used on the device and equal to its reference)
+#   tests[:A,B]    every gpu-marked test (each kernel used on the device and equal to its reference); with names,
+#                  only tests/test_kernels_A.py, tests/test_kernels_B.py, ...
 #   profile        per-kernel CUPTI times of the compiled decode step, first 4 layers (bench/gpu_profile.py)
 #   prefill        the same for one 2048-token prefill chunk
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
@@ -30,12 +31,14 @@ left() { local n=$(( limit - ($(date +%s) - start) - ${1:-0} )); echo $(( n > 1 
 for step in "$@"; do
   echo "== $step ($(( $(date +%s) - start )) s in, $(left) s left)"
   case $step in
-    tests)
+    tests*)
+      files="tests/test_kernels_*.py tests/test_fused_linear.py"
+      [ "$step" != tests ] && files=$(echo "${step#tests:}" | tr ',' '\n' | sed 's|.*|tests/test_kernels_&.py|' | tr '\n' ' ')
       # unit tests first, the tiny-model decode tests last (they compile their kernels at new shapes); a test that
       # runs past 150 s fails with every thread's stack (pytest-timeout, installed there): a GPU hang shows where
       for sel in "not tiny" "tiny"; do
         DS4_TEST_DEVICE=gpu timeout "$(left 5)" python3 -m pytest -v -m gpu -k "$sel" -p no:cacheprovider --tb=short \
-          -rfE --timeout 150 --durations=10 tests/test_kernels_*.py tests/test_fused_linear.py \
+          -rfE --timeout 150 --durations=10 $files \
           >> "$out/gpu_tests.txt" 2>&1
       done
       grep -E "^(FAILED|ERROR)| passed| failed|Timeout" "$out/gpu_tests.txt" | cut -c1-220 | tail -30
