@@ -13,11 +13,15 @@
 #                  the MTP verify costs (`--mtp-draft 3`)
 #   chunks[:N]     prefill t/s of an 8k prompt over N layers (default 12) in chunks of 1024, 2048 and 4096 tokens
 #                  (issue 9: the chunk size chosen for speed)
+#   startup[:N]    load and warm-up seconds of `ds4-mlx bench --synthetic q2 --layers N` (default 4) three times: with
+#                  an empty kernel cache (kernels/nvrtc.py compiles), again (it reads them back), and with
+#                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
 #   knobs[:N]      decode at 2k over N layers (default 12) under MLX's CUDA graph limits: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB, which every
 #                  routed-expert launch does: its banks are ~1 GB), then the MB limit lifted, then larger graphs
-# The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (NVRTC costs ~2 s a kernel cold)
-# and packed again into $OUT/ptx.tgz at the end: copy it to .device/cache/ for the next machine. Kernels are compiled
+# The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
+# the custom kernels' cubins, kernels/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
+# .device/cache/ for the next machine. Kernels are compiled
 # per session context (their templates hold it), so every step here uses the bench's: 2048 + 32 tokens.
 # Full outputs are written under $OUT; the tail of each is printed.
 set -u
@@ -25,7 +29,7 @@ out=${OUT:-/tmp/out}
 limit=${CYCLE_LIMIT:-570}
 mkdir -p "$out" /tmp/ptx
 [ -f .device/cache/ptx.tgz ] && [ ! -f /tmp/ptx/.unpacked ] && tar -xzf .device/cache/ptx.tgz -C /tmp/ptx && touch /tmp/ptx/.unpacked
-export MLX_PTX_CACHE_DIR=/tmp/ptx PYTHONPATH=$PWD:${PYTHONPATH:-}
+export MLX_PTX_CACHE_DIR=/tmp/ptx DS4_CUDA_CACHE=/tmp/ptx/ds4 PYTHONPATH=$PWD:${PYTHONPATH:-}
 start=$(date +%s)
 left() { local n=$(( limit - ($(date +%s) - start) - ${1:-0} )); echo $(( n > 1 ? n : 1 )); }  # seconds for a step
 for step in "$@"; do
@@ -75,6 +79,16 @@ for step in "$@"; do
           --ctx-max 8192 --gen-tokens 0 --prefill-chunk "$c" --json > "$out/chunks_$c.json" 2> "$out/chunks_$c.err"
         echo "chunk $c: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['frontiers'][0]; print(f['prefill_tps'], 't/s prefill, warm-up', d['warmup_seconds'], 's, peak', round(f['peak_memory_bytes']/1e9, 1), 'GB')" "$out/chunks_$c.json" 2>&1 | tail -1)"
       done ;;
+    startup*)
+      layers=${step#startup}; layers=${layers#:}; layers=${layers:-4}
+      rm -rf /tmp/ds4cuda-startup
+      for tag in cold warm off; do
+        cache=/tmp/ds4cuda-startup; [ $tag = off ] && cache=off
+        DS4_CUDA_CACHE=$cache timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" \
+          --ctx-start 2048 --ctx-max 2048 --gen-tokens 8 --json > "$out/startup_$tag.json" 2> "$out/startup_$tag.err"
+        echo "$tag: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['frontiers'][0]; print('load', d['load_seconds'], 's, warm-up', d['warmup_seconds'], 's,', f['gen_tps'], 't/s decode,', f['prefill_tps'], 't/s prefill')" "$out/startup_$tag.json" 2>&1 | tail -1)"
+      done
+      echo "cubins: $(ls /tmp/ds4cuda-startup | wc -l)"; grep -h "CudaCache\|Fallback" "$out"/startup_*.err | sort | uniq -c | head ;;
     knobs*)
       layers=${step#knobs}; layers=${layers#:}; layers=${layers:-12}
       for knob in "" "MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=300" \

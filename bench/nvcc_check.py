@@ -18,27 +18,22 @@ Needs nvcc (CUDA 12 or later) on PATH; the GPU architecture is --arch (default s
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import pkgutil
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
 
 import ds4_mlx.kernels
-from ds4_mlx.kernels import dialect, registry
+from ds4_mlx.kernels import dialect, nvrtc, registry
 from ds4_mlx.kernels.dialect import CUDA, Kernel
-
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
-              mx.uint32: "uint32_t", mx.int64: "int64_t", mx.uint64: "uint64_t", mx.int16: "int16_t",
-              mx.uint16: "uint16_t", mx.int8: "int8_t", mx.uint8: "uint8_t", mx.bool_: "bool"}
-HEADER = "#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n"
-"""What MLX's default header (utils.cuh, cooperative_groups.h) gives these kernels."""
-
 
 def record_launches() -> dict[str, tuple[Kernel, dict]]:
     """Replaces `build` in every kernels module by one that records each launch (then stands in for it); returns
@@ -60,20 +55,23 @@ def record_launches() -> dict[str, tuple[Kernel, dict]]:
 
 
 def source(kernel: Kernel, launch: dict) -> str:
-    """The kernel's text as MLX's CUDA backend puts it together for NVRTC."""
-    inputs = [f"    const {CUDA_TYPES[x.dtype]}* {name}" for name, x in zip(kernel.inputs, launch["inputs"], strict=True)]
-    outputs = [f"    {CUDA_TYPES[d]}* {name}" for name, d in zip(kernel.outputs, launch["output_dtypes"], strict=True)]
-    constants = []
-    for name, value in launch.get("template", []):
-        if isinstance(value, bool):
-            constants.append(f"  constexpr bool {name} = {str(value).lower()};")
-        elif isinstance(value, int):
-            constants.append(f"  constexpr int {name} = {value};")
-        else:
-            constants.append(f"  using {name} = {CUDA_TYPES[value]};")
-    return (HEADER + CUDA.header(kernel) + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            f"__global__ void {kernel.name}(\n" + ",\n".join(inputs + outputs) + ") {\n"
-            + "\n".join(constants) + "\n\n" + CUDA.render(kernel.source) + "\n}\n\n} // namespace mlx::core::cu\n")
+    """The kernel's text as MLX's CUDA backend puts it together for NVRTC, and as the runtime compiles it."""
+    template = launch.get("template", [])
+    return nvrtc.kernel_text(
+        nvrtc.function_name(kernel.name, template), CUDA.header(kernel), CUDA.render(kernel.source),
+        [(name, x.dtype) for name, x in zip(kernel.inputs, launch["inputs"], strict=True)],
+        list(zip(kernel.outputs, launch["output_dtypes"], strict=True)), template)
+
+
+def nvrtc_one(compiler: nvrtc.Nvrtc, options: list[str], text: str, function: str) -> str:
+    """One line: the cubin's size and the compile's seconds, or NVRTC's first error: the runtime's own compile
+    (kernels/nvrtc.py)."""
+    start = time.perf_counter()
+    try:
+        cubin, _ = compiler.compile(text, function, options)
+    except nvrtc.CompileError as error:
+        return "FAILED: " + str(error).splitlines()[0][:300]
+    return f"cubin {len(cubin)} B in {time.perf_counter() - start:.2f} s"
 
 
 def compile_one(path: Path, arch: str) -> str:
@@ -97,6 +95,8 @@ def main() -> int:
     parser.add_argument("--synthetic", type=int, metavar="LAYERS", help="Flash's layout, first LAYERS layers")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk tokens (default 64)")
+    parser.add_argument("--nvrtc", metavar="LIBNVRTC", help="compile with this libnvrtc.so as the runtime does "
+                        "(kernels/nvrtc.py: its options for --arch, its text) instead of nvcc")
     args = parser.parse_args()
     from ds4_mlx.model.model import Model
 
@@ -121,10 +121,16 @@ def main() -> int:
         for name, (kernel, launch) in sorted(launches.items()):
             path = Path(tmp) / f"{name[:120]}.cu"
             path.write_text(source(kernel, launch))
-            paths.append((name, path))
+            paths.append((name, path, nvrtc.function_name(kernel.name, launch.get("template", []))))
         with ThreadPoolExecutor(2) as pool:
-            results = list(pool.map(lambda item: compile_one(item[1], args.arch), paths))
-    for (name, _), result in zip(paths, results, strict=True):
+            if args.nvrtc:
+                compiler = nvrtc.Nvrtc(ctypes.CDLL(args.nvrtc))
+                options = nvrtc.compile_options(int(args.arch[3]), int(args.arch[4:].rstrip("a")))
+                results = list(pool.map(lambda item: nvrtc_one(compiler, options, item[1].read_text(), item[2]),
+                                        paths))
+            else:
+                results = list(pool.map(lambda item: compile_one(item[1], args.arch), paths))
+    for (name, *_), result in zip(paths, results, strict=True):
         failed += result.startswith("FAILED")
         print(f"{name[:90]:90s} {result}")
     print(f"{len(paths)} kernels compiled for {args.arch}, {failed} failed")

@@ -17,8 +17,8 @@ import pytest
 from rich.console import Console
 
 from ds4_mlx.cli import main
-from ds4_mlx.commands.bench import (CSV_COLUMNS, MTP_COLUMNS, Loaded, Walk, live_kv_bytes, mtp_table, plan,
-                                   prompt_ids, read_prompt, report, run_walk, speculative_probe, verify_call)
+from ds4_mlx.commands.bench import (CSV_COLUMNS, MTP_COLUMNS, Loaded, Walk, chunk_lengths, live_kv_bytes, mtp_table,
+                                   plan, prompt_ids, read_prompt, report, run_walk, speculative_probe, verify_call)
 from ds4_mlx.engine import Engine
 from ds4_mlx.errors import Ds4Error, LayoutError
 from ds4_mlx.model.config import FLASH
@@ -148,6 +148,15 @@ def test_walk_continues_from_the_prompt_after_each_probe(model_path):
     tight = Engine.load(model_path, 5)  # the warm-up fits a context of one frontier plus its probe
     results, _ = run_walk(Loaded("tiny", tight.session, tight.tokenizer, 1.0, 1, {}), Walk((4,), 1, 1), prompt[:4])
     assert tight.session.tokens == prompt[:4] and results[0].gen_tps[0] > 0
+
+
+def test_warm_up_feeds_every_chunk_length_the_walk_will(model_path):
+    assert chunk_lengths([512, 2048, 8192, 32768], 2048) == [512, 1536, 2048]
+    assert chunk_lengths([8, 20, 32], 8) == [8, 4] and chunk_lengths([6], 8) == [6]
+    engine, loaded, prompt, fed = recording(model_path, "_feed")
+    run_walk(loaded, Walk((8, 20, 32), gen_tokens=1, repeats=1, prefill_chunk=8), prompt)
+    # warm-up: the first shape twice, then the 4-token remainder the later intervals end with; then the walk
+    assert [n for n in fed if n > 1] == [8, 8, 4] + [8, 8, 4, 8, 4]
 
 
 def test_walk_prefills_in_the_chunks_asked_for(model_path):

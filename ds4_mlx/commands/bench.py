@@ -6,9 +6,9 @@ frontier by frontier: `--ctx-start`, then every `--step-incr` tokens (or times `
 At each frontier the row gives the prefill speed of the interval since the previous frontier (incremental
 prefill), then the speed of a greedy probe of `--gen-tokens` tokens (EOS never chosen, one argmax read back per
 token, as a temperature-0 request does); the session is then restored to the frontier so that the walk continues
-along the prompt. A warm-up (the first interval's chunk shape twice, then a few decode steps: kernel compilation,
-first-use checks) comes first; it is not counted and its seconds are reported. The walk runs
-`--repeats` times; each figure is the median with the min and max beside it. Peak memory is MLX's high-water mark
+along the prompt. A warm-up (the first interval's chunk shape twice, one chunk of every other length the walk feeds,
+then a few decode steps: kernel compilation, first-use checks) comes first; it is not counted and its seconds are
+reported. The walk runs `--repeats` times; each figure is the median with the min and max beside it. Peak memory is MLX's high-water mark
 during the frontier's interval and probe, weights included.
 
 `--synthetic q2|q4` measures the full published layout built in memory (model/synthetic.py) instead of a file.
@@ -317,7 +317,7 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
 
     if walk.prefill_chunk is not None:
         session.chunk_size = walk.prefill_chunk
-    loaded.warmup_seconds = warm_up(session, prompt, walk.frontiers[0], greedy)
+    loaded.warmup_seconds = warm_up(session, prompt, walk.frontiers, greedy)
     say(f"warm-up (compilation, first-use checks) {loaded.warmup_seconds:.1f} s")
     if walk.mtp_draft and session.mtp is None:
         raise ValueError("the walk measures MTP figures but the session has no MTP draft block")
@@ -363,17 +363,36 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
     return results, counts
 
 
-def warm_up(session: Session, prompt: list[int], first: int, greedy: Callable[[mx.array], int]) -> float:
+def chunk_lengths(frontiers: list[int], chunk: int) -> list[int]:
+    """The distinct lengths of the chunks the walk's prefills feed, in walk order: each interval from the previous
+    frontier is fed in chunks of `chunk` tokens and its remainder."""
+    lengths: list[int] = []
+    previous = 0
+    for frontier in frontiers:
+        size = frontier - previous
+        for n in [chunk] * min(1, size // chunk) + ([size % chunk] if size % chunk else []):
+            if n not in lengths:
+                lengths.append(n)
+        previous = frontier
+    return lengths
+
+
+def warm_up(session: Session, prompt: list[int], frontiers: list[int], greedy: Callable[[mx.array], int]) -> float:
     """Seconds of a throwaway run of the first interval's chunk shape, twice (the second chunk meets the rows the
-    first left: compressed rows, indexer candidates), then a few decode steps. The kernels compile and pass their
-    first-use checks here, so that the timed walk measures the steady state, as ds4-bench does."""
+    first left: compressed rows, indexer candidates), one chunk of every other length the walk will feed, then a few
+    decode steps. The kernels compile for every shape and pass their first-use checks here, so that the timed walk
+    measures the steady state, as ds4-bench does."""
     t0 = time.perf_counter()
     session.reset()
-    n = max(1, min(first, session.chunk_size, len(prompt), session.ctx - WARMUP_DECODE_STEPS))
+    n = max(1, min(frontiers[0], session.chunk_size, len(prompt), session.ctx - WARMUP_DECODE_STEPS))
     session.prefill(prompt[:n])
     again = min(n, len(prompt) - n, session.ctx - n - WARMUP_DECODE_STEPS)
     if again > 0:
         session.prefill(prompt[n:n + again])
+    for length in chunk_lengths(frontiers, session.chunk_size):
+        done = len(session.tokens)
+        if length not in (n, again) and length <= min(len(prompt) - done, session.room - WARMUP_DECODE_STEPS):
+            session.prefill(prompt[done:done + length])
     token = greedy(session.logits)
     for _ in range(min(WARMUP_DECODE_STEPS, session.room)):
         token = greedy(session.decode(token))

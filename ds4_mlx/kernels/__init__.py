@@ -5,7 +5,8 @@
   else the reference (one warning); `DS4_KERNELS=reference` forces the reference everywhere;
 - `affine`: Q8_0 and Q4_K as MLX affine quantized arrays (exact) for `mx.quantized_matmul` / `mx.gather_qmm`;
   `affine_matvec`: decode's few rows (or selected experts) times an affine matrix as one custom kernel;
-- `dialect`: one custom-kernel definition rendered for CUDA (`mx.fast.cuda_kernel`) or Metal;
+- `dialect`: one custom-kernel definition rendered for CUDA (`mx.fast.cuda_kernel`) or Metal; `nvrtc`: CUDA
+  kernels compiled once per machine (NVRTC through ctypes, cubins kept on disk, `mx.fast.precompiled_cuda_kernel`);
 - `matvec`: the dequant-matvec kernel for decode over raw blocks, with `iq2_xxs` and `q2_k` its two quant types;
 - `half`: the matvec of F16 matrices kept as float16, for decode (float32 accumulation);
 - `fused_norm`: an input RMSNorm folded into `affine_matvec` and `half_matvec` (their `norm=` argument);

@@ -1,4 +1,5 @@
-"""One kernel definition, rendered for CUDA (`mx.fast.cuda_kernel`) or Metal (`mx.fast.metal_kernel`).
+"""One kernel definition, rendered for CUDA (`mx.fast.cuda_kernel`, through nvrtc.py's disk cache) or Metal
+(`mx.fast.metal_kernel`).
 
 A kernel is written once, as the body of an MLX custom kernel: MLX generates the signature from the input and
 output names (inputs are read-only pointers, outputs writable ones, template arguments compile-time constants)
@@ -46,6 +47,8 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from .nvrtc import CachedKernel
+
 SIMD_WIDTH = 32
 
 
@@ -83,7 +86,7 @@ class Dialect:
     name: str
     words: Mapping[str, str]
     prelude: str
-    make: Callable[..., Callable]  # mx.fast.cuda_kernel or mx.fast.metal_kernel
+    make: Callable[..., Callable]  # nvrtc.CachedKernel (mx.fast.cuda_kernel's stand-in) or mx.fast.metal_kernel
 
     def render(self, text: str) -> str:
         """The text with every neutral word replaced by this dialect's spelling."""
@@ -93,7 +96,7 @@ class Dialect:
         return self.prelude + self.render(kernel.header)
 
     def compile(self, kernel: Kernel) -> Callable:
-        """The MLX kernel object for this backend (compiled by MLX at its first launch)."""
+        """The kernel object for this backend (compiled at its first launch: by MLX, or from nvrtc.py's cache)."""
         return self.make(
             name=kernel.name,
             input_names=list(kernel.inputs),
@@ -179,7 +182,7 @@ __device__ __forceinline__ void ds4_mma_tf32_16x8x8(float* c, const unsigned int
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 """,
-    make=mx.fast.cuda_kernel,
+    make=CachedKernel,
 )
 
 METAL = Dialect(

@@ -1,0 +1,343 @@
+"""CUDA custom kernels compiled once per machine and kept on disk, instead of once per process.
+
+MLX compiles each `mx.fast.cuda_kernel` instance with NVRTC at its first launch in every process and keeps no copy:
+custom kernels skip the disk cache MLX's own kernels use (`use_disk_cache` is false in MLX 0.32.4's
+custom_kernel.cpp). A Flash session launches ~100 kernel instances (kernel x template constants), and the H200 spent
+~140 s compiling them before each process's first token (bench/RESULTS.md, session 5).
+
+Here the text MLX would build (`kernel_text`: MLX's layout, with the standard CUDA headers in place of MLX's
+utils.cuh, which these kernels never use) is compiled by the NVRTC library MLX itself loaded, through ctypes, to a
+cubin for the device's architecture with MLX's options; the cubin is stored under the cache directory, keyed by a
+hash of text, options and NVRTC version, and launched with `mx.fast.precompiled_cuda_kernel`. A later process reads
+it back instead of compiling.
+
+`CachedKernel` takes the place of the callable `mx.fast.cuda_kernel` returns, with the same keywords. Where NVRTC
+can't be found or fails, or the cache can't be written, it launches through `mx.fast.cuda_kernel` as before, after
+one warning. The first-use checks (registry.py) compare each kernel with its reference whichever way it was built.
+DS4_CUDA_CACHE=off turns this off; DS4_CUDA_CACHE=DIR moves the cache (default $XDG_CACHE_HOME/ds4-mlx/cuda, or
+~/.cache/ds4-mlx/cuda).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+
+ENV = "DS4_CUDA_CACHE"
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
+              mx.uint32: "uint32_t", mx.int64: "int64_t", mx.uint64: "uint64_t", mx.int16: "int16_t",
+              mx.uint16: "uint16_t", mx.int8: "int8_t", mx.uint8: "uint8_t", mx.bool_: "bool"}
+HEADER = """#ifdef __CUDACC_RTC__
+typedef signed char int8_t; typedef unsigned char uint8_t; typedef short int16_t; typedef unsigned short uint16_t;
+typedef int int32_t; typedef unsigned int uint32_t; typedef long long int64_t; typedef unsigned long long uint64_t;
+#else
+#include <cstdint>
+#endif
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+"""
+"""What these kernels use of MLX's default header (utils.cuh, cooperative_groups.h, which they never call: left out,
+their parsing is most of a compile). NVRTC has no C++ library, so the fixed-width integer types are spelled out
+there (nvcc, bench/nvcc_check.py, takes them from <cstdint>)."""
+MAGIC = b"ds4-mlx cubin 1\n"
+
+
+class CudaCacheWarning(RuntimeWarning):
+    """The cached route was not taken: kernels compile through MLX's own route, once per process."""
+
+
+class CompileError(RuntimeError):
+    """NVRTC refused a kernel's text; the message holds its log."""
+
+
+Template = Sequence[tuple[str, "bool | int | mx.Dtype"]]
+
+
+def function_name(name: str, template: Template) -> str:
+    """The kernel function's name as MLX derives it (custom_kernel.cpp): profiles keep naming kernels alike."""
+    parts = []
+    for _, value in template:
+        if isinstance(value, bool):
+            parts.append("_t" if value else "_f")
+        elif isinstance(value, int):
+            parts.append(f"_{value}")
+        else:
+            parts.append(f"_{CUDA_TYPES[value]}")
+    return f"custom_kernel_{name}{''.join(parts)}"
+
+
+def kernel_text(function: str, header: str, source: str, inputs: Sequence[tuple[str, mx.Dtype]],
+                outputs: Sequence[tuple[str, mx.Dtype]], template: Template) -> str:
+    """A kernel's whole text laid out as MLX's CUDA backend lays it out for NVRTC (`build_kernel`): the default
+    header (HEADER here), the kernel's header, a `__global__` function in namespace mlx::core::cu taking the inputs
+    then the outputs, the template constants at the top of the body. `header` and `source` are already in CUDA's
+    spelling."""
+    params = [f"    const {CUDA_TYPES[dtype]}* {name}" for name, dtype in inputs]
+    params += [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in outputs]
+    constants = []
+    for name, value in template:
+        if isinstance(value, bool):
+            constants.append(f"  constexpr bool {name} = {str(value).lower()};")
+        elif isinstance(value, int):
+            constants.append(f"  constexpr int {name} = {value};")
+        else:
+            constants.append(f"  using {name} = {CUDA_TYPES[value]};")
+    return (HEADER + header + "namespace mlx::core::cu {\n\n"
+            f"__global__ void {function}(\n" + ",\n".join(params) + ") {\n"
+            + "\n".join(constants) + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+class Nvrtc:
+    """The few NVRTC calls a compile needs, over a loaded libnvrtc."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        c_char_pp = ctypes.POINTER(ctypes.c_char_p)
+        for name, args in {
+            "nvrtcVersion": [ctypes.POINTER(ctypes.c_int)] * 2,
+            "nvrtcCreateProgram": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                   c_char_pp, c_char_pp],
+            "nvrtcDestroyProgram": [ctypes.POINTER(ctypes.c_void_p)],
+            "nvrtcAddNameExpression": [ctypes.c_void_p, ctypes.c_char_p],
+            "nvrtcCompileProgram": [ctypes.c_void_p, ctypes.c_int, c_char_pp],
+            "nvrtcGetProgramLogSize": [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)],
+            "nvrtcGetProgramLog": [ctypes.c_void_p, ctypes.c_char_p],
+            "nvrtcGetLoweredName": [ctypes.c_void_p, ctypes.c_char_p, c_char_pp],
+            "nvrtcGetCUBINSize": [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)],
+            "nvrtcGetCUBIN": [ctypes.c_void_p, ctypes.c_char_p],
+        }.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = args, ctypes.c_int
+        lib.nvrtcGetErrorString.argtypes, lib.nvrtcGetErrorString.restype = [ctypes.c_int], ctypes.c_char_p
+
+    @classmethod
+    def load(cls) -> Nvrtc:
+        """The libnvrtc MLX loaded (found in this process's mappings), else one beside MLX or on the library path."""
+        for path in _library_candidates():
+            try:
+                return cls(ctypes.CDLL(path))
+            except (OSError, AttributeError):
+                continue
+        raise OSError("no NVRTC library (libnvrtc.so) found")
+
+    def _check(self, status: int, what: str) -> None:
+        if status:
+            raise CompileError(f"{what}: {self.lib.nvrtcGetErrorString(status).decode()}")
+
+    def version(self) -> tuple[int, int]:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        return major.value, minor.value
+
+    def compile(self, text: str, function: str, options: Sequence[str]) -> tuple[bytes, str]:
+        """The cubin of `text` and the lowered (mangled) name of `function` in it, or CompileError with the log.
+        ctypes releases the GIL inside the compile: threads compile in parallel."""
+        program = ctypes.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(program), text.encode(), f"{function}.cu".encode(),
+                                                0, None, None), "nvrtcCreateProgram")
+        try:
+            expression = f"mlx::core::cu::{function}".encode()
+            self._check(self.lib.nvrtcAddNameExpression(program, expression), "nvrtcAddNameExpression")
+            argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+            status = self.lib.nvrtcCompileProgram(program, len(options), argv)
+            if status:
+                size = ctypes.c_size_t()
+                self.lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value + 1)
+                self.lib.nvrtcGetProgramLog(program, log)
+                raise CompileError(f"{function}: {log.value.decode(errors='replace').strip()}")
+            lowered = ctypes.c_char_p()
+            self._check(self.lib.nvrtcGetLoweredName(program, expression, ctypes.byref(lowered)),
+                        "nvrtcGetLoweredName")
+            size = ctypes.c_size_t()
+            self._check(self.lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(self.lib.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+            return cubin.raw, lowered.value.decode()
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def _mlx_root() -> Path:
+    return Path(mx.__file__).resolve().parent
+
+
+def _library_candidates() -> list[str]:
+    found = []
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            path = line.split()[-1]
+            if Path(path).name.startswith("libnvrtc.so") and path not in found:
+                found.append(path)
+    except OSError:
+        pass
+    found += sorted(str(p) for p in _mlx_root().parent.glob("nvidia/*/lib/libnvrtc.so*"))
+    found += [name for name in (ctypes.util.find_library("nvrtc"), "libnvrtc.so.13", "libnvrtc.so.12",
+                                "libnvrtc.so") if name]
+    return found
+
+
+def include_paths() -> list[Path]:
+    """Where the CUDA headers are, searched as MLX searches them (jit_module.cpp): headers bundled with MLX, the
+    nvidia Python packages beside it, then CUDA_HOME, CUDA_PATH and /usr/local/cuda."""
+    root = _mlx_root()
+    paths = [root / "include", root / "include" / "cccl"]
+    paths += sorted(root.parent.glob("nvidia/cu*/include")) + [root.parent / "nvidia" / "cuda_runtime" / "include"]
+    paths += [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    paths.append(Path("/usr/local/cuda/include"))
+    return [p for p in paths if p.is_dir()]
+
+
+def compile_options(major: int, minor: int) -> list[str]:
+    """MLX's NVRTC options for a device of compute capability major.minor (SASS, `a` features from sm_90)."""
+    arch = f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"
+    return ["--device-as-default-execution-space", arch] + [f"--include-path={p}" for p in include_paths()]
+
+
+def cache_directory() -> Path | None:
+    """Where cubins are kept: DS4_CUDA_CACHE, or $XDG_CACHE_HOME/ds4-mlx/cuda; None when DS4_CUDA_CACHE=off."""
+    value = os.environ.get(ENV, "")
+    if value.lower() in ("off", "0", "no", "false"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ds4-mlx" / "cuda"
+
+
+@dataclass
+class DiskCache:
+    """Cubins on disk, one file each: a magic line, the lowered name, the cubin's SHA-256, the cubin. A file that
+    does not read back whole is removed and compiled again; writes go through a rename, so readers never see half a
+    file."""
+
+    directory: Path
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.cubin"
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        head, _, rest = data.partition(b"\n")
+        name, _, rest = rest.partition(b"\n")
+        digest, _, cubin = rest.partition(b"\n")
+        if head + b"\n" != MAGIC or not name or hashlib.sha256(cubin).hexdigest().encode() != digest:
+            path.unlink(missing_ok=True)
+            return None
+        return cubin, name.decode()
+
+    def put(self, key: str, cubin: bytes, name: str) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        data = MAGIC + name.encode() + b"\n" + hashlib.sha256(cubin).hexdigest().encode() + b"\n" + cubin
+        with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".part", delete=False) as part:
+            part.write(data)
+        os.replace(part.name, self.path(key))
+
+
+@dataclass
+class Route:
+    """A compiler, its options and where its results are kept: what a CachedKernel needs to skip MLX's compile."""
+
+    compiler: Nvrtc
+    options: list[str]
+    cache: DiskCache
+    stamp: str  # the compiler's version: part of every key
+
+    def binary(self, text: str, function: str) -> tuple[bytes, str]:
+        """`text`'s cubin and kernel name: from the disk when a process compiled it before, else compiled now."""
+        key = hashlib.sha256("\0".join([self.stamp, *self.options, text]).encode()).hexdigest()[:40]
+        found = self.cache.get(key)
+        if found is None:
+            found = self.compiler.compile(text, function, self.options)
+            self.cache.put(key, *found)
+        return found
+
+
+@cache
+def route() -> Route | None:
+    """The cached route on this machine, or None (one warning saying why, unless DS4_CUDA_CACHE=off)."""
+    directory = cache_directory()
+    if directory is None:
+        return None
+    try:
+        info = mx.device_info()
+        major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
+        compiler = Nvrtc.load()
+        directory.mkdir(parents=True, exist_ok=True)
+        return Route(compiler, compile_options(major, minor), DiskCache(directory),
+                     "nvrtc %d.%d" % compiler.version())
+    except (OSError, KeyError, ValueError, RuntimeError) as error:
+        warnings.warn(f"CUDA kernels compile in every process (no cache: {error})", CudaCacheWarning, stacklevel=2)
+        return None
+
+
+class CachedKernel:
+    """What `mx.fast.cuda_kernel(...)` returns, called the same way, launched from a cubin compiled once per
+    machine (`route()`); a kernel the route can't build launches through `mx.fast.cuda_kernel` instead."""
+
+    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                 header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0):
+        self.name, self.source, self.header = name, source, header
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.ensure_row_contiguous, self.shared_memory = ensure_row_contiguous, shared_memory
+        self._binaries: dict[tuple, tuple[bytes, str] | None] = {}
+        self._mlx: Callable | None = None
+        self._route: Route | None = None
+
+    def _mlx_kernel(self) -> Callable:
+        """MLX's own kernel object, made the first time a launch needs it."""
+        if self._mlx is None:
+            self._mlx = mx.fast.cuda_kernel(
+                name=self.name, input_names=self.input_names, output_names=self.output_names, source=self.source,
+                header=self.header, ensure_row_contiguous=self.ensure_row_contiguous, shared_memory=self.shared_memory)
+        return self._mlx
+
+    def _binary(self, input_dtypes: tuple, output_dtypes: tuple, template: tuple) -> tuple[bytes, str] | None:
+        chosen = route()
+        if chosen is not self._route:  # another route (a test's, or DS4_CUDA_CACHE changed): what it builds
+            self._route, self._binaries = chosen, {}
+        key = (input_dtypes, output_dtypes, template)
+        if key not in self._binaries:
+            self._binaries[key] = None
+            if chosen is not None:
+                function = function_name(self.name, template)
+                text = kernel_text(function, self.header, self.source, list(zip(self.input_names, input_dtypes)),
+                                   list(zip(self.output_names, output_dtypes)), template)
+                try:
+                    self._binaries[key] = chosen.binary(text, function)
+                except (OSError, CompileError) as error:
+                    warnings.warn(f"{function} compiles through MLX in every process ({error})",
+                                  CudaCacheWarning, stacklevel=3)
+        return self._binaries[key]
+
+    def __call__(self, *, inputs: list, output_shapes: list, output_dtypes: list, grid: tuple, threadgroup: tuple,
+                 template: Template | None = None, init_value: float | None = None, verbose: bool = False,
+                 stream: mx.Stream | mx.Device | None = None) -> list[mx.array]:
+        template = tuple(template or ())
+        binary = None
+        if all(isinstance(x, mx.array) for x in inputs) and not verbose:
+            binary = self._binary(tuple(x.dtype for x in inputs), tuple(output_dtypes), template)
+        if binary is None:
+            return self._mlx_kernel()(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                      grid=grid, threadgroup=threadgroup, template=list(template) or None,
+                                      init_value=init_value, verbose=verbose, stream=stream)
+        cubin, lowered = binary
+        return mx.fast.precompiled_cuda_kernel(
+            name=lowered, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
+            output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
+            shared_memory=self.shared_memory, init_value=init_value,
+            ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)

@@ -1,0 +1,227 @@
+"""CUDA kernels compiled once per machine (kernels/nvrtc.py): the text, the disk cache, the launch and the fallback.
+
+On the CPU the compiler and MLX's two CUDA launch functions are stand-ins that record what they are given (this
+machine has neither NVRTC nor a CUDA device); the gpu tests compile and launch for real.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4_mlx.kernels import dialect, nvrtc
+from ds4_mlx.kernels.nvrtc import CachedKernel, CompileError, CudaCacheWarning, DiskCache, Route
+
+
+class Compiler:
+    """Counts compiles; its "cubin" is the text's bytes, so a read-back can be compared with what was compiled."""
+
+    def __init__(self, fail: bool = False):
+        self.compiles: list[str] = []
+        self.fail = fail
+
+    def compile(self, text: str, function: str, options) -> tuple[bytes, str]:
+        self.compiles.append(function)
+        if self.fail:
+            raise CompileError(f"{function}: error: identifier \"oops\" is undefined")
+        return b"\x7fELF\x00" + text.encode(), f"_ZN3mlx4core2cu{len(function)}{function}E"
+
+
+@pytest.fixture
+def use_route(monkeypatch, tmp_path):
+    """Makes `nvrtc.route()` answer a Route over a recording compiler in a fresh cache directory."""
+    def install(compiler: Compiler, directory=None) -> Route:
+        chosen = Route(compiler, ["--gpu-architecture=sm_90a"], DiskCache(directory or tmp_path / "cache"),
+                       "nvrtc 13.0")
+        nvrtc.route.cache_clear()
+        monkeypatch.setattr(nvrtc, "route", lambda: chosen)
+        return chosen
+    return install
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records the launches that reach MLX: ("precompiled" | "mlx", keywords), in order."""
+    seen: list[tuple[str, dict]] = []
+
+    def precompiled(**kw):
+        seen.append(("precompiled", kw))
+        return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    def mlx_kernel(**made):
+        def launch(**kw):
+            seen.append(("mlx", {**made, **kw}))
+            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return launch
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_kernel)
+    return seen
+
+
+COPY = dialect.Kernel(name="ds4_test_copy", inputs=("x",), outputs=("y",),
+                      source="const int i = GROUP_X * 32 + THREAD_IN_GROUP;\nif (i < N) y[i] = x[i] * SCALE;")
+
+
+@pytest.fixture
+def launch_copy():
+    """Launches COPY through one CachedKernel, made for the test as dialect.build makes one for a process."""
+    kernel = dialect.CUDA.compile(COPY)
+
+    def launch(x: mx.array, n: int, scale: int = 2) -> mx.array:
+        return kernel(inputs=[x], output_shapes=[x.shape], output_dtypes=[x.dtype],
+                      grid=(32 * ((n + 31) // 32), 1, 1), threadgroup=(32, 1, 1),
+                      template=[("N", n), ("SCALE", scale)])[0]
+    return launch
+
+
+def test_function_name_follows_mlx():
+    assert nvrtc.function_name("ds4_rope", [("A", 512), ("B", True), ("C", False), ("T", mx.float16)]) == \
+        "custom_kernel_ds4_rope_512_t_f___half"
+
+
+def test_kernel_text_lays_out_inputs_outputs_and_constants():
+    text = nvrtc.kernel_text("custom_kernel_k_4", "__device__ int helper();\n", "y[0] = x[0];",
+                             [("x", mx.float32), ("ids", mx.uint32)], [("y", mx.float16)],
+                             [("N", 4), ("FLAG", True), ("T", mx.bfloat16)])
+    assert text.startswith(nvrtc.HEADER + "__device__ int helper();\nnamespace mlx::core::cu {")
+    assert ("__global__ void custom_kernel_k_4(\n    const float* x,\n    const uint32_t* ids,\n    __half* y) {\n"
+            "  constexpr int N = 4;\n  constexpr bool FLAG = true;\n  using T = __nv_bfloat16;\n\ny[0] = x[0];\n}"
+            ) in text
+    assert text.endswith("} // namespace mlx::core::cu\n")
+
+
+def test_cache_reads_back_what_it_stored(tmp_path):
+    cache = DiskCache(tmp_path / "c")
+    assert cache.get("k") is None
+    cache.put("k", b"\x00\x01cubin\n\x00", "_Z1kv")
+    assert cache.get("k") == (b"\x00\x01cubin\n\x00", "_Z1kv")
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["k.cubin"]  # no partial file left behind
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "empty"])
+def test_a_damaged_cache_file_is_removed_not_used(tmp_path, damage):
+    cache = DiskCache(tmp_path)
+    cache.put("k", b"0123456789" * 100, "_Z1kv")
+    path = cache.path("k")
+    data = path.read_bytes()
+    path.write_bytes({"truncate": data[:-7], "flip": data[:-1] + bytes([data[-1] ^ 1]),
+                      "magic": b"x" + data[1:], "empty": b""}[damage])
+    assert cache.get("k") is None
+    assert not path.exists()
+
+
+def test_route_compiles_once_per_machine(tmp_path):
+    first = Compiler()
+    route = Route(first, ["-a"], DiskCache(tmp_path), "nvrtc 13.0")
+    cubin, name = route.binary("text one", "f")
+    assert route.binary("text one", "f") == (cubin, name)
+    assert first.compiles == ["f"]
+    again = Compiler()  # a later process: a new compiler over the same directory
+    assert Route(again, ["-a"], DiskCache(tmp_path), "nvrtc 13.0").binary("text one", "f") == (cubin, name)
+    assert again.compiles == []
+    for other in (Route(again, ["-b"], DiskCache(tmp_path), "nvrtc 13.0"),
+                  Route(again, ["-a"], DiskCache(tmp_path), "nvrtc 13.1")):
+        other.binary("text one", "f")  # other options or another NVRTC: compiled again
+    Route(again, ["-a"], DiskCache(tmp_path), "nvrtc 13.0").binary("text two", "f")
+    assert again.compiles == ["f", "f", "f"]
+
+
+def test_kernel_launches_its_cubin_and_compiles_each_instance_once(use_route, launches, launch_copy):
+    compiler = Compiler()
+    use_route(compiler)
+    x = mx.arange(8, dtype=mx.float32)
+    launch_copy(x, 8)
+    launch_copy(x, 8)
+    launch_copy(x, 8, scale=3)
+    launch_copy(x.astype(mx.float16), 8)
+    assert [kind for kind, _ in launches] == ["precompiled"] * 4
+    assert compiler.compiles == ["custom_kernel_ds4_test_copy_8_2", "custom_kernel_ds4_test_copy_8_3",
+                                 "custom_kernel_ds4_test_copy_8_2"]  # the float16 launch is a new instance
+    kw = launches[0][1]
+    assert kw["name"] == "_ZN3mlx4core2cu31custom_kernel_ds4_test_copy_8_2E"
+    assert b"constexpr int SCALE = 2;" in kw["compiled_source"] and b"const float* x" in kw["compiled_source"]
+    assert b"const __half* x" in launches[3][1]["compiled_source"]
+    assert kw["ensure_row_contiguous"] is True and kw["scalars"] == [] and kw["grid"] == (32, 1, 1)
+
+
+def test_compile_failure_falls_back_to_mlx_with_one_warning(use_route, launches, launch_copy):
+    use_route(Compiler(fail=True))
+    x = mx.arange(8, dtype=mx.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        launch_copy(x, 8)
+        launch_copy(x, 8)
+    assert [str(w.message) for w in caught if w.category is CudaCacheWarning] == [
+        'custom_kernel_ds4_test_copy_8_2 compiles through MLX in every process (custom_kernel_ds4_test_copy_8_2: '
+        'error: identifier "oops" is undefined)']
+    assert [kind for kind, _ in launches] == ["mlx", "mlx"]
+    kw = launches[0][1]
+    assert kw["template"] == [("N", 8), ("SCALE", 2)] and kw["name"] == "ds4_test_copy"
+    assert "threadIdx.x" in kw["source"] and kw["ensure_row_contiguous"] is True
+
+
+def test_cache_off_launches_through_mlx_without_a_warning(monkeypatch, launches, launch_copy):
+    monkeypatch.setenv(nvrtc.ENV, "off")
+    nvrtc.route.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            launch_copy(mx.arange(8, dtype=mx.float32), 8)
+    finally:
+        nvrtc.route.cache_clear()
+    assert [kind for kind, _ in launches] == ["mlx"]
+
+
+def test_no_cuda_device_means_no_route_and_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv(nvrtc.ENV, str(tmp_path))
+    monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "cpu"})  # what the CPU backend reports
+    nvrtc.route.cache_clear()
+    try:
+        with pytest.warns(CudaCacheWarning, match="compile in every process"):
+            assert nvrtc.route() is None
+    finally:
+        nvrtc.route.cache_clear()
+
+
+def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(nvrtc.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert nvrtc.cache_directory() == tmp_path / "ds4-mlx" / "cuda"
+    monkeypatch.setenv(nvrtc.ENV, str(tmp_path / "mine"))
+    assert nvrtc.cache_directory() == tmp_path / "mine"
+    monkeypatch.setenv(nvrtc.ENV, "OFF")
+    assert nvrtc.cache_directory() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda
+def test_cached_kernel_equals_mlx_compiled_one_and_is_read_back(on_cuda, monkeypatch, tmp_path, launch_copy):
+    monkeypatch.setenv(nvrtc.ENV, str(tmp_path))
+    nvrtc.route.cache_clear()
+    try:
+        route = nvrtc.route()
+        assert route is not None, "NVRTC was not found beside MLX"
+        x = mx.random.normal((1000,), key=mx.random.key(1))
+        cached = launch_copy(x, 1000, scale=3)
+        mlx_made = mx.fast.cuda_kernel(name="ds4_test_copy_mlx", input_names=["x"], output_names=["y"],
+                                       source=dialect.CUDA.render(COPY.source))(
+            inputs=[x], output_shapes=[x.shape], output_dtypes=[x.dtype], grid=(1024, 1, 1), threadgroup=(32, 1, 1),
+            template=[("N", 1000), ("SCALE", 3)])[0]
+        np.testing.assert_array_equal(np.array(cached), np.array(mlx_made))
+        np.testing.assert_array_equal(np.array(cached), np.array(x) * 3)
+        assert len(list(tmp_path.glob("*.cubin"))) == 1
+        compiles = []
+        real = route.compiler.compile
+        monkeypatch.setattr(route.compiler, "compile", lambda *a: compiles.append(a) or real(*a))
+        fresh = CachedKernel(name=COPY.name, input_names=COPY.inputs, output_names=COPY.outputs,
+                             source=dialect.CUDA.render(COPY.source), header=dialect.CUDA.header(COPY))
+        again = fresh(inputs=[x], output_shapes=[x.shape], output_dtypes=[x.dtype], grid=(1024, 1, 1),
+                      threadgroup=(32, 1, 1), template=[("N", 1000), ("SCALE", 3)])[0]
+        np.testing.assert_array_equal(np.array(again), np.array(cached))
+        assert compiles == []  # read back from the disk
+    finally:
+        nvrtc.route.cache_clear()
