@@ -16,6 +16,8 @@
 #   startup[:N]    load and warm-up seconds of `ds4-mlx bench --synthetic q2 --layers N` (default 4) three times: with
 #                  an empty kernel cache (kernels/nvrtc.py compiles), again (it reads them back), and with
 #                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
+#   loadpaths      host bytes to device arrays, 16 GB of a tmpfs file, by bench/load_paths.py's memcpy path (never
+#                  measured yet) and its mx.load path (4.1 GB/s in session 2), 8 threads each: issue 10's 15 s
 #   knobs[:N]      decode at 2k over N layers (default 12) under MLX's CUDA graph limits: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB, which every
 #                  routed-expert launch does: its banks are ~1 GB), then the MB limit lifted, then larger graphs
@@ -89,6 +91,14 @@ for step in "$@"; do
         echo "$tag: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['frontiers'][0]; print('load', d['load_seconds'], 's, warm-up', d['warmup_seconds'], 's,', f['gen_tps'], 't/s decode,', f['prefill_tps'], 't/s prefill')" "$out/startup_$tag.json" 2>&1 | tail -1)"
       done
       echo "cubins: $(ls /tmp/ds4cuda-startup | wc -l)"; grep -h "CudaCache\|Fallback" "$out"/startup_*.err | sort | uniq -c | head ;;
+    loadpaths)
+      [ -f /dev/shm/z ] || head -c 16G /dev/zero > /dev/shm/z
+      for path in memcpy load; do
+        timeout "$(left 10)" python3 bench/load_paths.py /dev/shm/z --gb 16 --path $path --threads 8 \
+          > "$out/loadpaths_$path.txt" 2>&1
+        grep -v "warnings.warn" "$out/loadpaths_$path.txt" | tail -4
+      done
+      rm -f /dev/shm/z ;;
     knobs*)
       layers=${step#knobs}; layers=${layers#:}; layers=${layers:-12}
       for knob in "" "MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=300" \

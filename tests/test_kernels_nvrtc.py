@@ -23,6 +23,9 @@ class Compiler:
         self.compiles: list[str] = []
         self.fail = fail
 
+    def version(self) -> tuple[int, int]:
+        return 13, 0
+
     def compile(self, text: str, function: str, options) -> tuple[bytes, str]:
         self.compiles.append(function)
         if self.fail:
@@ -185,6 +188,35 @@ def test_no_cuda_device_means_no_route_and_one_warning(monkeypatch, tmp_path):
             assert nvrtc.route() is None
     finally:
         nvrtc.route.cache_clear()
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_new_route_launches_its_probe_before_it_is_used(monkeypatch, tmp_path, right):
+    monkeypatch.setenv(nvrtc.ENV, str(tmp_path))
+    monkeypatch.setattr(mx, "device_info", lambda: {"compute_capability_major": 9, "compute_capability_minor": 0})
+    compiler = Compiler()
+    monkeypatch.setattr(nvrtc.Nvrtc, "load", classmethod(lambda cls: compiler))
+    launched = []
+
+    def precompiled(**kw):  # the probe's arithmetic when `right`, else a kernel that wrote nothing
+        launched.append(kw["name"])
+        return [kw["inputs"][0] * 2 + 1 if right else mx.zeros((32,))]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    nvrtc.route.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            chosen = nvrtc.route()
+    finally:
+        nvrtc.route.cache_clear()
+    assert compiler.compiles == ["custom_kernel_ds4_route_probe_32"] and len(launched) == 1
+    assert (chosen is not None) == right
+    assert [str(w.message) for w in caught] == ([] if right else [
+        "CUDA kernels compile in every process (no cache: the probe kernel launched from its cubin gave wrong numbers)"])
+    if right:
+        assert chosen.options[0] == "--device-as-default-execution-space"
+        assert chosen.options[1] == "--gpu-architecture=sm_90a" and chosen.stamp == "nvrtc 13.0"
 
 
 def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):

@@ -267,9 +267,29 @@ class Route:
         return found
 
 
+PROBE = "const int i = threadIdx.x;\nif (i < N) y[i] = x[i] * 2.0f + 1.0f;"
+"""The kernel a new route compiles and launches once before any other: the whole way (NVRTC, the disk, MLX's
+precompiled launch) must give the right numbers, or MLX's own compile is used."""
+
+
+def check_route(chosen: Route) -> None:
+    """Compiles PROBE through `chosen`, launches it and compares; raises RuntimeError on a wrong result."""
+    template = [("N", 32)]
+    function = function_name("ds4_route_probe", template)
+    text = kernel_text(function, "", PROBE, [("x", mx.float32)], [("y", mx.float32)], template)
+    cubin, lowered = chosen.binary(text, function)
+    x = mx.arange(32, dtype=mx.float32)
+    y = mx.fast.precompiled_cuda_kernel(name=lowered, compiled_source=cubin, inputs=[x], output_shapes=[(32,)],
+                                        output_dtypes=[mx.float32], scalars=[], grid=(32, 1, 1),
+                                        threadgroup=(32, 1, 1))[0]
+    if not mx.array_equal(y, x * 2 + 1).item():
+        raise RuntimeError("the probe kernel launched from its cubin gave wrong numbers")
+
+
 @cache
 def route() -> Route | None:
-    """The cached route on this machine, or None (one warning saying why, unless DS4_CUDA_CACHE=off)."""
+    """The cached route on this machine, checked once (check_route), or None (one warning saying why, unless
+    DS4_CUDA_CACHE=off)."""
     directory = cache_directory()
     if directory is None:
         return None
@@ -278,9 +298,11 @@ def route() -> Route | None:
         major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
         compiler = Nvrtc.load()
         directory.mkdir(parents=True, exist_ok=True)
-        return Route(compiler, compile_options(major, minor), DiskCache(directory),
-                     "nvrtc %d.%d" % compiler.version())
-    except (OSError, KeyError, ValueError, RuntimeError) as error:
+        chosen = Route(compiler, compile_options(major, minor), DiskCache(directory),
+                       "nvrtc %d.%d" % compiler.version())
+        check_route(chosen)
+        return chosen
+    except Exception as error:  # noqa: BLE001 - whatever breaks the route, MLX's own compile remains
         warnings.warn(f"CUDA kernels compile in every process (no cache: {error})", CudaCacheWarning, stacklevel=2)
         return None
 
