@@ -30,3 +30,20 @@ def test_route_picks_lower_ids_on_ties_and_weighs_unbiased(on_cpu):
     ids, weights = route(logits, bias, 3, 1.5)
     assert ids.tolist() == [[0, 2, 5]]  # the two biased experts, then the lowest id among the ties
     assert mx.allclose(weights, mx.full((1, 3), 0.5)).item()  # bias chooses, never weighs
+
+
+@pytest.mark.slow
+def test_emulated_route_kernel_equals_reference(on_cpu, monkeypatch, tmp_path):
+    """The kernel's CUDA text run on the CPU (emulated_cuda.py) at Flash's 256 experts, ties included."""
+    from emulated_cuda import emulated_build
+
+    from ds4_mlx.kernels import router
+
+    monkeypatch.setattr(router, "build", emulated_build(tmp_path))
+    logits = random_activations((5, 256), seed=3) * 3.0
+    logits = mx.concatenate([logits, mx.full((1, 256), 25.0), mx.zeros((1, 256))])
+    bias = random_activations((256,), seed=4) * 0.05
+    ids, weights = ROUTE._kernel(logits, bias, 6, 1.5)
+    want_ids, want_weights = route(logits, bias, 6, 1.5)
+    assert mx.array_equal(ids, want_ids)
+    assert mx.max(mx.abs(weights - want_weights)).item() <= TOLERANCE * mx.max(want_weights).item()
