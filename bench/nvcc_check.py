@@ -1,18 +1,19 @@
-"""Compiles every custom kernel a model's decode step and prefill chunks launch on CUDA with the machine's nvcc, as
-MLX's NVRTC would compile it, without a GPU: compile errors, registers, spills and shared memory per kernel.
+"""Compiles every custom kernel a model's decode step and prefill chunks launch on CUDA, without a GPU: compile
+errors, registers, spills and shared memory per kernel with the machine's nvcc, or with `--nvrtc LIB` the runtime's
+own compile (kernels/nvrtc.py: that NVRTC library, its options, cubin size and seconds per kernel).
 
 The launches are recorded while the graphs are built for CUDA (`registry.planning`: every CUDA fast path taken,
 nothing computed): each kernel with the template constants and the input and output types it is launched with. The
-source is then put together as MLX 0.32's CUDA backend does (custom_kernel.cpp `build_kernel`: its default header,
-the kernel's header, a `__global__` function in namespace mlx::core::cu taking the inputs then the outputs, the
-template constants at the top of the body), except that MLX's own utils.cuh (types for shape arguments, which these
-kernels never use) is replaced by the standard headers it brings. A kernel that fails here fails on the GPU
-(where its first-use check would fall back); one that compiles here can still be wrong, which its tests check.
+text is kernels/nvrtc.py's `kernel_text`, laid out as MLX 0.32's CUDA backend lays out a `cuda_kernel`
+(custom_kernel.cpp `build_kernel`) with the standard CUDA headers in place of MLX's (which these kernels never use).
+A kernel that fails here fails on the GPU (where MLX's compile, then its first-use check, would take over); one
+that compiles here can still be wrong, which its tests check.
 
     PYTHONPATH=$PWD python bench/nvcc_check.py                      # small.gguf's shapes
     PYTHONPATH=$PWD python bench/nvcc_check.py --synthetic 2        # Flash's shapes (first 2 layers, ~8 GB)
+    PYTHONPATH=$PWD python bench/nvcc_check.py --nvrtc .../nvidia/cu13/lib/libnvrtc.so.13   # pip nvidia-cuda-nvrtc
 
-Needs nvcc (CUDA 12 or later) on PATH; the GPU architecture is --arch (default sm_90, the H200).
+Needs nvcc (CUDA 12 or later) on PATH, or a libnvrtc; the GPU architecture is --arch (default sm_90, the H200).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def record_launches() -> dict[str, tuple[Kernel, dict]]:
 
 
 def source(kernel: Kernel, launch: dict) -> str:
-    """The kernel's text as MLX's CUDA backend puts it together for NVRTC, and as the runtime compiles it."""
+    """The kernel's text as the runtime compiles it (kernels/nvrtc.py)."""
     template = launch.get("template", [])
     return nvrtc.kernel_text(
         nvrtc.function_name(kernel.name, template), CUDA.header(kernel), CUDA.render(kernel.source),

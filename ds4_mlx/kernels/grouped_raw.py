@@ -4,8 +4,8 @@ The 3xTF32 kernel of grouped_tf32.py multiplies a float32 scratch (E, OUT, IN) t
 writes first: 8 GiB per Flash projection (256 x 2048 x 4096 floats), ~3.2 ms of writing it, and most of a
 prefill's memory above the weights. This kernel is the same kernel (its grid, row-tile scan, x staging, mma loop
 and float32 drain once per K slice, `tf32_source`) with another W staging: each K slice's 128 W rows x 32 values
-are decoded from the bank's blocks in registers and stored as float32 into threadgroup memory, where the mma loop
-splits them into TF32 hi / lo as before. Contract: x (N, IN) float32, the raw bank uint8 (E, OUT * row bytes),
+are decoded from the bank's blocks in registers and stored as float32 into threadgroup memory (Q2_K: the values,
+which the mma loop splits into TF32 hi / lo as before; IQ2_XXS: exact signed magnitudes and a scale per row). Contract: x (N, IN) float32, the raw bank uint8 (E, OUT * row bytes),
 counts (E,) of pairs sorted by expert; the result x[i] @ W[e(i)].T as float32 (N, OUT); nothing read back to the
 host, tiles never straddle experts.
 
@@ -18,20 +18,23 @@ slice is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, s
 - Q2_K: d | dmin, the word holding the thread's scale byte and the thread's 16 qs bytes are six 32-bit loads
   (84-byte blocks keep 4-byte alignment); a quant is two bits of a qs byte, made a float the same way.
 
-Each value is the reference dequantizer's float32 (quants.py) bit for bit, whether or not the compiler contracts a
-multiply and an add: every product there is exact (an f16 scale has 11 significant bits, a sub-block factor or
-4-bit scale at most 5, a magnitude 6, a 2-bit quant 2: at most 22 bits), so only Q2_K's final subtraction rounds,
-once either way. The kernel's result therefore differs from the scratch path's only by the order of float32 sums
-(the same tile and split arithmetic: none), and from the float64 products by 3xTF32's ~2^-21 per product.
+Q2_K's staged values are the reference dequantizer's float32 (quants.py) bit for bit, whether or not the compiler
+contracts a multiply and an add: every product there is exact (an f16 scale has 11 significant bits, a 4-bit scale
+at most 4, a 2-bit quant 2), so only the final subtraction rounds, once either way. IQ2_XXS stages the signed
+magnitudes (exact in TF32: each product takes 2 mma, not 3, and no split of W) and one scale per W row and slice
+(the sub-block's db), applied to the slice's partial sums as they are drained: db * sum(x m) where the reference
+sums x (db m), float32 reassociation of the same exact factors. The result differs from the float64 products by
+3xTF32's ~2^-21 per product and that reassociation.
 
-Costs: threadgroup memory (64 + 128) x 36 x 4 = 27,648 bytes of tiles + 12 of scan + 2,048 of IQ2_XXS grid =
-29,708 bytes (Q2_K: 27,660), under the 48 KB static limit. Global reads: a warp's load touches 16 rows' sectors,
-re-read from L1/L2 over the 8 slices of a block; the whole raw expert (2.2 MB for a Flash gate) per row tile.
-Decode adds ~5 integer / float operations per value (16 per thread per slice) against the slice's 96 mma and 64
-splits per warp; it runs between the slice's two barriers, so with one threadgroup per SM it adds to the mma phase
-rather than hiding under it. Time (an estimate, not measured): the 3xTF32 GEMM's estimated ~4-5 ms per Flash
-projection plus ~20-30% for decoding, ~5-6.5 ms, against ~3.2 ms measured for dequantize_used + that GEMM now
-(~7-8 ms): ~2 ms less per projection, ~6 ms per layer, and the 8 GiB scratch never allocated.
+Costs: threadgroup memory (2 x 64 + 128) x 36 x 4 = 36,864 bytes of tiles (x split into hi and lo tiles once) +
+12 of scan; IQ2_XXS adds 2,048 of grid and 512 of row scales: 39,436 bytes (Q2_K: 36,876), under the 48 KB static
+limit. Global reads: a warp's load touches 16 rows' sectors, re-read from L1/L2 over the 8 slices of a block; the
+whole raw expert (2.2 MB for a Flash gate) per row tile. Decode adds ~5 integer / float operations per value (16
+per thread per slice) between the slice's two barriers. Measured (H200, 2026-12-02) before the x tiles were split
+once and IQ2_XXS's magnitudes staged exact: 8.8 ms (IQ2_XXS) and 8.6 ms (Q2_K) per Flash projection of a
+2048-token chunk, at 159-160 registers a thread (one threadgroup per SM). Now 124 (IQ2_XXS) and 128 (Q2_K)
+registers (nvcc 13, sm_90): two threadgroups fit an SM, so one's decoding can run under the other's mma; not yet
+timed.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ _STORE = """    #pragma unroll
 """The 16 decoded values dv as four float4 stores: row dn starts at 36 dn floats (16-byte aligned), and the 8
 threads of a quarter warp (rows dn..dn + 3, both halves) land on 8 distinct 4-bank groups: no conflicts."""
 
-_IQ2_XXS_SHARED = _SHARED + "SHARED unsigned int iq2_grid[512];\n"
+_IQ2_XXS_SHARED = _SHARED + "SHARED unsigned int iq2_grid[512];\nSHARED float wsc[TN];\n"
 _IQ2_XXS_SETUP = _row(66) + """for (int i = tid; i < 512; i += THREADS) {
   iq2_grid[i] = ds4_iq2xxs_bytes[i];
 }
@@ -100,7 +103,9 @@ _IQ2_XXS_LOAD = """    const GLOBAL_MEM unsigned short* b16 =
     w_q = b16[1 + sub + dh];
     w_aux = (unsigned int)b16[3 + sub] | ((unsigned int)b16[4 + sub] << 16);
 """
-_IQ2_XXS_STORE = """    const float db = ds4_half_to_float((unsigned short)w_d) * (0.5f + (float)(w_aux >> 28)) * 0.25f;
+_IQ2_XXS_STORE = """    if (dh == 0) {
+      wsc[dn] = d_ok ? ds4_half_to_float((unsigned short)w_d) * (0.5f + (float)(w_aux >> 28)) * 0.25f : 0.0f;
+    }
     float dv[16];
     #pragma unroll
     for (int gg = 0; gg < 2; ++gg) {
@@ -109,15 +114,17 @@ _IQ2_XXS_STORE = """    const float db = ds4_half_to_float((unsigned short)w_d) 
       const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
       #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float value = db * (ds4_magic_byte(iq2_grid[2 * idx + (j >> 2)], j & 3) - 8388608.0f);
-        dv[8 * gg + j] = (signs >> j) & 1u ? -value : value;
+        const float magnitude = ds4_magic_byte(iq2_grid[2 * idx + (j >> 2)], j & 3) - 8388608.0f;
+        dv[8 * gg + j] = (signs >> j) & 1u ? -magnitude : magnitude;
       }
     }
 """ + _STORE
 """Slice s is sub-block s % 8 of block s / 8 (16-bit words: d at 0, the sub-block at 1 + 4 (s % 8): grid indices
 in words +0 and +1, aux in +2 and +3). Half dh holds groups 2 dh and 2 dh + 1 (8 values each): grid indices = the
 two bytes of word 1 + 4 (s % 8) + dh, signs = aux's 7-bit field of the group plus its parity bit (ggml's ksigns).
-value = d * (0.5 + aux >> 28) * 0.25 * magnitude, negated by its sign bit: the reference's operations in order."""
+The reference's value is db * magnitude, db = d * (0.5 + aux >> 28) * 0.25, negated by its sign bit. The whole
+slice is one sub-block, so one db per W row: the tile holds the signed magnitudes (8, 25 or 43: exact in TF32)
+and wsc the row's db, which scales the slice's partial sums as they are drained (tf32_source's `w_exact`)."""
 
 _Q2_K_SETUP = _row(84) + """unsigned int w_dm = 0u;
 unsigned int w_sc = 0u;
@@ -152,7 +159,8 @@ _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map
 
 KERNELS: dict[GGMLType, Kernel] = {
     GGMLType.IQ2_XXS: Kernel("ds4_grouped_raw_iq2_xxs", ("x", "w", "counts", "dims"), ("y",),
-                             tf32_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE),
+                             tf32_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE,
+                                         w_exact=True),
                              SIMD_EXCLUSIVE_SUM + _GRID_HEADER),
     GGMLType.Q2_K: Kernel("ds4_grouped_raw_q2_k", ("x", "w", "counts", "dims"), ("y",),
                           tf32_source(_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE), SIMD_EXCLUSIVE_SUM),

@@ -15,8 +15,9 @@ never straddle experts, nothing read back to the host). Only the multiply differ
   threadgroup memory, rows padded to LD = 36 floats so that a fragment load (lanes g = lane / 4 on 8 rows, t =
   lane % 4 on 4 columns) hits 32 distinct banks; the next slice's global loads (one warp reads 128 contiguous
   bytes of a row per load) are in flight in registers while the current slice is multiplied, as in the SIMT
-  kernel. Each fragment value is split when it is read from threadgroup memory (x values by the 4 warps sharing
-  the rows, W values by the 2 sharing the columns). Threadgroup memory: (64 + 128) x 36 x 4 = 27,648 bytes;
+  kernel. An x value is split once, as it is stored (hi and lo tiles: the 4 warps sharing its row read both); a W
+  value is split when it is read from threadgroup memory (by the 2 warps sharing its column). Threadgroup memory:
+  (2 x 64 + 128) x 36 x 4 = 36,864 bytes;
 - the tensor cores truncate (round toward zero) the sums they accumulate, which over a long K drifts one way:
   each K slice is multiplied into zeroed partial sums, added to the float32 accumulators (rounded to nearest)
   once per slice.
@@ -28,7 +29,9 @@ Cost (estimated, not measured): 206 GFLOP per Flash projection of a 2048-token c
 GFLOP of TF32 mma work at 3 mma per product. The H200's dense TF32 peak is ~490 TFLOPS; mma.sync (not wgmma) with
 the splits on the FMA pipes should reach ~35-45% of it, and a random routing fills ~75% of the row tiles: ~4-5 ms
 per projection (against ~19 ms measured for the SIMT kernel), ~13 ms per layer. At ~130 registers per thread one
-threadgroup (8 warps) may be all an SM holds; if that starves it, ~6 ms.
+threadgroup (8 warps) may be all an SM holds; if that starves it, ~6 ms. Measured (2026-12-02) on raw banks with the
+same loop (grouped_raw.py), when each warp still split the x values it read: 8.8 ms per projection, where the
+splits' integer work per k-step (16 splits, ~64 instructions a warp, against 24 mma) was the likely bound.
 """
 
 from __future__ import annotations
@@ -47,14 +50,39 @@ LD = TK + 4
 """Threadgroup row stride in floats: 36 = 4 mod 32 puts a fragment load's 8 rows x 4 columns on 32 banks."""
 
 
-def tf32_source(w_shared: str, w_setup: str, w_load: str, w_store: str) -> str:
+def tf32_source(w_shared: str, w_setup: str, w_load: str, w_store: str, w_exact: bool = False) -> str:
     """The kernel body with its W staging given: `w_shared` declares `ws` (TN x LD floats, row n = output column
     col0 + n, k along the row) and anything else in threadgroup memory; `w_setup` runs once past the tile scan
     (pointers, prefetch registers); `w_load` issues slice s's loads into registers (k, k_ok: this thread's x
     column); `w_store` fills ws with slice s once every warp is past the previous multiply. The float32
-    scratch's pieces are below; grouped_raw.py decodes raw q2 blocks instead."""
+    scratch's pieces are below; grouped_raw.py decodes raw q2 blocks instead.
+
+    The x tile is split into TF32 hi / lo once, when it is stored (xh, xl), not by each of the 4 warps that read a
+    value. With `w_exact` the W values staged are exact in TF32 (small integers times signs: raw q2 quants) and
+    `w_store` also fills `wsc[n]`, column n's scale for the slice: each product then takes 2 mma (lo_x w, hi_x w)
+    and no split, and a slice's partial sums are scaled by wsc as they are drained into the accumulators."""
+    if w_exact:
+        b_fragment = """        bh[j][0] = ds4_bits(b[0]);
+        bh[j][1] = ds4_bits(b[4]);
+"""
+        products = """          ds4_mma_tf32_16x8x8(part[i][j], al[i], bh[j]);
+          ds4_mma_tf32_16x8x8(part[i][j], ah[i], bh[j]);
+"""
+        drained = "part[i][j][c] * wsc[wn + 8 * j + 2 * tig + (c & 1)]"
+        b_registers = "      unsigned int bh[4][2];\n"
+    else:
+        b_fragment = """        ds4_tf32_split(b[0], bh[j][0], bl[j][0]);
+        ds4_tf32_split(b[4], bh[j][1], bl[j][1]);
+"""
+        products = """          ds4_mma_tf32_16x8x8(part[i][j], al[i], bh[j]);
+          ds4_mma_tf32_16x8x8(part[i][j], ah[i], bl[j]);
+          ds4_mma_tf32_16x8x8(part[i][j], ah[i], bh[j]);
+"""
+        drained = "part[i][j][c]"
+        b_registers = "      unsigned int bh[4][2];\n      unsigned int bl[4][2];\n"
     return TILE_HEAD + """
-SHARED float xs[TM * LD];
+SHARED unsigned int xh[TM * LD];
+SHARED unsigned int xl[TM * LD];
 """ + w_shared + TILE_SCAN + """
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
@@ -104,30 +132,27 @@ for (int s = 0; s <= steps; ++s) {
     for (int k0 = 0; k0 < TK; k0 += 8) {
       unsigned int ah[2][4];
       unsigned int al[2][4];
-      unsigned int bh[4][2];
-      unsigned int bl[4][2];
-      #pragma unroll
+""" + b_registers + """      #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const SHARED_MEM float* a = xs + (wm + 16 * i + gid) * LD + k0 + tig;
-        ds4_tf32_split(a[0], ah[i][0], al[i][0]);
-        ds4_tf32_split(a[8 * LD], ah[i][1], al[i][1]);
-        ds4_tf32_split(a[4], ah[i][2], al[i][2]);
-        ds4_tf32_split(a[8 * LD + 4], ah[i][3], al[i][3]);
+        const int at = (wm + 16 * i + gid) * LD + k0 + tig;
+        ah[i][0] = xh[at];
+        ah[i][1] = xh[at + 8 * LD];
+        ah[i][2] = xh[at + 4];
+        ah[i][3] = xh[at + 8 * LD + 4];
+        al[i][0] = xl[at];
+        al[i][1] = xl[at + 8 * LD];
+        al[i][2] = xl[at + 4];
+        al[i][3] = xl[at + 8 * LD + 4];
       }
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const SHARED_MEM float* b = ws + (wn + 8 * j + gid) * LD + k0 + tig;
-        ds4_tf32_split(b[0], bh[j][0], bl[j][0]);
-        ds4_tf32_split(b[4], bh[j][1], bl[j][1]);
-      }
+""" + b_fragment + """      }
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          ds4_mma_tf32_16x8x8(part[i][j], al[i], bh[j]);
-          ds4_mma_tf32_16x8x8(part[i][j], ah[i], bl[j]);
-          ds4_mma_tf32_16x8x8(part[i][j], ah[i], bh[j]);
-        }
+""" + products + """        }
       }
     }
     #pragma unroll
@@ -136,7 +161,7 @@ for (int s = 0; s <= steps; ++s) {
       for (int j = 0; j < 4; ++j) {
         #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          acc[i][j][c] += part[i][j][c];
+          acc[i][j][c] += """ + drained + """;
         }
       }
     }
@@ -145,7 +170,8 @@ for (int s = 0; s <= steps; ++s) {
   if (s < steps) {
     #pragma unroll
     for (int j = 0; j < TM * TK / THREADS; ++j) {
-      xs[(sr + j * (THREADS / TK)) * LD + sk] = xa[j];
+      const int at = (sr + j * (THREADS / TK)) * LD + sk;
+      ds4_tf32_split(xa[j], xh[at], xl[at]);
     }
 """ + w_store + """  }
   ds4_barrier();
