@@ -34,7 +34,8 @@ per thread per slice) between the slice's two barriers. Measured (H200, 2026-12-
 once and IQ2_XXS's magnitudes staged exact: 8.8 ms (IQ2_XXS) and 8.6 ms (Q2_K) per Flash projection of a
 2048-token chunk, at 159-160 registers a thread (one threadgroup per SM). Now 124 (IQ2_XXS) and 128 (Q2_K)
 registers (nvcc 13, sm_90): two threadgroups fit an SM, so one's decoding can run under the other's mma; not yet
-timed.
+timed. Q2_K keeps its values split: staged exact (quants, with each 16-value group's dl and ml applied at two
+drains a slice and ml times the group's sum of x subtracted), it took 173 registers, one threadgroup an SM again.
 """
 
 from __future__ import annotations
