@@ -53,6 +53,7 @@ for (int o = 1; o < N; o <<= 1) {
   total += ds4_simd_xor(total, o);
 }
 c = c / total + EPS;
+#pragma unroll 1
 for (int it = 0; it < ITERS; ++it) {
   if (it > 0) {
     total = c;
@@ -71,7 +72,9 @@ for (int it = 0; it < ITERS; ++it) {
 """The Sinkhorn projection of one token's comb, run by one whole SIMD group: lane l holds entry e = l % (N N)
 (row e / N, column e % N) as the logit `c` and ends with the projected value in `c`. Row sums are butterflies over
 the N lanes of a row (xor masks 1 .. N/2), column sums over the lanes of a column (xor masks N .. N N / 2); every
-lane of a row or column gets the same bits, and lanes past N N repeat the first ones. Same steps as `sinkhorn`."""
+lane of a row or column gets the same bits, and lanes past N N repeat the first ones. Same steps as `sinkhorn`.
+The iterations are a chain (each needs the last one's sums), so they are not unrolled: unrolled, the 20 steps'
+shuffles and divisions were most of a 28-40 KB cubin, and MLX hashes a kernel's binary at every launch (nvrtc.py)."""
 
 _SPLIT = """
 const int t = GROUP_X;
