@@ -20,9 +20,10 @@
 #                  measured yet) and its mx.load path (4.1 GB/s in session 2), 8 threads each: issue 10's 15 s
 #   knobs[:N]      decode at 2k over N layers (default 4) under MLX's CUDA graph limits: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB, which every
-#                  routed-expert launch does: its banks are ~1 GB), then smaller graphs (50 and 25 nodes). Session
-#                  5 measured the MB limit lifted (fewer, larger graphs): 29% slower, since a committed graph runs
-#                  while the host records the next
+#                  routed-expert launch does: its banks are ~1 GB), then no CUDA graphs at all (each kernel
+#                  launched directly: no graph node, dependency key or graph update per launch), then smaller
+#                  graphs (25 nodes). Session 5 measured the MB limit lifted (fewer, larger graphs): 29% slower,
+#                  since a committed graph runs while the host records the next
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
 # the custom kernels' cubins, kernels/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
 # .device/cache/ for the next machine. Kernels are compiled
@@ -103,7 +104,7 @@ for step in "$@"; do
       rm -f /dev/shm/z ;;
     knobs*)
       layers=${step#knobs}; layers=${layers#:}; layers=${layers:-4}
-      for knob in "" "MLX_MAX_OPS_PER_BUFFER=50" "MLX_MAX_OPS_PER_BUFFER=25"; do
+      for knob in "" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=25"; do
         tag=$(echo "${knob:-defaults}" | tr ' =' '_-')
         env $knob timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 2048 \
           --ctx-max 2048 --gen-tokens 32 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"
