@@ -250,6 +250,23 @@ def test_reduced_layouts_keep_the_published_schedule():
             flash_config(bad)
 
 
+def test_a_large_synthetic_tensor_repeats_its_drawn_rows(monkeypatch):
+    from ds4_mlx.model import synthetic
+
+    weights = synthetic_weights(flash_config(1))
+    info = weights.info("output.weight")  # Q8_0 (129280, 4096): 4352 bytes a row
+    row = info.nbytes // 129280
+    monkeypatch.setattr(synthetic, "DRAW_BYTES", 1 << 20)
+    data = synthetic._draw(weights.file._specs["output.weight"], 0)
+    assert data.size == info.nbytes
+    drawn = 1024 * row  # the factory yields 1024 rows of 4096 values at a time: one yield passes 1 MB
+    last = (129280 - 1) % 1024 * row  # where the last row's bytes were drawn
+    assert (data[drawn:2 * drawn] == data[:drawn]).all() and (data[-row:] == data[last:last + row]).all()
+    assert not (data[row:2 * row] == data[:row]).all()  # the drawn rows differ from one another
+    w = weights.array("output.weight")
+    assert abs(mx.std(w[:1000]).item() - mx.std(w[-1000:]).item()) < 0.05 * mx.std(w[:1000]).item()
+
+
 def test_synthetic_tensors_are_valid_blocks_shared_between_layers():
     weights = synthetic_weights(flash_config(6))
     kv = weights.tensor_bytes("blk.3.attn_kv.weight")

@@ -6,7 +6,8 @@ valid quant blocks drawn by the factory's block builders, so the forward pass do
 file. Tensors with the same role, shape and type in several layers share one random draw: the whole model draws
 about one layer's worth of blocks (the routed experts once, the attention tensors once per compression ratio)
 instead of 81 GB, yet each layer still gets its own resident copy, so the memory traffic is the real model's.
-Speed does not depend on the values, only on their types and shapes.
+Speed does not depend on the values, only on their types and shapes: a tensor larger than DRAW_BYTES (the
+embedding, the LM head, an expert bank) repeats its first rows.
 """
 
 from __future__ import annotations
@@ -96,11 +97,24 @@ def synthetic_weights(config: ModelConfig, experts: str = "q2", seed: int = 0) -
     return ModelWeights(file, config, expert_types, variant=f"synthetic {experts}")
 
 
+DRAW_BYTES = 64 << 20
+"""Random rows drawn per tensor at most; a larger tensor repeats them (whole rows) to its size."""
+
+
 def _draw(spec: TensorSpec, seed: int) -> np.ndarray:
-    """One tensor's random blocks, written into a single buffer as the factory yields them."""
+    """One tensor's random blocks, written into a single buffer as the factory yields them: its first rows up to
+    DRAW_BYTES, then those rows again and again. Drawing every row of the embedding, the LM head and an expert bank
+    took ~40 s of each benchmark process on the H200's host (bench/RESULTS.md) for values speed does not depend on."""
     out = np.empty(spec.n_bytes, dtype=np.uint8)
     pos = 0
     for chunk in tensor_data(spec, seed):
         out[pos : pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         pos += len(chunk)
+        if pos >= DRAW_BYTES:
+            break
+    drawn = pos  # whole rows: the factory yields whole rows
+    while pos < out.size:
+        n = min(drawn, out.size - pos)
+        out[pos : pos + n] = out[:n]
+        pos += n
     return out
