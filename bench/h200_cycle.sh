@@ -8,8 +8,8 @@
 #   prefill        the same for one 2048-token prefill chunk
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
-#   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model, 16
-#                  jobs), then `ds4-mlx bench -m` on it: load time and GB/s, host peak RSS, decode at 2k with
+#   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model
+#                  --repeat, 16 jobs), then `ds4-mlx bench -m` on it: load time and GB/s, host peak RSS, decode at 2k with
 #                  the MTP verify costs (`--mtp-draft 3`)
 #   chunks[:N]     prefill t/s of an 8k prompt over N layers (default 12) in chunks of 1024, 2048 and 4096 tokens
 #                  (issue 9: the chunk size chosen for speed)
@@ -68,7 +68,7 @@ for step in "$@"; do
     file)
       mkdir -p /mnt/ram && (mountpoint -q /mnt/ram || mount -t tmpfs -o size=100g tmpfs /mnt/ram)
       t0=$(date +%s)
-      [ -f /mnt/ram/flash.gguf ] || timeout "$(left 200)" python3 -m ds4_mlx.cli make-model --preset flash --jobs 16 \
+      [ -f /mnt/ram/flash.gguf ] || timeout "$(left 200)" python3 -m ds4_mlx.cli make-model --preset flash --repeat --jobs 16 \
         /mnt/ram/flash.gguf --mtp /mnt/ram/flash-mtp.gguf > "$out/make.txt" 2>&1
       echo "files written in $(( $(date +%s) - t0 )) s: $(ls -la /mnt/ram | tail -2 | awk '{print $5, $9}' | tr '\n' ' ')"
       timeout "$(left 10)" python3 -m ds4_mlx.cli bench -m /mnt/ram/flash.gguf --mtp /mnt/ram/flash-mtp.gguf \

@@ -251,12 +251,12 @@ def test_reduced_layouts_keep_the_published_schedule():
 
 
 def test_a_large_synthetic_tensor_repeats_its_drawn_rows(monkeypatch):
-    from ds4_mlx.model import synthetic
+    from ds4_mlx.model import factory, synthetic
 
     weights = synthetic_weights(flash_config(1))
     info = weights.info("output.weight")  # Q8_0 (129280, 4096): 4352 bytes a row
     row = info.nbytes // 129280
-    monkeypatch.setattr(synthetic, "DRAW_BYTES", 1 << 20)
+    monkeypatch.setattr(factory, "REPEAT_AFTER", 1 << 20)
     data = synthetic._draw(weights.file._specs["output.weight"], 0)
     assert data.size == info.nbytes
     drawn = 1024 * row  # the factory yields 1024 rows of 4096 values at a time: one yield passes 1 MB

@@ -47,6 +47,7 @@ USAGE = [
     (["serve", "--max-queue", "-1"], "argument --max-queue: expected an integer >= 0, got '-1'"),
     (["tokens"], "one of the arguments -p/--prompt --prompt-file is required"),
     (["make-model", "x.gguf", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["make-model", "x.gguf", "--sparse", "--repeat"], "argument --repeat: not allowed with argument --sparse"),
 ]
 RUNTIME = [
     *[([cmd, "--backend", "gpu"], "--backend gpu: this MLX build has no gpu backend (available: cpu)")

@@ -19,6 +19,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf import quants as gguf_quants
 
 from ds4_mlx.cli import main
+from ds4_mlx.model import factory
 from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.tokenizer import BYTE_TO_CHAR
 from ds4_mlx.model.factory import (SMALL_VOCAB_SPECIALS, tensor_data, build_vocab,
@@ -296,6 +297,27 @@ def test_sparse_file_has_the_same_header_and_zero_data(tmp_path, files):
     assert raw[:data_start] == dense[:data_start]
     assert not any(raw[data_start:])
     assert all(np.isfinite(values(t)).all() for t in reader.tensors)  # all-zero blocks are valid blocks
+
+
+def test_repeated_data_draws_the_first_rows_and_repeats_them(tmp_path, monkeypatch):
+    """`make-model --repeat`: each tensor's first chunks of rows, up to REPEAT_AFTER bytes, are the random file's,
+    and the rest repeats them in order, whole rows; a tensor drawn in fewer bytes is the random file's."""
+    monkeypatch.setattr(factory, "_CHUNK_VALUES", 1 << 12)  # small chunks, so that tiny's tensors repeat
+    monkeypatch.setattr(factory, "REPEAT_AFTER", 1 << 16)
+    dense = GGUFReader(write_model(tmp_path / "random.gguf"))
+    repeated = GGUFReader(write_model(tmp_path / "repeated.gguf", data="repeated"))  # one process: the patches hold
+    specs = {s.name: s for s in model_tensors(preset_config("tiny"), "q2")}
+    grew = 0
+    for want, got in zip(dense.tensors, repeated.tensors, strict=True):
+        a, b = np.asarray(want.data).view(np.uint8).ravel(), np.asarray(got.data).view(np.uint8).ravel()
+        chunk = len(next(tensor_data(specs[got.name], seed=0)))
+        drawn = min(a.size, -(-(1 << 16) // chunk) * chunk)
+        assert want.name == got.name and (b[:drawn] == a[:drawn]).all(), got.name
+        if drawn < a.size:
+            grew += 1
+            assert (b[drawn:] == np.resize(b[:drawn], a.size - drawn)).all(), got.name
+        assert np.isfinite(values(got)).all(), got.name
+    assert grew >= 3  # the embedding, the LM head, the expert banks at least
 
 
 def test_sparse_flash_has_the_published_inventory(tmp_path):

@@ -2,7 +2,8 @@
 
 For tests and demos without the 81 GB download: `tiny` builds in a second, `small` is a ~260 MB CPU demo with the
 real vocabulary, `flash` has exactly the published shapes (81 GB with q2 experts; `--sparse` leaves the data as a
-file hole so the layout can be inspected without writing it). `--mtp` also writes a matching MTP draft file.
+file hole so the layout can be inspected without writing it; `--repeat` draws 64 MB of random rows per tensor and
+repeats them, for speed tests). `--mtp` also writes a matching MTP draft file.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small (512 ids) or real (the V4 tokenizer, 129280 ids); default: small for tiny, "
                              "real otherwise")
     parser.add_argument("--seed", type=_seed, default=0, help="random seed (default 0); same seed, same bytes")
-    parser.add_argument("--sparse", action="store_true",
-                        help="leave tensor data as a file hole (all zeros): the layout only, written instantly")
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument("--sparse", action="store_true",
+                      help="leave tensor data as a file hole (all zeros): the layout only, written instantly")
+    data.add_argument("--repeat", action="store_true",
+                      help="draw each tensor's first 64 MB of random rows and repeat them: a full-size file in a "
+                           "fraction of the time, for speed tests (speed does not depend on the values)")
     parser.add_argument("--jobs", type=_jobs, default=1, metavar="N",
                         help="processes drawing the random data (same bytes; N times sooner for flash) (default 1)")
     parser.add_argument("--mtp", type=Path, metavar="MTP.gguf",
@@ -55,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    data = "sparse" if args.sparse else "random"
+    data = "sparse" if args.sparse else "repeated" if args.repeat else "random"
     vocab = args.vocab or PRESET_VOCAB[args.preset]
     try:
         with _progress_bar(f"writing {args.out.name}") as progress:
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     n_tensors = len(model_tensors(preset_config(args.preset), args.experts))
     size = path.stat().st_size
     print(f"wrote {path}: {_human(size)} ({size} bytes), {n_tensors} tensors; preset {args.preset}, "
-          f"experts {args.experts}, vocab {vocab}, seed {args.seed}{', sparse' if args.sparse else ''}")
+          f"experts {args.experts}, vocab {vocab}, seed {args.seed}{'' if data == 'random' else ', ' + data}")
     if args.mtp:
         try:
             with _progress_bar(f"writing {args.mtp.name}") as progress:
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             raise Ds4Error(f"cannot write {args.mtp}: {e.strerror or e}") from e
         size = mtp.stat().st_size
         print(f"wrote {mtp}: {_human(size)} ({size} bytes), {len(mtp_tensors(preset_config(args.preset)))} tensors; "
-              f"MTP draft block for preset {args.preset}, seed {args.seed}{', sparse' if args.sparse else ''}")
+              f"MTP draft block for preset {args.preset}, seed {args.seed}{'' if data == 'random' else ', ' + data}")
     if args.reference_dir:
         try:
             out = export_reference(path, args.reference_dir)

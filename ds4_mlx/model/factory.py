@@ -42,7 +42,7 @@ V = GGUFValueType
 EXPERT_KINDS = ("q2", "q4", "mixed")
 MTP_EXPERT_KINDS = ("q2", "q4")
 VOCAB_KINDS = ("small", "real")
-DATA_MODES = ("random", "sparse")
+DATA_MODES = ("random", "repeated", "sparse")
 ALIGNMENT = 32
 ARCH = "deepseek4"
 
@@ -403,14 +403,35 @@ def _tensor_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def tensor_data(spec: TensorSpec, seed: int) -> Iterator[bytes]:
-    """The tensor's bytes, a bounded number of rows at a time."""
+REPEAT_AFTER = 64 << 20
+"""Random bytes a tensor draws in the "repeated" data mode before it repeats them."""
+
+
+def tensor_data(spec: TensorSpec, seed: int, repeat_after: int | None = None) -> Iterator[bytes]:
+    """The tensor's bytes, a bounded number of rows at a time. With `repeat_after`, only the rows of the chunks
+    that reach that many bytes are drawn; the rest of the tensor repeats them, whole rows, in order."""
     rng = _tensor_rng(seed, spec.name)
     row = spec.ne[0]
     n_rows = int(np.prod(spec.ne[1:]))
     step = max(1, _CHUNK_VALUES // row)
+    drawn: list[bytes] = []
+    size = 0
     for start in range(0, n_rows, step):
-        yield _random_rows(spec, rng, min(step, n_rows - start)).tobytes()
+        chunk = _random_rows(spec, rng, min(step, n_rows - start)).tobytes()
+        yield chunk
+        size += len(chunk)
+        if repeat_after is None:
+            continue
+        drawn.append(chunk)
+        if size >= repeat_after:
+            break
+    while size < spec.n_bytes:
+        for chunk in drawn:
+            chunk = chunk[:spec.n_bytes - size]  # whole rows: every chunk and the remainder hold whole rows
+            yield chunk
+            size += len(chunk)
+            if size >= spec.n_bytes:
+                break
 
 
 def _random_rows(spec: TensorSpec, rng: np.random.Generator, n_rows: int) -> np.ndarray:
@@ -607,7 +628,8 @@ def _write_file(path: str | os.PathLike[str], metadata: Sequence[MetadataEntry],
     """Stream a GGUF to `path` + ".part" (its data drawn by `jobs` processes), then rename it into place."""
     path = Path(path)
     partial = path.with_name(path.name + ".part")
-    chunks = None if data == "sparse" else functools.partial(tensor_data, seed=seed)
+    chunks = None if data == "sparse" else functools.partial(
+        tensor_data, seed=seed, repeat_after=REPEAT_AFTER if data == "repeated" else None)
     parallel = chunks is not None and jobs > 1
     try:
         with open(partial, "wb") as f:

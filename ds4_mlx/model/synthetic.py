@@ -6,8 +6,8 @@ valid quant blocks drawn by the factory's block builders, so the forward pass do
 file. Tensors with the same role, shape and type in several layers share one random draw: the whole model draws
 about one layer's worth of blocks (the routed experts once, the attention tensors once per compression ratio)
 instead of 81 GB, yet each layer still gets its own resident copy, so the memory traffic is the real model's.
-Speed does not depend on the values, only on their types and shapes: a tensor larger than DRAW_BYTES (the
-embedding, the LM head, an expert bank) repeats its first rows.
+Speed does not depend on the values, only on their types and shapes: a tensor larger than factory.REPEAT_AFTER
+(the embedding, the LM head, an expert bank) repeats its first rows.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import Ds4Error
+from . import factory
 from .config import FLASH, ModelConfig
 from .factory import TensorSpec, model_tensors, routed_expert_types, tensor_data
 from .gguf import GGMLType, TensorInfo
@@ -97,24 +98,14 @@ def synthetic_weights(config: ModelConfig, experts: str = "q2", seed: int = 0) -
     return ModelWeights(file, config, expert_types, variant=f"synthetic {experts}")
 
 
-DRAW_BYTES = 64 << 20
-"""Random rows drawn per tensor at most; a larger tensor repeats them (whole rows) to its size."""
-
-
 def _draw(spec: TensorSpec, seed: int) -> np.ndarray:
-    """One tensor's random blocks, written into a single buffer as the factory yields them: its first rows up to
-    DRAW_BYTES, then those rows again and again. Drawing every row of the embedding, the LM head and an expert bank
-    took ~40 s of each benchmark process on the H200's host (bench/RESULTS.md) for values speed does not depend on."""
+    """One tensor's blocks as the factory's "repeated" data yields them (its first factory.REPEAT_AFTER bytes of
+    random rows, then those rows again), written into a single buffer. Drawing every row of the embedding, the LM
+    head and an expert bank took ~40 s of each benchmark process on the H200's host (bench/RESULTS.md), for values
+    speed does not depend on."""
     out = np.empty(spec.n_bytes, dtype=np.uint8)
     pos = 0
-    for chunk in tensor_data(spec, seed):
+    for chunk in tensor_data(spec, seed, repeat_after=factory.REPEAT_AFTER):
         out[pos : pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         pos += len(chunk)
-        if pos >= DRAW_BYTES:
-            break
-    drawn = pos  # whole rows: the factory yields whole rows
-    while pos < out.size:
-        n = min(drawn, out.size - pos)
-        out[pos : pos + n] = out[:n]
-        pos += n
     return out
