@@ -8,11 +8,14 @@ g++ (emulated_cuda.py, slow marker). The CPU tests pin what the kernels assume o
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
 from ds4_mlx.kernels.indexer import (
     SCORE_SIMDS,
     SCORE_TOLERANCE,
@@ -26,11 +29,16 @@ from ds4_mlx.kernels.indexer import (
     select_template,
 )
 from ds4_mlx.kernels.probe import random_activations
-from ds4_mlx.model.attention import INDEXER_PICK, index_scores, pick_rows
+from ds4_mlx.kernels.rows import RowQuant, steady_rows
+from ds4_mlx.model.attention import INDEXER_PICK, index_scores, pick_finished_rows, pick_rows
+from ds4_mlx.model.quant_sim import finish_rows
+from ds4_mlx.model.rope import RoPE
 from ds4_mlx.model.topk import mask_to_indices, top_k_mask
 from emulated_cuda import emulated
 
-HEADS, DIM, RATIO, TOP_K = 64, 128, 4, 512
+HEADS, DIM, RATIO, TOP_K, N_ROT = 64, 128, 4, 512, 64
+ROPE = RoPE(N_ROT, 10000.0)
+QUANTS = [RowQuant.NONE, RowQuant.INDEXER_FP4]
 SIZES = [(512, TOP_K), (2048, TOP_K), (2050, TOP_K), (8192, TOP_K), (300, 64)]
 """(rows, top_k): as many rows as top_k (all picked), 2k and 8k rows (8k and 32k tokens), 2050 (Flash's buffer at 8k
 tokens: not a whole number of the score kernel's 4-row groups) and a small top_k."""
@@ -45,9 +53,20 @@ def queries(n: int, top_k: int, seed: int, copies: int = 3):
     return exact_inputs(HEADS, DIM, n, [position_seeing(v, RATIO) for v in seen_counts(n, top_k)], seed, copies)
 
 
+def raw_queries(n: int, top_k: int, quant: RowQuant, seed: int, copies: int = 3):
+    """q_b's output as the decode step hands it over, weights, rows and positions (`queries`' and one at 999_983,
+    which sees every row: cos and sin of large angles), whose finished queries are exact as IndexerPick's probe
+    has them: steady rows finish to FP4 values; unquantised, the rows' RoPE dims are zero."""
+    q, w, rows, positions = exact_inputs(HEADS, DIM, n, [position_seeing(v, RATIO) for v in seen_counts(n, top_k)]
+                                         + [999_983], seed, copies)
+    if quant == RowQuant.INDEXER_FP4:
+        return steady_rows(q.shape, positions, ROPE, None, quant, seed + 1), w, rows, positions
+    return q, w, mx.concatenate([rows[:, : DIM - N_ROT], mx.zeros((n, N_ROT))], axis=1), positions
+
+
 def float_inputs(n: int, top_k: int):
     """Queries with float values for the score check: every one sees more than top_k rows."""
-    positions = mx.array([position_seeing(v, RATIO) for v in (top_k + 1, n - 1, n)], dtype=mx.int32)
+    positions = mx.array([position_seeing(v, RATIO) for v in (top_k + 1, n - 1)] + [999_983], dtype=mx.int32)
     return (random_activations((3, HEADS, DIM), seed=11), random_activations((3, HEADS), seed=12) * 0.1,
             random_activations((n, DIM), seed=13), positions)
 
@@ -82,21 +101,51 @@ def test_pick_rows_is_the_chunk_paths_choice(on_cpu):
 
 
 def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
-    q, w, rows, positions = queries(600, TOP_K, seed=3)
-    got = INDEXER_PICK(q, w, rows, positions, RATIO, TOP_K)
-    want = pick_rows(q, w, rows, positions, RATIO, TOP_K)
+    q, w, rows, positions = raw_queries(600, TOP_K, RowQuant.INDEXER_FP4, seed=3)
+    got = INDEXER_PICK(q, w, rows, positions, ROPE, RowQuant.INDEXER_FP4, RATIO, TOP_K)
+    want = pick_rows(finish_rows(q, positions, ROPE, None, RowQuant.INDEXER_FP4, False), w, rows, positions, RATIO,
+                     TOP_K)
     assert all(mx.array_equal(g, v) for g, v in zip(got, want))
-    assert not INDEXER_PICK.fast_path.enabled((HEADS, DIM, 600, RATIO, TOP_K))
+    assert not INDEXER_PICK.fast_path.enabled((HEADS, DIM, 600, RATIO, TOP_K, N_ROT, RowQuant.INDEXER_FP4))
+
+
+@pytest.mark.parametrize("kernel", [SCORES_KERNEL, SELECT_KERNEL], ids=lambda k: k.name)
+def test_kernels_render_for_cuda_and_metal(kernel):
+    """Every neutral word spelled out and every helper called defined (the score kernel's finish is kernels/rows.py's
+    and kernels/actquant.py's), in both dialects."""
+    for target in (CUDA, METAL):
+        source, header = target.render(kernel.source), target.header(kernel)
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", source + header)
+        for helper in set(re.findall(r"\b(?:ds4|rw|aq|ix)_\w+(?=\()", source + header)):
+            assert re.search(rf"\b{helper}\([^;]*\) {{", header), f"{helper} is called but not defined"
+        for open_, close in ("{}", "()", "[]"):
+            assert source.count(open_) == source.count(close)
+
+
+def test_probe_finishes_queries_exactly(on_cpu):
+    """The probe's finished queries are what its exactness rests on: FP4 values in eighths below 16 (any summation
+    order keeps scores exact), or integers with the rows' RoPE dims zero."""
+    for quant in QUANTS:
+        q, w, rows, positions, rope, quant, ratio, top_k, scale = INDEXER_PICK._probe(
+            (HEADS, DIM, 600, RATIO, TOP_K, N_ROT, quant))
+        finished = np.array(finish_rows(q, positions, rope, None, quant, False), np.float64)
+        if quant == RowQuant.NONE:  # the rotated dims meet zeros
+            assert (np.array(rows)[:, DIM - N_ROT :] == 0).all()
+            finished = finished[..., : DIM - N_ROT]
+        assert (finished * 8 == np.round(finished * 8)).all() and np.abs(finished).max() <= 16
+        assert ((np.array(positions) + 1) // ratio > top_k).any() and np.array(positions).max() > 10**5
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "top_k"), SIZES, ids=str)
 @pytest.mark.parametrize("copies", [3, 1, 10**6], ids=["triples", "distinct", "all-equal"])
-def test_indexer_pick_kernels_are_used_and_equal_reference(kernels_unforced, n, top_k, copies):
-    q, w, rows, positions = queries(n, top_k, seed=n + copies, copies=copies)
-    got = INDEXER_PICK(q, w, rows, positions, RATIO, top_k)
-    assert INDEXER_PICK.fast_path.decisions()[registry.current_backend(), (HEADS, DIM, n, RATIO, top_k)].fast
-    want = pick_rows(q, w, rows, positions, RATIO, top_k)
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
+def test_indexer_pick_kernels_are_used_and_equal_reference(kernels_unforced, n, top_k, copies, quant):
+    q, w, rows, positions = raw_queries(n, top_k, quant, seed=n + copies, copies=copies)
+    got = INDEXER_PICK(q, w, rows, positions, ROPE, quant, RATIO, top_k, 1.0 / 16)
+    key = (HEADS, DIM, n, RATIO, top_k, N_ROT, quant)
+    assert INDEXER_PICK.fast_path.decisions()[registry.current_backend(), key].fast
+    want = pick_finished_rows(q, w, rows, positions, ROPE, quant, RATIO, top_k, 1.0 / 16)
     assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
 
 
@@ -109,8 +158,9 @@ def zero_rows(n: int, top_k: int):
 @pytest.mark.gpu
 def test_indexer_pick_kernels_tie_zero_scores(kernels_unforced):
     q, w, rows, positions = zero_rows(2048, TOP_K)
-    got = INDEXER_PICK(q, w, rows, positions, RATIO, TOP_K)
-    want = pick_rows(q, w, rows, positions, RATIO, TOP_K)
+    rows = mx.concatenate([rows[:, : DIM - N_ROT], mx.zeros((2048, N_ROT))], axis=1)
+    got = INDEXER_PICK(q, w, rows, positions, ROPE, RowQuant.NONE, RATIO, TOP_K)
+    want = pick_finished_rows(q, w, rows, positions, ROPE, RowQuant.NONE, RATIO, TOP_K)
     assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
 
 
@@ -123,14 +173,18 @@ def test_indexer_scores_kernel_within_tolerance(n):
 
 
 def emulated_pick(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array, top_k: int, tmp_path,
-                  scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(scores, picked, valid) from the two kernels' CUDA text run on the CPU (head weights times `scale`)."""
+                  scale: float = 1.0, rope: RoPE | None = None, quant: RowQuant = RowQuant.NONE
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scores, picked, valid) from the two kernels' CUDA text run on the CPU (head weights times `scale`; the
+    queries finished by `rope`, if any, and `quant` in the score kernel)."""
     t, n = q.shape[0], rows.shape[0]
-    template = scores_template(HEADS, DIM, n, RATIO, top_k)
+    template = scores_template(HEADS, DIM, n, RATIO, top_k, 0 if rope is None else rope.n_rot, quant)
     q, w, rows = (np.array(a, np.float32) for a in (q, w, rows))
     positions = np.array(positions, np.int32)
+    inv_freq = np.array([scale] if rope is None else rope.inv_freq, np.float32)
     (scores,) = emulated(SCORES_KERNEL, template, tmp_path)(
-        [q, w, rows, positions, np.array([scale], np.float32)], [(t, n)], (template["BLOCKS"], t), SCORE_SIMDS * 32)
+        [q, w, rows, positions, np.array([scale], np.float32), inv_freq], [(t, n)], (template["BLOCKS"], t),
+        SCORE_SIMDS * 32)
     picked, valid = emulated(SELECT_KERNEL, select_template(n, RATIO, top_k), tmp_path)(
         [scores, positions], [(t, min(n, top_k))] * 2, (t, 1), SELECT_THREADS, [np.int32, np.bool_])
     return scores, picked, valid
@@ -158,11 +212,32 @@ def test_emulated_cuda_kernels_tie_zero_scores(on_cpu, tmp_path):
 
 
 @pytest.mark.slow
-def test_emulated_cuda_scores_within_tolerance(on_cpu, tmp_path):
+@pytest.mark.parametrize("rope", [None, ROPE], ids=["finished", "rotated"])
+def test_emulated_cuda_scores_within_tolerance(on_cpu, rope, tmp_path):
+    """Float queries, finished beforehand or rotated in the kernel (unquantised: the FP4 round of a value a few
+    ulps from a boundary could go either way, see kernels/rows.py TOLERANCE)."""
     q, w, rows, positions = float_inputs(2050, TOP_K)
-    scores, _, _ = emulated_pick(q, w, rows, positions, TOP_K, tmp_path)
-    want = index_scores(q, w, rows, visible_mask(2050, positions))
+    scores, _, _ = emulated_pick(q, w, rows, positions, TOP_K, tmp_path, rope=rope)
+    finished = q if rope is None else finish_rows(q, positions, rope, None, RowQuant.NONE, False)
+    want = index_scores(finished, w, rows, visible_mask(2050, positions))
     assert registry.disagreement(mx.array(scores), want, SCORE_TOLERANCE) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "top_k"), [(600, TOP_K), (2050, TOP_K), (300, 64)], ids=str)
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
+def test_emulated_cuda_kernels_finish_queries_as_the_model_does(on_cpu, n, top_k, quant, tmp_path):
+    """q_b's output finished in the score kernel (RoPE at positions up to 999_983, then Hadamard + FP4 or not)
+    picks what the model's composition (finish_rows, then pick_rows) picks; the scores are exact."""
+    q, w, rows, positions = raw_queries(n, top_k, quant, seed=n + int(quant))
+    scores, picked, valid = emulated_pick(q, w, rows, positions, top_k, tmp_path, 1.0 / 16, ROPE, quant)
+    want_picked, want_valid = pick_finished_rows(q, w, rows, positions, ROPE, quant, RATIO, top_k, 1.0 / 16)
+    assert (picked == np.array(want_picked)).all() and (valid == np.array(want_valid)).all()
+    finished = finish_rows(q, positions, ROPE, None, quant, False)
+    wide = ((positions + 1) // RATIO > top_k).tolist()
+    assert any(wide)
+    want = np.array(index_scores(finished, w / 16, rows, visible_mask(n, positions)))
+    assert (scores[wide] == want[wide]).all()
 
 
 @pytest.mark.slow

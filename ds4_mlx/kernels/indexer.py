@@ -8,7 +8,10 @@ indexer rows (N, D), of which the first (p + 1) // ratio are visible to a query 
 - `SCORES_KERNEL`: score_r = sum_h w_h relu(q_h . k_r), float32, for every visible row; -inf for the others. Each
   SIMD group takes 4 rows at a time (float4 loads every lane shares), each lane 2 of the 64 heads (the queries sit
   transposed in threadgroup memory), the lanes' weighted terms are summed across the group. A query with at most
-  top_k visible rows writes nothing: all of them are picked, so no score is read.
+  top_k visible rows writes nothing: all of them are picked, so no score is read. It takes q_b's output and
+  finishes the queries while it stages them (every threadgroup all 64 x 128 values: RoPE at the position, then,
+  simulating, Hadamard + FP4), with kernels/rows.py's ROW_HELPERS, the arithmetic of its finish kernel: the
+  decode step's query finish is no launch of its own.
 - `SELECT_KERNEL`: one threadgroup of 1024 threads per query. With at most top_k visible rows the answer is fixed:
   indices 0..top_k-1, valid below the visible count (what `mask_to_indices` pads with). Otherwise it finds the
   top_k-th largest score by a radix select over order-preserving uint32 keys (4 passes of 8 bits, a 256-bin
@@ -21,12 +24,14 @@ score kernel does 8k FP32 FMAs per visible row (64 heads x 128 dims), ~1 us at 2
 tokens); the select is one threadgroup: ~1 us with at most top_k rows visible (every position below 2k tokens),
 a few us at 8k rows (4 histogram passes over them).
 
-Its reference is `pick_rows` in model/attention.py, handed in by the model: `mask_to_indices(select(...))` and the
-validity gather. The selection is exact given the scores; the scores are the reference's float32 products and sums
-in another order (within SCORE_TOLERANCE of the largest score), so where two scores at the top_k-th place are
-closer than that rounding, the two can pick different rows. The first-use probe therefore uses integer-valued
-inputs, whose scores are exact in any summation order, with triplicated rows so that the top_k-th place is tied,
-and asks for identical indices and validity (tolerance 0).
+Its reference is `pick_finished_rows` in model/attention.py, handed in by the model: the queries' finish
+(`finish_rows`), then `pick_rows` (`mask_to_indices(select(...))` and the validity gather). The selection is exact
+given the scores; the scores are the reference's float32 products and sums in another order (within
+SCORE_TOLERANCE of the largest score), and the finish's RoPE rounds a few ulps apart (kernels/rows.py TOLERANCE),
+so where two scores at the top_k-th place are closer than that rounding, the two can pick different rows. The
+first-use probe therefore uses inputs whose finished queries and scores are exact in any summation order (see
+`IndexerPick._probe`), with triplicated rows so that the top_k-th place is tied, and asks for identical indices
+and validity (tolerance 0).
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ from collections.abc import Callable, Hashable
 import mlx.core as mx
 import numpy as np
 
+from ..model.rope import RoPE
 from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
 from .registry import FastPath, current_backend
+from .rows import ROW_HELPERS, RowQuant, fits, steady_rows
 
 SCORE_TOLERANCE = 1e-5
 """The kernel's scores against the reference's, relative to the largest: float32 sums of 128 products per head and
@@ -73,10 +80,29 @@ visible = visible < N ? visible : N;
 if (visible <= K) {
   return;
 }
-for (int i = THREAD_IN_GROUP; i < D * HP; i += WARPS * 32) {
-  const int d = i / HP;
-  const int h = i - d * HP;
-  qt[i] = h < H ? q[((size_t)t * H + h) * D + d] : 0.0f;
+{
+  // the queries finished as kernels/rows.py's FINISH_KERNEL does (RoPE at the position, then QUANT), D threads a
+  // head, WARPS * 32 / D heads a pass: held in registers while qt serves the Hadamard as scratch, then staged
+  // transposed, head h of dim d at d * HP + (h ^ (d & 31)) (a swizzle: neither the stores nor the reads conflict)
+  const int i = THREAD_IN_GROUP % D;
+  const int first = THREAD_IN_GROUP / D;
+  const int p_t = position[t];
+  float fin[PASSES];
+  #pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    const int h = p * (WARPS * 32 / D) + first;
+    float v = h < H ? q[((size_t)t * H + h) * D + i] : 0.0f;
+    v = rw_rope(v, i, D, NROT, p_t, inv_freq);
+    if (QUANT == 2) {
+      v = rw_indexer_fp4(qt + 2 * D * first, i, v);
+    }
+    fin[p] = h < H ? v : 0.0f;
+  }
+  ds4_barrier();
+  #pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    qt[i * HP + ((p * (WARPS * 32 / D) + first) ^ (i & 31))] = fin[p];
+  }
 }
 float wl[HP / 32];
 for (int j = 0; j < HP / 32; ++j) {
@@ -104,6 +130,7 @@ for (int g = GROUP_X * WARPS + warp; g * R < N; g += BLOCKS * WARPS) {
     }
   }
   for (int c = 0; c < D / 4; ++c) {
+    const int swizzled = lane ^ ((4 * c) & 31);  // dim 4c + e's heads lie at (h ^ (4c & 31)) ^ e
     float4 k[R];
     #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -113,7 +140,7 @@ for (int g = GROUP_X * WARPS + warp; g * R < N; g += BLOCKS * WARPS) {
     for (int e = 0; e < 4; ++e) {
       #pragma unroll
       for (int j = 0; j < HP / 32; ++j) {
-        const float qv = qt[(4 * c + e) * HP + 32 * j + lane];
+        const float qv = qt[(4 * c + e) * HP + 32 * j + (swizzled ^ e)];
         #pragma unroll
         for (int r = 0; r < R; ++r) {
           acc[r][j] += qv * ix_lane(k[r], e);
@@ -235,8 +262,8 @@ for (int i = lo; i < hi; ++i) {
 """After the passes `prefix` is the top_k-th largest key and `rank` the number of rows with that key to admit
 (top_k less those above it); a row's slot is the rows above it before it plus min(tied rows before it, rank)."""
 
-SCORES_KERNEL = Kernel("ds4_indexer_scores", ("q", "w", "rows", "position", "scale"), ("scores",), _SCORES,
-                       _HELPERS)
+SCORES_KERNEL = Kernel("ds4_indexer_scores", ("q", "w", "rows", "position", "scale", "inv_freq"), ("scores",),
+                       _SCORES, _HELPERS + ROW_HELPERS)
 SELECT_KERNEL = Kernel("ds4_indexer_select", ("scores", "position"), ("picked", "valid"), _SELECT,
                        _HELPERS + SIMD_EXCLUSIVE_SUM)
 
@@ -246,11 +273,14 @@ def heads_padded(n_head: int) -> int:
     return -(-n_head // SIMD_WIDTH) * SIMD_WIDTH
 
 
-def scores_template(h: int, d: int, n: int, ratio: int, top_k: int) -> dict[str, int]:
-    """The score kernel's constants; BLOCKS is its number of threadgroups per query."""
+def scores_template(h: int, d: int, n: int, ratio: int, top_k: int, n_rot: int = 0,
+                    quant: RowQuant = RowQuant.NONE) -> dict[str, int]:
+    """The score kernel's constants; BLOCKS is its number of threadgroups per query, PASSES the rounds in which
+    its threads finish the queries (NROT, QUANT: how)."""
     groups = -(-n // ROWS_PER_SIMD)
     return {"H": h, "HP": heads_padded(h), "D": d, "N": n, "K": top_k, "RATIO": ratio, "R": ROWS_PER_SIMD,
-            "WARPS": SCORE_SIMDS, "BLOCKS": min(-(-groups // SCORE_SIMDS), MAX_SCORE_GROUPS)}
+            "WARPS": SCORE_SIMDS, "BLOCKS": min(-(-groups // SCORE_SIMDS), MAX_SCORE_GROUPS), "NROT": n_rot,
+            "QUANT": int(quant), "PASSES": heads_padded(h) * d // (SCORE_SIMDS * SIMD_WIDTH)}
 
 
 def select_template(n: int, ratio: int, top_k: int) -> dict[str, int]:
@@ -259,15 +289,18 @@ def select_template(n: int, ratio: int, top_k: int) -> dict[str, int]:
 
 
 def indexer_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int,
-                   top_k: int, scale: float = 1.0) -> mx.array:
+                   top_k: int, scale: float = 1.0, rope: RoPE | None = None,
+                   quant: RowQuant = RowQuant.NONE) -> mx.array:
     """Scores (T, N) of rows (N, D) for queries q (T, H, D) with head weights (T, H) times `scale` at positions
     (T,): -inf where not visible; a query with at most top_k visible rows is left unwritten (its rows are all
-    picked)."""
+    picked). The queries are finished first, as `finish_rows` does without a norm: `rope` (None: no rotation),
+    then `quant` (NONE or INDEXER_FP4)."""
     t, h, d = q.shape
-    template = scores_template(h, d, rows.shape[0], ratio, top_k)
+    template = scores_template(h, d, rows.shape[0], ratio, top_k, 0 if rope is None else rope.n_rot, quant)
+    scale = mx.array([scale], dtype=mx.float32)
     (scores,) = build(SCORES_KERNEL, current_backend())(
         inputs=[q.astype(mx.float32), weights.astype(mx.float32), rows.astype(mx.float32),
-                positions.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
+                positions.astype(mx.int32), scale, scale if rope is None else rope.inv_freq],
         template=list(template.items()),
         grid=(template["BLOCKS"] * SCORE_SIMDS * SIMD_WIDTH, t, 1), threadgroup=(SCORE_SIMDS * SIMD_WIDTH, 1, 1),
         output_shapes=[(t, rows.shape[0])], output_dtypes=[mx.float32],
@@ -306,30 +339,46 @@ def position_seeing(rows: int, ratio: int) -> int:
 
 class IndexerPick:
     """(picked (T, top_k) int32 ascending, valid (T, top_k) bool): the rows decode queries attend, by the two
-    kernels where they passed their check ((T, N) where the buffer holds N <= top_k rows)."""
+    kernels where they passed their check ((T, N) where the buffer holds N <= top_k rows). The queries come as
+    q_b gives them: the score kernel finishes them (RoPE, quantisation simulation) while it stages them, so that
+    finishing them is no launch of its own."""
 
     def __init__(self, reference: Callable[..., tuple[mx.array, mx.array]]):
         self.fast_path = FastPath("indexer_pick", reference, self._kernel, self._probe, tolerance=0.0,
                                   backends=("cuda", "metal"))
 
-    def __call__(self, q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int,
-                 top_k: int, scale: float = 1.0) -> tuple[mx.array, mx.array]:
-        """q (T, H, D) and weights (T, H) of queries at positions (T,) over rows (N, D); the weights count times
-        `scale` (applied in the score kernel: no launch of its own)."""
+    def __call__(self, q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE,
+                 quant: RowQuant, ratio: int, top_k: int, scale: float = 1.0) -> tuple[mx.array, mx.array]:
+        """Raw queries q (T, H, D), to be finished by `rope` then `quant`, and weights (T, H) at positions (T,)
+        over rows (N, D); the weights count times `scale` (applied in the score kernel: no launch of its own)."""
         h, d = q.shape[1:]
-        args = (q, weights, rows, positions, ratio, top_k, scale)
-        if d % 4 or heads_padded(h) * d * 4 > QUERY_BYTES:  # float4 rows; the queries fit threadgroup memory
+        args = (q, weights, rows, positions, rope, quant, ratio, top_k, scale)
+        # float4 rows; the queries fit threadgroup memory; D threads finish a head, whole SIMD groups of one head
+        if (d % SIMD_WIDTH or (SCORE_SIMDS * SIMD_WIDTH) % d or heads_padded(h) * d * 4 > QUERY_BYTES
+                or quant == RowQuant.KV_FP8 or not fits(q, positions, rope, None, quant)):
             return self.fast_path.reference(*args)
-        return self.fast_path(*args, key=(h, d, rows.shape[0], ratio, top_k))
+        return self.fast_path(*args, key=(h, d, rows.shape[0], ratio, top_k, rope.n_rot, quant))
 
     @staticmethod
-    def _kernel(q, weights, rows, positions, ratio, top_k, scale=1.0) -> tuple[mx.array, mx.array]:
-        return select_rows(indexer_scores(q, weights, rows, positions, ratio, top_k, scale), positions, ratio,
-                           top_k)
+    def _kernel(q, weights, rows, positions, rope, quant, ratio, top_k, scale=1.0) -> tuple[mx.array, mx.array]:
+        return select_rows(indexer_scores(q, weights, rows, positions, ratio, top_k, scale, rope, quant), positions,
+                           ratio, top_k)
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
-        """Three queries: all rows but the last visible, fewer than top_k, and one more than top_k (as N allows)."""
-        h, d, n, ratio, top_k = key
+        """Four queries: all rows but the last visible, fewer than top_k, one more than top_k (as N allows) and all
+        rows at position 999_983 (cos and sin of large angles). Their finished values are exact in any order:
+        with INDEXER_FP4, steady rows (kernels/rows.py) finish to FP4 values in power-of-two blocks (|q| <= 16 in
+        eighths); without it, the queries are integers and the rows' RoPE dims zero, so that the rotated dims
+        (a few ulps apart between the kernel and the reference) add exact zeros. Weights times scale 1/16 stay
+        exact: every product and sum is a multiple of 2^-11 below 2^13."""
+        h, d, n, ratio, top_k, n_rot, quant = key
         seen = [n - 1, max(top_k - 3, 0), min(top_k + 1, n)]
-        return (*exact_inputs(h, d, n, [position_seeing(v, ratio) for v in seen], seed=81), ratio, top_k)
+        positions = [position_seeing(v, ratio) for v in seen] + [999_983]
+        q, weights, rows, positions = exact_inputs(h, d, n, positions, seed=81)
+        rope = RoPE(n_rot, 10000.0)
+        if quant == RowQuant.INDEXER_FP4:
+            q = steady_rows(q.shape, positions, rope, None, quant, seed=82)
+        else:
+            rows = mx.concatenate([rows[:, : d - n_rot], mx.zeros((n, n_rot))], axis=1)
+        return q, weights, rows, positions, rope, quant, ratio, top_k, 1.0 / 16

@@ -49,6 +49,28 @@ NORMS = ("none", "unweighted", "weighted")
 Norm = tuple[mx.array | None, float]
 """An RMSNorm: its weight (width,) float32 or None, and epsilon."""
 
+ROW_HELPERS = HELPERS + """
+// The RoPE of value i of a w-wide row at `position`: its trailing n_rot dims rotate in adjacent pairs, at float32
+// angles position * inv_freq. Every lane of the SIMD group takes part (v's partner is the neighbouring lane's).
+DEVICE_FN float rw_rope(float v, int i, int w, int n_rot, int position, const GLOBAL_MEM float* inv_freq) {
+  const float partner = ds4_simd_xor(v, 1);
+  if (i >= w - n_rot) {
+    const float angle = (float)position * inv_freq[(i - (w - n_rot)) >> 1];
+    const float c = ds4_cos(angle);
+    const float s = ds4_sin(angle);
+    v = (i & 1) ? partner * s + v * c : v * c - partner * s;
+  }
+  return v;
+}
+// simulate_indexer_fp4 of value i of a 128-wide row: the Hadamard (threads i = 0..127 of the group, all taking
+// part, through buf as aq_hadamard's), then FP4 in blocks of 32 (one SIMD group each).
+DEVICE_FN float rw_indexer_fp4(SHARED_MEM float* buf, int i, float v) {
+  v = aq_hadamard(buf, i, v);
+  return aq_fp4(v, aq_fp4_scale(ds4_simd_max(v < 0.0f ? -v : v)));
+}
+"""
+"""The finish's RoPE and FP4 steps, which the indexer's score kernel (kernels/indexer.py) shares."""
+
 _FINISH = """
 const size_t row = GROUP_X;
 const int i = THREAD_IN_GROUP;  // one value of the row per thread
@@ -71,13 +93,7 @@ if (NORM > 0) {
     v *= weight[i];
   }
 }
-const float partner = ds4_simd_xor(v, 1);  // the other value of v's adjacent pair
-if (i >= W - NROT) {
-  const float angle = (float)positions[row / HEADS] * inv_freq[(i - (W - NROT)) >> 1];
-  const float c = ds4_cos(angle);
-  const float s = ds4_sin(angle);
-  v = (i & 1) ? partner * s + v * c : v * c - partner * s;
-}
+v = rw_rope(v, i, W, NROT, positions[row / HEADS], inv_freq);
 if (QUANT == 1) {
   const float amax = ds4_simd_max(v < 0.0f ? -v : v);
   if (SIMD_LANE == 0) {
@@ -89,8 +105,7 @@ if (QUANT == 1) {
     v = aq_fp8(v, aq_fp8_scale(maxima[first] > maxima[first + 1] ? maxima[first] : maxima[first + 1]));
   }
 } else if (QUANT == 2) {
-  v = aq_hadamard(buf, i, v);
-  v = aq_fp4(v, aq_fp4_scale(ds4_simd_max(v < 0.0f ? -v : v)));
+  v = rw_indexer_fp4(buf, i, v);
 }
 if (ROUND_HALF) {
   v = ds4_round_half(v);
@@ -98,7 +113,8 @@ if (ROUND_HALF) {
 y[row * W + i] = v;
 """
 
-FINISH_KERNEL = Kernel("ds4_finish_rows", ("x", "weight", "inv_freq", "positions", "eps"), ("y",), _FINISH, HELPERS)
+FINISH_KERNEL = Kernel("ds4_finish_rows", ("x", "weight", "inv_freq", "positions", "eps"), ("y",), _FINISH,
+                       ROW_HELPERS)
 _SHIFT = """
 if (GROUP_X < ROWS - 1) {  // the window's other rows move up by one; the last group finishes the new row
   y[(size_t)GROUP_X * W + THREAD_IN_GROUP] = window[((size_t)GROUP_X + 1) * W + THREAD_IN_GROUP];
@@ -109,7 +125,7 @@ WINDOW_KERNEL = Kernel(
     "ds4_finish_into_window", FINISH_KERNEL.inputs + ("window",), ("y",),
     _SHIFT + _FINISH.replace("const size_t row = GROUP_X;", "const size_t row = 0;")
     .replace("y[row * W + i] = v;", "y[(size_t)(ROWS - 1) * W + i] = v;"),
-    HELPERS,
+    ROW_HELPERS,
 )
 """One decode token's row finished as FINISH_KERNEL does, written after the other rows of a sliding window whose
 oldest row drops out: the window update is part of the launch, not an op of its own. A threadgroup returns early

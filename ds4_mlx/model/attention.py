@@ -77,11 +77,19 @@ class Indexer:
         """What the head weights (proj's outputs) are multiplied by."""
         return 1.0 / math.sqrt(self.head_dim * self.n_head)
 
+    @property
+    def quant(self) -> RowQuant:
+        """The quantisation simulation that ends a query's finish."""
+        return RowQuant.INDEXER_FP4 if self.simulate_quant else RowQuant.NONE
+
+    def raw_queries(self, q_latent: mx.array, norm: Norm | None = None) -> mx.array:
+        """q_b's output (T, n_head, head_dim), before the queries' finish (`finish_queries`). `norm` as in
+        `queries`."""
+        return self.q_b(q_latent, norm=norm).reshape(q_latent.shape[0], self.n_head, self.head_dim)
+
     def query_rows(self, q_latent: mx.array, positions: mx.array, norm: Norm | None = None) -> mx.array:
         """The indexer queries (T, n_head, head_dim) of `queries`."""
-        q = self.q_b(q_latent, norm=norm).reshape(q_latent.shape[0], self.n_head, self.head_dim)
-        quant = RowQuant.INDEXER_FP4 if self.simulate_quant else RowQuant.NONE
-        return FINISH_ROWS(q, positions, self.rope, None, quant, False)  # RoPE, then Hadamard + FP4: one launch
+        return finish_queries(self.raw_queries(q_latent, norm), positions, self.rope, self.quant)
 
     def select(self, q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
         """Mask (B, n_rows) of the rows each query attends: its top_k visible rows by score (ties to lower c)."""
@@ -90,10 +98,16 @@ class Indexer:
     def pick(self, q_latent: mx.array, proj: mx.array, positions: mx.array, rows: mx.array, norm: Norm | None = None
              ) -> tuple[mx.array, mx.array]:
         """Decode form of `select`: the rows' indices (T, top_k) ascending and which of them are real, for queries
-        at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK). `norm` as
-        in `queries`."""
-        return INDEXER_PICK(self.query_rows(q_latent, positions, norm), proj, rows, positions, self.compressor.ratio,
-                            self.top_k, self.weight_scale)
+        at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK: the first
+        also finishes the queries). `norm` as in `queries`."""
+        return INDEXER_PICK(self.raw_queries(q_latent, norm), proj, rows, positions, self.rope, self.quant,
+                            self.compressor.ratio, self.top_k, self.weight_scale)
+
+
+def finish_queries(q: mx.array, positions: mx.array, rope: RoPE, quant: RowQuant) -> mx.array:
+    """Indexer queries from q_b's output (T, n_head, head_dim) at positions (T,): RoPE, then (simulating) Hadamard +
+    FP4, one launch on GPU backends (FINISH_ROWS)."""
+    return FINISH_ROWS(q, positions, rope, None, quant, False)
 
 
 def index_scores(q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
@@ -116,9 +130,15 @@ def pick_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.arra
     return picked, mx.take_along_axis(chosen, picked, axis=-1)
 
 
-INDEXER_PICK = IndexerPick(pick_rows)
-"""`pick_rows` as two kernels (scores, then the top k) where a GPU backend has passed the first-use check
-(kernels/indexer.py)."""
+def pick_finished_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE,
+                       quant: RowQuant, ratio: int, top_k: int, scale: float = 1.0) -> tuple[mx.array, mx.array]:
+    """`pick_rows` for q_b's output q (T, n_head, d): the queries finished first (`finish_queries`)."""
+    return pick_rows(finish_queries(q, positions, rope, quant), weights, rows, positions, ratio, top_k, scale)
+
+
+INDEXER_PICK = IndexerPick(pick_finished_rows)
+"""`pick_finished_rows` as two kernels (the queries' finish and scores, then the top k) where a GPU backend has
+passed the first-use check (kernels/indexer.py)."""
 
 
 @dataclass
