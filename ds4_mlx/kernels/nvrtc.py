@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -122,7 +123,8 @@ class Nvrtc:
 
     @classmethod
     def load(cls) -> Nvrtc:
-        """The libnvrtc MLX loaded (found in this process's mappings), else one beside MLX or on the library path."""
+        """The libnvrtc MLX loaded (found in this process's mappings), else one in pip's nvidia packages (beside MLX
+        or on sys.path) or on the library path."""
         for path in _library_candidates():
             try:
                 return cls(ctypes.CDLL(path))
@@ -181,7 +183,8 @@ def _library_candidates() -> list[str]:
                 found.append(path)
     except OSError:
         pass
-    found += sorted(str(p) for p in _mlx_root().parent.glob("nvidia/*/lib/libnvrtc.so*"))
+    for root in dict.fromkeys([_mlx_root().parent, *(Path(p) for p in sys.path if p)]):  # pip's nvidia packages
+        found += sorted(str(p) for p in root.glob("nvidia/*/lib/libnvrtc.so*"))
     found += [name for name in (ctypes.util.find_library("nvrtc"), "libnvrtc.so.13", "libnvrtc.so.12",
                                 "libnvrtc.so") if name]
     return found
