@@ -133,6 +133,18 @@ def test_route_compiles_once_per_machine(tmp_path):
     assert again.compiles == ["f", "f", "f"]
 
 
+def test_a_cache_that_cannot_be_written_still_gives_the_compiled_kernel(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    compiler = Compiler()
+    route = Route(compiler, ["-a"], DiskCache(tmp_path / "file" / "cache"), "nvrtc 13.0")
+    with pytest.warns(CudaCacheWarning, match="are not kept in") as caught:
+        first = route.binary("text one", "f")
+        second = route.binary("text two", "g")
+    assert first[0].endswith(b"text one") and second[0].endswith(b"text two")
+    assert compiler.compiles == ["f", "g"] and route.unstored == 2
+    assert len([w for w in caught if w.category is CudaCacheWarning]) == 1
+
+
 def test_kernel_launches_its_cubin_and_compiles_each_instance_once(use_route, launches, launch_copy):
     compiler = Compiler()
     use_route(compiler)

@@ -259,14 +259,23 @@ class Route:
     options: list[str]
     cache: DiskCache
     stamp: str  # the compiler's version: part of every key
+    unstored: int = 0  # cubins that could not be written to the cache
 
     def binary(self, text: str, function: str) -> tuple[bytes, str]:
-        """`text`'s cubin and kernel name: from the disk when a process compiled it before, else compiled now."""
+        """`text`'s cubin and kernel name: from the disk when a process compiled it before, else compiled now (and
+        used even when it cannot be stored: a full or read-only disk costs the next process a compile, once
+        warned)."""
         key = hashlib.sha256("\0".join([self.stamp, *self.options, text]).encode()).hexdigest()[:40]
         found = self.cache.get(key)
         if found is None:
             found = self.compiler.compile(text, function, self.options)
-            self.cache.put(key, *found)
+            try:
+                self.cache.put(key, *found)
+            except OSError as error:
+                if not self.unstored:
+                    warnings.warn(f"compiled CUDA kernels are not kept in {self.cache.directory}: {error}",
+                                  CudaCacheWarning, stacklevel=2)
+                self.unstored += 1
         return found
 
 
