@@ -88,7 +88,7 @@ if (visible <= K) {
   const int first = THREAD_IN_GROUP / D;
   const int p_t = position[t];
   float fin[PASSES];
-  #pragma unroll
+  #pragma unroll 1  // passes run one after another anyway (the Hadamard's barriers); unrolled, 214 KB of cubin
   for (int p = 0; p < PASSES; ++p) {
     const int h = p * (WARPS * 32 / D) + first;
     float v = h < H ? q[((size_t)t * H + h) * D + i] : 0.0f;
