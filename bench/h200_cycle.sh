@@ -37,6 +37,10 @@ mkdir -p "$out" /tmp/ptx
 export MLX_PTX_CACHE_DIR=/tmp/ptx DS4_CUDA_CACHE=/tmp/ptx/ds4 PYTHONPATH=$PWD:${PYTHONPATH:-}
 start=$(date +%s)
 left() { local n=$(( limit - ($(date +%s) - start) - ${1:-0} )); echo $(( n > 1 ? n : 1 )); }  # seconds for a step
+step_n() { local n=${step#*:}; [ "$n" = "$step" ] && n=$1; echo "$n"; }  # N of STEP:N, else the default given
+figures() {  # one line from a `ds4-mlx bench --json` file: load, warm-up, and the first frontier's figures
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['frontiers'][0]; print('load', d['load_seconds'], 's, warm-up', d['warmup_seconds'], 's, prefill', f['prefill_tps'], 't/s, decode', f['gen_tps'], 't/s, peak', round(f['peak_memory_bytes'] / 1e9, 1), 'GB')" "$1" 2>&1 | tail -1
+}
 for step in "$@"; do
   echo "== $step ($(( $(date +%s) - start )) s in, $(left) s left)"
   case $step in
@@ -78,20 +82,20 @@ for step in "$@"; do
       grep -iv "warnings.warn\|it/s\]" "$out/file.err" | cut -c1-250 | tail -12
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:2500])" "$out/file.json" 2>&1 | tail -3 ;;
     chunks*)
-      layers=${step#chunks}; layers=${layers#:}; layers=${layers:-12}
+      layers=$(step_n 12)
       for c in 1024 2048 4096; do
         timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 8192 \
           --ctx-max 8192 --gen-tokens 0 --prefill-chunk "$c" --json > "$out/chunks_$c.json" 2> "$out/chunks_$c.err"
-        echo "chunk $c: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['frontiers'][0]; print(f['prefill_tps'], 't/s prefill, warm-up', d['warmup_seconds'], 's, peak', round(f['peak_memory_bytes']/1e9, 1), 'GB')" "$out/chunks_$c.json" 2>&1 | tail -1)"
+        echo "chunk $c: $(figures "$out/chunks_$c.json")"
       done ;;
     startup*)
-      layers=${step#startup}; layers=${layers#:}; layers=${layers:-4}
+      layers=$(step_n 4)
       rm -rf /tmp/ds4cuda-startup
       for tag in cold warm off; do
         cache=/tmp/ds4cuda-startup; [ $tag = off ] && cache=off
         DS4_CUDA_CACHE=$cache timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" \
           --ctx-start 2048 --ctx-max 2048 --gen-tokens 8 --json > "$out/startup_$tag.json" 2> "$out/startup_$tag.err"
-        echo "$tag: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); f=d['frontiers'][0]; print('load', d['load_seconds'], 's, warm-up', d['warmup_seconds'], 's,', f['gen_tps'], 't/s decode,', f['prefill_tps'], 't/s prefill')" "$out/startup_$tag.json" 2>&1 | tail -1)"
+        echo "$tag: $(figures "$out/startup_$tag.json")"
       done
       echo "cubins: $(ls /tmp/ds4cuda-startup | wc -l)"; grep -h "CudaCache\|Fallback" "$out"/startup_*.err | sort | uniq -c | head ;;
     loadpaths)
@@ -103,12 +107,12 @@ for step in "$@"; do
       done
       rm -f /dev/shm/z ;;
     knobs*)
-      layers=${step#knobs}; layers=${layers#:}; layers=${layers:-4}
+      layers=$(step_n 4)
       for knob in "" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=25"; do
         tag=$(echo "${knob:-defaults}" | tr ' =' '_-')
         env $knob timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 2048 \
           --ctx-max 2048 --gen-tokens 32 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"
-        echo "${knob:-defaults}: $(python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['frontiers'][0]; print(f['gen_tps'], 't/s decode', f['prefill_tps'], 't/s prefill')" "$out/knobs_$tag.json" 2>&1 | tail -1)"
+        echo "${knob:-defaults}: $(figures "$out/knobs_$tag.json")"
       done ;;
     *) echo "unknown step $step" ;;
   esac

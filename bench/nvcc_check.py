@@ -36,6 +36,7 @@ import ds4_mlx.kernels
 from ds4_mlx.kernels import dialect, nvrtc, registry
 from ds4_mlx.kernels.dialect import CUDA, Kernel
 
+
 def record_launches() -> dict[str, tuple[Kernel, dict]]:
     """Replaces `build` in every kernels module by one that records each launch (then stands in for it); returns
     the record, filled as graphs are built: source name -> (kernel, launch arguments)."""

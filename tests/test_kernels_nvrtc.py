@@ -50,18 +50,12 @@ def launches(monkeypatch):
     """Records the launches that reach MLX: ("precompiled" | "mlx", keywords), in order."""
     seen: list[tuple[str, dict]] = []
 
-    def precompiled(**kw):
-        seen.append(("precompiled", kw))
+    def record(kind: str, kw: dict) -> list[mx.array]:
+        seen.append((kind, kw))
         return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
-    def mlx_kernel(**made):
-        def launch(**kw):
-            seen.append(("mlx", {**made, **kw}))
-            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-        return launch
-
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
-    monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_kernel)
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: record("precompiled", kw))
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **made: lambda **kw: record("mlx", {**made, **kw}))
     return seen
 
 
@@ -224,8 +218,9 @@ def test_a_new_route_launches_its_probe_before_it_is_used(monkeypatch, tmp_path,
         nvrtc.route.cache_clear()
     assert compiler.compiles == ["custom_kernel_ds4_route_probe_32"] and len(launched) == 1
     assert (chosen is not None) == right
-    assert [str(w.message) for w in caught] == ([] if right else [
-        "CUDA kernels compile in every process (no cache: the probe kernel launched from its cubin gave wrong numbers)"])
+    wrong = ("CUDA kernels compile in every process (no cache: the probe kernel launched from its cubin gave wrong "
+             "numbers)")
+    assert [str(w.message) for w in caught] == ([] if right else [wrong])
     if right:
         assert chosen.options[0] == "--device-as-default-execution-space"
         assert chosen.options[1] == "--gpu-architecture=sm_90a" and chosen.stamp == "nvrtc 13.0"

@@ -8,8 +8,8 @@ prefill), then the speed of a greedy probe of `--gen-tokens` tokens (EOS never c
 token, as a temperature-0 request does); the session is then restored to the frontier so that the walk continues
 along the prompt. A warm-up (the first interval's chunk shape twice, one chunk of every other length the walk feeds,
 then a few decode steps: kernel compilation, first-use checks) comes first; it is not counted and its seconds are
-reported. The walk runs `--repeats` times; each figure is the median with the min and max beside it. Peak memory is MLX's high-water mark
-during the frontier's interval and probe, weights included.
+reported. The walk runs `--repeats` times; each figure is the median with the min and max beside it. Peak memory
+is MLX's high-water mark during the frontier's interval and probe, weights included.
 
 `--synthetic q2|q4` measures the full published layout built in memory (model/synthetic.py) instead of a file.
 

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import Ds4Error
-from ..model.factory import (EXPERT_KINDS, PRESET_VOCAB, PRESETS, VOCAB_KINDS, Progress, export_reference,
-                             model_tensors, mtp_tensors, preset_config, write_model, write_mtp_model)
+from ..model.factory import (EXPERT_KINDS, PRESET_VOCAB, PRESETS, REPEAT_AFTER, VOCAB_KINDS, Progress,
+                             export_reference, model_tensors, mtp_tensors, preset_config, write_model,
+                             write_mtp_model)
 
 
 def _seed(text: str) -> int:
@@ -47,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--sparse", action="store_true",
                       help="leave tensor data as a file hole (all zeros): the layout only, written instantly")
     data.add_argument("--repeat", action="store_true",
-                      help="draw each tensor's first 64 MB of random rows and repeat them: a full-size file in a "
-                           "fraction of the time, for speed tests (speed does not depend on the values)")
+                      help=f"draw each tensor's first {REPEAT_AFTER >> 20} MB of random rows and repeat them: a "
+                           "full-size file in a fraction of the time, for speed tests (speed does not depend on the "
+                           "values)")
     parser.add_argument("--jobs", type=_jobs, default=1, metavar="N",
                         help="processes drawing the random data (same bytes; N times sooner for flash) (default 1)")
     parser.add_argument("--mtp", type=Path, metavar="MTP.gguf",
@@ -61,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     data = "sparse" if args.sparse else "repeated" if args.repeat else "random"
+    note = "" if data == "random" else f", {data}"
     vocab = args.vocab or PRESET_VOCAB[args.preset]
     try:
         with _progress_bar(f"writing {args.out.name}") as progress:
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     n_tensors = len(model_tensors(preset_config(args.preset), args.experts))
     size = path.stat().st_size
     print(f"wrote {path}: {_human(size)} ({size} bytes), {n_tensors} tensors; preset {args.preset}, "
-          f"experts {args.experts}, vocab {vocab}, seed {args.seed}{'' if data == 'random' else ', ' + data}")
+          f"experts {args.experts}, vocab {vocab}, seed {args.seed}{note}")
     if args.mtp:
         try:
             with _progress_bar(f"writing {args.mtp.name}") as progress:
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             raise Ds4Error(f"cannot write {args.mtp}: {e.strerror or e}") from e
         size = mtp.stat().st_size
         print(f"wrote {mtp}: {_human(size)} ({size} bytes), {len(mtp_tensors(preset_config(args.preset)))} tensors; "
-              f"MTP draft block for preset {args.preset}, seed {args.seed}{'' if data == 'random' else ', ' + data}")
+              f"MTP draft block for preset {args.preset}, seed {args.seed}{note}")
     if args.reference_dir:
         try:
             out = export_reference(path, args.reference_dir)

@@ -222,7 +222,8 @@ def launch_grouped(kernel: Callable, x: mx.array, bank: mx.array, counts: mx.arr
     if n == 0:
         return mx.zeros((0, n_out), dtype=mx.float32)
     (y,) = kernel(
-        inputs=[x.astype(mx.float32), bank, counts.astype(mx.uint32), mx.array([n_expert, n_out, n_in], dtype=mx.int32)],
+        inputs=[x.astype(mx.float32), bank, counts.astype(mx.uint32),
+                mx.array([n_expert, n_out, n_in], dtype=mx.int32)],
         template=template, grid=(-(-n_out // TN) * THREADS, row_tiles(n, n_expert), 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n, n_out)], output_dtypes=[mx.float32],
     )

@@ -5,9 +5,9 @@ writes first: 8 GiB per Flash projection (256 x 2048 x 4096 floats), ~3.2 ms of 
 prefill's memory above the weights. This kernel is the same kernel (its grid, row-tile scan, x staging, mma loop
 and float32 drain once per K slice, `tf32_source`) with another W staging: each K slice's 128 W rows x 32 values
 are decoded from the bank's blocks in registers and stored as float32 into threadgroup memory (Q2_K: the values,
-which the mma loop splits into TF32 hi / lo as before; IQ2_XXS: exact signed magnitudes and a scale per row). Contract: x (N, IN) float32, the raw bank uint8 (E, OUT * row bytes),
-counts (E,) of pairs sorted by expert; the result x[i] @ W[e(i)].T as float32 (N, OUT); nothing read back to the
-host, tiles never straddle experts.
+which the mma loop splits into TF32 hi / lo as before; IQ2_XXS: exact signed magnitudes and a scale per row).
+Contract: x (N, IN) float32, the raw bank uint8 (E, OUT * row bytes), counts (E,) of pairs sorted by expert; the
+result x[i] @ W[e(i)].T as float32 (N, OUT); nothing read back to the host, tiles never straddle experts.
 
 Decoding: thread tid decodes W row tid / 2 of the tile, values 16 (tid % 2) .. + 15 of the slice. A 32-value
 slice is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) run pair of a Q2_K block:
@@ -46,8 +46,8 @@ from gguf.quants import IQ2_XXS
 
 from ..model.gguf import GGMLType
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
-from .grouped_gemm import THREADS, TM, TN, launch_grouped
-from .grouped_tf32 import LD, TK, tf32_source
+from .grouped_gemm import THREADS, TN, launch_grouped
+from .grouped_tf32 import LD, TEMPLATE, TK, tf32_source
 from .registry import current_backend
 
 assert THREADS == 2 * TN and TK == 32 and LD % 4 == 0, "the decode mapping: two threads per W row, 16 values each"
@@ -174,5 +174,4 @@ def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type:
     """x[i] @ W[e(i)].T as float32 (N, OUT) for a raw bank `blocks` (uint8, E rows of OUT * row bytes) of type
     `ggml_type` and row-major shape (E, OUT, IN), pair i's expert given by the counts (E,) of pairs sorted by
     expert. CUDA only."""
-    return launch_grouped(build(KERNELS[ggml_type], current_backend()), x, blocks, counts, shape,
-                          [("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LD", LD)])
+    return launch_grouped(build(KERNELS[ggml_type], current_backend()), x, blocks, counts, shape, TEMPLATE)

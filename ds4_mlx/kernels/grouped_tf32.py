@@ -48,6 +48,8 @@ TK = 32
 """K slice staged in threadgroup memory per step (four mma k-steps of 8)."""
 LD = TK + 4
 """Threadgroup row stride in floats: 36 = 4 mod 32 puts a fragment load's 8 rows x 4 columns on 32 banks."""
+TEMPLATE = [("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LD", LD)]
+"""The template constants of every tf32_source kernel (this one and grouped_raw.py's)."""
 
 
 def tf32_source(w_shared: str, w_setup: str, w_load: str, w_store: str, w_exact: bool = False) -> str:
@@ -227,8 +229,7 @@ KERNEL = Kernel("ds4_grouped_gemm_tf32", ("x", "scratch", "counts", "dims"), ("y
 def tf32_grouped_gemm(x: mx.array, scratch: mx.array, counts: mx.array) -> mx.array:
     """x[i] @ scratch[e(i)].T as float32 (N, OUT) for a float32 scratch (E, OUT, IN), pair i's expert given by the
     counts (E,) of pairs sorted by expert. CUDA only."""
-    return launch_grouped(build(KERNEL, current_backend()), x, scratch, counts, scratch.shape,
-                          [("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LD", LD)])
+    return launch_grouped(build(KERNEL, current_backend()), x, scratch, counts, scratch.shape, TEMPLATE)
 
 
 def _fast(x: mx.array, scratch: mx.array, sorted_ids: mx.array, counts: mx.array) -> mx.array:

@@ -309,7 +309,6 @@ def route() -> Route | None:
         info = mx.device_info()
         major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
         compiler = Nvrtc.load()
-        directory.mkdir(parents=True, exist_ok=True)
         chosen = Route(compiler, compile_options(major, minor), DiskCache(directory),
                        "nvrtc %d.%d" % compiler.version())
         check_route(chosen)
