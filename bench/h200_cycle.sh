@@ -16,8 +16,9 @@
 #   startup[:N]    load and warm-up seconds of `ds4-mlx bench --synthetic q2 --layers N` (default 4) three times: with
 #                  an empty kernel cache (kernels/nvrtc.py compiles), again (it reads them back), and with
 #                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
-#   loadpaths      host bytes to device arrays, 16 GB of a tmpfs file, by bench/load_paths.py's memcpy path (never
-#                  measured yet) and its mx.load path (4.1 GB/s in session 2), 8 threads each: issue 10's 15 s
+#   loadpaths      host bytes to device arrays, 16 GB of a tmpfs file (the file step's, else random bytes), by
+#                  bench/load_paths.py's pinned path (the loader's on CUDA), memcpy path (3.7 GB/s in session 6) and
+#                  mx.load path (3.5 GB/s), 8 threads each: issue 10's 15 s
 #   knobs[:N]      decode at 2k over N layers (default 4) under MLX's CUDA graph limits: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB, which every
 #                  routed-expert launch does: its banks are ~1 GB), then no CUDA graphs at all (each kernel
@@ -99,9 +100,11 @@ for step in "$@"; do
       done
       echo "cubins: $(ls /tmp/ds4cuda-startup | wc -l)"; grep -h "CudaCache\|Fallback" "$out"/startup_*.err | sort | uniq -c | head ;;
     loadpaths)
-      [ -f /dev/shm/z ] || head -c 16G /dev/zero > /dev/shm/z
-      for path in memcpy load; do
-        timeout "$(left 10)" python3 bench/load_paths.py /dev/shm/z --gb 16 --path $path --threads 8 \
+      src=/mnt/ram/flash.gguf  # the file step's: real bytes, so each path's check against the file means something
+      [ -f $src ] || { src=/dev/shm/z; python3 -c "import numpy as np, sys; b = np.random.default_rng(0).bytes(1 << 26)
+with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
+      for path in pinned memcpy load; do
+        timeout "$(left 10)" python3 bench/load_paths.py $src --gb 16 --path $path --threads 8 \
           > "$out/loadpaths_$path.txt" 2>&1
         grep -v "warnings.warn" "$out/loadpaths_$path.txt" | tail -4
       done

@@ -14,6 +14,9 @@ chunk over the first --gb of FILE (every chunk checked against the file):
 - memcpy: a device allocation (`mx.zeros`, written by the GPU, so its managed pages live in device memory) filled
   by the CUDA runtime's cudaMemcpy straight from the mapped file (ctypes; the array's pointer through the buffer
   protocol): one copy by the DMA engines, no host staging array. `--threads N` splits each chunk over N threads.
+- pinned: the streaming loader's path on CUDA (model/pinned.py): the same device allocation filled by N threads,
+  each `pread`ing 32 MB pieces of the file into its page-locked buffer and copying it with cudaMemcpyAsync on its
+  own stream: no page faults on either side.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx import hostmem
+from ds4_mlx.model.pinned import CudaRuntime, PinnedReader
 from ds4_mlx.model.stream import on_cuda, to_device
 
 
@@ -145,7 +149,18 @@ def via_memcpy(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int)
     return resident
 
 
-PATHS = {"array": via_array, "load": via_load, "memcpy": via_memcpy}
+_READER: PinnedReader | None = None
+_BASE = 0  # the mapping's address: a chunk's file offset is its address minus this
+
+
+def via_pinned(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> mx.array:
+    resident = mx.zeros((chunk.size,), mx.uint8)
+    mx.eval(resident)
+    _READER.fill(np.asarray(resident).ctypes.data, chunk.ctypes.data - _BASE, chunk.size)
+    return resident
+
+
+PATHS = {"array": via_array, "load": via_load, "memcpy": via_memcpy, "pinned": via_pinned}
 
 
 def measure(data: np.ndarray, path: str, chunk_bytes: int, threads: int) -> dict:
@@ -183,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.file, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     data = np.frombuffer(mapped, np.uint8, count=min(len(mapped), int(args.gb * 1e9)))
+    if on_cuda():
+        global _READER, _BASE
+        _READER, _BASE = PinnedReader(args.file, CudaRuntime.load(), workers=args.threads), data.ctypes.data
     runs = [("array", 1), ("load", 1), ("load", args.threads)]
     if on_cuda():  # the memcpy path needs MLX's CUDA backend: its arrays are CUDA allocations
-        runs += [("memcpy", 1), ("memcpy", args.threads)]
-    elif args.path == "memcpy":
-        raise SystemExit("--path memcpy needs MLX's CUDA backend")
+        runs += [("memcpy", 1), ("memcpy", args.threads), ("pinned", args.threads)]
+    elif args.path in ("memcpy", "pinned"):
+        raise SystemExit(f"--path {args.path} needs MLX's CUDA backend")
     for path, threads in runs if args.path is None else [(args.path, args.threads)]:
         result = measure(data, path, args.chunk_mb << 20, threads)
         if args.json:

@@ -176,6 +176,16 @@ def test_chunk_sizes_and_token_by_token_agree(weights, tokens, simulate_quant):
         assert relative_error(got[:compared], full[:compared]) <= reassociation_tolerance(simulate_quant), size
 
 
+def test_the_prefill_chunk_is_ds4s_except_on_cuda(monkeypatch):
+    """Chunk sizes agree (above), so the size is a speed choice: 4096 where it was measured faster (CUDA)."""
+    from ds4_mlx import session
+
+    if not session.on_cuda():
+        assert [session.prefill_chunk_for(n) for n in (100, 2048, 32768)] == [100, 2048, 2048]
+    monkeypatch.setattr(session, "on_cuda", lambda: True)
+    assert [session.prefill_chunk_for(n) for n in (100, 3000, 32768)] == [100, 3000, 4096]
+
+
 def test_simulation_changes_the_logits(weights, tokens):
     exact = run_chunks(Model(weights, simulate_quant=False), tokens[:64], 64)
     simulated = run_chunks(Model(weights, simulate_quant=True), tokens[:64], 64)

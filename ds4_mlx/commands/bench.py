@@ -96,8 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="walks to run; figures are the median, with min and max (default 1)")
     g.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="tokens per prefill chunk (default ds4's 2048, or the whole context below that), to choose "
-                        "a GPU's chunk size by measurement")
+                   help="tokens per prefill chunk (default the session's: 4096 on CUDA, ds4's 2048 elsewhere, or the "
+                        "whole context below that), to choose a GPU's chunk size by measurement")
     g.add_argument("--ops", action="store_true",
                    help="also count the primitives in one decode step's graph at the first frontier, in total, "
                         "per layer and by name (an mx.compile'd function counts as one node)")

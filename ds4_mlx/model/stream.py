@@ -16,22 +16,31 @@ one per tensor; a tensor larger than a chunk is converted a chunk of rows at a t
 resident arrays (in place: MLX reuses the buffer of an array nothing else holds). While the device converts, the
 reader thread copies what comes next: the next chunk of the same tensor, or the first chunk of the tensor
 predicted to be read next (the one that followed this tensor's counterpart in the previous layer).
+
+On CUDA, a GGUF file's larger staging arrays are made in device memory instead and filled by model/pinned.py
+(`pread` into page-locked buffers, DMA to the device): no host staging and no page faults on either side.
+`DS4_LOAD=mapped` keeps every tensor on the mapped-file path (to compare the two).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 if TYPE_CHECKING:
     from .gguf import TensorInfo
     from .weights import ModelWeights
+
+from .pinned import CudaRuntime, PinnedReader
 
 Convert = Callable[[mx.array], Sequence[mx.array]]
 """Raw rows, uint8 (n_rows, row_bytes), to the arrays the model keeps, each with n_rows leading rows."""
@@ -40,6 +49,9 @@ CUDA_CHUNK_BYTES = 512 << 20
 """Host staging per chunk or batch on CUDA: large, so that conversions run in few big evaluations."""
 UNIFIED_CHUNK_BYTES = 8 << 20
 """Elsewhere host memory is device memory and every staged byte counts against the loaded model: small chunks."""
+PINNED_MIN_BYTES = 1 << 20
+"""Smaller tensors (norms, biases, the small projections' scales) take the mapped path: their few pages cost less
+than a device allocation and its evaluation."""
 
 _LAYER = re.compile(r"^(blk|mtp)\.(\d+)\.")
 
@@ -88,6 +100,9 @@ class LoadStats:
     device_seconds: float = 0.0
     """Evaluating conversions and device copies."""
     evaluations: int = 0
+    pinned_bytes: int = 0
+    """File bytes copied to the device through page-locked buffers (model/pinned.py), a wrongly guessed prefetch's
+    included; the rest came through the mapped file."""
     prefetched: int = 0
     """Chunks the reader had copied before they were asked for."""
     chunks: int = 0
@@ -118,6 +133,7 @@ class TensorStream:
         self._successor: dict[str, tuple[str, int]] = {}
         self._file_order = sorted(weights.file.tensors, key=lambda n: weights.file.tensors[n].offset)
         self._position = {name: i for i, name in enumerate(self._file_order)}
+        self._pinned = _pinned_reader(weights)
 
     def info(self, name: str) -> TensorInfo:
         return self.weights.info(name)
@@ -180,6 +196,8 @@ class TensorStream:
         self.flush()
         self._drop_ahead()
         self._reader.shutdown()
+        if self._pinned is not None:
+            self._pinned.close()
         self.stats.seconds = time.perf_counter() - self._start
         return self.stats
 
@@ -203,11 +221,33 @@ class TensorStream:
         step = max(1, self.chunk_bytes // info.row_bytes)
         return [(first, min(first + step, rows)) for first in range(0, rows, step)]
 
-    def _copy(self, name: str, first: int, end: int) -> mx.array:
+    def _copy(self, name: str, first: int, end: int) -> Callable[[], mx.array]:
+        """A function that copies rows [first, end) of a tensor into a new MLX array, to be called on any thread.
+
+        Through page-locked buffers into device memory where the reader allows it (the array is made and
+        evaluated here, on the calling thread: MLX is driven from the loading thread only), else a host copy of
+        the mapped rows."""
+        info = self.weights.info(name)
+        nbytes = (end - first) * info.row_bytes
+        if self._pinned is None or nbytes < PINNED_MIN_BYTES:
+            return lambda: self._mapped_copy(info, first, end)
+        staged = mx.zeros((end - first, info.row_bytes), mx.uint8)  # written by the GPU: device-resident pages
+        mx.eval(staged)
+        address, offset, reader = _address(staged), info.offset + first * info.row_bytes, self._pinned
+
+        def fill() -> mx.array:
+            t = time.perf_counter()
+            reader.fill(address, offset, nbytes)
+            self.stats.copy_seconds += time.perf_counter() - t
+            self.stats.pinned_bytes += nbytes
+            return staged
+
+        return fill
+
+    def _mapped_copy(self, info: TensorInfo, first: int, end: int) -> mx.array:
         """Rows [first, end) of a tensor copied from the mapped file into a new MLX array (host memory)."""
         t = time.perf_counter()
-        info = self.weights.info(name)
-        rows = self.weights.tensor_bytes(name).reshape(-1, info.row_bytes)[first:end]
+        rows = self.weights.tensor_bytes(info.name).reshape(-1, info.row_bytes)[first:end]
         staged = mx.array(rows)
         self.stats.copy_seconds += time.perf_counter() - t
         return staged
@@ -222,13 +262,13 @@ class TensorStream:
             self.stats.prefetched += 1
         else:
             self._drop_ahead()
-            staged = self._copy(name, first, end)
+            staged = self._copy(name, first, end)()
         self.stats.wait_seconds += time.perf_counter() - t
         return staged
 
     def _prefetch(self, name: str, first: int, end: int) -> None:
         self._drop_ahead()
-        self._ahead = ((name, first), self._reader.submit(self._copy, name, first, end))
+        self._ahead = ((name, first), self._reader.submit(self._copy(name, first, end)))
 
     def _drop_ahead(self) -> None:
         """Forgets a copy made for a wrong guess (waiting for it, so that at most one is ever in flight)."""
@@ -260,6 +300,25 @@ class TensorStream:
                 return guess
         later = self._file_order[self._position[name] + 1:]
         return next((n for n in later if n not in self._read), None)
+
+
+def _pinned_reader(weights: ModelWeights) -> PinnedReader | None:
+    """The page-locked path for a GGUF file on CUDA, or None (elsewhere, `DS4_LOAD=mapped`, or no CUDA runtime
+    found: the mapped path then serves every tensor)."""
+    from .gguf import GGUFFile
+
+    if not on_cuda() or os.environ.get("DS4_LOAD", "").lower() == "mapped" or not isinstance(weights.file, GGUFFile):
+        return None
+    try:
+        return PinnedReader(weights.file.path, CudaRuntime.load())
+    except OSError as error:
+        warnings.warn(f"loading through mapped memory (slower: {error})", stacklevel=3)
+        return None
+
+
+def _address(array: mx.array) -> int:
+    """The address of an evaluated array's data: on CUDA, its managed allocation (no page is touched)."""
+    return np.asarray(array).ctypes.data
 
 
 def _write(outputs: list[mx.array], parts: Sequence[mx.array], first: int) -> None:
