@@ -369,7 +369,7 @@ class Engine:
         self._maybe_continued()
 
     def _maybe_continued(self) -> None:
-        if self.kv_store.options.is_continued_frontier(len(self.session.tokens), self._on_disk):
+        if self._at_continued_frontier():
             self._checkpoint(SaveReason.CONTINUED)
 
     def _prefill(self, tokens: list[int], start: int, cold_target: int | None) -> Iterator[tuple[int, int]]:
@@ -442,6 +442,7 @@ class Engine:
         text_parts: list[str] = []
         finish = "length"
         speculate = self._speculates(req.sampling)
+        pipelined = self._pipelines(req.sampling)
         ahead: list[tuple[int, mx.array]] = []  # fed by a speculative step before the stream chose them, with logits
         drafted = accepted = 0  # MTP guesses checked against the model, and those it agreed with
 
@@ -456,8 +457,11 @@ class Engine:
                 if cancel is not None and cancel():
                     finish = "error"
                     break
-                use_greedy = greedy is not None and greedy.greedy
-                token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
+                if pipelined and len(generated) + 1 < limit:  # fed before it is read: not the last token
+                    token = int(self.session.feed_chosen().item())
+                else:
+                    use_greedy = greedy is not None and greedy.greedy
+                    token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
                 if token == self.tokenizer.eos_id:
                     finish = "stop"
                     break
@@ -477,8 +481,16 @@ class Engine:
                 if len(generated) < limit and ahead:
                     logits = _take_ahead(ahead, token)
                 elif len(generated) < limit:
-                    if self.kv_store is not None and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE):
-                        self._maybe_continued()  # continued checkpoints are not taken inside a tool block
+                    checkpoint = (self.kv_store is not None and self._at_continued_frontier()
+                                  and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE))
+                    if self.session.fed_ahead:
+                        if not checkpoint:
+                            self.session.confirm(token)
+                            logits = self.session.logits
+                            continue
+                        self.session.take_back()  # the checkpoint holds the state before this token
+                    if checkpoint:  # continued checkpoints are not taken inside a tool block
+                        self._checkpoint(SaveReason.CONTINUED)
                     if speculate:
                         step = self.session.speculate(token, self._draft_room(len(generated), limit),
                                                       self.mtp_margin, stop=(self.tokenizer.eos_id,))
@@ -487,6 +499,8 @@ class Engine:
                         ahead = [(t, step.logits[i]) for i, t in enumerate(step.tokens[1:], 1)]
                     else:
                         logits = self.session.decode(token)
+            if self.session.fed_ahead:  # the answer ended on a token fed before it was read: unfeed it
+                self.session.take_back()
             if ahead and not stops.hit:  # the answer ended before tokens fed ahead of it: unfeed them
                 self.session.rewind(len(self.session.tokens) - len(ahead))
         except Exception as exc:  # a decode failure ends the answer with finish "error" (behavior.md §3.6-3.7)
@@ -548,6 +562,16 @@ class Engine:
         here only without OpenAI penalties, which would change the greedy choice after every token."""
         return (self.session.mtp is not None and sampling.temperature <= 0 and sampling.presence_penalty == 0
                 and sampling.frequency_penalty == 0)
+
+    def _pipelines(self, sampling: SamplingParams) -> bool:
+        """Decoding feeds each token before the host reads it back (`Session.feed_chosen`: the host builds a step
+        while the device runs the one before) where the device alone makes the choice: greedy decoding without
+        penalties, and no MTP block (speculative decoding feeds ahead its own way)."""
+        return (self.session.mtp is None and sampling.temperature <= 0 and sampling.presence_penalty == 0
+                and sampling.frequency_penalty == 0)
+
+    def _at_continued_frontier(self) -> bool:
+        return self.kv_store.options.is_continued_frontier(len(self.session.tokens), self._on_disk)
 
     def _draft_room(self, n_generated: int, limit: int) -> int:
         """How many guesses a speculative step may feed after the chosen token: at most mtp_draft - 1, never a

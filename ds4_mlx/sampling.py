@@ -151,6 +151,11 @@ def argmax(logits: mx.array) -> int:
     return mx.argmax(logits.reshape(-1)).item()
 
 
+def device_argmax(logits: mx.array) -> mx.array:
+    """`argmax` left on the device: a lazy uint32 scalar (the lowest id among ties, the same op)."""
+    return mx.argmax(logits.reshape(-1))
+
+
 def _sample_full_vocab(logits: np.ndarray, temperature: np.float32, min_p: np.float32, rng: XorShift64Star) -> int:
     finite = np.isfinite(logits)
     if not finite.any():

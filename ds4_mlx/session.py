@@ -22,7 +22,8 @@ from .errors import RequestError
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
 from .model.mtp import MTP, MTPSnapshot
 from .model.stream import on_cuda
-from .sampling import argmax
+from .model.cache import StepUndo
+from .sampling import argmax, device_argmax
 
 
 CUDA_PREFILL_CHUNK = 4096
@@ -79,6 +80,7 @@ class Session:
         self.logits: mx.array | None = None
         self.mtp_cache = self.mtp.new_cache() if self.mtp is not None else None
         self._block_start: Snapshot | None = None  # the state before the last speculative block, for `rewind`
+        self._fed: tuple[StepUndo, mx.array | None] | None = None  # a token fed by `feed_chosen`, not yet confirmed
 
     @property
     def room(self) -> int:
@@ -102,6 +104,8 @@ class Session:
     def prefill_steps(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
         """The chunked prefill as a generator of (done, total), so callers can report progress between chunks."""
         tokens = list(tokens)
+        if self._fed is not None:
+            raise ValueError("a token fed by feed_chosen is neither confirmed nor taken back")
         if len(tokens) > self.room:
             raise RequestError(
                 f"{len(tokens)} more tokens do not fit: the session holds {len(self.tokens)} of a "
@@ -117,6 +121,49 @@ class Session:
     def decode(self, token: int) -> mx.array:
         """Feed one token; returns the logits for the next one."""
         return self.prefill([token])
+
+    def feed_chosen(self, choose: Callable[[mx.array], mx.array] = device_argmax) -> mx.array:
+        """Chooses the next token on the device from the current logits and feeds it at once, waiting for neither:
+        returns the token as an int32 array of shape (1,) still being computed.
+
+        Why: MLX records a decode step's ~1,300 kernels on the host, which takes about as long as the device takes
+        to run them. Fed this way, the host builds a step while the device still runs the one before, instead of
+        after reading its token back. Read the token (`.item()`), then `confirm` it, or `take_back` the step if
+        the stream stops there. For choices the device can make alone (greedy decoding), without an MTP block.
+        """
+        if self.mtp is not None:
+            raise ValueError("feed_chosen runs without an MTP block (speculate feeds ahead with one)")
+        if self._fed is not None:
+            raise ValueError("the token fed before is neither confirmed nor taken back")
+        if self.logits is None:
+            raise RequestError("nothing to choose from: the session has no logits yet")
+        token = choose(self.logits).astype(mx.int32).reshape(1)
+        mx.async_eval(token)  # its own event: reading it waits for the previous step only
+        undo, before = self.cache.undo_point(), self.logits
+        _, self.logits = self.model.decode(token, self.cache)
+        self._fed = (undo, before)
+        mx.async_eval(self.logits, *self.cache.arrays())
+        return token
+
+    @property
+    def fed_ahead(self) -> bool:
+        """Whether a token fed by `feed_chosen` awaits `confirm` or `take_back`."""
+        return self._fed is not None
+
+    def confirm(self, token: int) -> None:
+        """The token `feed_chosen` fed was `token` (read back): it joins the session's tokens."""
+        if self._fed is None:
+            raise ValueError("no token was fed by feed_chosen")
+        self.tokens.append(token)
+        self._fed = None
+
+    def take_back(self) -> None:
+        """Forgets the token `feed_chosen` fed: the session is as it was before (StepUndo)."""
+        if self._fed is None:
+            raise ValueError("no token was fed by feed_chosen")
+        undo, self.logits = self._fed
+        self.cache.take_back(undo)
+        self._fed = None
 
     def _feed(self, tokens: list[int]) -> mx.array:
         """Run the model (then the MTP block, on the model's final streams) over tokens at the next positions;
@@ -218,6 +265,8 @@ class Session:
         self._block_start = start
 
     def snapshot(self) -> Snapshot:
+        if self._fed is not None:
+            raise ValueError("a token fed by feed_chosen is neither confirmed nor taken back")
         mtp = self.mtp_cache.snapshot() if self.mtp_cache is not None else None
         return Snapshot(tuple(self.tokens), self.cache.snapshot(), self.logits, mtp)
 
@@ -226,6 +275,7 @@ class Session:
         self.cache.restore(snap.cache)
         self.logits = snap.logits
         self._block_start = None
+        self._fed = None
         if self.mtp_cache is not None:
             if snap.mtp is None:
                 self.mtp_cache.reset()

@@ -24,9 +24,10 @@ class ScriptedSnapshot:
 
 
 class ScriptedCache:
-    """Counts the tokens fed; holds no arrays."""
+    """Counts the tokens fed; holds no arrays. A token taken back (`Session.take_back`) is unfed from its model."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: ScriptedModel) -> None:
+        self.model = model
         self.n_tokens = 0
 
     def arrays(self) -> list[mx.array]:
@@ -37,6 +38,14 @@ class ScriptedCache:
 
     def restore(self, snap: ScriptedSnapshot) -> None:
         self.n_tokens = snap.n_tokens
+
+    def undo_point(self) -> ScriptedSnapshot:
+        return ScriptedSnapshot(self.n_tokens)
+
+    def take_back(self, point: ScriptedSnapshot) -> None:
+        assert self.n_tokens == point.n_tokens + 1
+        self.n_tokens = point.n_tokens
+        self.model.unfeed()
 
 
 class ScriptedModel:
@@ -56,6 +65,7 @@ class ScriptedModel:
         self.step = 0
         self.calls = 0
         self.fed: list[int] = []
+        self._before: list[int] = []  # `step` before each call, to unfeed
         self.delay = 0.0
         self.fail_at: int | None = None
         self.failure: Exception = RuntimeError("scripted device failure")
@@ -66,7 +76,7 @@ class ScriptedModel:
 
     def new_cache(self, ctx: int) -> ScriptedCache:
         self.step = self.calls = 0
-        return ScriptedCache()
+        return ScriptedCache(self)
 
     def _entry(self, step: int) -> int:
         return self.script[min(step, len(self.script) - 1)]
@@ -83,12 +93,19 @@ class ScriptedModel:
         ids = tokens.tolist()
         self.fed += ids
         cache.n_tokens += len(ids)
+        self._before.append(self.step)
         self.step = self.step + 1 if ids == [self._entry(self.step)] else 0
         return self.logits(self.step)
 
-    def decode(self, token: int, cache: ScriptedCache) -> tuple[None, mx.array]:
+    def unfeed(self) -> None:
+        """Forgets the last one-token call, as a cache's take_back does."""
+        self.fed.pop()
+        self.step = self._before.pop()
+
+    def decode(self, token: int | mx.array, cache: ScriptedCache) -> tuple[None, mx.array]:
         """One token, as Model.decode takes it (no streams: a scripted model has no MTP block)."""
-        return None, self(mx.array([token], dtype=mx.int32), cache)
+        ids = token if isinstance(token, mx.array) else mx.array([token], dtype=mx.int32)
+        return None, self(ids, cache)
 
 
 def scripted_engine(tokenizer: Tokenizer, text: str, *, eos: bool = True,

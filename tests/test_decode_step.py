@@ -94,3 +94,33 @@ def test_step_refuses_what_the_chunk_path_refuses(model_files):
         model.decode(token, cache)
     with pytest.raises(Exception, match="do(es)? not fit"):
         model.decode(1, cache)
+
+
+def test_tokens_chosen_and_fed_on_the_device_equal_plain_greedy_decoding(model_files):
+    """Session.feed_chosen (the token chosen on the device and fed before the host reads it) gives the tokens and
+    logits of reading each token first; `take_back` returns to the state before the token, so that feeding another
+    token then equals feeding that one in the first place. Positions 124-135 cross ratio-4 and ratio-128 window
+    ends, where a step also writes a compressed row."""
+    from ds4_mlx.sampling import argmax
+    from ds4_mlx.session import Session
+
+    model = Model(open_weights(model_files["small", "q2"]))
+    prompt = [(7 * i + 3) % (model.config.n_vocab - 1) + 1 for i in range(124)]
+    plain, fed, other, control = (Session(model, CTX) for _ in range(4))
+    for session in (plain, fed, other, control):
+        session.prefill(prompt)
+    for _ in range(12):
+        plain.decode(argmax(plain.logits))
+        chosen = fed.feed_chosen()
+        fed.confirm(int(chosen.item()))
+        assert fed.tokens == plain.tokens and mx.array_equal(fed.logits, plain.logits)
+
+        token = int(other.feed_chosen().item())
+        with pytest.raises(ValueError, match="neither confirmed nor taken back"):
+            other.snapshot()
+        other.take_back()
+        other.decode((token + 11) % model.config.n_vocab)
+        control.decode((token + 11) % model.config.n_vocab)
+        assert other.tokens == control.tokens and mx.array_equal(other.logits, control.logits)
+    with pytest.raises(ValueError, match="no token was fed"):
+        fed.take_back()

@@ -240,3 +240,43 @@ def test_session_snapshot_restore(tiny):
     b = s.decode(1000)
     assert mx.array_equal(a, b)
     assert s.tokens == ids + [1000]
+
+
+TOOL_BLOCK = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" '
+              'string="true">ls</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+
+
+@pytest.mark.parametrize(("text", "kw", "finish"), [
+    ("</think>The answer is 4.", {}, "stop"),  # ends on EOS: fed ahead, then taken back
+    ("</think>one two three four five", {"max_tokens": 4}, "length"),  # the last token is never fed
+    ("</think>alpha beta STOP gamma", {"stop": ("STOP",)}, "stop"),
+    ("</think>Checking." + TOOL_BLOCK + "never sampled", {"tools_active": True}, "tool_calls"),
+], ids=["eos", "length", "stop-string", "tool-call"])
+def test_greedy_decoding_fed_ahead_leaves_what_plain_decoding_leaves(tokenizer, monkeypatch, text, kw, finish):
+    """Greedy decoding feeds each token before reading it (Session.feed_chosen); the answer, the tokens fed and
+    the session after it equal decoding that reads every token first."""
+    results = []
+    for pipelined in (True, False):
+        monkeypatch.setattr(Engine, "_pipelines", lambda self, sampling, on=pipelined: on)
+        engine, model = scripted_engine(tokenizer, text)
+        events, done = run(engine, sampling=GREEDY, **kw)
+        results.append((events, done.finish_reason, done.token_ids, done.message, engine.session.tokens, model.fed))
+    assert results[0] == results[1]
+    assert results[0][1] == finish
+
+
+def test_only_device_made_choices_are_fed_ahead(tiny):
+    assert tiny._pipelines(GREEDY)
+    assert not tiny._pipelines(SamplingParams(temperature=0.6))
+    assert not tiny._pipelines(SamplingParams(temperature=0, presence_penalty=0.5))
+
+
+def test_greedy_answers_of_the_tiny_model_are_the_same_fed_ahead(tiny, monkeypatch):
+    prompt = "<｜begin▁of▁sentence｜><｜User｜>count<｜Assistant｜></think>"
+    answers = []
+    for pipelined in (True, False):
+        monkeypatch.setattr(Engine, "_pipelines", lambda self, sampling, on=pipelined: on)
+        tiny.session.reset()
+        _, done = run(tiny, prompt=prompt, sampling=GREEDY, max_tokens=40)
+        answers.append((done.token_ids, tiny.session.tokens, mx.array(tiny.session.logits).tolist()))
+    assert answers[0] == answers[1] and len(answers[0][0]) == 40

@@ -593,15 +593,18 @@ class PositionModel:
         self.vocab, self.prompt_len, self.script = vocab, prompt_len, script
 
     def new_cache(self, ctx: int) -> ScriptedCache:
-        return ScriptedCache()
+        return ScriptedCache(self)
+
+    def unfeed(self) -> None:
+        """Nothing to forget: the pick follows the cache's token count."""
 
     def __call__(self, tokens: mx.array, cache: ScriptedCache) -> mx.array:
         cache.n_tokens += tokens.size
         step = min(max(cache.n_tokens - self.prompt_len, 0), len(self.script) - 1)
         return mx.where(mx.arange(self.vocab) == self.script[step], 100.0, -100.0)
 
-    def decode(self, token: int, cache: ScriptedCache) -> tuple[None, mx.array]:
-        return None, self(mx.array([token], dtype=mx.int32), cache)
+    def decode(self, token: int | mx.array, cache: ScriptedCache) -> tuple[None, mx.array]:
+        return None, self(token if isinstance(token, mx.array) else mx.array([token], dtype=mx.int32), cache)
 
 
 class RecordingStore:

@@ -312,8 +312,11 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
     no_eos = mx.zeros((model.config.n_vocab,))
     no_eos[loaded.tokenizer.eos_id] = -mx.inf
 
+    def choose(logits: mx.array) -> mx.array:
+        return mx.argmax(logits.reshape(-1) + no_eos)
+
     def greedy(logits: mx.array) -> int:
-        return int(mx.argmax(logits + no_eos).item())
+        return int(choose(logits).item())
 
     if walk.prefill_chunk is not None:
         session.chunk_size = walk.prefill_chunk
@@ -344,9 +347,9 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
             at_frontier = session.snapshot()
             with without_mtp(session):
                 t1 = time.perf_counter()
-                token = greedy(session.logits)
-                for _ in range(walk.gen_tokens):
-                    token = greedy(session.decode(token))
+                for _ in range(walk.gen_tokens):  # as the engine decodes greedily: each token fed before it is read
+                    session.confirm(int(session.feed_chosen(choose).item()))
+                mx.eval(session.logits)
                 gen_s = time.perf_counter() - t1
             session.restore(at_frontier)
             result.prefill_tps.append(result.prefill_tokens / prefill_s)

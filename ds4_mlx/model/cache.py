@@ -71,6 +71,17 @@ class LayerState:
 
 
 @dataclass(frozen=True)
+class StepUndo:
+    """What one decode step replaces rather than appends to: per layer the raw window (it shifts) and the
+    frontiers. The row buffers are not held: the step writes at most the row a completed window makes, at index
+    n_tokens // ratio, which the restored token count leaves outside the live rows (and the token fed there next
+    writes again). Holding only these small arrays lets the step update the row buffers in place."""
+
+    n_tokens: int
+    kept: tuple[tuple[mx.array, Frontier | None, Frontier | None], ...]
+
+
+@dataclass(frozen=True)
 class CacheSnapshot:
     """The whole state of a SessionCache at one moment."""
 
@@ -106,6 +117,19 @@ class SessionCache:
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.arrays()]
+
+    def undo_point(self) -> StepUndo:
+        """Taken just before a one-token step, to `take_back` that token (StepUndo)."""
+        return StepUndo(self.n_tokens, tuple((s.raw, s.comp_frontier, s.index_frontier) for s in self.layers))
+
+    def take_back(self, point: StepUndo) -> None:
+        """The state before the one token fed since `point` was taken."""
+        if self.n_tokens != point.n_tokens + 1:
+            raise ValueError(f"an undo point of {point.n_tokens} tokens takes back one token, the cache holds "
+                             f"{self.n_tokens}")
+        self.layers = [LayerState(raw, state.comp, comp_frontier, state.index, index_frontier)
+                       for state, (raw, comp_frontier, index_frontier) in zip(self.layers, point.kept)]
+        self.n_tokens = point.n_tokens
 
     def unflatten(self, arrays: Sequence[mx.array]) -> list[LayerState]:
         """Layer states from a flat list in the order `arrays()` gives (the form a compiled step takes)."""

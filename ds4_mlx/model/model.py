@@ -265,17 +265,20 @@ class Model:
         streams = residual.apply()
         return streams, self.head(streams)[0], layers
 
-    def decode(self, token: int, cache: SessionCache) -> tuple[mx.array, mx.array]:
+    def decode(self, token: int | mx.array, cache: SessionCache) -> tuple[mx.array, mx.array]:
         """Feed one token through the compiled decode step; returns (final streams (1, n_hc, n_embd), logits).
 
+        `token` may also be an int32 array of shape (1,) that is still being computed: a token chosen on the
+        device from the previous logits (`Session.feed_chosen`), so that this step is built before it is known.
         The first step of a cache layout runs eagerly (it makes the kernels' first-use checks, which evaluate
         arrays and so cannot run while a function is being traced); later steps replay one compiled graph. With
         the kernel mode forced to "reference" the token goes through the chunk path instead.
         """
+        ids = token if isinstance(token, mx.array) else mx.array([token], dtype=mx.int32)
         if registry.mode() == "reference":
-            streams = self.hidden(mx.array([token], dtype=mx.int32), cache)
+            streams = self.hidden(ids, cache)
             return streams, self.head(streams)[0]
-        if not 0 <= token < self.config.n_vocab:
+        if not isinstance(token, mx.array) and not 0 <= token < self.config.n_vocab:
             raise RequestError(f"token id {token} is outside the vocabulary [0, {self.config.n_vocab})")
         if cache.n_tokens >= cache.ctx:
             raise RequestError(f"1 token does not fit: the cache holds {cache.n_tokens} of a {cache.ctx}-token "
@@ -287,7 +290,7 @@ class Model:
             step = self._flat_step
         else:
             step = compiled
-        flat = [mx.array([token], dtype=mx.int32), mx.array(cache.n_tokens, dtype=mx.int32), *cache.arrays()]
+        flat = [ids, mx.array(cache.n_tokens, dtype=mx.int32), *cache.arrays()]
         streams, logits, *arrays = step(*flat)
         del flat  # once the cache holds the new state, the graph alone holds the old: buffers can be reused
         cache.layers, cache.n_tokens = cache.unflatten(arrays), cache.n_tokens + 1
