@@ -3,9 +3,9 @@
 #   source .device/bin/install.sh && bash bench/h200_cycle.sh STEP...
 # Steps (run in the order given, each under a timeout so that the output comes back within a call's 10 minutes):
 #   tests[:A,B]    every gpu-marked test (each kernel used on the device and equal to its reference); with names,
-#                  only tests/test_kernels_A.py, tests/test_kernels_B.py, ...
+#                  only tests/test_kernels_A.py (or tests/test_A.py where that is none), ...
 #   profile        per-kernel CUPTI times of the compiled decode step, first 4 layers (bench/gpu_profile.py)
-#   prefill        the same for one 2048-token prefill chunk
+#   prefill        the same for one 4096-token prefill chunk (the session's chunk on CUDA)
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
 #   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model
@@ -47,7 +47,8 @@ for step in "$@"; do
   case $step in
     tests*)
       files="tests/test_kernels_*.py tests/test_fused_linear.py"
-      [ "$step" != tests ] && files=$(echo "${step#tests:}" | tr ',' '\n' | sed 's|.*|tests/test_kernels_&.py|' | tr '\n' ' ')
+      [ "$step" != tests ] && files=$(for n in $(echo "${step#tests:}" | tr ',' ' '); do  # NAME: test_kernels_NAME.py
+        [ -f "tests/test_kernels_$n.py" ] && echo "tests/test_kernels_$n.py" || echo "tests/test_$n.py"; done)
       # unit tests first, the tiny-model decode tests last (they compile their kernels at new shapes); a test that
       # runs past 150 s fails with every thread's stack (pytest-timeout, installed there): a GPU hang shows where
       for sel in "not tiny" "tiny"; do
@@ -61,7 +62,8 @@ for step in "$@"; do
       timeout "$(left 120)" python3 bench/gpu_profile.py --layers 4 --ctx 2080 --top 40 > "$out/profile.txt" 2>&1
       grep -v "warnings.warn" "$out/profile.txt" | cut -c1-170 | tail -48 ;;
     prefill)
-      timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill 2048 --top 30 > "$out/prefill.txt" 2>&1
+      timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill 4096 --ctx 16400 --top 30 \
+        > "$out/prefill.txt" 2>&1
       grep -v "warnings.warn" "$out/prefill.txt" | cut -c1-170 | tail -38 ;;
     bench*)
       IFS=: read -r _ layers max <<< "$step:"; layers=${layers:-43}; max=${max:-2048}
