@@ -88,7 +88,16 @@ def test_json_reports_load_speed_and_host_memory(walked):
     assert result["load_gb_per_second"] == pytest.approx(result["load_bytes"] / 1e9 / result["load_seconds"], rel=0.05)
     stats = result["load_stats"]
     assert stats["evaluations"] >= 1 and stats["chunks"] >= 1
+    assert stats["pinned_bytes"] == 0  # the CPU: every tensor through the mapped file
+    assert result["decode"] == "fed ahead"
     assert result["host"]["peak_rss_bytes"] >= result["host"]["peak_anon_bytes_sampled"] > 0
+
+
+def test_read_back_decodes_as_sampled_decoding_does(model_path, capsys):
+    assert main(["bench", "-m", str(model_path), "--ctx-start", "16", "--ctx-max", "16", "--gen-tokens", "3",
+                 "--read-back", "--json", "-q"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["decode"] == "read back" and result["frontiers"][0]["gen_tps"] > 0
 
 
 def test_ops_counts_one_decode_step(walked):

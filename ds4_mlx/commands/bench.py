@@ -98,6 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="tokens per prefill chunk (default the session's: 4096 on CUDA, ds4's 2048 elsewhere, or the "
                         "whole context below that), to choose a GPU's chunk size by measurement")
+    g.add_argument("--read-back", action="store_true",
+                   help="decode as sampled decoding does, reading each token back before the next step is built "
+                        "(default: as greedy decoding does, each token chosen and fed on the device before it is "
+                        "read, so the host builds a step while the device runs the one before)")
     g.add_argument("--ops", action="store_true",
                    help="also count the primitives in one decode step's graph at the first frontier, in total, "
                         "per layer and by name (an mx.compile'd function counts as one node)")
@@ -125,6 +129,8 @@ class Walk:
     mtp_margin: float = 0.0
     prefill_chunk: int | None = None
     """--prefill-chunk: the session's chunk size for the walk; None keeps the session's own."""
+    read_back: bool = False
+    """--read-back: each decode token read back before the next step is built."""
 
     @property
     def ctx(self) -> int:
@@ -161,7 +167,8 @@ def plan(args: argparse.Namespace) -> Walk:
             break
         frontiers.append(following)
     mtp_draft = args.mtp_draft if args.mtp is not None else 0
-    walk = Walk(tuple(frontiers), args.gen_tokens, args.repeats, mtp_draft, args.mtp_margin, args.prefill_chunk)
+    walk = Walk(tuple(frontiers), args.gen_tokens, args.repeats, mtp_draft, args.mtp_margin, args.prefill_chunk,
+                args.read_back)
     if args.ctx is not None and args.ctx < walk.ctx:
         probe = f"--gen-tokens {args.gen_tokens}" if args.gen_tokens >= mtp_draft else f"--mtp-draft {mtp_draft}"
         raise Ds4Error(f"--ctx {args.ctx} is too small for the walk: the last frontier {frontiers[-1]} + "
@@ -347,8 +354,11 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
             at_frontier = session.snapshot()
             with without_mtp(session):
                 t1 = time.perf_counter()
-                for _ in range(walk.gen_tokens):  # as the engine decodes greedily: each token fed before it is read
-                    session.confirm(int(session.feed_chosen(choose).item()))
+                for _ in range(walk.gen_tokens):  # as the engine decodes
+                    if walk.read_back:
+                        session.decode(greedy(session.logits))
+                    else:
+                        session.confirm(int(session.feed_chosen(choose).item()))
                 mx.eval(session.logits)
                 gen_s = time.perf_counter() - t1
             session.restore(at_frontier)
@@ -586,6 +596,7 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
         "load_stats": _load_stats(loaded.session.model),
         "warmup_seconds": round(loaded.warmup_seconds, 3),
         "prefill_chunk": loaded.session.chunk_size,
+        "decode": "read back" if walk.read_back else "fed ahead",
         "weights_bytes": loaded.session.model.nbytes,
         "host": loaded.host,
         "frontiers": [r.row() for r in results],
@@ -662,7 +673,7 @@ def _load_stats(model: Model) -> dict:
     return {"seconds": round(s.seconds, 3), "gb_per_second": round(s.gb_per_second, 3),
             "copy_seconds": round(s.copy_seconds, 3), "wait_seconds": round(s.wait_seconds, 3),
             "device_seconds": round(s.device_seconds, 3), "evaluations": s.evaluations, "chunks": s.chunks,
-            "prefetched": s.prefetched}
+            "prefetched": s.prefetched, "pinned_bytes": s.pinned_bytes}
 
 
 def run_planned(args: argparse.Namespace, walk: Walk, text: str) -> int:
