@@ -13,8 +13,8 @@
 #   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model
 #                  --repeat, 16 jobs), then `ds4-mlx bench -m` on it: load time and GB/s, host peak RSS, decode at 2k with
 #                  the MTP verify costs (`--mtp-draft 3`)
-#   chunks[:N]     prefill t/s of an 8k prompt over N layers (default 12) in chunks of 1024, 2048 and 4096 tokens
-#                  (issue 9: the chunk size chosen for speed)
+#   chunks[:N[:SIZES]] prefill t/s of a 16k prompt over N layers (default 12) in chunks of each size (default
+#                  1024,2048,4096; issue 9: the chunk size chosen for speed)
 #   startup[:N]    load and warm-up seconds of `ds4-mlx bench --synthetic q2 --layers N` (default 4) three times: with
 #                  an empty kernel cache (kernels/nvrtc.py compiles), again (it reads them back), and with
 #                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
@@ -92,10 +92,10 @@ for step in "$@"; do
       grep -iv "warnings.warn\|it/s\]" "$out/file.err" | cut -c1-250 | tail -12
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:2500])" "$out/file.json" 2>&1 | tail -3 ;;
     chunks*)
-      layers=$(step_n 12)
-      for c in 1024 2048 4096; do
-        timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 8192 \
-          --ctx-max 8192 --gen-tokens 0 --prefill-chunk "$c" --json > "$out/chunks_$c.json" 2> "$out/chunks_$c.err"
+      IFS=: read -r _ layers sizes <<< "$step:"; layers=${layers:-12}; sizes=${sizes:-1024,2048,4096}
+      for c in $(echo "$sizes" | tr ',' ' '); do
+        timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 16384 \
+          --ctx-max 16384 --gen-tokens 0 --prefill-chunk "$c" --json > "$out/chunks_$c.json" 2> "$out/chunks_$c.err"
         echo "chunk $c: $(figures "$out/chunks_$c.json")"
       done ;;
     startup*)
