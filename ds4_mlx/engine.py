@@ -169,6 +169,8 @@ class Engine:
         if kv_ram_budget is None:
             kv_ram_budget = default_ram_budget(device_memory_bytes(), mx.get_active_memory())
         self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
+        self.load_phases: dict[str, float] = {}
+        """Seconds of each part of `load` (open and check the file, weights, mtp, tokenizer, engine)."""
 
     @classmethod
     def load(
@@ -191,6 +193,11 @@ class Engine:
         path = Path(path)
         if not path.exists():
             raise ModelFileMissing.at(path)
+        phases, start = {}, time.perf_counter()
+
+        def phase(name: str) -> None:
+            phases[name] = round(time.perf_counter() - start - sum(phases.values()), 3)
+
         weights = open_weights(path)
         check_context(weights.config, ctx)
         if kv_cache is not None:
@@ -203,15 +210,23 @@ class Engine:
 
             used = model_bytes + session_bytes(weights.config, ctx)
             opts["kv_ram_budget"] = default_ram_budget(device_memory_bytes(), used)
+        phase("open")
         with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
             model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
+        phase("weights")
         if mtp_weights is not None:
             with Progress(quiet).bar(f"loading {Path(mtp).name}", unit="bytes") as bar:
                 opts["mtp"] = MTP(mtp_weights, model, progress=bar.update)
+            phase("mtp")
         tokenizer = Tokenizer.from_gguf(weights.file.metadata)
+        phase("tokenizer")
         if kv_cache is not None:
             opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights), model_identity(weights, simulate_quant))
-        return cls(model, tokenizer, ctx, **opts)
+        engine = cls(model, tokenizer, ctx, **opts)
+        phase("engine")
+        engine.load_phases = phases
+        return engine
+
 
     @classmethod
     def demo(cls, ctx: int = 4096, **opts) -> Engine:

@@ -90,6 +90,9 @@ def test_json_reports_load_speed_and_host_memory(walked):
     assert stats["evaluations"] >= 1 and stats["chunks"] >= 1
     assert stats["pinned_bytes"] == 0  # the CPU: every tensor through the mapped file
     assert result["decode"] == "fed ahead"
+    phases = result["load_phases"]
+    assert list(phases) == ["open", "weights", "tokenizer", "engine"] and phases["weights"] > 0
+    assert sum(phases.values()) <= result["load_seconds"]
     assert result["host"]["peak_rss_bytes"] >= result["host"]["peak_anon_bytes_sampled"] > 0
 
 

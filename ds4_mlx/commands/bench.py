@@ -271,6 +271,8 @@ class Loaded:
     host: dict
     warmup_seconds: float = 0.0
     """The walk's warm-up: kernel compilation and first-use checks, paid once per process (not in the figures)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each part of a file's load (Engine.load_phases); empty for --synthetic."""
 
 
 def read_prompt(path: Path | None) -> str:
@@ -495,6 +497,7 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
     available_before = hostmem.available()
     with hostmem.Sampler() as sampler:
         t0 = time.perf_counter()
+        phases = {}
         if args.synthetic is not None:
             label, session, tokenizer, file_bytes = _synthetic(args, walk.ctx)
         else:
@@ -502,12 +505,14 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
             engine = open_engine(args)
             label = "demo" if args.demo else args.model.name
             session, tokenizer, file_bytes = engine.session, engine.tokenizer, engine.model.load_stats.file_bytes
+            phases = engine.load_phases
         seconds = time.perf_counter() - t0
     peaks = sampler.peaks
     host = {"peak_rss_bytes": hostmem.peak_rss(), "peak_anon_bytes_sampled": peaks.anon,
             "available_before_bytes": available_before, "min_available_bytes": peaks.min_available,
             "after_load": hostmem.status()}
-    return Loaded(f"{label} ({describe(session.model)})", session, tokenizer, seconds, file_bytes, host)
+    return Loaded(f"{label} ({describe(session.model)})", session, tokenizer, seconds, file_bytes, host,
+                  phases=phases)
 
 
 def _synthetic(args: argparse.Namespace, ctx: int) -> tuple[str, Session, Tokenizer, int]:
@@ -594,6 +599,7 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
         "load_bytes": loaded.file_bytes,
         "load_gb_per_second": round(gbps, 3),
         "load_stats": _load_stats(loaded.session.model),
+        "load_phases": loaded.phases,
         "warmup_seconds": round(loaded.warmup_seconds, 3),
         "prefill_chunk": loaded.session.chunk_size,
         "decode": "read back" if walk.read_back else "fed ahead",
