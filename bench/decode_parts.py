@@ -58,7 +58,7 @@ def main() -> int:
         return [model.decode(7, cache)[1], *cache.arrays()]
 
     out["compiled step ms"] = median_ms(step, args.steps)
-    flat = [mx.array([7], dtype=mx.int32), mx.array(cache.n_tokens, dtype=mx.int32), *cache.arrays()]
+    flat = [mx.array([7], dtype=mx.int32), mx.array([cache.n_tokens], dtype=mx.int32), *cache.arrays()]
     out["eager step ms"] = median_ms(lambda: model._flat_step(*flat), args.steps)
     with registry.forced_mode("reference"):
         snap = cache.snapshot()
@@ -69,7 +69,7 @@ def main() -> int:
         print(json.dumps(out) if args.json else out)
         return 0
     streams = mx.random.normal((1, model.config.n_hc, model.config.n_embd))
-    position = mx.array(cache.n_tokens, dtype=mx.int32)
+    position = mx.array([cache.n_tokens], dtype=mx.int32)
     token = mx.array([7], dtype=mx.int32)
     x = mx.random.normal((1, model.config.n_embd))
     mx.eval(streams, x)

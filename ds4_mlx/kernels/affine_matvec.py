@@ -258,26 +258,32 @@ def _single_matrix() -> mx.array:
     return ids
 
 
+def _shape(x: mx.array, weight: AffineWeight, shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The product's shape: `shape` where the caller gave one, else x's with OUT for IN."""
+    return (*x.shape[:-1], weight.shape[-2]) if shape is None else shape
+
+
 def _reference(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int],
-               norm: Norm | None = None) -> mx.array:
-    x = apply(x, norm)
-    return weight.matmul(x) if ids is None else weight.gather_matmul(x, ids)
+               norm: Norm | None = None, shape: tuple[int, ...] | None = None) -> mx.array:
+    out = _shape(x, weight, shape)
+    x = apply(x.reshape(-1, weight.shape[-1]) if shape is not None else x, norm)
+    return (weight.matmul(x) if ids is None else weight.gather_matmul(x, ids)).reshape(out)
 
 
 def _kernel(x: mx.array, weight: AffineWeight, ids: mx.array | None, plan: tuple[int, int],
-            norm: Norm | None = None) -> mx.array:
-    n_out, n_in = weight.shape[-2:]
+            norm: Norm | None = None, shape: tuple[int, ...] | None = None) -> mx.array:
     if ids is None:
-        tokens, slots, ids = x.size // n_in, 1, _single_matrix()
+        tokens, slots, ids = x.size // weight.shape[-1], 1, _single_matrix()
     else:
         tokens, slots = 1, ids.size
     kernel, extra = (KERNEL, []) if norm is None else (norm_kernel(float(norm[1])), [norm[0]])
-    return _launch_kernel(kernel, [x, *extra], weight, ids, tokens, slots, plan).reshape(*x.shape[:-1], n_out)
+    return _launch_kernel(kernel, [x, *extra], weight, ids, tokens, slots, plan, _shape(x, weight, shape))
 
 
 def _launch_kernel(kernel: Kernel, x: list[mx.array], weight: AffineWeight, ids: mx.array, tokens: int, slots: int,
-                   plan: tuple[int, int]) -> mx.array:
-    """One launch of a variant of the kernel: x then its extra inputs -> y (slots * tokens, OUT)."""
+                   plan: tuple[int, int], shape: tuple[int, ...]) -> mx.array:
+    """One launch of a variant of the kernel: x then its extra inputs -> y of `shape` (slots * tokens * OUT values,
+    row by row: the kernel reads and writes rows as stored, so shapes are metadata only)."""
     rows, simds = plan
     n_out, n_in = weight.shape[-2:]
     (y,) = build(kernel, current_backend())(
@@ -286,7 +292,7 @@ def _launch_kernel(kernel: Kernel, x: list[mx.array], weight: AffineWeight, ids:
                   ("SIMDS", simds)],
         grid=(-(-n_out // rows) * simds * SIMD_WIDTH, slots, 1),
         threadgroup=(simds * SIMD_WIDTH, 1, 1),
-        output_shapes=[(slots * tokens, n_out)],
+        output_shapes=[shape],
         output_dtypes=[mx.float32],
     )
     return y
@@ -320,16 +326,20 @@ norm's epsilon after them for the kernel with the input norm folded in."""
 
 
 def affine_matvec(x: mx.array, weight: AffineWeight, ids: mx.array | None = None,
-                  norm: Norm | None = None) -> mx.array:
+                  norm: Norm | None = None, shape: tuple[int, ...] | None = None) -> mx.array:
     """x @ W.T for x (..., IN) of at most MAX_TOKENS rows and W (OUT, IN), or with ids (N,) x[i] @ W[ids[i]].T
     for x (N, IN) over a bank W (E, OUT, IN): by the kernel where it passed its check, else (and for more rows,
     or activations other than float32) by the built-in quantized matmul (mx.gather_qmm for a bank). With a norm
-    (weight (IN,), eps), x is first rms_norm(x, weight, eps), row by row: folded into the same launch."""
+    (weight (IN,), eps), x is first rms_norm(x, weight, eps), row by row: folded into the same launch.
+
+    With `shape`, x is any array whose values are its rows of IN one after another, and the products come back
+    in `shape` (their values row by row): the kernel takes both as they are, so that a caller's reshapes around
+    the product are no graph nodes of a compiled decode step (each costs host time on GPU backends)."""
     launch = _launch(x, weight, ids is not None, norm)
     if launch is None:
-        return _reference(x, weight, ids, (1, 1), norm)
+        return _reference(x, weight, ids, (1, 1), norm, shape)
     plan, key = launch
-    return AFFINE_MATVEC(x, weight, ids, plan, norm, key=key)
+    return AFFINE_MATVEC(x, weight, ids, plan, norm, shape, key=key)
 
 
 def folds(x: mx.array, weight: AffineWeight, bank: bool, norm: Norm | None) -> bool:
@@ -385,8 +395,8 @@ class SwigluMatvec:
 
     def _kernel(self, gate_up: mx.array, weight: AffineWeight, clamp: float, plan: tuple[int, int]) -> mx.array:
         tokens = gate_up.size // gate_up.shape[-1]
-        y = _launch_kernel(swiglu_kernel(float(clamp)), [gate_up], weight, _single_matrix(), tokens, 1, plan)
-        return y.reshape(*gate_up.shape[:-1], weight.shape[0])
+        return _launch_kernel(swiglu_kernel(float(clamp)), [gate_up], weight, _single_matrix(), tokens, 1, plan,
+                              (*gate_up.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:

@@ -289,7 +289,7 @@ class DecodeAttention:
             kind, extra = "rows", [rows]
             template += [("RATIO", ratio), ("ROWS", rows.shape[0])]
         else:
-            kind, extra = "picked", [rows, picked.reshape(-1), valid.reshape(-1)]
+            kind, extra = "picked", [rows, picked, valid]  # (1, P): read as stored, no reshape node
             template += [("PICKS", picked.shape[-1])]
         params = mx.array([1.0 / math.sqrt(d), eps], dtype=mx.float32)  # the scores' scale, the query norm's eps
         (out,) = build(ATTEND_KERNELS[kind], current_backend())(

@@ -164,7 +164,7 @@ class CompressorStep:
                  frontier_score: mx.array, position: mx.array, ratio: int, width: int
                  ) -> tuple[mx.array, mx.array, mx.array]:
         """kv, score (1, coff*width) of the token (score without ape), ape (ratio, coff*width), the frontier
-        (coff*ratio, coff*width) twice, position (int32 scalar) -> (1, width) and the new frontier."""
+        (coff*ratio, coff*width) twice, position (int32, scalar or (1,)) -> (1, width) and the new frontier."""
         return self.fast_path(kv, score, ape, frontier_kv, frontier_score, position, ratio, width,
                               key=(ratio, width))
 

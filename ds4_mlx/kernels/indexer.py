@@ -291,11 +291,11 @@ def select_template(n: int, ratio: int, top_k: int) -> dict[str, int]:
 def indexer_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int,
                    top_k: int, scale: float = 1.0, rope: RoPE | None = None,
                    quant: RowQuant = RowQuant.NONE) -> mx.array:
-    """Scores (T, N) of rows (N, D) for queries q (T, H, D) with head weights (T, H) times `scale` at positions
-    (T,): -inf where not visible; a query with at most top_k visible rows is left unwritten (its rows are all
-    picked). The queries are finished first, as `finish_rows` does without a norm: `rope` (None: no rotation),
-    then `quant` (NONE or INDEXER_FP4)."""
-    t, h, d = q.shape
+    """Scores (T, N) of rows (N, D) for queries q (T, H, D) (or (T, H * D): read as stored) with head weights
+    (T, H) times `scale` at positions (T,): -inf where not visible; a query with at most top_k visible rows is
+    left unwritten (its rows are all picked). The queries are finished first, as `finish_rows` does without a
+    norm: `rope` (None: no rotation), then `quant` (NONE or INDEXER_FP4)."""
+    (t, h), d = weights.shape, rows.shape[1]
     template = scores_template(h, d, rows.shape[0], ratio, top_k, 0 if rope is None else rope.n_rot, quant)
     scale = mx.array([scale], dtype=mx.float32)
     (scores,) = build(SCORES_KERNEL, current_backend())(
@@ -349,13 +349,15 @@ class IndexerPick:
 
     def __call__(self, q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE,
                  quant: RowQuant, ratio: int, top_k: int, scale: float = 1.0) -> tuple[mx.array, mx.array]:
-        """Raw queries q (T, H, D), to be finished by `rope` then `quant`, and weights (T, H) at positions (T,)
-        over rows (N, D); the weights count times `scale` (applied in the score kernel: no launch of its own)."""
-        h, d = q.shape[1:]
+        """Raw queries q (T, H, D), or (T, H * D) as q_b gives them (the kernels read them as stored: no reshape
+        node), to be finished by `rope` then `quant`, and weights (T, H) at positions (T,) over rows (N, D); the
+        weights count times `scale` (applied in the score kernel: no launch of its own)."""
+        h, d = weights.shape[1], rows.shape[1]
         args = (q, weights, rows, positions, rope, quant, ratio, top_k, scale)
         # float4 rows; the queries fit threadgroup memory; D threads finish a head, whole SIMD groups of one head
         if (d % SIMD_WIDTH or (SCORE_SIMDS * SIMD_WIDTH) % d or heads_padded(h) * d * 4 > QUERY_BYTES
-                or quant == RowQuant.KV_FP8 or not fits(q, positions, rope, None, quant)):
+                or quant == RowQuant.KV_FP8
+                or not fits(q.reshape(-1, h, d), positions, rope, None, quant)):  # a view for the check alone
             return self.fast_path.reference(*args)
         return self.fast_path(*args, key=(h, d, rows.shape[0], ratio, top_k, rope.n_rot, quant))
 

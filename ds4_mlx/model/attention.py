@@ -100,7 +100,7 @@ class Indexer:
         """Decode form of `select`: the rows' indices (T, top_k) ascending and which of them are real, for queries
         at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK: the first
         also finishes the queries). `norm` as in `queries`."""
-        return INDEXER_PICK(self.raw_queries(q_latent, norm), proj, rows, positions, self.rope, self.quant,
+        return INDEXER_PICK(self.q_b(q_latent, norm=norm), proj, rows, positions, self.rope, self.quant,
                             self.compressor.ratio, self.top_k, self.weight_scale)
 
 
@@ -132,7 +132,9 @@ def pick_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.arra
 
 def pick_finished_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE,
                        quant: RowQuant, ratio: int, top_k: int, scale: float = 1.0) -> tuple[mx.array, mx.array]:
-    """`pick_rows` for q_b's output q (T, n_head, d): the queries finished first (`finish_queries`)."""
+    """`pick_rows` for q_b's output q (T, n_head, d) or (T, n_head * d): the queries finished first
+    (`finish_queries`)."""
+    q = q.reshape(*weights.shape, rows.shape[1])
     return pick_rows(finish_queries(q, positions, rope, quant), weights, rows, positions, ratio, top_k, scale)
 
 
@@ -228,19 +230,18 @@ class Attention:
 
     def step(self, x: mx.array, position: mx.array, state: LayerState, norm: Norm
              ) -> tuple[mx.array, LayerState]:
-        """Attention output (1, n_embd) for one input x (1, n_embd) at array `position`, and the new state. x is
-        the layer's input before its norm `norm` (attn_norm, eps): only the input projections read the normed
+        """Attention output (1, n_embd) for one input x (1, n_embd) at array `position` (1,), and the new state.
+        x is the layer's input before its norm `norm` (attn_norm, eps): only the input projections read the normed
         input, and they apply the norm themselves (folded into their matvec launches on GPU backends)."""
-        positions = position.reshape(1)
         # the input_projections of rms_norm(x, *norm), one launch per storage form
         q_a, kv, *compressing = self.project(x, norm=norm)
         q_norm = (self.q_a_norm, self.eps)  # the query latents' norm, applied by q_b and the indexer's q_b
         q = self.q_b(q_a, norm=q_norm)  # normed per head and rotated by DECODE_ATTENTION
-        raw = self._finish_kv(kv, positions, window=state.raw)  # row j holds position - window + 1 + j
+        raw = self._finish_kv(kv, position, window=state.raw)  # row j holds position - window + 1 + j
         state = replace(state, raw=raw)
         picked = valid = None
         if self.compressor is not None:
-            row_at = (position // self.ratio).reshape(1)
+            row_at = position // self.ratio
             comp_kv, comp_gate, *indexing = compressing
             if self.indexer is None:
                 row, frontier = self.compressor.step(comp_kv, comp_gate, position, state.comp_frontier)
@@ -253,8 +254,8 @@ class Attention:
             if self.indexer is not None:
                 index = mx.slice_update(state.index, index_row, row_at, axes=(0,))
                 state = replace(state, index=index, index_frontier=index_frontier)
-                picked, valid = self.indexer.pick(q_a, index_proj, positions, index, norm=q_norm)
-        out = DECODE_ATTENTION(q, positions, self.rope.inv_freq, raw, state.comp, picked, valid, self.sinks,
+                picked, valid = self.indexer.pick(q_a, index_proj, position, index, norm=q_norm)
+        out = DECODE_ATTENTION(q, position, self.rope.inv_freq, raw, state.comp, picked, valid, self.sinks,
                                self.ratio, self.eps)
         return self._project_out(out), state
 
@@ -280,11 +281,9 @@ class Attention:
         return FINISH_ROWS(*args) if window is None else FINISH_INTO_WINDOW(*args, window)
 
     def _project_out(self, heads: mx.array) -> mx.array:
-        """Grouped low-rank output: group g's heads (concatenated) -> o_lora_rank, then all groups -> n_embd."""
-        t = heads.shape[0]
-        group_in = self.n_head * self.head_dim // self.o_groups
-        low = self.out_a.grouped(heads.reshape(t, self.o_groups, group_in), self.o_groups)
-        return self.out_b(low.reshape(t, -1))
+        """Grouped low-rank output of heads (T, H, D): group g's heads (concatenated) -> o_lora_rank, then all
+        groups -> n_embd."""
+        return self.out_b(self.out_a.grouped(heads, self.o_groups))
 
 
 def attend(q: mx.array, keys: list[mx.array], masks: list[mx.array], sinks: mx.array, scale: float) -> mx.array:

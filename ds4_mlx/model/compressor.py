@@ -106,7 +106,7 @@ class Compressor:
 
     def step(self, kv: mx.array, gate: mx.array, position: mx.array, frontier: Frontier
              ) -> tuple[mx.array, Frontier]:
-        """Feed one token at array `position`, given as kv(x) and gate(x) (1, coff*width) of its normed input x;
+        """Feed one token at array `position` (1,), given as kv(x) and gate(x) (1, coff*width) of its normed input x;
         return the row its window gives so far (1, width) and the new frontier. Equal to `__call__` for a
         finished window; the row is final once it is."""
         stepped = POOL_STEP(kv, gate, self.ape, frontier.kv, frontier.score, position, self.ratio, self.width)
@@ -127,7 +127,7 @@ class Compressor:
     def _stepped(self, stepped: tuple[mx.array, mx.array, mx.array], position: mx.array) -> tuple[mx.array, Frontier]:
         """(pooled row, frontier kv, frontier score) of a step at `position` -> its finished row and frontier."""
         pooled, kv, score = stepped
-        first = (position - position % self.ratio).reshape(1)  # the row's position: its window's first token
+        first = position - position % self.ratio  # the row's position: its window's first token
         return self._finish(pooled, first), Frontier(kv, score)
 
     def _finish(self, pooled: mx.array, positions: mx.array) -> mx.array:

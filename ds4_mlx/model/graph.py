@@ -64,8 +64,10 @@ def decode_step_ops(model: Model, cache: SessionCache, token: int = 0) -> dict:
     """
     before = cache.snapshot()
     try:
-        model.decode(token, cache)  # a layout's first step runs eagerly (first-use checks); the next is compiled
-        mx.eval(cache.arrays())
+        # a layout's first step runs eagerly (first-use checks); the next is compiled. Its outputs are evaluated,
+        # as a session evaluates them, so that views made of the weights at load (evaluated by that first step)
+        # are inputs of the compiled step, not nodes, even where nothing ran before (--ops-for right after load)
+        mx.eval(*model.decode(token, cache), cache.arrays())
         cache.restore(before)
         _, logits = model.decode(token, cache)
         everything = graph_nodes([logits, *cache.arrays()])

@@ -233,19 +233,25 @@ class Linear:
         return AffineWeight(*(a.reshape(groups, -1, a.shape[-1]) for a in (w.wq, w.scales, w.biases)), w.bits)
 
     def grouped(self, x: mx.array, groups: int) -> mx.array:
-        """Group g of W's rows applied to x[:, g]: x (T, groups, IN) -> (T, groups, OUT / groups)."""
+        """Group g of W's rows applied to group g of each row's inputs: x (T, ...) whose T rows hold the groups'
+        inputs one after another (groups * IN values) -> (T, OUT), the groups' products side by side. A few
+        tokens' x is read as it is stored: a decode step's attention heads (T, H, D) go in, the products come out
+        as out_b reads them, and no reshape around the launch is a graph node of its own."""
+        t = x.shape[0]
         if self._affine is not None and _fast():
             split = self._banks[groups] if groups in self._banks else self._as_banks(groups)
-            if x.shape[0] < BATCH_TOKENS and AFFINE_GATHER.enabled(GGMLType(self.ggml_type)):
+            if t < BATCH_TOKENS and AFFINE_GATHER.enabled(GGMLType(self.ggml_type)):
                 # a few tokens: each (token, group) pair is a matvec against its group's rows, in one launch of
                 # the matvec kernel over the groups as a bank (MLX's batched quantized_matmul of one row per batch,
                 # and its 8-bit gather_qmm, both take its slow naive kernel: 127 us a layer on the H200)
                 ids = mx.array(np.arange(groups, dtype=np.uint32))  # a constant: no op of its own in the step
-                ids = ids if x.shape[0] == 1 else mx.tile(ids, x.shape[0])
-                return affine_matvec(x.reshape(-1, x.shape[-1]), split, ids).reshape(x.shape[0], groups, -1)
-            xg = mx.swapaxes(x, 0, 1)
-            return mx.swapaxes(batch_matmul(xg, split) if x.shape[0] >= BATCH_TOKENS else split.matmul(xg), 0, 1)
-        return mx.einsum("tgi,goi->tgo", x, self.weight.reshape(groups, -1, self.shape[1]))
+                ids = ids if t == 1 else mx.tile(ids, t)
+                return affine_matvec(x, split, ids, shape=(t, self.shape[0]))
+            xg = mx.swapaxes(x.reshape(t, groups, -1), 0, 1)
+            y = batch_matmul(xg, split) if t >= BATCH_TOKENS else split.matmul(xg)
+            return mx.swapaxes(y, 0, 1).reshape(t, -1)
+        return mx.einsum("tgi,goi->tgo", x.reshape(t, groups, -1),
+                         self.weight.reshape(groups, -1, self.shape[1])).reshape(t, -1)
 
     def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
         """x @ W.T, or with `norm` (weight (IN,), eps) rms_norm(x, weight, eps) @ W.T: the matvec kernels fold the

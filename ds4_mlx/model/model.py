@@ -252,7 +252,7 @@ class Model:
 
     def step(self, token: mx.array, position: mx.array, layers: Sequence[LayerState]
              ) -> tuple[mx.array, mx.array, list[LayerState]]:
-        """One decode step with every shape fixed by the context size: token (1,) at array `position`.
+        """One decode step with every shape fixed by the context size: token (1,) at array `position` (1,).
 
         Returns the final streams (1, n_hc, n_embd), the logits (n_vocab,) and the new layer states. Traced once by
         `decode` and replayed for every token; nothing here reads a value back to the host.
@@ -290,7 +290,8 @@ class Model:
             step = self._flat_step
         else:
             step = compiled
-        flat = [ids, mx.array(cache.n_tokens, dtype=mx.int32), *cache.arrays()]
+        # the position as (1,), the shape its readers take: no reshape of it is a node of the step
+        flat = [ids, mx.array([cache.n_tokens], dtype=mx.int32), *cache.arrays()]
         streams, logits, *arrays = step(*flat)
         del flat  # once the cache holds the new state, the graph alone holds the old: buffers can be reused
         cache.layers, cache.n_tokens = cache.unflatten(arrays), cache.n_tokens + 1
