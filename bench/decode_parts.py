@@ -59,7 +59,7 @@ def main() -> int:
 
     out["compiled step ms"] = median_ms(step, args.steps)
     flat = [mx.array([7], dtype=mx.int32), mx.array([cache.n_tokens], dtype=mx.int32), *cache.arrays()]
-    out["eager step ms"] = median_ms(lambda: model._flat_step(*flat), args.steps)
+    out["eager step ms"] = median_ms(lambda: model._flat_step(None, *flat), args.steps)
     with registry.forced_mode("reference"):
         snap = cache.snapshot()
         out["reference token ms"] = median_ms(lambda: [model.decode(7, cache)[1]], min(args.steps, 5))

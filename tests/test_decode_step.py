@@ -62,7 +62,10 @@ def test_compiled_step_equals_reference(model_files, preset, experts, simulate):
     assert got == want
     for g, w in zip(got_logits, want_logits):
         assert mx.array_equal(g, w)
-    assert len(model._steps) == 1  # traced once, replayed for the other 63 tokens
+    # one step per windows a token ends (rows are written then), each traced once and replayed
+    positions = range(len(prompt), len(prompt) + GENERATED)
+    assert {ends for _, ends in model._steps} == {tuple(r for r in model.ratios if (n + 1) % r == 0)
+                                                 for n in positions}
 
 
 def test_step_survives_snapshot_restore(model_files):

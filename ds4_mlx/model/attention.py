@@ -228,11 +228,14 @@ class Attention:
         out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
         return self._project_out(out), state
 
-    def step(self, x: mx.array, position: mx.array, state: LayerState, norm: Norm
+    def step(self, x: mx.array, position: mx.array, state: LayerState, norm: Norm, completes: bool = True
              ) -> tuple[mx.array, LayerState]:
         """Attention output (1, n_embd) for one input x (1, n_embd) at array `position` (1,), and the new state.
         x is the layer's input before its norm `norm` (attn_norm, eps): only the input projections read the normed
-        input, and they apply the norm themselves (folded into their matvec launches on GPU backends)."""
+        input, and they apply the norm themselves (folded into their matvec launches on GPU backends).
+        `completes`: whether this token ends a compression window, whose row (and indexer row) is then written
+        to the row buffers. Before that the row is masked by position, so a step that does not complete one
+        leaves the buffers as they are (no write: fewer launches); True is right for any step."""
         # the input_projections of rms_norm(x, *norm), one launch per storage form
         q_a, kv, *compressing = self.project(x, norm=norm)
         q_norm = (self.q_a_norm, self.eps)  # the query latents' norm, applied by q_b and the indexer's q_b
@@ -250,9 +253,10 @@ class Attention:
                 (row, frontier), (index_row, index_frontier) = self.compressor.step_with(
                     self.indexer.compressor, comp_kv, comp_gate, state.comp_frontier, index_kv, index_gate,
                     state.index_frontier, position)
-            state = replace(state, comp=mx.slice_update(state.comp, row, row_at, axes=(0,)), comp_frontier=frontier)
+            comp = mx.slice_update(state.comp, row, row_at, axes=(0,)) if completes else state.comp
+            state = replace(state, comp=comp, comp_frontier=frontier)
             if self.indexer is not None:
-                index = mx.slice_update(state.index, index_row, row_at, axes=(0,))
+                index = mx.slice_update(state.index, index_row, row_at, axes=(0,)) if completes else state.index
                 state = replace(state, index=index, index_frontier=index_frontier)
                 picked, valid = self.indexer.pick(q_a, index_proj, position, index, norm=q_norm)
         out = DECODE_ATTENTION(q, position, self.rope.inv_freq, raw, state.comp, picked, valid, self.sinks,

@@ -13,8 +13,9 @@ rounds them to f16). With it off the model computes exactly what transformers' `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 
@@ -51,9 +52,12 @@ class Block:
     eps: float
 
     def __call__(
-        self, residual: mx.array | PendingPost, tokens: mx.array, n_past: int | mx.array, state: LayerState
+        self, residual: mx.array | PendingPost, tokens: mx.array, n_past: int | mx.array, state: LayerState,
+        ends: Collection[int] | None = None,
     ) -> tuple[PendingPost, LayerState]:
-        """A chunk of tokens at positions n_past.., or one token at a position held in an array (decode step).
+        """A chunk of tokens at positions n_past.., or one token at a position held in an array (decode step);
+        `ends`: the compression ratios whose windows a decode step's token ends (Attention.step's `completes`),
+        None for all of them.
 
         Takes the streams, or the previous block's FFN post still pending, and returns its own FFN post pending
         (`PendingPost.apply` makes the streams): each post is applied with the pre that follows it, which fused
@@ -61,7 +65,8 @@ class Block:
         streams, x, post, comb = self.attn_hc.pre_after(residual)
         decode = isinstance(n_past, mx.array)
         if decode:  # the input projections apply attn_norm (folded into their matvecs)
-            out, state = self.attention.step(x, n_past, state, norm=(self.attn_norm, self.eps))
+            out, state = self.attention.step(x, n_past, state, norm=(self.attn_norm, self.eps),
+                                             completes=ends is None or self.attention.ratio in ends)
         else:
             out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
         streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(out, None, streams, post, comb))
@@ -157,7 +162,9 @@ class Model:
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
         self._steps: dict[tuple, Callable[..., list[mx.array]]] = {}
-        """Compiled decode steps by cache layout (the shapes of the cache's arrays)."""
+        """Compiled decode steps by cache layout (the shapes of the cache's arrays) and the windows a step ends."""
+        self.ratios = tuple(sorted({c.compress_ratio(layer) for layer in range(c.n_layer)} - {0}))
+        """The compression ratios of the layers (Flash: 4 and 128)."""
 
     def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
         """The block whose tensors are named `prefix` + suffix (§2.3-2.5), at a compression ratio, with token-hash
@@ -250,9 +257,10 @@ class Model:
         cache.layers, cache.n_tokens = layers, n_past + tokens.size
         return streams
 
-    def step(self, token: mx.array, position: mx.array, layers: Sequence[LayerState]
-             ) -> tuple[mx.array, mx.array, list[LayerState]]:
-        """One decode step with every shape fixed by the context size: token (1,) at array `position` (1,).
+    def step(self, token: mx.array, position: mx.array, layers: Sequence[LayerState],
+             ends: Collection[int] | None = None) -> tuple[mx.array, mx.array, list[LayerState]]:
+        """One decode step with every shape fixed by the context size: token (1,) at array `position` (1,), which
+        ends the windows of the compression ratios in `ends` (their layers write a compressed row; None: all).
 
         Returns the final streams (1, n_hc, n_embd), the logits (n_vocab,) and the new layer states. Traced once by
         `decode` and replayed for every token; nothing here reads a value back to the host.
@@ -261,7 +269,7 @@ class Model:
         layers = list(layers)
         residual: mx.array | PendingPost = streams
         for layer, block in enumerate(self.blocks):  # each block's last post is applied with the next one's first pre
-            residual, layers[layer] = block(residual, token, position, layers[layer])
+            residual, layers[layer] = block(residual, token, position, layers[layer], ends)
         streams = residual.apply()
         return streams, self.head(streams)[0], layers
 
@@ -283,11 +291,12 @@ class Model:
         if cache.n_tokens >= cache.ctx:
             raise RequestError(f"1 token does not fit: the cache holds {cache.n_tokens} of a {cache.ctx}-token "
                                "context")
-        layout = tuple(a.shape for a in cache.arrays())
-        compiled = self._steps.get(layout)
+        ends = tuple(r for r in self.ratios if (cache.n_tokens + 1) % r == 0)
+        key = (tuple(a.shape for a in cache.arrays()), ends)  # a compiled step per layout and windows ended
+        compiled = self._steps.get(key)
         if compiled is None:
-            self._steps[layout] = mx.compile(self._flat_step)
-            step = self._flat_step
+            step = partial(self._flat_step, ends)
+            self._steps[key] = mx.compile(step)
         else:
             step = compiled
         # the position as (1,), the shape its readers take: no reshape of it is a node of the step
@@ -297,9 +306,10 @@ class Model:
         cache.layers, cache.n_tokens = cache.unflatten(arrays), cache.n_tokens + 1
         return streams, logits
 
-    def _flat_step(self, token: mx.array, position: mx.array, *arrays: mx.array) -> list[mx.array]:
-        """`step` over the cache's flat array list (what mx.compile traces)."""
-        streams, logits, layers = self.step(token, position, unflatten_layers(self.config, arrays))
+    def _flat_step(self, ends: tuple[int, ...] | None, token: mx.array, position: mx.array, *arrays: mx.array
+                   ) -> list[mx.array]:
+        """`step` over the cache's flat array list (what mx.compile traces, one function per `ends`)."""
+        streams, logits, layers = self.step(token, position, unflatten_layers(self.config, arrays), ends)
         return [streams, logits, *(a for state in layers for a in state.arrays())]
 
     def head(self, streams: mx.array) -> mx.array:

@@ -23,11 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-PIECE_BYTES = 32 << 20
-"""One worker's read and copy: large enough that a copy's fixed cost is small, small enough that 8 workers share
-a 512 MB chunk."""
-WORKERS = 8
-"""Read-and-copy threads: one `pread` from a page cache runs at a few GB/s; several fill the copy engines."""
+PIECE_BYTES = 16 << 20
+"""One worker's read and copy: large enough that a copy's fixed cost is small, small enough that the workers share
+a 512 MB chunk evenly."""
+WORKERS = max(4, min(16, os.cpu_count() or 4))
+"""Read-and-copy threads, one a core up to 16: one `pread` from a page cache runs at 1-2 GB/s (8 threads reached
+8.35 GB/s on the H200 machine's 16 cores, bench/RESULTS.md)."""
 
 
 class Runtime(Protocol):
