@@ -13,6 +13,7 @@ rounds them to f16). With it off the model computes exactly what transformers' `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -279,7 +280,8 @@ class Model:
         `token` may also be an int32 array of shape (1,) that is still being computed: a token chosen on the
         device from the previous logits (`Session.feed_chosen`), so that this step is built before it is known.
         The first step of a cache layout runs eagerly (it makes the kernels' first-use checks, which evaluate
-        arrays and so cannot run while a function is being traced); later steps replay one compiled graph. With
+        arrays and so cannot run while a function is being traced), and the compiled steps of every kind (`ends`)
+        are traced then; later steps replay them. With
         the kernel mode forced to "reference" the token goes through the chunk path instead.
         """
         ids = token if isinstance(token, mx.array) else mx.array([token], dtype=mx.int32)
@@ -291,20 +293,26 @@ class Model:
         if cache.n_tokens >= cache.ctx:
             raise RequestError(f"1 token does not fit: the cache holds {cache.n_tokens} of a {cache.ctx}-token "
                                "context")
-        ends = tuple(r for r in self.ratios if (cache.n_tokens + 1) % r == 0)
-        key = (tuple(a.shape for a in cache.arrays()), ends)  # a compiled step per layout and windows ended
-        compiled = self._steps.get(key)
-        if compiled is None:
-            step = partial(self._flat_step, ends)
-            self._steps[key] = mx.compile(step)
-        else:
-            step = compiled
+        layout = tuple(a.shape for a in cache.arrays())
+        ends = self.ends(cache.n_tokens)
         # the position as (1,), the shape its readers take: no reshape of it is a node of the step
         flat = [ids, mx.array([cache.n_tokens], dtype=mx.int32), *cache.arrays()]
-        streams, logits, *arrays = step(*flat)
+        step = self._steps.get((layout, ends))
+        if step is None:  # a new layout: this step eagerly, then every kind of step traced, never evaluated
+            streams, logits, *arrays = self._flat_step(ends, *flat)
+            for kind in {self.ends(n) for n in range(math.lcm(*self.ratios))}:
+                self._steps[layout, kind] = mx.compile(partial(self._flat_step, kind))
+                self._steps[layout, kind](*flat)  # so that no later token pays a trace
+        else:
+            streams, logits, *arrays = step(*flat)
         del flat  # once the cache holds the new state, the graph alone holds the old: buffers can be reused
         cache.layers, cache.n_tokens = cache.unflatten(arrays), cache.n_tokens + 1
         return streams, logits
+
+    def ends(self, position: int) -> tuple[int, ...]:
+        """The compression ratios whose windows the token at `position` ends: a decode step writes those layers'
+        compressed rows (one compiled step for each such tuple)."""
+        return tuple(r for r in self.ratios if (position + 1) % r == 0)
 
     def _flat_step(self, ends: tuple[int, ...] | None, token: mx.array, position: mx.array, *arrays: mx.array
                    ) -> list[mx.array]:
