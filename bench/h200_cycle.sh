@@ -8,6 +8,8 @@
 #   prefill        the same for one 4096-token prefill chunk (the session's chunk on CUDA)
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
+#   kinds[:N]      decode t/s over N layers (default 12) with the step's kinds (rows written only when a window
+#                  ends) against one step that always writes, in one process (bench/step_kinds.py)
 #   readback[:N]   decode at 2k over N layers (default 43) as sampled decoding runs: each token read back before
 #                  the next step is built (`--read-back`; the bench step feeds tokens ahead, as greedy decoding does)
 #   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model
@@ -74,6 +76,8 @@ for step in "$@"; do
       echo "rc $?"
       grep -iv "warnings.warn\|it/s\]" "$out/bench$layers.err" | cut -c1-250 | tail -25
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$out/bench$layers.json" 2>&1 | tail -3 ;;
+    kinds*)
+      timeout "$(left 10)" python3 bench/step_kinds.py --layers "$(step_n 12)" 2>&1 | grep -v "warnings.warn" | tail -4 ;;
     readback*)
       layers=$(step_n 43)
       timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 2048 \
