@@ -100,30 +100,9 @@ def via_load(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -
     return mx.load(NpyView(chunk, pool, threads), format="npy")
 
 
-_CUDART = None
-
-
 def cudart() -> ctypes.CDLL:
-    """The CUDA runtime MLX's CUDA build loaded into this process."""
-    global _CUDART
-    if _CUDART is None:
-        import glob
-        import os
-
-        import site
-        import sys
-        names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-        for root in {*sys.path, *site.getsitepackages()}:
-            names += glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"), recursive=True)
-        for name in names:
-            try:
-                _CUDART = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        if _CUDART is None:
-            raise SystemExit("memcpy path: no libcudart found")
-    return _CUDART
+    """The CUDA runtime MLX's CUDA build loaded into this process (the loader's, model/pinned.py)."""
+    return CudaRuntime.load().lib
 
 
 def via_memcpy(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> mx.array:

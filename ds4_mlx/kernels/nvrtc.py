@@ -21,10 +21,8 @@ DS4_CUDA_CACHE=off turns this off; DS4_CUDA_CACHE=DIR moves the cache (default $
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import os
-import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +31,8 @@ from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
+
+from . import cudalib
 
 ENV = "DS4_CUDA_CACHE"
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
@@ -125,12 +125,7 @@ class Nvrtc:
     def load(cls) -> Nvrtc:
         """The libnvrtc MLX loaded (found in this process's mappings), else one in pip's nvidia packages (beside MLX
         or on sys.path) or on the library path."""
-        for path in _library_candidates():
-            try:
-                return cls(ctypes.CDLL(path))
-            except (OSError, AttributeError):
-                continue
-        raise OSError("no NVRTC library (libnvrtc.so) found")
+        return cudalib.load("nvrtc", cls)
 
     def _check(self, status: int, what: str) -> None:
         if status:
@@ -170,30 +165,10 @@ class Nvrtc:
             self.lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def _mlx_root() -> Path:
-    return Path(mx.__file__).resolve().parent
-
-
-def _library_candidates() -> list[str]:
-    found = []
-    try:
-        for line in Path("/proc/self/maps").read_text().splitlines():
-            path = line.split()[-1]
-            if Path(path).name.startswith("libnvrtc.so") and path not in found:
-                found.append(path)
-    except OSError:
-        pass
-    for root in dict.fromkeys([_mlx_root().parent, *(Path(p) for p in sys.path if p)]):  # pip's nvidia packages
-        found += sorted(str(p) for p in root.glob("nvidia/*/lib/libnvrtc.so*"))
-    found += [name for name in (ctypes.util.find_library("nvrtc"), "libnvrtc.so.13", "libnvrtc.so.12",
-                                "libnvrtc.so") if name]
-    return found
-
-
 def include_paths() -> list[Path]:
     """Where the CUDA headers are, searched as MLX searches them (jit_module.cpp): headers bundled with MLX, the
     nvidia Python packages beside it, then CUDA_HOME, CUDA_PATH and /usr/local/cuda."""
-    root = _mlx_root()
+    root = cudalib.mlx_root()
     paths = [root / "include", root / "include" / "cccl"]
     paths += sorted(root.parent.glob("nvidia/cu*/include")) + [root.parent / "nvidia" / "cuda_runtime" / "include"]
     paths += [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]

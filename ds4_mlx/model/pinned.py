@@ -14,14 +14,12 @@ The CUDA runtime is the one MLX's CUDA build loaded into the process, reached th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
-import sys
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Protocol
+
+from ..kernels import cudalib
 
 PIECE_BYTES = 16 << 20
 """One worker's read and copy: large enough that a copy's fixed cost is small, small enough that the workers share
@@ -71,12 +69,7 @@ class CudaRuntime:
     def load(cls) -> CudaRuntime:
         """The libcudart MLX loaded (found in this process's mappings), else one in pip's nvidia packages or on the
         library path; OSError when none loads."""
-        for path in _library_candidates():
-            try:
-                return cls(ctypes.CDLL(path))
-            except (OSError, AttributeError):
-                continue
-        raise OSError("no CUDA runtime library (libcudart.so) found")
+        return cudalib.load("cudart", cls)
 
     def _check(self, status: int, what: str) -> None:
         if status:
@@ -168,19 +161,3 @@ class PinnedReader:
 def split(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
     """(start, length) pieces of at most piece_bytes covering [0, nbytes)."""
     return [(start, min(piece_bytes, nbytes - start)) for start in range(0, nbytes, piece_bytes)]
-
-
-def _library_candidates() -> Sequence[str]:
-    found: list[str] = []
-    try:
-        for line in Path("/proc/self/maps").read_text().splitlines():
-            path = line.split()[-1]
-            if Path(path).name.startswith("libcudart.so") and path not in found:
-                found.append(path)
-    except OSError:
-        pass
-    for root in dict.fromkeys(Path(p) for p in sys.path if p):  # pip's nvidia packages (MLX's CUDA build needs one)
-        found += sorted(str(p) for p in root.glob("nvidia/*/lib/libcudart.so*"))
-        found += sorted(str(p) for p in root.glob("nvidia/cuda_runtime/lib/libcudart.so*"))
-    found += [name for name in (ctypes.util.find_library("cudart"), "libcudart.so.13", "libcudart.so.12") if name]
-    return found
