@@ -227,7 +227,6 @@ class Engine:
         engine.load_phases = phases
         return engine
 
-
     @classmethod
     def demo(cls, ctx: int = 4096, **opts) -> Engine:
         return cls.load(ensure_demo_model(), ctx, **opts)
@@ -575,15 +574,13 @@ class Engine:
     def _speculates(self, sampling: SamplingParams) -> bool:
         """Speculative decoding runs where ds4 runs it, greedy decoding (temperature 0) with --mtp-draft >= 2, and
         here only without OpenAI penalties, which would change the greedy choice after every token."""
-        return (self.session.mtp is not None and sampling.temperature <= 0 and sampling.presence_penalty == 0
-                and sampling.frequency_penalty == 0)
+        return self.session.mtp is not None and _plain_greedy(sampling)
 
     def _pipelines(self, sampling: SamplingParams) -> bool:
         """Decoding feeds each token before the host reads it back (`Session.feed_chosen`: the host builds a step
         while the device runs the one before) where the device alone makes the choice: greedy decoding without
         penalties, and no MTP block (speculative decoding feeds ahead its own way)."""
-        return (self.session.mtp is None and sampling.temperature <= 0 and sampling.presence_penalty == 0
-                and sampling.frequency_penalty == 0)
+        return self.session.mtp is None and _plain_greedy(sampling)
 
     def _at_continued_frontier(self) -> bool:
         return self.kv_store.options.is_continued_frontier(len(self.session.tokens), self._on_disk)
@@ -609,6 +606,11 @@ def _rest_after(prompt: bytes, prefix: bytes) -> str | None:
     if rest and rest[0] & 0xC0 == 0x80:
         return None  # the prefix ends inside a character: the rest is not text on its own
     return rest.decode("utf-8")
+
+
+def _plain_greedy(sampling: SamplingParams) -> bool:
+    """Greedy decoding with no penalty: each token is the argmax of the model's logits alone."""
+    return sampling.temperature <= 0 and sampling.presence_penalty == 0 and sampling.frequency_penalty == 0
 
 
 def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:
