@@ -281,8 +281,8 @@ class Model:
         device from the previous logits (`Session.feed_chosen`), so that this step is built before it is known.
         The first step of a cache layout runs eagerly (it makes the kernels' first-use checks, which evaluate
         arrays and so cannot run while a function is being traced), and the compiled steps of every kind (`ends`)
-        are traced then; later steps replay them. With
-        the kernel mode forced to "reference" the token goes through the chunk path instead.
+        are traced then; later steps replay them. With the kernel mode forced to "reference" the token goes
+        through the chunk path instead.
         """
         ids = token if isinstance(token, mx.array) else mx.array([token], dtype=mx.int32)
         if registry.mode() == "reference":

@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Protocol
 import mlx.core as mx
 import numpy as np
 
-if TYPE_CHECKING:
-    from .gguf import TensorInfo
-    from .weights import ModelWeights
-
+from .gguf import GGUFFile, TensorInfo
 from .pinned import CudaRuntime, PinnedReader
+
+if TYPE_CHECKING:
+    from .weights import ModelWeights
 
 Convert = Callable[[mx.array], Sequence[mx.array]]
 """Raw rows, uint8 (n_rows, row_bytes), to the arrays the model keeps, each with n_rows leading rows."""
@@ -305,8 +305,6 @@ class TensorStream:
 def _pinned_reader(weights: ModelWeights) -> PinnedReader | None:
     """The page-locked path for a GGUF file on CUDA, or None (elsewhere, `DS4_LOAD=mapped`, or no CUDA runtime
     found: the mapped path then serves every tensor)."""
-    from .gguf import GGUFFile
-
     if not on_cuda() or os.environ.get("DS4_LOAD", "").lower() == "mapped" or not isinstance(weights.file, GGUFFile):
         return None
     try:
