@@ -8,6 +8,7 @@
 #   prefill        the same for one 4096-token prefill chunk (the session's chunk on CUDA)
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
+#   plans          the decode matvec kernel at Flash's shapes under every launch plan (bench/matvec_plans.py)
 #   kinds[:N]      decode t/s over N layers (default 12) with the step's kinds (rows written only when a window
 #                  ends) against one step that always writes, in one process (bench/step_kinds.py)
 #   readback[:N]   decode at 2k over N layers (default 43) as sampled decoding runs: each token read back before
@@ -76,6 +77,8 @@ for step in "$@"; do
       echo "rc $?"
       grep -iv "warnings.warn\|it/s\]" "$out/bench$layers.err" | cut -c1-250 | tail -25
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$out/bench$layers.json" 2>&1 | tail -3 ;;
+    plans)
+      timeout "$(left 10)" python3 bench/matvec_plans.py 2>&1 | grep -v "warnings.warn" | tail -62 ;;
     kinds*)
       timeout "$(left 10)" python3 bench/step_kinds.py --layers "$(step_n 12)" 2>&1 | grep -v "warnings.warn" | tail -4 ;;
     readback*)
