@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,10 +194,11 @@ class Engine:
         path = Path(path)
         if not path.exists():
             raise ModelFileMissing.at(path)
-        phases, start = {}, time.perf_counter()
+        names, marks = [], [time.perf_counter()]
 
         def phase(name: str) -> None:
-            phases[name] = round(time.perf_counter() - start - sum(phases.values()), 3)
+            names.append(name)
+            marks.append(time.perf_counter())
 
         weights = open_weights(path)
         check_context(weights.config, ctx)
@@ -211,20 +213,23 @@ class Engine:
             used = model_bytes + session_bytes(weights.config, ctx)
             opts["kv_ram_budget"] = default_ram_budget(device_memory_bytes(), used)
         phase("open")
-        with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
-            model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
-        phase("weights")
-        if mtp_weights is not None:
-            with Progress(quiet).bar(f"loading {Path(mtp).name}", unit="bytes") as bar:
-                opts["mtp"] = MTP(mtp_weights, model, progress=bar.update)
-            phase("mtp")
-        tokenizer = Tokenizer.from_gguf(weights.file.metadata)
+        with ThreadPoolExecutor(1, thread_name_prefix="ds4-mlx-tokenizer") as pool:
+            # built beside the weights' load, which mostly waits on its reader threads (~0.5 s of Python)
+            tokenizer = pool.submit(Tokenizer.from_gguf, weights.file.metadata)
+            with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
+                model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
+            phase("weights")
+            if mtp_weights is not None:
+                with Progress(quiet).bar(f"loading {Path(mtp).name}", unit="bytes") as bar:
+                    opts["mtp"] = MTP(mtp_weights, model, progress=bar.update)
+                phase("mtp")
+            tokenizer = tokenizer.result()
         phase("tokenizer")
         if kv_cache is not None:
             opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights), model_identity(weights, simulate_quant))
         engine = cls(model, tokenizer, ctx, **opts)
         phase("engine")
-        engine.load_phases = phases
+        engine.load_phases = {name: round(b - a, 3) for name, a, b in zip(names, marks, marks[1:])}
         return engine
 
     @classmethod
