@@ -5,7 +5,8 @@ sides (the file's mapping, and the CUDA managed memory the array is made in), an
 memory over on demand, page by page. The 81 GB q2 file loaded at 1.4 GB/s that way (H200, the file in a tmpfs).
 Here worker threads `pread` the file into page-locked buffers (the kernel copies from its page cache, no faults)
 and hand each buffer to the GPU's copy engines (`cudaMemcpyAsync` into an array already resident in device memory),
-each worker on its own non-blocking stream, so MLX's work on its own streams goes on meanwhile.
+each worker on its own non-blocking stream, so MLX's work on its own streams goes on meanwhile. The same file then
+loads in 14.1 s (6.1 GB/s, the loader's part 7.7 GB/s) with 1.65 GB of host RSS at most.
 
 The CUDA runtime is the one MLX's CUDA build loaded into the process, reached through ctypes; anything missing
 (another backend, no runtime found, page-locked memory refused) leaves the loader on its mapped-file path.
