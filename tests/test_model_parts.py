@@ -423,6 +423,21 @@ def test_softplus_and_clamped_swiglu():
     np.testing.assert_allclose(got, [silu(10.0) * -10.0, silu(-3.0) * 10.0, silu(0.5) * 0.25], rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(3,), (48, 2048), (1000, 7)])
+def test_fused_swiglu_is_bit_identical_to_its_ops(shape):
+    """swiglu and weighted_swiglu are one compiled (shapeless) kernel each: the same operations as MLX ops."""
+    from ds4_mlx.model.moe import _swiglu, _weighted_swiglu, weighted_swiglu
+
+    key = mx.random.key(len(shape))
+    gate, up = (mx.random.normal(shape, key=k) * 8 for k in mx.random.split(key))
+    for clamp in (10.0, 7.0):
+        assert mx.array_equal(swiglu(gate, up, clamp), _swiglu(gate, up, clamp))
+    if len(shape) == 2:
+        weights = mx.random.uniform(shape=(shape[0],), key=key)
+        assert mx.array_equal(weighted_swiglu(gate, up, weights, 10.0),
+                              _weighted_swiglu(gate, up, weights.reshape(-1, 1), 10.0))
+
+
 def test_compiled_sinkhorn_is_bit_identical():
     from ds4_mlx.model.hyper_connection import compiled_sinkhorn, sinkhorn
 
