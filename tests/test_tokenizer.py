@@ -135,6 +135,16 @@ def _hf_ids(hf: HFTokenizer, text: str) -> list[int]:
     return hf.encode(text, add_special_tokens=False).ids
 
 
+HF_ONLY_SPECIALS = tuple(t["content"] for t in json.loads(REFERENCE_JSON.read_text(encoding="utf-8"))["added_tokens"]
+                         if t["content"] not in SPECIALS)
+"""HF's added tokens that are plain text here (the documented divergence: test_other_added_tokens_are_plain_text).
+Hypothesis draws string constants it finds in the code, so a random text can be one of them."""
+
+
+def _without_hf_only_specials(text: str) -> bool:
+    return not any(t in text for t in HF_ONLY_SPECIALS)
+
+
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
     d = StreamDecoder(tok)
     return [d.feed(i) for i in ids] + [d.flush()]
@@ -206,7 +216,8 @@ def test_without_specials_everything_is_bpe(tok):
     assert tok.encode("plain text", specials=False) == tok.encode("plain text")
 
 
-@pytest.mark.parametrize("text", ["<｜latest_reminder｜>", "<|EOT|>", "<｜fim▁hole｜>", "<dsml:", "<｜action｜>"])
+@pytest.mark.parametrize("text", ["<｜latest_reminder｜>", "<|EOT|>", "<｜fim▁hole｜>", "<dsml:", "<｜action｜>",
+                                  "<｜▁pad▁｜>"])
 def test_other_added_tokens_are_plain_text(tok, hf, text):
     """Documented divergence from HF: only the seven specials are special; other added tokens are BPE'd."""
     ids = tok.encode(text)
@@ -329,7 +340,7 @@ _TRICKY = st.sampled_from(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.text())
+@given(st.text().filter(_without_hf_only_specials))
 def test_any_text_matches_reference(tok, hf, text):
     ids = tok.encode(text)
     assert ids == _hf_ids(hf, text)
@@ -347,7 +358,8 @@ def test_tricky_mixtures_match_reference(tok, hf, text):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.text(alphabet=st.characters(min_codepoint=0x2E80, max_codepoint=0x31FF) | st.characters(codec="ascii")))
+@given(st.text(alphabet=st.characters(min_codepoint=0x2E80, max_codepoint=0x31FF) | st.characters(codec="ascii"))
+       .filter(_without_hf_only_specials))
 def test_cjk_and_ascii_match_reference(tok, hf, text):
     assert tok.encode(text) == _hf_ids(hf, text)
 
