@@ -15,7 +15,7 @@ chunk over the first --gb of FILE (every chunk checked against the file):
   by the CUDA runtime's cudaMemcpy straight from the mapped file (ctypes; the array's pointer through the buffer
   protocol): one copy by the DMA engines, no host staging array. `--threads N` splits each chunk over N threads.
 - pinned: the streaming loader's path on CUDA (model/pinned.py): the same device allocation filled by N threads,
-  each `pread`ing 32 MB pieces of the file into its page-locked buffer and copying it with cudaMemcpyAsync on its
+  each `pread`ing PIECE_BYTES pieces of the file into its page-locked buffer and copying it with cudaMemcpyAsync on its
   own stream: no page faults on either side.
 """
 
@@ -105,11 +105,17 @@ def cudart() -> ctypes.CDLL:
     return CudaRuntime.load().lib
 
 
-def via_memcpy(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> mx.array:
-    resident = mx.zeros((chunk.size,), mx.uint8)
+def device_bytes(n: int) -> tuple[mx.array, int]:
+    """A uint8 array of n bytes written by the GPU (its managed pages in device memory) and its address (no page
+    is touched)."""
+    resident = mx.zeros((n,), mx.uint8)
     mx.eval(resident)
     mx.synchronize()
-    dst = np.asarray(resident).ctypes.data  # the managed allocation's address (no page is touched)
+    return resident, np.asarray(resident).ctypes.data
+
+
+def via_memcpy(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> mx.array:
+    resident, dst = device_bytes(chunk.size)
     src = chunk.ctypes.data
     rt = cudart()
 
@@ -133,9 +139,8 @@ _BASE = 0  # the mapping's address: a chunk's file offset is its address minus t
 
 
 def via_pinned(chunk: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> mx.array:
-    resident = mx.zeros((chunk.size,), mx.uint8)
-    mx.eval(resident)
-    _READER.fill(np.asarray(resident).ctypes.data, chunk.ctypes.data - _BASE, chunk.size)
+    resident, dst = device_bytes(chunk.size)
+    _READER.fill(dst, chunk.ctypes.data - _BASE, chunk.size)
     return resident
 
 
