@@ -239,7 +239,8 @@ def unfolded(patch: pytest.MonkeyPatch) -> None:
 
     affine, half = linear.affine_matvec, linear.half_matvec
     patch.setattr(linear, "apply", norm_once)
-    patch.setattr(linear, "affine_matvec", lambda x, w, ids=None, norm=None: affine(norm_once(x, norm), w, ids))
+    patch.setattr(linear, "affine_matvec",
+                  lambda x, w, ids=None, norm=None, **kw: affine(norm_once(x, norm), w, ids, **kw))
     patch.setattr(linear, "half_matvec", lambda x, w, norm=None: half(norm_once(x, norm), w))
 
 

@@ -246,10 +246,10 @@ def test_grouped_equals_one_product_per_pair_on_the_gpu(on_gpu, model_files, kin
 
 
 @pytest.mark.gpu
-def test_one_flash_layer_keeps_one_scratch_alive(on_gpu):
-    """A 2048-token chunk through one q2 MoE layer at Flash size (256 experts, top-6): the memory above the inputs
-    stays below one float32 bank (8 GiB) plus 2 GiB of chunk transients, because each bank is read only after the
-    previous projection's GEMM; and the result equals the sliced reference."""
+def test_one_flash_layer_makes_no_scratch_on_cuda(on_gpu):
+    """A 2048-token chunk through one q2 MoE layer at Flash size (256 experts, top-6), by the path CUDA takes (the
+    raw-bank kernels, grouped_raw.py): the memory above the inputs stays below 2 GiB of chunk transients (no float32
+    bank of 8 GiB is ever made), and the result equals the sliced reference."""
     n_expert, embd, ff, tokens, k = 256, 4096, 2048, 2048, 6
     specs = ((GGMLType.IQ2_XXS, ff, embd), (GGMLType.IQ2_XXS, ff, embd), (GGMLType.Q2_K, embd, ff))
     banks = [(t, (n_expert, n_out, n_in), random_blocks(t, n_expert * n_out, n_in, seed=30 + i).reshape(n_expert, -1))
@@ -264,8 +264,7 @@ def test_one_flash_layer_keeps_one_scratch_alive(on_gpu):
         ggml_type, shape, blocks = bank
         if not fast:
             return lambda xs, sorted_ids, counts, after: sliced_reference(xs, blocks, sorted_ids, ggml_type, shape)
-        return lambda xs, sorted_ids, counts, after: RAW_GROUPED[ggml_type].fast_paths[mx.float32].fast(
-            xs, mx.depends([blocks], [after])[0], sorted_ids, counts, shape)
+        return lambda xs, sorted_ids, counts, after: RAW_GROUPED[ggml_type](xs, blocks, sorted_ids, counts, shape)
 
     def layer(fast: bool) -> mx.array:
         return grouped_swiglu(x, ids, weights, *(projection(b, fast) for b in banks),
@@ -277,7 +276,7 @@ def test_one_flash_layer_keeps_one_scratch_alive(on_gpu):
     mx.reset_peak_memory()
     got = layer(True)
     mx.eval(got)
-    assert mx.get_peak_memory() - before <= 4 * n_expert * ff * embd + (2 << 30)
+    assert mx.get_peak_memory() - before <= 2 << 30
     assert relative_error(got, layer(False)) <= TOLERANCE
 
 
@@ -285,19 +284,34 @@ def test_one_flash_layer_keeps_one_scratch_alive(on_gpu):
 @pytest.mark.parametrize("kind", ["q2", "q4"])
 def test_bfloat16_prefill_stays_close_to_float32(on_gpu, model_files, kind, monkeypatch):
     """DS4_PREFILL_DTYPE=bfloat16 through a whole tiny model (a 64-token chunk: batch projections and grouped
-    experts in bfloat16): the logits move by rounding, not by meaning."""
+    experts in bfloat16): the logits move by rounding, not by meaning. A tiny random model amplifies any
+    perturbation (on the CPU, bfloat16 batch projections alone move its logits by ~0.15 of the largest), so the
+    bound is relative: no more than 3x what rounding the float32 path's batch projection outputs to bfloat16 moves
+    them, and the argmax agreement within 0.1 of that perturbation's."""
+    from ds4_mlx.model import linear
     from ds4_mlx.model.model import Model
 
     model = Model(open_weights(model_files[kind]), simulate_quant=False)
     tokens = mx.array(np.random.default_rng(12).integers(0, model.config.n_vocab, 64).astype(np.int32))
-    logits = {}
-    for name in ("float32", "bfloat16"):
-        monkeypatch.setenv(DTYPE_ENV, name)
-        logits[name] = model(tokens, model.new_cache(128), all_logits=True)
-        mx.eval(logits[name])
-    error = relative_error(logits["bfloat16"], logits["float32"])
-    agree = (logits["bfloat16"].argmax(-1) == logits["float32"].argmax(-1)).mean().item()
-    assert 0 < error <= 5e-2 and agree >= 0.9, (error, agree)
+
+    def run(dtype: str) -> mx.array:
+        monkeypatch.setenv(DTYPE_ENV, dtype)
+        logits = model(tokens, model.new_cache(128), all_logits=True)
+        mx.eval(logits)
+        return logits
+
+    exact = run("float32")
+    bf16 = run("bfloat16")
+    with monkeypatch.context() as patch:
+        matmul = linear.batch_matmul
+        patch.setattr(linear, "batch_matmul", lambda x, w: matmul(x, w).astype(mx.bfloat16).astype(mx.float32))
+        rounded = run("float32")
+
+    def agree(logits: mx.array) -> float:
+        return (logits.argmax(-1) == exact.argmax(-1)).mean().item()
+
+    error, scale = relative_error(bf16, exact), relative_error(rounded, exact)
+    assert 0 < error <= 3 * scale and agree(bf16) >= agree(rounded) - 0.1, (error, scale, agree(bf16), agree(rounded))
 
 
 @pytest.mark.parametrize("ids", [
