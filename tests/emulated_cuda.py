@@ -45,6 +45,8 @@ HOST = r"""
 #define __constant__
 struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 struct __half { unsigned short bits; };
 struct Index { unsigned int x, y, z; };
 thread_local Index threadIdx, blockIdx;
@@ -136,6 +138,49 @@ inline void ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned 
     const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
     double sum = c[i];
     for (int k = 0; k < 8; ++k) sum += (double)A[row][k] * B[k][col];
+    const float nearest = (float)sum;
+    c[i] = std::fabs((double)nearest) > std::fabs(sum) ? std::nextafter(nearest, 0.0f) : nearest;
+  }
+}
+
+inline unsigned int half_bits(float v) {
+  const _Float16 h = (_Float16)v;  // IEEE conversion: round to nearest, ties to even, as __floats2half2_rn
+  unsigned short bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+inline unsigned int ds4_half2_bits(float lo, float hi) { return half_bits(lo) | (half_bits(hi) << 16); }
+inline void ds4_half2_split(float a, float b, unsigned int& hi, unsigned int& lo) {
+  hi = ds4_half2_bits(a, b);
+  lo = ds4_half2_bits(a - ds4_half_to_float(hi & 0xFFFFu), b - ds4_half_to_float(hi >> 16));
+}
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, as the TF32 one above: halves two to a register, low half
+// first (g = lane >> 2, t = lane & 3: a0 A[g][2t..2t+1], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..];
+// b0 B[2t..2t+1][g], b1 B[2t+8..2t+9][g]), exact products summed in double, truncated toward zero
+inline void ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned int* b) {
+  static unsigned int as[32][32][4], bs[32][32][2];
+  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = 0; i < 4; ++i) as[simd][lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) bs[simd][lane][i] = b[i];
+  ds4_simd_barrier();
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int i = 0; i < 4; ++i) {
+      for (int h = 0; h < 2; ++h) {
+        A[g + 8 * (i & 1)][2 * t + 8 * (i >> 1) + h] = ds4_half_to_float((as[simd][l][i] >> (16 * h)) & 0xFFFFu);
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      for (int h = 0; h < 2; ++h) B[2 * t + 8 * i + h][g] = ds4_half_to_float((bs[simd][l][i] >> (16 * h)) & 0xFFFFu);
+    }
+  }
+  ds4_simd_barrier();
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    double sum = c[i];
+    for (int k = 0; k < 16; ++k) sum += (double)A[row][k] * B[k][col];
     const float nearest = (float)sum;
     c[i] = std::fabs((double)nearest) > std::fabs(sum) ? std::nextafter(nearest, 0.0f) : nearest;
   }

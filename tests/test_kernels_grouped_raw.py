@@ -1,9 +1,10 @@
-"""The 3xTF32 grouped GEMM that reads raw IQ2_XXS / Q2_K banks directly (kernels/grouped_raw.py).
+"""The grouped GEMM that reads raw IQ2_XXS / Q2_K banks directly (kernels/grouped_raw.py: float16 tensor cores, x
+split into two halves).
 
 The kernel must equal one float64 product per pair over the reference dequantizer's weights (quants.py) within
 float32 reassociation (TOLERANCE) for odd shapes and routings: unused experts, a single pair, E = 1, several row and
 column tiles. Its decoding must be the reference's values exactly: with one-hot activations each output is one
-weight, which 3xTF32 carries to ~2^-21 relative, so every decoded value is checked to 2^-20 of itself (a wrong
+weight, which the split carries exactly (a one-hot row scales to 2^14, a half with no residue), so every decoded value is checked to 2^-20 of itself (a wrong
 grid entry, sign, scale or nibble is off by far more). Without a GPU the CUDA text runs in emulation
 (emulated_cuda.py); gpu-marked tests check it on the device at Flash size.
 """
@@ -20,8 +21,7 @@ from ds4_mlx.kernels import grouped_raw, registry
 from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA
 from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
-from ds4_mlx.kernels.grouped_raw import KERNELS, grid_words, raw_grouped_gemm
-from ds4_mlx.kernels.grouped_tf32 import LD
+from ds4_mlx.kernels.grouped_raw import KERNELS, LDH, grid_words, raw_grouped_gemm, row_scales
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
 from ds4_mlx.model.gguf import GGMLType
@@ -61,8 +61,9 @@ def test_kernels_render_for_cuda(ggml_type):
     assert out["input_names"] == ["x", "w", "counts", "dims"] and out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
-    # threadgroup memory: the x hi / lo and W tiles, the scan, IQ2_XXS's byte grid and row scales; under 48 KB
-    assert (2 * 64 + 128) * LD * 4 + 12 + 4 * 512 + 4 * 128 <= 48 * 1024
+    # threadgroup memory: the x hi / lo and W tiles, row scales and the scan, IQ2_XXS's byte grid and W row scales
+    # (Q2_K: a scale and a min per W row and group); under 48 KB with room for a second stage
+    assert (2 * 64 + 128) * LDH * 4 + 64 * 4 + 12 + 4 * 512 + 4 * 128 <= 24 * 1024
 
 
 def test_the_byte_grid_is_ggmls_grid():
@@ -81,6 +82,22 @@ def test_the_cpu_keeps_the_reference_and_cuda_plans_the_kernel(on_cpu):
         assert RAW_GROUPED[GGMLType.IQ2_XXS].direct.enabled(FLASH_SHAPES[GGMLType.IQ2_XXS])
     with registry.planning("metal"):
         assert not RAW_GROUPED[GGMLType.IQ2_XXS].direct.enabled(FLASH_SHAPES[GGMLType.IQ2_XXS])
+
+
+def test_row_scales_are_powers_of_two_that_fit_a_half():
+    """Each row's largest magnitude lands in [2^14, 2^15) whatever its size; zero rows stay zero, a row with an
+    infinity stays non-finite."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 64)).astype(np.float32) * np.array([[1e-30], [1e-3], [1.0], [3e4], [1e30], [1.0]],
+                                                                    dtype=np.float32)
+    x[5, 7] = 2.0**14  # exactly a power of two: the top of the range is excluded
+    scales = np.array(row_scales(mx.array(x)))
+    mantissa, _ = np.frexp(scales)
+    assert (mantissa == 0.5).all()  # powers of two: the scaling and its undoing are exact
+    top = np.abs(x * scales[:, None]).max(axis=1)
+    assert ((top >= 2.0**14) & (top < 2.0**15)).all(), top
+    zero_inf = np.array(row_scales(mx.array(np.array([[0.0, 0.0], [np.inf, 1.0]], np.float32))))
+    assert zero_inf[0] > 0 and np.isinf(np.array([np.inf], np.float32) * zero_inf[1]).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,10 +127,30 @@ def test_emulated_kernel_equals_one_product_per_pair(on_cpu, ggml_type, case, mo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
+def test_emulated_kernel_keeps_float32_accuracy_at_any_row_scale(on_cpu, ggml_type, monkeypatch, tmp_path):
+    """Rows of very different sizes (1e-30 to 1e30, within float32's normal range: a half without the row scaling
+    would overflow or flush them) and rows mixing magnitudes 2^20 apart: each row within TOLERANCE of its own
+    largest output."""
+    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
+    counts, n_out, n_in = [6, 4], 40, 256
+    blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=14)
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((ids.size, n_in)).astype(np.float32)
+    x *= np.array([1e-30, 1e-8, 1.0, 1e8, 1e30, 1.0, 1.0, 1e-3, 1e3, 1.0], np.float32)[:, None]
+    x[[5, 6], ::2] *= 2.0**-20  # mixed rows: half their values 2^20 below the rest
+    got = run(ggml_type, x, blocks, counts, n_out, n_in)
+    want = products(x, weights, ids)
+    assert np.isfinite(got).all()
+    row_error = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert (row_error <= TOLERANCE).all(), row_error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_emulated_kernel_decodes_every_value_as_the_reference(on_cpu, ggml_type, monkeypatch, tmp_path):
-    """Pair i has x = the one-hot row of column k_i, so its outputs are W_e(i)[:, k_i]: 3xTF32 carries one value to
-    2^-21 of itself, a decoding mistake moves it by far more. Each of two experts reads every column once, shuffled
-    (OUT 72: a partial column tile)."""
+    """Pair i has x = the one-hot row of column k_i, so its outputs are W_e(i)[:, k_i]: the split carries one value
+    exactly (to 2^-20 of itself here), a decoding mistake moves it by far more. Each of two experts reads every
+    column once, shuffled (OUT 72: a partial column tile)."""
     monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
     counts, n_out, n_in = [256, 256], 72, 256
     blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=10)

@@ -32,7 +32,13 @@ share, plus a few neutral words that each dialect spells its own way:
   ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned int* b) (c += A B for one warp: A 16 x 8 in
   a[0..3], B 8 x 8 in b[0..1], C 16 x 8 in c[0..3], each lane holding the fragment elements PTX's mma.m16n8k8
   .tf32 layout gives it: with g = lane / 4 and t = lane % 4, a = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4];
-  b = B[t][g], B[t+4][g]; c = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]; all 32 lanes take part).
+  b = B[t][g], B[t+4][g]; c = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]; all 32 lanes take part);
+  ds4_half2_bits(float lo, float hi) (two floats rounded to IEEE halves, nearest even, packed: lo in bits 0-15),
+  ds4_half2_split(float a, float b, unsigned int& hi, unsigned int& lo) (hi = the pair as halves, lo = the pair's
+  residues a - hi.a, b - hi.b as halves: hi + lo carries ~22 bits of each where lo stays normal) and
+  ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned int* b) (c += A B for one warp, A 16 x 16 and
+  B 16 x 8 halves, two per register, low half first, C float32, mma.m16n8k16.f16's layout: a = A[g][2t, 2t+1],
+  A[g+8][2t, 2t+1], A[g][2t+8, 2t+9], A[g+8][2t+8, 2t+9]; b = B[2t, 2t+1][g], B[2t+8, 2t+9][g]; c as above).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -174,6 +180,21 @@ __device__ __forceinline__ void ds4_tf32_split(float v, unsigned int& hi, unsign
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(v));
   hi &= 0xFFFFE000u;  // a float again: PTX leaves the low bits of a .tf32 register to the implementation
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(v - __uint_as_float(hi)));
+}
+__device__ __forceinline__ unsigned int ds4_half2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const unsigned int*>(&h);
+}
+__device__ __forceinline__ void ds4_half2_split(float a, float b, unsigned int& hi, unsigned int& lo) {
+  hi = ds4_half2_bits(a, b);
+  lo = ds4_half2_bits(a - ds4_half_to_float((unsigned short)(hi & 0xFFFFu)),
+                      b - ds4_half_to_float((unsigned short)(hi >> 16)));
+}
+__device__ __forceinline__ void ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned int* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 __device__ __forceinline__ void ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned int* b) {
   asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "

@@ -1,41 +1,44 @@
 """Prefill's grouped expert GEMM straight from a raw IQ2_XXS or Q2_K bank on CUDA tensor cores: no float scratch.
 
-The 3xTF32 kernel of grouped_tf32.py multiplies a float32 scratch (E, OUT, IN) that `dequant.dequantize_used`
-writes first: 8 GiB per Flash projection (256 x 2048 x 4096 floats), ~3.2 ms of writing it, and most of a
-prefill's memory above the weights. This kernel is the same kernel (its grid, row-tile scan, x staging, mma loop
-and float32 drain once per K slice, `tf32_source`) with another W staging: each K slice's 128 W rows x 32 values
-are decoded from the bank's blocks in registers and stored as float32 into threadgroup memory (Q2_K: the values,
-which the mma loop splits into TF32 hi / lo as before; IQ2_XXS: exact signed magnitudes and a scale per row).
 Contract: x (N, IN) float32, the raw bank uint8 (E, OUT * row bytes), counts (E,) of pairs sorted by expert; the
-result x[i] @ W[e(i)].T as float32 (N, OUT); nothing read back to the host, tiles never straddle experts.
+result x[i] @ W[e(i)].T as float32 (N, OUT); nothing read back to the host, tiles never straddle experts (the grid
+and row-tile scan of grouped_gemm.py: TM x TN = 64 x 128 tiles, 8 warps of 32 x 32 outputs each).
 
-Decoding: thread tid decodes W row tid / 2 of the tile, values 16 (tid % 2) .. + 15 of the slice. A 32-value
-slice is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) run pair of a Q2_K block:
+Arithmetic: float16 tensor cores at float32 accuracy (mma.m16n8k16, float32 sums), from two exact facts:
+- a raw q2 weight is a small integer times scales: IQ2_XXS db * (+-8, 25 or 43), one db per 32-value sub-block;
+  Q2_K dl * q - ml, q in 0..3, one (dl, ml) per group of 16. The integers are exact halves, so the tile holds them
+  and the scales apply to each slice's (or group's) partial sums as they are drained into the float32 accumulators:
+  db * sum(x m) where the reference sums x (db m); dl * sum(x q) - ml * sum(x) for Q2_K, sum(x) from the tensor
+  cores too (a B of ones). Float32 reassociation of the same exact factors;
+- x is split into two halves, x = hi + lo, hi = half(x) and lo = half(x - hi) (`ds4_half2_split`), ~22 bits of
+  x, and each product takes 2 mma (lo w, then hi w into the same partial sums). A half's range is small, so each row
+  is first scaled by a power of two (`row_scales`, one compiled pass over x) that puts its largest magnitude in
+  [2^14, 2^15): exact, undone exactly at the store, and lo stays normal down to 2^-17 of the row's largest value
+  (below, its absolute error is at most 2^-39 of it). The dropped residue is ~2^-22 relative per product, 3xTF32's
+  class (2^-21).
+The tensor cores truncate the sums they accumulate: each slice (IQ2_XXS) or group (Q2_K) starts from zeroed partial
+sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does.
 
+Staging: a K slice is TK = 32 values. The x tile (64 rows) is loaded two floats a thread (16 threads a row, 128
+contiguous bytes), scaled, split and stored as hi and lo half pairs; the W tile's 128 rows are decoded from the
+bank's blocks in registers, two threads a row and 16 values each, and stored as halves, eight per 16-byte store.
+Rows are LDH = 20 words apart: fragment loads hit 32 distinct banks. The next slice's global loads are in flight in
+registers while the current slice is multiplied. Threadgroup memory: (2 x 64 + 128) x 20 x 4 + 64 x 4 + 12 bytes
+of tiles, row scales and scan, plus IQ2_XXS's grid (2,048) and row scales (512) or Q2_K's scales and mins (2,048):
+23,340 / 22,828 bytes.
+
+Decoding: thread tid decodes W row tid / 2 of the tile, values 16 (tid % 2) .. + 15 of the slice. A 32-value slice
+is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) run pair of a Q2_K block:
 - IQ2_XXS: the block's d, the sub-block's aux and the thread's two grid indices are four 16-bit loads (a 66-byte
   block keeps 2-byte alignment); the grid is ggml's 256 x 8 magnitudes as bytes (2 KiB) in threadgroup memory, a
   magnitude one byte permute to 2^23 + m minus 2^23 (exact, no int-to-float conversion);
 - Q2_K: d | dmin, the word holding the thread's scale byte and the thread's 16 qs bytes are six 32-bit loads
   (84-byte blocks keep 4-byte alignment); a quant is two bits of a qs byte, made a float the same way.
 
-Q2_K's staged values are the reference dequantizer's float32 (quants.py) bit for bit, whether or not the compiler
-contracts a multiply and an add: every product there is exact (an f16 scale has 11 significant bits, a 4-bit scale
-at most 4, a 2-bit quant 2), so only the final subtraction rounds, once either way. IQ2_XXS stages the signed
-magnitudes (exact in TF32: each product takes 2 mma, not 3, and no split of W) and one scale per W row and slice
-(the sub-block's db), applied to the slice's partial sums as they are drained: db * sum(x m) where the reference
-sums x (db m), float32 reassociation of the same exact factors. The result differs from the float64 products by
-3xTF32's ~2^-21 per product and that reassociation.
-
-Costs: threadgroup memory (2 x 64 + 128) x 36 x 4 = 36,864 bytes of tiles (x split into hi and lo tiles once) +
-12 of scan; IQ2_XXS adds 2,048 of grid and 512 of row scales: 39,436 bytes (Q2_K: 36,876), under the 48 KB static
-limit. Global reads: a warp's load touches 16 rows' sectors, re-read from L1/L2 over the 8 slices of a block; the
-whole raw expert (2.2 MB for a Flash gate) per row tile. Decode adds ~5 integer / float operations per value (16
-per thread per slice) between the slice's two barriers. Measured (H200, 2026-12-02) before the x tiles were split
-once and IQ2_XXS's magnitudes staged exact: 8.8 ms (IQ2_XXS) and 8.6 ms (Q2_K) per Flash projection of a
-2048-token chunk, at 159-160 registers a thread (one threadgroup per SM). Now 124 (IQ2_XXS) and 128 (Q2_K)
-registers (nvcc 13, sm_90): two threadgroups fit an SM, so one's decoding can run under the other's mma; not yet
-timed. Q2_K keeps its values split: staged exact (quants, with each 16-value group's dl and ml applied at two
-drains a slice and ml times the group's sum of x subtracted), it took 173 registers, one threadgroup an SM again.
+Cost against the 3xTF32 kernel this replaces (TF32 mma.m16n8k8, x split into TF32 hi / lo as floats): per K
+slice a warp issued 64 mma of 8-deep products and 96 32-bit fragment loads; here 32 mma of 16-deep products (twice
+the TF32 rate per mma on the H200) and 48 loads, and the threadgroup memory is 23 KB instead of 39 KB. Measured
+for the 3xTF32 kernel (H200, 4096-token chunk): 12.0 ms per Flash IQ2_XXS projection, 14.3 ms per Q2_K one.
 """
 
 from __future__ import annotations
@@ -46,11 +49,17 @@ from gguf.quants import IQ2_XXS
 
 from ..model.gguf import GGMLType
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
-from .grouped_gemm import THREADS, TN, launch_grouped
-from .grouped_tf32 import LD, TEMPLATE, TK, tf32_source
+from .grouped_gemm import TILE_HEAD, TILE_SCAN, THREADS, TM, TN, launch_grouped
 from .registry import current_backend
 
-assert THREADS == 2 * TN and TK == 32 and LD % 4 == 0, "the decode mapping: two threads per W row, 16 values each"
+TK = 32
+"""K slice per step: one IQ2_XXS sub-block, two Q2_K groups of 16 (two mma k-steps of 16)."""
+LDH = TK // 2 + 4
+"""Threadgroup row stride in 32-bit words (two halves each): 20 = 20 mod 32 puts a fragment load's 8 rows x 4 words
+on 32 distinct banks, and keeps each row 16-byte aligned for the W tile's vector stores."""
+TEMPLATE = [("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LDH", LDH)]
+
+assert THREADS == 2 * TN and THREADS == 16 * (TM // 4), "the staging maps: two threads per W row, 16 per x row pass"
 
 
 def grid_words() -> list[int]:
@@ -61,9 +70,186 @@ def grid_words() -> list[int]:
     return grid.view("<u4").reshape(-1).tolist()
 
 
-_SHARED = """SHARED float4 ws4[TN * LD / 4];
-SHARED_MEM float* ws = reinterpret_cast<SHARED_MEM float*>(ws4);
+def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: bool) -> str:
+    """The kernel body with its W staging given: `w_shared` declares what the staging keeps beside the W tile `ws`
+    (TN rows of LDH words, row n = output column col0 + n, two halves a word along k); `w_setup` runs once past the
+    tile scan; `w_load` issues slice s's global loads into registers; `w_store` decodes them into ws (and the
+    slice's scales) once every warp is past the previous multiply. IQ2_XXS: one scale per W row and slice (`wsc`);
+    Q2_K (`q2_k`): a scale and a min per W row and group of 16 (`wdl`, `wml`), the min times the group's sum of x,
+    taken from the tensor cores with a B of ones."""
+    if q2_k:
+        multiply = """    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      float part[2][4][4];
+      float xsum[2][4];
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          xsum[i][c] = 0.0f;
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            part[i][j][c] = 0.0f;
+          }
+        }
+      }
+      const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
+""" + _FRAGMENTS.replace("KW", "8 * kk") + """      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
+        ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
+          ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
+        }
+      }
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          #pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int n = wn + 8 * j + 2 * tig + (c & 1);
+            acc[i][j][c] = fmaf(wdl[2 * n + kk], part[i][j][c], acc[i][j][c]);
+            acc[i][j][c] = fmaf(-wml[2 * n + kk], xsum[i][c], acc[i][j][c]);
+          }
+        }
+      }
+    }
 """
+    else:
+        multiply = """    float part[2][4][4];
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          part[i][j][c] = 0.0f;
+        }
+      }
+    }
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+""" + _FRAGMENTS.replace("KW", "8 * kk") + """      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
+          ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          acc[i][j][c] = fmaf(wsc[wn + 8 * j + 2 * tig + (c & 1)], part[i][j][c], acc[i][j][c]);
+        }
+      }
+    }
+"""
+    return TILE_HEAD + """
+SHARED unsigned int xh[TM * LDH];
+SHARED unsigned int xl[TM * LDH];
+SHARED uint4 ws4[TN * LDH / 4];
+SHARED float rsx[TM];
+SHARED_MEM unsigned int* ws = reinterpret_cast<SHARED_MEM unsigned int*>(ws4);
+""" + w_shared + TILE_SCAN + """
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const int gid = lane >> 2;
+const int tig = lane & 3;
+const int wm = (warp / (TN / 32)) * 32;
+const int wn = (warp % (TN / 32)) * 32;
+const int kp = tid % (TK / 2);
+const int sr = tid / (TK / 2);
+const GLOBAL_MEM float* x_tile = x + (size_t)row0 * n_in;
+if (tid < TM) {
+  rsx[tid] = tid < rows ? xscale[row0 + tid] : 0.0f;
+}
+float2 xa[TM / (2 * THREADS / TK)];
+""" + w_setup + """float acc[2][4][4];
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    #pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      acc[i][j][c] = 0.0f;
+    }
+  }
+}
+const int steps = n_in / TK;
+for (int s = 0; s <= steps; ++s) {
+  if (s < steps) {
+    #pragma unroll
+    for (int j = 0; j < TM / (2 * THREADS / TK); ++j) {
+      const int r = sr + j * (2 * THREADS / TK);
+      xa[j] = r < rows ? *reinterpret_cast<const GLOBAL_MEM float2*>(x_tile + (size_t)r * n_in + s * TK + 2 * kp)
+                       : make_float2(0.0f, 0.0f);
+    }
+""" + w_load + """  }
+  if (s > 0) {
+""" + multiply + """  }
+  ds4_barrier();
+  if (s < steps) {
+    #pragma unroll
+    for (int j = 0; j < TM / (2 * THREADS / TK); ++j) {
+      const int r = sr + j * (2 * THREADS / TK);
+      const float sc = rsx[r];
+      ds4_half2_split(xa[j].x * sc, xa[j].y * sc, xh[r * LDH + kp], xl[r * LDH + kp]);
+    }
+""" + w_store + """  }
+  ds4_barrier();
+}
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+  #pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int r = wm + 16 * i + gid + 8 * (c >> 1);
+    if (r < rows) {
+      const float unscale = ds4_div(1.0f, rsx[r]);
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n = col0 + wn + 8 * j + 2 * tig + (c & 1);
+        if (n < n_out) {
+          y[(size_t)(row0 + r) * n_out + n] = acc[i][j][c] * unscale;
+        }
+      }
+    }
+  }
+}
+"""
+
+
+_FRAGMENTS = """      unsigned int ah[2][4];
+      unsigned int al[2][4];
+      unsigned int bw[4][2];
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int at = (wm + 16 * i + gid) * LDH + KW + tig;
+        ah[i][0] = xh[at];
+        ah[i][1] = xh[at + 8 * LDH];
+        ah[i][2] = xh[at + 4];
+        ah[i][3] = xh[at + 8 * LDH + 4];
+        al[i][0] = xl[at];
+        al[i][1] = xl[at + 8 * LDH];
+        al[i][2] = xl[at + 4];
+        al[i][3] = xl[at + 8 * LDH + 4];
+      }
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int bt = (wn + 8 * j + gid) * LDH + KW + tig;
+        bw[j][0] = ws[bt];
+        bw[j][1] = ws[bt + 4];
+      }
+"""
+"""One mma k-step's fragments (KW: its first word in a row, 8 words = 16 halves a step): the x hi and lo rows
+of the warp's two 16-row tiles and the W rows of its four 8-column tiles, by mma.m16n8k16's layout."""
 
 
 def _row(block_bytes: int) -> str:
@@ -76,20 +262,21 @@ const GLOBAL_MEM unsigned char* w_row = w + ((size_t)expert * n_out + (d_ok ? co
 """
 
 
-_STORE = """    #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      float4 v;
-      v.x = d_ok ? dv[4 * m] : 0.0f;
-      v.y = d_ok ? dv[4 * m + 1] : 0.0f;
-      v.z = d_ok ? dv[4 * m + 2] : 0.0f;
-      v.w = d_ok ? dv[4 * m + 3] : 0.0f;
-      ws4[dn * (LD / 4) + 4 * dh + m] = v;
+_STORE = """    SHARED_MEM uint4* wrow = reinterpret_cast<SHARED_MEM uint4*>(ws + dn * LDH + 8 * dh);
+    #pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      uint4 v;
+      v.x = d_ok ? ds4_half2_bits(dv[8 * m], dv[8 * m + 1]) : 0u;
+      v.y = d_ok ? ds4_half2_bits(dv[8 * m + 2], dv[8 * m + 3]) : 0u;
+      v.z = d_ok ? ds4_half2_bits(dv[8 * m + 4], dv[8 * m + 5]) : 0u;
+      v.w = d_ok ? ds4_half2_bits(dv[8 * m + 6], dv[8 * m + 7]) : 0u;
+      wrow[m] = v;
     }
 """
-"""The 16 decoded values dv as four float4 stores: row dn starts at 36 dn floats (16-byte aligned), and the 8
-threads of a quarter warp (rows dn..dn + 3, both halves) land on 8 distinct 4-bank groups: no conflicts."""
+"""The 16 decoded values dv (small integers: exact as halves) as two 16-byte stores of eight halves each: row dn
+starts at word 20 dn (16-byte aligned), the thread's half at 8 dh."""
 
-_IQ2_XXS_SHARED = _SHARED + "SHARED unsigned int iq2_grid[512];\nSHARED float wsc[TN];\n"
+_IQ2_XXS_SHARED = "SHARED unsigned int iq2_grid[512];\nSHARED float wsc[TN];\n"
 _IQ2_XXS_SETUP = _row(66) + """for (int i = tid; i < 512; i += THREADS) {
   iq2_grid[i] = ds4_iq2xxs_bytes[i];
 }
@@ -124,9 +311,10 @@ _IQ2_XXS_STORE = """    if (dh == 0) {
 in words +0 and +1, aux in +2 and +3). Half dh holds groups 2 dh and 2 dh + 1 (8 values each): grid indices = the
 two bytes of word 1 + 4 (s % 8) + dh, signs = aux's 7-bit field of the group plus its parity bit (ggml's ksigns).
 The reference's value is db * magnitude, db = d * (0.5 + aux >> 28) * 0.25, negated by its sign bit. The whole
-slice is one sub-block, so one db per W row: the tile holds the signed magnitudes (8, 25 or 43: exact in TF32)
-and wsc the row's db, which scales the slice's partial sums as they are drained (tf32_source's `w_exact`)."""
+slice is one sub-block, so one db per W row: the tile holds the signed magnitudes (8, 25 or 43) and wsc the row's
+db, which scales the slice's partial sums as they are drained."""
 
+_Q2_K_SHARED = "SHARED float wdl[2 * TN];\nSHARED float wml[2 * TN];\n"
 _Q2_K_SETUP = _row(84) + """unsigned int w_dm = 0u;
 unsigned int w_sc = 0u;
 unsigned int w_qs[4] = {0u, 0u, 0u, 0u};
@@ -142,31 +330,45 @@ _Q2_K_LOAD = """    const GLOBAL_MEM unsigned int* b32 =
     }
 """
 _Q2_K_STORE = """    const unsigned int sc = (w_sc >> (8 * (2 * (s & 1) + dh))) & 255u;
-    const float dl = ds4_half_to_float((unsigned short)(w_dm & 0xFFFFu)) * (float)(sc & 15u);
-    const float ml = ds4_half_to_float((unsigned short)(w_dm >> 16)) * (float)(sc >> 4);
+    wdl[2 * dn + dh] = d_ok ? ds4_half_to_float((unsigned short)(w_dm & 0xFFFFu)) * (float)(sc & 15u) : 0.0f;
+    wml[2 * dn + dh] = d_ok ? ds4_half_to_float((unsigned short)(w_dm >> 16)) * (float)(sc >> 4) : 0.0f;
     float dv[16];
     #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const unsigned int q = (w_qs[i >> 2] >> (8 * (i & 3) + 2 * (s & 3))) & 3u;
-      dv[i] = dl * (ds4_float(0x4B000000u | q) - 8388608.0f) - ml;
+      dv[i] = ds4_float(0x4B000000u | ((w_qs[i >> 2] >> (8 * (i & 3) + 2 * (s & 3))) & 3u)) - 8388608.0f;
     }
 """ + _STORE
 """Slice s is values 32 (s % 8) .. of block s / 8: half hb = (s / 4) % 2 and shift 2 j, j = s % 4; value
 128 hb + 32 j + 16 dh + i has quant (qs[32 hb + 16 dh + i] >> 2 j) & 3 (qs from byte 16 = word 4) and scale byte
-8 hb + 2 j + dh (word 2 hb + j / 2, byte 2 (j % 2) + dh); d | dmin is word 20 (bytes 80-83).
-value = (d * (sc & 15)) * q - dmin * (sc >> 4), as the reference."""
+8 hb + 2 j + dh (word 2 hb + j / 2, byte 2 (j % 2) + dh); d | dmin is word 20 (bytes 80-83). The reference's value
+is dl q - ml with dl = d (sc & 15) and ml = dmin (sc >> 4), both exact products; the tile holds q (0..3) and the
+group's dl and ml, applied at the group's drain (dl times the partial sums, less ml times the rows' sums of x)."""
 
 _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map(str, grid_words())) + "};\n"
 
+_INPUTS = ("x", "w", "counts", "dims", "xscale")
 KERNELS: dict[GGMLType, Kernel] = {
-    GGMLType.IQ2_XXS: Kernel("ds4_grouped_raw_iq2_xxs", ("x", "w", "counts", "dims"), ("y",),
-                             tf32_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE,
-                                         w_exact=True),
+    GGMLType.IQ2_XXS: Kernel("ds4_grouped_raw_f16_iq2_xxs", _INPUTS, ("y",),
+                             f16_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE, False),
                              SIMD_EXCLUSIVE_SUM + _GRID_HEADER),
-    GGMLType.Q2_K: Kernel("ds4_grouped_raw_q2_k", ("x", "w", "counts", "dims"), ("y",),
-                          tf32_source(_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE), SIMD_EXCLUSIVE_SUM),
+    GGMLType.Q2_K: Kernel("ds4_grouped_raw_f16_q2_k", _INPUTS, ("y",),
+                          f16_source(_Q2_K_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE, True), SIMD_EXCLUSIVE_SUM),
 }
 """CUDA only (the tensor-core helpers of the CUDA prelude); one kernel per raw expert type."""
+
+X_TOP = 14
+"""A row's largest magnitude is scaled into [2^14, 2^15): below float16's largest value (65504) after rounding."""
+
+
+@mx.compile
+def row_scales(x: mx.array) -> mx.array:
+    """The power of two per row of x (N, IN) that brings its largest magnitude into [2^X_TOP, 2^(X_TOP+1)), as
+    float32 (N,): a multiplication by it is exact, and so is the division that undoes it. Zero rows get 2^127 (their
+    values stay zero), rows holding an infinity or a NaN a small scale (they stay non-finite)."""
+    amax = mx.max(mx.abs(x), axis=-1)
+    exponent = mx.right_shift(amax.view(mx.uint32), 23).astype(mx.int32) - 127
+    k = mx.clip(X_TOP - exponent, -126, 127)
+    return mx.left_shift((k + 127).astype(mx.uint32), 23).view(mx.float32)
 
 
 def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
@@ -174,4 +376,6 @@ def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type:
     """x[i] @ W[e(i)].T as float32 (N, OUT) for a raw bank `blocks` (uint8, E rows of OUT * row bytes) of type
     `ggml_type` and row-major shape (E, OUT, IN), pair i's expert given by the counts (E,) of pairs sorted by
     expert. CUDA only."""
-    return launch_grouped(build(KERNELS[ggml_type], current_backend()), x, blocks, counts, shape, TEMPLATE)
+    x = x.astype(mx.float32)
+    return launch_grouped(build(KERNELS[ggml_type], current_backend()), x, blocks, counts, shape, TEMPLATE,
+                          extra=[row_scales(x)])
