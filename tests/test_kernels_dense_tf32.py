@@ -165,8 +165,8 @@ def test_dense_tf32_passes_its_checks_on_the_gpu(on_cuda):
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", FLASH_SHAPES)
 def test_dense_tf32_equals_the_reference_at_flash_size(on_cuda, name):
-    """A 2048-token chunk through Flash's Q8_0 projection shapes: within TOLERANCE of the reference, and
-    batch_matmul on CUDA (float32) takes the kernel."""
+    """A 2048-token chunk through Flash's Q8_0 projection shapes: within TOLERANCE of the reference (batch_matmul
+    takes dense_f16.py's kernel first on CUDA, this one where that one's check fails)."""
     shape = FLASH_SHAPES[name]
     lead, (n_out, n_in) = shape[:-2], shape[-2:]
     blocks = random_blocks(GGMLType.Q8_0, int(np.prod(lead, dtype=int)) * n_out, n_in, seed=41)
@@ -176,7 +176,6 @@ def test_dense_tf32_equals_the_reference_at_flash_size(on_cuda, name):
     want = reference_matmul(x, blocks, GGMLType.Q8_0, shape)
     assert got.shape == want.shape
     assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
-    assert (batch_matmul(x, weight) == got).all().item()
 
 
 @pytest.mark.gpu

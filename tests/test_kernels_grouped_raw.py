@@ -21,7 +21,8 @@ from ds4_mlx.kernels import grouped_raw, registry
 from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA
 from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
-from ds4_mlx.kernels.grouped_raw import KERNELS, LDH, grid_words, raw_grouped_gemm, row_scales
+from ds4_mlx.kernels.grouped_raw import KERNELS, LDH, grid_words, raw_grouped_gemm
+from ds4_mlx.kernels.halfsplit import row_scales
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
 from ds4_mlx.model.gguf import GGMLType

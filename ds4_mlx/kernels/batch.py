@@ -24,6 +24,7 @@ import mlx.core as mx
 from ..errors import Ds4Error
 from ..model.gguf import GGMLType
 from .affine import AffineWeight, to_affine
+from .dense_f16 import DENSE_F16, f16_affine_matmul
 from .dense_tf32 import DENSE_TF32, fits, tf32_affine_matmul
 from .probe import random_activations, random_blocks
 from .quants import reference_matmul
@@ -61,8 +62,11 @@ def batch_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
     else the quantized matmul."""
     dtype = prefill_dtype()
     ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
-    if dtype == mx.float32 and fits(x, weight) and DENSE_TF32.enabled(ggml_type):
-        return tf32_affine_matmul(x, weight)
+    if dtype == mx.float32 and fits(x, weight):
+        if DENSE_F16.enabled(ggml_type):
+            return f16_affine_matmul(x, weight)
+        if DENSE_TF32.enabled(ggml_type):
+            return tf32_affine_matmul(x, weight)
     if AFFINE_BATCH[dtype].enabled(ggml_type):
         return dense_matmul(x, weight, dtype)
     return weight.matmul(x)

@@ -10,12 +10,8 @@ Arithmetic: float16 tensor cores at float32 accuracy (mma.m16n8k16, float32 sums
   and the scales apply to each slice's (or group's) partial sums as they are drained into the float32 accumulators:
   db * sum(x m) where the reference sums x (db m); dl * sum(x q) - ml * sum(x) for Q2_K, sum(x) from the tensor
   cores too (a B of ones). Float32 reassociation of the same exact factors;
-- x is split into two halves, x = hi + lo, hi = half(x) and lo = half(x - hi) (`ds4_half2_split`), ~22 bits of
-  x, and each product takes 2 mma (lo w, then hi w into the same partial sums). A half's range is small, so each row
-  is first scaled by a power of two (`row_scales`, one compiled pass over x) that puts its largest magnitude in
-  [2^14, 2^15): exact, undone exactly at the store, and lo stays normal down to 2^-17 of the row's largest value
-  (below, its absolute error is at most 2^-39 of it). The dropped residue is ~2^-22 relative per product, 3xTF32's
-  class (2^-21).
+- x is split into two halves (halfsplit.py: each row scaled by a power of two first), and each product takes 2 mma
+  (lo w, then hi w into the same partial sums): ~2^-22 relative dropped per product, 3xTF32's class (2^-21).
 The tensor cores truncate the sums they accumulate: each slice (IQ2_XXS) or group (Q2_K) starts from zeroed partial
 sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does.
 
@@ -25,7 +21,7 @@ bank's blocks in registers, two threads a row and 16 values each, and stored as 
 Rows are LDH = 20 words apart: fragment loads hit 32 distinct banks. The next slice's global loads are in flight in
 registers while the current slice is multiplied. Threadgroup memory: (2 x 64 + 128) x 20 x 4 + 64 x 4 + 12 bytes
 of tiles, row scales and scan, plus IQ2_XXS's grid (2,048) and row scales (512) or Q2_K's scales and mins (2,048):
-23,340 / 22,828 bytes.
+23,308 / 22,796 bytes.
 
 Decoding: thread tid decodes W row tid / 2 of the tile, values 16 (tid % 2) .. + 15 of the slice. A 32-value slice
 is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) run pair of a Q2_K block:
@@ -50,6 +46,7 @@ from gguf.quants import IQ2_XXS
 from ..model.gguf import GGMLType
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .grouped_gemm import TILE_HEAD, TILE_SCAN, THREADS, TM, TN, launch_grouped
+from .halfsplit import row_scales
 from .registry import current_backend
 
 TK = 32
@@ -355,21 +352,6 @@ KERNELS: dict[GGMLType, Kernel] = {
                           f16_source(_Q2_K_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE, True), SIMD_EXCLUSIVE_SUM),
 }
 """CUDA only (the tensor-core helpers of the CUDA prelude); one kernel per raw expert type."""
-
-X_TOP = 14
-"""A row's largest magnitude is scaled into [2^14, 2^15): below float16's largest value (65504) after rounding."""
-
-
-@mx.compile
-def row_scales(x: mx.array) -> mx.array:
-    """The power of two per row of x (N, IN) that brings its largest magnitude into [2^X_TOP, 2^(X_TOP+1)), as
-    float32 (N,): a multiplication by it is exact, and so is the division that undoes it. Zero rows get 2^127 (their
-    values stay zero), rows holding an infinity or a NaN a small scale (they stay non-finite)."""
-    amax = mx.max(mx.abs(x), axis=-1)
-    exponent = mx.right_shift(amax.view(mx.uint32), 23).astype(mx.int32) - 127
-    k = mx.clip(X_TOP - exponent, -126, 127)
-    return mx.left_shift((k + 127).astype(mx.uint32), 23).view(mx.float32)
-
 
 def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
                      shape: tuple[int, int, int]) -> mx.array:

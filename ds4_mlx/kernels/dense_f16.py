@@ -1,0 +1,270 @@
+"""Prefill's dense projections on CUDA float16 tensor cores at float32 accuracy, straight from the affine weight.
+
+The contract is dense_tf32.py's: y = x @ W.T for x (..., T, IN) float32 and an affine W (OUT, IN) (Q8_0 / Q4_K:
+w = scale * q + bias per group of 32), or a batch x (G, T, IN) against W (G, OUT, IN); one launch, the same grid
+and tiles (TM x TN = 128 x 128, 8 warps of 32 x 64 outputs). The arithmetic is grouped_raw.py's:
+
+- a group's 32 values of one W row are scale * (q - CENTER) + c (CENTER = 2^(bits-1), c = bias + CENTER * scale,
+  exactly 0 for Q8_0), and q - CENTER (-128..127, or -8..7) is an exact half. The tile holds the centred quants;
+  per group, sum_k x_k w_k = scale * sum_k x_k (q_k - CENTER) + c * sum_k x_k, the row sums of x from the tensor
+  cores (a B of ones; Q4_K only), applied as the group's partial sums are drained into the float32 accumulators;
+- x is scaled per row by a power of two and split into two halves (halfsplit.py): each product takes 2
+  mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product, as 3xTF32's ~2^-21. The store undoes the row
+  scale exactly.
+
+Against dense_tf32.py's 3xTF32-class kernel: per group a warp issues 32 mma of 16-deep products where that one
+issued 64 of 8-deep TF32 products (the H200 runs f16 mma at twice the TF32 rate), reads its fragments as half pairs
+(half the threadgroup bytes), and splits x once at the store instead of at every fragment read. Threadgroup memory:
+(2 x 128 + 128) x 20 x 4 + 3 x 128 x 4 = 32,256 bytes. Measured for the 3xTF32 kernel (H200, 4096-token chunk):
+2.84 ms per call on average, 25% of a chunk's GPU time.
+
+Metal keeps the dequantize + GEMM path (the tensor-core helpers exist in the CUDA prelude only); a failed first-use
+check leaves `batch_matmul`'s next choice.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .affine import GROUP_SIZE, AffineWeight, to_affine
+from .dense_tf32 import PROBE_BANK, PROBE_SHAPE, TOLERANCE, _probe, _reference
+from .dialect import Kernel, build
+from .halfsplit import row_scales
+from .registry import FastPath, current_backend
+
+TM = 128
+"""Rows of x (tokens) per threadgroup."""
+TN = 128
+"""Rows of W (outputs) per threadgroup."""
+TK = GROUP_SIZE
+"""K slice per step: one affine group (two mma k-steps of 16), so that one scale and one c apply to it."""
+LDH = TK // 2 + 4
+"""Threadgroup row stride in 32-bit words (half pairs): 20 puts a fragment load's 8 rows x 4 words on 32 banks."""
+THREADS = 256
+"""8 warps."""
+
+_SOURCE = """
+const int tid = THREAD_IN_GROUP;
+const int n_rows = dims[0];
+const int n_out = dims[1];
+const int n_in = dims[2];
+const int col_tiles = dims[3];
+const int row0 = GROUP_X * TM;
+const int batch = GROUP_Y / col_tiles;
+const int col0 = (GROUP_Y - batch * col_tiles) * TN;
+const int rows = n_rows - row0;
+SHARED unsigned int xh[TM * LDH];
+SHARED unsigned int xl[TM * LDH];
+SHARED unsigned int ws[TN * LDH];
+SHARED float sc[TN];
+SHARED float cc[TN];
+SHARED float rsx[TM];
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const int gid = lane >> 2;
+const int tig = lane & 3;
+const int wm = (warp >> 1) * 32;
+const int wn = (warp & 1) * 64;
+const int words = n_in * BITS / 32;
+const int groups = n_in / TK;
+const GLOBAL_MEM float* x_tile = x + ((size_t)batch * n_rows + row0) * n_in;
+const GLOBAL_MEM uint32_t* q_tile = wq + ((size_t)batch * n_out + col0) * words;
+const GLOBAL_MEM float* s_tile = scales + ((size_t)batch * n_out + col0) * groups;
+const GLOBAL_MEM float* b_tile = biases + ((size_t)batch * n_out + col0) * groups;
+constexpr int VPW = 32 / BITS;
+constexpr int XP = TM * TK / (2 * THREADS);
+constexpr int WL = TN * BITS / THREADS;
+constexpr float MAGIC = 8388608.0f + (float)(1 << (BITS - 1));
+const int kp = tid % (TK / 2);
+const int sr = tid / (TK / 2);
+const int qw = tid % BITS;
+const int qr = tid / BITS;
+if (tid < TM) {
+  rsx[tid] = tid < rows ? xscale[(size_t)batch * n_rows + row0 + tid] : 0.0f;
+}
+float2 xa[XP];
+uint32_t wa[WL];
+float sa = 0.0f;
+float ba = 0.0f;
+float acc[2][8][4];
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    #pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      acc[i][j][c] = 0.0f;
+    }
+  }
+}
+for (int s = 0; s <= groups; ++s) {
+  if (s < groups) {
+    #pragma unroll
+    for (int j = 0; j < XP; ++j) {
+      const int r = sr + j * (2 * THREADS / TK);
+      xa[j] = r < rows ? *reinterpret_cast<const GLOBAL_MEM float2*>(x_tile + (size_t)r * n_in + s * TK + 2 * kp)
+                       : make_float2(0.0f, 0.0f);
+    }
+    #pragma unroll
+    for (int p = 0; p < WL; ++p) {
+      const int r = qr + p * (THREADS / BITS);
+      wa[p] = col0 + r < n_out ? q_tile[(size_t)r * words + s * BITS + qw] : 0u;
+    }
+    if (tid < TN) {
+      const bool ok = col0 + tid < n_out;
+      sa = ok ? s_tile[(size_t)tid * groups + s] : 0.0f;
+      ba = ok ? b_tile[(size_t)tid * groups + s] : 0.0f;
+    }
+  }
+  if (s > 0) {
+    float part[2][8][4];
+    float xsum[2][4];
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      #pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        xsum[i][c] = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          part[i][j][c] = 0.0f;
+        }
+      }
+    }
+    const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      unsigned int ah[2][4];
+      unsigned int al[2][4];
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int at = (wm + 16 * i + gid) * LDH + 8 * kk + tig;
+        ah[i][0] = xh[at];
+        ah[i][1] = xh[at + 8 * LDH];
+        ah[i][2] = xh[at + 4];
+        ah[i][3] = xh[at + 8 * LDH + 4];
+        al[i][0] = xl[at];
+        al[i][1] = xl[at + 8 * LDH];
+        al[i][2] = xl[at + 4];
+        al[i][3] = xl[at + 8 * LDH + 4];
+        if (BITS != 8) {
+          ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
+          ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
+        }
+      }
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int bt = (wn + 8 * j + gid) * LDH + 8 * kk + tig;
+        const unsigned int bq[2] = {ws[bt], ws[bt + 4]};
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          ds4_mma_f16_16x8x16(part[i][j], al[i], bq);
+          ds4_mma_f16_16x8x16(part[i][j], ah[i], bq);
+        }
+      }
+    }
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      #pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = wn + 8 * j + 2 * tig + (c & 1);
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          acc[i][j][c] = fmaf(sc[n], part[i][j][c], acc[i][j][c]);
+          if (BITS != 8) {
+            acc[i][j][c] = fmaf(cc[n], xsum[i][c], acc[i][j][c]);
+          }
+        }
+      }
+    }
+  }
+  ds4_barrier();
+  if (s < groups) {
+    #pragma unroll
+    for (int j = 0; j < XP; ++j) {
+      const int r = sr + j * (2 * THREADS / TK);
+      const float f = rsx[r];
+      ds4_half2_split(xa[j].x * f, xa[j].y * f, xh[r * LDH + kp], xl[r * LDH + kp]);
+    }
+    #pragma unroll
+    for (int p = 0; p < WL; ++p) {
+      const int base = (qr + p * (THREADS / BITS)) * LDH + qw * VPW / 2;
+      #pragma unroll
+      for (int m = 0; m < VPW / 2; ++m) {
+        float q[2];
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int at = 2 * m + e;
+          q[e] = (BITS == 8 ? ds4_magic_byte(wa[p], at)
+                            : ds4_float(0x4B000000u | ((wa[p] >> (BITS * at)) & ((1u << BITS) - 1u)))) - MAGIC;
+        }
+        ws[base + m] = ds4_half2_bits(q[0], q[1]);
+      }
+    }
+    if (tid < TN) {
+      sc[tid] = sa;
+      cc[tid] = ba + sa * (float)(1 << (BITS - 1));
+    }
+  }
+  ds4_barrier();
+}
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+  #pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int r = wm + 16 * i + gid + 8 * (c >> 1);
+    if (r < rows) {
+      const float unscale = ds4_div(1.0f, rsx[r]);
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int n = col0 + wn + 8 * j + 2 * tig + (c & 1);
+        if (n < n_out) {
+          y[((size_t)batch * n_rows + row0 + r) * n_out + n] = acc[i][j][c] * unscale;
+        }
+      }
+    }
+  }
+}
+"""
+"""Step s loads group s into registers, multiplies group s - 1 (in threadgroup memory) into `part` (and, for
+Q4_K, the x row sums into `xsum`), drains both into `acc` with the group's (scale, c), then stores group s once
+every warp is past the multiply: x scaled by its row's power of two and split into hi and lo half pairs, the quants
+centred as half pairs. The mma tile (i, j) of a warp is rows wm + 16 i.. and columns wn + 8 j..; rows past T
+read as zeros, W rows past OUT as zero quants with scale and c 0; every lane of every warp takes part in every
+mma."""
+
+KERNEL = Kernel("ds4_dense_affine_f16", ("x", "wq", "scales", "biases", "dims", "xscale"), ("y",), _SOURCE)
+"""CUDA only: it calls the tensor-core helpers of the CUDA prelude."""
+
+
+def f16_affine_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
+    """x @ W.T as float32 for an affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN); IN a
+    multiple of 32 (the affine layout's). CUDA only."""
+    n_out, n_in = weight.shape[-2:]
+    if weight.wq.ndim == 2:
+        lead, n_batch = x.shape[:-1], 1
+        x = x.reshape(-1, n_in)
+    else:
+        lead, n_batch = x.shape[:-1], weight.wq.shape[0]
+    n_rows = x.size // (n_batch * n_in)
+    if n_rows == 0:
+        return mx.zeros((*lead, n_out), dtype=mx.float32)
+    x = x.astype(mx.float32)
+    col_tiles = -(-n_out // TN)
+    (y,) = build(KERNEL, current_backend())(
+        inputs=[x, weight.wq, weight.scales.astype(mx.float32), weight.biases.astype(mx.float32),
+                mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scales(x.reshape(-1, n_in))],
+        template=[("TM", TM), ("TN", TN), ("TK", TK), ("LDH", LDH), ("THREADS", THREADS), ("BITS", weight.bits)],
+        grid=(-(-n_rows // TM) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
+    )
+    return y.reshape(*lead, n_out)
+
+
+def _fast(ggml_type, blocks, x, bank, xb) -> tuple[mx.array, mx.array]:
+    return (f16_affine_matmul(x, to_affine(blocks, ggml_type, PROBE_SHAPE)),
+            f16_affine_matmul(xb, to_affine(bank, ggml_type, PROBE_BANK)))
+
+
+DENSE_F16 = FastPath("dense_affine_f16x2", _reference, _fast, _probe, tolerance=TOLERANCE, backends=("cuda",))
+"""Q8_0 / Q4_K projections of a prefill batch on float16 tensor cores; key: the ggml type. The bound is batch.py's
+float32 one, 1e-5 of the largest output, as for the 3xTF32 kernel: the split leaves ~2^-22 relative per product."""

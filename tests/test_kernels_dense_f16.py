@@ -1,0 +1,138 @@
+"""The float16 tensor-core dense projection of affine weights (kernels/dense_f16.py).
+
+Without a GPU the kernel runs in emulation (emulated_cuda.py: its f16 mma truncates its sums as the tensor cores do;
+the fragment layout is what test_kernels_grouped_raw.py's one-hot decoding test pins down). The kernel must equal
+x @ W.T in float64 within batch.py's float32 bound (TOLERANCE) for odd shapes, both quant widths, a batch of
+matrices and rows of any size, and at Flash's K with room to spare; on CUDA batch_matmul takes it first.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4_mlx.kernels import dense_f16, registry
+from ds4_mlx.kernels.affine import to_affine
+from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
+from ds4_mlx.kernels.dense_f16 import DENSE_F16, KERNEL, LDH, THREADS, TK, TM, TN, f16_affine_matmul
+from ds4_mlx.kernels.dialect import CUDA, METAL
+from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.quants import reference_matmul
+from ds4_mlx.model.gguf import GGMLType
+from emulated_cuda import emulated_build
+from kernel_checks import assert_renders_cleanly, rendered
+from test_kernels_dense_tf32 import CASES, FLASH_SHAPES, TYPES, case, within
+
+pytestmark = pytest.mark.usefixtures("kernels_unforced")
+
+
+def test_kernel_renders_for_cuda_only():
+    out = rendered(KERNEL, CUDA)
+    assert out["input_names"] == ["x", "wq", "scales", "biases", "dims", "xscale"] and out["output_names"] == ["y"]
+    assert_renders_cleanly(out)
+    assert not re.search(r"\bds4_mma_f16_16x8x16\(", METAL.prelude)
+    assert DENSE_F16.backends == ("cuda",)
+    # threadgroup memory: x hi / lo and quant slices as half pairs, scales, c and row scales: under 48 KB
+    assert (2 * TM + TN) * LDH * 4 + 3 * TN * 4 <= 48 * 1024 and LDH % 32 == 20 and TK == 32
+    # the staging maps: x rows by 16 threads of float pairs, quant words by whole rows
+    assert THREADS == 256 and (TM * TK) % (2 * THREADS) == 0 and all(TN * bits % THREADS == 0 for bits in (4, 8))
+
+
+def test_cuda_plans_the_f16_kernel_first():
+    with registry.planning("cuda"):
+        assert DENSE_F16.enabled(GGMLType.Q8_0)
+    with registry.planning("metal"):
+        assert not DENSE_F16.enabled(GGMLType.Q8_0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASES)
+def test_emulated_kernel_equals_the_product(on_cpu, name, monkeypatch, tmp_path):
+    monkeypatch.setattr(dense_f16, "build", emulated_build(tmp_path))
+    ggml_type, shape, rows = CASES[name]
+    x, blocks, want = case(ggml_type, shape, rows, seed=3)
+    got = np.array(f16_affine_matmul(x, to_affine(blocks, ggml_type, shape)))
+    assert got.shape == want.shape and np.isfinite(got).all()  # every output was written
+    assert within(got, want, TOLERANCE)
+    reference = np.array(reference_matmul(x, blocks, ggml_type, shape))
+    assert within(got, reference, TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_emulated_kernel_keeps_float32_accuracy_at_any_row_scale(on_cpu, ggml_type, monkeypatch, tmp_path):
+    """Rows from 1e-30 to 1e30 (float16 alone would flush or overflow them) and rows mixing magnitudes 2^20 apart,
+    in a batch of two matrices: each row within TOLERANCE of its own largest output."""
+    monkeypatch.setattr(dense_f16, "build", emulated_build(tmp_path))
+    shape = (2, 24, 256)
+    x, blocks, _ = case(ggml_type, shape, 6, seed=5)
+    sizes = np.array([[1e-30, 1e-8, 1.0, 1e8, 1e30, 1.0], [1.0, 1e3, 1e-3, 1.0, 1e-20, 1e20]], np.float32)
+    x = np.array(x) * sizes[..., None]
+    x[:, [0, 3], ::2] *= 2.0**-20
+    w = np.array(to_affine(blocks, ggml_type, shape).dequantize()).astype(np.float64)
+    want = x.astype(np.float64) @ np.swapaxes(w, -1, -2)
+    got = np.array(f16_affine_matmul(mx.array(x), to_affine(blocks, ggml_type, shape)))
+    assert np.isfinite(got).all()
+    row_error = np.abs(got - want).max(axis=-1) / np.abs(want).max(axis=-1)
+    assert (row_error <= TOLERANCE).all(), row_error
+
+
+@pytest.mark.slow
+def test_emulated_kernel_at_flash_k(on_cpu, monkeypatch, tmp_path):
+    """IN = 4096 (Flash's q_a, kv, shared expert IN): within TOLERANCE / 10 of the float64 product. 20 rows, 24
+    outputs: one threadgroup, 128 K steps."""
+    monkeypatch.setattr(dense_f16, "build", emulated_build(tmp_path))
+    shape = (24, 4096)
+    x, blocks, want = case(GGMLType.Q8_0, shape, 20, seed=4)
+    got = np.array(f16_affine_matmul(x, to_affine(blocks, GGMLType.Q8_0, shape)))
+    assert np.isfinite(got).all()
+    assert within(got, want, TOLERANCE / 10)
+
+
+@pytest.mark.slow
+def test_emulated_first_use_check_passes(on_cpu, monkeypatch, tmp_path):
+    """The registry's probe (two column and row tiles, partial; a batch of three) through the emulated kernel, for
+    Q4_K (a nonzero c)."""
+    monkeypatch.setattr(dense_f16, "build", emulated_build(tmp_path))
+    args = dense_f16._probe(GGMLType.Q4_K)
+    for got, want in zip(dense_f16._fast(*args), dense_f16._reference(*args), strict=True):
+        assert registry.disagreement(got, want, TOLERANCE) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda
+def test_dense_f16_passes_its_checks_on_the_gpu(on_cuda):
+    for ggml_type in TYPES:
+        assert DENSE_F16.enabled(ggml_type)
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", FLASH_SHAPES)
+def test_dense_f16_equals_the_reference_at_flash_size(on_cuda, name):
+    """A 2048-token chunk through Flash's Q8_0 projection shapes: within TOLERANCE of the reference, and
+    batch_matmul on CUDA (float32) takes the kernel."""
+    shape = FLASH_SHAPES[name]
+    lead, (n_out, n_in) = shape[:-2], shape[-2:]
+    blocks = random_blocks(GGMLType.Q8_0, int(np.prod(lead, dtype=int)) * n_out, n_in, seed=41)
+    x = random_activations((*lead, 2048, n_in), seed=42)
+    weight = to_affine(blocks, GGMLType.Q8_0, shape)
+    got = f16_affine_matmul(x, weight)
+    want = reference_matmul(x, blocks, GGMLType.Q8_0, shape)
+    assert got.shape == want.shape
+    assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
+    assert (batch_matmul(x, weight) == got).all().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda
+def test_dense_f16_q4_equals_the_reference_on_the_gpu(on_cuda):
+    shape = (2048, 4096)
+    blocks = random_blocks(GGMLType.Q4_K, *shape, seed=43)
+    x = random_activations((777, 4096), seed=44)
+    got = f16_affine_matmul(x, to_affine(blocks, GGMLType.Q4_K, shape))
+    want = reference_matmul(x, blocks, GGMLType.Q4_K, shape)
+    assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
