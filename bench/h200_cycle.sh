@@ -24,12 +24,12 @@
 #   loadpaths      host bytes to device arrays, 16 GB of a tmpfs file (the file step's, else random bytes), by
 #                  bench/load_paths.py's pinned path (the loader's on CUDA), memcpy path (3.7 GB/s in session 6) and
 #                  mx.load path (3.5 GB/s), 8 threads each: issue 10's 15 s
-#   knobs[:N]      decode at 2k over N layers (default 4) under MLX's CUDA graph settings: its defaults (on the
-#                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB), then a graph
-#                  cache of 4000 executable graphs instead of 400 (a prefill's thousands of graphs evict the decode
-#                  step's kinds, which are instantiated again at the next tokens), then smaller graphs (25 nodes).
-#                  Measured before: the MB limit lifted 29% slower (session 5); no CUDA graphs and 25-node graphs
-#                  within the spread of the defaults (session 6)
+#   knobs[:N]      decode at 2k over N layers (default 12) under MLX's CUDA graph settings: its defaults (on the
+#                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB: a decode
+#                  step's expert kernels take the whole 1.1 GB banks as inputs, so most MoE layers end a graph),
+#                  then the MB limit lifted, then that with 1000-node graphs. Measured before: the MB limit lifted
+#                  29% slower (session 5, before decoding fed tokens ahead); no CUDA graphs, 25-node graphs and a
+#                  4000-graph cache within the spread of the defaults (session 6)
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
 # the custom kernels' cubins, kernels/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
 # .device/cache/ for the next machine. Kernels are compiled
@@ -126,8 +126,8 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       done
       rm -f /dev/shm/z ;;
     knobs*)
-      layers=$(step_n 4)
-      for knob in "" "MLX_CUDA_GRAPH_CACHE_SIZE=4000" "MLX_MAX_OPS_PER_BUFFER=25"; do
+      layers=$(step_n 12)
+      for knob in "" "MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=1000"; do
         tag=$(echo "${knob:-defaults}" | tr ' =' '_-')
         env $knob timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 2048 \
           --ctx-max 2048 --gen-tokens 32 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"

@@ -59,7 +59,7 @@ def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int],
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_kernels_render_for_cuda(ggml_type):
     out = rendered(KERNELS[ggml_type], CUDA)
-    assert out["input_names"] == ["x", "w", "counts", "dims"] and out["output_names"] == ["y"]
+    assert out["input_names"] == ["x", "w", "counts", "dims", "xscale"] and out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
     # threadgroup memory: the x hi / lo and W tiles, row scales and the scan, IQ2_XXS's byte grid and W row scales
