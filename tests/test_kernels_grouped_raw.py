@@ -17,12 +17,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import grouped_raw, registry
+from ds4_mlx.kernels import grouped_raw, halfsplit, registry
 from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA
 from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
 from ds4_mlx.kernels.grouped_raw import KERNELS, LDH, grid_words, raw_grouped_gemm
-from ds4_mlx.kernels.halfsplit import row_scales
+from ds4_mlx.kernels.halfsplit import reference_row_scales, row_scales
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
 from ds4_mlx.model.gguf import GGMLType
@@ -213,3 +213,13 @@ def test_raw_kernel_equals_the_reference_at_flash_size_without_a_scratch(on_cuda
     want = sliced_reference(x, blocks, sorted_ids, ggml_type, shape)
     assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
     assert (RAW_GROUPED[ggml_type](x, blocks, sorted_ids, counts, shape) == got).all().item()
+
+
+@pytest.mark.slow
+def test_emulated_row_scale_kernel_equals_the_reference(on_cpu, monkeypatch, tmp_path):
+    """The one-pass kernel's scales are the reference's bit for bit on its probe (rows from 1e-30 to 1e30, a zero
+    row, an infinity) and on a width that is not a multiple of its threads."""
+    monkeypatch.setattr(halfsplit, "build", emulated_build(tmp_path))
+    for key in (4096, 300):
+        (x,) = halfsplit._probe(key)
+        assert registry.disagreement(halfsplit._kernel_row_scales(x), reference_row_scales(x), 0.0) is None
