@@ -65,11 +65,11 @@ for step in "$@"; do
       echo "$(grep -c PASSED "$out/gpu_tests.txt") passed; last: $(grep "::" "$out/gpu_tests.txt" | tail -1 | cut -c1-150)" ;;
     profile)
       timeout "$(left 120)" python3 bench/gpu_profile.py --layers 4 --ctx 2080 --top 40 > "$out/profile.txt" 2>&1
-      grep -v "warnings.warn" "$out/profile.txt" | cut -c1-170 | tail -48 ;;
+      grep -v "warnings.warn\|_warn_once\|UserWarning" "$out/profile.txt" | cut -c1-170 | head -50 ;;
     prefill)
       timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill 4096 --ctx 16400 --top 30 \
         > "$out/prefill.txt" 2>&1
-      grep -v "warnings.warn" "$out/prefill.txt" | cut -c1-170 | tail -38 ;;
+      grep -v "warnings.warn\|_warn_once\|UserWarning" "$out/prefill.txt" | cut -c1-170 | head -42 ;;
     bench*)
       IFS=: read -r _ layers max <<< "$step:"; layers=${layers:-43}; max=${max:-2048}
       timeout "$(left 15)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 512 \
