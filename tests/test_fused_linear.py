@@ -279,9 +279,10 @@ def test_tiny_model_decode_folds_its_input_norms_on_the_gpu(on_gpu, tiny_weights
     folds = len(model.blocks) + q_a_folded + 1
     rms = "RMSNorm"
     # at least one RMSNorm node per folded norm leaves the graph (the stand-in makes one per input array it sees,
-    # and the step hands some projections views of the same normed input: more than one per norm there)
-    assert separate["by_primitive"].get(rms, 0) - folded["by_primitive"].get(rms, 0) >= folds
-    assert separate["kernels"] - folded["kernels"] == folds
+    # and the step hands some projections views of the same normed input: more than one per norm there, 23 for 11
+    # on the H200), and the launches drop by exactly those nodes: folding adds none
+    removed = separate["by_primitive"].get(rms, 0) - folded["by_primitive"].get(rms, 0)
+    assert removed >= folds and separate["kernels"] - folded["kernels"] == removed
 
     with registry.forced_mode("reference"):
         want, _ = decode(Model(tiny_weights, simulate_quant=False))
