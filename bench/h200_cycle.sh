@@ -30,6 +30,9 @@
 #                  then the MB limit lifted, then that with 1000-node graphs. Measured before: the MB limit lifted
 #                  29% slower (session 5, before decoding fed tokens ahead); no CUDA graphs, 25-node graphs and a
 #                  4000-graph cache within the spread of the defaults (session 6)
+#   ab:DIR[:N]     decode at 2k (128 tokens) over N layers (default 43) with the tree in DIR (another commit's
+#                  `git archive`, untracked, so that it travels), then with this one, on the same machine
+#   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
 # the custom kernels' cubins, kernels/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
 # .device/cache/ for the next machine. Kernels are compiled
@@ -133,6 +136,17 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
           --ctx-max 2048 --gen-tokens 32 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"
         echo "${knob:-defaults}: $(figures "$out/knobs_$tag.json")"
       done ;;
+    ab:*)
+      IFS=: read -r _ dir layers <<< "$step:"; layers=${layers:-43}
+      for d in "$dir" .; do
+        (cd "$d" && PYTHONPATH=$PWD timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" \
+          --ctx-start 2048 --ctx-max 2048 --gen-tokens 128 --json > "$out/ab.json" 2> "$out/ab.err")
+        echo "$d: $(figures "$out/ab.json")"
+        grep -v "warnings.warn\|it/s\]" "$out/ab.err" | cut -c1-200 | tail -4
+      done
+      rm -f "$out/ab.json" "$out/ab.err" ;;
+    gemms)
+      timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -16 ;;
     *) echo "unknown step $step" ;;
   esac
 done

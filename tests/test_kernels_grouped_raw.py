@@ -21,7 +21,7 @@ from ds4_mlx.kernels import grouped_raw, halfsplit, registry
 from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA
 from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
-from ds4_mlx.kernels.grouped_raw import KERNELS, LDH, grid_words, raw_grouped_gemm
+from ds4_mlx.kernels.grouped_raw import KERNELS, TK, grid_words, raw_grouped_gemm, template
 from ds4_mlx.kernels.halfsplit import reference_row_scales, row_scales
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
@@ -47,10 +47,11 @@ def bank(ggml_type: GGMLType, counts: list[int], n_out: int, n_in: int, seed: in
     return blocks, weights, np.repeat(np.arange(n_expert), counts).astype(np.uint32)
 
 
-def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int], n_out: int, n_in: int
-        ) -> np.ndarray:
+def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int], n_out: int, n_in: int,
+        tk: int = TK) -> np.ndarray:
     shape = (len(counts), n_out, n_in)
-    return np.array(raw_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type, shape))
+    return np.array(raw_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type, shape,
+                                     tk))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -62,9 +63,12 @@ def test_kernels_render_for_cuda(ggml_type):
     assert out["input_names"] == ["x", "w", "counts", "dims", "xscale"] and out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
-    # threadgroup memory: the x hi / lo and W tiles, row scales and the scan, IQ2_XXS's byte grid and W row scales
-    # (Q2_K: a scale and a min per W row and group); under 48 KB with room for a second stage
-    assert (2 * 64 + 128) * LDH * 4 + 64 * 4 + 12 + 4 * 512 + 4 * 128 <= 24 * 1024
+    # threadgroup memory at each stage width: the x hi / lo and W tiles, row scales and the scan, IQ2_XXS's byte
+    # grid and W row scales (Q2_K: a scale and a min per W row and group, the same bytes): under the 48 KB limit
+    for tk in (32, 64):
+        ldh = dict(template(tk))["LDH"]
+        assert ldh % 32 in (4, 20) and ldh % 4 == 0
+        assert (2 * 64 + 128) * ldh * 4 + 64 * 4 + 12 + 4 * 512 + 4 * 128 * tk // 16 <= 48 * 1024
 
 
 def test_the_byte_grid_is_ggmls_grid():
@@ -114,14 +118,15 @@ CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tk", [32, 64])
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", CASES)
-def test_emulated_kernel_equals_one_product_per_pair(on_cpu, ggml_type, case, monkeypatch, tmp_path):
+def test_emulated_kernel_equals_one_product_per_pair(on_cpu, ggml_type, case, tk, monkeypatch, tmp_path):
     monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
     counts, n_out, n_in = CASES[case]
     blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=8)
     x = np.random.default_rng(9).standard_normal((ids.size, n_in)).astype(np.float32)
-    got = run(ggml_type, x, blocks, counts, n_out, n_in)
+    got = run(ggml_type, x, blocks, counts, n_out, n_in, tk)
     assert np.isfinite(got).all()  # every output was written
     assert within(got, products(x, weights, ids), TOLERANCE)
 

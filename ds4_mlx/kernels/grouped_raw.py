@@ -49,14 +49,23 @@ from .grouped_gemm import TILE_HEAD, TILE_SCAN, THREADS, TM, TN, launch_grouped
 from .halfsplit import row_scales
 from .registry import current_backend
 
-TK = 32
-"""K slice per step: one IQ2_XXS sub-block, two Q2_K groups of 16 (two mma k-steps of 16)."""
-LDH = TK // 2 + 4
-"""Threadgroup row stride in 32-bit words (two halves each): 20 = 20 mod 32 puts a fragment load's 8 rows x 4 words
-on 32 distinct banks, and keeps each row 16-byte aligned for the W tile's vector stores."""
-TEMPLATE = [("TM", TM), ("TN", TN), ("TK", TK), ("THREADS", THREADS), ("LDH", LDH)]
+SLICE = 32
+"""The decoding unit: one IQ2_XXS sub-block (one scale), two Q2_K groups of 16 (a scale and a min each)."""
+TK = 64
+"""K per stage (two slices: two mma k-steps of 16 each): the work between a stage's two barriers, which has to cover
+the next stage's global loads in flight. Measured (H200, 4096-token chunk) at TK = 32: 9.05 ms per IQ2_XXS and
+10.3 ms per Q2_K Flash projection, ~9% of the float16 tensor-core peak."""
 
-assert THREADS == 2 * TN and THREADS == 16 * (TM // 4), "the staging maps: two threads per W row, 16 per x row pass"
+
+def template(tk: int = TK) -> list[tuple[str, int]]:
+    """The template constants for a stage of `tk` values (a multiple of SLICE dividing 256): LDH = tk / 2 + 4 words
+    (half pairs) a threadgroup row, 20 or 36: both put a fragment load's 8 rows x 4 words on 32 distinct banks and
+    keep rows 16-byte aligned for the W tile's vector stores."""
+    assert tk % SLICE == 0 and 256 % tk == 0
+    return [("TM", TM), ("TN", TN), ("TK", tk), ("THREADS", THREADS), ("LDH", tk // 2 + 4)]
+
+
+assert THREADS == 2 * TN and THREADS % (TM // 4) == 0, "the staging maps: two threads per W row, whole x rows"
 
 
 def grid_words() -> list[int]:
@@ -70,13 +79,13 @@ def grid_words() -> list[int]:
 def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: bool) -> str:
     """The kernel body with its W staging given: `w_shared` declares what the staging keeps beside the W tile `ws`
     (TN rows of LDH words, row n = output column col0 + n, two halves a word along k); `w_setup` runs once past the
-    tile scan; `w_load` issues slice s's global loads into registers; `w_store` decodes them into ws (and the
-    slice's scales) once every warp is past the previous multiply. IQ2_XXS: one scale per W row and slice (`wsc`);
-    Q2_K (`q2_k`): a scale and a min per W row and group of 16 (`wdl`, `wml`), the min times the group's sum of x,
-    taken from the tensor cores with a B of ones."""
+    tile scan; `w_load` issues stage s's global loads into registers; `w_store` decodes them into ws (and the
+    stage's scales) once every warp is past the previous multiply. A stage is U = TK / SLICE slices. IQ2_XXS: one
+    scale per W row and slice (`wsc`, slice-major); Q2_K (`q2_k`): a scale and a min per W row and group of 16
+    (`wdl`, `wml`, group-major), the min times the group's sum of x, from the tensor cores with a B of ones."""
     if q2_k:
         multiply = """    #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
+    for (int g = 0; g < 2 * U; ++g) {
       float part[2][4][4];
       float xsum[2][4];
       #pragma unroll
@@ -91,7 +100,7 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
         }
       }
       const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
-""" + _FRAGMENTS.replace("KW", "8 * kk") + """      #pragma unroll
+""" + _FRAGMENTS.replace("KW", "8 * g") + """      #pragma unroll
       for (int i = 0; i < 2; ++i) {
         ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
         ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
@@ -107,49 +116,54 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
         for (int j = 0; j < 4; ++j) {
           #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            const int n = wn + 8 * j + 2 * tig + (c & 1);
-            acc[i][j][c] = fmaf(wdl[2 * n + kk], part[i][j][c], acc[i][j][c]);
-            acc[i][j][c] = fmaf(-wml[2 * n + kk], xsum[i][c], acc[i][j][c]);
+            const int n = g * TN + wn + 8 * j + 2 * tig + (c & 1);
+            acc[i][j][c] = fmaf(wdl[n], part[i][j][c], acc[i][j][c]);
+            acc[i][j][c] = fmaf(-wml[n], xsum[i][c], acc[i][j][c]);
           }
         }
       }
     }
 """
     else:
-        multiply = """    float part[2][4][4];
-    #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+        multiply = """    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float part[2][4][4];
       #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          part[i][j][c] = 0.0f;
-        }
-      }
-    }
-    #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-""" + _FRAGMENTS.replace("KW", "8 * kk") + """      #pragma unroll
       for (int i = 0; i < 2; ++i) {
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
-          ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
+          #pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            part[i][j][c] = 0.0f;
+          }
         }
       }
-    }
-    #pragma unroll
-    for (int i = 0; i < 2; ++i) {
       #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int kk = 0; kk < 2; ++kk) {
+""" + _FRAGMENTS.replace("KW", "16 * u + 8 * kk") + """        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
+            ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
+          }
+        }
+      }
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
         #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          acc[i][j][c] = fmaf(wsc[wn + 8 * j + 2 * tig + (c & 1)], part[i][j][c], acc[i][j][c]);
+        for (int j = 0; j < 4; ++j) {
+          #pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            acc[i][j][c] = fmaf(wsc[u * TN + wn + 8 * j + 2 * tig + (c & 1)], part[i][j][c], acc[i][j][c]);
+          }
         }
       }
     }
 """
     return TILE_HEAD + """
+constexpr int U = TK / 32;
+constexpr int XP = TM * TK / (2 * THREADS);
 SHARED unsigned int xh[TM * LDH];
 SHARED unsigned int xl[TM * LDH];
 SHARED uint4 ws4[TN * LDH / 4];
@@ -168,7 +182,7 @@ const GLOBAL_MEM float* x_tile = x + (size_t)row0 * n_in;
 if (tid < TM) {
   rsx[tid] = tid < rows ? xscale[row0 + tid] : 0.0f;
 }
-float2 xa[TM / (2 * THREADS / TK)];
+float2 xa[XP];
 """ + w_setup + """float acc[2][4][4];
 #pragma unroll
 for (int i = 0; i < 2; ++i) {
@@ -184,7 +198,7 @@ const int steps = n_in / TK;
 for (int s = 0; s <= steps; ++s) {
   if (s < steps) {
     #pragma unroll
-    for (int j = 0; j < TM / (2 * THREADS / TK); ++j) {
+    for (int j = 0; j < XP; ++j) {
       const int r = sr + j * (2 * THREADS / TK);
       xa[j] = r < rows ? *reinterpret_cast<const GLOBAL_MEM float2*>(x_tile + (size_t)r * n_in + s * TK + 2 * kp)
                        : make_float2(0.0f, 0.0f);
@@ -195,7 +209,7 @@ for (int s = 0; s <= steps; ++s) {
   ds4_barrier();
   if (s < steps) {
     #pragma unroll
-    for (int j = 0; j < TM / (2 * THREADS / TK); ++j) {
+    for (int j = 0; j < XP; ++j) {
       const int r = sr + j * (2 * THREADS / TK);
       const float sc = rsx[r];
       ds4_half2_split(xa[j].x * sc, xa[j].y * sc, xh[r * LDH + kp], xl[r * LDH + kp]);
@@ -259,87 +273,102 @@ const GLOBAL_MEM unsigned char* w_row = w + ((size_t)expert * n_out + (d_ok ? co
 """
 
 
-_STORE = """    SHARED_MEM uint4* wrow = reinterpret_cast<SHARED_MEM uint4*>(ws + dn * LDH + 8 * dh);
-    #pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      uint4 v;
-      v.x = d_ok ? ds4_half2_bits(dv[8 * m], dv[8 * m + 1]) : 0u;
-      v.y = d_ok ? ds4_half2_bits(dv[8 * m + 2], dv[8 * m + 3]) : 0u;
-      v.z = d_ok ? ds4_half2_bits(dv[8 * m + 4], dv[8 * m + 5]) : 0u;
-      v.w = d_ok ? ds4_half2_bits(dv[8 * m + 6], dv[8 * m + 7]) : 0u;
-      wrow[m] = v;
-    }
+_STORE = """      SHARED_MEM uint4* wrow = reinterpret_cast<SHARED_MEM uint4*>(ws + dn * LDH + 16 * u + 8 * dh);
+      #pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        uint4 v;
+        v.x = d_ok ? ds4_half2_bits(dv[8 * m], dv[8 * m + 1]) : 0u;
+        v.y = d_ok ? ds4_half2_bits(dv[8 * m + 2], dv[8 * m + 3]) : 0u;
+        v.z = d_ok ? ds4_half2_bits(dv[8 * m + 4], dv[8 * m + 5]) : 0u;
+        v.w = d_ok ? ds4_half2_bits(dv[8 * m + 6], dv[8 * m + 7]) : 0u;
+        wrow[m] = v;
+      }
 """
-"""The 16 decoded values dv (small integers: exact as halves) as two 16-byte stores of eight halves each: row dn
-starts at word 20 dn (16-byte aligned), the thread's half at 8 dh."""
+"""Slice u's 16 decoded values dv (small integers: exact as halves) as two 16-byte stores of eight halves each: row
+dn starts at word LDH dn (16-byte aligned), slice u at 16 u, the thread's half at 8 dh."""
 
-_IQ2_XXS_SHARED = "SHARED unsigned int iq2_grid[512];\nSHARED float wsc[TN];\n"
+_IQ2_XXS_SHARED = "SHARED unsigned int iq2_grid[512];\nSHARED float wsc[TN * (TK / 32)];\n"
 _IQ2_XXS_SETUP = _row(66) + """for (int i = tid; i < 512; i += THREADS) {
   iq2_grid[i] = ds4_iq2xxs_bytes[i];
 }
 unsigned int w_d = 0u;
-unsigned int w_q = 0u;
-unsigned int w_aux = 0u;
+unsigned int w_q[U];
+unsigned int w_aux[U];
 """
 _IQ2_XXS_LOAD = """    const GLOBAL_MEM unsigned short* b16 =
-        reinterpret_cast<const GLOBAL_MEM unsigned short*>(w_row + (size_t)(s >> 3) * 66);
-    const int sub = 4 * (s & 7);
+        reinterpret_cast<const GLOBAL_MEM unsigned short*>(w_row + (size_t)((s * U) >> 3) * 66);
     w_d = b16[0];
-    w_q = b16[1 + sub + dh];
-    w_aux = (unsigned int)b16[3 + sub] | ((unsigned int)b16[4 + sub] << 16);
-"""
-_IQ2_XXS_STORE = """    if (dh == 0) {
-      wsc[dn] = d_ok ? ds4_half_to_float((unsigned short)w_d) * (0.5f + (float)(w_aux >> 28)) * 0.25f : 0.0f;
-    }
-    float dv[16];
     #pragma unroll
-    for (int gg = 0; gg < 2; ++gg) {
-      const unsigned int idx = (w_q >> (8 * gg)) & 255u;
-      const unsigned int low = (w_aux >> (7 * (2 * dh + gg))) & 127u;
-      const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float magnitude = ds4_magic_byte(iq2_grid[2 * idx + (j >> 2)], j & 3) - 8388608.0f;
-        dv[8 * gg + j] = (signs >> j) & 1u ? -magnitude : magnitude;
-      }
+    for (int u = 0; u < U; ++u) {
+      const int sub = 4 * ((s * U + u) & 7);
+      w_q[u] = b16[1 + sub + dh];
+      w_aux[u] = (unsigned int)b16[3 + sub] | ((unsigned int)b16[4 + sub] << 16);
     }
-""" + _STORE
-"""Slice s is sub-block s % 8 of block s / 8 (16-bit words: d at 0, the sub-block at 1 + 4 (s % 8): grid indices
-in words +0 and +1, aux in +2 and +3). Half dh holds groups 2 dh and 2 dh + 1 (8 values each): grid indices = the
-two bytes of word 1 + 4 (s % 8) + dh, signs = aux's 7-bit field of the group plus its parity bit (ggml's ksigns).
-The reference's value is db * magnitude, db = d * (0.5 + aux >> 28) * 0.25, negated by its sign bit. The whole
-slice is one sub-block, so one db per W row: the tile holds the signed magnitudes (8, 25 or 43) and wsc the row's
-db, which scales the slice's partial sums as they are drained."""
+"""
+_IQ2_XXS_STORE = """    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (dh == 0) {
+        wsc[u * TN + dn] = d_ok ? ds4_half_to_float((unsigned short)w_d) * (0.5f + (float)(w_aux[u] >> 28)) * 0.25f
+                                : 0.0f;
+      }
+      float dv[16];
+      #pragma unroll
+      for (int gg = 0; gg < 2; ++gg) {
+        const unsigned int idx = (w_q[u] >> (8 * gg)) & 255u;
+        const unsigned int low = (w_aux[u] >> (7 * (2 * dh + gg))) & 127u;
+        const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float magnitude = ds4_magic_byte(iq2_grid[2 * idx + (j >> 2)], j & 3) - 8388608.0f;
+          dv[8 * gg + j] = (signs >> j) & 1u ? -magnitude : magnitude;
+        }
+      }
+""" + _STORE + "    }\n"
+"""Slice u of stage s is sub-block (s U + u) % 8 of block s U / 8 (a stage never straddles a block: TK divides 256;
+16-bit words: d at 0, sub-block b at 1 + 4 b: grid indices in words +0 and +1, aux in +2 and +3). Half dh holds
+groups 2 dh and 2 dh + 1 (8 values each): grid indices = the two bytes of word 1 + 4 b + dh, signs = aux's 7-bit
+field of the group plus its parity bit (ggml's ksigns). The reference's value is db * magnitude, db = d * (0.5 +
+aux >> 28) * 0.25, negated by its sign bit; the tile holds the signed magnitudes (8, 25 or 43) and wsc each
+slice's db per row, which scales the slice's partial sums as they are drained."""
 
-_Q2_K_SHARED = "SHARED float wdl[2 * TN];\nSHARED float wml[2 * TN];\n"
+_Q2_K_SHARED = "SHARED float wdl[2 * (TK / 32) * TN];\nSHARED float wml[2 * (TK / 32) * TN];\n"
 _Q2_K_SETUP = _row(84) + """unsigned int w_dm = 0u;
-unsigned int w_sc = 0u;
-unsigned int w_qs[4] = {0u, 0u, 0u, 0u};
+unsigned int w_sc[U];
+unsigned int w_qs[U][4];
 """
 _Q2_K_LOAD = """    const GLOBAL_MEM unsigned int* b32 =
-        reinterpret_cast<const GLOBAL_MEM unsigned int*>(w_row + (size_t)(s >> 3) * 84);
-    const int hb = (s >> 2) & 1;
+        reinterpret_cast<const GLOBAL_MEM unsigned int*>(w_row + (size_t)((s * U) >> 3) * 84);
     w_dm = b32[20];
-    w_sc = b32[2 * hb + ((s >> 1) & 1)];
     #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      w_qs[m] = b32[4 + 8 * hb + 4 * dh + m];
+    for (int u = 0; u < U; ++u) {
+      const int sl = s * U + u;
+      const int hb = (sl >> 2) & 1;
+      w_sc[u] = b32[2 * hb + ((sl >> 1) & 1)];
+      #pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        w_qs[u][m] = b32[4 + 8 * hb + 4 * dh + m];
+      }
     }
 """
-_Q2_K_STORE = """    const unsigned int sc = (w_sc >> (8 * (2 * (s & 1) + dh))) & 255u;
-    wdl[2 * dn + dh] = d_ok ? ds4_half_to_float((unsigned short)(w_dm & 0xFFFFu)) * (float)(sc & 15u) : 0.0f;
-    wml[2 * dn + dh] = d_ok ? ds4_half_to_float((unsigned short)(w_dm >> 16)) * (float)(sc >> 4) : 0.0f;
-    float dv[16];
-    #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      dv[i] = ds4_float(0x4B000000u | ((w_qs[i >> 2] >> (8 * (i & 3) + 2 * (s & 3))) & 3u)) - 8388608.0f;
-    }
-""" + _STORE
-"""Slice s is values 32 (s % 8) .. of block s / 8: half hb = (s / 4) % 2 and shift 2 j, j = s % 4; value
-128 hb + 32 j + 16 dh + i has quant (qs[32 hb + 16 dh + i] >> 2 j) & 3 (qs from byte 16 = word 4) and scale byte
-8 hb + 2 j + dh (word 2 hb + j / 2, byte 2 (j % 2) + dh); d | dmin is word 20 (bytes 80-83). The reference's value
-is dl q - ml with dl = d (sc & 15) and ml = dmin (sc >> 4), both exact products; the tile holds q (0..3) and the
-group's dl and ml, applied at the group's drain (dl times the partial sums, less ml times the rows' sums of x)."""
+_Q2_K_STORE = """    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int sl = s * U + u;
+      const unsigned int sc = (w_sc[u] >> (8 * (2 * (sl & 1) + dh))) & 255u;
+      const int at = (2 * u + dh) * TN + dn;
+      wdl[at] = d_ok ? ds4_half_to_float((unsigned short)(w_dm & 0xFFFFu)) * (float)(sc & 15u) : 0.0f;
+      wml[at] = d_ok ? ds4_half_to_float((unsigned short)(w_dm >> 16)) * (float)(sc >> 4) : 0.0f;
+      float dv[16];
+      #pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        dv[i] = ds4_float(0x4B000000u | ((w_qs[u][i >> 2] >> (8 * (i & 3) + 2 * (sl & 3))) & 3u)) - 8388608.0f;
+      }
+""" + _STORE + "    }\n"
+"""Slice sl = s U + u is values 32 (sl % 8) .. of block sl / 8: half hb = (sl / 4) % 2 and shift 2 j, j = sl % 4;
+value 128 hb + 32 j + 16 dh + i has quant (qs[32 hb + 16 dh + i] >> 2 j) & 3 (qs from byte 16 = word 4) and scale
+byte 8 hb + 2 j + dh (word 2 hb + j / 2, byte 2 (j % 2) + dh); d | dmin is word 20 (bytes 80-83). The reference's
+value is dl q - ml with dl = d (sc & 15) and ml = dmin (sc >> 4), both exact products; the tile holds q (0..3) and
+each group's dl and ml (group 2 u + dh of the stage), applied at the group's drain (dl times the partial sums, less
+ml times the rows' sums of x)."""
 
 _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map(str, grid_words())) + "};\n"
 
@@ -354,10 +383,10 @@ KERNELS: dict[GGMLType, Kernel] = {
 """CUDA only (the tensor-core helpers of the CUDA prelude); one kernel per raw expert type."""
 
 def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
-                     shape: tuple[int, int, int]) -> mx.array:
+                     shape: tuple[int, int, int], tk: int = TK) -> mx.array:
     """x[i] @ W[e(i)].T as float32 (N, OUT) for a raw bank `blocks` (uint8, E rows of OUT * row bytes) of type
     `ggml_type` and row-major shape (E, OUT, IN), pair i's expert given by the counts (E,) of pairs sorted by
-    expert. CUDA only."""
+    expert; `tk` the stage width (bench/raw_stages.py compares them). CUDA only."""
     x = x.astype(mx.float32)
-    return launch_grouped(build(KERNELS[ggml_type], current_backend()), x, blocks, counts, shape, TEMPLATE,
+    return launch_grouped(build(KERNELS[ggml_type], current_backend()), x, blocks, counts, shape, template(tk),
                           extra=[row_scales(x)])

@@ -1,0 +1,89 @@
+"""Prefill's tensor-core GEMMs at DeepSeek V4 Flash's shapes, one chunk: ms per call and useful TFLOP/s.
+
+    python bench/prefill_gemms.py                 # 4096-token chunk (CUDA's), random routing over 256 experts
+    python bench/prefill_gemms.py --tokens 2048 --calls 4
+
+Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down at each stage width
+(TK = 32 and 64), and the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) and the 3xTF32 one
+(dense_tf32.py). Each line is checked against the first of its group (the outputs must agree within float32
+reassociation), so a fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median
+of `--repeats` evaluations is reported. CUDA only (the kernels are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.kernels.affine import to_affine
+from ds4_mlx.kernels.dense_f16 import f16_affine_matmul
+from ds4_mlx.kernels.dense_tf32 import tf32_affine_matmul
+from ds4_mlx.kernels.grouped_gemm import expert_counts
+from ds4_mlx.kernels.grouped_raw import raw_grouped_gemm
+from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.model.gguf import GGMLType
+
+EXPERTS, USED = 256, 6
+RAW = {"gate/up IQ2_XXS": (GGMLType.IQ2_XXS, 2048, 4096), "down Q2_K": (GGMLType.Q2_K, 4096, 2048)}
+DENSE = {"q_a": (1024, 4096), "q_b": (32768, 1024), "out_b": (4096, 8192), "shared gate": (2048, 4096)}
+
+
+def per_call_ms(call: Callable[[], mx.array], calls: int, repeats: int) -> float:
+    mx.eval(call())  # compile and check first
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(*[call() for _ in range(calls)])
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) / calls)
+    return 1e3 * statistics.median(times)
+
+
+def report(name: str, flops: float, ms: float, error: float) -> None:
+    print(f"{name:<34} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  error vs first {error:.1e}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+
+    rng = np.random.default_rng(0)
+    ids = np.sort(np.concatenate([rng.choice(EXPERTS, USED, replace=False) for _ in range(args.tokens)]))
+    counts = expert_counts(mx.array(ids.astype(np.uint32)), EXPERTS)
+    for name, (ggml_type, n_out, n_in) in RAW.items():
+        blocks = random_blocks(ggml_type, EXPERTS * n_out, n_in, seed=1).reshape(EXPERTS, -1)
+        x = random_activations((ids.size, n_in), seed=2)
+        mx.eval(blocks, x, counts)
+        first = None
+        for tk in (32, 64):
+            y = raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk)
+            first = y if first is None else first
+            error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
+            ms = per_call_ms(lambda: raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk),
+                             args.calls, args.repeats)
+            report(f"{name} TK={tk}", 2.0 * ids.size * n_out * n_in, ms, error)
+    for name, shape in DENSE.items():
+        weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=3), GGMLType.Q8_0, shape)
+        x = random_activations((args.tokens, shape[1]), seed=4)
+        mx.eval(weight.wq, x)
+        first = None
+        for kind, matmul in (("f16", f16_affine_matmul), ("3xtf32", tf32_affine_matmul)):
+            y = matmul(x, weight)
+            first = y if first is None else first
+            error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
+            report(f"dense {name} {kind}", 2.0 * args.tokens * shape[0] * shape[1],
+                   per_call_ms(lambda: matmul(x, weight), args.calls, args.repeats), error)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
