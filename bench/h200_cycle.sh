@@ -146,7 +146,7 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       done
       rm -f "$out/ab.json" "$out/ab.err" ;;
     gemms)
-      timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -16 ;;
+      timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -24 ;;
     *) echo "unknown step $step" ;;
   esac
 done

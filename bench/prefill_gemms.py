@@ -4,8 +4,8 @@
     python bench/prefill_gemms.py --tokens 2048 --calls 4
 
 Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down at each stage width
-(TK = 32 and 64), and the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) and the 3xTF32 one
-(dense_tf32.py). Each line is checked against the first of its group (the outputs must agree within float32
+(TK = 32 and 64), the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) and the 3xTF32 one
+(dense_tf32.py), and F16 matrices by the float16 kernel and cuBLAS's float32 GEMM (what they took before). Each line is checked against the first of its group (the outputs must agree within float32
 reassociation), so a fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median
 of `--repeats` evaluations is reported. CUDA only (the kernels are).
 """
@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.dense_f16 import f16_affine_matmul
+from ds4_mlx.kernels.dense_f16 import f16_affine_matmul, half_matmul
 from ds4_mlx.kernels.dense_tf32 import tf32_affine_matmul
 from ds4_mlx.kernels.grouped_gemm import expert_counts
 from ds4_mlx.kernels.grouped_raw import raw_grouped_gemm
@@ -31,6 +31,8 @@ from ds4_mlx.model.gguf import GGMLType
 EXPERTS, USED = 256, 6
 RAW = {"gate/up IQ2_XXS": (GGMLType.IQ2_XXS, 2048, 4096), "down Q2_K": (GGMLType.Q2_K, 4096, 2048)}
 DENSE = {"q_a": (1024, 4096), "q_b": (32768, 1024), "out_b": (4096, 8192), "shared gate": (2048, 4096)}
+HALF = [(512, 4096), (8192, 1024)]
+"""F16 matrices: a compressor's kv (the router's gate is 256 x 4096), the indexer's q_b."""
 
 
 def per_call_ms(call: Callable[[], mx.array], calls: int, repeats: int) -> float:
@@ -82,6 +84,16 @@ def main() -> int:
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
             report(f"dense {name} {kind}", 2.0 * args.tokens * shape[0] * shape[1],
                    per_call_ms(lambda: matmul(x, weight), args.calls, args.repeats), error)
+    for shape in HALF:
+        w = mx.array(np.random.default_rng(5).standard_normal(shape).astype(np.float16))
+        x = random_activations((args.tokens, shape[1]), seed=6)
+        first = None
+        for kind, matmul in (("f16", half_matmul), ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
+            y = matmul(x, w)
+            first = y if first is None else first
+            error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
+            report(f"F16 {shape[0]}x{shape[1]} {kind}", 2.0 * args.tokens * shape[0] * shape[1],
+                   per_call_ms(lambda: matmul(x, w), args.calls, args.repeats), error)
     return 0
 
 

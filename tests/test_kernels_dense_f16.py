@@ -14,10 +14,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import dense_f16, registry
+from ds4_mlx.kernels import dense_f16, half, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
-from ds4_mlx.kernels.dense_f16 import DENSE_F16, KERNEL, LDH, THREADS, TK, TM, TN, f16_affine_matmul
+from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, KERNEL, LDH, THREADS, TK, TM, TN, f16_affine_matmul,
+                                       half_matmul)
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import reference_matmul
@@ -136,3 +137,51 @@ def test_dense_f16_q4_equals_the_reference_on_the_gpu(on_cuda):
     got = f16_affine_matmul(x, to_affine(blocks, GGMLType.Q4_K, shape))
     want = reference_matmul(x, blocks, GGMLType.Q4_K, shape)
     assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# F16 matrices (BITS = 16): a chunk's compressor, indexer and router projections
+
+def half_case(n_out: int, n_in: int, rows: int, seed: int) -> tuple[mx.array, mx.array, np.ndarray]:
+    """(x, W float16 with magnitudes down to subnormal halves, x @ W.T in float64)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n_out, n_in)) * np.exp2(rng.uniform(-16, 0, (n_out, n_in)))).astype(np.float16)
+    x = random_activations((rows, n_in), seed=seed + 1)
+    return x, mx.array(w), np.array(x).astype(np.float64) @ w.astype(np.float64).T
+
+
+def test_cuda_plans_the_half_batch_for_chunks_only():
+    """A chunk's rows of an F16 projection take the tensor-core GEMM on CUDA; a decode token keeps the matvec
+    kernel, and an IN that is not a multiple of 32 the reference."""
+    x, w, _ = half_case(64, 256, 20, seed=6)
+    with registry.planning("cuda"):
+        assert half._batch(x, w) and not half._batch(x[:2], w)
+        assert not half._batch(x[:, :48], w[:, :48])
+    with registry.planning("metal"):
+        assert not half._batch(x, w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(200, 64, 150), (24, 4096, 20), (8, 32, 17)], ids=str)
+def test_emulated_half_matmul_equals_the_product(on_cpu, shape, monkeypatch, tmp_path):
+    """Two column and row tiles (both partial), Flash's IN (within TOLERANCE / 10), a single group."""
+    monkeypatch.setattr(dense_f16, "build", emulated_build(tmp_path))
+    n_out, n_in, rows = shape
+    x, w, want = half_case(n_out, n_in, rows, seed=7)
+    got = np.array(half_matmul(x, w))
+    assert got.shape == want.shape and np.isfinite(got).all()
+    assert within(got, want, TOLERANCE / 10 if n_in == 4096 else TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(512, 4096), (256, 4096), (8192, 1024)], ids=str)
+def test_half_batch_equals_the_reference_on_the_gpu(on_cuda, shape):
+    """Flash's F16 shapes (compressor kv, router gate, indexer q_b) at a 4096-token chunk: half_matvec takes the
+    tensor-core GEMM, within TOLERANCE of x @ W.astype(float32).T."""
+    x, w, _ = half_case(*shape, 4096, seed=8)
+    got = half.half_matvec(x, w)
+    assert HALF_BATCH.enabled(shape)
+    want = x @ w.astype(mx.float32).T
+    assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
+    assert (got == half_matmul(x, w)).all().item()

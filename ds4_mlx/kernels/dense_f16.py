@@ -18,6 +18,10 @@ issued 64 of 8-deep TF32 products (the H200 runs f16 mma at twice the TF32 rate)
 (2 x 128 + 128) x 20 x 4 + 3 x 128 x 4 = 32,256 bytes. Measured for the 3xTF32 kernel (H200, 4096-token chunk):
 2.84 ms per call on average, 25% of a chunk's GPU time.
 
+BITS = 16 is the same kernel for an F16 matrix (`half_matmul`: the compressor, indexer and router projections of
+a chunk, which took cuBLAS's float32 SIMT GEMM, ~5% of a chunk's GPU time): its values are halves already, staged
+as they are, with no scale (the partial sums are added as they are) and no offset.
+
 Metal keeps the dequantize + GEMM path (the tensor-core helpers exist in the CUDA prelude only); a failed first-use
 check leaves `batch_matmul`'s next choice.
 """
@@ -25,11 +29,13 @@ check leaves `batch_matmul`'s next choice.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .dense_tf32 import PROBE_BANK, PROBE_SHAPE, TOLERANCE, _probe, _reference
 from .dialect import Kernel, build
 from .halfsplit import row_scales
+from .probe import random_activations
 from .registry import FastPath, current_backend
 
 TM = 128
@@ -110,7 +116,7 @@ for (int s = 0; s <= groups; ++s) {
       const int r = qr + p * (THREADS / BITS);
       wa[p] = col0 + r < n_out ? q_tile[(size_t)r * words + s * BITS + qw] : 0u;
     }
-    if (tid < TN) {
+    if (BITS != 16 && tid < TN) {
       const bool ok = col0 + tid < n_out;
       sa = ok ? s_tile[(size_t)tid * groups + s] : 0.0f;
       ba = ok ? b_tile[(size_t)tid * groups + s] : 0.0f;
@@ -146,7 +152,7 @@ for (int s = 0; s <= groups; ++s) {
         al[i][1] = xl[at + 8 * LDH];
         al[i][2] = xl[at + 4];
         al[i][3] = xl[at + 8 * LDH + 4];
-        if (BITS != 8) {
+        if (BITS == 4) {
           ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
           ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
         }
@@ -169,8 +175,8 @@ for (int s = 0; s <= groups; ++s) {
         const int n = wn + 8 * j + 2 * tig + (c & 1);
         #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          acc[i][j][c] = fmaf(sc[n], part[i][j][c], acc[i][j][c]);
-          if (BITS != 8) {
+          acc[i][j][c] = BITS == 16 ? acc[i][j][c] + part[i][j][c] : fmaf(sc[n], part[i][j][c], acc[i][j][c]);
+          if (BITS == 4) {
             acc[i][j][c] = fmaf(cc[n], xsum[i][c], acc[i][j][c]);
           }
         }
@@ -188,6 +194,10 @@ for (int s = 0; s <= groups; ++s) {
     #pragma unroll
     for (int p = 0; p < WL; ++p) {
       const int base = (qr + p * (THREADS / BITS)) * LDH + qw * VPW / 2;
+      if (BITS == 16) {
+        ws[base] = wa[p];
+        continue;
+      }
       #pragma unroll
       for (int m = 0; m < VPW / 2; ++m) {
         float q[2];
@@ -200,7 +210,7 @@ for (int s = 0; s <= groups; ++s) {
         ws[base + m] = ds4_half2_bits(q[0], q[1]);
       }
     }
-    if (tid < TN) {
+    if (BITS != 16 && tid < TN) {
       sc[tid] = sa;
       cc[tid] = ba + sa * (float)(1 << (BITS - 1));
     }
@@ -260,6 +270,26 @@ def f16_affine_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
     return y.reshape(*lead, n_out)
 
 
+def half_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN). CUDA only."""
+    n_out, n_in = w.shape
+    lead = x.shape[:-1]
+    x = x.reshape(-1, n_in).astype(mx.float32)
+    n_rows = x.shape[0]
+    if n_rows == 0:
+        return mx.zeros((*lead, n_out), dtype=mx.float32)
+    col_tiles = -(-n_out // TN)
+    unused = mx.zeros((1,), dtype=mx.float32)
+    (y,) = build(KERNEL, current_backend())(
+        inputs=[x, w.view(mx.uint32), unused, unused, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32),
+                row_scales(x)],
+        template=[("TM", TM), ("TN", TN), ("TK", TK), ("LDH", LDH), ("THREADS", THREADS), ("BITS", 16)],
+        grid=(-(-n_rows // TM) * THREADS, col_tiles, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n_rows, n_out)], output_dtypes=[mx.float32],
+    )
+    return y.reshape(*lead, n_out)
+
+
 def _fast(ggml_type, blocks, x, bank, xb) -> tuple[mx.array, mx.array]:
     return (f16_affine_matmul(x, to_affine(blocks, ggml_type, PROBE_SHAPE)),
             f16_affine_matmul(xb, to_affine(bank, ggml_type, PROBE_BANK)))
@@ -268,3 +298,20 @@ def _fast(ggml_type, blocks, x, bank, xb) -> tuple[mx.array, mx.array]:
 DENSE_F16 = FastPath("dense_affine_f16x2", _reference, _fast, _probe, tolerance=TOLERANCE, backends=("cuda",))
 """Q8_0 / Q4_K projections of a prefill batch on float16 tensor cores; key: the ggml type. The bound is batch.py's
 float32 one, 1e-5 of the largest output, as for the 3xTF32 kernel: the split leaves ~2^-22 relative per product."""
+
+
+def _half_probe(key: tuple[int, int]) -> tuple[mx.array, mx.array]:
+    """Two column and row tiles (both partial) at the real IN, W's magnitudes from 2^-16 (subnormal halves) to 1."""
+    rng = np.random.default_rng(35)
+    n_out, n_in = min(key[0], 200), key[1]
+    w = rng.standard_normal((n_out, n_in)) * np.exp2(rng.uniform(-16, 0, (n_out, n_in)))
+    return random_activations((150, n_in), seed=36), mx.array(w.astype(np.float16))
+
+
+def _half_reference(x: mx.array, w: mx.array) -> mx.array:
+    return x @ w.astype(mx.float32).T
+
+
+HALF_BATCH = FastPath("half_batch_f16x2", _half_reference, half_matmul, _half_probe, tolerance=TOLERANCE,
+                      backends=("cuda",))
+"""F16 projections of a prefill batch on float16 tensor cores; key (OUT, IN). Bound: TOLERANCE, as above."""

@@ -19,8 +19,8 @@ weight as they are converted, each lane sums the squares of the activations it r
 all of x once), and each output is scaled by 1 / rms: a reassociation again, plus the rounding of the weight
 products. Without a norm the kernel's text is exactly the plain one.
 
-It takes IN a multiple of 256 (every lane a whole number of 16-byte loads) and 1 to MAX_TOKENS rows; other shapes
-take the reference.
+It takes IN a multiple of 256 (every lane a whole number of 16-byte loads) and 1 to MAX_TOKENS rows; a chunk's
+rows (BATCH_TOKENS and more) take dense_f16.py's tensor-core GEMM on CUDA, other shapes the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from .batch import BATCH_TOKENS
+from .dense_f16 import HALF_BATCH, half_matmul
 from .dialect import SIMD_WIDTH, Kernel, build
 from .fused_norm import PROBE_SCALE, Norm, apply, fits, normed_kernel, probe_norm, variant
 from .probe import random_activations
@@ -243,11 +245,21 @@ def half_matvec(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
     check, the reference otherwise (more rows, the reference mode, another backend). With a norm (weight (IN,),
     eps), x is first rms_norm(x, weight, eps), row by row: folded into the same launch."""
     if not _takes_kernel(x, w, norm):
+        if _batch(x, w):
+            return half_matmul(apply(x, norm), w)
         return reference(x, w, norm)
     rows = x.size // x.shape[-1]
     if x.ndim == 2:
         return _kernel(x, w, norm)
     return _kernel(x.reshape(rows, x.shape[-1]), w, norm).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _batch(x: mx.array, w: mx.array) -> bool:
+    """Whether a chunk's rows take the float16 tensor-core GEMM (dense_f16.py, CUDA): float32 x of at least
+    BATCH_TOKENS rows, IN a multiple of 32, and its check passed for W's shape."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    return (rows >= BATCH_TOKENS and x.dtype == mx.float32 and w.ndim == 2 and w.shape[1] % 32 == 0
+            and HALF_BATCH.enabled(tuple(w.shape)))
 
 
 def folds(x: mx.array, w: mx.array, norm: Norm | None) -> bool:
