@@ -139,7 +139,7 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
     ab:*)
       IFS=: read -r _ dir layers <<< "$step:"; layers=${layers:-43}
       for d in "$dir" .; do
-        (cd "$d" && PYTHONPATH=$PWD timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" \
+        (cd "$d" && PYTHONPATH=$PWD:$PYTHONPATH timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" \
           --ctx-start 2048 --ctx-max 2048 --gen-tokens 128 --json > "$out/ab.json" 2> "$out/ab.err")
         echo "$d: $(figures "$out/ab.json")"
         grep -v "warnings.warn\|it/s\]" "$out/ab.err" | cut -c1-200 | tail -4
