@@ -62,7 +62,7 @@ def source(kernel: Kernel, launch: dict) -> str:
     return nvrtc.kernel_text(
         nvrtc.function_name(kernel.name, template), CUDA.header(kernel), CUDA.render(kernel.source),
         [(name, x.dtype) for name, x in zip(kernel.inputs, launch["inputs"], strict=True)],
-        list(zip(kernel.outputs, launch["output_dtypes"], strict=True)), template)
+        list(zip(kernel.outputs, launch["output_dtypes"], strict=True)), template, kernel.launch_bounds)
 
 
 def nvrtc_one(compiler: nvrtc.Nvrtc, options: list[str], text: str, function: str) -> str:

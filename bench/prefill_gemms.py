@@ -4,7 +4,7 @@
     python bench/prefill_gemms.py --tokens 2048 --calls 4
 
 Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down at each stage width
-(TK = 32 and 64), the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) and the 3xTF32 one
+(TK = 32 and 64, one or two threadgroups an SM), the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) and the 3xTF32 one
 (dense_tf32.py), and F16 matrices by the float16 kernel and cuBLAS's float32 GEMM (what they took before). Each line is checked against the first of its group (the outputs must agree within float32
 reassociation), so a fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median
 of `--repeats` evaluations is reported. CUDA only (the kernels are).
@@ -66,13 +66,13 @@ def main() -> int:
         x = random_activations((ids.size, n_in), seed=2)
         mx.eval(blocks, x, counts)
         first = None
-        for tk in (32, 64):
-            y = raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk)
+        for tk, groups in ((32, 1), (64, 1), (32, 2), (64, 2)):
+            y = raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk, groups)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
-            ms = per_call_ms(lambda: raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk),
-                             args.calls, args.repeats)
-            report(f"{name} TK={tk}", 2.0 * ids.size * n_out * n_in, ms, error)
+            ms = per_call_ms(lambda: raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk,
+                                                      groups), args.calls, args.repeats)
+            report(f"{name} TK={tk} groups={groups}", 2.0 * ids.size * n_out * n_in, ms, error)
     for name, shape in DENSE.items():
         weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=3), GGMLType.Q8_0, shape)
         x = random_activations((args.tokens, shape[1]), seed=4)

@@ -59,7 +59,7 @@ def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int],
 
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_kernels_render_for_cuda(ggml_type):
-    out = rendered(KERNELS[ggml_type], CUDA)
+    out = rendered(KERNELS[ggml_type, 1], CUDA)
     assert out["input_names"] == ["x", "w", "counts", "dims", "xscale"] and out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
@@ -228,3 +228,18 @@ def test_emulated_row_scale_kernel_equals_the_reference(on_cpu, monkeypatch, tmp
     for key in (4096, 300):
         (x,) = halfsplit._probe(key)
         assert registry.disagreement(halfsplit._kernel_row_scales(x), reference_row_scales(x), 0.0) is None
+
+
+def test_the_two_group_kernels_carry_launch_bounds_on_cuda_only():
+    """GROUPS = 2 asks the compiler for 128 registers a thread (two threadgroups of 256 an SM) through the cached
+    route's text; the one-group kernels have no bounds; Metal gets none."""
+    from ds4_mlx.kernels import nvrtc
+    from ds4_mlx.kernels.dialect import METAL
+
+    for ggml_type in RAW_TYPES:
+        two = rendered(KERNELS[ggml_type, 2], CUDA)
+        assert two["launch_bounds"] == (256, 2) and "launch_bounds" not in rendered(KERNELS[ggml_type, 1], CUDA)
+        assert "launch_bounds" not in rendered(KERNELS[ggml_type, 2], METAL)
+        text = nvrtc.kernel_text("f", two["header"], two["source"], [("x", mx.float32)], [("y", mx.float32)], [],
+                                 two["launch_bounds"])
+        assert "__global__ void __launch_bounds__(256, 2) f(" in text

@@ -83,6 +83,9 @@ class Kernel:
     outputs: tuple[str, ...]
     source: str
     header: str = ""
+    launch_bounds: tuple[int, int] | None = None
+    """CUDA only: (most threads a threadgroup launches with, fewest threadgroups an SM should hold), which makes the
+    compiler keep registers within 64K / (their product): occupancy bought with a few spilled registers."""
 
 
 @dataclass(frozen=True)
@@ -102,13 +105,16 @@ class Dialect:
         return self.prelude + self.render(kernel.header)
 
     def compile(self, kernel: Kernel) -> Callable:
-        """The kernel object for this backend (compiled at its first launch: by MLX, or from nvrtc.py's cache)."""
+        """The kernel object for this backend (compiled at its first launch: by MLX, or from nvrtc.py's cache; only
+        the latter takes launch bounds, MLX's own route compiles without them)."""
+        bounds = {"launch_bounds": kernel.launch_bounds} if kernel.launch_bounds and self.name == "cuda" else {}
         return self.make(
             name=kernel.name,
             input_names=list(kernel.inputs),
             output_names=list(kernel.outputs),
             source=self.render(kernel.source),
             header=self.header(kernel),
+            **bounds,
         )
 
 

@@ -373,20 +373,28 @@ ml times the rows' sums of x)."""
 _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map(str, grid_words())) + "};\n"
 
 _INPUTS = ("x", "w", "counts", "dims", "xscale")
-KERNELS: dict[GGMLType, Kernel] = {
-    GGMLType.IQ2_XXS: Kernel("ds4_grouped_raw_f16_iq2_xxs", _INPUTS, ("y",),
-                             f16_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE, False),
-                             SIMD_EXCLUSIVE_SUM + _GRID_HEADER),
-    GGMLType.Q2_K: Kernel("ds4_grouped_raw_f16_q2_k", _INPUTS, ("y",),
-                          f16_source(_Q2_K_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE, True), SIMD_EXCLUSIVE_SUM),
+_TEXTS = {
+    GGMLType.IQ2_XXS: (f16_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE, False),
+                       SIMD_EXCLUSIVE_SUM + _GRID_HEADER),
+    GGMLType.Q2_K: (f16_source(_Q2_K_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE, True), SIMD_EXCLUSIVE_SUM),
 }
-"""CUDA only (the tensor-core helpers of the CUDA prelude); one kernel per raw expert type."""
+GROUPS = 2
+"""Threadgroups an SM holds at once: the launch bounds cap registers at 128 a thread (at TK = 64, nvcc 13 for
+sm_90: 169 / 182 registers without them, one threadgroup an SM; 128 with 28 / 36 bytes spilled), so that one
+threadgroup's stage can run while the other waits on its loads."""
+KERNELS: dict[tuple[GGMLType, int], Kernel] = {
+    (ggml_type, groups): Kernel(f"ds4_grouped_raw_f16_{ggml_type.name.lower()}" + ("_x2" if groups == 2 else ""),
+                                _INPUTS, ("y",), source, header,
+                                launch_bounds=(THREADS, groups) if groups > 1 else None)
+    for ggml_type, (source, header) in _TEXTS.items() for groups in (1, 2)
+}
+"""CUDA only (the tensor-core helpers of the CUDA prelude); one kernel per raw expert type and occupancy."""
 
 def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
-                     shape: tuple[int, int, int], tk: int = TK) -> mx.array:
+                     shape: tuple[int, int, int], tk: int = TK, groups: int = GROUPS) -> mx.array:
     """x[i] @ W[e(i)].T as float32 (N, OUT) for a raw bank `blocks` (uint8, E rows of OUT * row bytes) of type
     `ggml_type` and row-major shape (E, OUT, IN), pair i's expert given by the counts (E,) of pairs sorted by
-    expert; `tk` the stage width (bench/raw_stages.py compares them). CUDA only."""
+    expert; `tk` the stage width and `groups` the occupancy (bench/prefill_gemms.py compares them). CUDA only."""
     x = x.astype(mx.float32)
-    return launch_grouped(build(KERNELS[ggml_type], current_backend()), x, blocks, counts, shape, template(tk),
-                          extra=[row_scales(x)])
+    return launch_grouped(build(KERNELS[ggml_type, groups], current_backend()), x, blocks, counts, shape,
+                          template(tk), extra=[row_scales(x)])

@@ -78,11 +78,12 @@ def function_name(name: str, template: Template) -> str:
 
 
 def kernel_text(function: str, header: str, source: str, inputs: Sequence[tuple[str, mx.Dtype]],
-                outputs: Sequence[tuple[str, mx.Dtype]], template: Template) -> str:
+                outputs: Sequence[tuple[str, mx.Dtype]], template: Template,
+                launch_bounds: tuple[int, int] | None = None) -> str:
     """A kernel's whole text laid out as MLX's CUDA backend lays it out for NVRTC (`build_kernel`): the default
     header (HEADER here), the kernel's header, a `__global__` function in namespace mlx::core::cu taking the inputs
-    then the outputs, the template constants at the top of the body. `header` and `source` are already in CUDA's
-    spelling."""
+    then the outputs (with `__launch_bounds__` where given), the template constants at the top of the body.
+    `header` and `source` are already in CUDA's spelling."""
     params = [f"    const {CUDA_TYPES[dtype]}* {name}" for name, dtype in inputs]
     params += [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in outputs]
     constants = []
@@ -94,8 +95,12 @@ def kernel_text(function: str, header: str, source: str, inputs: Sequence[tuple[
         else:
             constants.append(f"  using {name} = {CUDA_TYPES[value]};")
     return (HEADER + header + "namespace mlx::core::cu {\n\n"
-            f"__global__ void {function}(\n" + ",\n".join(params) + ") {\n"
+            f"__global__ void {_bounds(launch_bounds)}{function}(\n" + ",\n".join(params) + ") {\n"
             + "\n".join(constants) + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def _bounds(launch_bounds: tuple[int, int] | None) -> str:
+    return f"__launch_bounds__({launch_bounds[0]}, {launch_bounds[1]}) " if launch_bounds else ""
 
 
 class Nvrtc:
@@ -298,8 +303,9 @@ class CachedKernel:
     machine (`route()`); a kernel the route can't build launches through `mx.fast.cuda_kernel` instead."""
 
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
-                 header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0):
-        self.name, self.source, self.header = name, source, header
+                 header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0,
+                 launch_bounds: tuple[int, int] | None = None):
+        self.name, self.source, self.header, self.launch_bounds = name, source, header, launch_bounds
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.ensure_row_contiguous, self.shared_memory = ensure_row_contiguous, shared_memory
         self._binaries: dict[tuple, tuple[bytes, str] | None] = {}
@@ -324,7 +330,7 @@ class CachedKernel:
             if chosen is not None:
                 function = function_name(self.name, template)
                 text = kernel_text(function, self.header, self.source, list(zip(self.input_names, input_dtypes)),
-                                   list(zip(self.output_names, output_dtypes)), template)
+                                   list(zip(self.output_names, output_dtypes)), template, self.launch_bounds)
                 try:
                     self._binaries[key] = chosen.binary(text, function)
                 except (OSError, CompileError) as error:
