@@ -41,7 +41,7 @@ from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, to_affine
 from ds4_mlx.kernels.affine_matvec import AFFINE_MATVEC, launch_plan
 from ds4_mlx.kernels.batch import AFFINE_BATCH, dense_matmul
 from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, SLICE_BYTES, affine_scratch, expert_counts,
-                                     grouped_swiglu, scratch_matmul, sliced_reference, sort_by_expert)
+                                     grouped_swiglu, pair_inputs, scratch_matmul, sliced_reference, sort_by_expert)
 from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.matvec import QuantMatvec, gathered_reference
 from ds4_mlx.kernels.probe import random_activations, random_blocks
@@ -298,7 +298,8 @@ def moe_layer(dtype: mx.Dtype, args: argparse.Namespace) -> Timing:
         ggml_type, shape, blocks = banks[name]
         path = RAW_GROUPED[ggml_type].fast_paths[dtype]
 
-        def run(xs, sorted_ids, counts, after):
+        def run(x, rows, sorted_ids, counts, after):
+            xs = pair_inputs(x, rows)
             if not fast:
                 return sliced_reference(xs, blocks, sorted_ids, ggml_type, shape)
             return path.fast(xs, mx.depends([blocks], [after])[0], sorted_ids, counts, shape)

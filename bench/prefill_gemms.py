@@ -67,11 +67,11 @@ def main() -> int:
         mx.eval(blocks, x, counts)
         first = None
         for tk, groups in ((32, 1), (64, 1), (32, 2), (64, 2)):
-            y = raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk, groups)
+            y = raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk=tk, groups=groups)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
-            ms = per_call_ms(lambda: raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk,
-                                                      groups), args.calls, args.repeats)
+            ms = per_call_ms(lambda: raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk=tk,
+                                                      groups=groups), args.calls, args.repeats)
             report(f"{name} TK={tk} groups={groups}", 2.0 * ids.size * n_out * n_in, ms, error)
     for name, shape in DENSE.items():
         weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=3), GGMLType.Q8_0, shape)

@@ -23,8 +23,8 @@ from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import AFFINE_BATCH, BF16_TOLERANCE, DTYPE_ENV, TOLERANCE, dense_matmul, prefill_dtype
 from ds4_mlx.kernels.dequant import DEQUANT_TOLERANCE, KERNELS, dequantize_used
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, expert_counts, grouped_swiglu, sliced_reference,
-                                     sort_by_expert)
+from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, expert_counts, grouped_swiglu, pair_inputs,
+                                     sliced_reference, sort_by_expert)
 from ds4_mlx.kernels.matvec import gathered_reference
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import dequantize, reference_matmul
@@ -263,8 +263,10 @@ def test_one_flash_layer_makes_no_scratch_on_cuda(on_gpu):
     def projection(bank, fast: bool):
         ggml_type, shape, blocks = bank
         if not fast:
-            return lambda xs, sorted_ids, counts, after: sliced_reference(xs, blocks, sorted_ids, ggml_type, shape)
-        return lambda xs, sorted_ids, counts, after: RAW_GROUPED[ggml_type](xs, blocks, sorted_ids, counts, shape)
+            return lambda x, rows, sorted_ids, counts, after: sliced_reference(pair_inputs(x, rows), blocks,
+                                                                               sorted_ids, ggml_type, shape)
+        return lambda x, rows, sorted_ids, counts, after: RAW_GROUPED[ggml_type](x, blocks, sorted_ids, counts,
+                                                                                 shape, rows)
 
     def layer(fast: bool) -> mx.array:
         return grouped_swiglu(x, ids, weights, *(projection(b, fast) for b in banks),

@@ -51,7 +51,7 @@ def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int],
         tk: int = TK) -> np.ndarray:
     shape = (len(counts), n_out, n_in)
     return np.array(raw_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type, shape,
-                                     tk))
+                                     tk=tk))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int],
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_kernels_render_for_cuda(ggml_type):
     out = rendered(KERNELS[ggml_type, 1], CUDA)
-    assert out["input_names"] == ["x", "w", "counts", "dims", "xscale"] and out["output_names"] == ["y"]
+    assert out["input_names"] == ["x", "w", "counts", "dims", "xscale", "xrow"] and out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
     # threadgroup memory at each stage width: the x hi / lo and W tiles, row scales and the scan, IQ2_XXS's byte
@@ -129,6 +129,23 @@ def test_emulated_kernel_equals_one_product_per_pair(on_cpu, ggml_type, case, tk
     got = run(ggml_type, x, blocks, counts, n_out, n_in, tk)
     assert np.isfinite(got).all()  # every output was written
     assert within(got, products(x, weights, ids), TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
+def test_emulated_kernel_gathers_the_rows_its_pairs_read(on_cpu, ggml_type, monkeypatch, tmp_path):
+    """With `rows`, pair i reads token rows[i] of x (T, IN), as gate and up read a chunk: tokens read by several
+    pairs of different experts, in no order, some by none; equal to the products over x[rows]."""
+    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
+    counts, n_out, n_in = [0, 30, 1, 70, 3], 40, 256
+    blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=16)
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((50, n_in)).astype(np.float32) * rng.uniform(0.01, 100, (50, 1)).astype(np.float32)
+    rows = rng.integers(0, 45, ids.size).astype(np.uint32)
+    got = np.array(raw_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type,
+                                    (len(counts), n_out, n_in), mx.array(rows)))
+    assert got.shape == (ids.size, n_out) and np.isfinite(got).all()
+    assert within(got, products(x[rows], weights, ids), TOLERANCE)
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import mlx.core as mx
+import numpy as np
 
 from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
@@ -60,9 +61,14 @@ def sort_by_expert(ids: mx.array) -> tuple[mx.array, mx.array]:
     return order, flat[order].astype(mx.uint32)
 
 
-Projection = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
-"""(x (N, IN), sorted ids (N,), counts (E,), after) -> x[i] @ W[ids[i]].T (N, OUT), reading W only once `after` is
-computed (`ExpertBank.grouped`)."""
+Projection = Callable[[mx.array, mx.array | None, mx.array, mx.array, mx.array], mx.array]
+"""(x, rows, sorted ids (N,), counts (E,), after) -> x_i @ W[ids[i]].T (N, OUT), x_i = x[rows[i]] (x a chunk's
+tokens) or, with rows None, x[i] (x (N, IN)); reading W only once `after` is computed (`ExpertBank.grouped`)."""
+
+
+def pair_inputs(x: mx.array, rows: mx.array | None) -> mx.array:
+    """Each pair's input row, (N, IN): x[rows], or x itself where rows is None (the paths that need the copy)."""
+    return x if rows is None else x[rows]
 
 
 def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projection, up: Projection,
@@ -76,10 +82,10 @@ def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projecti
     t, k = ids.shape
     order, sorted_ids = sort_by_expert(ids)
     counts = expert_counts(sorted_ids, n_expert)
-    xs = x[order // k]
-    g = gate(xs, sorted_ids, counts, counts)
-    u = up(xs, sorted_ids, counts, g)
-    y = down(activation(g, u) * weights.reshape(-1)[order][:, None], sorted_ids, counts, u)
+    rows = (order // k).astype(mx.uint32)  # pair i's token
+    g = gate(x, rows, sorted_ids, counts, counts)
+    u = up(x, rows, sorted_ids, counts, g)
+    y = down(activation(g, u) * weights.reshape(-1)[order][:, None], None, sorted_ids, counts, u)
     return mx.sum(y[mx.argsort(order)].reshape(t, k, -1), axis=1)
 
 
@@ -152,15 +158,17 @@ class RawGrouped:
         does (~1e-6 of the largest output at Flash's K)."""
 
     def __call__(self, x: mx.array, blocks: mx.array, sorted_ids: mx.array, counts: mx.array,
-                 shape: tuple[int, int, int]) -> mx.array:
-        """x[i] @ W[ids[i]].T (N, OUT) for x (N, IN) and expert ids sorted ascending, counts (E,) per expert."""
+                 shape: tuple[int, int, int], rows: mx.array | None = None) -> mx.array:
+        """x_i @ W[ids[i]].T (N, OUT) for expert ids sorted ascending, counts (E,) per expert, and x_i = x[rows[i]]
+        (or x[i] for x (N, IN) where rows is None): the raw kernel reads the rows it needs, the other paths copy
+        them first."""
         key = tuple(shape[1:])
         if grid_fits(sorted_ids.size, shape[0]) and self.direct.enabled(key):
-            return self.direct(x, blocks, sorted_ids, counts, shape, key=key)
-        return self.fast_paths[prefill_dtype()](x, blocks, sorted_ids, counts, shape, key=key)
+            return self.direct(x, blocks, sorted_ids, counts, shape, rows, key=key)
+        return self.fast_paths[prefill_dtype()](pair_inputs(x, rows), blocks, sorted_ids, counts, shape, key=key)
 
-    def _reference(self, x, blocks, sorted_ids, counts, shape) -> mx.array:
-        return sliced_reference(x, blocks, sorted_ids, self.ggml_type, shape)
+    def _reference(self, x, blocks, sorted_ids, counts, shape, rows=None) -> mx.array:
+        return sliced_reference(pair_inputs(x, rows), blocks, sorted_ids, self.ggml_type, shape)
 
     def _make_fast(self, dtype: mx.Dtype):
         def fast(x, blocks, sorted_ids, counts, shape) -> mx.array:
@@ -168,8 +176,8 @@ class RawGrouped:
             return scratch_matmul(x, scratch, sorted_ids, counts)
         return fast
 
-    def _direct(self, x, blocks, sorted_ids, counts, shape) -> mx.array:
-        return raw_grouped_gemm(x, blocks, counts, self.ggml_type, shape)
+    def _direct(self, x, blocks, sorted_ids, counts, shape, rows=None) -> mx.array:
+        return raw_grouped_gemm(x, blocks, counts, self.ggml_type, shape, rows)
 
     def _probe(self, key: Hashable) -> tuple:
         """Five experts: one unused, one with a single pair, one with most pairs."""
@@ -180,12 +188,14 @@ class RawGrouped:
         return random_activations((ids.size, n_in), seed=22), blocks, ids, expert_counts(ids, 5), shape
 
     def _direct_probe(self, key: Hashable) -> tuple:
-        """Five experts at the real widths: one unused, one with a single pair, one with two row tiles (76 pairs)."""
+        """Five experts at the real widths: one unused, one with a single pair, one with two row tiles (76 pairs),
+        the pairs reading 40 tokens' rows in a shuffled order (each token by about two pairs)."""
         n_out, n_in = key
         shape = (5, n_out, n_in)
         blocks = random_blocks(self.ggml_type, 5 * n_out, n_in, seed=25).reshape(5, -1)
         ids = mx.array([0] * 3 + [1] + [3] * (TM + 6) + [4] * 2, dtype=mx.uint32)
-        return random_activations((ids.size, n_in), seed=26), blocks, ids, expert_counts(ids, 5), shape
+        rows = mx.array(np.random.default_rng(27).integers(0, 40, ids.size).astype(np.uint32))
+        return random_activations((40, n_in), seed=26), blocks, ids, expert_counts(ids, 5), shape, rows
 
 
 RAW_GROUPED = {t: RawGrouped(t) for t in (GGMLType.IQ2_XXS, GGMLType.Q2_K)}

@@ -213,13 +213,14 @@ def grid_fits(n_pairs: int, n_expert: int) -> bool:
 
 
 def launch_grouped(kernel: Callable, x: mx.array, bank: mx.array, counts: mx.array, shape: tuple[int, int, int],
-                   template: list[tuple[str, object]], extra: list[mx.array] = ()) -> mx.array:
+                   template: list[tuple[str, object]], extra: list[mx.array] = (), pairs: int | None = None
+                   ) -> mx.array:
     """One launch of a grouped GEMM kernel (`kernel` as dialect.build made it) over pairs sorted by expert: x (N, IN),
     the bank as the kernel reads it, of shape (E, OUT, IN), and its counts (E,) -> float32 (N, OUT); `extra` inputs
-    follow the dims. The grid is the output's column tiles by the row tiles any counts summing to N need; no
-    read-back."""
+    follow the dims, and `pairs` is N where x has other rows (a kernel that gathers them). The grid is the output's
+    column tiles by the row tiles any counts summing to N need; no read-back."""
     n_expert, n_out, n_in = shape
-    n = x.shape[0]
+    n = x.shape[0] if pairs is None else pairs
     if n == 0:
         return mx.zeros((0, n_out), dtype=mx.float32)
     (y,) = kernel(

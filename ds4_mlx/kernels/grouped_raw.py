@@ -15,8 +15,9 @@ Arithmetic: float16 tensor cores at float32 accuracy (mma.m16n8k16, float32 sums
 The tensor cores truncate the sums they accumulate: each slice (IQ2_XXS) or group (Q2_K) starts from zeroed partial
 sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does.
 
-Staging: a K slice is TK = 32 values. The x tile (64 rows) is loaded two floats a thread (16 threads a row, 128
-contiguous bytes), scaled, split and stored as hi and lo half pairs; the W tile's 128 rows are decoded from the
+Staging: a stage is TK = 64 values (two 32-value slices). The x tile (64 rows: pairs, or with GATHER the tokens the
+pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) is loaded two floats a
+thread (TK / 2 threads a row, contiguous bytes), scaled, split and stored as hi and lo half pairs; the W tile's 128 rows are decoded from the
 bank's blocks in registers, two threads a row and 16 values each, and stored as halves, eight per 16-byte store.
 Rows are LDH = 20 words apart: fragment loads hit 32 distinct banks. The next slice's global loads are in flight in
 registers while the current slice is multiplied. Threadgroup memory: (2 x 64 + 128) x 20 x 4 + 64 x 4 + 12 bytes
@@ -168,6 +169,7 @@ SHARED unsigned int xh[TM * LDH];
 SHARED unsigned int xl[TM * LDH];
 SHARED uint4 ws4[TN * LDH / 4];
 SHARED float rsx[TM];
+SHARED unsigned int xr[TM];
 SHARED_MEM unsigned int* ws = reinterpret_cast<SHARED_MEM unsigned int*>(ws4);
 """ + w_shared + TILE_SCAN + """
 const int lane = SIMD_LANE;
@@ -178,10 +180,12 @@ const int wm = (warp / (TN / 32)) * 32;
 const int wn = (warp % (TN / 32)) * 32;
 const int kp = tid % (TK / 2);
 const int sr = tid / (TK / 2);
-const GLOBAL_MEM float* x_tile = x + (size_t)row0 * n_in;
 if (tid < TM) {
-  rsx[tid] = tid < rows ? xscale[row0 + tid] : 0.0f;
+  const unsigned int at = tid < rows ? (GATHER ? xrow[row0 + tid] : (unsigned int)(row0 + tid)) : 0u;
+  xr[tid] = at;
+  rsx[tid] = tid < rows ? xscale[at] : 0.0f;
 }
+ds4_barrier();
 float2 xa[XP];
 """ + w_setup + """float acc[2][4][4];
 #pragma unroll
@@ -200,7 +204,7 @@ for (int s = 0; s <= steps; ++s) {
     #pragma unroll
     for (int j = 0; j < XP; ++j) {
       const int r = sr + j * (2 * THREADS / TK);
-      xa[j] = r < rows ? *reinterpret_cast<const GLOBAL_MEM float2*>(x_tile + (size_t)r * n_in + s * TK + 2 * kp)
+      xa[j] = r < rows ? *reinterpret_cast<const GLOBAL_MEM float2*>(x + (size_t)xr[r] * n_in + s * TK + 2 * kp)
                        : make_float2(0.0f, 0.0f);
     }
 """ + w_load + """  }
@@ -372,7 +376,7 @@ ml times the rows' sums of x)."""
 
 _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map(str, grid_words())) + "};\n"
 
-_INPUTS = ("x", "w", "counts", "dims", "xscale")
+_INPUTS = ("x", "w", "counts", "dims", "xscale", "xrow")
 _TEXTS = {
     GGMLType.IQ2_XXS: (f16_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE, False),
                        SIMD_EXCLUSIVE_SUM + _GRID_HEADER),
@@ -391,10 +395,16 @@ KERNELS: dict[tuple[GGMLType, int], Kernel] = {
 """CUDA only (the tensor-core helpers of the CUDA prelude); one kernel per raw expert type and occupancy."""
 
 def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
-                     shape: tuple[int, int, int], tk: int = TK, groups: int = GROUPS) -> mx.array:
+                     shape: tuple[int, int, int], rows: mx.array | None = None, tk: int = TK, groups: int = GROUPS
+                     ) -> mx.array:
     """x[i] @ W[e(i)].T as float32 (N, OUT) for a raw bank `blocks` (uint8, E rows of OUT * row bytes) of type
     `ggml_type` and row-major shape (E, OUT, IN), pair i's expert given by the counts (E,) of pairs sorted by
-    expert; `tk` the stage width and `groups` the occupancy (bench/prefill_gemms.py compares them). CUDA only."""
+    expert. With `rows` (N,), pair i reads x[rows[i]] (x (T, IN): a chunk's tokens, each read by its k pairs, with no
+    (N, IN) copy made and one row scale per token); without, x[i] (x (N, IN)). `tk` the stage width and `groups`
+    the occupancy (bench/prefill_gemms.py compares them). CUDA only."""
     x = x.astype(mx.float32)
+    n = x.shape[0] if rows is None else rows.size
+    gather = rows is not None
+    index = rows.astype(mx.uint32) if gather else mx.zeros((1,), dtype=mx.uint32)
     return launch_grouped(build(KERNELS[ggml_type, groups], current_backend()), x, blocks, counts, shape,
-                          template(tk), extra=[row_scales(x)])
+                          [*template(tk), ("GATHER", gather)], extra=[row_scales(x), index], pairs=n)

@@ -52,7 +52,7 @@ from ds4_mlx.kernels.affine_matvec import SwigluMatvec, affine_matvec
 from ds4_mlx.kernels.affine_matvec import folds as affine_folds
 from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
 from ds4_mlx.kernels.fused_norm import Norm, apply
-from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, sliced_grouped
+from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, pair_inputs, sliced_grouped
 from ds4_mlx.kernels.half import MAX_TOKENS as HALF_MATVEC_TOKENS
 from ds4_mlx.kernels.half import folds as half_folds
 from ds4_mlx.kernels.half import half_matvec, matvec_enabled
@@ -454,19 +454,22 @@ class ExpertBank:
         first use): affine banks where their kernel passed its normed check."""
         return self._affine is not None and _fast() and affine_folds(x, self._affine, True, norm)
 
-    def grouped(self, x: mx.array, sorted_ids: mx.array, counts: mx.array, after: mx.array) -> mx.array:
-        """x[i] @ W[ids[i]].T for N (input, expert) pairs sorted by expert: x (N, IN), ids (N,) uint32 ascending,
-        counts (E,) pairs per expert -> (N, OUT). Grouped GEMMs over all the pairs at once (kernels/grouped.py).
+    def grouped(self, x: mx.array, rows: mx.array | None, sorted_ids: mx.array, counts: mx.array, after: mx.array
+                ) -> mx.array:
+        """x_i @ W[ids[i]].T for N (input, expert) pairs sorted by expert: x_i = x[rows[i]] (x a chunk's tokens) or,
+        with rows None, x[i] (x (N, IN)); ids (N,) uint32 ascending, counts (E,) pairs per expert -> (N, OUT).
+        Grouped GEMMs over all the pairs at once (kernels/grouped.py).
 
         The bank is read (and its float scratch made) only once `after` is computed: chaining the projections
         of a layer this way keeps one scratch alive at a time, whatever order MLX would otherwise pick.
         """
+        if self._raw is not None and self.ggml_type in RAW_GROUPED:
+            raw = mx.depends([self._raw], [after])[0]
+            return RAW_GROUPED[self.ggml_type](x, raw, sorted_ids, counts, self.shape, rows)
+        x = pair_inputs(x, rows)
         if self._affine is not None and _fast():
             w = self._affine
             return affine_grouped(AffineWeight(*mx.depends([w.wq, w.scales, w.biases], [after]), w.bits), x,
                                   sorted_ids, counts)
-        if self._raw is not None and self.ggml_type in RAW_GROUPED:
-            raw = mx.depends([self._raw], [after])[0]
-            return RAW_GROUPED[self.ggml_type](x, raw, sorted_ids, counts, self.shape)
         return sliced_grouped(x, sorted_ids, self.shape,
                               lambda index, slice_after: self.experts(mx.depends([index], [slice_after, after])[0]))
