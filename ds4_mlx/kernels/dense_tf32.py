@@ -1,5 +1,9 @@
 """Prefill's dense projections on CUDA tensor cores at float32 accuracy, straight from the affine weight.
 
+dense_f16.py's float16 kernel is taken first (1.5-1.6x faster at Flash's large shapes); this 3xTF32 kernel is
+`batch_matmul`'s next choice where that one's check fails, and the probe and reference both kernels are checked
+against live here.
+
 `batch.batch_matmul` on CUDA dequantized each affine weight (Q8_0 / Q4_K, w = scale * q + bias per group of 32)
 into a float32 copy and ran cuBLAS's float32 SIMT GEMM (TF32 is off: README, MLX_ENABLE_TF32): ~70 ms of a 4-layer
 2048-token chunk on the H200. This kernel reads the packed quants, scales and biases themselves, one launch:

@@ -7,9 +7,11 @@ gather_mm is wrong in MLX 0.32.4 (`trusts_sorted_indices`), the grouped GEMM is 
 pairs and their per-expert counts instead: for a float32 scratch the 3xTF32 tensor-core kernel (grouped_tf32.py),
 else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand side is the bank as floats, a *scratch*:
 
-- raw IQ2_XXS / Q2_K banks (q2 files): on CUDA no scratch at all, the 3xTF32 kernel decoding the raw blocks in its
-  tile loads (grouped_raw.py, one launch per projection); on Metal, or where its check fails, the used experts
-  are decoded by `dequant.dequantize_used`, one kernel per projection, then the grouped GEMM;
+- raw IQ2_XXS / Q2_K banks (q2 files): on CUDA no scratch at all, one kernel decoding the raw blocks in its tile
+  loads on float16 tensor cores at float32 accuracy (grouped_raw.py, one launch per projection; gate and up read
+  each pair's token row through the pair's row index, so the chunk is not copied per pair); on Metal, or where its
+  check fails, the pairs' rows are copied (`pair_inputs`) and the used experts decoded by
+  `dequant.dequantize_used`, one kernel per projection, then the grouped GEMM;
 - affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
   CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
 - the reference (the CPU, DS4_KERNELS=reference, or a kernel that failed its check): the reference dequantizer
@@ -138,7 +140,7 @@ def sliced_reference(x: mx.array, blocks: mx.array, sorted_ids: mx.array, ggml_t
 
 
 class RawGrouped:
-    """The grouped expert GEMM over raw IQ2_XXS / Q2_K blocks: on CUDA the 3xTF32 kernel reading the blocks
+    """The grouped expert GEMM over raw IQ2_XXS / Q2_K blocks: on CUDA the tensor-core kernel reading the blocks
     directly (grouped_raw.py, no scratch, whatever DS4_PREFILL_DTYPE: float32 is also the more accurate), else
     the dequantize-to-scratch kernel + grouped GEMM on GPUs (one fast path per scratch type), `sliced_reference`
     elsewhere or where the first-use checks fail."""
@@ -151,11 +153,11 @@ class RawGrouped:
                             backends=("cuda", "metal"))
             for name, dtype in DTYPES.items()
         }
-        self.direct = FastPath(f"{ggml_type.name.lower()}_grouped_raw_3xtf32", self._reference, self._direct,
+        self.direct = FastPath(f"{ggml_type.name.lower()}_grouped_raw_f16x2", self._reference, self._direct,
                                self._direct_probe, tolerance=TOLERANCE, backends=("cuda",))
         """The raw-bank kernel against the same reference, within float32 reassociation (TOLERANCE, 1e-5 of the
-        largest output): it decodes the reference's values exactly and sums them as the 3xTF32 scratch kernel
-        does (~1e-6 of the largest output at Flash's K)."""
+        largest output): it decodes the reference's values exactly, drops ~2^-22 of each product (the two-half
+        split of x, halfsplit.py) and reassociates the sums (~1e-6 of the largest output at Flash's K)."""
 
     def __call__(self, x: mx.array, blocks: mx.array, sorted_ids: mx.array, counts: mx.array,
                  shape: tuple[int, int, int], rows: mx.array | None = None) -> mx.array:

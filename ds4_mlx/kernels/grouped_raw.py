@@ -32,10 +32,12 @@ is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) 
 - Q2_K: d | dmin, the word holding the thread's scale byte and the thread's 16 qs bytes are six 32-bit loads
   (84-byte blocks keep 4-byte alignment); a quant is two bits of a qs byte, made a float the same way.
 
-Cost against the 3xTF32 kernel this replaces (TF32 mma.m16n8k8, x split into TF32 hi / lo as floats): per K
-slice a warp issued 64 mma of 8-deep products and 96 32-bit fragment loads; here 32 mma of 16-deep products (twice
-the TF32 rate per mma on the H200) and 48 loads, and the threadgroup memory is 23 KB instead of 39 KB. Measured
-for the 3xTF32 kernel (H200, 4096-token chunk): 12.0 ms per Flash IQ2_XXS projection, 14.3 ms per Q2_K one.
+Cost against the 3xTF32 kernel this replaced (TF32 mma.m16n8k8, x split into TF32 hi / lo as floats): per 32
+values a warp issued 64 mma of 8-deep products and 96 32-bit fragment loads; here 32 mma of 16-deep products (twice
+the TF32 rate per mma on the H200) and 48 loads. Measured (H200, a 4096-token chunk's 24,576 pairs,
+bench/prefill_gemms.py): 12.0 / 14.3 ms per Flash IQ2_XXS / Q2_K projection for the 3xTF32 kernel; 9.8 / 10.4 here
+at TK 32 and one threadgroup an SM; **7.2 / 8.6 at TK 64 and two** (GROUPS: 57 / 48 TFLOP/s of useful work, ~12%
+of the float16 peak: a threadgroup still waits on its next stage's loads, held in registers, between two barriers).
 """
 
 from __future__ import annotations
