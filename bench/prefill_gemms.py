@@ -4,8 +4,9 @@
     python bench/prefill_gemms.py --tokens 2048 --calls 4
 
 Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down at each stage width
-(TK = 32 and 64, one or two threadgroups an SM), the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) and the 3xTF32 one
-(dense_tf32.py), and F16 matrices by the float16 kernel and cuBLAS's float32 GEMM (what they took before). Each line is checked against the first of its group (the outputs must agree within float32
+(TK = 32 and 64, one or two threadgroups an SM), the dense affine projections (Q8_0) by the float16 kernel
+(dense_f16.py) and by its fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone,
+bench/RESULTS.md), and F16 matrices by the float16 kernel and cuBLAS's float32 GEMM (what they took before). Each line is checked against the first of its group (the outputs must agree within float32
 reassociation), so a fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median
 of `--repeats` evaluations is reported. CUDA only (the kernels are).
 """
@@ -21,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.kernels.affine import to_affine
+from ds4_mlx.kernels.batch import dense_matmul
 from ds4_mlx.kernels.dense_f16 import f16_affine_matmul, half_matmul
-from ds4_mlx.kernels.dense_tf32 import tf32_affine_matmul
 from ds4_mlx.kernels.grouped_gemm import expert_counts
 from ds4_mlx.kernels.grouped_raw import raw_grouped_gemm
 from ds4_mlx.kernels.probe import random_activations, random_blocks
@@ -33,6 +34,10 @@ RAW = {"gate/up IQ2_XXS": (GGMLType.IQ2_XXS, 2048, 4096), "down Q2_K": (GGMLType
 DENSE = {"q_a": (1024, 4096), "q_b": (32768, 1024), "out_b": (4096, 8192), "shared gate": (2048, 4096)}
 HALF = [(512, 4096), (8192, 1024)]
 """F16 matrices: a compressor's kv (the router's gate is 256 x 4096), the indexer's q_b."""
+
+
+def dense_float32(x: mx.array, weight) -> mx.array:
+    return dense_matmul(x, weight, mx.float32)
 
 
 def per_call_ms(call: Callable[[], mx.array], calls: int, repeats: int) -> float:
@@ -78,7 +83,7 @@ def main() -> int:
         x = random_activations((args.tokens, shape[1]), seed=4)
         mx.eval(weight.wq, x)
         first = None
-        for kind, matmul in (("f16", f16_affine_matmul), ("3xtf32", tf32_affine_matmul)):
+        for kind, matmul in (("f16", f16_affine_matmul), ("dequantize + cuBLAS float32", dense_float32)):
             y = matmul(x, weight)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()

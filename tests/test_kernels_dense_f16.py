@@ -9,25 +9,76 @@ matrices and rows of any size, and at Flash's K with room to spare; on CUDA batc
 from __future__ import annotations
 
 import re
+import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import dense_f16, half, registry
+from ds4_mlx.kernels import batch, dense_f16, half, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
 from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, KERNEL, LDH, THREADS, TK, TM, TN, f16_affine_matmul,
                                        half_matmul)
 from ds4_mlx.kernels.dialect import CUDA, METAL
+from ds4_mlx.kernels.halfsplit import row_scales
 from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.quants import reference_matmul
+from ds4_mlx.kernels.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
 from kernel_checks import assert_renders_cleanly, rendered
-from test_kernels_dense_tf32 import CASES, FLASH_SHAPES, TYPES, case, within
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
+
+TYPES = (GGMLType.Q8_0, GGMLType.Q4_K)
+
+
+def case(ggml_type: GGMLType, shape: tuple[int, ...], rows: int, seed: int
+         ) -> tuple[mx.array, mx.array, np.ndarray]:
+    """(x, raw blocks, x @ W.T in float64) for a W of `shape` (OUT, IN) or (G, OUT, IN), and x (rows, IN) or
+    (G, rows, IN)."""
+    lead, (n_out, n_in) = shape[:-2], shape[-2:]
+    blocks = random_blocks(ggml_type, int(np.prod(lead, dtype=int)) * n_out, n_in, seed=seed)
+    x = random_activations((*lead, rows, n_in), seed=seed + 1)
+    w = np.array(dequantize(blocks, ggml_type, shape)).astype(np.float64)
+    return x, blocks, np.array(x).astype(np.float64) @ np.swapaxes(w, -1, -2)
+
+
+def within(got: np.ndarray, want: np.ndarray, bound: float) -> bool:
+    return bool(np.abs(got - want).max() <= bound * np.abs(want).max())
+
+
+def test_q8_0_quants_centred_need_no_offset():
+    """Q8_0's affine bias is -128 * scale, so c = bias + 128 * scale is exactly 0: the kernel's row-sum term is
+    left out there, and the product is scale times an exact sum of x times int8 quants."""
+    blocks = random_blocks(GGMLType.Q8_0, 64, 512, seed=1)
+    weight = to_affine(blocks, GGMLType.Q8_0, (64, 512))
+    assert (np.array(weight.biases) + 128 * np.array(weight.scales) == 0).all()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_the_cpu_keeps_its_batch_products(on_cpu, ggml_type):
+    """On the CPU the kernel is not used and batch_matmul is the quantized matmul it was, value for value."""
+    x, blocks, _ = case(ggml_type, (48, 256), 20, seed=2)
+    weight = to_affine(blocks, ggml_type, (48, 256))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not DENSE_F16.enabled(ggml_type)
+        got = batch_matmul(x, weight)
+    assert (got == weight.matmul(x)).all().item()
+
+
+def test_one_half_of_x_would_not_do():
+    """Why x is split: x rounded to one half (after its row scaling) moves a Flash-K product by more than the
+    float32 bound; hi + lo stays well inside it (computed here in float64, as the tensor cores' exact products)."""
+    x, blocks, want = case(GGMLType.Q8_0, (24, 4096), 20, seed=4)
+    w = np.array(dequantize(blocks, GGMLType.Q8_0, (24, 4096))).astype(np.float64)
+    scale = np.array(row_scales(x))[:, None].astype(np.float64)
+    xs = np.array(x).astype(np.float64) * scale
+    hi = xs.astype(np.float16).astype(np.float64)
+    lo = (xs - hi).astype(np.float16).astype(np.float64)
+    assert not within((hi / scale) @ w.T, want, TOLERANCE)
+    assert within(((hi + lo) / scale) @ w.T, want, TOLERANCE / 100)
 
 
 def test_kernel_renders_for_cuda_only():
@@ -40,6 +91,23 @@ def test_kernel_renders_for_cuda_only():
     assert (2 * TM + TN) * LDH * 4 + 3 * TN * 4 <= 48 * 1024 and LDH % 32 == 20 and TK == 32
     # the staging maps: x rows by 16 threads of float pairs, quant words by whole rows
     assert THREADS == 256 and (TM * TK) % (2 * THREADS) == 0 and all(TN * bits % THREADS == 0 for bits in (4, 8))
+    assert dense_f16.TOLERANCE == batch.TOLERANCE
+
+
+CASES = {
+    "q8_two_column_tiles": (GGMLType.Q8_0, (200, 96), 37),  # odd T below a row tile, OUT past one column tile
+    "q8_two_row_tiles": (GGMLType.Q8_0, (24, 64), 150),  # T past one row tile, OUT below one mma column block
+    "q8_one_group": (GGMLType.Q8_0, (8, 32), 17),  # IN of one group: a single K step
+    "q4": (GGMLType.Q4_K, (136, 256), 21),  # 4-bit quants, nonzero c; OUT just past a column tile
+    "q8_batch": (GGMLType.Q8_0, (3, 40, 64), 19),  # a batch of matrices, as the grouped output projection
+}
+"""ggml type, W shape, rows of x."""
+FLASH_SHAPES = {
+    "q_a": (1024, 4096),
+    "q_b": (32768, 1024),
+    "out_a": (8, 1024, 4096),  # the grouped output projection: 8 groups against 8 slices of the heads
+    "out_b": (4096, 8192),
+}
 
 
 def test_cuda_plans_the_f16_kernel_first():

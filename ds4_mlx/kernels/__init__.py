@@ -16,8 +16,8 @@
   banks into a float scratch), `grouped_gemm` (CUDA's grouped GEMM kernel), `grouped_tf32` (its 3xTF32
   tensor-core form over a float32 scratch, CUDA only), `grouped_raw` (the kernel reading raw IQ2_XXS / Q2_K banks
   and each pair's token row, no scratch; CUDA only) and `batch` (projections of 16+ rows as dequantize + GEMM,
-  DS4_PREFILL_DTYPE), with `dense_f16` (CUDA's tensor-core kernel for them and for a chunk's F16 projections) and
-  `dense_tf32` (its 3xTF32 predecessor, the fallback); `halfsplit`: how `grouped_raw` and `dense_f16` reach
-  float32 accuracy on float16 tensor cores (x scaled per row, split into two halves);
+  DS4_PREFILL_DTYPE), with `dense_f16` (CUDA's tensor-core kernel for them and for a chunk's F16 projections);
+  `halfsplit`: how `grouped_raw` and `dense_f16` reach float32 accuracy on float16 tensor cores (x scaled per row,
+  split into two halves);
 - `probe`: random valid quant blocks for the first-use checks.
 """

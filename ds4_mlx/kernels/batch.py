@@ -6,7 +6,7 @@ BATCH_TOKENS rows on, a GPU backend instead dequantizes the affine weight (one f
 reference's values exactly) and calls the dense GEMM (cuBLAS on CUDA). The transient copy is one matrix: at most
 OUT * IN * 4 bytes (128 MiB for Flash's largest per-token projection, attn_q_b 32768 x 1024). On the CPU MLX's
 quantized matmul is as fast as dequantize + GEMM at these sizes (measured on the 2-core VM, within its noise), so
-the CPU keeps it: no transient copy there. In float32 on CUDA, the tensor-core kernel of dense_tf32.py reads the
+the CPU keeps it: no transient copy there. In float32 on CUDA, the tensor-core kernel of dense_f16.py reads the
 affine weight itself instead (no copy, 3xTF32 at float32 accuracy); this path is its fallback and Metal's.
 
 Arithmetic: float32, the reference's type, unless DS4_PREFILL_DTYPE=bfloat16 on a GPU backend: weights and
@@ -24,8 +24,7 @@ import mlx.core as mx
 from ..errors import Ds4Error
 from ..model.gguf import GGMLType
 from .affine import AffineWeight, to_affine
-from .dense_f16 import DENSE_F16, f16_affine_matmul
-from .dense_tf32 import DENSE_TF32, fits, tf32_affine_matmul
+from .dense_f16 import DENSE_F16, f16_affine_matmul, fits
 from .probe import random_activations, random_blocks
 from .quants import reference_matmul
 from .registry import FastPath, current_backend
@@ -58,15 +57,12 @@ def dense_matmul(x: mx.array, weight: AffineWeight, dtype: mx.Dtype) -> mx.array
 
 def batch_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
     """x @ W.T for x of at least BATCH_TOKENS rows: in float32 on CUDA the tensor-core kernel that reads the affine
-    weight itself (dense_tf32.py), elsewhere (or where its check failed) dequantize + GEMM where that check passed,
+    weight itself (dense_f16.py), elsewhere (or where its check failed) dequantize + GEMM where that check passed,
     else the quantized matmul."""
     dtype = prefill_dtype()
     ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
-    if dtype == mx.float32 and fits(x, weight):
-        if DENSE_F16.enabled(ggml_type):
-            return f16_affine_matmul(x, weight)
-        if DENSE_TF32.enabled(ggml_type):
-            return tf32_affine_matmul(x, weight)
+    if dtype == mx.float32 and fits(x, weight) and DENSE_F16.enabled(ggml_type):
+        return f16_affine_matmul(x, weight)
     if AFFINE_BATCH[dtype].enabled(ggml_type):
         return dense_matmul(x, weight, dtype)
     return weight.matmul(x)

@@ -1,28 +1,35 @@
 """Prefill's dense projections on CUDA float16 tensor cores at float32 accuracy, straight from the affine weight.
 
-The contract is dense_tf32.py's: y = x @ W.T for x (..., T, IN) float32 and an affine W (OUT, IN) (Q8_0 / Q4_K:
-w = scale * q + bias per group of 32), or a batch x (G, T, IN) against W (G, OUT, IN); one launch, the same grid
-and tiles (TM x TN = 128 x 128, 8 warps of 32 x 64 outputs). The arithmetic is grouped_raw.py's:
+`batch.batch_matmul` on CUDA dequantized each affine weight (Q8_0 / Q4_K, w = scale * q + bias per group of 32) into
+a float32 copy and ran cuBLAS's float32 SIMT GEMM (~70 ms of a 4-layer 2048-token chunk on the H200). This kernel
+reads the packed quants, scales and biases themselves, one launch: y = x @ W.T for x (..., T, IN) float32 and W
+(OUT, IN), or a batch x (G, T, IN) against W (G, OUT, IN).
 
-- a group's 32 values of one W row are scale * (q - CENTER) + c (CENTER = 2^(bits-1), c = bias + CENTER * scale,
-  exactly 0 for Q8_0), and q - CENTER (-128..127, or -8..7) is an exact half. The tile holds the centred quants;
-  per group, sum_k x_k w_k = scale * sum_k x_k (q_k - CENTER) + c * sum_k x_k, the row sums of x from the tensor
-  cores (a B of ones; Q4_K only), applied as the group's partial sums are drained into the float32 accumulators;
+- Exact quants: a group's 32 values of one W row are scale * (q - CENTER) + c (CENTER = 2^(bits-1), c = bias +
+  CENTER * scale, exactly 0 for Q8_0, whose bias is -128 * scale), and q - CENTER (-128..127, or -8..7) is an exact
+  half. The tile holds the centred quants; per group, sum_k x_k w_k = scale * sum_k x_k (q_k - CENTER) + c * sum_k
+  x_k, the row sums of x from the tensor cores (a B of ones; Q4_K only), applied as the group's partial sums are
+  drained into the float32 accumulators (the tensor cores truncate the sums they accumulate: each group starts from
+  zeroed partial sums, added to the accumulators rounded to nearest);
 - x is scaled per row by a power of two and split into two halves (halfsplit.py): each product takes 2
-  mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product, as 3xTF32's ~2^-21. The store undoes the row
-  scale exactly.
+  mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product, 3xTF32's class (~2^-21). The store undoes the row
+  scale exactly;
+- tiles: a threadgroup is 8 warps over TM x TN = 128 x 128 outputs, warp w the 32 x 64 block at rows 32 (w / 2),
+  columns 64 (w % 2). The K loop stages one group (TK = 32) of the x rows (two floats a thread, scaled, split and
+  stored as hi and lo half pairs) and of the W rows (whole uint32 words of quants, stored as centred half pairs);
+  rows are LDH = 20 words apart, so that a fragment load hits 32 distinct banks. The next group's global loads are
+  in flight in registers while the current one is multiplied. Threadgroups take row tiles fastest, so the ones
+  running together share a W column tile, and x stays mostly in L2. Threadgroup memory: (2 x 128 + 128) x 20 x 4 +
+  3 x 128 x 4 = 32,256 bytes; 240-254 registers (nvcc 13, sm_90): one threadgroup an SM.
 
-Against dense_tf32.py's 3xTF32-class kernel: per group a warp issues 32 mma of 16-deep products where that one
-issued 64 of 8-deep TF32 products (the H200 runs f16 mma at twice the TF32 rate), reads its fragments as half pairs
-(half the threadgroup bytes), and splits x once at the store instead of at every fragment read. Threadgroup memory:
-(2 x 128 + 128) x 20 x 4 + 3 x 128 x 4 = 32,256 bytes; 240-254 registers (nvcc 13, sm_90): one threadgroup an SM.
-Measured (H200, 4096 rows, bench/prefill_gemms.py), against the 3xTF32 kernel: q_a 0.66 / 0.88 ms, q_b 3.84 /
-5.80, out_b 3.47 / 5.72 (79 TFLOP/s), the shared expert's gate 1.12 / 1.57; an F16 8192 x 1024 matrix 1.19 ms
-against cuBLAS's float32 GEMM's 1.54 (512 x 4096: 0.48 both, one wave of threadgroups).
+Measured (H200, 4096 rows, bench/prefill_gemms.py), against the 3xTF32 kernel this replaced (TF32 mma.m16n8k8, x
+split at every fragment read): q_a 0.66 / 0.88 ms, q_b 3.84 / 5.80, out_b 3.47 / 5.72 (79 TFLOP/s), the shared
+expert's gate 1.12 / 1.57.
 
 BITS = 16 is the same kernel for an F16 matrix (`half_matmul`: the compressor, indexer and router projections of
 a chunk, which took cuBLAS's float32 SIMT GEMM, ~5% of a chunk's GPU time): its values are halves already, staged
-as they are, with no scale (the partial sums are added as they are) and no offset.
+as they are, with no scale (the partial sums are added as they are) and no offset. Measured: an 8192 x 1024 matrix
+1.19 ms against cuBLAS's 1.54 (512 x 4096: 0.48 both, one wave of threadgroups).
 
 Metal keeps the dequantize + GEMM path (the tensor-core helpers exist in the CUDA prelude only); a failed first-use
 check leaves `batch_matmul`'s next choice.
@@ -33,11 +40,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
-from .dense_tf32 import PROBE_BANK, PROBE_SHAPE, TOLERANCE, _probe, _reference
 from .dialect import Kernel, build
 from .halfsplit import row_scales
-from .probe import random_activations
+from .probe import random_activations, random_blocks
+from .quants import dequantize, reference_matmul
 from .registry import FastPath, current_backend
 
 TM = 128
@@ -50,6 +58,8 @@ LDH = TK // 2 + 4
 """Threadgroup row stride in 32-bit words (half pairs): 20 puts a fragment load's 8 rows x 4 words on 32 banks."""
 THREADS = 256
 """8 warps."""
+TOLERANCE = 1e-5
+"""batch.TOLERANCE's value (batch imports this module): float32 reassociation, 1e-5 of the largest output."""
 
 _SOURCE = """
 const int tid = THREAD_IN_GROUP;
@@ -292,14 +302,41 @@ def half_matmul(x: mx.array, w: mx.array) -> mx.array:
     return y.reshape(*lead, n_out)
 
 
+def fits(x: mx.array, weight: AffineWeight) -> bool:
+    """Whether the kernel takes this product: a 2-D W, or a batch of W with a batch of x."""
+    if weight.wq.ndim == 2:
+        return x.ndim >= 1
+    return weight.wq.ndim == 3 and x.ndim == 3 and x.shape[0] == weight.wq.shape[0]
+
+
+PROBE_SHAPE, PROBE_ROWS = (200, 512), 150
+"""Two column tiles (the second partial) and two row tiles (the second partial) of a 512-wide W."""
+PROBE_BANK, PROBE_BANK_ROWS = (3, 40, 256), 19
+"""A batch of 3 matrices against 3 batches of rows, as the grouped output projection multiplies them."""
+
+
+def _probe(ggml_type: GGMLType) -> tuple:
+    blocks = random_blocks(ggml_type, *PROBE_SHAPE, seed=31)
+    bank = random_blocks(ggml_type, PROBE_BANK[0] * PROBE_BANK[1], PROBE_BANK[2], seed=32)
+    x = random_activations((PROBE_ROWS, PROBE_SHAPE[1]), seed=33)
+    xb = random_activations((PROBE_BANK[0], PROBE_BANK_ROWS, PROBE_BANK[2]), seed=34)
+    return ggml_type, blocks, x, bank, xb
+
+
+def _reference(ggml_type, blocks, x, bank, xb) -> tuple[mx.array, mx.array]:
+    w = dequantize(bank, ggml_type, PROBE_BANK)
+    return reference_matmul(x, blocks, ggml_type, PROBE_SHAPE), xb @ mx.swapaxes(w, 1, 2)
+
+
 def _fast(ggml_type, blocks, x, bank, xb) -> tuple[mx.array, mx.array]:
     return (f16_affine_matmul(x, to_affine(blocks, ggml_type, PROBE_SHAPE)),
             f16_affine_matmul(xb, to_affine(bank, ggml_type, PROBE_BANK)))
 
 
 DENSE_F16 = FastPath("dense_affine_f16x2", _reference, _fast, _probe, tolerance=TOLERANCE, backends=("cuda",))
-"""Q8_0 / Q4_K projections of a prefill batch on float16 tensor cores; key: the ggml type. The bound is batch.py's
-float32 one, 1e-5 of the largest output, as for the 3xTF32 kernel: the split leaves ~2^-22 relative per product."""
+"""Q8_0 / Q4_K projections of a prefill batch on float16 tensor cores; key: the ggml type (BITS names the two). The
+bound is batch.py's float32 one, 1e-5 of the largest output: the split leaves ~2^-22 relative per product with
+random signs and W is exact, ~1e-6 of the largest output over a K of 4096."""
 
 
 def _half_probe(key: tuple[int, int]) -> tuple[mx.array, mx.array]:
