@@ -43,7 +43,7 @@ import numpy as np
 from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .dialect import Kernel, build
-from .halfsplit import row_scales
+from .halfsplit import X_FRAGMENTS, row_scales
 from .probe import random_activations, random_blocks
 from .quants import dequantize, reference_matmul
 from .registry import FastPath, current_backend
@@ -104,17 +104,7 @@ float2 xa[XP];
 uint32_t wa[WL];
 float sa = 0.0f;
 float ba = 0.0f;
-float acc[2][8][4];
-#pragma unroll
-for (int i = 0; i < 2; ++i) {
-  #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      acc[i][j][c] = 0.0f;
-    }
-  }
-}
+float acc[2][8][4] = {};
 for (int s = 0; s <= groups; ++s) {
   if (s < groups) {
     #pragma unroll
@@ -135,19 +125,8 @@ for (int s = 0; s <= groups; ++s) {
     }
   }
   if (s > 0) {
-    float part[2][8][4];
-    float xsum[2][4];
-    #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        xsum[i][c] = 0.0f;
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          part[i][j][c] = 0.0f;
-        }
-      }
-    }
+    float part[2][8][4] = {};
+    float xsum[2][4] = {};
     const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
     #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
@@ -155,15 +134,7 @@ for (int s = 0; s <= groups; ++s) {
       unsigned int al[2][4];
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int at = (wm + 16 * i + gid) * LDH + 8 * kk + tig;
-        ah[i][0] = xh[at];
-        ah[i][1] = xh[at + 8 * LDH];
-        ah[i][2] = xh[at + 4];
-        ah[i][3] = xh[at + 8 * LDH + 4];
-        al[i][0] = xl[at];
-        al[i][1] = xl[at + 8 * LDH];
-        al[i][2] = xl[at + 4];
-        al[i][3] = xl[at + 8 * LDH + 4];
+        ds4_x_fragments(xh, xl, (wm + 16 * i + gid) * LDH + 8 * kk + tig, LDH, ah[i], al[i]);
         if (BITS == 4) {
           ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
           ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
@@ -254,7 +225,8 @@ centred as half pairs. The mma tile (i, j) of a warp is rows wm + 16 i.. and col
 read as zeros, W rows past OUT as zero quants with scale and c 0; every lane of every warp takes part in every
 mma."""
 
-KERNEL = Kernel("ds4_dense_affine_f16", ("x", "wq", "scales", "biases", "dims", "xscale"), ("y",), _SOURCE)
+KERNEL = Kernel("ds4_dense_affine_f16", ("x", "wq", "scales", "biases", "dims", "xscale"), ("y",), _SOURCE,
+                X_FRAGMENTS)
 """CUDA only: it calls the tensor-core helpers of the CUDA prelude."""
 
 

@@ -49,7 +49,7 @@ from gguf.quants import IQ2_XXS
 from ..model.gguf import GGMLType
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .grouped_gemm import TILE_HEAD, TILE_SCAN, THREADS, TM, TN, launch_grouped
-from .halfsplit import row_scales
+from .halfsplit import X_FRAGMENTS, row_scales
 from .registry import current_backend
 
 SLICE = 32
@@ -89,19 +89,8 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
     if q2_k:
         multiply = """    #pragma unroll
     for (int g = 0; g < 2 * U; ++g) {
-      float part[2][4][4];
-      float xsum[2][4];
-      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          xsum[i][c] = 0.0f;
-          #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            part[i][j][c] = 0.0f;
-          }
-        }
-      }
+      float part[2][4][4] = {};
+      float xsum[2][4] = {};
       const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
 """ + _FRAGMENTS.replace("KW", "8 * g") + """      #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -130,17 +119,7 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
     else:
         multiply = """    #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float part[2][4][4];
-      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            part[i][j][c] = 0.0f;
-          }
-        }
-      }
+      float part[2][4][4] = {};
       #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
 """ + _FRAGMENTS.replace("KW", "16 * u + 8 * kk") + """        #pragma unroll
@@ -189,17 +168,7 @@ if (tid < TM) {
 }
 ds4_barrier();
 float2 xa[XP];
-""" + w_setup + """float acc[2][4][4];
-#pragma unroll
-for (int i = 0; i < 2; ++i) {
-  #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      acc[i][j][c] = 0.0f;
-    }
-  }
-}
+""" + w_setup + """float acc[2][4][4] = {};
 const int steps = n_in / TK;
 for (int s = 0; s <= steps; ++s) {
   if (s < steps) {
@@ -248,15 +217,7 @@ _FRAGMENTS = """      unsigned int ah[2][4];
       unsigned int bw[4][2];
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int at = (wm + 16 * i + gid) * LDH + KW + tig;
-        ah[i][0] = xh[at];
-        ah[i][1] = xh[at + 8 * LDH];
-        ah[i][2] = xh[at + 4];
-        ah[i][3] = xh[at + 8 * LDH + 4];
-        al[i][0] = xl[at];
-        al[i][1] = xl[at + 8 * LDH];
-        al[i][2] = xl[at + 4];
-        al[i][3] = xl[at + 8 * LDH + 4];
+        ds4_x_fragments(xh, xl, (wm + 16 * i + gid) * LDH + KW + tig, LDH, ah[i], al[i]);
       }
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -381,8 +342,9 @@ _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map
 _INPUTS = ("x", "w", "counts", "dims", "xscale", "xrow")
 _TEXTS = {
     GGMLType.IQ2_XXS: (f16_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE, False),
-                       SIMD_EXCLUSIVE_SUM + _GRID_HEADER),
-    GGMLType.Q2_K: (f16_source(_Q2_K_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE, True), SIMD_EXCLUSIVE_SUM),
+                       SIMD_EXCLUSIVE_SUM + X_FRAGMENTS + _GRID_HEADER),
+    GGMLType.Q2_K: (f16_source(_Q2_K_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE, True),
+                    SIMD_EXCLUSIVE_SUM + X_FRAGMENTS),
 }
 GROUPS = 2
 """Threadgroups an SM holds at once: the launch bounds cap registers at 128 a thread (at TK = 64, nvcc 13 for
