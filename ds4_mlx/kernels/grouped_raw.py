@@ -1,8 +1,9 @@
 """Prefill's grouped expert GEMM straight from a raw IQ2_XXS or Q2_K bank on CUDA tensor cores: no float scratch.
 
-Contract: x (N, IN) float32, the raw bank uint8 (E, OUT * row bytes), counts (E,) of pairs sorted by expert; the
-result x[i] @ W[e(i)].T as float32 (N, OUT); nothing read back to the host, tiles never straddle experts (the grid
-and row-tile scan of grouped_gemm.py: TM x TN = 64 x 128 tiles, 8 warps of 32 x 32 outputs each).
+Contract: x float32, (N, IN) or with row indices (N,) a chunk's tokens (T, IN), the raw bank uint8 (E, OUT * row
+bytes), counts (E,) of pairs sorted by expert; the result x_i @ W[e(i)].T as float32 (N, OUT); nothing read back to
+the host, tiles never straddle experts (the grid and row-tile scan of grouped_gemm.py: TM x TN = 64 x 128 tiles, 8
+warps of 32 x 32 outputs each).
 
 Arithmetic: float16 tensor cores at float32 accuracy (mma.m16n8k16, float32 sums), from two exact facts:
 - a raw q2 weight is a small integer times scales: IQ2_XXS db * (+-8, 25 or 43), one db per 32-value sub-block;
@@ -17,12 +18,12 @@ sums, added to the float32 accumulators (rounded to nearest) at its drain, as gr
 
 Staging: a stage is TK = 64 values (two 32-value slices). The x tile (64 rows: pairs, or with GATHER the tokens the
 pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) is loaded two floats a
-thread (TK / 2 threads a row, contiguous bytes), scaled, split and stored as hi and lo half pairs; the W tile's 128 rows are decoded from the
-bank's blocks in registers, two threads a row and 16 values each, and stored as halves, eight per 16-byte store.
-Rows are LDH = 20 words apart: fragment loads hit 32 distinct banks. The next slice's global loads are in flight in
-registers while the current slice is multiplied. Threadgroup memory: (2 x 64 + 128) x 20 x 4 + 64 x 4 + 12 bytes
-of tiles, row scales and scan, plus IQ2_XXS's grid (2,048) and row scales (512) or Q2_K's scales and mins (2,048):
-23,308 / 22,796 bytes.
+thread (TK / 2 threads a row, contiguous bytes), scaled, split and stored as hi and lo half pairs; the W tile's 128
+rows are decoded from the bank's blocks in registers, two threads a row and 16 values a slice each, and stored as
+halves, eight per 16-byte store. Rows are LDH = 36 words apart: fragment loads hit 32 distinct banks. The next
+stage's global loads are in flight in registers while the current stage is multiplied. Threadgroup memory: (2 x 64
++ 128) x 36 x 4 bytes of tiles, 2 x 64 x 4 of row scales and indices, 12 of scan, plus IQ2_XXS's grid (2,048) and
+slice scales (1,024) or Q2_K's scales and mins (4,096): 40,460 / 41,484 bytes, so two threadgroups fit an SM (GROUPS).
 
 Decoding: thread tid decodes W row tid / 2 of the tile, values 16 (tid % 2) .. + 15 of the slice. A 32-value slice
 is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) run pair of a Q2_K block:
