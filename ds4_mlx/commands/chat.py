@@ -478,6 +478,11 @@ def readline_history(path: Path = HISTORY_FILE) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if sys.stdin.isatty():
+        # A chat at a terminal owns Ctrl+C. Started with SIGINT ignored (as a non-interactive shell starts a
+        # background job; exec keeps the disposition and Python then leaves it), the prompt would ignore Ctrl+C
+        # while an answer still stopped on it (the answer's own handler), so Python's is put back.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     with interrupts_for_the_main_thread():
         sampling = sampling_from_args(args)
         engine = open_engine(args)
