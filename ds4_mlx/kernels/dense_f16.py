@@ -233,43 +233,32 @@ KERNEL = Kernel("ds4_dense_affine_f16", ("x", "wq", "scales", "biases", "dims", 
 def f16_affine_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
     """x @ W.T as float32 for an affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN); IN a
     multiple of 32 (the affine layout's). CUDA only."""
-    n_out, n_in = weight.shape[-2:]
-    if weight.wq.ndim == 2:
-        lead, n_batch = x.shape[:-1], 1
-        x = x.reshape(-1, n_in)
-    else:
-        lead, n_batch = x.shape[:-1], weight.wq.shape[0]
-    n_rows = x.size // (n_batch * n_in)
-    if n_rows == 0:
-        return mx.zeros((*lead, n_out), dtype=mx.float32)
-    x = x.astype(mx.float32)
-    col_tiles = -(-n_out // TN)
-    (y,) = build(KERNEL, current_backend())(
-        inputs=[x, weight.wq, weight.scales.astype(mx.float32), weight.biases.astype(mx.float32),
-                mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scales(x.reshape(-1, n_in))],
-        template=[("TM", TM), ("TN", TN), ("TK", TK), ("LDH", LDH), ("THREADS", THREADS), ("BITS", weight.bits)],
-        grid=(-(-n_rows // TM) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
-    )
-    return y.reshape(*lead, n_out)
+    n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
+    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32),
+                   weight.biases.astype(mx.float32), weight.bits)
 
 
 def half_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN). CUDA only."""
-    n_out, n_in = w.shape
+    unused = mx.zeros((1,), dtype=mx.float32)
+    return _launch(x, 1, w.shape[0], w.view(mx.uint32), unused, unused, 16)
+
+
+def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, biases: mx.array, bits: int
+            ) -> mx.array:
+    """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
+    n_in = x.shape[-1]
     lead = x.shape[:-1]
-    x = x.reshape(-1, n_in).astype(mx.float32)
-    n_rows = x.shape[0]
+    x = x.astype(mx.float32).reshape(-1, n_in)
+    n_rows = x.shape[0] // n_batch
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
     col_tiles = -(-n_out // TN)
-    unused = mx.zeros((1,), dtype=mx.float32)
     (y,) = build(KERNEL, current_backend())(
-        inputs=[x, w.view(mx.uint32), unused, unused, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32),
-                row_scales(x)],
-        template=[("TM", TM), ("TN", TN), ("TK", TK), ("LDH", LDH), ("THREADS", THREADS), ("BITS", 16)],
-        grid=(-(-n_rows // TM) * THREADS, col_tiles, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(n_rows, n_out)], output_dtypes=[mx.float32],
+        inputs=[x, wq, scales, biases, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scales(x)],
+        template=[("TM", TM), ("TN", TN), ("TK", TK), ("LDH", LDH), ("THREADS", THREADS), ("BITS", bits)],
+        grid=(-(-n_rows // TM) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
     return y.reshape(*lead, n_out)
 

@@ -84,48 +84,18 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
     """The kernel body with its W staging given: `w_shared` declares what the staging keeps beside the W tile `ws`
     (TN rows of LDH words, row n = output column col0 + n, two halves a word along k); `w_setup` runs once past the
     tile scan; `w_load` issues stage s's global loads into registers; `w_store` decodes them into ws (and the
-    stage's scales) once every warp is past the previous multiply. A stage is U = TK / SLICE slices. IQ2_XXS: one
-    scale per W row and slice (`wsc`, slice-major); Q2_K (`q2_k`): a scale and a min per W row and group of 16
-    (`wdl`, `wml`, group-major), the min times the group's sum of x, from the tensor cores with a B of ones."""
-    if q2_k:
-        multiply = """    #pragma unroll
-    for (int g = 0; g < 2 * U; ++g) {
+    stage's scales) once every warp is past the previous multiply. A stage is U = TK / SLICE slices. The partial
+    sums are drained once per scale: IQ2_XXS has one per W row and slice (`wsc`, slice-major; KD = 2 mma k-steps a
+    drain); Q2_K (`q2_k`) a scale and a min per W row and group of 16 (`wsc`, `wml`, group-major; KD = 1), the
+    min times the group's sum of x, from the tensor cores with a B of ones."""
+    multiply = """    #pragma unroll
+    for (int g = 0; g < 2 * U / KD; ++g) {
       float part[2][4][4] = {};
-      float xsum[2][4] = {};
-      const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
-""" + _FRAGMENTS.replace("KW", "8 * g") + """      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
-        ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
-          ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
-        }
-      }
-      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int n = g * TN + wn + 8 * j + 2 * tig + (c & 1);
-            acc[i][j][c] = fmaf(wdl[n], part[i][j][c], acc[i][j][c]);
-            acc[i][j][c] = fmaf(-wml[n], xsum[i][c], acc[i][j][c]);
-          }
-        }
-      }
-    }
-"""
-    else:
-        multiply = """    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float part[2][4][4] = {};
-      #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-""" + _FRAGMENTS.replace("KW", "16 * u + 8 * kk") + """        #pragma unroll
+""" + (_XSUM_INIT if q2_k else "") + """      #pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+""" + _FRAGMENTS.replace("KW", "8 * (g * KD + kk)") + """        #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          #pragma unroll
+""" + (_XSUM if q2_k else "") + """          #pragma unroll
           for (int j = 0; j < 4; ++j) {
             ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
             ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
@@ -138,13 +108,15 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
         for (int j = 0; j < 4; ++j) {
           #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            acc[i][j][c] = fmaf(wsc[u * TN + wn + 8 * j + 2 * tig + (c & 1)], part[i][j][c], acc[i][j][c]);
-          }
+            const int n = g * TN + wn + 8 * j + 2 * tig + (c & 1);
+            acc[i][j][c] = fmaf(wsc[n], part[i][j][c], acc[i][j][c]);
+""" + (_MIN if q2_k else "") + """          }
         }
       }
     }
 """
-    return TILE_HEAD + """
+    return TILE_HEAD + f"""
+constexpr int KD = {1 if q2_k else 2};""" + """
 constexpr int U = TK / 32;
 constexpr int XP = TM * TK / (2 * THREADS);
 SHARED unsigned int xh[TM * LDH];
@@ -212,6 +184,16 @@ for (int i = 0; i < 2; ++i) {
 }
 """
 
+
+_XSUM_INIT = """      float xsum[2][4] = {};
+      const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
+"""
+_XSUM = """          ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
+          ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
+"""
+_MIN = """            acc[i][j][c] = fmaf(-wml[n], xsum[i][c], acc[i][j][c]);
+"""
+"""Q2_K's min term: the rows' sums of x over the group (x times a B of ones), times the group's min per column."""
 
 _FRAGMENTS = """      unsigned int ah[2][4];
       unsigned int al[2][4];
@@ -299,7 +281,7 @@ field of the group plus its parity bit (ggml's ksigns). The reference's value is
 aux >> 28) * 0.25, negated by its sign bit; the tile holds the signed magnitudes (8, 25 or 43) and wsc each
 slice's db per row, which scales the slice's partial sums as they are drained."""
 
-_Q2_K_SHARED = "SHARED float wdl[2 * (TK / 32) * TN];\nSHARED float wml[2 * (TK / 32) * TN];\n"
+_Q2_K_SHARED = "SHARED float wsc[2 * (TK / 32) * TN];\nSHARED float wml[2 * (TK / 32) * TN];\n"
 _Q2_K_SETUP = _row(84) + """unsigned int w_dm = 0u;
 unsigned int w_sc[U];
 unsigned int w_qs[U][4];
@@ -323,7 +305,7 @@ _Q2_K_STORE = """    #pragma unroll
       const int sl = s * U + u;
       const unsigned int sc = (w_sc[u] >> (8 * (2 * (sl & 1) + dh))) & 255u;
       const int at = (2 * u + dh) * TN + dn;
-      wdl[at] = d_ok ? ds4_half_to_float((unsigned short)(w_dm & 0xFFFFu)) * (float)(sc & 15u) : 0.0f;
+      wsc[at] = d_ok ? ds4_half_to_float((unsigned short)(w_dm & 0xFFFFu)) * (float)(sc & 15u) : 0.0f;
       wml[at] = d_ok ? ds4_half_to_float((unsigned short)(w_dm >> 16)) * (float)(sc >> 4) : 0.0f;
       float dv[16];
       #pragma unroll
