@@ -7,7 +7,8 @@ reference's values exactly) and calls the dense GEMM (cuBLAS on CUDA). The trans
 OUT * IN * 4 bytes (128 MiB for Flash's largest per-token projection, attn_q_b 32768 x 1024). On the CPU MLX's
 quantized matmul is as fast as dequantize + GEMM at these sizes (measured on the 2-core VM, within its noise), so
 the CPU keeps it: no transient copy there. In float32 on CUDA, the tensor-core kernel of dense_f16.py reads the
-affine weight itself instead (no copy, 3xTF32 at float32 accuracy); this path is its fallback and Metal's.
+affine weight itself instead (no copy, float16 tensor cores at float32 accuracy); this path is its fallback and
+Metal's.
 
 Arithmetic: float32, the reference's type, unless DS4_PREFILL_DTYPE=bfloat16 on a GPU backend: weights and
 activations then go to the GEMM (and the expert GEMMs, grouped.py) in bfloat16 with float32 accumulation. Rounding
