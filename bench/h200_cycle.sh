@@ -33,6 +33,8 @@
 #   ab:DIR[:N]     decode at 2k (128 tokens) over N layers (default 43) with the tree in DIR (another commit's
 #                  `git archive`, untracked, so that it travels), then with this one, on the same machine
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
+#   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
+#                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
 # the custom kernels' cubins, kernels/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
 # .device/cache/ for the next machine. Kernels are compiled
@@ -145,6 +147,8 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
         grep -v "warnings.warn\|it/s\]" "$out/ab.err" | cut -c1-200 | tail -4
       done
       rm -f "$out/ab.json" "$out/ab.err" ;;
+    attn)
+      timeout "$(left 10)" python3 bench/chunk_attention.py 2>&1 | grep -v "warnings.warn" | tail -12 ;;
     gemms)
       timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -24 ;;
     *) echo "unknown step $step" ;;

@@ -258,7 +258,8 @@ def kernel_library(kernel: Kernel, template: Mapping[str, int], types: Sequence[
     over the grid of threadgroups."""
     params = [f"{'const ' if i < len(kernel.inputs) else ''}{c_type}* {name}"
               for i, (c_type, name) in enumerate(zip(types, kernel.inputs + kernel.outputs, strict=True))]
-    source = prelude + CUDA.render(kernel.header) + f"void emulated_kernel({', '.join(params)}) {{\n"
+    dynamic = f"alignas(16) static float ds4_shared[{kernel.shared_memory // 4}];\n" if kernel.shared_memory else ""
+    source = prelude + dynamic + CUDA.render(kernel.header) + f"void emulated_kernel({', '.join(params)}) {{\n"
     source += "".join(f"  constexpr bool {name} = {str(value).lower()};\n" if isinstance(value, bool)
                       else f"  constexpr int {name} = {value};\n" for name, value in template.items())
     source += CUDA.render(kernel.source) + "\n}\n"

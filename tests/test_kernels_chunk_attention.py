@@ -1,6 +1,7 @@
-"""The chunk attention kernel (kernels/attention.py, CHUNK_ATTENTION) against its reference, `attend_block`.
+"""The chunk attention kernels (kernels/chunk_attention.py, CHUNK_ATTENTION: SIMT and tensor cores) against their
+reference, `attend_block`.
 
-At Flash shapes on the GPU, and a tiny model's prefill taking it (gpu marker); its CUDA text run on the CPU by
+At Flash shapes on the GPU, and a tiny model's prefill taking them (gpu marker); their CUDA text run on the CPU by
 emulated_cuda.py at small odd shapes covering each kind of key set, windows that cross the chunk's start, queries
 that see nothing but the sink, picks with slots that are not real, and one Flash-shaped block (slow marker); on the
 CPU, that `attend_block` is the formulas the chunk path composed before it, bit for bit.
@@ -14,8 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import attention, registry
-from ds4_mlx.kernels.attention import TOLERANCE, ChunkAttention, ChunkShape
+from ds4_mlx.kernels import chunk_attention, registry
+from ds4_mlx.kernels.attention import TOLERANCE
+from ds4_mlx.kernels.chunk_attention import ChunkAttention, ChunkShape
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.probe import random_activations
 from ds4_mlx.model.attention import CHUNK_ATTENTION, attend, attend_block
@@ -57,6 +59,7 @@ ODD_CASES = {
     "window-crosses-start": (3, 64, 5, 7, 9, 5, "window"),  # the first query's window: 4 rows before the chunk
     "first-chunk": (5, 96, 6, 9, 0, 0, "window"),  # queries at the start see fewer than a window
     "few-rows-before": (17, 32, 8, 4, 3, 0, "window"),  # two head groups, the second with one head
+    "many-heads": (40, 128, 8, 6, 10, 3, "rows", 4, 3),  # 2 or 3 tensor-core head groups, the last part empty
     "rows-none-visible-yet": (3, 64, 4, 6, 1, 0, "rows", 4, 1),  # visible 0, 0, 1, 1, 1, 1
     "rows-capped-by-buffer": (2, 128, 3, 5, 20, 18, "rows", 3, 4),  # 7 visible by position, 4 in the buffer
     "rows-growing": (3, 64, 16, 30, 40, 25, "rows", 16, 4),  # visible 2 to 4 within the block
@@ -93,22 +96,33 @@ def test_sink_only_queries_get_zeros(on_cpu):
     assert (got[[0, 3]] == 0).all() and (np.abs(got[[1, 2]]).max(axis=-1) > 0).all()
 
 
-@pytest.mark.parametrize("kind", attention.CHUNK_KEY_SETS)
+@pytest.mark.parametrize("kind", chunk_attention.CHUNK_KEY_SETS)
 def test_chunk_attention_renders_for_cuda_and_metal(kind):
     """Each kind's text, placeholders filled, every neutral word spelled and every helper defined by both
-    preludes or the kernel's header; the kinds' names differ (MLX names compiled kernels after them)."""
-    kernel = attention.CHUNK_KERNELS[kind]
+    preludes or the kernel's header (the tensor-core kernels: CUDA's, with their dynamic threadgroup memory
+    declared); the kernels' names differ (MLX names compiled kernels after them)."""
     for target in (CUDA, METAL):
-        out = rendered(kernel, target)
-        assert_renders_cleanly(out, ("EXTRA_KEYS", "KEY_ROW"))
-    assert len({k.name for k in attention.CHUNK_KERNELS.values()}) == len(attention.CHUNK_KEY_SETS)
+        assert_renders_cleanly(rendered(chunk_attention.CHUNK_KERNELS[kind], target), ("EXTRA_KEYS", "KEY_ROW"))
+    for m_tiles in (1, 2):
+        kernel = chunk_attention.TENSOR_KERNELS[kind, m_tiles]
+        assert_renders_cleanly(rendered(kernel, CUDA), ("EXTRA_KEYS", "KEY_ROW"))
+        assert "extern __shared__ __align__(16) float ds4_shared[];" in CUDA.header(kernel)
+        assert kernel.shared_memory == chunk_attention.tensor_shared_bytes(m_tiles) <= 227 * 1024
+    names = [k.name for k in [*chunk_attention.CHUNK_KERNELS.values(), *chunk_attention.TENSOR_KERNELS.values()]]
+    assert len(set(names)) == len(names)
+
+
+def test_tensor_kernel_memory_fits_the_h200():
+    """137 KB of threadgroup memory at 32 heads (one threadgroup an SM), 101 KB at 16 (two: 228 KB an SM)."""
+    assert chunk_attention.tensor_shared_bytes(2) == 136_832 and 2 * chunk_attention.tensor_shared_bytes(1) < 228 * 1024
 
 
 def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
     args = block_inputs(*ODD_CASES["picked"])
     assert mx.array_equal(CHUNK_ATTENTION(*args), attend_block(*args))
     assert not CHUNK_ATTENTION.used(5, 64, 6, 4, 7)
-    assert all(backend != "cpu" for backend, _ in CHUNK_ATTENTION.fast_path.decisions())
+    for path in (CHUNK_ATTENTION.simt_path, CHUNK_ATTENTION.tensor_path):
+        assert all(backend != "cpu" for backend, _ in path.decisions())
 
 
 @pytest.mark.gpu
@@ -118,14 +132,22 @@ def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
     (HEADS, DIM, WINDOW, 128, 20_000, 20_000 - WINDOW + 1, "rows", 128, 157),
     (HEADS, DIM, WINDOW, 128, 8000, 8000 - WINDOW + 1, "picked", 4, 2032, PICKS, (5, 77)),
 ], ids=["window", "ratio4-rows", "ratio128-rows", "picked"])
-def test_chunk_attention_kernel_is_used_and_equals_reference(on_gpu, kernels_unforced, case):
-    """Flash's shapes, a block of 128 queries of each kind of layer."""
+def test_chunk_attention_kernel_is_used_and_equals_reference(on_gpu, kernels_unforced, case, monkeypatch):
+    """Flash's shapes, a block of 128 queries of each kind of layer: the tensor-core kernel on CUDA (at both head
+    counts a threadgroup can serve), the SIMT one everywhere."""
     args = block_inputs(*case)
     got = CHUNK_ATTENTION(*args)
     q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks = args
     key = CHUNK_ATTENTION.key(q, window, rows, ratio, picked)
-    assert key.kind == case[6] and CHUNK_ATTENTION.fast_path.decisions()[registry.current_backend(), key].fast
-    assert within(got, attend_block(*args))
+    expected = CHUNK_ATTENTION.tensor_path if registry.current_backend() == "cuda" else CHUNK_ATTENTION.simt_path
+    assert key.kind == case[6] and CHUNK_ATTENTION.path(key) is expected
+    assert expected.decisions()[registry.current_backend(), key].fast
+    want = attend_block(*args)
+    assert within(got, want) and within(ChunkAttention._kernel(*args), want)
+    if registry.current_backend() == "cuda":
+        for heads in (16, 32):
+            monkeypatch.setattr(chunk_attention, "TENSOR_HEADS", heads)
+            assert within(ChunkAttention._tensor_kernel(*args), want)
 
 
 @pytest.mark.gpu
@@ -142,7 +164,8 @@ def test_tiny_model_prefill_runs_the_kernel(on_gpu, kernels_unforced, tmp_path):
         return np.concatenate([np.array(first), np.array(model(tokens[30:], cache, all_logits=True))])
 
     fast = logits(Model(weights, simulate_quant=False))
-    assert used_kinds(CHUNK_ATTENTION.fast_path, weights.config) == {"window", "rows", "picked"}
+    path = CHUNK_ATTENTION.tensor_path if registry.current_backend() == "cuda" else CHUNK_ATTENTION.simt_path
+    assert used_kinds(path, weights.config) == {"window", "rows", "picked"}
     with registry.forced_mode("reference"):
         want = logits(Model(weights, simulate_quant=False))
     assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()
@@ -153,7 +176,7 @@ def test_tiny_model_prefill_runs_the_kernel(on_gpu, kernels_unforced, tmp_path):
 def test_emulated_chunk_attention_equals_reference(on_cpu, case, monkeypatch, tmp_path):
     """The kernel's CUDA text run on the CPU as the wrapper launches it. The Flash case: 64 heads of 512, a full
     128-row window crossing the chunk's start, 512 picks of 1250 rows with about a third not real."""
-    monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(chunk_attention, "build", emulated_build(tmp_path))
     args = block_inputs(*case)
     got = ChunkAttention._kernel(*args)
     want = attend_block(*args)
@@ -163,13 +186,34 @@ def test_emulated_chunk_attention_equals_reference(on_cpu, case, monkeypatch, tm
         assert (np.array(got)[list(case[-1])] == 0).all()
 
 
+TENSOR_CASES = {f"{name}-{heads}": (case, heads) for name, case in ODD_CASES.items() for heads in (16, 32)
+                if case[1] % 64 == 0}
+"""The odd cases whose head width the tensor-core kernel tiles (a multiple of 64: its scores are drained every 64
+dims), at each head count a threadgroup serves."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,heads", list(TENSOR_CASES.values()), ids=list(TENSOR_CASES))
+def test_emulated_tensor_chunk_attention_equals_reference(on_cpu, case, heads, monkeypatch, tmp_path):
+    """The tensor-core kernel's CUDA text, its TF32 products emulated (tests/emulated_cuda.py)."""
+    monkeypatch.setattr(chunk_attention, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(chunk_attention, "TENSOR_HEADS", heads)
+    args = block_inputs(*case)
+    got = ChunkAttention._tensor_kernel(*args)
+    want = attend_block(*args)
+    assert got.shape == want.shape and np.isfinite(np.array(got)).all()
+    assert within(got, want)
+    if case[2] == 0:
+        assert (np.array(got)[list(case[-1])] == 0).all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("key", [ChunkShape("window", 3, 64, 5, 0, 0), ChunkShape("rows", 17, 32, 6, 4, 0),
                                  ChunkShape("rows", 2, 64, 4, 16, 0), ChunkShape("picked", 5, 64, 6, 0, 9)],
                          ids=["window", "rows-ratio4", "rows-ratio16", "picked"])
 def test_emulated_probe_passes(on_cpu, monkeypatch, tmp_path, key):
     """The first-use probe's inputs, as the GPU will check them (at small shapes: the Flash ones take minutes)."""
-    monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(chunk_attention, "build", emulated_build(tmp_path))
     args = ChunkAttention._probe(key)
     assert ChunkAttention.key(args[0], args[4], args[5], args[6], args[7]) == key
     assert within(ChunkAttention._kernel(*args), attend_block(*args))

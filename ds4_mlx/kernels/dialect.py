@@ -86,6 +86,9 @@ class Kernel:
     launch_bounds: tuple[int, int] | None = None
     """CUDA only: (most threads a threadgroup launches with, fewest threadgroups an SM should hold), which makes the
     compiler keep registers within 64K / (their product): occupancy bought with a few spilled registers."""
+    shared_memory: int = 0
+    """CUDA only: bytes of dynamic threadgroup memory, the float array `ds4_shared` that the header then declares
+    (static threadgroup memory stops at 48 KB; this may take up to 227 KB on the H200)."""
 
 
 @dataclass(frozen=True)
@@ -102,19 +105,24 @@ class Dialect:
         return _WORD.sub(lambda m: self.words[m.group(0)], text)
 
     def header(self, kernel: Kernel) -> str:
-        return self.prelude + self.render(kernel.header)
+        dynamic = "extern __shared__ __align__(16) float ds4_shared[];\n" if kernel.shared_memory and self.name == "cuda" else ""
+        return self.prelude + dynamic + self.render(kernel.header)
 
     def compile(self, kernel: Kernel) -> Callable:
         """The kernel object for this backend (compiled at its first launch: by MLX, or from nvrtc.py's cache; only
         the latter takes launch bounds, MLX's own route compiles without them)."""
-        bounds = {"launch_bounds": kernel.launch_bounds} if kernel.launch_bounds and self.name == "cuda" else {}
+        options: dict[str, object] = {}
+        if self.name == "cuda" and kernel.launch_bounds:
+            options["launch_bounds"] = kernel.launch_bounds
+        if self.name == "cuda" and kernel.shared_memory:
+            options["shared_memory"] = kernel.shared_memory
         return self.make(
             name=kernel.name,
             input_names=list(kernel.inputs),
             output_names=list(kernel.outputs),
             source=self.render(kernel.source),
             header=self.header(kernel),
-            **bounds,
+            **options,
         )
 
 

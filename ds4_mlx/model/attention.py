@@ -36,7 +36,8 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.attention import ChunkAttention, DecodeAttention
+from ds4_mlx.kernels.attention import DecodeAttention
+from ds4_mlx.kernels.chunk_attention import ChunkAttention
 from ds4_mlx.kernels.fused_norm import Norm
 from ds4_mlx.kernels.indexer import IndexerPick
 from ds4_mlx.model.cache import LayerState

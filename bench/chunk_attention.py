@@ -1,0 +1,91 @@
+"""The chunk attention kernels at DeepSeek V4 Flash's shapes, one prefill chunk: ms per call by kernel.
+
+    python bench/chunk_attention.py                  # 4096 queries deep in a context (positions 8192..12287)
+    python bench/chunk_attention.py --queries 2048 --first 2048
+
+Rows, per kind of layer: "picked" (a ratio-4 layer: the 128-row window and the indexer's 512 real picks among the
+visible compressed rows), "rows" (a ratio-128 layer: the window and every visible compressed row), "window" (the
+window alone). Each kind runs through the SIMT kernel and the tensor-core kernel at 16 and 32 heads a threadgroup
+(kernels/chunk_attention.py); every line is checked against the SIMT kernel's output (the same attention within
+TOLERANCE), so a fast but wrong variant shows. CUDA only for the tensor-core lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.kernels import chunk_attention
+from ds4_mlx.kernels.chunk_attention import ChunkAttention
+from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.model.config import FLASH
+
+
+def per_call_ms(call: Callable[[], mx.array], calls: int, repeats: int) -> float:
+    mx.eval(call())  # compile first
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(*[call() for _ in range(calls)])
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) / calls)
+    return 1e3 * statistics.median(times)
+
+
+def inputs(kind: str, queries: int, first: int, ratio: int) -> tuple:
+    """ChunkAttention's arguments for one chunk of `queries` queries at positions first.. of a Flash layer."""
+    heads, d, window = FLASH.n_head, FLASH.head_dim, FLASH.sliding_window
+    raw_first = max(0, first - window + 1)
+    rows = picked = valid = None
+    if kind != "window":
+        rows = random_activations(((first + queries) // ratio, d), seed=2)
+    if kind == "picked":
+        top_k = FLASH.indexer_top_k
+        rng = np.random.default_rng(0)
+        visible = [(first + b + 1) // ratio for b in range(queries)]
+        picked = mx.array(np.stack([np.sort(rng.choice(v, top_k, replace=False)) for v in visible]), dtype=mx.int32)
+        valid = mx.ones((queries, top_k), dtype=mx.bool_)
+    return (random_activations((queries, heads, d), seed=0), random_activations((first + queries - raw_first, d), seed=1),
+            raw_first, first, window, rows, ratio if kind == "rows" else 4, picked, valid,
+            random_activations((heads,), seed=3))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--queries", type=int, default=4096)
+    p.add_argument("--first", type=int, default=8192, help="the chunk's first position")
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    for kind, ratio in (("picked", 4), ("rows", 128), ("window", 0)):
+        call_args = inputs(kind, args.queries, args.first, ratio)
+        keys = args.queries * (FLASH.sliding_window + (FLASH.indexer_top_k if kind == "picked" else 0)
+                               + ((args.first + args.queries // 2) // ratio if kind == "rows" else 0))
+        flops = 4 * keys * FLASH.n_head * FLASH.head_dim  # scores and P V
+        want = ChunkAttention._kernel(*call_args)
+        variants = [("simt", lambda: ChunkAttention._kernel(*call_args))]
+        for heads in (16, 32):
+            def tensor(heads=heads) -> mx.array:
+                chunk_attention.TENSOR_HEADS = heads
+                return ChunkAttention._tensor_kernel(*call_args)
+            variants.append((f"tensor {heads} heads", tensor))
+        for name, call in variants:
+            try:
+                ms = per_call_ms(call, args.calls, args.repeats)
+                got = call()
+                error = (mx.max(mx.abs(got - want)) / mx.max(mx.abs(want))).item()
+                print(f"{kind:<7} {name:<16} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  error vs simt {error:.1e}",
+                      flush=True)
+            except Exception as error:  # a variant that cannot run here (no CUDA) is reported, not fatal
+                print(f"{kind:<7} {name:<16} did not run: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

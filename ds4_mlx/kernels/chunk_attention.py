@@ -1,0 +1,496 @@
+"""A chunk's attention core (spec §3.4, §3.8): a block of prefill queries in one launch, the multi-query sibling of
+attention.py's decode kernel. Its reference (`attend_block`, model/attention.py) builds masks, joins and gathers key
+sets (a (B, top_k, D) copy of the picked rows) and runs ~25 MLX ops per block. Queries arrive normed and rotated;
+each sees the raw rows of its window (from the positions), then by kind (CHUNK_KEY_SETS) nothing, the visible
+compressed rows or the indexer's real picks (compacted into threadgroup memory by a prefix sum, so that keys that
+are not real are never loaded), read where they are stored. Online softmax with the sinks. Two kernels:
+
+- `CHUNK_KERNELS` (CUDA and Metal, float32 SIMT): one threadgroup of CHUNK_WARPS = 8 SIMD groups per (query, 16
+  heads): 4 x B at Flash. Each SIMD group holds two heads' queries and accumulators (lane: dims lane, lane + 32,
+  ...); the threadgroup stages CHUNK_TILE = 8 keys at a time in threadgroup memory, so each key is read from L2
+  once per 16 heads and from threadgroup memory once per SIMD group (conflict-free). Threadgroup memory: 4 * 8 * D
+  = 16 KB at D = 512, plus 4 * top_k (2 KB) for "picked": within Apple GPUs' 32 KB. Measured on the H200 (session
+  8): 39.5 ms for a ratio-4 layer's 4096-token chunk deep in a context (640 keys a query), a quarter of a prefill
+  chunk's time over Flash's 43 layers: a key costs a SIMD group 16 threadgroup loads per lane, 64 FMAs and 6
+  shuffles for two heads.
+- `TENSOR_KERNELS` (CUDA): the same attention on tensor cores at float32 accuracy (3xTF32: each operand split into
+  a TF32 high part and a TF32 residue, the products high x high, high x residue and residue x high kept, ~2^-21 of
+  each product lost, as TOLERANCE allows). One threadgroup per (query, TENSOR_HEADS heads), 4 warps per 16 heads.
+  The queries sit in threadgroup memory (dynamic: D + 4 floats a row, so that fragment loads hit 32 banks); each
+  round stages TILE = 32 keys, then (1) each warp scores 16 heads x 8 keys over all D dims (mma.m16n8k8), (2) each
+  warp turns 4 heads' scores into probabilities (the online softmax's maximum and sum per head, kept in its
+  lanes), (3) each warp adds P V for its D / WARPS dims of every head, its accumulators in registers. Keys are
+  read from L2 once per TENSOR_HEADS heads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .attention import TOLERANCE
+from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
+from .probe import random_activations
+from .registry import FastPath, current_backend
+
+_CHUNK = """
+const int b = GROUP_Y;
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const bool upper = lane >= 16;
+constexpr int PER_LANE = D / 32;  // lane holds dims lane, lane + 32, ...: staged key reads free of bank conflicts
+const int h0 = GROUP_X * (WARPS * 2) + warp * 2;  // the warp's two heads
+const int pos = info[0] + b;
+const int first = info[1];  // raw row j holds position first + j
+int lo = pos - WINDOW + 1 - first;  // the query's window: raw rows lo .. pos - first
+lo = lo > 0 ? lo : 0;
+const int n_raw = pos - first + 1 - lo;
+EXTRA_KEYS
+const int n_keys = n_raw + extra;
+const float scale = params[0];
+float qv[2][PER_LANE];
+float acc[2][PER_LANE];
+float m[2];
+float l[2];
+for (int i = 0; i < 2; ++i) {
+  for (int j = 0; j < PER_LANE; ++j) {
+    qv[i][j] = h0 + i < H ? q[((size_t)b * H + h0 + i) * D + j * 32 + lane] : 0.0f;
+    acc[i][j] = 0.0f;
+  }
+  m[i] = -3.0e38f;  // below every score: exp(m - top) is 0
+  l[i] = 0.0f;
+}
+SHARED float tile[TILE * D];
+for (int t0 = 0; t0 < n_keys; t0 += TILE) {
+  ds4_barrier();  // every warp is done with the previous tile
+  for (int e = THREAD_IN_GROUP; e < TILE * D; e += WARPS * 32) {
+    const int n = t0 + e / D;
+    if (n < n_keys) {
+KEY_ROW
+      tile[e] = row[e % D];
+    }
+  }
+  ds4_barrier();
+  const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
+  for (int k = 0; k < count; ++k) {
+    float kv[PER_LANE];
+    float d0 = 0.0f;
+    float d1 = 0.0f;
+    for (int j = 0; j < PER_LANE; ++j) {
+      kv[j] = tile[k * D + j * 32 + lane];
+      d0 += qv[0][j] * kv[j];
+      d1 += qv[1][j] * kv[j];
+    }
+    // both heads' dots over the 32 lanes in 6 shuffles (not 2 x 5): the lower half-warp sums head 0, the upper
+    // head 1, then the halves swap totals; every lane ends with the same two scores
+    float mine = (upper ? d1 : d0) + ds4_simd_xor(upper ? d0 : d1, 16);
+    for (int offset = 8; offset > 0; offset >>= 1) {
+      mine += ds4_simd_xor(mine, offset);
+    }
+    const float other = ds4_simd_xor(mine, 16);
+    float score[2];
+    score[0] = (upper ? other : mine) * scale;
+    score[1] = (upper ? mine : other) * scale;
+    for (int i = 0; i < 2; ++i) {
+      if (score[i] > m[i]) {  // a new maximum (the same in every lane) rescales what was summed
+        const float alpha = ds4_exp(m[i] - score[i]);
+        l[i] *= alpha;
+        for (int j = 0; j < PER_LANE; ++j) {
+          acc[i][j] *= alpha;
+        }
+        m[i] = score[i];
+      }
+      const float p = ds4_exp(score[i] - m[i]);
+      l[i] += p;
+      for (int j = 0; j < PER_LANE; ++j) {
+        acc[i][j] += p * kv[j];
+      }
+    }
+  }
+}
+for (int i = 0; i < 2; ++i) {
+  if (h0 + i < H) {
+    const float sink = sinks[h0 + i];
+    const float top = m[i] > sink ? m[i] : sink;
+    const float weight = ds4_exp(m[i] - top);
+    const float total = l[i] * weight + ds4_exp(sink - top);  // no key seen: 0 + 1, and the output is 0
+    for (int j = 0; j < PER_LANE; ++j) {
+      out[((size_t)b * H + h0 + i) * D + j * 32 + lane] = acc[i][j] * weight / total;
+    }
+  }
+}
+"""
+
+_COMPACT_PICKS = """
+SHARED int chosen[PICKS];  // the query's real picks, in their order
+SHARED int counts[WARPS];
+int extra = 0;
+for (int base = 0; base < PICKS; base += WARPS * 32) {
+  const int i = base + THREAD_IN_GROUP;
+  const int real = i < PICKS && valid[(size_t)b * PICKS + i] ? 1 : 0;
+  const int before = ds4_simd_exclusive_sum(real, lane);
+  if (lane == 31) {
+    counts[warp] = before + real;
+  }
+  ds4_barrier();
+  int at = extra + before;
+  for (int w = 0; w < WARPS; ++w) {
+    at += w < warp ? counts[w] : 0;
+    extra += counts[w];
+  }
+  if (real) {
+    chosen[at] = picked[(size_t)b * PICKS + i];
+  }
+  ds4_barrier();  // counts is written again next round
+}"""
+
+CHUNK_KEY_SETS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "window": ((), "const int extra = 0;", """
+      const GLOBAL_MEM float* row = raw + (size_t)(lo + n) * D;"""),
+    "rows": (("rows",), """
+int extra = (pos + 1) / RATIO;  // compressed rows c < (pos + 1) / ratio are visible
+extra = extra < info[2] ? extra : info[2];""", """
+      const GLOBAL_MEM float* row = n < n_raw ? raw + (size_t)(lo + n) * D : rows + (size_t)(n - n_raw) * D;"""),
+    "picked": (("rows", "picked", "valid"), _COMPACT_PICKS, """
+      const GLOBAL_MEM float* row = n < n_raw ? raw + (size_t)(lo + n) * D
+                                              : rows + (size_t)chosen[n - n_raw] * D;"""),
+}
+"""Per kind of key set after the raw window, as KEY_SETS: the inputs it reads, how many keys it adds (`extra`) and
+where key n's row is (`row`). "picked" first compacts the query's real picks into threadgroup memory (a prefix sum
+over the valid flags), so that no key that is not real is loaded or scored."""
+
+CHUNK_KERNELS = {
+    kind: Kernel(f"ds4_chunk_attention_{kind}", ("q", "raw", *inputs, "sinks", "info", "params"), ("out",),
+                 _CHUNK.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n")),
+                 header=SIMD_EXCLUSIVE_SUM)
+    for kind, (inputs, extra, row) in CHUNK_KEY_SETS.items()
+}
+CHUNK_WARPS = 8
+"""Warps per threadgroup: 2 heads each, so a threadgroup serves 16 heads of one query."""
+CHUNK_TILE = 8
+"""Keys staged in threadgroup memory at a time: 16 KB at D = 512."""
+
+
+_TENSOR = """
+const int b = GROUP_Y;
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const int g = lane >> 2;  // the mma fragments' row (A, C) or column (B) within a tile
+const int t = lane & 3;
+constexpr int HG = 16 * M_TILES;  // heads of a threadgroup
+constexpr int STRIDE = D + 4;  // floats per row of the queries and keys: loads at [g][t] hit 32 banks
+constexpr int PSTRIDE = TILE + 4;
+constexpr int NT = D / (8 * WARPS);  // n-tiles of 8 dims a warp owns in P V
+constexpr int HEADS_PER_WARP = HG / WARPS;  // in the softmax
+constexpr int DRAIN = 64;  // dims of a score summed on the tensor cores before the sum is added in float32
+const int h0 = GROUP_X * HG;
+const int pos = info[0] + b;
+const int first = info[1];  // raw row j holds position first + j
+int lo = pos - WINDOW + 1 - first;  // the query's window: raw rows lo .. pos - first
+lo = lo > 0 ? lo : 0;
+const int n_raw = pos - first + 1 - lo;
+EXTRA_KEYS
+const int n_keys = n_raw + extra;
+const float scale = params[0];
+float* q_s = ds4_shared;  // HG x STRIDE
+float* k_s = q_s + HG * STRIDE;  // TILE x STRIDE
+float* p_s = k_s + TILE * STRIDE;  // HG x PSTRIDE: scores, then probabilities
+float* alpha_s = p_s + HG * PSTRIDE;  // HG: each head's rescaling this round, then its output factor
+for (int e = THREAD_IN_GROUP; e < HG * D / 4; e += WARPS * 32) {
+  const int hl = e / (D / 4);
+  const int c = (e - hl * (D / 4)) * 4;
+  float4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (h0 + hl < H) {
+    v = *reinterpret_cast<const float4*>(q + ((size_t)b * H + h0 + hl) * D + c);
+  }
+  *reinterpret_cast<float4*>(q_s + hl * STRIDE + c) = v;
+}
+float m_run[HEADS_PER_WARP];  // heads warp * HEADS_PER_WARP + i: running maximum and sum, the same in every lane
+float l_run[HEADS_PER_WARP];
+for (int i = 0; i < HEADS_PER_WARP; ++i) {
+  m_run[i] = -3.0e38f;  // below every score: exp(m - top) is 0
+  l_run[i] = 0.0f;
+}
+float o[M_TILES][NT][4];
+for (int mi = 0; mi < M_TILES; ++mi) {
+  for (int j = 0; j < NT; ++j) {
+    for (int c = 0; c < 4; ++c) {
+      o[mi][j][c] = 0.0f;
+    }
+  }
+}
+const int mw = warp >> 2;  // in the scores: the warp's 16 heads and 8 keys
+const int nw = warp & 3;
+for (int t0 = 0; t0 < n_keys; t0 += TILE) {
+  ds4_barrier();  // the queries are staged; every warp is done with the previous round's keys and probabilities
+  for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {
+    const int key = e / (D / 4);
+    const int c = (e - key * (D / 4)) * 4;
+    const int n = t0 + key;
+    float4 v = {0.0f, 0.0f, 0.0f, 0.0f};  // past the last key: zeros, masked below
+    if (n < n_keys) {
+KEY_ROW
+      v = *reinterpret_cast<const float4*>(row + c);
+    }
+    *reinterpret_cast<float4*>(k_s + key * STRIDE + c) = v;
+  }
+  ds4_barrier();
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const float* qa = q_s + (16 * mw + g) * STRIDE + t;
+  const float* kb = k_s + (8 * nw + g) * STRIDE + t;
+  for (int k1 = 0; k1 < D; k1 += DRAIN) {  // the tensor cores truncate their sums: drained every DRAIN dims
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k0 = k1; k0 < k1 + DRAIN; k0 += 8) {
+      unsigned int ah[4], al[4], bh[2], bl[2];
+      ds4_tf32_split(qa[k0], ah[0], al[0]);
+      ds4_tf32_split(qa[k0 + 8 * STRIDE], ah[1], al[1]);
+      ds4_tf32_split(qa[k0 + 4], ah[2], al[2]);
+      ds4_tf32_split(qa[k0 + 8 * STRIDE + 4], ah[3], al[3]);
+      ds4_tf32_split(kb[k0], bh[0], bl[0]);
+      ds4_tf32_split(kb[k0 + 4], bh[1], bl[1]);
+      ds4_mma_tf32_16x8x8(part, al, bh);  // the small products first
+      ds4_mma_tf32_16x8x8(part, ah, bl);
+      ds4_mma_tf32_16x8x8(part, ah, bh);
+    }
+    for (int c = 0; c < 4; ++c) {
+      s[c] += part[c];
+    }
+  }
+  float* srow = p_s + (16 * mw + g) * PSTRIDE + 8 * nw + 2 * t;
+  srow[0] = s[0] * scale;
+  srow[1] = s[1] * scale;
+  srow[8 * PSTRIDE] = s[2] * scale;
+  srow[8 * PSTRIDE + 1] = s[3] * scale;
+  ds4_barrier();
+  const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
+  for (int i = 0; i < HEADS_PER_WARP; ++i) {  // lane: key
+    const int h = warp * HEADS_PER_WARP + i;
+    const float score = lane < count ? p_s[h * PSTRIDE + lane] : -3.0e38f;
+    const float tile_top = ds4_simd_max(score);
+    const float top = tile_top > m_run[i] ? tile_top : m_run[i];
+    const float alpha = ds4_exp(m_run[i] - top);
+    const float p = lane < count ? ds4_exp(score - top) : 0.0f;
+    l_run[i] = l_run[i] * alpha + ds4_simd_sum(p);
+    m_run[i] = top;
+    p_s[h * PSTRIDE + lane] = p;
+    if (lane == 0) {
+      alpha_s[h] = alpha;
+    }
+  }
+  ds4_barrier();
+  unsigned int ph[M_TILES][TILE / 8][4], pl[M_TILES][TILE / 8][4];  // P's fragments, split once a round
+  float upper[M_TILES], lower[M_TILES];  // this round's rescaling of rows g and g + 8
+  for (int mi = 0; mi < M_TILES; ++mi) {
+    upper[mi] = alpha_s[16 * mi + g];
+    lower[mi] = alpha_s[16 * mi + g + 8];
+    for (int kk = 0; kk < TILE / 8; ++kk) {
+      const float* pa = p_s + (16 * mi + g) * PSTRIDE + 8 * kk + t;
+      ds4_tf32_split(pa[0], ph[mi][kk][0], pl[mi][kk][0]);
+      ds4_tf32_split(pa[8 * PSTRIDE], ph[mi][kk][1], pl[mi][kk][1]);
+      ds4_tf32_split(pa[4], ph[mi][kk][2], pl[mi][kk][2]);
+      ds4_tf32_split(pa[8 * PSTRIDE + 4], ph[mi][kk][3], pl[mi][kk][3]);
+    }
+  }
+  const float* vb = k_s + t * STRIDE + warp * 8 * NT + g;
+  for (int j = 0; j < NT; ++j) {  // the round's P V in fresh sums (truncated over TILE keys only), then merged
+    float part[M_TILES][4];
+    for (int mi = 0; mi < M_TILES; ++mi) {
+      for (int c = 0; c < 4; ++c) {
+        part[mi][c] = 0.0f;
+      }
+    }
+    for (int kk = 0; kk < TILE / 8; ++kk) {
+      unsigned int bh[2], bl[2];
+      ds4_tf32_split(vb[8 * kk * STRIDE + 8 * j], bh[0], bl[0]);
+      ds4_tf32_split(vb[(8 * kk + 4) * STRIDE + 8 * j], bh[1], bl[1]);
+      for (int mi = 0; mi < M_TILES; ++mi) {
+        ds4_mma_tf32_16x8x8(part[mi], pl[mi][kk], bh);
+        ds4_mma_tf32_16x8x8(part[mi], ph[mi][kk], bl);
+        ds4_mma_tf32_16x8x8(part[mi], ph[mi][kk], bh);
+      }
+    }
+    for (int mi = 0; mi < M_TILES; ++mi) {
+      o[mi][j][0] = o[mi][j][0] * upper[mi] + part[mi][0];
+      o[mi][j][1] = o[mi][j][1] * upper[mi] + part[mi][1];
+      o[mi][j][2] = o[mi][j][2] * lower[mi] + part[mi][2];
+      o[mi][j][3] = o[mi][j][3] * lower[mi] + part[mi][3];
+    }
+  }
+}
+ds4_barrier();  // every warp is done reading this round's factors
+for (int i = 0; i < HEADS_PER_WARP; ++i) {
+  const int h = warp * HEADS_PER_WARP + i;
+  const float sink = h0 + h < H ? sinks[h0 + h] : 0.0f;
+  const float top = m_run[i] > sink ? m_run[i] : sink;
+  const float weight = ds4_exp(m_run[i] - top);
+  const float total = l_run[i] * weight + ds4_exp(sink - top);  // no key seen: 0 + 1, and the output is 0
+  if (lane == 0) {
+    alpha_s[h] = weight / total;
+  }
+}
+ds4_barrier();
+for (int mi = 0; mi < M_TILES; ++mi) {
+  for (int half = 0; half < 2; ++half) {
+    const int h = 16 * mi + g + 8 * half;
+    if (h0 + h < H) {
+      const float factor = alpha_s[h];
+      GLOBAL_MEM float* dst = out + ((size_t)b * H + h0 + h) * D + warp * 8 * NT + 2 * t;
+      for (int j = 0; j < NT; ++j) {
+        dst[8 * j] = o[mi][j][2 * half] * factor;
+        dst[8 * j + 1] = o[mi][j][2 * half + 1] * factor;
+      }
+    }
+  }
+}
+"""
+TENSOR_HEADS = 32
+"""Heads a tensor-core threadgroup serves (16 or 32: 4 warps per 16); its keys are read from L2 once per this many
+heads. Threadgroup memory at D = 512: 137 KB with 32 (one threadgroup an SM), 101 KB with 16 (two)."""
+TENSOR_TILE = 32
+"""Keys a round stages: a lane's key in the softmax; 4 n-tiles of 8 in the scores, one per warp of a 16-head row."""
+
+
+def tensor_shared_bytes(m_tiles: int, d: int = 512) -> int:
+    """Dynamic threadgroup memory of the tensor-core kernel: queries and keys (D + 4 floats a row), the
+    probabilities (TILE + 4 a row) and one factor per head."""
+    heads = 16 * m_tiles
+    return 4 * (heads * (d + 4) + TENSOR_TILE * (d + 4) + heads * (TENSOR_TILE + 4) + heads)
+
+
+TENSOR_KERNELS = {
+    (kind, m_tiles): Kernel(f"ds4_chunk_attention_tc{m_tiles}_{kind}", ("q", "raw", *inputs, "sinks", "info", "params"),
+                            ("out",), _TENSOR.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n")),
+                            header=SIMD_EXCLUSIVE_SUM, shared_memory=tensor_shared_bytes(m_tiles))
+    for kind, (inputs, extra, row) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)
+}
+"""By (kind, m-tiles of 16 heads): their threadgroup memory is sized for D up to 512."""
+
+
+class ChunkShape(NamedTuple):
+    """What selects a compiled chunk-attention kernel (its fast path's key): the kind of key set after the raw
+    window (CHUNK_KEY_SETS), the head count and width, the window, the compression ratio of "rows" and the
+    indexer's picks per query of "picked" (0 where a kind has none)."""
+
+    kind: str
+    heads: int
+    head_dim: int
+    window: int
+    ratio: int
+    picks: int
+
+
+class ChunkAttention:
+    """A block of chunk queries' attention core, by a kernel where it passed its check (the tensor-core one on
+    CUDA, else the SIMT one): the masks from the positions, the key sets read where they are stored, online softmax
+    with the sinks."""
+
+    def __init__(self, reference: Callable[..., mx.array]):
+        self.tensor_path = FastPath("chunk_attention_tensor", reference, self._tensor_kernel, self._probe,
+                                    tolerance=TOLERANCE, backends=("cuda",))
+        self.simt_path = FastPath("chunk_attention", reference, self._kernel, self._probe, tolerance=TOLERANCE,
+                                  backends=("cuda", "metal"))
+
+    def __call__(self, q: mx.array, raw: mx.array, raw_first: int, first: int, window: int, rows: mx.array | None,
+                 ratio: int, picked: mx.array | None, valid: mx.array | None, sinks: mx.array) -> mx.array:
+        """q (B, H, D): queries at positions first..first+B-1; raw (R, D): row j at position raw_first + j, of
+        which a query at p sees p - window < position <= p; then the compressed rows (C, D) or None, of which
+        either the first (p + 1) // ratio are visible or, with the indexer's `picked` (B, K) int32, those rows
+        where `valid` (B, K); sinks (H,) -> (B, H, D)."""
+        key = self.key(q, window, rows, ratio, picked)
+        return self.path(key)(q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks, key=key)
+
+    def used(self, heads: int, head_dim: int, window: int, ratio: int, picks: int) -> bool:
+        """Whether a kernel serves every kind of key set a layer of these shapes can ask for (checking each
+        on its first use): then a block's memory is its output alone, so blocks need not be small."""
+        kinds = ["window"] + (["rows"] if ratio else []) + (["picked"] if picks else [])
+        keys = [ChunkShape(kind, heads, head_dim, window, ratio if kind == "rows" else 0,
+                           picks if kind == "picked" else 0) for kind in kinds]
+        return all(self.path(key).enabled(key) for key in keys)
+
+    def path(self, key: ChunkShape) -> FastPath:
+        """The tensor-core kernel's fast path where it can serve `key` (a head width it tiles) and passed its check,
+        else the SIMT kernel's (which answers with the reference where it did not pass its own)."""
+        fits = key.head_dim <= 512 and key.head_dim % 64 == 0
+        return self.tensor_path if fits and self.tensor_path.enabled(key) else self.simt_path
+
+    @staticmethod
+    def key(q: mx.array, window: int, rows: mx.array | None, ratio: int, picked: mx.array | None) -> ChunkShape:
+        """The shape class of a call's arguments (the fast paths' key)."""
+        kind = "window" if rows is None else "rows" if picked is None else "picked"
+        return ChunkShape(kind, q.shape[1], q.shape[2], window, ratio if kind == "rows" else 0,
+                          picked.shape[-1] if kind == "picked" else 0)
+
+    @staticmethod
+    def _launch_inputs(q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks) -> tuple[str, list, list]:
+        """The kind of key set, the inputs and the template constants both kernels take."""
+        b, heads, d = q.shape
+        template = [("H", heads), ("D", d), ("WINDOW", window)]
+        if rows is None:
+            kind, extra = "window", []
+        elif picked is None:
+            kind, extra = "rows", [rows]
+            template += [("RATIO", ratio)]
+        else:
+            kind, extra = "picked", [rows, picked, valid]
+            template += [("PICKS", picked.shape[-1])]
+        info = mx.array([first, raw_first, 0 if rows is None else rows.shape[0]], dtype=mx.int32)
+        params = mx.array([1.0 / math.sqrt(d)], dtype=mx.float32)  # the reference's scale, rounded as it is
+        return kind, [q, raw, *extra, sinks, info, params], template
+
+    @staticmethod
+    def _kernel(*args) -> mx.array:
+        b, heads, d = args[0].shape
+        if d % SIMD_WIDTH or d > 512:
+            raise ValueError(f"chunk attention needs a head width that is a multiple of 32 up to 512, got {d}")
+        kind, inputs, template = ChunkAttention._launch_inputs(*args)
+        groups = -(-heads // (2 * CHUNK_WARPS))
+        (out,) = build(CHUNK_KERNELS[kind], current_backend())(
+            inputs=inputs, template=template + [("WARPS", CHUNK_WARPS), ("TILE", CHUNK_TILE)],
+            grid=(groups * CHUNK_WARPS * SIMD_WIDTH, b, 1), threadgroup=(CHUNK_WARPS * SIMD_WIDTH, 1, 1),
+            output_shapes=[(b, heads, d)], output_dtypes=[mx.float32],
+        )
+        return out
+
+    @staticmethod
+    def _tensor_kernel(*args) -> mx.array:
+        b, heads, d = args[0].shape
+        m_tiles = TENSOR_HEADS // 16
+        warps = 4 * m_tiles
+        if d % 64 or d > 512:  # scores drained every 64 dims; each of up to 8 warps owns D / 8 of P V's dims
+            raise ValueError(f"the tensor-core chunk attention needs a head width that is a multiple of 64 up to "
+                             f"512, got {d}")
+        kind, inputs, template = ChunkAttention._launch_inputs(*args)
+        groups = -(-heads // TENSOR_HEADS)
+        (out,) = build(TENSOR_KERNELS[kind, m_tiles], current_backend())(
+            inputs=inputs, template=template + [("WARPS", warps), ("TILE", TENSOR_TILE), ("M_TILES", m_tiles)],
+            grid=(groups * warps * SIMD_WIDTH, b, 1), threadgroup=(warps * SIMD_WIDTH, 1, 1),
+            output_shapes=[(b, heads, d)], output_dtypes=[mx.float32],
+        )
+        return out
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """Five queries whose window starts before the chunk (the first sees a full window); "rows": visible
+        counts that change within the block (at Flash's window, ratio 4: 33 to 34; ratio 128: 2 to 3); "picked":
+        each query's own ascending picks among twice as many rows, about a third not real, the third query's none."""
+        kind, heads, d, window, ratio, picks = key
+        b = 5
+        first = max(window + 3, 3 * ratio - 2)
+        raw_first = max(0, first - window + 1)
+        rows = picked = valid = None
+        if kind == "rows":
+            rows = random_activations(((first + b) // ratio, d), seed=63)
+        elif kind == "picked":
+            rng = np.random.default_rng(64)
+            rows = random_activations((2 * picks, d), seed=63)
+            picked = mx.array(np.stack([np.sort(rng.choice(2 * picks, picks, replace=False)) for _ in range(b)]),
+                              dtype=mx.int32)
+            real = rng.random((b, picks)) < 0.67
+            real[2] = False
+            valid = mx.array(real)
+        return (random_activations((b, heads, d), seed=60), random_activations((first + b - raw_first, d), seed=61),
+                raw_first, first, window, rows, ratio, picked, valid, random_activations((heads,), seed=62))
