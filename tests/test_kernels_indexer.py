@@ -109,6 +109,18 @@ def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
     assert not INDEXER_PICK.fast_path.enabled((HEADS, DIM, 600, RATIO, TOP_K, N_ROT, RowQuant.INDEXER_FP4))
 
 
+def test_finished_queries_pick_as_the_chunk_path_did(on_cpu, kernels_unforced):
+    """A prefill chunk hands over finished queries (rope None): the reference is then `pick_rows` itself, and the
+    probe of that shape class (n_rot 0) has no RoPE either."""
+    q, w, rows, positions = queries(600, TOP_K, seed=6)
+    got = INDEXER_PICK(q, w, rows, positions, None, RowQuant.NONE, RATIO, TOP_K)
+    want = pick_rows(q, w, rows, positions, RATIO, TOP_K)
+    assert all(mx.array_equal(g, v) for g, v in zip(got, want))
+    probe = INDEXER_PICK._probe((HEADS, DIM, 600, RATIO, TOP_K, 0, RowQuant.NONE))
+    assert probe[4] is None and all(mx.array_equal(g, v) for g, v in zip(pick_finished_rows(*probe),
+                                                                          pick_rows(*probe[:4], *probe[6:])))
+
+
 @pytest.mark.parametrize("kernel", [SCORES_KERNEL, SELECT_KERNEL], ids=lambda k: k.name)
 def test_kernels_render_for_cuda_and_metal(kernel):
     """Every neutral word spelled out and every helper called defined (the score kernel's finish is kernels/rows.py's
@@ -146,6 +158,19 @@ def test_indexer_pick_kernels_are_used_and_equal_reference(kernels_unforced, n, 
     key = (HEADS, DIM, n, RATIO, top_k, N_ROT, quant)
     assert INDEXER_PICK.fast_path.decisions()[registry.current_backend(), key].fast
     want = pick_finished_rows(q, w, rows, positions, ROPE, quant, RATIO, top_k, 1.0 / 16)
+    assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+def test_indexer_pick_kernels_take_a_chunks_finished_queries(kernels_unforced):
+    """A prefill chunk's choice (kernels/chunk_attention.py's callers): 300 finished queries at consecutive
+    positions over Flash's buffer at 8k tokens, picks equal to the reference's (exact inputs)."""
+    n = 2050
+    q, w, rows, positions = exact_inputs(HEADS, DIM, n, list(range(8192 - 300, 8192)), seed=7)
+    got = INDEXER_PICK(q, w, rows, positions, None, RowQuant.NONE, RATIO, TOP_K)
+    assert INDEXER_PICK.fast_path.decisions()[registry.current_backend(),
+                                              (HEADS, DIM, n, RATIO, TOP_K, 0, RowQuant.NONE)].fast
+    want = pick_rows(q, w, rows, positions, RATIO, TOP_K)
     assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
 
 

@@ -1,4 +1,6 @@
-"""The lightning indexer's choice for decode queries (spec §3.7) in two launches: the scores, then the top k.
+"""The lightning indexer's choice (spec §3.7) in two launches: the scores, then the top k. For decode queries, and
+for a prefill chunk's (finished by then: rope None), where the composition below held a (B, H, N) float32 product
+and ~10 launches per block of queries.
 
 In MLX ops the decode step's choice is ~20 launches per ratio-4 layer: the score product, relu, weighting and head
 sum, the visibility mask, `top_k_mask` (partition, comparisons, sum, cumulative sum), `mask_to_indices`
@@ -338,7 +340,7 @@ def position_seeing(rows: int, ratio: int) -> int:
 
 
 class IndexerPick:
-    """(picked (T, top_k) int32 ascending, valid (T, top_k) bool): the rows decode queries attend, by the two
+    """(picked (T, top_k) int32 ascending, valid (T, top_k) bool): the rows queries attend, by the two
     kernels where they passed their check ((T, N) where the buffer holds N <= top_k rows). The queries come as
     q_b gives them: the score kernel finishes them (RoPE, quantisation simulation) while it stages them, so that
     finishing them is no launch of its own."""
@@ -347,19 +349,21 @@ class IndexerPick:
         self.fast_path = FastPath("indexer_pick", reference, self._kernel, self._probe, tolerance=0.0,
                                   backends=("cuda", "metal"))
 
-    def __call__(self, q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE,
+    def __call__(self, q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE | None,
                  quant: RowQuant, ratio: int, top_k: int, scale: float = 1.0) -> tuple[mx.array, mx.array]:
         """Raw queries q (T, H, D), or (T, H * D) as q_b gives them (the kernels read them as stored: no reshape
-        node), to be finished by `rope` then `quant`, and weights (T, H) at positions (T,) over rows (N, D); the
-        weights count times `scale` (applied in the score kernel: no launch of its own)."""
+        node), to be finished by `rope` then `quant` (rope None: finished already, as a prefill chunk's are), and
+        weights (T, H) at positions (T,) over rows (N, D); the weights count times `scale` (applied in the score
+        kernel: no launch of its own)."""
         h, d = weights.shape[1], rows.shape[1]
         args = (q, weights, rows, positions, rope, quant, ratio, top_k, scale)
         # float4 rows; the queries fit threadgroup memory; D threads finish a head, whole SIMD groups of one head
         if (d % SIMD_WIDTH or (SCORE_SIMDS * SIMD_WIDTH) % d or heads_padded(h) * d * 4 > QUERY_BYTES
-                or quant == RowQuant.KV_FP8
-                or not fits(q.reshape(-1, h, d), positions, rope, None, quant)):  # a view for the check alone
+                or quant == RowQuant.KV_FP8 or (rope is None and quant != RowQuant.NONE)
+                or (rope is not None and not fits(q.reshape(-1, h, d), positions, rope, None, quant))):
             return self.fast_path.reference(*args)
-        return self.fast_path(*args, key=(h, d, rows.shape[0], ratio, top_k, rope.n_rot, quant))
+        n_rot = 0 if rope is None else rope.n_rot
+        return self.fast_path(*args, key=(h, d, rows.shape[0], ratio, top_k, n_rot, quant))
 
     @staticmethod
     def _kernel(q, weights, rows, positions, rope, quant, ratio, top_k, scale=1.0) -> tuple[mx.array, mx.array]:
@@ -378,7 +382,7 @@ class IndexerPick:
         seen = [n - 1, max(top_k - 3, 0), min(top_k + 1, n)]
         positions = [position_seeing(v, ratio) for v in seen] + [999_983]
         q, weights, rows, positions = exact_inputs(h, d, n, positions, seed=81)
-        rope = RoPE(n_rot, 10000.0)
+        rope = RoPE(n_rot, 10000.0) if n_rot else None  # n_rot 0: finished queries
         if quant == RowQuant.INDEXER_FP4:
             q = steady_rows(q.shape, positions, rope, None, quant, seed=82)
         else:

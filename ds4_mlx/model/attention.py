@@ -92,10 +92,6 @@ class Indexer:
         """The indexer queries (T, n_head, head_dim) of `queries`."""
         return finish_queries(self.raw_queries(q_latent, norm), positions, self.rope, self.quant)
 
-    def select(self, q: mx.array, weights: mx.array, rows: mx.array, visible: mx.array) -> mx.array:
-        """Mask (B, n_rows) of the rows each query attends: its top_k visible rows by score (ties to lower c)."""
-        return top_k_mask(index_scores(q, weights, rows, visible), self.top_k) & visible
-
     def pick(self, q_latent: mx.array, proj: mx.array, positions: mx.array, rows: mx.array, norm: Norm | None = None
              ) -> tuple[mx.array, mx.array]:
         """Decode form of `select`: the rows' indices (T, top_k) ascending and which of them are real, for queries
@@ -131,12 +127,14 @@ def pick_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.arra
     return picked, mx.take_along_axis(chosen, picked, axis=-1)
 
 
-def pick_finished_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE,
+def pick_finished_rows(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE | None,
                        quant: RowQuant, ratio: int, top_k: int, scale: float = 1.0) -> tuple[mx.array, mx.array]:
     """`pick_rows` for q_b's output q (T, n_head, d) or (T, n_head * d): the queries finished first
-    (`finish_queries`)."""
+    (`finish_queries`), unless `rope` is None (they are finished already)."""
     q = q.reshape(*weights.shape, rows.shape[1])
-    return pick_rows(finish_queries(q, positions, rope, quant), weights, rows, positions, ratio, top_k, scale)
+    if rope is not None:
+        q = finish_queries(q, positions, rope, quant)
+    return pick_rows(q, weights, rows, positions, ratio, top_k, scale)
 
 
 INDEXER_PICK = IndexerPick(pick_finished_rows)
@@ -218,12 +216,9 @@ class Attention:
             stop = min(start + block, t)
             picked = valid = None
             if index_queries is not None and (n_past + stop) // self.ratio > self.indexer.top_k:
-                block_pos = positions[start:stop]
-                visible = mx.arange(comp_rows.shape[0])[None, :] < ((block_pos + 1) // self.ratio)[:, None]
                 iq, iw = index_queries
-                chosen = self.indexer.select(iq[start:stop], iw[start:stop], index_rows, visible)
-                picked = mask_to_indices(chosen, self.indexer.top_k)
-                valid = mx.take_along_axis(chosen, picked, axis=-1)
+                picked, valid = INDEXER_PICK(iq[start:stop], iw[start:stop], index_rows, positions[start:stop], None,
+                                             RowQuant.NONE, self.ratio, self.indexer.top_k)
             out.append(CHUNK_ATTENTION(q[start:stop], raw, n_past - n_prev, n_past + start, self.window, comp_rows,
                                        self.ratio, picked, valid, self.sinks))
         out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
