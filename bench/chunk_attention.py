@@ -1,4 +1,4 @@
-"""The chunk attention kernels at DeepSeek V4 Flash's shapes, one prefill chunk: ms per call by kernel.
+"""The chunk attention kernels and the indexer's choice at DeepSeek V4 Flash's shapes, one prefill chunk: ms per call.
 
     python bench/chunk_attention.py                  # 4096 queries deep in a context (positions 8192..12287)
     python bench/chunk_attention.py --queries 2048 --first 2048
@@ -7,7 +7,11 @@ Rows, per kind of layer: "picked" (a ratio-4 layer: the 128-row window and the i
 visible compressed rows), "rows" (a ratio-128 layer: the window and every visible compressed row), "window" (the
 window alone). Each kind runs through the SIMT kernel and the tensor-core kernel at 16 and 32 heads a threadgroup
 (kernels/chunk_attention.py); every line is checked against the SIMT kernel's output (the same attention within
-TOLERANCE), so a fast but wrong variant shows. CUDA only for the tensor-core lines.
+TOLERANCE), so a fast but wrong variant shows. Then the indexer's choice for the same queries on a ratio-4 layer
+(scores over the visible compressed rows, then the top 512): the composed reference (`pick_rows`: a (B, 64, N)
+product, relu, weighting, head sum, mask and sorts), the SIMT score kernel and the tensor-core one, each followed by
+the select kernel (kernels/indexer.py); each line gives the share of picks equal to the reference's. CUDA only for
+the tensor-core lines.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import numpy as np
 
 from ds4_mlx.kernels import chunk_attention
 from ds4_mlx.kernels.chunk_attention import ChunkAttention
+from ds4_mlx.kernels.indexer import indexer_scores, select_rows, tensor_scores
 from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.model.attention import pick_rows
 from ds4_mlx.model.config import FLASH
 
 
@@ -84,7 +90,31 @@ def main() -> int:
                       flush=True)
             except Exception as error:  # a variant that cannot run here (no CUDA) is reported, not fatal
                 print(f"{kind:<7} {name:<16} did not run: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    choice(args)
     return 0
+
+
+def choice(args: argparse.Namespace) -> None:
+    """The indexer's choice for the chunk's queries on a ratio-4 layer, by each route."""
+    heads, d, top_k, ratio = FLASH.indexer_n_head, FLASH.indexer_head_dim, FLASH.indexer_top_k, 4
+    n = (args.first + args.queries) // ratio
+    q = random_activations((args.queries, heads, d), seed=5)
+    w = random_activations((args.queries, heads), seed=6) / (heads * d) ** 0.5
+    rows = random_activations((n, d), seed=7)
+    positions = mx.arange(args.first, args.first + args.queries, dtype=mx.int32)
+    want = pick_rows(q, w, rows, positions, ratio, top_k)
+    routes = [("composed", lambda: pick_rows(q, w, rows, positions, ratio, top_k)),
+              ("simt scores", lambda: select_rows(indexer_scores(q, w, rows, positions, ratio, top_k), positions,
+                                                  ratio, top_k)),
+              ("tensor scores", lambda: select_rows(tensor_scores(q, w, rows, positions, ratio, top_k), positions,
+                                                    ratio, top_k))]
+    for name, call in routes:
+        try:
+            ms = per_call_ms(lambda: call()[0], args.calls, args.repeats)
+            same = mx.mean((call()[0] == want[0]).astype(mx.float32)).item()
+            print(f"choice  {name:<16} {ms:8.3f} ms  picks equal to the reference's {same:.6f}", flush=True)
+        except Exception as error:
+            print(f"choice  {name:<16} did not run: {type(error).__name__}: {str(error)[:200]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       done
       rm -f "$out/ab.json" "$out/ab.err" ;;
     attn)
-      timeout "$(left 10)" python3 bench/chunk_attention.py 2>&1 | grep -v "warnings.warn" | tail -12 ;;
+      timeout "$(left 10)" python3 bench/chunk_attention.py 2>&1 | grep -v "warnings.warn" | tail -15 ;;
     gemms)
       timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -24 ;;
     *) echo "unknown step $step" ;;

@@ -22,6 +22,9 @@ from ds4_mlx.kernels.indexer import (
     SCORES_KERNEL,
     SELECT_KERNEL,
     SELECT_THREADS,
+    TENSOR_SCORE_KEYS,
+    TENSOR_SCORE_WARPS,
+    TENSOR_SCORES_KERNEL,
     exact_inputs,
     indexer_scores,
     position_seeing,
@@ -121,11 +124,11 @@ def test_finished_queries_pick_as_the_chunk_path_did(on_cpu, kernels_unforced):
                                                                           pick_rows(*probe[:4], *probe[6:])))
 
 
-@pytest.mark.parametrize("kernel", [SCORES_KERNEL, SELECT_KERNEL], ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", [SCORES_KERNEL, SELECT_KERNEL, TENSOR_SCORES_KERNEL], ids=lambda k: k.name)
 def test_kernels_render_for_cuda_and_metal(kernel):
     """Every neutral word spelled out and every helper called defined (the score kernel's finish is kernels/rows.py's
     and kernels/actquant.py's), in both dialects."""
-    for target in (CUDA, METAL):
+    for target in (CUDA, METAL) if not kernel.shared_memory else (CUDA,):  # dynamic threadgroup memory: CUDA's
         source, header = target.render(kernel.source), target.header(kernel)
         assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", source + header)
         for helper in set(re.findall(r"\b(?:ds4|rw|aq|ix)_\w+(?=\()", source + header)):
@@ -276,3 +279,46 @@ def test_emulated_cuda_scores_scale_the_weights_as_the_model_does(on_cpu, tmp_pa
     assert (picked == np.array(want_picked)).all() and (valid == np.array(want_valid)).all()
     wide = ((positions + 1) // RATIO > 64).tolist()
     assert (scores[wide] == np.array(index_scores(q, w * scale, rows, visible_mask(600, positions)))[wide]).all()
+
+
+def emulated_tensor_scores(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array, top_k: int, tmp_path,
+                           scale: float = 1.0) -> np.ndarray:
+    """The tensor-core score kernel's CUDA text run on the CPU, as `tensor_scores` launches it (NaN where it writes
+    nothing: queries with at most top_k visible rows)."""
+    (t, h), (n, d) = w.shape, rows.shape
+    template = {"H": h, "MT": -(-h // 16), "D": d, "N": n, "K": top_k, "RATIO": RATIO, "WARPS": TENSOR_SCORE_WARPS,
+                "KEYS": TENSOR_SCORE_KEYS}
+    q, w, rows = (np.array(a, np.float32) for a in (q, w, rows))
+    (scores,) = emulated(TENSOR_SCORES_KERNEL, template, tmp_path)(
+        [q, w, rows, np.array(positions, np.int32), np.array([scale], np.float32)], [(t, n)],
+        (-(-n // TENSOR_SCORE_KEYS), t), TENSOR_SCORE_WARPS * 32)
+    return scores
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "top_k"), [(2050, TOP_K), (300, 64)], ids=str)
+def test_emulated_tensor_scores_are_exact_on_exact_inputs(on_cpu, n, top_k, tmp_path):
+    """Exact inputs give exact scores on the tensor cores too (integer products and sums below 2^24; the weights in
+    sixteenths): every visible row of a query that chooses, -inf past them, across threadgroups' row ranges and
+    partly visible rounds; the select kernel then picks the reference's rows."""
+    q, w, rows, positions = queries(n, top_k, seed=n)
+    scale = 1.0 / 16
+    scores = emulated_tensor_scores(q, w, rows, positions, top_k, tmp_path, scale)
+    wide = ((positions + 1) // RATIO > top_k).tolist()
+    assert any(wide) and not all(wide)
+    want = np.array(index_scores(q, w * scale, rows, visible_mask(n, positions)))
+    assert (scores[wide] == want[wide]).all()
+    picked, valid = emulated(SELECT_KERNEL, select_template(n, RATIO, top_k), tmp_path)(
+        [scores, np.array(positions, np.int32)], [(len(wide), min(n, top_k))] * 2, (len(wide), 1), SELECT_THREADS,
+        [np.int32, np.bool_])
+    want_picked, want_valid = pick_rows(q, w, rows, positions, RATIO, top_k, scale)
+    assert (picked == np.array(want_picked)).all() and (valid == np.array(want_valid)).all()
+
+
+@pytest.mark.slow
+def test_emulated_tensor_scores_within_tolerance(on_cpu, tmp_path):
+    """Float queries and rows: 3xTF32 products, heads summed in another order, within SCORE_TOLERANCE."""
+    q, w, rows, positions = float_inputs(1100, TOP_K)
+    scores = emulated_tensor_scores(q, w, rows, positions, TOP_K, tmp_path)
+    want = index_scores(q, w, rows, visible_mask(1100, positions))
+    assert registry.disagreement(mx.array(scores), want, SCORE_TOLERANCE) is None

@@ -243,7 +243,10 @@ KEY_ROW
   const float* qa = q_s + (16 * mw + g) * STRIDE + t;
   const float* kb = k_s + (8 * nw + g) * STRIDE + t;
   for (int k1 = 0; k1 < D; k1 += DRAIN) {  // the tensor cores truncate their sums: drained every DRAIN dims
-    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float part[4][4];  // four independent chains (even and odd k-steps, large and small products): the mma
+    for (int c = 0; c < 16; ++c) {  // latency overlaps, where one accumulator would serialise every product
+      part[c >> 2][c & 3] = 0.0f;
+    }
     for (int k0 = k1; k0 < k1 + DRAIN; k0 += 8) {
       unsigned int ah[4], al[4], bh[2], bl[2];
       ds4_tf32_split(qa[k0], ah[0], al[0]);
@@ -252,12 +255,13 @@ KEY_ROW
       ds4_tf32_split(qa[k0 + 8 * STRIDE + 4], ah[3], al[3]);
       ds4_tf32_split(kb[k0], bh[0], bl[0]);
       ds4_tf32_split(kb[k0 + 4], bh[1], bl[1]);
-      ds4_mma_tf32_16x8x8(part, al, bh);  // the small products first
-      ds4_mma_tf32_16x8x8(part, ah, bl);
-      ds4_mma_tf32_16x8x8(part, ah, bh);
+      const int chain = (k0 >> 2) & 2;
+      ds4_mma_tf32_16x8x8(part[chain + 1], al, bh);
+      ds4_mma_tf32_16x8x8(part[chain + 1], ah, bl);
+      ds4_mma_tf32_16x8x8(part[chain], ah, bh);
     }
     for (int c = 0; c < 4; ++c) {
-      s[c] += part[c];
+      s[c] += (part[1][c] + part[3][c]) + (part[0][c] + part[2][c]);  // the small products first
     }
   }
   float* srow = p_s + (16 * mw + g) * PSTRIDE + 8 * nw + 2 * t;
@@ -297,10 +301,11 @@ KEY_ROW
   }
   const float* vb = k_s + t * STRIDE + warp * 8 * NT + g;
   for (int j = 0; j < NT; ++j) {  // the round's P V in fresh sums (truncated over TILE keys only), then merged
-    float part[M_TILES][4];
+    float large[M_TILES][4], small[M_TILES][4];  // separate chains, as in the scores
     for (int mi = 0; mi < M_TILES; ++mi) {
       for (int c = 0; c < 4; ++c) {
-        part[mi][c] = 0.0f;
+        large[mi][c] = 0.0f;
+        small[mi][c] = 0.0f;
       }
     }
     for (int kk = 0; kk < TILE / 8; ++kk) {
@@ -308,16 +313,16 @@ KEY_ROW
       ds4_tf32_split(vb[8 * kk * STRIDE + 8 * j], bh[0], bl[0]);
       ds4_tf32_split(vb[(8 * kk + 4) * STRIDE + 8 * j], bh[1], bl[1]);
       for (int mi = 0; mi < M_TILES; ++mi) {
-        ds4_mma_tf32_16x8x8(part[mi], pl[mi][kk], bh);
-        ds4_mma_tf32_16x8x8(part[mi], ph[mi][kk], bl);
-        ds4_mma_tf32_16x8x8(part[mi], ph[mi][kk], bh);
+        ds4_mma_tf32_16x8x8(small[mi], pl[mi][kk], bh);
+        ds4_mma_tf32_16x8x8(small[mi], ph[mi][kk], bl);
+        ds4_mma_tf32_16x8x8(large[mi], ph[mi][kk], bh);
       }
     }
     for (int mi = 0; mi < M_TILES; ++mi) {
-      o[mi][j][0] = o[mi][j][0] * upper[mi] + part[mi][0];
-      o[mi][j][1] = o[mi][j][1] * upper[mi] + part[mi][1];
-      o[mi][j][2] = o[mi][j][2] * lower[mi] + part[mi][2];
-      o[mi][j][3] = o[mi][j][3] * lower[mi] + part[mi][3];
+      o[mi][j][0] = o[mi][j][0] * upper[mi] + (small[mi][0] + large[mi][0]);
+      o[mi][j][1] = o[mi][j][1] * upper[mi] + (small[mi][1] + large[mi][1]);
+      o[mi][j][2] = o[mi][j][2] * lower[mi] + (small[mi][2] + large[mi][2]);
+      o[mi][j][3] = o[mi][j][3] * lower[mi] + (small[mi][3] + large[mi][3]);
     }
   }
 }

@@ -270,6 +270,117 @@ SELECT_KERNEL = Kernel("ds4_indexer_select", ("scores", "position"), ("picked", 
                        _HELPERS + SIMD_EXCLUSIVE_SUM)
 
 
+_TENSOR_SCORES = """
+const int t = GROUP_Y;
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const int g = lane >> 2;  // the mma fragments' row (A, C) or column (B) within a tile
+const int c4 = lane & 3;
+constexpr int STRIDE = D + 4;  // words per row of the queries and keys: loads at [g][c4] hit 32 banks
+constexpr int TILE = 8 * WARPS;  // keys a round: 8 a warp
+int visible = (position[t] + 1) / RATIO;
+visible = visible < N ? visible : N;
+const int begin = GROUP_X * KEYS;
+const int end = begin + KEYS < N ? begin + KEYS : N;
+if (visible <= K || begin >= end) {
+  return;  // every visible row is picked: no score is read (as the SIMT kernel leaves it)
+}
+GLOBAL_MEM float* out = scores + (size_t)t * N;
+unsigned int* q_hi = (unsigned int*)ds4_shared;  // 16 * MT x STRIDE: the queries split once
+unsigned int* q_lo = q_hi + 16 * MT * STRIDE;
+float* k_s = (float*)(q_lo + 16 * MT * STRIDE);  // TILE x STRIDE
+float* w_s = k_s + TILE * STRIDE;  // 16 * MT head weights times scale (0 past H)
+for (int e = THREAD_IN_GROUP; e < 16 * MT * D; e += WARPS * 32) {
+  const int h = e / D;
+  const int d = e - h * D;
+  ds4_tf32_split(h < H ? q[((size_t)t * H + h) * D + d] : 0.0f, q_hi[h * STRIDE + d], q_lo[h * STRIDE + d]);
+}
+for (int h = THREAD_IN_GROUP; h < 16 * MT; h += WARPS * 32) {
+  w_s[h] = h < H ? w[(size_t)t * H + h] * scale[0] : 0.0f;  // the reference's weights * scale
+}
+const int last = visible < end ? visible : end;
+for (int t0 = begin; t0 < last; t0 += TILE) {
+  ds4_barrier();  // the queries are staged; every warp is done with the previous keys
+  for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {
+    const int key = e / (D / 4);
+    const int c = (e - key * (D / 4)) * 4;
+    float4 v = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (t0 + key < last) {
+      v = *reinterpret_cast<const float4*>(rows + (size_t)(t0 + key) * D + c);
+    }
+    *reinterpret_cast<float4*>(k_s + key * STRIDE + c) = v;
+  }
+  ds4_barrier();
+  float large[MT][4], small[MT][4];  // q . k for 16 heads x the warp's 8 keys, per m-tile; separate chains
+  for (int mi = 0; mi < MT; ++mi) {
+    for (int i = 0; i < 4; ++i) {
+      large[mi][i] = 0.0f;
+      small[mi][i] = 0.0f;
+    }
+  }
+  const float* kb = k_s + (8 * warp + g) * STRIDE + c4;
+  for (int k0 = 0; k0 < D; k0 += 8) {
+    unsigned int bh[2], bl[2];
+    ds4_tf32_split(kb[k0], bh[0], bl[0]);
+    ds4_tf32_split(kb[k0 + 4], bh[1], bl[1]);
+    for (int mi = 0; mi < MT; ++mi) {
+      const int at = (16 * mi + g) * STRIDE + k0 + c4;
+      const unsigned int ah[4] = {q_hi[at], q_hi[at + 8 * STRIDE], q_hi[at + 4], q_hi[at + 8 * STRIDE + 4]};
+      const unsigned int al[4] = {q_lo[at], q_lo[at + 8 * STRIDE], q_lo[at + 4], q_lo[at + 8 * STRIDE + 4]};
+      ds4_mma_tf32_16x8x8(small[mi], al, bh);
+      ds4_mma_tf32_16x8x8(small[mi], ah, bl);
+      ds4_mma_tf32_16x8x8(large[mi], ah, bh);
+    }
+  }
+  float even = 0.0f;  // the lane's heads' weighted terms for keys 2 c4 and 2 c4 + 1 of the warp's 8
+  float odd = 0.0f;
+  for (int mi = 0; mi < MT; ++mi) {
+    const float upper = w_s[16 * mi + g];
+    const float lower = w_s[16 * mi + g + 8];
+    const float d0 = small[mi][0] + large[mi][0];
+    const float d1 = small[mi][1] + large[mi][1];
+    const float d2 = small[mi][2] + large[mi][2];
+    const float d3 = small[mi][3] + large[mi][3];
+    even += upper * (d0 > 0.0f ? d0 : 0.0f) + lower * (d2 > 0.0f ? d2 : 0.0f);
+    odd += upper * (d1 > 0.0f ? d1 : 0.0f) + lower * (d3 > 0.0f ? d3 : 0.0f);
+  }
+  for (int offset = 4; offset < 32; offset <<= 1) {  // over g: the lanes holding the other heads
+    even += ds4_simd_xor(even, offset);
+    odd += ds4_simd_xor(odd, offset);
+  }
+  const int key = t0 + 8 * warp + 2 * c4;
+  if (g == 0 && key < last) {
+    out[key] = even;
+  }
+  if (g == 0 && key + 1 < last) {
+    out[key + 1] = odd;
+  }
+}
+const float below = -ds4_float(0x7f800000u);  // -inf: not visible
+for (int i = (last > begin ? last : begin) + THREAD_IN_GROUP; i < end; i += WARPS * 32) {
+  out[i] = below;
+}
+"""
+TENSOR_SCORE_WARPS = 8
+"""Warps of a tensor-core score threadgroup: 8 keys each a round."""
+TENSOR_SCORE_KEYS = 512
+"""Keys (rows) a tensor-core score threadgroup scores for its query: N / 512 threadgroups a query, each staging the
+query's heads once."""
+TENSOR_SCORE_HEADS, TENSOR_SCORE_WIDTH = 64, 128
+"""The most heads and the widest rows its threadgroup memory holds (Flash's indexer: 64 heads of 128)."""
+
+
+def tensor_scores_bytes(heads: int = TENSOR_SCORE_HEADS, d: int = TENSOR_SCORE_WIDTH) -> int:
+    """Dynamic threadgroup memory of the tensor-core score kernel: the queries' TF32 high parts and residues and a
+    round's keys (D + 4 words a row), and the head weights."""
+    m_tiles = -(-heads // 16)
+    return 4 * (2 * 16 * m_tiles * (d + 4) + 8 * TENSOR_SCORE_WARPS * (d + 4) + 16 * m_tiles)
+
+
+TENSOR_SCORES_KERNEL = Kernel("ds4_indexer_scores_tc", ("q", "w", "rows", "position", "scale"), ("scores",),
+                              _TENSOR_SCORES, _HELPERS, shared_memory=tensor_scores_bytes())
+
+
 def heads_padded(n_head: int) -> int:
     """Heads rounded up to whole SIMD groups: each lane takes every 32nd head."""
     return -(-n_head // SIMD_WIDTH) * SIMD_WIDTH
@@ -309,6 +420,35 @@ def indexer_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx
     )
     return scores
 
+
+
+def tensor_fits(weights: mx.array, rows: mx.array, rope: RoPE | None, quant: RowQuant) -> bool:
+    """Whether the tensor-core score kernel takes these (CUDA; finished queries; heads and width its threadgroup
+    memory holds, rows of whole float4 and 8-wide k-steps)."""
+    h, d = weights.shape[1], rows.shape[1]
+    return (current_backend() == "cuda" and rope is None and quant == RowQuant.NONE and h <= TENSOR_SCORE_HEADS
+            and d <= TENSOR_SCORE_WIDTH and d % 8 == 0)
+
+
+def tensor_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int, top_k: int,
+                  scale: float = 1.0) -> mx.array:
+    """`indexer_scores` for finished queries q (T, H, D) (or (T, H * D)) on tensor cores at float32 accuracy (3xTF32,
+    as kernels/chunk_attention.py's): the same contract, a prefill chunk's many queries at once. Each threadgroup
+    takes one query's TENSOR_SCORE_KEYS rows, rounds of 64 keys staged; each warp scores every head against 8 keys
+    (mma.m16n8k8 over D), then sums w_h relu(.) over the heads in its lanes; rows past the visible count are
+    skipped (causal: a chunk's early queries see fewer)."""
+    (t, h), (n, d) = weights.shape, rows.shape
+    template = {"H": h, "MT": -(-h // 16), "D": d, "N": n, "K": top_k, "RATIO": ratio, "WARPS": TENSOR_SCORE_WARPS,
+                "KEYS": TENSOR_SCORE_KEYS}
+    (scores,) = build(TENSOR_SCORES_KERNEL, current_backend())(
+        inputs=[q.astype(mx.float32), weights.astype(mx.float32), rows.astype(mx.float32),
+                positions.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
+        template=list(template.items()),
+        grid=(-(-n // TENSOR_SCORE_KEYS) * TENSOR_SCORE_WARPS * SIMD_WIDTH, t, 1),
+        threadgroup=(TENSOR_SCORE_WARPS * SIMD_WIDTH, 1, 1),
+        output_shapes=[(t, n)], output_dtypes=[mx.float32],
+    )
+    return scores
 
 def select_rows(scores: mx.array, positions: mx.array, ratio: int, top_k: int) -> tuple[mx.array, mx.array]:
     """(picked (T, min(N, top_k)) int32 ascending, valid (T, min(N, top_k)) bool) from scores (T, N)."""
@@ -355,20 +495,36 @@ class IndexerPick:
         node), to be finished by `rope` then `quant` (rope None: finished already, as a prefill chunk's are), and
         weights (T, H) at positions (T,) over rows (N, D); the weights count times `scale` (applied in the score
         kernel: no launch of its own)."""
-        h, d = weights.shape[1], rows.shape[1]
         args = (q, weights, rows, positions, rope, quant, ratio, top_k, scale)
-        # float4 rows; the queries fit threadgroup memory; D threads finish a head, whole SIMD groups of one head
+        key = self.key(q, weights, rows, positions, rope, quant, ratio, top_k)
+        return self.fast_path.reference(*args) if key is None else self.fast_path(*args, key=key)
+
+    def enabled(self, q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE | None,
+                quant: RowQuant, ratio: int, top_k: int) -> bool:
+        """Whether the kernels answer a call with these arguments (checked at their first use): then no (T, H, N)
+        product is made, so a prefill chunk's queries need not be split into blocks."""
+        key = self.key(q, weights, rows, positions, rope, quant, ratio, top_k)
+        return key is not None and self.fast_path.enabled(key)
+
+    @staticmethod
+    def key(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE | None,
+            quant: RowQuant, ratio: int, top_k: int) -> tuple | None:
+        """The fast path's key, or None where the kernels do not take the arguments: float4 rows; the queries fit
+        threadgroup memory; D threads finish a head, whole SIMD groups of one head."""
+        h, d = weights.shape[1], rows.shape[1]
         if (d % SIMD_WIDTH or (SCORE_SIMDS * SIMD_WIDTH) % d or heads_padded(h) * d * 4 > QUERY_BYTES
                 or quant == RowQuant.KV_FP8 or (rope is None and quant != RowQuant.NONE)
                 or (rope is not None and not fits(q.reshape(-1, h, d), positions, rope, None, quant))):
-            return self.fast_path.reference(*args)
-        n_rot = 0 if rope is None else rope.n_rot
-        return self.fast_path(*args, key=(h, d, rows.shape[0], ratio, top_k, n_rot, quant))
+            return None  # (the reshape is a view for the check alone)
+        return h, d, rows.shape[0], ratio, top_k, 0 if rope is None else rope.n_rot, quant
 
     @staticmethod
     def _kernel(q, weights, rows, positions, rope, quant, ratio, top_k, scale=1.0) -> tuple[mx.array, mx.array]:
-        return select_rows(indexer_scores(q, weights, rows, positions, ratio, top_k, scale, rope, quant), positions,
-                           ratio, top_k)
+        if tensor_fits(weights, rows, rope, quant):
+            scores = tensor_scores(q, weights, rows, positions, ratio, top_k, scale)
+        else:
+            scores = indexer_scores(q, weights, rows, positions, ratio, top_k, scale, rope, quant)
+        return select_rows(scores, positions, ratio, top_k)
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:

@@ -210,13 +210,14 @@ class Attention:
         picks = 0 if self.indexer is None else self.indexer.top_k
         block = t if CHUNK_ATTENTION.used(self.n_head, self.head_dim, self.window, self.ratio, picks) else QUERY_BLOCK
         if index_queries is not None:
-            block = max(1, min(block, INDEXER_SCORE_BYTES // (4 * self.indexer.n_head * index_rows.shape[0])))
+            iq, iw = index_queries  # the reference's (B, n_head, N) product bounds a block; the kernels' does not
+            if not INDEXER_PICK.enabled(iq, iw, index_rows, positions, None, RowQuant.NONE, self.ratio, picks):
+                block = max(1, min(block, INDEXER_SCORE_BYTES // (4 * self.indexer.n_head * index_rows.shape[0])))
         out = []
         for start in range(0, t, block):
             stop = min(start + block, t)
             picked = valid = None
             if index_queries is not None and (n_past + stop) // self.ratio > self.indexer.top_k:
-                iq, iw = index_queries
                 picked, valid = INDEXER_PICK(iq[start:stop], iw[start:stop], index_rows, positions[start:stop], None,
                                              RowQuant.NONE, self.ratio, self.indexer.top_k)
             out.append(CHUNK_ATTENTION(q[start:stop], raw, n_past - n_prev, n_past + start, self.window, comp_rows,
