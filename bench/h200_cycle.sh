@@ -30,8 +30,9 @@
 #                  then the MB limit lifted, then that with 1000-node graphs. Measured before: the MB limit lifted
 #                  29% slower (session 5, before decoding fed tokens ahead); no CUDA graphs, 25-node graphs and a
 #                  4000-graph cache within the spread of the defaults (session 6)
-#   ab:DIR[:N]     decode at 2k (128 tokens) over N layers (default 43) with the tree in DIR (another commit's
-#                  `git archive`, untracked, so that it travels), then with this one, on the same machine
+#   ab:DIR[:N[:CTX]] prefill from 0 to CTX tokens (default 2048) then decode there (128 tokens) over N layers
+#                  (default 43) with the tree in DIR (another commit's `git archive`, untracked, so that it
+#                  travels), then with this one, on the same machine
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
@@ -139,10 +140,10 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
         echo "${knob:-defaults}: $(figures "$out/knobs_$tag.json")"
       done ;;
     ab:*)
-      IFS=: read -r _ dir layers <<< "$step:"; layers=${layers:-43}
+      IFS=: read -r _ dir layers ctx <<< "$step:"; layers=${layers:-43}; ctx=${ctx:-2048}
       for d in "$dir" .; do
         (cd "$d" && PYTHONPATH=$PWD:$PYTHONPATH timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" \
-          --ctx-start 2048 --ctx-max 2048 --gen-tokens 128 --json > "$out/ab.json" 2> "$out/ab.err")
+          --ctx-start "$ctx" --ctx-max "$ctx" --gen-tokens 128 --json > "$out/ab.json" 2> "$out/ab.err")
         echo "$d: $(figures "$out/ab.json")"
         grep -v "warnings.warn\|it/s\]" "$out/ab.err" | cut -c1-200 | tail -4
       done
