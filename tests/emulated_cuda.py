@@ -143,6 +143,19 @@ inline void ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned 
   }
 }
 
+// cp.async: the copy lands at once (earlier than on the GPU, so a stage read before its wait still reads right
+// here; one overwritten while another warp reads it shows), commits and waits are nothing to do
+inline void ds4_copy16_async(float* dst, const float* src, bool full) {
+  if (full) {
+    std::memcpy(dst, src, 16);
+  } else {
+    std::memset(dst, 0, 16);
+  }
+}
+inline void ds4_async_commit() {}
+inline void ds4_async_wait_all() {}
+inline void ds4_async_wait_prior() {}
+
 inline unsigned int half_bits(float v) {
   const _Float16 h = (_Float16)v;  // IEEE conversion: round to nearest, ties to even, as __floats2half2_rn
   unsigned short bits;

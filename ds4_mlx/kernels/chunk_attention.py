@@ -15,12 +15,16 @@ are not real are never loaded), read where they are stored. Online softmax with 
   shuffles for two heads.
 - `TENSOR_KERNELS` (CUDA): the same attention on tensor cores at float32 accuracy (3xTF32: each operand split into
   a TF32 high part and a TF32 residue, the products high x high, high x residue and residue x high kept, ~2^-21 of
-  each product lost, as TOLERANCE allows). One threadgroup per (query, TENSOR_HEADS heads), 4 warps per 16 heads.
-  The queries sit in threadgroup memory (dynamic: D + 4 floats a row, so that fragment loads hit 32 banks); each
-  round stages TILE = 32 keys, then (1) each warp scores 16 heads x 8 keys over all D dims (mma.m16n8k8), (2) each
-  warp turns 4 heads' scores into probabilities (the online softmax's maximum and sum per head, kept in its
-  lanes), (3) each warp adds P V for its D / WARPS dims of every head, its accumulators in registers. Keys are
-  read from L2 once per TENSOR_HEADS heads.
+  each product lost; the tensor cores truncate their sums, so a score is drained into float32 every 64 dims and
+  P V every round: 1.6e-6 of the output at Flash's shapes in emulation, within TOLERANCE). One threadgroup per
+  (query, TENSOR_HEADS heads), 4 warps per 16 heads. The queries sit in threadgroup memory (dynamic: D + 4 floats
+  a row, so that fragment loads hit 32 banks); each round of TILE = 32 keys is copied into threadgroup memory
+  (cp.async) while the previous round is multiplied, then (1) each warp scores 16 heads x 8 keys over all D dims
+  (mma.m16n8k8, in independent chains), (2) each warp turns 4 heads' scores into probabilities (the online
+  softmax's maximum and sum per head, kept in its lanes), (3) each warp adds P V for its D / WARPS dims of every
+  head, its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads. Measured (H200, 4096
+  queries from position 8192, bench/chunk_attention.py, before the copies were asynchronous): a ratio-4 layer
+  32.1 ms SIMT, 16.9 here; ratio 128 11.0 / 6.2; window only 5.0 / 3.4.
 """
 
 from __future__ import annotations
@@ -197,8 +201,8 @@ EXTRA_KEYS
 const int n_keys = n_raw + extra;
 const float scale = params[0];
 float* q_s = ds4_shared;  // HG x STRIDE
-float* k_s = q_s + HG * STRIDE;  // TILE x STRIDE
-float* p_s = k_s + TILE * STRIDE;  // HG x PSTRIDE: scores, then probabilities
+float* keys_s = q_s + HG * STRIDE;  // 2 x TILE x STRIDE: a round's keys and the next round's, loading
+float* p_s = keys_s + 2 * TILE * STRIDE;  // HG x PSTRIDE: scores, then probabilities
 float* alpha_s = p_s + HG * PSTRIDE;  // HG: each head's rescaling this round, then its output factor
 for (int e = THREAD_IN_GROUP; e < HG * D / 4; e += WARPS * 32) {
   const int hl = e / (D / 4);
@@ -225,20 +229,18 @@ for (int mi = 0; mi < M_TILES; ++mi) {
 }
 const int mw = warp >> 2;  // in the scores: the warp's 16 heads and 8 keys
 const int nw = warp & 3;
+STAGE_FIRST
 for (int t0 = 0; t0 < n_keys; t0 += TILE) {
-  ds4_barrier();  // the queries are staged; every warp is done with the previous round's keys and probabilities
-  for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {
-    const int key = e / (D / 4);
-    const int c = (e - key * (D / 4)) * 4;
-    const int n = t0 + key;
-    float4 v = {0.0f, 0.0f, 0.0f, 0.0f};  // past the last key: zeros, masked below
-    if (n < n_keys) {
-KEY_ROW
-      v = *reinterpret_cast<const float4*>(row + c);
-    }
-    *reinterpret_cast<float4*>(k_s + key * STRIDE + c) = v;
+  const float* k_s = keys_s + ((t0 / TILE) & 1) * TILE * STRIDE;  // this round's keys
+  float* k_next = keys_s + (((t0 / TILE) & 1) ^ 1) * TILE * STRIDE;
+  ds4_barrier();  // every warp is done with the previous round: its keys' buffer takes the next round's
+  if (t0 + TILE < n_keys) {
+STAGE_NEXT
+    ds4_async_wait_prior();  // this round's keys have landed (the next round's may still be in flight)
+  } else {
+    ds4_async_wait_all();
   }
-  ds4_barrier();
+  ds4_barrier();  // every thread's copies of this round are visible
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const float* qa = q_s + (16 * mw + g) * STRIDE + t;
   const float* kb = k_s + (8 * nw + g) * STRIDE + t;
@@ -352,23 +354,48 @@ for (int mi = 0; mi < M_TILES; ++mi) {
   }
 }
 """
+_STAGE = """
+  for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {  // keys ROUND.. into BUFFER, 16 bytes a copy
+    const int key = e / (D / 4);
+    const int c = (e - key * (D / 4)) * 4;
+    const int n = ROUND + key;
+    const GLOBAL_MEM float* src = raw;  // past the last key: zeros, masked in the softmax
+    if (n < n_keys) {
+KEY_ROW
+      src = row + c;
+    }
+    ds4_copy16_async(BUFFER + key * STRIDE + c, src, n < n_keys);
+  }
+  ds4_async_commit();"""
+"""A round's keys staged without passing through registers (cp.async): the copies of round ROUND land in BUFFER
+while the previous round is multiplied."""
 TENSOR_HEADS = 32
 """Heads a tensor-core threadgroup serves (16 or 32: 4 warps per 16); its keys are read from L2 once per this many
-heads. Threadgroup memory at D = 512: 137 KB with 32 (one threadgroup an SM), 101 KB with 16 (two)."""
+heads. Threadgroup memory at D = 512: 203 KB with 32, 167 KB with 16 (one threadgroup an SM either way). Measured
+before the keys were double-buffered (one round's keys, 137 and 101 KB, two threadgroups an SM at 16): 32 heads
+18.5 ms, 16 heads 23.8 for a ratio-4 layer's 4096 queries (bench/chunk_attention.py)."""
 TENSOR_TILE = 32
 """Keys a round stages: a lane's key in the softmax; 4 n-tiles of 8 in the scores, one per warp of a 16-head row."""
 
 
 def tensor_shared_bytes(m_tiles: int, d: int = 512) -> int:
-    """Dynamic threadgroup memory of the tensor-core kernel: queries and keys (D + 4 floats a row), the
-    probabilities (TILE + 4 a row) and one factor per head."""
+    """Dynamic threadgroup memory of the tensor-core kernel: queries and two rounds of keys (D + 4 floats a row),
+    the probabilities (TILE + 4 a row) and one factor per head."""
     heads = 16 * m_tiles
-    return 4 * (heads * (d + 4) + TENSOR_TILE * (d + 4) + heads * (TENSOR_TILE + 4) + heads)
+    return 4 * (heads * (d + 4) + 2 * TENSOR_TILE * (d + 4) + heads * (TENSOR_TILE + 4) + heads)
+
+
+def _tensor_source(extra: str, row: str) -> str:
+    """The tensor-core kernel's text for one kind of key set: its staging of the first round and of each next."""
+    first = _STAGE.replace("ROUND", "0").replace("BUFFER", "keys_s")
+    following = _STAGE.replace("ROUND", "t0 + TILE").replace("BUFFER", "k_next")
+    text = _TENSOR.replace("STAGE_FIRST", first.strip("\n")).replace("STAGE_NEXT", following.strip("\n"))
+    return text.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n"))
 
 
 TENSOR_KERNELS = {
     (kind, m_tiles): Kernel(f"ds4_chunk_attention_tc{m_tiles}_{kind}", ("q", "raw", *inputs, "sinks", "info", "params"),
-                            ("out",), _TENSOR.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n")),
+                            ("out",), _tensor_source(extra, row),
                             header=SIMD_EXCLUSIVE_SUM, shared_memory=tensor_shared_bytes(m_tiles))
     for kind, (inputs, extra, row) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)
 }

@@ -38,7 +38,11 @@ share, plus a few neutral words that each dialect spells its own way:
   residues a - hi.a, b - hi.b as halves: hi + lo carries ~22 bits of each where lo stays normal) and
   ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned int* b) (c += A B for one warp, A 16 x 16 and
   B 16 x 8 halves, two per register, low half first, C float32, mma.m16n8k16.f16's layout: a = A[g][2t, 2t+1],
-  A[g+8][2t, 2t+1], A[g][2t+8, 2t+9], A[g+8][2t+8, 2t+9]; b = B[2t, 2t+1][g], B[2t+8, 2t+9][g]; c as above).
+  A[g+8][2t, 2t+1], A[g][2t+8, 2t+9], A[g+8][2t+8, 2t+9]; b = B[2t, 2t+1][g], B[2t+8, 2t+9][g]; c as above);
+  ds4_copy16_async(float* dst, const float* src, bool full) (16 bytes from global to threadgroup memory without
+  passing through registers, cp.async; zeros where not `full`; both addresses 16-byte aligned), ds4_async_commit()
+  (the copies issued since the last commit become one group), ds4_async_wait_all() and ds4_async_wait_prior()
+  (this thread's groups all landed, or all but the newest): a stage's keys load while the previous one is used.
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -210,6 +214,13 @@ __device__ __forceinline__ void ds4_mma_f16_16x8x16(float* c, const unsigned int
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+__device__ __forceinline__ void ds4_copy16_async(float* dst, const float* src, bool full) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(at), "l"(src), "r"(full ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void ds4_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void ds4_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void ds4_async_wait_prior() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 __device__ __forceinline__ void ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned int* b) {
   asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
                "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
