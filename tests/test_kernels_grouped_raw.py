@@ -60,7 +60,7 @@ def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int],
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_kernels_render_for_cuda(ggml_type):
     out = rendered(KERNELS[ggml_type, 1], CUDA)
-    assert out["input_names"] == ["x", "w", "counts", "dims", "xscale", "xrow"] and out["output_names"] == ["y"]
+    assert out["input_names"] == ["xhi", "xlo", "w", "counts", "dims", "xscale", "xrow"] and out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
     # threadgroup memory at each stage width: the x hi / lo and W tiles, row scales and the scan, IQ2_XXS's byte
@@ -245,6 +245,28 @@ def test_emulated_row_scale_kernel_equals_the_reference(on_cpu, monkeypatch, tmp
     for key in (4096, 300):
         (x,) = halfsplit._probe(key)
         assert registry.disagreement(halfsplit._kernel_row_scales(x), reference_row_scales(x), 0.0) is None
+
+
+@pytest.mark.slow
+def test_emulated_split_kernel_equals_the_reference(on_cpu, monkeypatch, tmp_path):
+    """The one-pass split (the scale, then both half pairs of every pair of values) is the reference's bit for bit
+    on its probe, and on the row-scale probe as halves (its infinity's residue a NaN either way, whatever its bits);
+    hi + lo holds each scaled value to ~2^-22 where lo stays normal."""
+    monkeypatch.setattr(halfsplit, "build", emulated_build(tmp_path))
+    for key in (4096, 300):
+        (x,) = halfsplit._split_probe(key)
+        for g, w in zip(halfsplit._kernel_split_rows(x), halfsplit.reference_split_rows(x)):
+            assert registry.disagreement(g, w, 0.0) is None
+        (x,) = halfsplit._probe(key)
+        got, want = halfsplit._kernel_split_rows(x), halfsplit.reference_split_rows(x)
+        for g, w in zip(got[:2], want[:2]):
+            assert registry.disagreement(g.view(mx.float16), w.view(mx.float16), 0.0) is None
+        assert registry.disagreement(got[2], want[2], 0.0) is None
+        hi, lo, scale = (np.array(a) for a in got)
+        scaled = np.array(x, np.float64) * scale[:, None]
+        rebuilt = hi.view(np.float16).astype(np.float64) + lo.view(np.float16)
+        rows = [1, 2, 3, 4]  # rows whose values stay normal halves after scaling
+        assert (np.abs(rebuilt - scaled)[rows] <= 2.0**-22 * np.abs(scaled[rows]).max(axis=1, keepdims=True)).all()
 
 
 def test_the_two_group_kernels_carry_launch_bounds_on_cuda_only():

@@ -11,12 +11,12 @@ reads the packed quants, scales and biases themselves, one launch: y = x @ W.T f
   x_k, the row sums of x from the tensor cores (a B of ones; Q4_K only), applied as the group's partial sums are
   drained into the float32 accumulators (the tensor cores truncate the sums they accumulate: each group starts from
   zeroed partial sums, added to the accumulators rounded to nearest);
-- x is scaled per row by a power of two and split into two halves (halfsplit.py): each product takes 2
-  mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product, 3xTF32's class (~2^-21). The store undoes the row
-  scale exactly;
+- x is scaled per row by a power of two and split into two halves (halfsplit.py, once before the GEMM: the
+  staging copies words): each product takes 2 mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product,
+  3xTF32's class (~2^-21). The store undoes the row scale exactly;
 - tiles: a threadgroup is 8 warps over TM x TN = 128 x 128 outputs, warp w the 32 x 64 block at rows 32 (w / 2),
-  columns 64 (w % 2). The K loop stages one group (TK = 32) of the x rows (two floats a thread, scaled, split and
-  stored as hi and lo half pairs) and of the W rows (whole uint32 words of quants, stored as centred half pairs);
+  columns 64 (w % 2). The K loop stages one group (TK = 32) of the x rows (a word of hi and
+  one of lo half pairs a thread) and of the W rows (whole uint32 words of quants, stored as centred half pairs);
   rows are LDH = 20 words apart, so that a fragment load hits 32 distinct banks. The next group's global loads are
   in flight in registers while the current one is multiplied. Threadgroups take row tiles fastest, so the ones
   running together share a W column tile, and x stays mostly in L2. Threadgroup memory: (2 x 128 + 128) x 20 x 4 +
@@ -43,7 +43,7 @@ import numpy as np
 from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .dialect import Kernel, build
-from .halfsplit import X_FRAGMENTS, row_scales
+from .halfsplit import X_FRAGMENTS, split_rows
 from .probe import random_activations, random_blocks
 from .quants import dequantize, reference_matmul
 from .registry import FastPath, current_backend
@@ -85,7 +85,7 @@ const int wm = (warp >> 1) * 32;
 const int wn = (warp & 1) * 64;
 const int words = n_in * BITS / 32;
 const int groups = n_in / TK;
-const GLOBAL_MEM float* x_tile = x + ((size_t)batch * n_rows + row0) * n_in;
+const size_t x_tile = ((size_t)batch * n_rows + row0) * (n_in / 2);  // the tile's first word in xhi, xlo
 const GLOBAL_MEM uint32_t* q_tile = wq + ((size_t)batch * n_out + col0) * words;
 const GLOBAL_MEM float* s_tile = scales + ((size_t)batch * n_out + col0) * groups;
 const GLOBAL_MEM float* b_tile = biases + ((size_t)batch * n_out + col0) * groups;
@@ -100,7 +100,8 @@ const int qr = tid / BITS;
 if (tid < TM) {
   rsx[tid] = tid < rows ? xscale[(size_t)batch * n_rows + row0 + tid] : 0.0f;
 }
-float2 xa[XP];
+unsigned int xa_hi[XP];
+unsigned int xa_lo[XP];
 uint32_t wa[WL];
 float sa = 0.0f;
 float ba = 0.0f;
@@ -110,8 +111,9 @@ for (int s = 0; s <= groups; ++s) {
     #pragma unroll
     for (int j = 0; j < XP; ++j) {
       const int r = sr + j * (2 * THREADS / TK);
-      xa[j] = r < rows ? *reinterpret_cast<const GLOBAL_MEM float2*>(x_tile + (size_t)r * n_in + s * TK + 2 * kp)
-                       : make_float2(0.0f, 0.0f);
+      const size_t at = x_tile + (size_t)r * (n_in / 2) + s * (TK / 2) + kp;
+      xa_hi[j] = r < rows ? xhi[at] : 0u;
+      xa_lo[j] = r < rows ? xlo[at] : 0u;
     }
     #pragma unroll
     for (int p = 0; p < WL; ++p) {
@@ -171,8 +173,8 @@ for (int s = 0; s <= groups; ++s) {
     #pragma unroll
     for (int j = 0; j < XP; ++j) {
       const int r = sr + j * (2 * THREADS / TK);
-      const float f = rsx[r];
-      ds4_half2_split(xa[j].x * f, xa[j].y * f, xh[r * LDH + kp], xl[r * LDH + kp]);
+      xh[r * LDH + kp] = xa_hi[j];
+      xl[r * LDH + kp] = xa_lo[j];
     }
     #pragma unroll
     for (int p = 0; p < WL; ++p) {
@@ -225,8 +227,8 @@ centred as half pairs. The mma tile (i, j) of a warp is rows wm + 16 i.. and col
 read as zeros, W rows past OUT as zero quants with scale and c 0; every lane of every warp takes part in every
 mma."""
 
-KERNEL = Kernel("ds4_dense_affine_f16", ("x", "wq", "scales", "biases", "dims", "xscale"), ("y",), _SOURCE,
-                X_FRAGMENTS)
+KERNEL = Kernel("ds4_dense_affine_f16", ("xhi", "xlo", "wq", "scales", "biases", "dims", "xscale"), ("y",),
+                _SOURCE, X_FRAGMENTS)
 """CUDA only: it calls the tensor-core helpers of the CUDA prelude."""
 
 
@@ -254,8 +256,9 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
     col_tiles = -(-n_out // TN)
+    hi, lo, row_scale = split_rows(x)
     (y,) = build(KERNEL, current_backend())(
-        inputs=[x, wq, scales, biases, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scales(x)],
+        inputs=[hi, lo, wq, scales, biases, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
         template=[("TM", TM), ("TN", TN), ("TK", TK), ("LDH", LDH), ("THREADS", THREADS), ("BITS", bits)],
         grid=(-(-n_rows // TM) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],

@@ -212,19 +212,21 @@ def grid_fits(n_pairs: int, n_expert: int) -> bool:
     return row_tiles(n_pairs, n_expert) <= MAX_ROW_TILES
 
 
-def launch_grouped(kernel: Callable, x: mx.array, bank: mx.array, counts: mx.array, shape: tuple[int, int, int],
-                   template: list[tuple[str, object]], extra: list[mx.array] = (), pairs: int | None = None
-                   ) -> mx.array:
-    """One launch of a grouped GEMM kernel (`kernel` as dialect.build made it) over pairs sorted by expert: x (N, IN),
-    the bank as the kernel reads it, of shape (E, OUT, IN), and its counts (E,) -> float32 (N, OUT); `extra` inputs
-    follow the dims, and `pairs` is N where x has other rows (a kernel that gathers them). The grid is the output's
-    column tiles by the row tiles any counts summing to N need; no read-back."""
+def launch_grouped(kernel: Callable, x: mx.array | list[mx.array], bank: mx.array, counts: mx.array,
+                   shape: tuple[int, int, int], template: list[tuple[str, object]], extra: list[mx.array] = (),
+                   pairs: int | None = None) -> mx.array:
+    """One launch of a grouped GEMM kernel (`kernel` as dialect.build made it) over pairs sorted by expert: x (N, IN)
+    float32 (or the arrays the kernel reads x as: grouped_raw.py's halves), the bank as the kernel reads it, of shape
+    (E, OUT, IN), and its counts (E,) -> float32 (N, OUT); `extra` inputs follow the dims, and `pairs` is N where x
+    has other rows (a kernel that gathers them). The grid is the output's column tiles by the row tiles any counts
+    summing to N need; no read-back."""
     n_expert, n_out, n_in = shape
-    n = x.shape[0] if pairs is None else pairs
+    xs = x if isinstance(x, list) else [x.astype(mx.float32)]
+    n = xs[0].shape[0] if pairs is None else pairs
     if n == 0:
         return mx.zeros((0, n_out), dtype=mx.float32)
     (y,) = kernel(
-        inputs=[x.astype(mx.float32), bank, counts.astype(mx.uint32),
+        inputs=[*xs, bank, counts.astype(mx.uint32),
                 mx.array([n_expert, n_out, n_in], dtype=mx.int32), *extra],
         template=template, grid=(-(-n_out // TN) * THREADS, row_tiles(n, n_expert), 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n, n_out)], output_dtypes=[mx.float32],

@@ -17,8 +17,9 @@ The tensor cores truncate the sums they accumulate: each slice (IQ2_XXS) or grou
 sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does.
 
 Staging: a stage is TK = 64 values (two 32-value slices). The x tile (64 rows: pairs, or with GATHER the tokens the
-pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) is loaded two floats a
-thread (TK / 2 threads a row, contiguous bytes), scaled, split and stored as hi and lo half pairs; the W tile's 128
+pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) is a copy of words: x is
+split once before the GEMM (halfsplit.split_rows: one pass, hi and lo half pairs), a word of each a thread (TK / 2
+threads a row, contiguous bytes); the W tile's 128
 rows are decoded from the bank's blocks in registers, two threads a row and 16 values a slice each, and stored as
 halves, eight per 16-byte store. Rows are LDH = 36 words apart: fragment loads hit 32 distinct banks. The next
 stage's global loads are in flight in registers while the current stage is multiplied. Threadgroup memory: (2 x 64
@@ -50,7 +51,7 @@ from gguf.quants import IQ2_XXS
 from ..model.gguf import GGMLType
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .grouped_gemm import TILE_HEAD, TILE_SCAN, THREADS, TM, TN, launch_grouped
-from .halfsplit import X_FRAGMENTS, row_scales
+from .halfsplit import X_FRAGMENTS, split_rows
 from .registry import current_backend
 
 SLICE = 32
@@ -140,7 +141,8 @@ if (tid < TM) {
   rsx[tid] = tid < rows ? xscale[at] : 0.0f;
 }
 ds4_barrier();
-float2 xa[XP];
+unsigned int xa_hi[XP];
+unsigned int xa_lo[XP];
 """ + w_setup + """float acc[2][4][4] = {};
 const int steps = n_in / TK;
 for (int s = 0; s <= steps; ++s) {
@@ -148,8 +150,9 @@ for (int s = 0; s <= steps; ++s) {
     #pragma unroll
     for (int j = 0; j < XP; ++j) {
       const int r = sr + j * (2 * THREADS / TK);
-      xa[j] = r < rows ? *reinterpret_cast<const GLOBAL_MEM float2*>(x + (size_t)xr[r] * n_in + s * TK + 2 * kp)
-                       : make_float2(0.0f, 0.0f);
+      const size_t at = (size_t)xr[r] * (n_in / 2) + s * (TK / 2) + kp;
+      xa_hi[j] = r < rows ? xhi[at] : 0u;
+      xa_lo[j] = r < rows ? xlo[at] : 0u;
     }
 """ + w_load + """  }
   if (s > 0) {
@@ -159,8 +162,8 @@ for (int s = 0; s <= steps; ++s) {
     #pragma unroll
     for (int j = 0; j < XP; ++j) {
       const int r = sr + j * (2 * THREADS / TK);
-      const float sc = rsx[r];
-      ds4_half2_split(xa[j].x * sc, xa[j].y * sc, xh[r * LDH + kp], xl[r * LDH + kp]);
+      xh[r * LDH + kp] = xa_hi[j];
+      xl[r * LDH + kp] = xa_lo[j];
     }
 """ + w_store + """  }
   ds4_barrier();
@@ -322,7 +325,7 @@ ml times the rows' sums of x)."""
 
 _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map(str, grid_words())) + "};\n"
 
-_INPUTS = ("x", "w", "counts", "dims", "xscale", "xrow")
+_INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow")
 _TEXTS = {
     GGMLType.IQ2_XXS: (f16_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE, False),
                        SIMD_EXCLUSIVE_SUM + X_FRAGMENTS + _GRID_HEADER),
@@ -349,9 +352,9 @@ def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type:
     expert. With `rows` (N,), pair i reads x[rows[i]] (x (T, IN): a chunk's tokens, each read by its k pairs, with no
     (N, IN) copy made and one row scale per token); without, x[i] (x (N, IN)). `tk` the stage width and `groups`
     the occupancy (bench/prefill_gemms.py compares them). CUDA only."""
-    x = x.astype(mx.float32)
+    hi, lo, scales = split_rows(x)
     n = x.shape[0] if rows is None else rows.size
     gather = rows is not None
     index = rows.astype(mx.uint32) if gather else mx.zeros((1,), dtype=mx.uint32)
-    return launch_grouped(build(KERNELS[ggml_type, groups], current_backend()), x, blocks, counts, shape,
-                          [*template(tk), ("GATHER", gather)], extra=[row_scales(x), index], pairs=n)
+    return launch_grouped(build(KERNELS[ggml_type, groups], current_backend()), [hi, lo], blocks, counts, shape,
+                          [*template(tk), ("GATHER", gather)], extra=[scales, index], pairs=n)

@@ -3,8 +3,9 @@
 Their W values are exact halves (raw q2 magnitudes and quants, centred affine quants; the scales are applied at
 each slice's drain), so only x needs more than a half's 11 significant bits. Each row of x is scaled by a power of
 two that puts its largest magnitude in [2^14, 2^15) (`row_scales`, one pass over x, a kernel on GPUs: exact, and
-undone exactly when the kernel stores the row), then split as it is staged: hi = half(x), lo = half(x - hi)
-(`ds4_half2_split`, CUDA prelude). hi + lo carries ~22 bits of x; lo stays a normal half down to 2^-17 of the
+undone exactly when the kernel stores the row), then split: hi = half(x), lo = half(x - hi) (`ds4_half2_split`, CUDA prelude), as dense_f16.py stages
+x, or once before the GEMM (`split_rows`: one pass writing both halves, so that grouped_raw.py's staging of x is a
+copy of words). hi + lo carries ~22 bits of x; lo stays a normal half down to 2^-17 of the
 row's largest value, and below that its absolute error is at most 2^-39 of it. Each product then takes two
 mma.m16n8k16 (lo w, then hi w into the same partial sums), whose products are exact in the float32 sums: ~2^-22
 relative is dropped per product, the class of 3xTF32 (2^-21), with two mma of 16-deep products where 3xTF32 takes
@@ -109,3 +110,75 @@ ROW_SCALES = FastPath("row_scales", reference_row_scales, _kernel_row_scales, _p
 def row_scales(x: mx.array) -> mx.array:
     """`reference_row_scales` of x (N, IN) float32, by the one-pass kernel where its check passed."""
     return ROW_SCALES(x, key=x.shape[-1])
+
+
+_SPLIT = """
+const int tid = THREAD_IN_GROUP;
+const int row = GROUP_X;
+const int n_in = dims[0];
+const GLOBAL_MEM float* r = x + (size_t)row * n_in;
+SHARED float part[THREADS / 32];
+float m = 0.0f;
+for (int k = tid; k < n_in; k += THREADS) {
+  const float v = r[k] < 0.0f ? -r[k] : r[k];
+  m = v > m ? v : m;
+}
+m = ds4_simd_max(m);
+if (SIMD_LANE == 0) {
+  part[SIMD_INDEX] = m;
+}
+ds4_barrier();
+for (int w = 0; w < THREADS / 32; ++w) {
+  m = part[w] > m ? part[w] : m;
+}
+int k = X_TOP - ((int)(ds4_bits(m) >> 23) - 127);
+k = k < -126 ? -126 : (k > 127 ? 127 : k);
+const float sc = ds4_float((unsigned int)(k + 127) << 23);
+if (tid == 0) {
+  scale[row] = sc;
+}
+for (int p = tid; p < n_in / 2; p += THREADS) {
+  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[(size_t)row * (n_in / 2) + p], lo[(size_t)row * (n_in / 2) + p]);
+}
+"""
+"""One threadgroup per row: the row scale as the row-scale kernel finds it (every thread takes the group's maximum),
+then each pair of the scaled row split into its hi and lo half pairs."""
+
+SPLIT_KERNEL = Kernel("ds4_split_rows", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT)
+
+
+@mx.compile
+def reference_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """x (N, IN) float32, IN even -> (hi, lo) (N, IN / 2) uint32 of half pairs (value 2p in bits 0-15 of word p)
+    and the row scales (N,): hi = half(x s), lo = half(x s - hi), s = `reference_row_scales`."""
+    scale = reference_row_scales(x)
+    scaled = x * scale[:, None]
+    hi = scaled.astype(mx.float16)
+    lo = (scaled - hi.astype(mx.float32)).astype(mx.float16)
+    return hi.view(mx.uint32), lo.view(mx.uint32), scale
+
+
+def _kernel_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    n, n_in = x.shape
+    return tuple(build(SPLIT_KERNEL, current_backend())(
+        inputs=[x, mx.array([n_in], dtype=mx.int32)], template=[("THREADS", THREADS), ("X_TOP", X_TOP)],
+        grid=(n * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), output_shapes=[(n, n_in // 2)] * 2 + [(n,)],
+        output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
+
+
+def _split_probe(key: int) -> tuple:
+    """`_probe`'s rows less its infinity: an infinity's residue is a NaN, whose bits (not its NaN-ness) may differ
+    between the kernel and the reference, and the check compares the words bit for bit."""
+    (x,) = _probe(key)
+    return (mx.where(mx.isinf(x), 1.0, x),)
+
+
+SPLIT_ROWS = FastPath("split_rows", reference_split_rows, _kernel_split_rows, _split_probe, tolerance=0.0,
+                      backends=("cuda",))
+"""One pass over x instead of the reference's scale, round, subtract and round (CUDA: the half2 helpers are its
+prelude's); bit for bit equal (tolerance 0); key: the row length."""
+
+
+def split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """`reference_split_rows` of x (N, IN) float32, by the one-pass kernel where its check passed."""
+    return SPLIT_ROWS(x.astype(mx.float32), key=x.shape[-1])
