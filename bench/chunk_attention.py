@@ -57,8 +57,8 @@ def inputs(kind: str, queries: int, first: int, ratio: int) -> tuple:
         visible = [(first + b + 1) // ratio for b in range(queries)]
         picked = mx.array(np.stack([np.sort(rng.choice(v, top_k, replace=False)) for v in visible]), dtype=mx.int32)
         valid = mx.ones((queries, top_k), dtype=mx.bool_)
-    return (random_activations((queries, heads, d), seed=0), random_activations((first + queries - raw_first, d), seed=1),
-            raw_first, first, window, rows, ratio if kind == "rows" else 4, picked, valid,
+    q, raw = random_activations((queries, heads, d), seed=0), random_activations((first + queries - raw_first, d), seed=1)
+    return (q, raw, raw_first, first, window, rows, ratio if kind == "rows" else 4, picked, valid,
             random_activations((heads,), seed=3))
 
 

@@ -60,7 +60,8 @@ def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int],
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_kernels_render_for_cuda(ggml_type):
     out = rendered(KERNELS[ggml_type, 1], CUDA)
-    assert out["input_names"] == ["xhi", "xlo", "w", "counts", "dims", "xscale", "xrow"] and out["output_names"] == ["y"]
+    assert out["input_names"] == ["xhi", "xlo", "w", "counts", "dims", "xscale", "xrow"]
+    assert out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
     # threadgroup memory at each stage width: the x hi / lo and W tiles, row scales and the scan, IQ2_XXS's byte

@@ -10,9 +10,9 @@ are not real are never loaded), read where they are stored. Online softmax with 
   ...); the threadgroup stages CHUNK_TILE = 8 keys at a time in threadgroup memory, so each key is read from L2
   once per 16 heads and from threadgroup memory once per SIMD group (conflict-free). Threadgroup memory: 4 * 8 * D
   = 16 KB at D = 512, plus 4 * top_k (2 KB) for "picked": within Apple GPUs' 32 KB. Measured on the H200 (session
-  8): 39.5 ms for a ratio-4 layer's 4096-token chunk deep in a context (640 keys a query), a quarter of a prefill
+  8): 32-40 ms for a ratio-4 layer's 4096-token chunk deep in a context (640 keys a query), a quarter of a prefill
   chunk's time over Flash's 43 layers: a key costs a SIMD group 16 threadgroup loads per lane, 64 FMAs and 6
-  shuffles for two heads.
+  shuffles for two heads. Metal's kernel, and CUDA's where the tensor-core one did not pass its check.
 - `TENSOR_KERNELS` (CUDA): the same attention on tensor cores at float32 accuracy (3xTF32: each operand split into
   a TF32 high part and a TF32 residue, the products high x high, high x residue and residue x high kept, ~2^-21 of
   each product lost; the tensor cores truncate their sums, so a score is drained into float32 every 64 dims and
@@ -23,8 +23,8 @@ are not real are never loaded), read where they are stored. Online softmax with 
   (mma.m16n8k8, in independent chains), (2) each warp turns 4 heads' scores into probabilities (the online
   softmax's maximum and sum per head, kept in its lanes), (3) each warp adds P V for its D / WARPS dims of every
   head, its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads. Measured (H200, 4096
-  queries from position 8192, bench/chunk_attention.py, before the copies were asynchronous): a ratio-4 layer
-  32.1 ms SIMT, 16.9 here; ratio 128 11.0 / 6.2; window only 5.0 / 3.4.
+  queries from position 8192, bench/chunk_attention.py): a ratio-4 layer 32.1 ms SIMT, 14.3 here (16.9 before the
+  copies were asynchronous); ratio 128 10.9 / 5.2; window only 4.9 / 3.2.
 """
 
 from __future__ import annotations

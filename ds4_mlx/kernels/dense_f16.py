@@ -24,7 +24,8 @@ reads the packed quants, scales and biases themselves, one launch: y = x @ W.T f
 
 Measured (H200, 4096 rows, bench/prefill_gemms.py), against the 3xTF32 kernel this replaced (TF32 mma.m16n8k8, x
 split at every fragment read): q_a 0.66 / 0.88 ms, q_b 3.84 / 5.80, out_b 3.47 / 5.72 (79 TFLOP/s), the shared
-expert's gate 1.12 / 1.57.
+expert's gate 1.12 / 1.57. With x split before the GEMM (session 8, another machine): q_a 0.74, q_b 3.63 (was 4.01
+there), out_b 3.52 (3.63), shared gate 1.10 (1.32).
 
 BITS = 16 is the same kernel for an F16 matrix (`half_matmul`: the compressor, indexer and router projections of
 a chunk, which took cuBLAS's float32 SIMT GEMM, ~5% of a chunk's GPU time): its values are halves already, staged

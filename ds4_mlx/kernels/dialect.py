@@ -109,7 +109,9 @@ class Dialect:
         return _WORD.sub(lambda m: self.words[m.group(0)], text)
 
     def header(self, kernel: Kernel) -> str:
-        dynamic = "extern __shared__ __align__(16) float ds4_shared[];\n" if kernel.shared_memory and self.name == "cuda" else ""
+        dynamic = ""
+        if kernel.shared_memory and self.name == "cuda":
+            dynamic = "extern __shared__ __align__(16) float ds4_shared[];\n"
         return self.prelude + dynamic + self.render(kernel.header)
 
     def compile(self, kernel: Kernel) -> Callable:

@@ -38,8 +38,9 @@ Cost against the 3xTF32 kernel this replaced (TF32 mma.m16n8k8, x split into TF3
 values a warp issued 64 mma of 8-deep products and 96 32-bit fragment loads; here 32 mma of 16-deep products (twice
 the TF32 rate per mma on the H200) and 48 loads. Measured (H200, a 4096-token chunk's 24,576 pairs,
 bench/prefill_gemms.py): 12.0 / 14.3 ms per Flash IQ2_XXS / Q2_K projection for the 3xTF32 kernel; 9.8 / 10.4 here
-at TK 32 and one threadgroup an SM; **7.2 / 8.6 at TK 64 and two** (GROUPS: 57 / 48 TFLOP/s of useful work, ~12%
-of the float16 peak: a threadgroup still waits on its next stage's loads, held in registers, between two barriers).
+at TK 32 and one threadgroup an SM; 7.2 / 8.6 at TK 64 and two (GROUPS); **6.5 / 8.7** with x split before the
+GEMM (63 / 48 TFLOP/s of useful work, ~13% of the float16 peak: each stage still decodes W in registers between two
+barriers, and a tile of 64 pairs decodes every expert's W about twice: 96 pairs an expert in a 4096-token chunk).
 """
 
 from __future__ import annotations
