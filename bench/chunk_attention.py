@@ -17,9 +17,6 @@ the tensor-core lines.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -30,18 +27,7 @@ from ds4_mlx.kernels.indexer import indexer_scores, select_rows, tensor_scores
 from ds4_mlx.kernels.probe import random_activations
 from ds4_mlx.model.attention import pick_rows
 from ds4_mlx.model.config import FLASH
-
-
-def per_call_ms(call: Callable[[], mx.array], calls: int, repeats: int) -> float:
-    mx.eval(call())  # compile first
-    times = []
-    for _ in range(repeats):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(*[call() for _ in range(calls)])
-        mx.synchronize()
-        times.append((time.perf_counter() - t0) / calls)
-    return 1e3 * statistics.median(times)
+from prefill_gemms import per_call_ms  # bench/ is the script's directory
 
 
 def inputs(kind: str, queries: int, first: int, ratio: int) -> tuple:

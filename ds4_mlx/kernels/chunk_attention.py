@@ -41,14 +41,7 @@ from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
-_CHUNK = """
-const int b = GROUP_Y;
-const int lane = SIMD_LANE;
-const int warp = SIMD_INDEX;
-const bool upper = lane >= 16;
-constexpr int PER_LANE = D / 32;  // lane holds dims lane, lane + 32, ...: staged key reads free of bank conflicts
-const int h0 = GROUP_X * (WARPS * 2) + warp * 2;  // the warp's two heads
-const int pos = info[0] + b;
+_QUERY_KEYS = """const int pos = info[0] + b;
 const int first = info[1];  // raw row j holds position first + j
 int lo = pos - WINDOW + 1 - first;  // the query's window: raw rows lo .. pos - first
 lo = lo > 0 ? lo : 0;
@@ -56,6 +49,18 @@ const int n_raw = pos - first + 1 - lo;
 EXTRA_KEYS
 const int n_keys = n_raw + extra;
 const float scale = params[0];
+"""
+"""Both kernels' view of query b's keys: its position, its window of raw rows (lo..), the kind's key count after
+them (EXTRA_KEYS: CHUNK_KEY_SETS) and the scores' scale."""
+
+_CHUNK = """
+const int b = GROUP_Y;
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const bool upper = lane >= 16;
+constexpr int PER_LANE = D / 32;  // lane holds dims lane, lane + 32, ...: staged key reads free of bank conflicts
+const int h0 = GROUP_X * (WARPS * 2) + warp * 2;  // the warp's two heads
+QUERY_KEYS
 float qv[2][PER_LANE];
 float acc[2][PER_LANE];
 float m[2];
@@ -169,7 +174,8 @@ over the valid flags), so that no key that is not real is loaded or scored."""
 
 CHUNK_KERNELS = {
     kind: Kernel(f"ds4_chunk_attention_{kind}", ("q", "raw", *inputs, "sinks", "info", "params"), ("out",),
-                 _CHUNK.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n")),
+                 _CHUNK.replace("QUERY_KEYS", _QUERY_KEYS.strip("\n")).replace("EXTRA_KEYS", extra.strip("\n"))
+                 .replace("KEY_ROW", row.strip("\n")),
                  header=SIMD_EXCLUSIVE_SUM)
     for kind, (inputs, extra, row) in CHUNK_KEY_SETS.items()
 }
@@ -192,14 +198,7 @@ constexpr int NT = D / (8 * WARPS);  // n-tiles of 8 dims a warp owns in P V
 constexpr int HEADS_PER_WARP = HG / WARPS;  // in the softmax
 constexpr int DRAIN = 64;  // dims of a score summed on the tensor cores before the sum is added in float32
 const int h0 = GROUP_X * HG;
-const int pos = info[0] + b;
-const int first = info[1];  // raw row j holds position first + j
-int lo = pos - WINDOW + 1 - first;  // the query's window: raw rows lo .. pos - first
-lo = lo > 0 ? lo : 0;
-const int n_raw = pos - first + 1 - lo;
-EXTRA_KEYS
-const int n_keys = n_raw + extra;
-const float scale = params[0];
+QUERY_KEYS
 float* q_s = ds4_shared;  // HG x STRIDE
 float* keys_s = q_s + HG * STRIDE;  // 2 x TILE x STRIDE: a round's keys and the next round's, loading
 float* p_s = keys_s + 2 * TILE * STRIDE;  // HG x PSTRIDE: scores, then probabilities
@@ -389,7 +388,8 @@ def _tensor_source(extra: str, row: str) -> str:
     """The tensor-core kernel's text for one kind of key set: its staging of the first round and of each next."""
     first = _STAGE.replace("ROUND", "0").replace("BUFFER", "keys_s")
     following = _STAGE.replace("ROUND", "t0 + TILE").replace("BUFFER", "k_next")
-    text = _TENSOR.replace("STAGE_FIRST", first.strip("\n")).replace("STAGE_NEXT", following.strip("\n"))
+    text = _TENSOR.replace("QUERY_KEYS", _QUERY_KEYS.strip("\n"))
+    text = text.replace("STAGE_FIRST", first.strip("\n")).replace("STAGE_NEXT", following.strip("\n"))
     return text.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n"))
 
 

@@ -54,7 +54,7 @@ def reference_row_scales(x: mx.array) -> mx.array:
     return mx.left_shift((k + 127).astype(mx.uint32), 23).view(mx.float32)
 
 
-_SOURCE = """
+_ROW_MAX = """
 const int tid = THREAD_IN_GROUP;
 const int row = GROUP_X;
 const int n_in = dims[0];
@@ -70,6 +70,11 @@ if (SIMD_LANE == 0) {
   part[SIMD_INDEX] = m;
 }
 ds4_barrier();
+"""
+"""Both kernels' start, one threadgroup per row: each thread the largest magnitude of its strided values, then each
+SIMD group's in `part` (a maximum is exact in any order)."""
+
+_SOURCE = _ROW_MAX + """
 if (tid == 0) {
   for (int w = 1; w < THREADS / 32; ++w) {
     m = part[w] > m ? part[w] : m;
@@ -79,10 +84,9 @@ if (tid == 0) {
   scale[row] = ds4_float((unsigned int)(k + 127) << 23);
 }
 """
-"""One threadgroup per row: each thread the largest magnitude of its strided values, then the SIMD groups' and the
-group's maxima (a maximum is exact in any order), and the scale from its exponent bits as the reference builds it.
-A NaN is dropped by the comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and
-its NaN stays a NaN through the products anyway."""
+"""Then the group's maximum and the scale from its exponent bits, as the reference builds it. A NaN is dropped by the
+comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays a
+NaN through the products anyway."""
 
 KERNEL = Kernel("ds4_row_scales", ("x", "dims"), ("scale",), _SOURCE)
 
@@ -112,22 +116,7 @@ def row_scales(x: mx.array) -> mx.array:
     return ROW_SCALES(x, key=x.shape[-1])
 
 
-_SPLIT = """
-const int tid = THREAD_IN_GROUP;
-const int row = GROUP_X;
-const int n_in = dims[0];
-const GLOBAL_MEM float* r = x + (size_t)row * n_in;
-SHARED float part[THREADS / 32];
-float m = 0.0f;
-for (int k = tid; k < n_in; k += THREADS) {
-  const float v = r[k] < 0.0f ? -r[k] : r[k];
-  m = v > m ? v : m;
-}
-m = ds4_simd_max(m);
-if (SIMD_LANE == 0) {
-  part[SIMD_INDEX] = m;
-}
-ds4_barrier();
+_SPLIT = _ROW_MAX + """
 for (int w = 0; w < THREADS / 32; ++w) {
   m = part[w] > m ? part[w] : m;
 }
