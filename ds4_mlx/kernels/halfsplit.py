@@ -74,7 +74,7 @@ ds4_barrier();
 """Both kernels' start, one threadgroup per row: each thread the largest magnitude of its strided values, then each
 SIMD group's in `part` (a maximum is exact in any order)."""
 
-_SOURCE = _ROW_MAX + """
+_SOURCE = _ROW_MAX.rstrip("\n") + """
 if (tid == 0) {
   for (int w = 1; w < THREADS / 32; ++w) {
     m = part[w] > m ? part[w] : m;
@@ -116,7 +116,7 @@ def row_scales(x: mx.array) -> mx.array:
     return ROW_SCALES(x, key=x.shape[-1])
 
 
-_SPLIT = _ROW_MAX + """
+_SPLIT = _ROW_MAX.rstrip("\n") + """
 for (int w = 0; w < THREADS / 32; ++w) {
   m = part[w] > m ? part[w] : m;
 }
