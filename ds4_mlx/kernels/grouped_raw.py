@@ -19,9 +19,8 @@ sums, added to the float32 accumulators (rounded to nearest) at its drain, as gr
 Staging: a stage is TK = 64 values (two 32-value slices). The x tile (64 rows: pairs, or with GATHER the tokens the
 pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) is a copy of words: x is
 split once before the GEMM (halfsplit.split_rows: one pass, hi and lo half pairs), a word of each a thread (TK / 2
-threads a row, contiguous bytes); the W tile's 128
-rows are decoded from the bank's blocks in registers, two threads a row and 16 values a slice each, and stored as
-halves, eight per 16-byte store. Rows are LDH = 36 words apart: fragment loads hit 32 distinct banks. The next
+threads a row, contiguous bytes); the W tile's 128 rows are decoded from the bank's blocks in registers, two
+threads a row and 16 values a slice each, and stored as halves, eight per 16-byte store. Rows are LDH = 36 words apart: fragment loads hit 32 distinct banks. The next
 stage's global loads are in flight in registers while the current stage is multiplied. Threadgroup memory: (2 x 64
 + 128) x 36 x 4 bytes of tiles, 2 x 64 x 4 of row scales and indices, 12 of scan, plus IQ2_XXS's grid (2,048) and
 slice scales (1,024) or Q2_K's scales and mins (4,096): 40,460 / 41,484 bytes, so two threadgroups fit an SM (GROUPS).

@@ -421,7 +421,6 @@ def indexer_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx
     return scores
 
 
-
 def tensor_fits(weights: mx.array, rows: mx.array, rope: RoPE | None, quant: RowQuant) -> bool:
     """Whether the tensor-core score kernel takes these (CUDA; finished queries; heads and width its threadgroup
     memory holds, rows of whole float4 and 8-wide k-steps)."""
@@ -449,6 +448,7 @@ def tensor_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.
         output_shapes=[(t, n)], output_dtypes=[mx.float32],
     )
     return scores
+
 
 def select_rows(scores: mx.array, positions: mx.array, ratio: int, top_k: int) -> tuple[mx.array, mx.array]:
     """(picked (T, min(N, top_k)) int32 ascending, valid (T, min(N, top_k)) bool) from scores (T, N)."""

@@ -94,7 +94,7 @@ class Indexer:
 
     def pick(self, q_latent: mx.array, proj: mx.array, positions: mx.array, rows: mx.array, norm: Norm | None = None
              ) -> tuple[mx.array, mx.array]:
-        """Decode form of `select`: the rows' indices (T, top_k) ascending and which of them are real, for queries
+        """The decode step's choice: the rows' indices (T, top_k) ascending and which of them are real, for queries
         at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK: the first
         also finishes the queries). `norm` as in `queries`."""
         return INDEXER_PICK(self.q_b(q_latent, norm=norm), proj, rows, positions, self.rope, self.quant,
