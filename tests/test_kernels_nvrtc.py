@@ -199,6 +199,7 @@ def test_no_cuda_device_means_no_route_and_one_warning(monkeypatch, tmp_path):
 @pytest.mark.parametrize("right", [True, False])
 def test_a_new_route_launches_its_probe_before_it_is_used(monkeypatch, tmp_path, right):
     monkeypatch.setenv(nvrtc.ENV, str(tmp_path))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mlx"))
     monkeypatch.setattr(mx, "device_info", lambda: {"compute_capability_major": 9, "compute_capability_minor": 0})
     compiler = Compiler()
     monkeypatch.setattr(nvrtc.Nvrtc, "load", classmethod(lambda cls: compiler))
@@ -216,7 +217,7 @@ def test_a_new_route_launches_its_probe_before_it_is_used(monkeypatch, tmp_path,
             chosen = nvrtc.route()
     finally:
         nvrtc.route.cache_clear()
-    assert compiler.compiles == ["custom_kernel_ds4_route_probe_32"] and len(launched) == 1
+    assert compiler.compiles == ["custom_kernel_ds4_route_probe_32"] and len(launched) == (2 if right else 1)
     assert (chosen is not None) == right
     wrong = ("CUDA kernels compile in every process (no cache: the probe kernel launched from its cubin gave wrong "
              "numbers)")
@@ -224,6 +225,78 @@ def test_a_new_route_launches_its_probe_before_it_is_used(monkeypatch, tmp_path,
     if right:
         assert chosen.options[0] == "--device-as-default-execution-space"
         assert chosen.options[1] == "--gpu-architecture=sm_90a" and chosen.stamp == "nvrtc 13.0"
+        assert chosen.modules == nvrtc.Modules(tmp_path / "mlx")  # the second probe, by handle, passed too
+
+
+def test_a_route_whose_handles_mlx_cannot_find_passes_whole_cubins(monkeypatch, tmp_path):
+    """MLX builds a module from the handle itself where it found no file: that load fails, so whole cubins stay."""
+    monkeypatch.setenv(nvrtc.ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mlx"))
+    monkeypatch.setattr(mx, "device_info", lambda: {"compute_capability_major": 9, "compute_capability_minor": 0})
+    monkeypatch.setattr(nvrtc.Nvrtc, "load", classmethod(lambda cls: Compiler()))
+    sources = []
+
+    def precompiled(**kw):
+        sources.append(kw["compiled_source"])
+        if kw["compiled_source"].startswith(b"ds4-mlx module "):
+            raise RuntimeError("Failed to load compiled probe kernel")
+        return [kw["inputs"][0] * 2 + 1]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    nvrtc.route.cache_clear()
+    try:
+        with pytest.warns(CudaCacheWarning, match="launch with their whole cubin, which MLX hashes at every launch "
+                                                  r"\(Failed to load"):
+            chosen = nvrtc.route()
+    finally:
+        nvrtc.route.cache_clear()
+    assert chosen is not None and chosen.modules is None
+    assert sources[0].startswith(b"\x7fELF") and sources[1].startswith(b"ds4-mlx module ")
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"", 0x553E93901E462A6E), (b"a", 0x454DDEE488C1ED6B), (b"abcdefgh", 0x783DB3E38DB898BB),
+    (b"abcdefghi", 0xB4EC9257851C8AAF), (b"\x7fELF\x00\xffbinary", 0x73F573DD5437452E),
+    (b"ds4-mlx module 0123456789abcdef0123456789abcdef", 0x5849CCB57B6B5DCC)])
+def test_std_hash_is_libstdcxx(data, expected):
+    """Expected values printed by `std::hash<std::string>{}` of g++ 13's libstdc++ (x86-64), as MLX is built."""
+    assert nvrtc.std_hash(data) == expected
+
+
+def test_module_files_are_named_and_cut_as_mlx_names_them(tmp_path, monkeypatch):
+    assert nvrtc.module_file(tmp_path, "_Z1kv_ab12") == tmp_path / "_Z1kv_ab12.ptx"
+    long = "x" * 245 + "y" * 245 + "z" * 3
+    assert nvrtc.module_file(tmp_path, long) == tmp_path / ("x" * 245) / ("y" * 245) / "zzz.ptx"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mine"))
+    assert nvrtc.mlx_module_directory() == tmp_path / "mine"
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(nvrtc.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    assert nvrtc.mlx_module_directory() == tmp_path / "mlx" / mx.__version__ / "ptx"
+
+
+def test_a_handle_names_the_module_file_holding_its_cubin(tmp_path):
+    modules = nvrtc.Modules(tmp_path)
+    cubin = b"\x7fELF" + bytes(range(256)) * 40
+    handle = modules.handle(cubin, "_Z1kv")
+    assert handle.startswith(b"ds4-mlx module ") and len(handle) < 64
+    path = tmp_path / f"_Z1kv_{nvrtc.std_hash(handle):x}.ptx"
+    assert path.read_bytes() == cubin and path.with_suffix(".txt").read_bytes() == b"_Z1kv\t_Z1kv\n"
+    assert modules.handle(cubin, "_Z1kv") == handle  # found as it is: not written again
+    path.write_bytes(cubin[:-1])  # a damaged file would load wrong code: written again
+    assert modules.handle(cubin, "_Z1kv") == handle and path.read_bytes() == cubin
+    assert modules.handle(cubin + b"\x00", "_Z1kv") != handle
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".ptx", ".ptx", ".txt", ".txt"]  # no partial files
+
+
+def test_kernels_launch_by_handle_where_the_route_has_modules(use_route, launches, launch_copy, tmp_path):
+    chosen = use_route(Compiler())
+    chosen.modules = nvrtc.Modules(tmp_path / "mlx")
+    launch_copy(mx.arange(8, dtype=mx.float32), 8)
+    kw = launches[0][1]
+    assert kw["compiled_source"].startswith(b"ds4-mlx module ")
+    path = tmp_path / "mlx" / f"{kw['name']}_{nvrtc.std_hash(kw['compiled_source']):x}.ptx"
+    assert b"constexpr int SCALE = 2;" in path.read_bytes()
 
 
 def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
@@ -244,6 +317,7 @@ def test_cached_kernel_equals_mlx_compiled_one_and_is_read_back(on_cuda, monkeyp
     try:
         route = nvrtc.route()
         assert route is not None, "NVRTC was not found beside MLX"
+        assert route.modules is not None, "MLX did not find the probe's module file: kernels pass whole cubins"
         x = mx.random.normal((1000,), key=mx.random.key(1))
         cached = launch_copy(x, 1000, scale=3)
         mlx_made = mx.fast.cuda_kernel(name="ds4_test_copy_mlx", input_names=["x"], output_names=["y"],

@@ -240,6 +240,7 @@ class Route:
     cache: DiskCache
     stamp: str  # the compiler's version: part of every key
     unstored: int = 0  # cubins that could not be written to the cache
+    modules: Modules | None = None  # where MLX reads cubins launched by handle (check_route's second probe)
 
     def binary(self, text: str, function: str) -> tuple[bytes, str]:
         """`text`'s cubin and kernel name: from the disk when a process compiled it before, else compiled now (and
@@ -258,6 +259,84 @@ class Route:
                 self.unstored += 1
         return found
 
+    def source(self, cubin: bytes, lowered: str) -> bytes:
+        """What MLX is handed for `cubin`: its handle where the route launches by handle, else the cubin itself
+        (also when its module file cannot be written: then only MLX's per-launch hash costs more)."""
+        if self.modules is not None:
+            try:
+                return self.modules.handle(cubin, lowered)
+            except OSError as error:
+                warnings.warn(f"{lowered} launches with its whole cubin ({error})", CudaCacheWarning, stacklevel=3)
+        return cubin
+
+
+_MURMUR = (0xC6A4A793 << 32) + 0x5BD1E995
+_U64 = (1 << 64) - 1
+
+
+def std_hash(data: bytes) -> int:
+    """`std::hash<std::string>` of libstdc++ on 64-bit Linux (`_Hash_bytes`, a MurmurHash2 variant with seed
+    0xc70f6907): the number in the module name MLX gives a custom kernel (`{name}_{hash:x}`, custom_kernel.cpp)."""
+    def mix(v: int) -> int:
+        return v ^ (v >> 47)
+
+    size = len(data)
+    whole = size & ~7
+    value = (0xC70F6907 ^ (size * _MURMUR)) & _U64
+    for at in range(0, whole, 8):
+        word = mix(int.from_bytes(data[at:at + 8], "little") * _MURMUR & _U64) * _MURMUR & _U64
+        value = (value ^ word) * _MURMUR & _U64
+    if size & 7:
+        value = (value ^ int.from_bytes(data[whole:], "little")) * _MURMUR & _U64
+    return mix(mix(value) * _MURMUR & _U64)
+
+
+def mlx_module_directory() -> Path:
+    """Where MLX's CUDA backend looks for compiled modules before it builds one (jit_module.cpp `ptx_cache_dir`):
+    MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx."""
+    if os.environ.get("MLX_PTX_CACHE_DIR"):
+        return Path(os.environ["MLX_PTX_CACHE_DIR"])
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+
+
+def module_file(directory: Path, module: str) -> Path:
+    """MLX's file for a module (`get_ptx_path`): names longer than 245 characters are cut into folders."""
+    path, cut = directory, 245
+    while len(module) > cut:
+        path, module = path / module[:cut], module[cut:]
+    return path / f"{module}.ptx"
+
+
+@dataclass
+class Modules:
+    """Cubins handed to MLX as files under its module directory, launched by a short handle.
+
+    MLX 0.32.4 hashes a precompiled kernel's whole source at every launch to name its module (10-220 KB of cubin:
+    ~1.5-30 us of host time a launch, a decode step launches ~850), but builds a module from the source only when
+    no file of that name is in its module directory, which it reads for custom kernels too. So each cubin is written
+    there (with the `.txt` line naming its kernel) under the name its handle hashes to, and the handle, ~50 bytes,
+    is what MLX hashes per launch. `check_route` launches a probe this way first; where MLX does not find the file
+    (another naming, a directory set before this process chose its own) the launch fails there and the route keeps
+    passing whole cubins."""
+
+    directory: Path
+
+    def handle(self, cubin: bytes, lowered: str) -> bytes:
+        """The short source for `cubin`, its module file written (atomically) unless it is there, byte for byte."""
+        handle = b"ds4-mlx module " + hashlib.sha256(cubin).hexdigest()[:40].encode()
+        path = module_file(self.directory, f"{lowered}_{std_hash(handle):x}")
+        try:
+            if path.read_bytes() == cubin:
+                return handle
+        except OSError:
+            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for target, data in ((path.with_suffix(".txt"), f"{lowered}\t{lowered}\n".encode()), (path, cubin)):
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".part", delete=False) as part:
+                part.write(data)
+            os.replace(part.name, target)
+        return handle
+
 
 PROBE = "const int i = threadIdx.x;\nif (i < N) y[i] = x[i] * 2.0f + 1.0f;"
 """The kernel a new route compiles and launches once before any other: the whole way (NVRTC, the disk, MLX's
@@ -265,13 +344,15 @@ precompiled launch) must give the right numbers, or MLX's own compile is used.""
 
 
 def check_route(chosen: Route) -> None:
-    """Compiles PROBE through `chosen`, launches it and compares; raises RuntimeError on a wrong result."""
+    """Compiles PROBE through `chosen`, launches it as the route launches kernels (by handle where it has modules)
+    and compares; raises RuntimeError on a wrong result, or MLX's error where it found no module file."""
     template = [("N", 32)]
     function = function_name("ds4_route_probe", template)
     text = kernel_text(function, "", PROBE, [("x", mx.float32)], [("y", mx.float32)], template)
     cubin, lowered = chosen.binary(text, function)
     x = mx.arange(32, dtype=mx.float32)
-    y = mx.fast.precompiled_cuda_kernel(name=lowered, compiled_source=cubin, inputs=[x], output_shapes=[(32,)],
+    y = mx.fast.precompiled_cuda_kernel(name=lowered, compiled_source=chosen.source(cubin, lowered), inputs=[x],
+                                        output_shapes=[(32,)],
                                         output_dtypes=[mx.float32], scalars=[], grid=(32, 1, 1),
                                         threadgroup=(32, 1, 1))[0]
     if not mx.array_equal(y, x * 2 + 1).item():
@@ -292,10 +373,17 @@ def route() -> Route | None:
         chosen = Route(compiler, compile_options(major, minor), DiskCache(directory),
                        "nvrtc %d.%d" % compiler.version())
         check_route(chosen)
-        return chosen
     except Exception as error:  # noqa: BLE001 - whatever breaks the route, MLX's own compile remains
         warnings.warn(f"CUDA kernels compile in every process (no cache: {error})", CudaCacheWarning, stacklevel=2)
         return None
+    try:
+        chosen.modules = Modules(mlx_module_directory())
+        check_route(chosen)
+    except Exception as error:  # noqa: BLE001 - whatever breaks launching by handle, whole cubins remain
+        chosen.modules = None
+        warnings.warn(f"CUDA kernels launch with their whole cubin, which MLX hashes at every launch ({error})",
+                      CudaCacheWarning, stacklevel=2)
+    return chosen
 
 
 class CachedKernel:
@@ -332,7 +420,8 @@ class CachedKernel:
                 text = kernel_text(function, self.header, self.source, list(zip(self.input_names, input_dtypes)),
                                    list(zip(self.output_names, output_dtypes)), template, self.launch_bounds)
                 try:
-                    self._binaries[key] = chosen.binary(text, function)
+                    cubin, lowered = chosen.binary(text, function)
+                    self._binaries[key] = chosen.source(cubin, lowered), lowered
                 except (OSError, CompileError) as error:
                     warnings.warn(f"{function} compiles through MLX in every process ({error})",
                                   CudaCacheWarning, stacklevel=3)
@@ -349,9 +438,9 @@ class CachedKernel:
             return self._mlx_kernel()(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
                                       grid=grid, threadgroup=threadgroup, template=list(template) or None,
                                       init_value=init_value, verbose=verbose, stream=stream)
-        cubin, lowered = binary
+        source, lowered = binary
         return mx.fast.precompiled_cuda_kernel(
-            name=lowered, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
+            name=lowered, compiled_source=source, inputs=inputs, output_shapes=output_shapes,
             output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
             shared_memory=self.shared_memory, init_value=init_value,
             ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
