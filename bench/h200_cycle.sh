@@ -31,8 +31,8 @@
 #                  29% slower (session 5, before decoding fed tokens ahead); no CUDA graphs, 25-node graphs and a
 #                  4000-graph cache within the spread of the defaults (session 6)
 #   ab:DIR[:N[:CTX]] prefill from 0 to CTX tokens (default 2048) then decode there (128 tokens) over N layers
-#                  (default 43) with the tree in DIR (another commit's `git archive`, untracked, so that it
-#                  travels), then with this one, on the same machine
+#                  (default 43) with the tree in DIR (another commit's `git archive`: untracked and not ignored,
+#                  or named in the call's carry, so that it travels), then with this one, on the same machine
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
