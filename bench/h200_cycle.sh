@@ -84,7 +84,8 @@ for step in "$@"; do
       grep -iv "warnings.warn\|it/s\]" "$out/bench$layers.err" | cut -c1-250 | tail -25
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$out/bench$layers.json" 2>&1 | tail -3 ;;
     plans)
-      timeout "$(left 10)" python3 bench/matvec_plans.py 2>&1 | grep -v "warnings.warn" | tail -62 ;;
+      timeout "$(left 10)" python3 bench/matvec_plans.py > "$out/plans.txt" 2>&1
+      grep "best\|launch_plan\|DIFFERS\|Error" "$out/plans.txt" | tail -30 ;;
     kinds*)
       timeout "$(left 10)" python3 bench/step_kinds.py --layers "$(step_n 12)" 2>&1 | grep -v "warnings.warn" | tail -4 ;;
     readback*)

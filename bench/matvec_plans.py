@@ -1,49 +1,83 @@
-"""The decode matvec kernel (kernels/affine_matvec.py) at Flash's shapes under every launch plan: µs a call and GB/s.
+"""The decode matvec kernel (kernels/affine_matvec.py) at Flash's shapes under every launch plan: GPU µs a call, GB/s.
 
-    python bench/matvec_plans.py            # on the GPU machine; ~1 min
+    python bench/matvec_plans.py            # on the GPU machine (torch for CUPTI); ~1 min
     python bench/matvec_plans.py --json
 
 Why: a decode token is ~12 ms of GPU work on the H200, and its 8-bit matvecs take 15-18 µs a call where the
 weights alone would take 2-7 µs at the GPU's bandwidth (bench/RESULTS.md, session 6 trace). `launch_plan` picks
 rows per threadgroup and SIMD groups per threadgroup by a rule (at least MIN_THREADGROUPS threadgroups); this
-times every plan, with the input norm folded in as the model calls it, so the rule can follow measurements. Each
-plan's output is checked against the first plan's (the kernel at another plan sums in another order: TOLERANCE).
+times every plan as the model calls it (input norm folded in, the grouped output projection over its bank, the
+shared expert's down with its SwiGLU), so the rule can follow measurements. Times are the kernels' own on the GPU
+(CUPTI through torch.profiler): a compiled decode step's launches cost host time apart from them. Each plan's
+output is checked against the first plan's (the kernel at another plan sums in another order: TOLERANCE).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
-import time
 
 import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.affine_matvec import TOLERANCE, _kernel, launch_plan
+from ds4_mlx.kernels.affine_matvec import TOLERANCE, SwigluMatvec, _kernel, launch_plan
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 
-SHAPES = [(4096, 1536, True), (4096, 4096, True), (8192, 4096, False), (2048, 4096, False), (4096, 129280, True)]
-"""(IN, OUT, input norm folded in): a ratio-128 layer's joined input projections, a ratio-4 layer's (about),
-the output projection, the shared expert's down (as a plain matvec), the LM head."""
-PLANS = [(rows, simds) for rows in (1, 2, 4) for simds in (1, 2, 4, 8)]
-CALLS = 64
-"""Independent calls per evaluation: the launches' own cost is shared, as in a compiled decode step's graph."""
+SHAPES = [("q_a + kv", 4096, 1536, "norm"), ("shared gate / up", 4096, 4096, "norm"), ("q_b", 1024, 32768, "norm"),
+          ("o_a (8 groups)", 4096, 1024, "bank"), ("o_b", 8192, 4096, ""), ("shared down", 2048, 4096, "swiglu"),
+          ("LM head", 4096, 129280, "norm")]
+"""(name, IN, OUT, form): the model's 8-bit decode matvecs, as the compiled step launches them (bench/RESULTS.md,
+session 9 profile): normed, plain, over the output projection's bank of 8 groups, or with the SwiGLU input."""
+PLANS = [(rows, simds) for rows in (1, 2, 4, 8) for simds in (1, 2, 4, 8)]
+CALLS = 32
+GROUPS = 8
 
 
-def time_plan(x: mx.array, weight, plan: tuple[int, int], norm) -> tuple[float, mx.array]:
-    """Median µs a call over 5 evaluations of CALLS calls, and one call's output."""
-    xs = [x * (1 + i / CALLS) for i in range(CALLS)]
-    mx.eval(xs)
-    out = _kernel(xs[0], weight, None, plan, norm)
+def gpu_us(launch, plan: tuple[int, int]) -> tuple[float, mx.array]:
+    """Median GPU µs of one launch over CALLS launches in one evaluation (after one untimed), and the first
+    launch's output. Each launch's x waits for the previous output (x + 0 * y[0]): independent launches would run
+    side by side in MLX's CUDA graph and stretch each other's times, which a decode step's chain does not."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out = launch(0, plan)
     mx.eval(out)
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        mx.eval([_kernel(v, weight, None, plan, norm) for v in xs])
-        times.append((time.perf_counter() - t) / CALLS * 1e6)
-    return float(np.median(times)), out
+    torch.zeros(1, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        y = out
+        for i in range(CALLS):
+            y = launch(i + 1, plan, y.reshape(-1)[:1])
+        mx.eval(y)
+    times = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type.name == "CUDA" and "affine_matvec" in event.name:
+            times[event.name].append(getattr(event, "device_time", None) or getattr(event, "cuda_time", 0))
+    longest = max(times.values(), key=len)  # the matvec's launches (a copy of x, if any, is another name)
+    return float(np.median(longest)), out
+
+
+def launcher(n_in: int, n_out: int, form: str):
+    """launch(i, plan, after): the i-th call's output (x scaled by i, so that no two calls are one graph node;
+    after `after` where given), and the bytes of weights a call reads."""
+    matrices = GROUPS if form == "bank" else 1
+    weight = to_affine(random_blocks(GGMLType.Q8_0, matrices * n_out, n_in, seed=1), GGMLType.Q8_0,
+                       (matrices, n_out, n_in) if form == "bank" else (n_out, n_in))
+    x = random_activations((matrices, 2 * n_in if form == "swiglu" else n_in), seed=2)
+    norm = (1 + 0.1 * random_activations((n_in,), seed=3), 1e-6) if form == "norm" else None
+    ids = mx.arange(GROUPS, dtype=mx.uint32) if form == "bank" else None
+    mx.eval(weight.wq, weight.scales, weight.biases, x)
+    swiglu = SwigluMatvec(lambda g, u, c: mx.sigmoid(g) * g * u)
+
+    def launch(i: int, plan: tuple[int, int], after: mx.array | None = None) -> mx.array:
+        xi = x * (1 + i / CALLS) + (0 if after is None else 0 * after)
+        if form == "swiglu":
+            return swiglu._kernel(xi, weight, 10.0, plan)
+        return _kernel(xi, weight, ids, plan, norm)
+
+    return launch, weight.wq.nbytes + weight.scales.nbytes + weight.biases.nbytes
 
 
 def main() -> int:
@@ -53,27 +87,27 @@ def main() -> int:
     if not mx.cuda.is_available():
         raise SystemExit("matvec_plans times the CUDA kernel: run it on the GPU machine")
     mx.set_default_device(mx.gpu)
-    for n_in, n_out, normed in SHAPES:
-        weight = to_affine(random_blocks(GGMLType.Q8_0, n_out, n_in, seed=1), GGMLType.Q8_0, (n_out, n_in))
-        x = random_activations((1, n_in), seed=2)
-        norm = (1 + 0.1 * random_activations((n_in,), seed=3), 1e-6) if normed else None
-        mx.eval(weight.wq, weight.scales, weight.biases, x)
-        nbytes = weight.wq.nbytes + weight.scales.nbytes + weight.biases.nbytes
+    for name, n_in, n_out, form in SHAPES:
+        launch, nbytes = launcher(n_in, n_out, form)
         chosen = launch_plan(n_out, n_in, 8, 1)
-        first = None
+        first, best = None, None
         for plan in PLANS:
-            us, out = time_plan(x, weight, plan, norm)
+            us, out = gpu_us(launch, plan)
             first = out if first is None else first
             error = float(mx.max(mx.abs(out - first)) / mx.max(mx.abs(first)))
-            row = {"in": n_in, "out": n_out, "norm": normed, "rows": plan[0], "simds": plan[1], "us": round(us, 2),
-                   "gb_per_s": round(nbytes / us / 1e3, 1), "chosen": plan == chosen, "rel_error": error,
-                   "ok": error <= TOLERANCE}
+            best = min(best or (us, plan), (us, plan))
+            row = {"name": name, "in": n_in, "out": n_out, "form": form, "rows": plan[0], "simds": plan[1],
+                   "us": round(us, 2), "gb_per_s": round(nbytes / us / 1e3, 1), "chosen": plan == chosen,
+                   "rel_error": error, "ok": error <= TOLERANCE}
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
-                print(f"{n_in:>5} -> {n_out:<6} rows {plan[0]} simds {plan[1]}: {us:8.2f} us "
+                print(f"{name:>16} {n_in:>5} -> {n_out:<6} rows {plan[0]} simds {plan[1]}: {us:7.2f} us "
                       f"{row['gb_per_s']:7.1f} GB/s{'  <- launch_plan' if row['chosen'] else ''}"
                       f"{'' if row['ok'] else '  DIFFERS'}", flush=True)
+        if not args.json:
+            print(f"{name:>16} {n_in:>5} -> {n_out:<6} rows {best[1][0]} simds {best[1][1]}: {best[0]:7.2f} us "
+                  f"{nbytes / best[0] / 1e3:7.1f} GB/s  best", flush=True)
     return 0
 
 

@@ -99,12 +99,14 @@ def test_the_kernels_arithmetic_is_within_tolerance(ggml_type):
 
 
 def test_launch_plan():
-    assert launch_plan(129280, 4096, 8, 1) == (4, 4)  # LM head: 32320 threadgroups of 4 rows
-    assert launch_plan(32768, 1024, 8, 1) == (4, 1)
-    assert launch_plan(4096, 8192, 8, 1) == (4, 8)
-    assert launch_plan(2048, 4096, 8, 1) == (2, 4)
-    assert launch_plan(512, 4096, 8, 1) == (1, 4)  # small matrices: one row a threadgroup, 512 of them
-    assert launch_plan(4096, 2048, 4, 1) == (4, 1)
+    assert launch_plan(129280, 4096, 8, 1) == (8, 4)  # LM head: 16160 threadgroups of 8 rows
+    assert launch_plan(32768, 1024, 8, 1) == (8, 1)
+    assert launch_plan(4096, 8192, 8, 1) == (8, 8)
+    assert launch_plan(1536, 4096, 8, 1) == (8, 4)  # joined q_a / kv: 192 threadgroups
+    assert launch_plan(512, 4096, 8, 1) == (4, 4)  # small matrices: fewer rows, at least 128 threadgroups
+    assert launch_plan(64, 4096, 8, 1) == (1, 4)
+    assert launch_plan(4096, 2048, 4, 1) == (8, 1)
+    assert launch_plan(1536, 4096, 8, 3) == (4, 4)
     assert launch_plan(129280, 4096, 8, 5) == (2, 4)
     for n_out, n_in in FLASH_Q8.values():
         for tokens in range(1, MAX_TOKENS + 1):

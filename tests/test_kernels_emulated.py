@@ -186,6 +186,7 @@ def test_emulated_hc_update_equals_the_reference(shape, addends, monkeypatch, tm
     (8, (5, 4096), 5, (2, 4)),
     (8, (3, 768), 8, (1, 3)),  # 48 loads a row for 96 threads: some idle in the only step
     (8, (17, 2048), 1, (4, 1)),  # two steps a thread
+    (8, (19, 1024), 1, (8, 2)),  # eight rows a threadgroup (decode's plan), the last one three deep
     (4, (9, 512), 1, (4, 1)),
     (4, (5, 1024), 2, (4, 2)),
     (4, (3, 2048), 8, (2, 1)),
@@ -198,6 +199,7 @@ def test_emulated_affine_matvec_equals_the_reference(bits, size, tokens, plan, m
 
 @pytest.mark.parametrize(("bits", "size", "tokens", "plan"), [
     (8, (9, 512), 1, (4, 1)),  # a bank: each slot's row normed by its own sum of squares
+    (8, (11, 4096), 1, (8, 4)),
     (8, (5, 4096), 5, (2, 4)),
     (8, (3, 768), 8, (1, 3)),  # threads idle in the only step add no squares
     (4, (5, 1024), 2, (4, 2)),

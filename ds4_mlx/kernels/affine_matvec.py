@@ -56,8 +56,11 @@ threadgroup): ~1e-7 per add over IN <= 8192 terms, with margin; the bound the bu
 to (affine.py). Measured on the CPU emulation (tests/test_kernels_emulated.py): ~1e-7 of the largest output.
 With the norm folded in, up to ~3e-6 against MLX's CPU rms_norm, whose own 1 / rms is off by up to ~1e-6
 (the kernel is within ~1e-7 of a float64 evaluation); the same bound holds."""
-MIN_THREADGROUPS = 1024
-"""Rows per threadgroup shrink until a matrix spreads over at least this many (~8 per SM of an H200)."""
+MIN_THREADGROUPS = 128
+"""Rows per threadgroup shrink until a matrix spreads over at least this many (about one per SM of an H200).
+Measured on the H200 (bench/matvec_plans.py, session 9): every Flash shape is fastest at 4 or 8 rows; one row a
+threadgroup (which a floor of 1024 gave the joined q_a / kv and the output projection's groups) took 1.6-2x as
+long, each threadgroup reading all of x (and the norm weight) for its one row."""
 
 _SOURCE = """
 const int WORD_VALUES = 32 / BITS;
@@ -239,11 +242,12 @@ def swiglu_kernel(clamp: float) -> Kernel:
 def launch_plan(out_features: int, in_features: int, bits: int, tokens: int) -> tuple[int, int]:
     """(rows per threadgroup, SIMD groups per threadgroup).
 
-    Four rows share each activation load (two from five tokens on, to bound the ROWS x TOKENS accumulators
-    and keep occupancy), fewer when the matrix would span under MIN_THREADGROUPS threadgroups; enough SIMD
-    groups that each thread takes about two 16-byte loads of a row (one to eight SIMD groups).
+    Eight rows share each activation load for one token (four up to four tokens, two from five on, to bound the
+    ROWS x TOKENS accumulators and keep occupancy), fewer when the matrix would span under MIN_THREADGROUPS
+    threadgroups; enough SIMD groups that each thread takes about two 16-byte loads of a row (one to eight SIMD
+    groups). At one token this plan is the fastest measured, or within ~15%, at each Flash shape.
     """
-    rows = 4 if tokens <= 4 else 2
+    rows = 8 if tokens == 1 else 4 if tokens <= 4 else 2
     while rows > 1 and out_features < rows * MIN_THREADGROUPS:
         rows //= 2
     units = in_features * bits // 128
