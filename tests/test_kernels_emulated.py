@@ -102,13 +102,14 @@ def test_emulated_half_matvec_equals_the_reference(n_out, n_in, tokens, tmp_path
 
 
 def through_emulation(monkeypatch, tmp_path) -> None:
-    """kernels/hc.py's `build` made to return the emulated kernel behind MLX's calling convention (float32 buffers,
-    `grid` in threads), so the wrappers' own templates and grids are what runs."""
+    """kernels/hc.py's `build` made to return the emulated kernel behind MLX's calling convention (float32 buffers
+    but an int32 token count, `grid` in threads), so the wrappers' own templates and grids are what runs."""
     emulated_kernel = emulated_build(tmp_path)
 
     def build(kernel: Kernel, backend: str) -> Callable:
         def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes) -> list[mx.array]:
-            assert all(a.dtype == mx.float32 for a in inputs) and set(output_dtypes) == {mx.float32}
+            dtypes = [mx.int32 if name == "count" else mx.float32 for name in kernel.inputs]
+            assert [a.dtype for a in inputs] == dtypes and set(output_dtypes) == {mx.float32}
             return emulated_kernel(kernel, backend)(inputs, template, grid, threadgroup, output_shapes, output_dtypes)
 
         return call

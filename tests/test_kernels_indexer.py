@@ -214,7 +214,8 @@ def emulated_pick(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array,
         [q, w, rows, positions, np.array([scale], np.float32), inv_freq], [(t, n)], (template["BLOCKS"], t),
         SCORE_SIMDS * 32)
     picked, valid = emulated(SELECT_KERNEL, select_template(n, RATIO, top_k), tmp_path)(
-        [scores, positions], [(t, min(n, top_k))] * 2, (t, 1), SELECT_THREADS, [np.int32, np.bool_])
+        [scores, positions, np.array([n], np.int32)], [(t, min(n, top_k))] * 2, (t, 1), SELECT_THREADS,
+        [np.int32, np.bool_])
     return scores, picked, valid
 
 
@@ -286,11 +287,11 @@ def emulated_tensor_scores(q: mx.array, w: mx.array, rows: mx.array, positions: 
     """The tensor-core score kernel's CUDA text run on the CPU, as `tensor_scores` launches it (NaN where it writes
     nothing: queries with at most top_k visible rows)."""
     (t, h), (n, d) = w.shape, rows.shape
-    template = {"H": h, "MT": -(-h // 16), "D": d, "N": n, "K": top_k, "RATIO": RATIO, "WARPS": TENSOR_SCORE_WARPS,
+    template = {"H": h, "MT": -(-h // 16), "D": d, "K": top_k, "RATIO": RATIO, "WARPS": TENSOR_SCORE_WARPS,
                 "KEYS": TENSOR_SCORE_KEYS}
     q, w, rows = (np.array(a, np.float32) for a in (q, w, rows))
     (scores,) = emulated(TENSOR_SCORES_KERNEL, template, tmp_path)(
-        [q, w, rows, np.array(positions, np.int32), np.array([scale], np.float32)], [(t, n)],
+        [q, w, rows, np.array(positions, np.int32), np.array([scale], np.float32), np.array([n], np.int32)], [(t, n)],
         (-(-n // TENSOR_SCORE_KEYS), t), TENSOR_SCORE_WARPS * 32)
     return scores
 
@@ -309,7 +310,8 @@ def test_emulated_tensor_scores_are_exact_on_exact_inputs(on_cpu, n, top_k, tmp_
     want = np.array(index_scores(q, w * scale, rows, visible_mask(n, positions)))
     assert (scores[wide] == want[wide]).all()
     picked, valid = emulated(SELECT_KERNEL, select_template(n, RATIO, top_k), tmp_path)(
-        [scores, np.array(positions, np.int32)], [(len(wide), min(n, top_k))] * 2, (len(wide), 1), SELECT_THREADS,
+        [scores, np.array(positions, np.int32), np.array([n], np.int32)], [(len(wide), min(n, top_k))] * 2,
+        (len(wide), 1), SELECT_THREADS,
         [np.int32, np.bool_])
     want_picked, want_valid = pick_rows(q, w, rows, positions, RATIO, top_k, scale)
     assert (picked == np.array(want_picked)).all() and (valid == np.array(want_valid)).all()

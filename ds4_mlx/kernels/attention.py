@@ -40,7 +40,7 @@ serves both attention kernels: the chunk one sums the same products as `attend`,
 
 _ROPE = """
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
-if (i < (size_t)R * D) {
+if (i < (size_t)count[0] * D) {
   const size_t row = i / D;
   const int d = (int)(i - row * D);
   if (d < D - NROT) {
@@ -160,7 +160,8 @@ for (int d = THREAD_IN_GROUP; d < D; d += GROUPS * 32) {
 }
 """
 
-ROPE_KERNEL = Kernel("ds4_rope", ("x", "cos_t", "sin_t"), ("y",), _ROPE)
+ROPE_KERNEL = Kernel("ds4_rope", ("x", "cos_t", "sin_t", "count"), ("y",), _ROPE)
+"""The row count is an input, not a template constant: chunks of every length share one compiled kernel."""
 THREADS = 256
 GROUPS = 8
 
@@ -219,8 +220,8 @@ class Rope:
         d = x.shape[-1]
         rows = x.size // d
         (y,) = build(ROPE_KERNEL, current_backend())(
-            inputs=[x.astype(mx.float32), cos, sin],
-            template=[("R", rows), ("D", d), ("NROT", n_rot), ("HEADS", rows // cos.shape[0]),
+            inputs=[x.astype(mx.float32), cos, sin, mx.array([rows], dtype=mx.int32)],
+            template=[("D", d), ("NROT", n_rot), ("HEADS", rows // cos.shape[0]),
                       ("INVERSE", inverse), ("THREADS", THREADS)],
             grid=(-(-rows * d // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[x.shape], output_dtypes=[mx.float32],

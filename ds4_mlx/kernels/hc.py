@@ -226,7 +226,7 @@ if (g == SLICES) {
 
 _UPDATE = """
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
-if (i < (size_t)T * D) {
+if (i < (size_t)count[0] * D) {
   const size_t t = i / D;
   const size_t d = i - t * D;
   float h[N];
@@ -254,10 +254,12 @@ def split_kernel(eps: float) -> Kernel:
 
 @cache
 def update_kernel(addends: int) -> Kernel:
-    """The update of a sublayer output given as 1 or 2 addends (the second named `addend`)."""
+    """The update of a sublayer output given as 1 or 2 addends (the second named `addend`). The token count is an
+    input (`count`), not a template constant: chunks of every length share one compiled kernel."""
     if addends == 1:
-        return Kernel("ds4_hc_update", ("out", "streams", "post", "comb"), ("y",), _UPDATE.replace("/*ADDEND*/", ""))
-    return Kernel("ds4_hc_update2", ("out", "addend", "streams", "post", "comb"), ("y",),
+        return Kernel("ds4_hc_update", ("out", "streams", "post", "comb", "count"), ("y",),
+                      _UPDATE.replace("/*ADDEND*/", ""))
+    return Kernel("ds4_hc_update2", ("out", "addend", "streams", "post", "comb", "count"), ("y",),
                   _UPDATE.replace("/*ADDEND*/", " + addend[i]"))
 
 
@@ -406,8 +408,8 @@ class HCUpdate:
         groups = -(-t * d // THREADS)
         outputs = [out] if addend is None else [out, addend]
         (y,) = build(update_kernel(len(outputs)), current_backend())(
-            inputs=[*outputs, streams, post, comb],
-            template=[("N", n), ("D", d), ("T", t), ("THREADS", THREADS)],
+            inputs=[*outputs, streams, post, comb, mx.array([t], dtype=mx.int32)],
+            template=[("N", n), ("D", d), ("THREADS", THREADS)],
             grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(t, n, d)], output_dtypes=[mx.float32],
         )

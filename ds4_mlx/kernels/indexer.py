@@ -166,6 +166,7 @@ for (int g = GROUP_X * WARPS + warp; g * R < N; g += BLOCKS * WARPS) {
 """
 
 _SELECT = """
+const int N = count[0];
 const int t = GROUP_X;
 const int tid = THREAD_IN_GROUP;
 const int lane = SIMD_LANE;
@@ -266,11 +267,14 @@ for (int i = lo; i < hi; ++i) {
 
 SCORES_KERNEL = Kernel("ds4_indexer_scores", ("q", "w", "rows", "position", "scale", "inv_freq"), ("scores",),
                        _SCORES, _HELPERS + ROW_HELPERS)
-SELECT_KERNEL = Kernel("ds4_indexer_select", ("scores", "position"), ("picked", "valid"), _SELECT,
+SELECT_KERNEL = Kernel("ds4_indexer_select", ("scores", "position", "count"), ("picked", "valid"), _SELECT,
                        _HELPERS + SIMD_EXCLUSIVE_SUM)
+"""The tensor score and select kernels take the row count N as an input (`count`), not a template constant: a
+prefill chunk's rows grow with its position, and chunks of every length and position share one compiled kernel."""
 
 
 _TENSOR_SCORES = """
+const int N = count[0];
 const int t = GROUP_Y;
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
@@ -377,7 +381,7 @@ def tensor_scores_bytes(heads: int = TENSOR_SCORE_HEADS, d: int = TENSOR_SCORE_W
     return 4 * (2 * 16 * m_tiles * (d + 4) + 8 * TENSOR_SCORE_WARPS * (d + 4) + 16 * m_tiles)
 
 
-TENSOR_SCORES_KERNEL = Kernel("ds4_indexer_scores_tc", ("q", "w", "rows", "position", "scale"), ("scores",),
+TENSOR_SCORES_KERNEL = Kernel("ds4_indexer_scores_tc", ("q", "w", "rows", "position", "scale", "count"), ("scores",),
                               _TENSOR_SCORES, _HELPERS, shared_memory=tensor_scores_bytes())
 
 
@@ -398,7 +402,7 @@ def scores_template(h: int, d: int, n: int, ratio: int, top_k: int, n_rot: int =
 
 def select_template(n: int, ratio: int, top_k: int) -> dict[str, int]:
     """The select kernel's constants; W is its output width."""
-    return {"N": n, "K": top_k, "W": min(n, top_k), "RATIO": ratio, "THREADS": SELECT_THREADS}
+    return {"K": top_k, "W": min(n, top_k), "RATIO": ratio, "THREADS": SELECT_THREADS}
 
 
 def indexer_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int,
@@ -437,11 +441,11 @@ def tensor_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.
     (mma.m16n8k8 over D), then sums w_h relu(.) over the heads in its lanes; rows past the visible count are
     skipped (causal: a chunk's early queries see fewer)."""
     (t, h), (n, d) = weights.shape, rows.shape
-    template = {"H": h, "MT": -(-h // 16), "D": d, "N": n, "K": top_k, "RATIO": ratio, "WARPS": TENSOR_SCORE_WARPS,
+    template = {"H": h, "MT": -(-h // 16), "D": d, "K": top_k, "RATIO": ratio, "WARPS": TENSOR_SCORE_WARPS,
                 "KEYS": TENSOR_SCORE_KEYS}
     (scores,) = build(TENSOR_SCORES_KERNEL, current_backend())(
         inputs=[q.astype(mx.float32), weights.astype(mx.float32), rows.astype(mx.float32),
-                positions.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
+                positions.astype(mx.int32), mx.array([scale], dtype=mx.float32), mx.array([n], dtype=mx.int32)],
         template=list(template.items()),
         grid=(-(-n // TENSOR_SCORE_KEYS) * TENSOR_SCORE_WARPS * SIMD_WIDTH, t, 1),
         threadgroup=(TENSOR_SCORE_WARPS * SIMD_WIDTH, 1, 1),
@@ -455,7 +459,7 @@ def select_rows(scores: mx.array, positions: mx.array, ratio: int, top_k: int) -
     t, n = scores.shape
     template = select_template(n, ratio, top_k)
     return tuple(build(SELECT_KERNEL, current_backend())(
-        inputs=[scores, positions.astype(mx.int32)], template=list(template.items()),
+        inputs=[scores, positions.astype(mx.int32), mx.array([n], dtype=mx.int32)], template=list(template.items()),
         grid=(t * SELECT_THREADS, 1, 1), threadgroup=(SELECT_THREADS, 1, 1),
         output_shapes=[(t, template["W"])] * 2, output_dtypes=[mx.int32, mx.bool_],
     ))

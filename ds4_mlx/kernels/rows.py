@@ -152,15 +152,18 @@ def fits(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant:
 def _launch(kernel: Kernel, args: tuple, rows: int, heads: int, shape: tuple[int, ...], *extra: mx.array
             ) -> mx.array:
     """One threadgroup per output row of `shape` (float32), each of one thread per value, finishing FinishRows's
-    arguments `args` (x, positions, rope, norm, quant, round_half); `extra` inputs follow the five common ones."""
+    arguments `args` (x, positions, rope, norm, quant, round_half); `extra` inputs follow the five common ones.
+    Only the window kernel, whose row count is its window's, takes the rows as a constant: a chunk's count is the
+    grid's alone, so that chunks of every length share one compiled kernel."""
     x, positions, rope, norm, quant, round_half = args
     width = x.shape[-1]
     eps = mx.array([0.0 if norm is None else norm[1]], dtype=mx.float32)
     weight = eps if norm is None or norm[0] is None else norm[0]  # read only with a weight
     (y,) = build(kernel, current_backend())(
         inputs=[x, weight, rope.inv_freq, positions.astype(mx.int32), eps, *extra],
-        template=[("W", width), ("NROT", rope.n_rot), ("HEADS", heads), ("ROWS", rows),
-                  ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half))],
+        template=[("W", width), ("NROT", rope.n_rot), ("HEADS", heads),
+                  ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half))]
+        + ([("ROWS", rows)] if kernel is WINDOW_KERNEL else []),
         grid=(rows * width, 1, 1), threadgroup=(width, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32],
     )
