@@ -9,6 +9,7 @@
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
 #   plans          the decode matvec kernel at Flash's shapes under every launch plan (bench/matvec_plans.py)
+#   experts        the decode expert kernels under other threadgroup counts (bench/expert_plans.py)
 #   kinds[:N]      decode t/s over N layers (default 12) with the step's kinds (rows written only when a window
 #                  ends) against one step that always writes, in one process (bench/step_kinds.py)
 #   readback[:N]   decode at 2k over N layers (default 43) as sampled decoding runs: each token read back before
@@ -86,6 +87,8 @@ for step in "$@"; do
     plans)
       timeout "$(left 10)" python3 bench/matvec_plans.py > "$out/plans.txt" 2>&1
       grep "best\|launch_plan\|DIFFERS\|Error" "$out/plans.txt" | tail -30 ;;
+    experts)
+      timeout "$(left 10)" python3 bench/expert_plans.py 2>&1 | grep -v "warn" | tail -12 ;;
     kinds*)
       timeout "$(left 10)" python3 bench/step_kinds.py --layers "$(step_n 12)" 2>&1 | grep -v "warnings.warn" | tail -4 ;;
     readback*)

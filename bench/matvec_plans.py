@@ -36,7 +36,7 @@ CALLS = 32
 GROUPS = 8
 
 
-def gpu_us(launch, plan: tuple[int, int]) -> tuple[float, mx.array]:
+def gpu_us(launch, plan, kernel: str = "affine_matvec") -> tuple[float, mx.array]:
     """Median GPU µs of one launch over CALLS launches in one evaluation (after one untimed), and the first
     launch's output. Each launch's x waits for the previous output (x + 0 * y[0]): independent launches would run
     side by side in MLX's CUDA graph and stretch each other's times, which a decode step's chain does not."""
@@ -53,7 +53,7 @@ def gpu_us(launch, plan: tuple[int, int]) -> tuple[float, mx.array]:
         mx.eval(y)
     times = collections.defaultdict(list)
     for event in prof.events():
-        if event.device_type.name == "CUDA" and "affine_matvec" in event.name:
+        if event.device_type.name == "CUDA" and kernel in event.name:
             times[event.name].append(getattr(event, "device_time", None) or getattr(event, "cuda_time", 0))
     longest = max(times.values(), key=len)  # the matvec's launches (a copy of x, if any, is another name)
     return float(np.median(longest)), out
