@@ -72,9 +72,10 @@ def row_scaled(x: mx.array, norm: Norm | None) -> mx.array:
 
 
 @pytest.mark.parametrize(("n_out", "n_in", "tokens"), [(100, 768, 1), (60, 4096, 5), (520, 1024, 3),
-                                                       (1030, 4096, 1)], ids=str)
+                                                       (1030, 4096, 1), (8195, 1024, 2)], ids=str)
 def test_emulated_half_matvec_with_the_input_norm_equals_the_reference(n_out, n_in, tokens, monkeypatch, tmp_path):
-    """Splits 1, 8, 4 and 2 (the sum of squares over a row's parts), through half.py's wrapper."""
+    """Splits 1, 8, 4, 8 and 1 (the sum of squares over a row's parts), the last two four rows a SIMD group, through
+    half.py's wrapper."""
     monkeypatch.setattr(half, "build", emulated_build(tmp_path))
     w = random_half((n_out, n_in), seed=n_in)
     norm = probe_norm(n_in, 1e-6, seed=n_out)
@@ -86,16 +87,17 @@ def test_emulated_half_matvec_with_the_input_norm_equals_the_reference(n_out, n_
 
 
 @pytest.mark.parametrize(("n_out", "n_in", "tokens"), [(100, 256, 1), (100, 768, 8), (60, 4096, 5), (520, 1024, 5),
-                                                       (1030, 4096, 1)], ids=str)
+                                                       (1030, 4096, 1), (515, 4096, 2), (2050, 1024, 3),
+                                                       (8195, 1024, 1)], ids=str)
 def test_emulated_half_matvec_equals_the_reference(n_out, n_in, tokens, tmp_path):
-    """Every split (1, 8, 4, 2 SIMD groups a row), threadgroups left partly idle by row counts that do not divide,
-    one token and several."""
+    """Every split (1, 8, 4 SIMD groups a row) at one, two and four rows a SIMD group, threadgroups and SIMD groups
+    left partly idle by row counts that do not divide, one token and several."""
     w = random_half((n_out, n_in), seed=n_in)
     x = random_activations((tokens, n_in), seed=n_out)
-    split = split_plan(n_out, n_in)
-    template = {"OUT": n_out, "IN": n_in, "TOKENS": tokens, "SPLIT": split, "SIMDS": SIMDS}
+    split, rps = split_plan(n_out, n_in)
+    template = {"OUT": n_out, "IN": n_in, "TOKENS": tokens, "SPLIT": split, "RPS": rps, "SIMDS": SIMDS}
     (got,) = emulated(HALF_MATVEC_KERNEL, template, tmp_path)(
-        [np.array(x), np.array(w)], [(tokens, n_out)], (-(-n_out // (SIMDS // split)), 1), SIMDS * 32)
+        [np.array(x), np.array(w)], [(tokens, n_out)], (-(-n_out // (SIMDS // split * rps)), 1), SIMDS * 32)
     want = np.array(reference(x, w))
     assert np.isfinite(got).all()  # every output was written
     assert np.abs(got - want).max() <= HALF_TOLERANCE * np.abs(want).max()

@@ -18,8 +18,8 @@ import pytest
 
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS, Dialect
-from ds4_mlx.kernels.half import (HALF_MATVEC, HALF_MATVEC_KERNEL, MAX_STEPS, MAX_TOKENS, SIMDS, TOLERANCE,
-                                  half_matvec, matvec_enabled, norm_kernel, reference, split_plan)
+from ds4_mlx.kernels.half import (HALF_MATVEC, HALF_MATVEC_KERNEL, MAX_STEPS, MAX_TOKENS, SIMDS, TARGET_SIMDS,
+                                  TOLERANCE, half_matvec, matvec_enabled, norm_kernel, reference, split_plan)
 from ds4_mlx.kernels.probe import random_activations
 from ds4_mlx.model import linear
 from ds4_mlx.model.factory import write_model
@@ -66,11 +66,14 @@ def test_one_definition_renders_for_cuda_and_metal():
 
 
 def test_split_plan_gives_every_lane_whole_loads():
-    plans = {shape: split_plan(*shape) for shape in FLASH_SHAPES}
-    assert plans == {(1024, 4096): 2, (512, 4096): 4, (8192, 1024): 1, (64, 4096): 8, (256, 4096): 8}
-    for (n_out, n_in), split in plans.items():
-        assert SIMDS % split == 0 and (n_in // 256) % split == 0 and (n_in // 256) // split <= MAX_STEPS
-    assert split_plan(16, 256) == 1 and split_plan(100, 768) == 1  # a row too short to split
+    plans = {shape: split_plan(*shape) for shape in FLASH_SHAPES + [(2624, 4096)]}
+    assert plans == {(1024, 4096): (8, 4), (512, 4096): (8, 2), (8192, 1024): (1, 4), (64, 4096): (8, 1),
+                     (256, 4096): (8, 1), (2624, 4096): (4, 4)}  # the last: a ratio-4 layer's joined projections
+    for (n_out, n_in), (split, rps) in plans.items():
+        assert SIMDS % split == 0 and (n_in // 256) % split == 0 and (n_in // 256) // split * rps <= MAX_STEPS
+        assert rps == 1 or -(-n_out // rps) * split >= TARGET_SIMDS  # several rows a SIMD group only where
+        # enough SIMD groups remain
+    assert split_plan(16, 256) == (1, 1) and split_plan(100, 768) == (1, 1)  # a row too short to split
     assert split_plan(64, 64) is None and split_plan(64, 1000) is None  # not whole 256-value chunks
     assert split_plan(8, 256 * 17) is None  # 17 loads a lane, and 17 does not split
 

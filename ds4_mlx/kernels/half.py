@@ -4,20 +4,21 @@ The file's F16 matrices (compressor kv/gate, indexer q_b/proj and compressor, th
 resident; held as float32 and multiplied by MLX's built-in gemv, a decode token reads twice the bytes the file
 holds, in a slow kernel. Here W stays float16 and one kernel reads it once:
 
-- a threadgroup is SIMDS SIMD groups of 32 threads; SPLIT consecutive SIMD groups share one row (SIMDS / SPLIT
-  rows per threadgroup), each taking a contiguous 1/SPLIT of it: enough SIMD groups in flight for small OUT;
-- each lane issues all its 16-byte loads (8 halves each) before using them, converts the halves to float32 and
-  multiplies them by the matching activations, read through the cache with 16-byte loads (x is shared by every
-  row and stays in L1/L2), accumulating one float32 sum per token;
-- one SIMD reduction per token, then, when a row is split, the SPLIT partial sums are added in threadgroup memory.
+- a threadgroup is SIMDS SIMD groups of 32 threads; SPLIT consecutive SIMD groups share RPS rows (SIMDS / SPLIT
+  x RPS rows per threadgroup), each taking a contiguous 1/SPLIT of them: enough SIMD groups in flight for small
+  OUT, and each part of x (16-byte loads through the cache: x is shared by every row and stays in L1/L2) read
+  once for RPS rows (`split_plan`);
+- each lane issues all its 16-byte loads (8 halves each) of its RPS rows before using them, converts the halves to
+  float32 and multiplies them by the matching activations, accumulating one float32 sum per row and token;
+- one SIMD reduction per row and token, then, when rows are split, the SPLIT partial sums are added in
+  threadgroup memory.
 
 Every F16 value converts to float32 exactly, so the kernel multiplies and adds the very float32 values that
 `reference` (x @ W.astype(float32).T) does: the results differ only in the order of the float32 sums (and where
 products are fused into them), a few ulps of the output's scale over IN terms; TOLERANCE leaves a wide margin.
-With `norm` the input RMSNorm is folded in (kernels/fused_norm.py): W's values are multiplied by the norm
-weight as they are converted, each lane sums the squares of the activations it reads (a row's SPLIT parts read
-all of x once), and each output is scaled by 1 / rms: a reassociation again, plus the rounding of the weight
-products. Without a norm the kernel's text is exactly the plain one.
+With `norm` the input RMSNorm is folded in (kernels/fused_norm.py): the activations are multiplied by the norm
+weight as they are read, each lane sums the squares of the raw ones (a row's SPLIT parts read all of x once), and
+each output is scaled by 1 / rms: a reassociation again, plus the rounding of the weighted activations. Without a norm the kernel's text is exactly the plain one.
 
 It takes IN a multiple of 256 (every lane a whole number of 16-byte loads) and 1 to MAX_TOKENS rows; a chunk's
 rows (BATCH_TOKENS and more) take dense_f16.py's tensor-core GEMM on CUDA, other shapes the reference.
@@ -49,110 +50,130 @@ MAX_STEPS = 16
 """Most 16-byte loads one lane holds for its part of a row (registers)."""
 TARGET_SIMDS = 2048
 """Rows are split until about this many SIMD groups run (~16 per SM on an H200), at most SIMDS per row."""
+ROWS_PER_SIMD = (4, 2, 1)
+"""Rows a SIMD group may take at once (split_plan), most first."""
 PROBE_TOKENS = (1, 5)
 """Token counts the first-use check compiles and compares (each is its own compiled variant)."""
 
 _MATVEC = """
-constexpr int ROWS = SIMDS / SPLIT;
+constexpr int GROUP_ROWS = SIMDS / SPLIT * RPS;
 constexpr int PART = IN / (8 * SPLIT);
 constexpr int STEPS = PART / 32;
 const int lane = SIMD_LANE;
 const int sg = SIMD_INDEX;
-const int first_row = GROUP_X * ROWS;
-const int row = first_row + sg / SPLIT;
+const int first_row = GROUP_X * GROUP_ROWS + sg / SPLIT * RPS;
 const int part = sg % SPLIT;
-SHARED float partial[SIMDS * TOKENS];
+SHARED float partial[SIMDS * RPS * TOKENS];
 @SHARED float squares_part[SIMDS * TOKENS];
 
-float acc[TOKENS];
-for (int t = 0; t < TOKENS; ++t) {
-  acc[t] = 0.0f;
+float acc[RPS][TOKENS];
+for (int r = 0; r < RPS; ++r) {
+  for (int t = 0; t < TOKENS; ++t) {
+    acc[r][t] = 0.0f;
+  }
 }
 @float squares[TOKENS];
 @for (int t = 0; t < TOKENS; ++t) {
 @  squares[t] = 0.0f;
 @}
-if (row < OUT) {
+uint4 wv[RPS][STEPS];
+for (int r = 0; r < RPS; ++r) {
+  const int row = first_row + r < OUT ? first_row + r : OUT - 1;
   const GLOBAL_MEM uint4* wp = reinterpret_cast<const GLOBAL_MEM uint4*>(w + (size_t)row * IN) + part * PART + lane;
-  uint4 wv[STEPS];
   for (int s = 0; s < STEPS; ++s) {
-    wv[s] = wp[32 * s];
+    wv[r][s] = wp[32 * s];
   }
-  for (int s = 0; s < STEPS; ++s) {
-    const unsigned int words[4] = {wv[s].x, wv[s].y, wv[s].z, wv[s].w};
-    float wf[8];
+}
+for (int s = 0; s < STEPS; ++s) {
+  float wf[RPS][8];
+  for (int r = 0; r < RPS; ++r) {
+    const unsigned int words[4] = {wv[r][s].x, wv[r][s].y, wv[r][s].z, wv[r][s].w};
     for (int j = 0; j < 4; ++j) {
-      wf[2 * j] = ds4_half_to_float((unsigned short)(words[j] & 0xffffu));
-      wf[2 * j + 1] = ds4_half_to_float((unsigned short)(words[j] >> 16));
+      wf[r][2 * j] = ds4_half_to_float((unsigned short)(words[j] & 0xffffu));
+      wf[r][2 * j + 1] = ds4_half_to_float((unsigned short)(words[j] >> 16));
     }
-    const int column = 8 * (part * PART + lane + 32 * s);
-@    const GLOBAL_MEM float4* nw = reinterpret_cast<const GLOBAL_MEM float4*>(norm_w + column);
-@    const float4 na = nw[0];
-@    const float4 nb = nw[1];
-@    wf[0] *= na.x;
-@    wf[1] *= na.y;
-@    wf[2] *= na.z;
-@    wf[3] *= na.w;
-@    wf[4] *= nb.x;
-@    wf[5] *= nb.y;
-@    wf[6] *= nb.z;
-@    wf[7] *= nb.w;
-    for (int t = 0; t < TOKENS; ++t) {
-      const GLOBAL_MEM float4* xp = reinterpret_cast<const GLOBAL_MEM float4*>(x + (size_t)t * IN + column);
-      const float4 a = xp[0];
-      const float4 b = xp[1];
-@      squares[t] += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) +
-@                    ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
-      float sum = wf[0] * a.x;
-      sum += wf[1] * a.y;
-      sum += wf[2] * a.z;
-      sum += wf[3] * a.w;
-      sum += wf[4] * b.x;
-      sum += wf[5] * b.y;
-      sum += wf[6] * b.z;
-      sum += wf[7] * b.w;
-      acc[t] += sum;
+  }
+  const int column = 8 * (part * PART + lane + 32 * s);
+@  const GLOBAL_MEM float4* nw = reinterpret_cast<const GLOBAL_MEM float4*>(norm_w + column);
+@  const float4 na = nw[0];
+@  const float4 nb = nw[1];
+  for (int t = 0; t < TOKENS; ++t) {
+    const GLOBAL_MEM float4* xp = reinterpret_cast<const GLOBAL_MEM float4*>(x + (size_t)t * IN + column);
+    float4 a = xp[0];
+    float4 b = xp[1];
+@    squares[t] += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) +
+@                  ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
+@    a.x *= na.x;
+@    a.y *= na.y;
+@    a.z *= na.z;
+@    a.w *= na.w;
+@    b.x *= nb.x;
+@    b.y *= nb.y;
+@    b.z *= nb.z;
+@    b.w *= nb.w;
+    for (int r = 0; r < RPS; ++r) {
+      float sum = wf[r][0] * a.x;
+      sum += wf[r][1] * a.y;
+      sum += wf[r][2] * a.z;
+      sum += wf[r][3] * a.w;
+      sum += wf[r][4] * b.x;
+      sum += wf[r][5] * b.y;
+      sum += wf[r][6] * b.z;
+      sum += wf[r][7] * b.w;
+      acc[r][t] += sum;
     }
   }
 }
-for (int t = 0; t < TOKENS; ++t) {
-  acc[t] = ds4_simd_sum(acc[t]);
+for (int r = 0; r < RPS; ++r) {
+  for (int t = 0; t < TOKENS; ++t) {
+    acc[r][t] = ds4_simd_sum(acc[r][t]);
+  }
 }
 @for (int t = 0; t < TOKENS; ++t) {
 @  squares[t] = ds4_simd_sum(squares[t]);
 @  if (SPLIT == 1) {
-@    acc[t] *= 1.0f / sqrt(squares[t] / (float)IN + NORM_EPS);
+@    for (int r = 0; r < RPS; ++r) {
+@      acc[r][t] *= 1.0f / sqrt(squares[t] / (float)IN + NORM_EPS);
+@    }
 @  }
 @}
 if (SPLIT == 1) {
-  if (lane == 0 && row < OUT) {
-    for (int t = 0; t < TOKENS; ++t) {
-      y[(size_t)t * OUT + row] = acc[t];
+  if (lane == 0) {
+    for (int r = 0; r < RPS; ++r) {
+      if (first_row + r < OUT) {
+        for (int t = 0; t < TOKENS; ++t) {
+          y[(size_t)t * OUT + first_row + r] = acc[r][t];
+        }
+      }
     }
   }
 } else {
   if (lane == 0) {
     for (int t = 0; t < TOKENS; ++t) {
-      partial[sg * TOKENS + t] = acc[t];
+      for (int r = 0; r < RPS; ++r) {
+        partial[(sg * RPS + r) * TOKENS + t] = acc[r][t];
+      }
 @      squares_part[sg * TOKENS + t] = squares[t];
     }
   }
   ds4_barrier();
   const int i = THREAD_IN_GROUP;
-  if (i < ROWS * TOKENS) {
-    const int r = i / TOKENS;
+  if (i < GROUP_ROWS * TOKENS) {
+    const int g = i / TOKENS / RPS;  // the row's SIMD groups: g * SPLIT to g * SPLIT + SPLIT - 1
+    const int r = i / TOKENS % RPS;
     const int t = i % TOKENS;
-    if (first_row + r < OUT) {
+    const int row = GROUP_X * GROUP_ROWS + g * RPS + r;
+    if (row < OUT) {
       float total = 0.0f;
       for (int p = 0; p < SPLIT; ++p) {
-        total += partial[(r * SPLIT + p) * TOKENS + t];
+        total += partial[((g * SPLIT + p) * RPS + r) * TOKENS + t];
       }
 @      float sum_squares = 0.0f;
 @      for (int p = 0; p < SPLIT; ++p) {
-@        sum_squares += squares_part[(r * SPLIT + p) * TOKENS + t];
+@        sum_squares += squares_part[(g * SPLIT + p) * TOKENS + t];
 @      }
 @      total *= 1.0f / sqrt(sum_squares / (float)IN + NORM_EPS);
-      y[(size_t)t * OUT + first_row + r] = total;
+      y[(size_t)t * OUT + row] = total;
     }
   }
 }
@@ -169,19 +190,26 @@ def norm_kernel(eps: float) -> Kernel:
     return normed_kernel(*_NAMES, _MATVEC, eps)
 
 
-def split_plan(n_out: int, n_in: int) -> int | None:
-    """SIMD groups per row for W (n_out, n_in), or None where the kernel does not apply.
+def split_plan(n_out: int, n_in: int) -> tuple[int, int] | None:
+    """(SIMD groups per row, rows per SIMD group) for W (n_out, n_in), or None where the kernel does not apply.
 
-    A row is 256-value chunks (32 lanes x 8 halves); each of SPLIT parts takes whole chunks, at most MAX_STEPS.
+    A row is 256-value chunks (32 lanes x 8 halves); each of SPLIT parts takes whole chunks. A SIMD group takes RPS
+    rows at once and reads its part of x (and of the norm weight) once for all of them: at one row a SIMD group,
+    x's float32 bytes read through L2 were twice the weights' (four times with the norm), which bound the kernel
+    rather than memory. RPS times a lane's loads of a row is at most MAX_STEPS (registers); the most rows per SIMD
+    group that still make about TARGET_SIMDS SIMD groups is taken, else one row, split as far as it goes.
     """
     if n_out < 1 or n_in < 256 or n_in % 256:
         return None
     chunks = n_in // 256
-    split = 1
-    while split < SIMDS and chunks % (2 * split) == 0 and (
-            n_out * split < TARGET_SIMDS or chunks // split > MAX_STEPS):
-        split *= 2
-    return split if chunks // split <= MAX_STEPS else None
+    for rps in ROWS_PER_SIMD:
+        split = 1
+        while split < SIMDS and chunks % (2 * split) == 0 and (
+                -(-n_out // rps) * split < TARGET_SIMDS or chunks // split * rps > MAX_STEPS):
+            split *= 2
+        if chunks // split * rps <= MAX_STEPS and (-(-n_out // rps) * split >= TARGET_SIMDS or rps == 1):
+            return split, rps
+    return None
 
 
 def reference(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
@@ -194,12 +222,12 @@ def _kernel(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
     """x (T, IN) float32, T <= MAX_TOKENS, W (OUT, IN) float16 with a split plan -> (T, OUT) float32."""
     n_out, n_in = w.shape
     tokens = x.shape[0]
-    split = split_plan(n_out, n_in)
-    groups = -(-n_out // (SIMDS // split))
+    split, rps = split_plan(n_out, n_in)
+    groups = -(-n_out // (SIMDS // split * rps))
     kernel, extra = (HALF_MATVEC_KERNEL, []) if norm is None else (norm_kernel(float(norm[1])), [norm[0]])
     (y,) = build(kernel, current_backend())(
         inputs=[x, w, *extra],
-        template=[("OUT", n_out), ("IN", n_in), ("TOKENS", tokens), ("SPLIT", split), ("SIMDS", SIMDS)],
+        template=[("OUT", n_out), ("IN", n_in), ("TOKENS", tokens), ("SPLIT", split), ("RPS", rps), ("SIMDS", SIMDS)],
         grid=(groups * SIMDS * SIMD_WIDTH, 1, 1),
         threadgroup=(SIMDS * SIMD_WIDTH, 1, 1),
         output_shapes=[(tokens, n_out)],
