@@ -9,7 +9,8 @@ Here the text MLX would build (`kernel_text`: MLX's layout, with the standard CU
 utils.cuh, which these kernels never use) is compiled by the NVRTC library MLX itself loaded, through ctypes, to a
 cubin for the device's architecture with MLX's options; the cubin is stored under the cache directory, keyed by a
 hash of text, options and NVRTC version, and launched with `mx.fast.precompiled_cuda_kernel`. A later process reads
-it back instead of compiling.
+it back instead of compiling. The launch hands MLX a ~55-byte handle rather than the cubin, which MLX would hash
+at every launch: the cubin waits for MLX as a module file under that handle's name (`Modules`).
 
 `CachedKernel` takes the place of the callable `mx.fast.cuda_kernel` returns, with the same keywords. Where NVRTC
 can't be found or fails, or the cache can't be written, it launches through `mx.fast.cuda_kernel` as before, after
