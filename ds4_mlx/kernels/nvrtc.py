@@ -315,7 +315,7 @@ class Modules:
     MLX 0.32.4 hashes a precompiled kernel's whole source at every launch to name its module (10-220 KB of cubin:
     ~1.5-30 us of host time a launch, a decode step launches ~850), but builds a module from the source only when
     no file of that name is in its module directory, which it reads for custom kernels too. So each cubin is written
-    there (with the `.txt` line naming its kernel) under the name its handle hashes to, and the handle, ~50 bytes,
+    there (with the `.txt` line naming its kernel) under the name its handle hashes to, and the handle, 55 bytes,
     is what MLX hashes per launch. `check_route` launches a probe this way first; where MLX does not find the file
     (another naming, a directory set before this process chose its own) the launch fails there and the route keeps
     passing whole cubins."""
@@ -353,9 +353,8 @@ def check_route(chosen: Route) -> None:
     cubin, lowered = chosen.binary(text, function)
     x = mx.arange(32, dtype=mx.float32)
     y = mx.fast.precompiled_cuda_kernel(name=lowered, compiled_source=chosen.source(cubin, lowered), inputs=[x],
-                                        output_shapes=[(32,)],
-                                        output_dtypes=[mx.float32], scalars=[], grid=(32, 1, 1),
-                                        threadgroup=(32, 1, 1))[0]
+                                        output_shapes=[(32,)], output_dtypes=[mx.float32], scalars=[],
+                                        grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
     if not mx.array_equal(y, x * 2 + 1).item():
         raise RuntimeError("the probe kernel launched from its cubin gave wrong numbers")
 
