@@ -37,9 +37,10 @@ GROUPS = 8
 
 
 def gpu_us(launch, plan, kernel: str = "affine_matvec") -> tuple[float, mx.array]:
-    """Median GPU µs of one launch over CALLS launches in one evaluation (after one untimed), and the first
-    launch's output. Each launch's x waits for the previous output (x + 0 * y[0]): independent launches would run
-    side by side in MLX's CUDA graph and stretch each other's times, which a decode step's chain does not."""
+    """Median GPU µs of one launch (the kernels whose names hold `kernel`) over CALLS launches in one evaluation
+    (after one untimed), and the first launch's output. Each launch's x waits for the previous output (x + 0 *
+    y[0]): independent launches would run side by side in MLX's CUDA graph and stretch each other's times, which
+    a decode step's chain does not."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
