@@ -21,7 +21,7 @@ from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
 from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, KERNEL, LDH, THREADS, TK, TM, TN, f16_affine_matmul,
                                        half_matmul)
 from ds4_mlx.kernels.dialect import CUDA, METAL
-from ds4_mlx.kernels.halfsplit import row_scales
+from ds4_mlx.kernels.halfsplit import reference_row_scales
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import GGMLType
@@ -73,7 +73,7 @@ def test_one_half_of_x_would_not_do():
     float32 bound; hi + lo stays well inside it (computed here in float64, as the tensor cores' exact products)."""
     x, blocks, want = case(GGMLType.Q8_0, (24, 4096), 20, seed=4)
     w = np.array(dequantize(blocks, GGMLType.Q8_0, (24, 4096))).astype(np.float64)
-    scale = np.array(row_scales(x))[:, None].astype(np.float64)
+    scale = np.array(reference_row_scales(x))[:, None].astype(np.float64)
     xs = np.array(x).astype(np.float64) * scale
     hi = xs.astype(np.float16).astype(np.float64)
     lo = (xs - hi).astype(np.float16).astype(np.float64)

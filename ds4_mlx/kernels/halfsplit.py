@@ -2,11 +2,11 @@
 
 Their W values are exact halves (raw q2 magnitudes and quants, centred affine quants; the scales are applied at
 each slice's drain), so only x needs more than a half's 11 significant bits. Each row of x is scaled by a power of
-two that puts its largest magnitude in [2^14, 2^15) (`row_scales`, one pass over x, a kernel on GPUs: exact, and
-undone exactly when the kernel stores the row), then split: hi = half(x), lo = half(x - hi) (`ds4_half2_split`,
-CUDA prelude), once before the GEMM (`split_rows`: one pass writing both halves, so that the GEMMs' staging of x is
-a copy of words; measured on the H200: 7.17 → 6.54 ms per IQ2_XXS projection, 4.01 → 3.63 for q_b). hi + lo carries ~22 bits of x; lo stays a normal half down to 2^-17 of the
-row's largest value, and below that its absolute error is at most 2^-39 of it. Each product then takes two
+two that puts its largest magnitude in [2^14, 2^15) (`reference_row_scales`: exact, and undone exactly when the
+kernel stores the row), then split: hi = half(x), lo = half(x - hi) (`ds4_half2_split`, CUDA prelude), once before
+the GEMM (`split_rows`: one pass finding the scale and writing both halves, a kernel on CUDA, so that the GEMMs'
+staging of x is a copy of words; measured on the H200: 7.17 → 6.54 ms per IQ2_XXS projection, 4.01 → 3.63 for
+q_b). hi + lo carries ~22 bits of x; lo stays a normal half down to 2^-17 of the row's largest value, and below that its absolute error is at most 2^-39 of it. Each product then takes two
 mma.m16n8k16 (lo w, then hi w into the same partial sums), whose products are exact in the float32 sums: ~2^-22
 relative is dropped per product, the class of 3xTF32 (2^-21), with two mma of 16-deep products where 3xTF32 takes
 three of 8-deep ones.
@@ -54,7 +54,7 @@ def reference_row_scales(x: mx.array) -> mx.array:
     return mx.left_shift((k + 127).astype(mx.uint32), 23).view(mx.float32)
 
 
-_ROW_MAX = """
+_SPLIT = """
 const int tid = THREAD_IN_GROUP;
 const int row = GROUP_X;
 const int n_in = dims[0];
@@ -70,53 +70,6 @@ if (SIMD_LANE == 0) {
   part[SIMD_INDEX] = m;
 }
 ds4_barrier();
-"""
-"""Both kernels' start, one threadgroup per row: each thread the largest magnitude of its strided values, then each
-SIMD group's in `part` (a maximum is exact in any order)."""
-
-_SOURCE = _ROW_MAX.rstrip("\n") + """
-if (tid == 0) {
-  for (int w = 1; w < THREADS / 32; ++w) {
-    m = part[w] > m ? part[w] : m;
-  }
-  int k = X_TOP - ((int)(ds4_bits(m) >> 23) - 127);
-  k = k < -126 ? -126 : (k > 127 ? 127 : k);
-  scale[row] = ds4_float((unsigned int)(k + 127) << 23);
-}
-"""
-"""Then the group's maximum and the scale from its exponent bits, as the reference builds it. A NaN is dropped by the
-comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays a
-NaN through the products anyway."""
-
-KERNEL = Kernel("ds4_row_scales", ("x", "dims"), ("scale",), _SOURCE)
-
-
-def _kernel_row_scales(x: mx.array) -> mx.array:
-    n, n_in = x.shape
-    (scale,) = build(KERNEL, current_backend())(
-        inputs=[x, mx.array([n_in], dtype=mx.int32)], template=[("THREADS", THREADS), ("X_TOP", X_TOP)],
-        grid=(n * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.float32])
-    return scale
-
-
-def _probe(key: int) -> tuple:
-    """Rows of very different sizes, a zero row and an infinity, at the real width."""
-    x = random_activations((8, key), seed=61) * mx.array([1e-30, 1e-3, 1.0, 1.0, 7e4, 1e30, 0.0, 1.0])[:, None]
-    return (mx.concatenate([x[:7], mx.where(mx.arange(key) == 3, mx.inf, x[7:])]),)
-
-
-ROW_SCALES = FastPath("row_scales", reference_row_scales, _kernel_row_scales, _probe, tolerance=0.0,
-                      backends=("cuda", "metal"))
-"""One pass over x instead of the reference's three (abs written out, then a row maximum: ~8 ms of a 4-layer
-4096-token chunk's GPU time on the H200); bit for bit equal (tolerance 0); key: the row length."""
-
-
-def row_scales(x: mx.array) -> mx.array:
-    """`reference_row_scales` of x (N, IN) float32, by the one-pass kernel where its check passed."""
-    return ROW_SCALES(x, key=x.shape[-1])
-
-
-_SPLIT = _ROW_MAX.rstrip("\n") + """
 for (int w = 0; w < THREADS / 32; ++w) {
   m = part[w] > m ? part[w] : m;
 }
@@ -130,10 +83,19 @@ for (int p = tid; p < n_in / 2; p += THREADS) {
   ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[(size_t)row * (n_in / 2) + p], lo[(size_t)row * (n_in / 2) + p]);
 }
 """
-"""One threadgroup per row: the row scale as the row-scale kernel finds it (every thread takes the group's maximum),
-then each pair of the scaled row split into its hi and lo half pairs."""
+"""One threadgroup per row: each thread the largest magnitude of its strided values, then the SIMD groups' and the
+row's (a maximum is exact in any order; every thread takes it), the scale from its exponent bits as the reference
+builds it, then each pair of the scaled row split into its hi and lo half pairs. A NaN is dropped by the
+comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays
+a NaN through the products anyway."""
 
 SPLIT_KERNEL = Kernel("ds4_split_rows", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT)
+
+
+def _probe(key: int) -> tuple:
+    """Rows of very different sizes, a zero row and an infinity, at the real width."""
+    x = random_activations((8, key), seed=61) * mx.array([1e-30, 1e-3, 1.0, 1.0, 7e4, 1e30, 0.0, 1.0])[:, None]
+    return (mx.concatenate([x[:7], mx.where(mx.arange(key) == 3, mx.inf, x[7:])]),)
 
 
 @mx.compile
