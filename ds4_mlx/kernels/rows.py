@@ -149,12 +149,12 @@ def fits(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant:
             and (norm is None or norm[0] is None or (norm[0].dtype == mx.float32 and norm[0].shape == (width,))))
 
 
-def _launch(kernel: Kernel, args: tuple, rows: int, heads: int, shape: tuple[int, ...], *extra: mx.array
-            ) -> mx.array:
+def _launch(kernel: Kernel, args: tuple, rows: int, heads: int, shape: tuple[int, ...], *extra: mx.array,
+            constants: tuple[tuple[str, int], ...] = ()) -> mx.array:
     """One threadgroup per output row of `shape` (float32), each of one thread per value, finishing FinishRows's
-    arguments `args` (x, positions, rope, norm, quant, round_half); `extra` inputs follow the five common ones.
-    Only the window kernel, whose row count is its window's, takes the rows as a constant: a chunk's count is the
-    grid's alone, so that chunks of every length share one compiled kernel."""
+    arguments `args` (x, positions, rope, norm, quant, round_half); `extra` inputs follow the five common ones and
+    `constants` the common template. The row count is the grid's alone, no constant, so that chunks of every length
+    share one compiled kernel."""
     x, positions, rope, norm, quant, round_half = args
     width = x.shape[-1]
     eps = mx.array([0.0 if norm is None else norm[1]], dtype=mx.float32)
@@ -162,8 +162,8 @@ def _launch(kernel: Kernel, args: tuple, rows: int, heads: int, shape: tuple[int
     (y,) = build(kernel, current_backend())(
         inputs=[x, weight, rope.inv_freq, positions.astype(mx.int32), eps, *extra],
         template=[("W", width), ("NROT", rope.n_rot), ("HEADS", heads),
-                  ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half))]
-        + ([("ROWS", rows)] if kernel is WINDOW_KERNEL else []),
+                  ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half)),
+                  *constants],
         grid=(rows * width, 1, 1), threadgroup=(width, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32],
     )
@@ -232,7 +232,7 @@ class FinishIntoWindow:
     def _kernel(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant: RowQuant,
                 round_half: bool, window: mx.array) -> mx.array:
         return _launch(WINDOW_KERNEL, (x, positions, rope, norm, quant, round_half), window.shape[0], 1,
-                       window.shape, window)
+                       window.shape, window, constants=(("ROWS", window.shape[0]),))  # the window's rows
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
