@@ -47,7 +47,7 @@ MAX_TOKENS = 8
 """Most rows of x the kernel takes (decode: one; a few for short chunks); more go through a GEMM."""
 SIMDS = 8
 MAX_STEPS = 16
-"""Most 16-byte loads one lane holds for its part of a row (registers)."""
+"""Most 16-byte loads one lane holds for its part of its rows (registers)."""
 TARGET_SIMDS = 2048
 """Rows are split until about this many SIMD groups run (~16 per SM on an H200), at most SIMDS per row."""
 ROWS_PER_SIMD = (4, 2, 1)
@@ -186,7 +186,7 @@ HALF_MATVEC_KERNEL = Kernel(*_NAMES, variant(_MATVEC, False))
 
 @cache
 def norm_kernel(eps: float) -> Kernel:
-    """The kernel with the input norm folded in: W's values times norm_w, each output times the row's 1 / rms."""
+    """The kernel with the input norm folded in: the activations times norm_w, each output times the row's 1 / rms."""
     return normed_kernel(*_NAMES, _MATVEC, eps)
 
 
