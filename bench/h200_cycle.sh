@@ -4,11 +4,15 @@
 # Steps (run in the order given, each under a timeout so that the output comes back within a call's 10 minutes):
 #   tests[:A,B]    every gpu-marked test (each kernel used on the device and equal to its reference); with names,
 #                  only tests/test_kernels_A.py (or tests/test_A.py where that is none), ...
-#   profile        per-kernel CUPTI times of the compiled decode step, first 4 layers (bench/gpu_profile.py)
+#   profile[:N[:AT]] per-kernel CUPTI times of the compiled decode step, first N layers (default 4; at 4 or fewer
+#                  every kernel in the order it ran) after AT tokens (default 40), and the step fed ahead: host call,
+#                  submit, wait, and the same through the session (bench/gpu_profile.py)
 #   prefill        the same for one 4096-token prefill chunk (the session's chunk on CUDA)
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
-#   plans          the decode matvec kernel at Flash's shapes under every launch plan (bench/matvec_plans.py)
+#   plans[:FLAGS]  the decode matvec kernel at Flash's shapes under every launch plan (bench/matvec_plans.py);
+#                  FLAGS its options without dashes, comma-separated (cold,chosen or cold-gb=16,chosen): cold, each
+#                  call reads its weights from memory, not the L2, as in a decode step
 #   experts        the decode expert kernels under other threadgroup counts (bench/expert_plans.py)
 #   kinds[:N]      decode t/s over N layers (default 12) with the step's kinds (rows written only when a window
 #                  ends) against one step that always writes, in one process (bench/step_kinds.py)
@@ -70,9 +74,12 @@ for step in "$@"; do
       done
       grep -E "^(FAILED|ERROR)| passed| failed|Timeout" "$out/gpu_tests.txt" | cut -c1-220 | tail -30
       echo "$(grep -c PASSED "$out/gpu_tests.txt") passed; last: $(grep "::" "$out/gpu_tests.txt" | tail -1 | cut -c1-150)" ;;
-    profile)
-      timeout "$(left 120)" python3 bench/gpu_profile.py --layers 4 --ctx 2080 --top 40 > "$out/profile.txt" 2>&1
-      grep -v "warnings.warn\|_warn_once\|UserWarning" "$out/profile.txt" | cut -c1-170 | head -50 ;;
+    profile*)
+      IFS=: read -r _ layers at <<< "$step:"; layers=${layers:-4}; at=${at:-40}
+      lines=""; [ "$layers" -le 4 ] && lines=--timeline
+      timeout "$(left 60)" python3 bench/gpu_profile.py --layers "$layers" --at "$at" --ctx $(( at + 128 )) --top 40 $lines \
+        > "$out/profile$layers.txt" 2>&1
+      grep -v "warnings.warn\|_warn_once\|UserWarning" "$out/profile$layers.txt" | cut -c1-120 | head -150 ;;
     prefill)
       timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill 4096 --ctx 16400 --top 30 \
         > "$out/prefill.txt" 2>&1
@@ -84,8 +91,9 @@ for step in "$@"; do
       echo "rc $?"
       grep -iv "warnings.warn\|it/s\]" "$out/bench$layers.err" | cut -c1-250 | tail -25
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:3000])" "$out/bench$layers.json" 2>&1 | tail -3 ;;
-    plans)
-      timeout "$(left 10)" python3 bench/matvec_plans.py > "$out/plans.txt" 2>&1
+    plans*)
+      flags=""; [ "$step" != plans ] && flags=$(echo "${step#plans:}" | tr ',' '\n' | sed 's/^/--/; s/=/ /' | tr '\n' ' ')
+      timeout "$(left 10)" python3 bench/matvec_plans.py $flags > "$out/plans.txt" 2>&1
       grep "best\|launch_plan\|DIFFERS\|Error" "$out/plans.txt" | tail -30 ;;
     experts)
       timeout "$(left 10)" python3 bench/expert_plans.py 2>&1 | grep -v "warn" | tail -12 ;;

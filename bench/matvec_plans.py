@@ -2,6 +2,7 @@
 
     python bench/matvec_plans.py            # on the GPU machine (torch for CUPTI); ~1 min
     python bench/matvec_plans.py --json
+    python bench/matvec_plans.py --cold --chosen   # weights read from memory (as in a decode step), chosen plans
 
 Why: a decode token is ~12 ms of GPU work on the H200, and its 8-bit matvecs take 15-18 µs a call where the
 weights alone would take 2-7 µs at the GPU's bandwidth (bench/RESULTS.md, session 6 trace). `launch_plan` picks
@@ -21,7 +22,7 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels.affine import to_affine
+from ds4_mlx.kernels.affine import AffineWeight, to_affine
 from ds4_mlx.kernels.affine_matvec import TOLERANCE, SwigluMatvec, _kernel, launch_plan
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
@@ -34,6 +35,7 @@ session 9 profile): normed, plain, over the output projection's bank of 8 groups
 PLANS = [(rows, simds) for rows in (1, 2, 4, 8) for simds in (1, 2, 4, 8)]
 CALLS = 32
 GROUPS = 8
+COLD_GB = 0.25
 
 
 def gpu_us(launch, plan, kernel: str = "affine_matvec") -> tuple[float, mx.array]:
@@ -60,39 +62,49 @@ def gpu_us(launch, plan, kernel: str = "affine_matvec") -> tuple[float, mx.array
     return float(np.median(longest)), out
 
 
-def launcher(n_in: int, n_out: int, form: str):
+def launcher(n_in: int, n_out: int, form: str, cold_gb: float = 0.0):
     """launch(i, plan, after): the i-th call's output (x scaled by i, so that no two calls are one graph node;
-    after `after` where given), and the bytes of weights a call reads."""
+    after `after` where given), and the bytes of weights a call reads. Cold: the calls take turns over copies of
+    the weights that together pass `cold_gb` GB, so each reads its matrix from memory, as a decode step does (the
+    H200's 50 MB L2 otherwise holds every Flash matrix but the LM head between calls)."""
     matrices = GROUPS if form == "bank" else 1
     weight = to_affine(random_blocks(GGMLType.Q8_0, matrices * n_out, n_in, seed=1), GGMLType.Q8_0,
                        (matrices, n_out, n_in) if form == "bank" else (n_out, n_in))
+    nbytes = weight.wq.nbytes + weight.scales.nbytes + weight.biases.nbytes
+    copies = [weight] + [AffineWeight(weight.wq + 0, weight.scales + 0, weight.biases + 0, weight.bits)
+                         for _ in range(max(0, -(-int(cold_gb * 2**30) // nbytes) - 1))]
     x = random_activations((matrices, 2 * n_in if form == "swiglu" else n_in), seed=2)
     norm = (1 + 0.1 * random_activations((n_in,), seed=3), 1e-6) if form == "norm" else None
     ids = mx.arange(GROUPS, dtype=mx.uint32) if form == "bank" else None
-    mx.eval(weight.wq, weight.scales, weight.biases, x)
+    mx.eval([(w.wq, w.scales, w.biases) for w in copies], x)
     swiglu = SwigluMatvec(lambda g, u, c: mx.sigmoid(g) * g * u)
 
     def launch(i: int, plan: tuple[int, int], after: mx.array | None = None) -> mx.array:
         xi = x * (1 + i / CALLS) + (0 if after is None else 0 * after)
+        w = copies[i % len(copies)]
         if form == "swiglu":
-            return swiglu._kernel(xi, weight, 10.0, plan)
-        return _kernel(xi, weight, ids, plan, norm)
+            return swiglu._kernel(xi, w, 10.0, plan)
+        return _kernel(xi, w, ids, plan, norm)
 
-    return launch, weight.wq.nbytes + weight.scales.nbytes + weight.biases.nbytes
+    return launch, nbytes
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
+    p.add_argument("--cold", action="store_const", const=COLD_GB, default=0.0, dest="cold_gb",
+                   help=f"each call reads its weights from memory, not the L2 (copies over {COLD_GB} GB)")
+    p.add_argument("--cold-gb", type=float, dest="cold_gb", help="the same with copies over this many GB")
+    p.add_argument("--chosen", action="store_true", help="only the plan launch_plan chooses, at each shape")
     args = p.parse_args()
     if not mx.cuda.is_available():
         raise SystemExit("matvec_plans times the CUDA kernel: run it on the GPU machine")
     mx.set_default_device(mx.gpu)
     for name, n_in, n_out, form in SHAPES:
-        launch, nbytes = launcher(n_in, n_out, form)
+        launch, nbytes = launcher(n_in, n_out, form, args.cold_gb)
         chosen = launch_plan(n_out, n_in, 8, 1)
         first, best = None, None
-        for plan in PLANS:
+        for plan in [chosen] if args.chosen else PLANS:
             us, out = gpu_us(launch, plan)
             first = out if first is None else first
             error = float(mx.max(mx.abs(out - first)) / mx.max(mx.abs(first)))
