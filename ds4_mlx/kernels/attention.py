@@ -13,8 +13,8 @@ chunk_attention.py).
   joined key array, no gathered rows) with its mask computed from the position; the output is rotated back by
   the negated angle as it is written. The angles are position * inv_freq in float32, as the reference's, with
   cos and sin taken in the kernel (ds4_cos, ds4_sin). One threadgroup per head; each SIMD group runs an online
-  softmax over every eighth key, with D / 32 dims per lane, and the groups' partial sums are merged with the sink
-  at the end.
+  softmax over every eighth key, KEYS keys a step, with D / 32 dims per lane, and the groups' partial sums are
+  merged with the sink at the end.
 
 Their references are the model's plain formulas (model/rope.py, model/attention.py), handed in by the model; the
 kernels equal them to float32 rounding (TOLERANCE): the same products, summed in another order.
@@ -101,20 +101,54 @@ first = first > 0 ? first : 0;
 EXTRA_KEYS
 float m = -3.0e38f;  // below every score: exp(m - top) is 0
 float l = 0.0f;
-for (int n = first + group; n < WINDOW + extra; n += GROUPS) {
+// KEYS keys a step (every GROUPS-th from this SIMD group's first): their rows' loads are all issued before the
+// first dot product needs one, then one online-softmax update takes the step's scores together
+for (int n0 = first + group; n0 < WINDOW + extra; n0 += KEYS * GROUPS) {
+  float kv[KEYS][PER_LANE];
+  bool use[KEYS];
+  for (int b = 0; b < KEYS; ++b) {
+    const int n = n0 + b * GROUPS;
+    use[b] = n < WINDOW + extra;
+    const GLOBAL_MEM float* row = window;  // a key not used reads row 0 of the window and weighs 0
+    if (use[b]) {
 KEY_ROW
-  const GLOBAL_MEM float* k = row + lane * PER_LANE;
-  float dot = 0.0f;
-  for (int j = 0; j < PER_LANE; ++j) {
-    dot += qv[j] * k[j];
+    }
+    const GLOBAL_MEM float* k = row + lane * PER_LANE;
+    if (PER_LANE % 4 == 0) {  // 16-byte loads where a lane's dims allow them
+      for (int j = 0; j < PER_LANE / 4; ++j) {
+        const float4 v = reinterpret_cast<const GLOBAL_MEM float4*>(k)[j];
+        kv[b][4 * j] = v.x;
+        kv[b][4 * j + 1] = v.y;
+        kv[b][4 * j + 2] = v.z;
+        kv[b][4 * j + 3] = v.w;
+      }
+    } else {
+      for (int j = 0; j < PER_LANE; ++j) {
+        kv[b][j] = k[j];
+      }
+    }
   }
-  const float score = ds4_simd_sum(dot) * scale;
-  const float top = score > m ? score : m;
+  float score[KEYS];
+  float top = m;
+  for (int b = 0; b < KEYS; ++b) {
+    float dot = 0.0f;
+    for (int j = 0; j < PER_LANE; ++j) {
+      dot += qv[j] * kv[b][j];
+    }
+    score[b] = ds4_simd_sum(dot) * scale;
+    top = use[b] && score[b] > top ? score[b] : top;
+  }
   const float alpha = ds4_exp(m - top);
-  const float p = ds4_exp(score - top);
-  l = l * alpha + p;
+  l = l * alpha;
   for (int j = 0; j < PER_LANE; ++j) {
-    acc[j] = acc[j] * alpha + p * k[j];
+    acc[j] = acc[j] * alpha;
+  }
+  for (int b = 0; b < KEYS; ++b) {
+    const float p = use[b] ? ds4_exp(score[b] - top) : 0.0f;
+    l += p;
+    for (int j = 0; j < PER_LANE; ++j) {
+      acc[j] += p * kv[b][j];
+    }
   }
   m = top;
 }
@@ -164,23 +198,28 @@ ROPE_KERNEL = Kernel("ds4_rope", ("x", "cos_t", "sin_t", "count"), ("y",), _ROPE
 """The row count is an input, not a template constant: chunks of every length share one compiled kernel."""
 THREADS = 256
 GROUPS = 8
+KEYS = 4
+"""Keys a SIMD group takes a step: their row loads in flight together. One at a time, a key's load, SIMD sum and
+exponentials were a serial round trip each: 17-27 µs a call on the H200 for 64 heads over 128-640 keys."""
 
 KEY_SETS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "window": ((), "const int extra = 0;", """
-  const GLOBAL_MEM float* row = window + (size_t)n * D;"""),
+      row = window + (size_t)n * D;"""),
     "rows": (("rows",), """
 int extra = (pos + 1) / RATIO;  // compressed rows c < (pos + 1) / ratio are visible
 extra = extra < ROWS ? extra : ROWS;""", """
-  const GLOBAL_MEM float* row = n < WINDOW ? window + (size_t)n * D : rows + (size_t)(n - WINDOW) * D;"""),
+      row = n < WINDOW ? window + (size_t)n * D : rows + (size_t)(n - WINDOW) * D;"""),
     "picked": (("rows", "picked", "valid"), "const int extra = PICKS;", """
-  if (n >= WINDOW && !valid[n - WINDOW]) {
-    continue;
-  }
-  const GLOBAL_MEM float* row = n < WINDOW ? window + (size_t)n * D : rows + (size_t)picked[n - WINDOW] * D;"""),
+      if (n >= WINDOW) {
+        use[b] = valid[n - WINDOW];
+        row = use[b] ? rows + (size_t)picked[n - WINDOW] * D : window;
+      } else {
+        row = window + (size_t)n * D;
+      }"""),
 }
 """Per kind of key set after the window: the inputs it reads, how many keys it adds (`extra`) and where key n's
 row is (`row`). "window": none; "rows": the visible compressed rows, a prefix of the buffer;
-"picked": the indexer's rows, by index into the buffer, skipping those that are not real."""
+"picked": the indexer's rows, by index into the buffer, leaving out (`use[b]`) those that are not real."""
 
 ATTEND_KERNELS = {
     kind: Kernel(f"ds4_decode_attention_{kind}", ("q", "position", "inv_freq", "window", *inputs, "sinks", "params"),
@@ -270,7 +309,7 @@ class DecodeAttention:
         if d % (2 * SIMD_WIDTH) or not 0 < n_rot <= d:
             raise ValueError(f"decode attention needs a head width that is a multiple of 64 and 0 < n_rot <= it, "
                              f"got {d} and {n_rot}")
-        template = [("D", d), ("WINDOW", w), ("NROT", n_rot), ("GROUPS", GROUPS)]
+        template = [("D", d), ("WINDOW", w), ("NROT", n_rot), ("GROUPS", GROUPS), ("KEYS", KEYS)]
         if rows is None:
             kind, extra = "window", []
         elif picked is None:
