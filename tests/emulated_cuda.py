@@ -74,6 +74,18 @@ inline float ds4_simd_max(float v) {
   return v;
 }
 inline void ds4_atomic_add(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v); }
+inline bool ds4_last_group(const unsigned int* counter, unsigned int groups, unsigned int* flag, unsigned int tid) {
+  ds4_barrier();
+  if (tid == 0) {
+    std::atomic_ref<unsigned int> count(*const_cast<unsigned int*>(counter));
+    const unsigned int done = count.fetch_add(1u) + 1u;
+    flag[0] = done == groups ? 1u : 0u;
+    if (done == groups) count.store(0u);
+  }
+  ds4_barrier();
+  return flag[0] != 0u;
+}
+inline float ds4_load_fresh(const float* p) { return *p; }
 inline unsigned int ds4_popcount(unsigned int v) { return __builtin_popcount(v); }
 inline float ds4_exp(float v) { return std::exp(v); }
 inline float ds4_log1p(float v) { return std::log1p(v); }

@@ -26,6 +26,12 @@ share, plus a few neutral words that each dialect spells its own way:
   int-to-float conversion, which runs at a quarter of the FMA rate on NVIDIA GPUs). Also ds4_cos(float) and
   ds4_sin(float) (full precision, with full range reduction) and ds4_round_half(float) (to the nearest float16
   value, ties to even, back as a float).
+- ds4_last_group(counter, groups, SHARED_MEM flag, THREAD_IN_GROUP) (every thread of every threadgroup calls it
+  once, after its writes: true in the one threadgroup that arrives last, which then sees the others' writes
+  through ds4_load_fresh(GLOBAL_MEM float*); `counter`, a uint32 input that is zero between launches, is counted
+  up and put back to zero; each call site owns its counter, since launches that share one must not overlap).
+  Written for Metal too, but run only on CUDA: the fast paths that use it are CUDA-only, and Metal keeps two
+  launches where CUDA makes one.
 - CUDA only (tensor cores; kernels that call them are CUDA-only fast paths, Metal keeps a SIMT kernel):
   ds4_tf32_split(float v, unsigned int& hi, unsigned int& lo) (hi = v rounded to TF32, 10 mantissa bits, nearest
   with ties away from zero as cvt.rna rounds; lo = v - hi rounded the same way: hi + lo carries ~21 bits of v) and
@@ -188,6 +194,26 @@ __device__ __forceinline__ float ds4_half_to_float(unsigned short bits) {
 __device__ __forceinline__ float ds4_round_half(float v) { return __half2float(__float2half_rn(v)); }
 __device__ __forceinline__ int ds4_simd_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ void ds4_atomic_add(int* p, int v) { atomicAdd(p, v); }
+__device__ __forceinline__ bool ds4_last_group(const unsigned int* counter, unsigned int groups, unsigned int* flag,
+                                               unsigned int tid) {
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    unsigned int* count = const_cast<unsigned int*>(counter);
+    const unsigned int done = atomicAdd(count, 1u) + 1u;
+    flag[0] = done == groups ? 1u : 0u;
+    if (done == groups) {
+      atomicExch(count, 0u);
+    }
+  }
+  __syncthreads();
+  const bool last = flag[0] != 0u;
+  if (last) {
+    __threadfence();
+  }
+  return last;
+}
+__device__ __forceinline__ float ds4_load_fresh(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int selector) {
   unsigned int r;  // prmt itself: __byte_perm would first mask the selector to 3-bit nibbles
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(selector));
@@ -269,6 +295,23 @@ inline int ds4_simd_xor(int v, int mask) { return metal::simd_shuffle_xor(v, (us
 inline void ds4_atomic_add(threadgroup int* p, int v) {
   metal::atomic_fetch_add_explicit((threadgroup metal::atomic_int*)p, v, metal::memory_order_relaxed);
 }
+inline bool ds4_last_group(const device unsigned int* counter, unsigned int groups, threadgroup unsigned int* flag,
+                           unsigned int tid) {
+  metal::atomic_thread_fence(metal::mem_flags::mem_device, metal::memory_order_seq_cst, metal::thread_scope_device);
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    device metal::atomic_uint* count = (device metal::atomic_uint*)counter;
+    const unsigned int done = metal::atomic_fetch_add_explicit(count, 1u, metal::memory_order_relaxed) + 1u;
+    flag[0] = done == groups ? 1u : 0u;
+    if (done == groups) {
+      metal::atomic_store_explicit(count, 0u, metal::memory_order_relaxed);
+    }
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  metal::atomic_thread_fence(metal::mem_flags::mem_device, metal::memory_order_seq_cst, metal::thread_scope_device);
+  return flag[0] != 0u;
+}
+inline float ds4_load_fresh(const device float* p) { return *p; }
 inline unsigned int ds4_byte_perm(unsigned int lo, unsigned int hi, unsigned int selector) {
   unsigned int r = 0u;
   for (int n = 0; n < 4; ++n) {
