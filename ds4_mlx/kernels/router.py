@@ -22,24 +22,32 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Hashable
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
 
 from .dialect import SIMD_WIDTH, Kernel, build
+from .fused_norm import Norm
+from .fused_norm import fits as fits_norm
+from .half import SIMDS as HALF_SIMDS
+from .half import TOLERANCE as HALF_TOLERANCE
+from .half import half_matvec, split_plan
+from .half import reference as half_reference
+from .half import norm_kernel as half_norm_kernel
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
 TOLERANCE = 1e-6
 
-_ROUTE = """
-const int t = GROUP_X;
-const int e = THREAD_IN_GROUP;
+_ROUTE_SHARED = """
 SHARED float score[E];
 SHARED float prob[E];
 SHARED int by_rank[K];
 SHARED int picked[K];
-const float l = logits[(size_t)t * E + e];
+"""
+
+_ROUTE_CORE = """
 const float soft = l > 20.0f ? l : ds4_log1p(ds4_exp(l < 20.0f ? l : 20.0f));
 const float p = sqrt(soft);
 prob[e] = p;
@@ -75,7 +83,8 @@ if (e < K) {
   weights[(size_t)t * K + e] = prob[picked[e]] / total * SCALE;
 }
 """
-"""Its rank loop over the E experts is unrolled 8 ways, not E: fully unrolled, the 256-expert kernel was a 95 KB
+"""The selection of token t from its logit `l` of expert e (thread e), the threadgroup memory above declared.
+Its rank loop over the E experts is unrolled 8 ways, not E: fully unrolled, the 256-expert kernel was a 95 KB
 cubin, and MLX hashed a kernel's whole binary at every launch (nvrtc.py). The ranks are distinct, so the K picks
 land in K slots by rank; K threads put them in ascending order (each counts the smaller picks) and each writes one
 (id, weight), the weights' sum taken in ascending id order by each: a single thread scanning all E flags took ~16
@@ -89,9 +98,103 @@ def _constants(floor: float, scale: float) -> tuple[str, str]:
     return f"CONSTANT float FLOOR = {floor!r}f;\nCONSTANT float SCALE = {scale!r}f;\n", bits
 
 
+_ROUTE = _ROUTE_SHARED + """
+const int t = GROUP_X;
+const int e = THREAD_IN_GROUP;
+const float l = logits[(size_t)t * E + e];
+""" + _ROUTE_CORE
+
+
 def route_kernel(floor: float, scale: float) -> Kernel:
     header, bits = _constants(floor, scale)
     return Kernel(f"ds4_route_{bits}", ("logits", "bias"), ("ids", "weights"), _ROUTE, header)
+
+
+GATED_TOLERANCE = HALF_TOLERANCE
+"""The weights from the kernel's own logits: the half matvec's summation order (its TOLERANCE, relative to the
+largest logit) carried through sqrt(softplus) and the normalisation, whose slopes are below 1 at the scale of the
+weights; the ids must still be the reference's (the probe's 6th and 7th scores lie far apart, as real ones do)."""
+
+_ROUTE_BY_LAST = _ROUTE_SHARED + """
+SHARED unsigned int last_flag[1];
+if (ds4_last_group(counter, OUT / GROUP_ROWS, last_flag, THREAD_IN_GROUP)) {
+  const int t = 0;
+  const int e = THREAD_IN_GROUP;
+  const float l = ds4_load_fresh(y + e);
+""" + _ROUTE_CORE + """
+}
+"""
+"""The route of one token by the half matvec's last threadgroup (ds4_last_group): its E = SIMDS x 32 threads
+read the logits every threadgroup wrote."""
+
+
+@cache
+def gated_route_kernel(floor: float, scale: float, eps: float) -> Kernel:
+    """The router's matvec with its input norm folded in (kernels/half.py's normed kernel) and the route after it,
+    in one launch: half's text, then the selection by its last threadgroup."""
+    gate = half_norm_kernel(eps)
+    header, bits = _constants(floor, scale)
+    return Kernel(f"ds4_gated_route_{bits}_{gate.name}", (*gate.inputs, "bias", "counter"), ("y", "ids", "weights"),
+                  gate.source + _ROUTE_BY_LAST, gate.header + header)
+
+
+class GatedRoute:
+    """The learned router of one decode token in one launch on CUDA: its matvec (the float16 gate, the input norm
+    folded in) and the selection (`Route`) done by the matvec's last threadgroup, where each launch is a graph node
+    costing ~15 µs of host time. Metal, other shapes and more tokens take the matvec and `Route` apart."""
+
+    def __init__(self, route: Route):
+        self.route = route
+        self.fast_path = FastPath("gated_route", self._reference, self._kernel, self._probe,
+                                  tolerance=(0.0, GATED_TOLERANCE), backends=("cuda",))
+
+    def __call__(self, x: mx.array, gate: mx.array, norm: Norm, bias: mx.array, counter: mx.array, k: int,
+                 scale: float) -> tuple[mx.array, mx.array]:
+        """x (1, IN) raw, gate (E, IN) float16, norm (weight (IN,), eps), bias (E,), the call site's counter
+        (`new_counter`) -> (ids (1, k), weights (1, k))."""
+        if self.fits(x, gate, norm, bias):
+            key = (*gate.shape, k, scale, float(norm[1]))
+            if self.fast_path.enabled(key):
+                return self.fast_path(x, gate, norm, bias, counter, k, scale, key=key)
+        return self.route(half_matvec(x, gate, norm), bias, k, scale)
+
+    @staticmethod
+    def fits(x: mx.array, gate: mx.array, norm: Norm, bias: mx.array) -> bool:
+        """One float32 token, a gate the half matvec takes one row a threadgroup of E threads (split_plan)."""
+        e, n_in = gate.shape
+        return (x.shape == (1, n_in) and x.dtype == mx.float32 and gate.dtype == mx.float16 and e == HALF_SIMDS * 32
+                and split_plan(e, n_in) == (HALF_SIMDS, 1) and fits_norm(norm, n_in)
+                and bias.shape == (e,) and bias.dtype == mx.float32)
+
+    @staticmethod
+    def new_counter() -> mx.array:
+        """A call site's counter (evaluated, so that a compiled step takes it as a constant input)."""
+        counter = mx.zeros((1,), dtype=mx.uint32)
+        mx.eval(counter)
+        return counter
+
+    def _reference(self, x, gate, norm, bias, counter, k, scale) -> tuple[mx.array, mx.array]:
+        """The formulas: the normed input times the gate in float32, then the route's reference."""
+        return self.route.fast_path.reference(half_reference(x, gate, norm), bias, k, scale)
+
+    def _kernel(self, x, gate, norm, bias, counter, k, scale) -> tuple[mx.array, mx.array]:
+        e, n_in = gate.shape
+        _, ids, weights = build(gated_route_kernel(self.route.floor, scale, float(norm[1])), current_backend())(
+            inputs=[x, gate, norm[0], bias, counter],
+            template=[("OUT", e), ("IN", n_in), ("TOKENS", 1), ("SPLIT", HALF_SIMDS), ("RPS", 1),
+                      ("SIMDS", HALF_SIMDS), ("E", e), ("K", k)],
+            grid=(e * HALF_SIMDS * 32, 1, 1), threadgroup=(HALF_SIMDS * 32, 1, 1),
+            output_shapes=[(1, e), (1, k), (1, k)], output_dtypes=[mx.float32, mx.int32, mx.float32],
+        )
+        return ids, weights
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        e, n_in, k, scale, eps = key
+        x = random_activations((1, n_in), seed=73) * 7.0
+        gate = (random_activations((e, n_in), seed=74) * (4.0 / n_in**0.5)).astype(mx.float16)
+        return (x, gate, (1.0 + 0.5 * random_activations((n_in,), seed=75), eps),
+                random_activations((e,), seed=76) * 0.1, GatedRoute.new_counter(), k, scale)
 
 
 class Route:

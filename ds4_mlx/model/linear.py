@@ -205,6 +205,11 @@ class Linear:
         return dequantize(self._raw, self.ggml_type, self.shape)
 
     @property
+    def half(self) -> mx.array | None:
+        """W as the float16 matrix it is held as, or None where it is held in another form."""
+        return self._half
+
+    @property
     def nbytes(self) -> int:
         """Bytes held in memory: the affine arrays, the float16 or float32 matrix, or the raw blocks."""
         if self._affine is not None:

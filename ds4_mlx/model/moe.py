@@ -16,7 +16,7 @@ from ds4_mlx.kernels.affine_matvec import SwigluMatvec
 from ds4_mlx.kernels.experts import DownSum, GateUpSwiglu
 from ds4_mlx.kernels.fused_norm import Norm, apply
 from ds4_mlx.kernels.grouped import grouped_swiglu
-from ds4_mlx.kernels.router import HashRoute, Route
+from ds4_mlx.kernels.router import GatedRoute, HashRoute, Route
 from ds4_mlx.model.linear import ExpertBank, FusedLinear, Linear
 from ds4_mlx.model.topk import top_k_indices
 
@@ -75,11 +75,17 @@ class Router:
     n_used: int
     scale: float
 
+    counter: mx.array = field(default_factory=GatedRoute.new_counter, repr=False)
+    """GATED_ROUTE's counter (kernels/router.py): each router owns one."""
+
     def __call__(self, x: mx.array, tokens: mx.array, norm: Norm | None = None) -> tuple[mx.array, mx.array]:
         """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D) (or x and its norm)."""
+        learned = self.tid2eid is None
+        bias = (self.bias if self.bias is not None else mx.zeros(self.gate.shape[:1])) if learned else None
+        if learned and norm is not None and self.gate.half is not None:
+            return GATED_ROUTE(x, self.gate.half, norm, bias, self.counter, self.n_used, self.scale)
         logits = self.gate(x, norm=norm)
-        if self.tid2eid is None:
-            bias = self.bias if self.bias is not None else mx.zeros(logits.shape[-1:])
+        if learned:
             return ROUTE(logits, bias, self.n_used, self.scale)
         return HASH_ROUTE(logits, self.tid2eid, tokens, self.scale)
 
@@ -106,8 +112,9 @@ def weigh(probs: mx.array, ids: mx.array, scale: float) -> tuple[mx.array, mx.ar
 
 ROUTE = Route(route, WEIGHT_SUM_FLOOR)
 HASH_ROUTE = HashRoute(hash_route, WEIGHT_SUM_FLOOR)
-"""`route` and `hash_route` as one kernel each where a GPU backend has passed the first-use check
-(kernels/router.py)."""
+GATED_ROUTE = GatedRoute(ROUTE)
+"""`route` and `hash_route` as one kernel each where a GPU backend has passed the first-use check, and on CUDA the
+learned router's float16 gate matvec and `route` in one launch for a decode token (kernels/router.py)."""
 SHARED_DOWN = SwigluMatvec(swiglu)
 """The shared expert's down projection of its joined gate and up products with `swiglu` in the same launch
 (kernels/affine_matvec.py), checked against the formula."""
