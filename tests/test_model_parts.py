@@ -41,8 +41,11 @@ TINY = preset_config("tiny")
 class Dense:
     """A stand-in for model.linear.Linear over an in-memory float32 matrix (OUT, IN)."""
 
+    half = None  # held dense, never as float16
+
     def __init__(self, w: np.ndarray):
         self.weight = mx.array(w.astype(np.float32))
+        self.shape = w.shape
 
     def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
         return apply(x, norm) @ self.weight.T

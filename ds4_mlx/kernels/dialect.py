@@ -30,8 +30,9 @@ share, plus a few neutral words that each dialect spells its own way:
   once, after its writes: true in the one threadgroup that arrives last, which then sees the others' writes
   through ds4_load_fresh(GLOBAL_MEM float*); `counter`, a uint32 input that is zero between launches, is counted
   up and put back to zero; each call site owns its counter, since launches that share one must not overlap).
-  Written for Metal too, but run only on CUDA: the fast paths that use it are CUDA-only, and Metal keeps two
-  launches where CUDA makes one.
+  The counter must live in device memory: MLX's CUDA allocator puts arrays of 8 bytes or less in managed memory.
+  Written for Metal too, but run only on CUDA: the fast path that uses it (router.py's GatedRoute) is CUDA-only,
+  and Metal keeps two launches where CUDA makes one.
 - CUDA only (tensor cores; kernels that call them are CUDA-only fast paths, Metal keeps a SIMT kernel):
   ds4_tf32_split(float v, unsigned int& hi, unsigned int& lo) (hi = v rounded to TF32, 10 mantissa bits, nearest
   with ties away from zero as cvt.rna rounds; lo = v - hi rounded the same way: hi + lo carries ~21 bits of v) and

@@ -224,52 +224,6 @@ if (g == SLICES) {
 }
 """.replace("/*SINKHORN*/", _SINKHORN)
 
-_PRE_BY_LAST = """
-SHARED unsigned int last_flag[1];
-SHARED float sums[M + 1];
-if (ds4_last_group(counter + t, BLOCKS, last_flag, THREAD_IN_GROUP)) {
-  // the threadgroup that added its partial sums last finishes token t's pre as the collapse launch would: the
-  // sums over the blocks, then the split by SIMD group 0 and the collapsed input by the others
-  const GLOBAL_MEM float* all = partials + (size_t)t * (M + 1) * BLOCKS;
-  for (int q = SIMD_INDEX; q < M + 1; q += WARPS) {
-    float s = 0.0f;
-    for (int i = lane; i < BLOCKS; i += 32) {
-      s += ds4_load_fresh(all + (size_t)q * BLOCKS + i);
-    }
-    s = ds4_simd_sum(s);
-    if (lane == 0) {
-      sums[q] = s;
-    }
-  }
-  ds4_barrier();
-  const float rms_scale = 1.0f / sqrt(sums[0] / (float)(N * D) + NORM_EPS);
-  if (SIMD_INDEX == 0) {
-    if (lane < N) {
-      post_next[t * N + lane] =
-          2.0f / (1.0f + ds4_exp(-(sums[1 + N + lane] * rms_scale * scale[1] + base[N + lane])));
-    }
-    const int e = lane % (N * N);
-    float c = sums[1 + 2 * N + e] * rms_scale * scale[2] + base[2 * N + e];
-/*SINKHORN*/
-    if (lane < N * N) {
-      comb_next[t * N * N + lane] = c;
-    }
-  } else {
-    for (int dd = (int)THREAD_IN_GROUP - 32; dd < D; dd += (WARPS - 1) * 32) {
-      float s = 0.0f;
-      for (int r = 0; r < N; ++r) {
-        const float pre = 1.0f / (1.0f + ds4_exp(-(sums[1 + r] * rms_scale * scale[0] + base[r]))) + EPS;
-        s += pre * ds4_load_fresh(y + (size_t)t * K + (size_t)r * D + dd);
-      }
-      x[(size_t)t * D + dd] = s;
-    }
-  }
-}
-""".replace("/*SINKHORN*/", _SINKHORN)
-"""HCPostPre's one-launch form (CUDA): after the update and partial sums of its slice, the last threadgroup of a
-token (ds4_last_group, on the token's counter) runs the collapse launch's work for the whole token, the same
-operations in the same order (the same bits), reading the other threadgroups' partial sums and new streams."""
-
 _UPDATE = """
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
 if (i < (size_t)count[0] * D) {
@@ -315,17 +269,6 @@ def post_partials_kernel(addends: int) -> Kernel:
     inputs = ("out", "addend")[:addends] + ("streams", "post", "comb", "fn")
     source = _POST_PARTIALS.replace("/*ADDEND*/", _ADDEND if addends == 2 else "")
     return Kernel(f"ds4_hc_post_partials{addends}", inputs, ("y", "partials"), source)
-
-
-@cache
-def post_pre_kernel(addends: int, eps: float, norm_eps: float) -> Kernel:
-    """HCPostPre in one launch: post_partials_kernel's text, then the pre finished by each token's last
-    threadgroup (_PRE_BY_LAST), both epsilons written in."""
-    inputs = ("out", "addend")[:addends] + ("streams", "post", "comb", "fn", "scale", "base", "counter")
-    source = _POST_PARTIALS.replace("/*ADDEND*/", _ADDEND if addends == 2 else "") + _PRE_BY_LAST
-    header = f"CONSTANT float EPS = {eps!r}f;\nCONSTANT float NORM_EPS = {norm_eps!r}f;\n"
-    return Kernel(f"ds4_hc_post_pre{addends}", inputs, ("y", "partials", "x", "post_next", "comb_next"), source,
-                  header)
 
 
 PARTIALS_KERNEL = Kernel("ds4_hc_pre_partials", ("streams", "fn"), ("partials",), _PARTIALS)
@@ -481,49 +424,31 @@ class HCUpdate:
 
 
 class HCPostPre:
-    """A sublayer's HC-post and the next sublayer's HC-pre, in one launch (CUDA) or two for a few tokens (three
-    apart).
+    """A sublayer's HC-post and the next sublayer's HC-pre, in two launches for a few tokens (three apart).
 
     The pre's first launch reads the streams the post has just written, to add up their squares and their dot
     products with fn; here one launch (post_partials_kernel) computes each 128-value slice of the new streams, writes
-    it and adds up its partial sums at once, over HCPre's threadgroups; HCPre's collapse then finishes the pre. On
-    CUDA, given the call site's counter (`new_counter`), the threadgroup that finishes a token's partial sums last
-    runs the collapse itself (post_pre_kernel): one launch, where each launch is a graph node costing ~15 µs of host
-    time (two such boundaries a layer). The output may come as two addends, summed in the kernel. Elsewhere (longer
-    chunks, other dtypes, a backend where the kernel failed its check) the update and the pre run apart, each by its
-    own fast path.
+    it and adds up its partial sums at once, over HCPre's threadgroups; HCPre's collapse then finishes the pre.
+    The output may come as two addends, summed in the kernel. Elsewhere (longer chunks, other dtypes, a backend
+    where the kernel failed its check) the update and the pre run apart, each by its own fast path.
     """
 
     def __init__(self, reference: Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]], update: HCUpdate,
                  pre: HCPre):
         self.fast_path = FastPath("hc_post_pre", reference, self._kernel, self._probe, tolerance=TOLERANCE,
                                   backends=("cuda", "metal"))
-        self.one_launch = FastPath("hc_post_pre_one_launch", self._with_counter(reference), self._one_launch,
-                                   self._probe_one_launch, tolerance=TOLERANCE, backends=("cuda",))
         self.update, self.pre = update, pre
 
     def __call__(self, out: mx.array, addend: mx.array | None, streams: mx.array, post: mx.array, comb: mx.array,
                  fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
-                 norm_eps: float, counter: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+                 norm_eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """The update's arguments (addend None for a one-part output), then the pre's -> the new streams (T, n, D)
-        and the pre's (T, D), (T, n), (T, n, n). `counter`: the call site's (`new_counter`), for the one launch."""
+        and the pre's (T, D), (T, n), (T, n, n)."""
         key = (streams.shape[1:], 1 if addend is None else 2, iters, eps, norm_eps)
-        args = (out, addend, streams, post, comb, fn, scale, base, iters, eps, norm_eps)
-        if self.fits(out, addend, streams, post, comb, fn):
-            if counter is not None and self.one_launch.enabled(key):
-                return self.one_launch(*args, counter, key=key)
-            if self.fast_path.enabled(key):
-                return self.fast_path(*args, key=key)
+        if self.fits(out, addend, streams, post, comb, fn) and self.fast_path.enabled(key):
+            return self.fast_path(out, addend, streams, post, comb, fn, scale, base, iters, eps, norm_eps, key=key)
         new = self.update(out, streams, post, comb, addend)
         return (new, *self.pre(new, fn, scale, base, iters, eps, norm_eps))
-
-    @staticmethod
-    def new_counter() -> mx.array:
-        """A call site's counter for the one-launch form: one zero per token it may take (evaluated, so that a
-        compiled step takes it as a constant input)."""
-        counter = mx.zeros((PRE_TOKENS,), dtype=mx.uint32)
-        mx.eval(counter)
-        return counter
 
     @staticmethod
     def fits(out: mx.array, addend: mx.array | None, streams: mx.array, post: mx.array, comb: mx.array,
@@ -549,27 +474,6 @@ class HCPostPre:
         return (new, *HCPre.collapse(partials, scale, base, new, iters, eps, norm_eps))
 
     @staticmethod
-    def _one_launch(out, addend, streams, post, comb, fn, scale, base, iters, eps, norm_eps,
-                    counter) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        t, n, d = streams.shape
-        m, k = fn.shape
-        groups = k // PRE_SLICE
-        outputs = [out] if addend is None else [out, addend]
-        new, _, x, post_next, comb_next = build(post_pre_kernel(len(outputs), eps, norm_eps), current_backend())(
-            inputs=[*outputs, streams, post, comb, fn, scale, base, counter],
-            template=[("N", n), ("D", d), ("K", k), ("M", m), ("BLOCKS", groups), ("WARPS", THREADS // SIMD_WIDTH),
-                      ("ITERS", iters)],
-            grid=(groups * THREADS, t, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[(t, n, d), (t, m + 1, groups), (t, d), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 5,
-        )
-        return new, x, post_next, comb_next
-
-    @staticmethod
-    def _with_counter(reference: Callable[..., tuple]) -> Callable[..., tuple]:
-        """The reference, taking (and ignoring) the counter the one launch takes last."""
-        return lambda *args: reference(*args[:-1])
-
-    @staticmethod
     def _probe(key: Hashable) -> tuple:
         """Three tokens, comb rows a softmax (near-stochastic, as the Sinkhorn makes it), the pre's inputs as
         HCPre's probe makes them."""
@@ -580,7 +484,3 @@ class HCPostPre:
                 mx.softmax(random_activations((3, n, n), seed=55), axis=-1),
                 random_activations((m, k), seed=56) * (2.0 / k**0.5), 1.0 + 0.2 * random_activations((3,), seed=57),
                 0.5 * random_activations((m,), seed=58), iters, eps, norm_eps)
-
-    @staticmethod
-    def _probe_one_launch(key: Hashable) -> tuple:
-        return (*HCPostPre._probe(key), HCPostPre.new_counter())

@@ -12,7 +12,7 @@ the same launches as its own first step where a fused kernel is used (kernels/hc
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -114,8 +114,6 @@ class HyperConnection:
     sinkhorn_iters: int
     hc_eps: float
     norm_eps: float
-    counter: mx.array = field(default_factory=HCPostPre.new_counter, repr=False)
-    """The one-launch post-and-pre's counter (kernels/hc.py): each pre that follows a pending post owns one."""
 
     def pre(self, streams: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Collapse streams (T, n, D) into the sublayer input (T, D); also return post (T, n) and comb (T, n, n).
@@ -131,7 +129,7 @@ class HyperConnection:
             return (residual, *self.pre(residual))
         p = residual
         return POST_PRE(p.output, p.addend, p.streams, p.post, p.comb, self.fn, self.scale, self.base,
-                        self.sinkhorn_iters, self.hc_eps, self.norm_eps, self.counter)
+                        self.sinkhorn_iters, self.hc_eps, self.norm_eps)
 
 
 @dataclass
