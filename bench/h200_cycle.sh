@@ -29,7 +29,8 @@
 #   loadpaths      host bytes to device arrays, 16 GB of a tmpfs file (the file step's, else random bytes), by
 #                  bench/load_paths.py's pinned path (the loader's on CUDA), memcpy path (3.7 GB/s in session 6) and
 #                  mx.load path (3.5 GB/s), 8 threads each: issue 10's 15 s
-#   knobs[:N]      decode at 2k over N layers (default 12) under MLX's CUDA graph settings: its defaults (on the
+#   knobs[:N[:C]]  decode at 2k over N layers (default 12) under the first C (default 3) of MLX's CUDA graph
+#                  settings: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB: a decode
 #                  step's expert kernels take the whole 1.1 GB banks as inputs, so most MoE layers end a graph),
 #                  then the MB limit lifted, then that with 1000-node graphs. Measured before: the MB limit lifted
@@ -144,8 +145,9 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       done
       rm -f /dev/shm/z ;;
     knobs*)
-      layers=$(step_n 12)
-      for knob in "" "MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=1000"; do
+      IFS=: read -r _ layers count <<< "$step:"; layers=${layers:-12}; count=${count:-3}
+      knobs=("" "MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=1000")
+      for knob in "${knobs[@]:0:$count}"; do
         tag=$(echo "${knob:-defaults}" | tr ' =' '_-')
         env $knob timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 2048 \
           --ctx-max 2048 --gen-tokens 32 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"
