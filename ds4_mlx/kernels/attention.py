@@ -199,8 +199,11 @@ ROPE_KERNEL = Kernel("ds4_rope", ("x", "cos_t", "sin_t", "count"), ("y",), _ROPE
 THREADS = 256
 GROUPS = 8
 KEYS = 4
-"""Keys a SIMD group takes a step: their row loads in flight together. One at a time, a key's load, SIMD sum and
-exponentials were a serial round trip each: 17-27 µs a call on the H200 for 64 heads over 128-640 keys."""
+"""Keys a SIMD group takes a step: their row loads in flight together, where one key at a time made its load, SIMD
+sum and exponentials a serial round trip each (16-21 µs a call on the H200 over a window of ~40-128 keys). With
+4, at 2k: 18-20 µs over the 128-key window, 21-25 over the window and 512 compressed rows, 55-58 over the window
+and 512 picked rows (bench/RESULTS.md, session 10; no same-context figure of the one-key form to set against
+these: not shown to be faster)."""
 
 KEY_SETS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "window": ((), "const int extra = 0;", """
