@@ -7,7 +7,9 @@ The kernels are traced with CUPTI through torch.profiler (the GPU machine has to
 the process, MLX's included), and so are the host's CUDA runtime and driver calls (graph node adds, updates,
 launches: the host side of a step). Only the optional profiler needs torch: nothing in ds4_mlx imports it. Prints the
 graph's primitive count (`decode_step_ops`), the host time of building and submitting a step against its wall
-time, the kernels per step with the GPU's busy time, and the kernels by total time. Synthetic weights in the
+time, the step fed ahead as greedy decoding runs it (the compiled call, the submission, the wait for the token;
+then through the Session), the GPU timeline (the union of the kernels' intervals, and with `--timeline` each
+kernel in the order it ran), the kernels by total time and the host's CUDA calls. Synthetic weights in the
 published layout, the first `--layers` Flash layers (model/synthetic.py).
 """
 
