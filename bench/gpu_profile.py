@@ -135,7 +135,7 @@ def fed_ahead(model: Model, cache, tokens: int = 12) -> None:
         for name, value in (("call", t2 - t1), ("submit", t3 - t2), ("wait", t4 - t3), ("token", t4 - t0)):
             parts[name].append(value)
     mx.eval(logits)
-    print("fed ahead: " + ", ".join(f"{name} {1e3 * statistics.median(v):.2f} ms" for name, v in parts.items()))
+    print_medians("fed ahead", parts)
 
 
 def session_loop(session: Session, tokens: int = 12) -> None:
@@ -153,7 +153,12 @@ def session_loop(session: Session, tokens: int = 12) -> None:
         for name, v in (("feed_chosen", t1 - t0), ("read", t2 - t1), ("confirm", t3 - t2), ("token", t3 - t0)):
             parts[name].append(v)
     mx.eval(session.logits)
-    print("session: " + ", ".join(f"{name} {1e3 * statistics.median(v):.2f} ms" for name, v in parts.items()))
+    print_medians("session", parts)
+
+
+def print_medians(label: str, parts: dict[str, list[float]]) -> None:
+    """One line: each part's median in ms."""
+    print(f"{label}: " + ", ".join(f"{name} {1e3 * statistics.median(v):.2f} ms" for name, v in parts.items()))
 
 
 def main() -> int:

@@ -80,14 +80,12 @@ class Router:
 
     def __call__(self, x: mx.array, tokens: mx.array, norm: Norm | None = None) -> tuple[mx.array, mx.array]:
         """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D) (or x and its norm)."""
-        learned = self.tid2eid is None
-        bias = (self.bias if self.bias is not None else mx.zeros(self.gate.shape[:1])) if learned else None
-        if learned and norm is not None and self.gate.half is not None:
+        if self.tid2eid is not None:
+            return HASH_ROUTE(self.gate(x, norm=norm), self.tid2eid, tokens, self.scale)
+        bias = self.bias if self.bias is not None else mx.zeros(self.gate.shape[:1])
+        if norm is not None and self.gate.half is not None:  # a float16 gate: its matvec and the route, one launch
             return GATED_ROUTE(x, self.gate.half, norm, bias, self.counter, self.n_used, self.scale)
-        logits = self.gate(x, norm=norm)
-        if learned:
-            return ROUTE(logits, bias, self.n_used, self.scale)
-        return HASH_ROUTE(logits, self.tid2eid, tokens, self.scale)
+        return ROUTE(self.gate(x, norm=norm), bias, self.n_used, self.scale)
 
 
 def route(logits: mx.array, bias: mx.array, k: int, scale: float) -> tuple[mx.array, mx.array]:
