@@ -338,3 +338,29 @@ def test_cached_kernel_equals_mlx_compiled_one_and_is_read_back(on_cuda, monkeyp
         assert compiles == []  # read back from the disk
     finally:
         nvrtc.route.cache_clear()
+
+
+def test_recording_lists_each_launch_with_its_cubin_dims_and_arrays(use_route, launches, launch_copy):
+    use_route(Compiler())
+    x = mx.arange(40, dtype=mx.float32)
+    outside = launch_copy(x, 40)
+    with nvrtc.recording() as recorded:
+        y = launch_copy(x, 40)
+        z = launch_copy(y, 33, scale=3)
+    assert outside is not y and len(launches) == 3 and len(recorded) == 2
+    first, second = recorded
+    assert first.inputs[0] is x and first.outputs[0] is y and second.inputs[0] is y and second.outputs[0] is z
+    assert first.blocks == (2, 1, 1) and first.block == (32, 1, 1)  # 64 threads for 40 values, 32 a group
+    assert first.cubin.startswith(b"\x7fELF") and first.cubin != second.cubin  # each instance's own text
+    name = nvrtc.function_name("ds4_test_copy", [("N", 40), ("SCALE", 2)])
+    assert first.function == f"_ZN3mlx4core2cu{len(name)}{name}E"  # the lowered name, as the cubin holds it
+    assert first.row_contiguous and first.init_value is None
+    with nvrtc.recording() as later:
+        pass
+    assert later == [] and len(recorded) == 2  # the block ended: nothing more was added
+
+
+def test_launch_dims_follow_mlx():
+    assert nvrtc.launch_dims((1024, 3, 1), (256, 1, 1)) == ((4, 3, 1), (256, 1, 1))
+    assert nvrtc.launch_dims((100, 1, 1), (256, 1, 1)) == ((1, 1, 1), (100, 1, 1))  # the block shrinks to the grid
+    assert nvrtc.launch_dims((300, 1, 1), (256, 1, 1)) == ((2, 1, 1), (256, 1, 1))

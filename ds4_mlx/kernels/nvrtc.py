@@ -26,7 +26,8 @@ import hashlib
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -386,6 +387,44 @@ def route() -> Route | None:
     return chosen
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One launch as MLX's CUDA backend makes it (custom_kernel.cpp): the cubin's `function` over blocks of `block`
+    threads, the input then output arrays' addresses as its parameters (no scalars, no shapes). `cubin` is None
+    for a launch MLX compiled itself (no cubin of ours to launch again)."""
+
+    cubin: bytes | None
+    function: str
+    blocks: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_memory: int
+    inputs: tuple[mx.array, ...]
+    outputs: tuple[mx.array, ...]
+    row_contiguous: bool
+    init_value: float | None
+
+
+_recorders: list[list[Launch]] = []
+
+
+@contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Lists every CachedKernel launch made inside the block, in order (kernels/cudagraph.py replays them)."""
+    launches: list[Launch] = []
+    _recorders.append(launches)
+    try:
+        yield launches
+    finally:
+        _recorders.remove(launches)
+
+
+def launch_dims(grid: tuple, threadgroup: tuple) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(blocks, block) of a launch, as MLX derives them from grid (threads) and threadgroup."""
+    block = tuple(min(t, g) for t, g in zip(threadgroup, grid))
+    blocks = tuple((g + t - 1) // t for g, t in zip(grid, threadgroup))
+    return blocks, block
+
+
 class CachedKernel:
     """What `mx.fast.cuda_kernel(...)` returns, called the same way, launched from a cubin compiled once per
     machine (`route()`); a kernel the route can't build launches through `mx.fast.cuda_kernel` instead."""
@@ -396,7 +435,7 @@ class CachedKernel:
         self.name, self.source, self.header, self.launch_bounds = name, source, header, launch_bounds
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.ensure_row_contiguous, self.shared_memory = ensure_row_contiguous, shared_memory
-        self._binaries: dict[tuple, tuple[bytes, str] | None] = {}
+        self._binaries: dict[tuple, tuple[bytes, str, bytes] | None] = {}
         self._mlx: Callable | None = None
         self._route: Route | None = None
 
@@ -408,7 +447,9 @@ class CachedKernel:
                 header=self.header, ensure_row_contiguous=self.ensure_row_contiguous, shared_memory=self.shared_memory)
         return self._mlx
 
-    def _binary(self, input_dtypes: tuple, output_dtypes: tuple, template: tuple) -> tuple[bytes, str] | None:
+    def _binary(self, input_dtypes: tuple, output_dtypes: tuple, template: tuple
+                ) -> tuple[bytes, str, bytes] | None:
+        """(what MLX is handed, the lowered name, the cubin) of one instance, or None where MLX compiles it."""
         chosen = route()
         if chosen is not self._route:  # another route (a test's, or DS4_CUDA_CACHE changed): what it builds
             self._route, self._binaries = chosen, {}
@@ -421,7 +462,7 @@ class CachedKernel:
                                    list(zip(self.output_names, output_dtypes)), template, self.launch_bounds)
                 try:
                     cubin, lowered = chosen.binary(text, function)
-                    self._binaries[key] = chosen.source(cubin, lowered), lowered
+                    self._binaries[key] = chosen.source(cubin, lowered), lowered, cubin
                 except (OSError, CompileError) as error:
                     warnings.warn(f"{function} compiles through MLX in every process ({error})",
                                   CudaCacheWarning, stacklevel=3)
@@ -435,12 +476,19 @@ class CachedKernel:
         if all(isinstance(x, mx.array) for x in inputs) and not verbose:
             binary = self._binary(tuple(x.dtype for x in inputs), tuple(output_dtypes), template)
         if binary is None:
-            return self._mlx_kernel()(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
-                                      grid=grid, threadgroup=threadgroup, template=list(template) or None,
-                                      init_value=init_value, verbose=verbose, stream=stream)
-        source, lowered = binary
-        return mx.fast.precompiled_cuda_kernel(
-            name=lowered, compiled_source=source, inputs=inputs, output_shapes=output_shapes,
-            output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
-            shared_memory=self.shared_memory, init_value=init_value,
-            ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
+            outputs = self._mlx_kernel()(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                         grid=grid, threadgroup=threadgroup, template=list(template) or None,
+                                         init_value=init_value, verbose=verbose, stream=stream)
+            cubin, lowered = None, function_name(self.name, template)
+        else:
+            source, lowered, cubin = binary
+            outputs = mx.fast.precompiled_cuda_kernel(
+                name=lowered, compiled_source=source, inputs=inputs, output_shapes=output_shapes,
+                output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
+                shared_memory=self.shared_memory, init_value=init_value,
+                ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
+        if _recorders:
+            blocks, block = launch_dims(grid, threadgroup)
+            _recorders[-1].append(Launch(cubin, lowered, blocks, block, self.shared_memory, tuple(inputs),
+                                         tuple(outputs), self.ensure_row_contiguous, init_value))
+        return outputs

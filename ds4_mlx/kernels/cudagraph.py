@@ -1,0 +1,233 @@
+"""A recorded decode step replayed as one CUDA graph of our own, through the CUDA driver (CUDA only).
+
+MLX evaluates a decode step node by node: ~20 µs of host work a node on the H200 (bench/RESULTS.md, session 10),
+18 ms a token for the ~900 nodes of Flash's step against ~12.7 ms of GPU work, so the host sets the pace. Every
+node of that step that does work is one of our custom kernels, launched from a cubin we compiled (nvrtc.py), so
+its launches can be recorded (`nvrtc.recording`) and given to the driver as one graph: one launch a token, whatever
+the node count. This module holds what that needs and nothing model-specific: the driver through ctypes, the
+dependencies between launches from the address ranges they read and write (`dependencies`: a kernel waits for the
+last writer of what it reads and for the readers of what it overwrites; independent kernels may overlap, as in
+MLX's graphs), and the graph built from recorded launches (`ReplayGraph`).
+
+A recording is only valid while every array it names is alive and unchanged in place, and it replays the launches
+with the same addresses: bench/graph_replay.py measures a step that way (same inputs, same outputs).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import cudalib
+from .nvrtc import Launch
+
+Span = tuple[int, int]
+"""[start, end) of device addresses."""
+
+
+def dependencies(reads: Sequence[Sequence[Span]], writes: Sequence[Sequence[Span]]) -> list[list[int]]:
+    """For each launch, the earlier launches it must wait for: those that wrote what it reads (read after write)
+    and those that read or wrote what it writes (write after read or write). Spans overlap when they share a
+    byte. Launches are given in the order a stream would run them."""
+    written, read = _Spans(), _Spans()
+    out: list[list[int]] = []
+    for index, (r, w) in enumerate(zip(reads, writes)):
+        deps: set[int] = set()
+        for span in r:
+            deps |= written.overlapping(span)
+        for span in w:
+            deps |= written.overlapping(span) | read.overlapping(span)
+        out.append(sorted(deps))
+        for span in r:
+            read.add(span, index)
+        for span in w:
+            written.add(span, index)
+    return out
+
+
+class _Spans:
+    """Spans tagged with launch indices, found by overlap (sorted by start; any span starts at most `longest`
+    bytes before a span it overlaps ends)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.items: list[tuple[int, int, int]] = []
+        self.longest = 0
+
+    def add(self, span: Span, index: int) -> None:
+        at = bisect.bisect_right(self.starts, span[0])
+        self.starts.insert(at, span[0])
+        self.items.insert(at, (span[0], span[1], index))
+        self.longest = max(self.longest, span[1] - span[0])
+
+    def overlapping(self, span: Span) -> set[int]:
+        start, end = span
+        lo = bisect.bisect_right(self.starts, start - self.longest)
+        hi = bisect.bisect_left(self.starts, end)
+        return {index for s, e, index in self.items[lo:hi] if s < end and start < e}
+
+
+def address(array: mx.array) -> int:
+    """The device address of an evaluated array's first element (MLX's managed allocation; nothing is copied or
+    touched). Dtypes numpy lacks are read through a same-size view."""
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    return np.asarray(array).ctypes.data
+
+
+def is_row_contiguous(array: mx.array) -> bool:
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    return bool(np.asarray(array).flags.c_contiguous)
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed; the message names it and the driver's reason."""
+
+
+class _KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h, CUDA 12 and later)."""
+
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_memory", ctypes.c_uint), ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+class Driver:
+    """libcuda through ctypes, in the context MLX's CUDA runtime made current (its device's primary context)."""
+
+    MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, pp, u, size = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_size_t
+        self.lib = lib
+        signatures = {
+            "cuInit": [u], "cuCtxGetCurrent": [pp], "cuModuleLoadData": [pp, p],
+            "cuModuleGetFunction": [pp, p, ctypes.c_char_p], "cuFuncSetAttribute": [p, ctypes.c_int, ctypes.c_int],
+            "cuStreamCreate": [pp, u], "cuStreamSynchronize": [p], "cuGraphCreate": [pp, u],
+            "cuGraphAddKernelNode_v2": [pp, p, p, size, ctypes.POINTER(_KernelNodeParams)],
+            "cuGraphInstantiateWithFlags": [pp, p, ctypes.c_ulonglong], "cuGraphLaunch": [p, p],
+            "cuMemsetD8Async": [ctypes.c_ulonglong, ctypes.c_ubyte, size, p], "cuGraphDestroy": [p],
+            "cuGraphExecDestroy": [p], "cuModuleUnload": [p], "cuStreamDestroy_v2": [p],
+        }
+        for name, args in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = args, ctypes.c_int
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.check(lib.cuInit(0), "cuInit")
+        context = ctypes.c_void_p()
+        self.check(lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+        if not context.value:
+            raise DriverError("no CUDA context is current: evaluate an array on the GPU first")
+
+    @classmethod
+    def load(cls) -> Driver:
+        return cudalib.load("cuda", cls)
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorString(status, ctypes.byref(text))
+            raise DriverError(f"{what} failed: {(text.value or b'?').decode()} ({status})")
+
+    def handle(self, function: str, *args) -> int:
+        """Calls `function(&out, *args)` and returns out."""
+        out = ctypes.c_void_p()
+        self.check(getattr(self.lib, function)(ctypes.byref(out), *args), function)
+        return out.value or 0
+
+
+@dataclass
+class _Module:
+    module: int
+    functions: dict[str, int]
+
+
+class ReplayGraph:
+    """Recorded launches as one instantiated CUDA graph on a stream of its own: `launch()` runs them all, in the
+    order and with the overlap their dependencies allow (`chain=True`: each after the one before, as one stream
+    runs them). Launches must come from our cubins, read row-contiguous arrays (or make none contiguous), and take
+    no initial fill: anything else is refused with ValueError before any graph is made."""
+
+    def __init__(self, driver: Driver, launches: Sequence[Launch], chain: bool = False) -> None:
+        for launch in launches:
+            if launch.cubin is None:
+                raise ValueError(f"{launch.function} was compiled by MLX: no cubin to launch")
+            if launch.init_value is not None:
+                raise ValueError(f"{launch.function} takes an initial fill")
+            if launch.row_contiguous and not all(is_row_contiguous(a) for a in launch.inputs):
+                raise ValueError(f"{launch.function} reads an array MLX would copy first (not row-contiguous)")
+        self.driver, self.launches = driver, list(launches)
+        arrays = [([(address(a), address(a) + a.nbytes) for a in launch.inputs],
+                   [(address(a), address(a) + a.nbytes) for a in launch.outputs]) for launch in launches]
+        self.spans = arrays
+        order = [[i - 1] if i else [] for i in range(len(launches))] if chain else \
+            dependencies([r for r, _ in arrays], [w for _, w in arrays])
+        self.edges = sum(map(len, order))
+        self._modules: dict[bytes, _Module] = {}
+        self._keep: list = []  # parameter buffers, alive while the graph is
+        self.graph = driver.handle("cuGraphCreate", 0)
+        nodes: list[int] = []
+        for launch, (reads, writes), deps in zip(launches, arrays, order):
+            nodes.append(self._add(launch, [s for s, _ in reads] + [s for s, _ in writes],
+                                   [nodes[d] for d in deps]))
+        self.exec = driver.handle("cuGraphInstantiateWithFlags", ctypes.c_void_p(self.graph), 0)
+        self.stream = driver.handle("cuStreamCreate", Driver.NON_BLOCKING)
+
+    def _function(self, launch: Launch) -> int:
+        module = self._modules.get(launch.cubin)
+        if module is None:
+            buffer = ctypes.create_string_buffer(launch.cubin, len(launch.cubin))
+            module = self._modules[launch.cubin] = _Module(
+                self.driver.handle("cuModuleLoadData", ctypes.cast(buffer, ctypes.c_void_p)), {})
+        function = module.functions.get(launch.function)
+        if function is None:
+            function = module.functions[launch.function] = self.driver.handle(
+                "cuModuleGetFunction", ctypes.c_void_p(module.module), launch.function.encode())
+            if launch.shared_memory > 48000:
+                self.driver.check(self.driver.lib.cuFuncSetAttribute(
+                    ctypes.c_void_p(function), Driver.MAX_DYNAMIC_SHARED, launch.shared_memory),
+                    "cuFuncSetAttribute")
+        return function
+
+    def _add(self, launch: Launch, pointers: list[int], deps: list[int]) -> int:
+        values = (ctypes.c_void_p * len(pointers))(*pointers)
+        params = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(values) + 8 * i for i in range(len(pointers))])
+        node_params = _KernelNodeParams(func=self._function(launch), shared_memory=launch.shared_memory,
+                                        params=ctypes.addressof(params))
+        node_params.grid[:] = launch.blocks
+        node_params.block[:] = launch.block
+        dep_array = (ctypes.c_void_p * max(len(deps), 1))(*deps)
+        self._keep += [values, params]
+        return self.driver.handle("cuGraphAddKernelNode_v2", ctypes.c_void_p(self.graph),
+                                  ctypes.cast(dep_array, ctypes.c_void_p), len(deps),
+                                  ctypes.byref(node_params))
+
+    def launch(self) -> None:
+        self.driver.check(self.driver.lib.cuGraphLaunch(ctypes.c_void_p(self.exec), ctypes.c_void_p(self.stream)),
+                          "cuGraphLaunch")
+
+    def synchronize(self) -> None:
+        self.driver.check(self.driver.lib.cuStreamSynchronize(ctypes.c_void_p(self.stream)), "cuStreamSynchronize")
+
+    def clear_outputs(self) -> None:
+        """Zeroes every recorded output (on the graph's stream), so that a launch must write them all again."""
+        for _, writes in self.spans:
+            for start, end in writes:
+                self.driver.check(self.driver.lib.cuMemsetD8Async(start, 0, end - start,
+                                                                  ctypes.c_void_p(self.stream)), "cuMemsetD8Async")
+
+    def close(self) -> None:
+        lib = self.driver.lib
+        lib.cuGraphExecDestroy(ctypes.c_void_p(self.exec))
+        lib.cuGraphDestroy(ctypes.c_void_p(self.graph))
+        lib.cuStreamDestroy_v2(ctypes.c_void_p(self.stream))
+        for module in self._modules.values():
+            lib.cuModuleUnload(ctypes.c_void_p(module.module))
+        self._modules.clear()

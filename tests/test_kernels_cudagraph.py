@@ -1,0 +1,49 @@
+"""The replay graph's dependencies (kernels/cudagraph.py): which earlier launches each launch waits for, from the
+address ranges they read and write. The driver itself needs a GPU (bench/graph_replay.py runs it there)."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.kernels.cudagraph import address, dependencies, is_row_contiguous
+
+
+def test_a_reader_waits_for_the_writer_of_what_it_reads():
+    # 0 writes A, 1 writes B, 2 reads A and writes C, 3 reads B and C
+    reads = [[], [], [(0, 16)], [(100, 108), (200, 204)]]
+    writes = [[(0, 16)], [(100, 116)], [(200, 208)], [(300, 304)]]
+    assert dependencies(reads, writes) == [[], [], [0], [1, 2]]
+
+
+def test_views_overlap_their_buffers_and_neighbours_do_not():
+    reads = [[], [(8, 12)], [(16, 20)]]  # a view inside launch 0's output; the next buffer, untouched by it
+    writes = [[(0, 16)], [(32, 40)], [(48, 56)]]
+    assert dependencies(reads, writes) == [[], [0], []]
+
+
+def test_overwriting_waits_for_earlier_readers_and_writers():
+    reads = [[(0, 8)], [(0, 8)], []]
+    writes = [[(8, 16)], [(16, 24)], [(0, 16)]]  # 2 writes in place what 0 and 1 read, and what 0 wrote
+    assert dependencies(reads, writes) == [[], [], [0, 1]]
+
+
+def test_dependencies_match_a_plain_search():
+    rng = random.Random(4)
+    spans = lambda: [(s, s + rng.randint(1, 64)) for s in (rng.randrange(0, 512) for _ in range(rng.randint(0, 3)))]
+    reads, writes = [spans() for _ in range(60)], [spans() for _ in range(60)]
+    overlap = lambda a, b: any(s < f and t < e for s, e in a for t, f in b)
+    expected = [sorted(i for i in range(j) if overlap(reads[j], writes[i]) or overlap(writes[j], writes[i])
+                       or overlap(writes[j], reads[i])) for j in range(60)]
+    assert dependencies(reads, writes) == expected
+
+
+def test_address_and_contiguity_of_arrays_and_views():
+    x = mx.arange(12, dtype=mx.float32).reshape(3, 4)
+    mx.eval(x)
+    assert address(x[1:]) == address(x) + 16 and address(x.astype(mx.bfloat16)) != 0
+    assert is_row_contiguous(x) and is_row_contiguous(x[1:]) and not is_row_contiguous(x.T)
+    assert not is_row_contiguous(mx.broadcast_to(x[:1], (3, 4)))
+    assert np.asarray(x).ctypes.data == address(x)
