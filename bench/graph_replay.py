@@ -64,8 +64,9 @@ def main() -> int:
     position = cache.n_tokens
     token, at = mx.array([7], dtype=mx.int32), mx.array([position], dtype=mx.int32)
     mx.eval(token, at)
-    with nvrtc.recording() as launches:
+    with nvrtc.recording() as recorded:
         streams, logits, layers = model.step(token, at, cache.layers, model.ends(position))
+    launches = recorded.launches
     outputs = [streams, logits, *(a for state in layers for a in state.arrays())]
     mx.eval(*outputs)
     launches, copies = contiguous_inputs(launches)

@@ -41,6 +41,8 @@
 #   ab:DIR[:N[:CTX]] prefill from 0 to CTX tokens (default 2048) then decode there (128 tokens) over N layers
 #                  (default 43) with the tree in DIR (another commit's `git archive`: untracked and not ignored,
 #                  or named in the call's carry, so that it travels), then with this one, on the same machine
+#   graph[:N[:CTX]] the same bench with this tree, greedy decoding through MLX's compiled step (DS4_GRAPH_DECODE=off)
+#                  and through the decode graph (model/graphstep.py, the default on CUDA), on the same machine
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
@@ -167,6 +169,15 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
         grep -v "warnings.warn\|it/s\]" "$out/ab.err" | cut -c1-200 | tail -4
       done
       rm -f "$out/ab.json" "$out/ab.err" ;;
+    graph*)
+      IFS=: read -r _ layers ctx <<< "$step:"; layers=${layers:-43}; ctx=${ctx:-2048}
+      for mode in off on; do
+        DS4_GRAPH_DECODE=$mode timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" \
+          --ctx-start "$ctx" --ctx-max "$ctx" --gen-tokens 128 --json > "$out/graph.json" 2> "$out/graph_$mode.err"
+        echo "graph decoding $mode: $(figures "$out/graph.json")"
+        grep -v "warnings.warn\|it/s\]" "$out/graph_$mode.err" | cut -c1-300 | tail -4
+      done
+      rm -f "$out/graph.json" ;;
     attn)
       timeout "$(left 10)" python3 bench/chunk_attention.py 2>&1 | grep -v "warnings.warn" | tail -15 ;;
     gemms)

@@ -13,17 +13,33 @@ greedy decoding.
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .errors import RequestError
-from .model.cache import StepUndo
+from .kernels import registry
+from .kernels.cudagraph import DriverError
+from .kernels.nvrtc import CompileError
+from .model.cache import SessionCache, StepUndo
+from .model.graphstep import GraphCheckError, GraphDecoder
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
 from .model.mtp import MTP, MTPSnapshot
 from .model.stream import on_cuda
-from .sampling import argmax, device_argmax
+from .sampling import argmax
+
+
+GRAPH_ENV = "DS4_GRAPH_DECODE"
+"""`off` keeps greedy decoding on MLX's compiled step on CUDA (model/graphstep.py is the default there)."""
+GRAPH_FED = "graph"
+"""`_fed` while a token chosen by the decode graph awaits confirm (it is launched then) or take_back."""
+
+
+class GraphDecodeWarning(RuntimeWarning):
+    """Greedy decoding went back to MLX's compiled step: the decode graph could not be made, or disagreed."""
 
 
 CUDA_PREFILL_CHUNK = 4096
@@ -71,10 +87,40 @@ class Session:
         self.ctx = ctx
         self.mtp = mtp
         self.chunk_size = prefill_chunk_for(ctx)
+        self._graph: GraphDecoder | None = None  # greedy decoding's CUDA graphs (model/graphstep.py), once made
+        self._graph_on = False  # the decoder holds the state: `cache` and `logits` are handed back on access
+        self._graph_token: int | None = None  # the token the decoder chose, not yet fed
+        self._graph_failed = False
+        self._never_masks: dict[int, mx.array] = {}
         self.reset()
+
+    @property
+    def cache(self) -> SessionCache:
+        self._leave_graph()
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: SessionCache) -> None:
+        self._leave_graph()
+        self._cache = value
+
+    @property
+    def logits(self) -> mx.array | None:
+        """The logits for the next token (while the decode graph runs, a copy of its last ones)."""
+        if self._graph_on and self._graph.launched:
+            self._logits = self._graph.logits()
+            self._graph.launched = False
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: mx.array | None) -> None:
+        self._leave_graph()
+        self._logits = value
 
     def reset(self) -> None:
         """Forget everything: an empty cache at position 0."""
+        self._leave_graph()
+        self._fed = None
         self.tokens: list[int] = []
         self.cache = self.model.new_cache(self.ctx)
         self.logits: mx.array | None = None
@@ -121,21 +167,28 @@ class Session:
         """Feed one token; returns the logits for the next one."""
         return self.prefill([token])
 
-    def feed_chosen(self, choose: Callable[[mx.array], mx.array] = device_argmax) -> mx.array:
-        """Chooses the next token on the device from the current logits and feeds it at once, waiting for neither:
-        returns the token as an int32 array of shape (1,) still being computed.
+    def feed_chosen(self, never: int | None = None) -> mx.array:
+        """Chooses the next token on the device from the current logits (the greedy choice; never `never`) and
+        feeds it at once, waiting for neither: returns the token as an int32 array of shape (1,) still being
+        computed.
 
         Why: MLX records a decode step's ~900 graph nodes on the host, which takes about as long as the device
         takes to run them. Fed this way, the host builds a step while the device still runs the one before, instead of
         after reading its token back. Read the token (`.item()`), then `confirm` it, or `take_back` the step if
-        the stream stops there. For choices the device can make alone (greedy decoding), without an MTP block.
+        the stream stops there. Without an MTP block. On CUDA the step is one launch of a graph of our own
+        (model/graphstep.py): the token comes back chosen, and `confirm` launches its step.
         """
         if self.mtp is not None:
             raise ValueError("feed_chosen runs without an MTP block (speculate feeds ahead with one)")
         self._check_none_fed()
-        if self.logits is None:
+        if self._logits is None:
             raise RequestError("nothing to choose from: the session has no logits yet")
-        token = choose(self.logits).astype(mx.int32).reshape(1)
+        if self._graph_ready(never):
+            if self._graph_token is None:
+                self._graph_token = self._graph.chosen()
+            self._fed = GRAPH_FED
+            return mx.array([self._graph_token], dtype=mx.int32)
+        token = self._choose(never).astype(mx.int32).reshape(1)
         mx.async_eval(token)  # its own event: reading it waits for the previous step only
         undo, before = self.cache.undo_point(), self.logits
         _, self.logits = self.model.decode(token, self.cache)
@@ -156,6 +209,13 @@ class Session:
         """The token `feed_chosen` fed was `token` (read back): it joins the session's tokens."""
         if self._fed is None:
             raise ValueError("no token was fed by feed_chosen")
+        if self._fed == GRAPH_FED:
+            self._fed, self._graph_token = None, None
+            if self._graph_on:
+                self._launch_graph(token)
+            else:  # the state was handed back between the choice and now
+                self.decode(token)
+            return
         self.tokens.append(token)
         self._fed = None
 
@@ -163,9 +223,79 @@ class Session:
         """Forgets the token `feed_chosen` fed: the session is as it was before (StepUndo)."""
         if self._fed is None:
             raise ValueError("no token was fed by feed_chosen")
+        if self._fed == GRAPH_FED:  # chosen, never launched
+            self._fed = None
+            return
         undo, self.logits = self._fed
         self.cache.take_back(undo)
         self._fed = None
+
+    def _choose(self, never: int | None) -> mx.array:
+        """The greedy choice from the logits on the device, never `never`."""
+        logits = self._logits.reshape(-1)
+        if never is None:
+            return mx.argmax(logits)
+        if never not in self._never_masks:
+            mask = mx.zeros(logits.shape)
+            mask[never] = -mx.inf
+            self._never_masks[never] = mask
+        return mx.argmax(logits + self._never_masks[never])
+
+    def _graph_ready(self, never: int | None) -> bool:
+        """Whether greedy decoding runs through the decode graph now (entering it if need be): on CUDA, unless
+        DS4_GRAPH_DECODE=off, the reference kernel mode, or an earlier failure in this session."""
+        if self._graph_on and self._graph.never == never:
+            return True
+        self._leave_graph()
+        if (self._graph_failed or os.environ.get(GRAPH_ENV, "on") == "off" or not on_cuda()
+                or registry.mode() == "reference"):
+            return False
+        try:
+            if self._graph is not None and self._graph.never != never:
+                self._graph.close()
+                self._graph = None
+            if self._graph is None:
+                self._graph = GraphDecoder(self.model, self._cache, never)
+            self._graph.enter(self._cache)
+        except (OSError, DriverError, CompileError, ValueError) as error:
+            self._graph_stand_down(f"the decode graph could not be made ({error})")
+            return False
+        self._graph_token = int(self._choose(never).item())
+        self._graph_on = True
+        return True
+
+    def _launch_graph(self, token: int) -> None:
+        try:
+            self._graph.launch(token)
+        except GraphCheckError as error:  # the state of the step MLX made (the graph's first step of a kind)
+            self._graph_on = False
+            self._cache.layers, self._logits, self._cache.n_tokens = error.recovery
+            self._graph_stand_down(str(error))
+        except (OSError, DriverError, CompileError, ValueError, RuntimeError) as error:  # nothing was launched
+            self._leave_graph()
+            self._graph_stand_down(f"the decode graph could not be made ({error})")
+            self.decode(token)
+            return
+        self.tokens.append(token)
+
+    def _graph_stand_down(self, reason: str) -> None:
+        warnings.warn(f"greedy decoding goes through MLX's compiled step: {reason}", GraphDecodeWarning,
+                      stacklevel=4)
+        self._graph_failed = True
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
+
+    def _leave_graph(self) -> None:
+        """The decoder's state handed back to the cache (and its last logits to the session)."""
+        if not self._graph_on:
+            return
+        self._graph_on = False
+        if self._graph.launched:
+            self._logits = self._graph.logits()
+            self._graph.launched = False
+        self._graph.leave(self._cache)
+        self._graph_token = None
 
     def _feed(self, tokens: list[int]) -> mx.array:
         """Run the model (then the MTP block, on the model's final streams) over tokens at the next positions;

@@ -7,8 +7,9 @@ import random
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
-from ds4_mlx.kernels.cudagraph import address, dependencies, is_row_contiguous
+from ds4_mlx.kernels.cudagraph import Moves, address, dependencies, is_row_contiguous
 
 
 def test_a_reader_waits_for_the_writer_of_what_it_reads():
@@ -47,3 +48,14 @@ def test_address_and_contiguity_of_arrays_and_views():
     assert is_row_contiguous(x) and is_row_contiguous(x[1:]) and not is_row_contiguous(x.T)
     assert not is_row_contiguous(mx.broadcast_to(x[:1], (3, 4)))
     assert np.asarray(x).ctypes.data == address(x)
+
+
+def test_bound_arrays_and_their_views_move_to_the_target():
+    rows, out, other = mx.zeros((4, 8)), mx.ones((4, 8)), mx.zeros((3,))
+    mx.eval(rows, out, other)
+    moves = Moves([(out, rows), (other, 4096)])
+    assert moves.span(out) == (address(rows), address(rows) + 128)
+    assert moves.span(out[2:]) == (address(rows) + 64, address(rows) + 128)  # a view of the bound array
+    assert moves.span(other) == (4096, 4108) and moves.span(rows) == (address(rows), address(rows) + 128)
+    with pytest.raises(ValueError, match="bound to one of"):
+        Moves([(other, rows)])

@@ -344,9 +344,12 @@ def test_recording_lists_each_launch_with_its_cubin_dims_and_arrays(use_route, l
     use_route(Compiler())
     x = mx.arange(40, dtype=mx.float32)
     outside = launch_copy(x, 40)
-    with nvrtc.recording() as recorded:
+    with nvrtc.recording() as recording:
         y = launch_copy(x, 40)
         z = launch_copy(y, 33, scale=3)
+        nvrtc.bind(z, x)
+    assert not nvrtc.is_recording() and recording.bound == [(z, x)]
+    recorded = recording.launches
     assert outside is not y and len(launches) == 3 and len(recorded) == 2
     first, second = recorded
     assert first.inputs[0] is x and first.outputs[0] is y and second.inputs[0] is y and second.outputs[0] is z
@@ -356,8 +359,9 @@ def test_recording_lists_each_launch_with_its_cubin_dims_and_arrays(use_route, l
     assert first.function == f"_ZN3mlx4core2cu{len(name)}{name}E"  # the lowered name, as the cubin holds it
     assert first.row_contiguous and first.init_value is None
     with nvrtc.recording() as later:
-        pass
-    assert later == [] and len(recorded) == 2  # the block ended: nothing more was added
+        assert nvrtc.is_recording()
+    nvrtc.bind(y, x)  # outside a recording: nothing to note
+    assert later.launches == [] and len(recorded) == 2 and recording.bound == [(z, x)]  # the block ended: nothing more was added
 
 
 def test_launch_dims_follow_mlx():

@@ -360,7 +360,7 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
                     if walk.read_back:
                         session.decode(greedy(session.logits))
                     else:
-                        session.confirm(int(session.feed_chosen(choose).item()))
+                        session.confirm(int(session.feed_chosen(never=loaded.tokenizer.eos_id).item()))
                 mx.eval(session.logits)
                 gen_s = time.perf_counter() - t1
             session.restore(at_frontier)

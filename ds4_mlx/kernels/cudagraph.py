@@ -86,6 +86,29 @@ def is_row_contiguous(array: mx.array) -> bool:
     return bool(np.asarray(array).flags.c_contiguous)
 
 
+class Moves:
+    """Where arrays' bytes are in a replay: at their own addresses, except those bound to another buffer
+    (`nvrtc.bind`), whose bytes, and those of every view into them, are at the target's."""
+
+    def __init__(self, bound: Sequence[tuple[mx.array, mx.array | int]]) -> None:
+        self.moves: list[tuple[int, int, int]] = []
+        for array, target in bound:
+            if isinstance(target, mx.array) and target.nbytes != array.nbytes:
+                raise ValueError(f"an array of {array.nbytes} bytes bound to one of {target.nbytes}")
+            start = address(array)
+            self.moves.append((start, start + array.nbytes, target if isinstance(target, int) else address(target)))
+
+    def span(self, array: mx.array) -> Span:
+        start = self.address(address(array))
+        return start, start + array.nbytes
+
+    def address(self, at: int) -> int:
+        for start, end, target in self.moves:
+            if start <= at < end:
+                return target + (at - start)
+        return at
+
+
 class DriverError(RuntimeError):
     """A CUDA driver call failed; the message names it and the driver's reason."""
 
@@ -136,6 +159,15 @@ class Driver:
             self.lib.cuGetErrorString(status, ctypes.byref(text))
             raise DriverError(f"{what} failed: {(text.value or b'?').decode()} ({status})")
 
+    def new_stream(self) -> int:
+        return self.handle("cuStreamCreate", Driver.NON_BLOCKING)
+
+    def destroy_stream(self, stream: int) -> None:
+        self.lib.cuStreamDestroy_v2(ctypes.c_void_p(stream))
+
+    def synchronize(self, stream: int) -> None:
+        self.check(self.lib.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
+
     def handle(self, function: str, *args) -> int:
         """Calls `function(&out, *args)` and returns out."""
         out = ctypes.c_void_p()
@@ -152,10 +184,11 @@ class _Module:
 class ReplayGraph:
     """Recorded launches as one instantiated CUDA graph on a stream of its own: `launch()` runs them all, in the
     order and with the overlap their dependencies allow (`chain=True`: each after the one before, as one stream
-    runs them). Launches must come from our cubins, read row-contiguous arrays (or make none contiguous), and take
+    runs them). Graphs launched on one `stream` run one after the other. Launches must come from our cubins, read row-contiguous arrays (or make none contiguous), and take
     no initial fill: anything else is refused with ValueError before any graph is made."""
 
-    def __init__(self, driver: Driver, launches: Sequence[Launch], chain: bool = False) -> None:
+    def __init__(self, driver: Driver, launches: Sequence[Launch], chain: bool = False,
+                 bound: Sequence[tuple[mx.array, mx.array | int]] = (), stream: int | None = None) -> None:
         for launch in launches:
             if launch.cubin is None:
                 raise ValueError(f"{launch.function} was compiled by MLX: no cubin to launch")
@@ -164,8 +197,9 @@ class ReplayGraph:
             if launch.row_contiguous and not all(is_row_contiguous(a) for a in launch.inputs):
                 raise ValueError(f"{launch.function} reads an array MLX would copy first (not row-contiguous)")
         self.driver, self.launches = driver, list(launches)
-        arrays = [([(address(a), address(a) + a.nbytes) for a in launch.inputs],
-                   [(address(a), address(a) + a.nbytes) for a in launch.outputs]) for launch in launches]
+        moved = Moves(bound)
+        arrays = [([moved.span(a) for a in launch.inputs], [moved.span(a) for a in launch.outputs])
+                  for launch in launches]
         self.spans = arrays
         order = [[i - 1] if i else [] for i in range(len(launches))] if chain else \
             dependencies([r for r, _ in arrays], [w for _, w in arrays])
@@ -178,7 +212,8 @@ class ReplayGraph:
             nodes.append(self._add(launch, [s for s, _ in reads] + [s for s, _ in writes],
                                    [nodes[d] for d in deps]))
         self.exec = driver.handle("cuGraphInstantiateWithFlags", ctypes.c_void_p(self.graph), 0)
-        self.stream = driver.handle("cuStreamCreate", Driver.NON_BLOCKING)
+        self._own_stream = stream is None
+        self.stream = driver.new_stream() if stream is None else stream
 
     def _function(self, launch: Launch) -> int:
         module = self._modules.get(launch.cubin)
@@ -214,7 +249,7 @@ class ReplayGraph:
                           "cuGraphLaunch")
 
     def synchronize(self) -> None:
-        self.driver.check(self.driver.lib.cuStreamSynchronize(ctypes.c_void_p(self.stream)), "cuStreamSynchronize")
+        self.driver.synchronize(self.stream)
 
     def clear_outputs(self) -> None:
         """Zeroes every recorded output (on the graph's stream), so that a launch must write them all again."""
@@ -227,7 +262,8 @@ class ReplayGraph:
         lib = self.driver.lib
         lib.cuGraphExecDestroy(ctypes.c_void_p(self.exec))
         lib.cuGraphDestroy(ctypes.c_void_p(self.graph))
-        lib.cuStreamDestroy_v2(ctypes.c_void_p(self.stream))
+        if self._own_stream:
+            self.driver.destroy_stream(self.stream)
         for module in self._modules.values():
             lib.cuModuleUnload(ctypes.c_void_p(module.module))
         self._modules.clear()

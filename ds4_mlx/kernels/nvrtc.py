@@ -28,7 +28,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -404,18 +404,48 @@ class Launch:
     init_value: float | None
 
 
-_recorders: list[list[Launch]] = []
+@dataclass
+class Recording:
+    """The CachedKernel launches made inside `recording()`, in order, and the arrays a replay is to place in
+    another array's buffer (`bind`): a launch that writes a row into a buffer in place, say."""
+
+    launches: list[Launch] = field(default_factory=list)
+    bound: list[tuple[mx.array, mx.array | int]] = field(default_factory=list)
+
+
+_recorders: list[Recording | None] = []  # None: paused
 
 
 @contextmanager
-def recording() -> Iterator[list[Launch]]:
-    """Lists every CachedKernel launch made inside the block, in order (kernels/cudagraph.py replays them)."""
-    launches: list[Launch] = []
-    _recorders.append(launches)
+def recording() -> Iterator[Recording]:
+    """Records every CachedKernel launch made inside the block (kernels/cudagraph.py replays them)."""
+    recorded = Recording()
+    _recorders.append(recorded)
     try:
-        yield launches
+        yield recorded
     finally:
-        _recorders.remove(launches)
+        _recorders.remove(recorded)
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Launches inside the block are not recorded (a fast path's first-use check, made while a step is)."""
+    _recorders.append(None)
+    try:
+        yield
+    finally:
+        _recorders.pop()
+
+
+def is_recording() -> bool:
+    return bool(_recorders) and _recorders[-1] is not None
+
+
+def bind(array: mx.array, target: mx.array | int) -> None:
+    """While recording: in the replay, `array`'s buffer is `target`'s (an array of as many bytes, or a device
+    address), so that a launch writing `array` writes `target` in place and its readers read `target`."""
+    if _recorders and _recorders[-1] is not None:
+        _recorders[-1].bound.append((array, target))
 
 
 def launch_dims(grid: tuple, threadgroup: tuple) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -487,8 +517,8 @@ class CachedKernel:
                 output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
                 shared_memory=self.shared_memory, init_value=init_value,
                 ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
-        if _recorders:
+        if _recorders and _recorders[-1] is not None:
             blocks, block = launch_dims(grid, threadgroup)
-            _recorders[-1].append(Launch(cubin, lowered, blocks, block, self.shared_memory, tuple(inputs),
+            _recorders[-1].launches.append(Launch(cubin, lowered, blocks, block, self.shared_memory, tuple(inputs),
                                          tuple(outputs), self.ensure_row_contiguous, init_value))
         return outputs

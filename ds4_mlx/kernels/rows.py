@@ -23,6 +23,7 @@ import numpy as np
 
 from ..model.rope import RoPE
 from .actquant import HADAMARD_WIDTH, HELPERS
+from . import nvrtc
 from .dialect import Kernel, build
 from .registry import FastPath, current_backend
 
@@ -325,3 +326,28 @@ def steady_rows(shape: tuple[int, ...], positions: mx.array, rope: RoPE, norm: N
         mean_square = np.mean(scaled**2, axis=-1, keepdims=True)
         target = scaled * np.sqrt(norm[1] / (1.0 - mean_square))
     return mx.array(target.astype(np.float32).reshape(shape))
+
+
+WRITE_ROW_KERNEL = Kernel("ds4_write_row", ("row", "position"), ("rows",), """
+const int i = GROUP_X * 256 + THREAD_IN_GROUP;
+if (i < W) {
+  rows[(size_t)(position[0] / RATIO) * W + i] = row[i];
+}
+""")
+"""Writes only the row: its output stands for the row buffer itself (`nvrtc.bind`), in a recorded step."""
+
+
+def write_row(rows: mx.array, row: mx.array, position: mx.array, ratio: int) -> mx.array:
+    """`rows` (R, W) with `row` (1, W) written at index position // ratio (position (1,) int32). Through MLX, an
+    update in place where nothing else holds the buffer (a decode step's row buffers). While a step is recorded
+    for a CUDA graph of our own (`nvrtc.recording`), one launch writing the row into `rows` itself: MLX ops are
+    not replayed, and the replay writes in place."""
+    if not nvrtc.is_recording():
+        return mx.slice_update(rows, row, position // ratio, axes=(0,))
+    width = rows.shape[1]
+    (out,) = build(WRITE_ROW_KERNEL, "cuda")(
+        inputs=[row, position], template=[("W", width), ("RATIO", ratio)],
+        grid=(256 * ((width + 255) // 256), 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[rows.shape], output_dtypes=[rows.dtype])
+    nvrtc.bind(out, rows)
+    return out

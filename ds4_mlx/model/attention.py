@@ -40,6 +40,7 @@ from ds4_mlx.kernels.attention import DecodeAttention
 from ds4_mlx.kernels.chunk_attention import ChunkAttention
 from ds4_mlx.kernels.fused_norm import Norm
 from ds4_mlx.kernels.indexer import IndexerPick
+from ds4_mlx.kernels.rows import write_row
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import FusedLinear, Linear
@@ -241,7 +242,6 @@ class Attention:
         state = replace(state, raw=raw)
         picked = valid = None
         if self.compressor is not None:
-            row_at = position // self.ratio
             comp_kv, comp_gate, *indexing = compressing
             if self.indexer is None:
                 row, frontier = self.compressor.step(comp_kv, comp_gate, position, state.comp_frontier)
@@ -250,10 +250,10 @@ class Attention:
                 (row, frontier), (index_row, index_frontier) = self.compressor.step_with(
                     self.indexer.compressor, comp_kv, comp_gate, state.comp_frontier, index_kv, index_gate,
                     state.index_frontier, position)
-            comp = mx.slice_update(state.comp, row, row_at, axes=(0,)) if completes else state.comp
+            comp = write_row(state.comp, row, position, self.ratio) if completes else state.comp
             state = replace(state, comp=comp, comp_frontier=frontier)
             if self.indexer is not None:
-                index = mx.slice_update(state.index, index_row, row_at, axes=(0,)) if completes else state.index
+                index = write_row(state.index, index_row, position, self.ratio) if completes else state.index
                 state = replace(state, index=index, index_frontier=index_frontier)
                 picked, valid = self.indexer.pick(q_a, index_proj, position, index, norm=q_norm)
         out = DECODE_ATTENTION(q, position, self.rope.inv_freq, raw, state.comp, picked, valid, self.sinks,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ds4_mlx.kernels.ends import HeadCollapse
 from ds4_mlx.kernels.hc import HCPostPre, HCPre, HCSplit, HCUpdate
 from ds4_mlx.model.norm import rms_norm
 
@@ -143,7 +144,17 @@ class HyperHead:
     norm_eps: float
 
     def __call__(self, streams: mx.array) -> mx.array:
-        flat = streams.reshape(streams.shape[0], -1)
-        mix = rms_norm(flat, None, self.norm_eps) @ self.fn.T
-        pre = mx.sigmoid(mix * self.scale[0] + self.base) + self.hc_eps
-        return mx.sum(pre[:, :, None] * streams, axis=1)
+        """streams (T, n_hc, D) -> (T, D); one launch for a decode token on GPU backends (kernels/ends.py)."""
+        return HEAD_COLLAPSE(streams, self.fn, self.scale, self.base, self.hc_eps, self.norm_eps)
+
+
+def head_collapse(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, hc_eps: float,
+                  norm_eps: float) -> mx.array:
+    """HyperHead's formula: the streams weighed by sigmoid(rms_norm(flat streams) @ fn.T * scale + base) + eps."""
+    flat = streams.reshape(streams.shape[0], -1)
+    mix = rms_norm(flat, None, norm_eps) @ fn.T
+    pre = mx.sigmoid(mix * scale[0] + base) + hc_eps
+    return mx.sum(pre[:, :, None] * streams, axis=1)
+
+
+HEAD_COLLAPSE = HeadCollapse(head_collapse)

@@ -210,6 +210,13 @@ class Linear:
         return self._half
 
     @property
+    def f16_words(self) -> mx.array | None:
+        """W's float16 values, as held: the float16 matrix, or an F16 tensor's file rows (OUT, 2 * IN) uint8."""
+        if self._half is not None:
+            return self._half
+        return self._raw if self._raw is not None and self.ggml_type == GGMLType.F16 else None
+
+    @property
     def nbytes(self) -> int:
         """Bytes held in memory: the affine arrays, the float16 or float32 matrix, or the raw blocks."""
         if self._affine is not None:

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from ds4_mlx.errors import RequestError
 from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.ends import EMBED_STREAMS
 from ds4_mlx.kernels.quants import dequantize
 from ds4_mlx.model.attention import Attention, Indexer
 from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
@@ -266,13 +267,22 @@ class Model:
         Returns the final streams (1, n_hc, n_embd), the logits (n_vocab,) and the new layer states. Traced once by
         `decode` and replayed for every token; nothing here reads a value back to the host.
         """
-        streams = mx.broadcast_to(self.embedding.rows(token)[:, None, :], (1, self.config.n_hc, self.config.n_embd))
+        streams = self.embed_streams(token)
         layers = list(layers)
         residual: mx.array | PendingPost = streams
         for layer, block in enumerate(self.blocks):  # each block's last post is applied with the next one's first pre
             residual, layers[layer] = block(residual, token, position, layers[layer], ends)
         streams = residual.apply()
         return streams, self.head(streams)[0], layers
+
+    def embed_streams(self, token: mx.array) -> mx.array:
+        """The streams (1, n_hc, n_embd) a decode token starts as: its embedding row in every stream (one launch
+        from a float16 table on GPU backends, kernels/ends.py)."""
+        table = self.embedding.f16_words
+        if table is None:
+            row = self.embedding.rows(token)
+            return mx.broadcast_to(row[:, None, :], (1, self.config.n_hc, self.config.n_embd))
+        return EMBED_STREAMS(table, token, self.config.n_hc)
 
     def decode(self, token: int | mx.array, cache: SessionCache) -> tuple[mx.array, mx.array]:
         """Feed one token through the compiled decode step; returns (final streams (1, n_hc, n_embd), logits).

@@ -1,0 +1,270 @@
+"""Greedy decoding on CUDA through graphs of our own: one launch a token instead of ~900 MLX nodes.
+
+MLX spends ~20 µs of host time per node of the compiled decode step on the H200, so its ~900 nodes take longer
+on the host than the GPU takes to run them (bench/RESULTS.md, session 10). Every node of the step that does work
+is one of our custom kernels, so the step can be recorded once per kind (`Model.ends`: which windows the token
+completes) and replayed as one CUDA graph (kernels/cudagraph.py): the launches as MLX made them, with the
+dependencies their address ranges give. The graph of a kind:
+
+1. LOAD_KERNEL reads the token and its position from page-locked host memory the host wrote before the launch;
+2. the step (`Model.step`), reading this decoder's copies of the arrays a step replaces (raw windows, compressor
+   frontiers) and the session's row buffers, which a completing step writes in place (`rows.write_row`);
+3. GREEDY_KERNEL writes the argmax of the logits (never `never`, the bench's EOS) to host memory;
+4. one copy launch puts the step's new raw windows and frontiers where the next step reads them.
+
+The host writes two ints, launches, and later reads one int. The cache the session holds stays as it was while the
+decoder runs; `leave` hands the decoder's state back as new arrays (so that no snapshot shares a buffer this
+decoder writes). The first launch of each kind is checked against the same step through MLX: logits within
+CHECK_TOLERANCE and the same token, else the decoder stands down (GraphCheckError) and the session carries on
+through MLX from the state it had.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from ..kernels import nvrtc
+from ..kernels.cudagraph import Driver, ReplayGraph, address
+from ..kernels.dialect import Kernel, build
+from .cache import SessionCache, unflatten_layers
+from .model import Model
+from .pinned import CudaRuntime
+
+LOAD_KERNEL = Kernel("ds4_graph_load", ("io",), ("token", "position"), """
+token[0] = io[0];
+position[0] = io[1];
+""")
+
+GREEDY_THREADS = 1024
+GREEDY_KERNEL = Kernel("ds4_graph_greedy", ("logits",), ("chosen",), """
+const int t = THREAD_IN_GROUP;
+SHARED float values[1024];
+SHARED int ids[1024];
+float best = 0.0f;
+int at = V;  // none yet (NEVER is V where every id may be chosen)
+for (int i = t; i < V; i += 1024) {
+  const float v = logits[i];
+  if (i != NEVER && v == v && (at == V || v > best)) {
+    best = v;
+    at = i;
+  }
+}
+values[t] = best;
+ids[t] = at;
+ds4_barrier();
+for (int s = 512; s > 0; s >>= 1) {
+  if (t < s) {
+    const float v = values[t + s];
+    const int i = ids[t + s];
+    if (i != V && (ids[t] == V || v > values[t] || (v == values[t] && i < ids[t]))) {
+      values[t] = v;
+      ids[t] = i;
+    }
+  }
+  ds4_barrier();
+}
+if (t == 0) {
+  chosen[0] = ids[0];
+}
+""")
+"""The lowest id of the largest logit (mx.argmax's choice), NaNs and `NEVER` left out."""
+
+COPY_BLOCKS = 8
+CHECK_TOLERANCE = 1e-4
+"""Relative to the largest logit. The graph runs the kernels MLX runs on the same inputs, so the logits agree to
+the rounding of the few kernels that sum with atomics in another order (none do today: they are equal)."""
+
+
+class GraphCheckError(RuntimeError):
+    """A graph's first step disagreed with MLX's; the decoder is not used again. `recovery`: the layer states,
+    logits and token count of that step as MLX made it, for the session to carry on from."""
+
+    def __init__(self, message: str, recovery: tuple[list, mx.array, int]) -> None:
+        super().__init__(message)
+        self.recovery = recovery
+
+
+def copy_kernel(sizes: Sequence[int]) -> Kernel:
+    """A launch copying float32 arrays s_i to d_i (sizes[i] values each): one row of threadgroups per array."""
+    cases = "\n".join(f"  case {i}: src = s{i}; dst = d{i}; n = N{i}; break;" for i in range(len(sizes)))
+    source = f"""
+const GLOBAL_MEM float* src = s0;
+GLOBAL_MEM float* dst = d0;
+int n = 0;
+switch (GROUP_Y) {{
+{cases}
+}}
+for (int i = GROUP_X * 256 + THREAD_IN_GROUP; i < n; i += 256 * {COPY_BLOCKS}) {{
+  dst[i] = src[i];
+}}
+"""
+    count = len(sizes)
+    return Kernel(f"ds4_graph_copy_{count}", tuple(f"s{i}" for i in range(count)),
+                  tuple(f"d{i}" for i in range(count)), source)
+
+
+def copy_into(sources: Sequence[mx.array], targets: Sequence[mx.array]) -> None:
+    """Records one launch copying each source into its target (bound: the replay writes the target itself)."""
+    if any(s.dtype != mx.float32 or s.shape != t.shape for s, t in zip(sources, targets)):
+        raise ValueError("the decoder copies float32 state arrays of equal shapes")
+    sizes = [s.size for s in sources]
+    outputs = build(copy_kernel(sizes), "cuda")(
+        inputs=list(sources), template=[(f"N{i}", n) for i, n in enumerate(sizes)],
+        grid=(256 * COPY_BLOCKS, len(sources), 1), threadgroup=(256, 1, 1),
+        output_shapes=[s.shape for s in sources], output_dtypes=[mx.float32] * len(sources))
+    for out, target in zip(outputs, targets):
+        nvrtc.bind(out, target)
+
+
+def row_buffers(cache: SessionCache) -> list[bool]:
+    """For each of the cache's arrays, whether it is a row buffer (written in place) rather than replaced."""
+    flags: list[bool] = []
+    for state in cache.layers:
+        flags.append(False)
+        for rows in (state.comp, state.index):
+            if rows is not None:
+                flags += [True, False, False]
+    return flags
+
+
+class GraphDecoder:
+    """Greedy decoding of one session's cache through CUDA graphs recorded from its model's decode step."""
+
+    def __init__(self, model: Model, cache: SessionCache, never: int | None) -> None:
+        self.model, self.never = model, never
+        self.driver = Driver.load()
+        self.stream = self.driver.new_stream()
+        runtime = CudaRuntime.load()
+        self.io_address = runtime.host_alloc(16)
+        self._free = lambda: runtime.free_host(self.io_address)
+        self.io = (ctypes.c_int32 * 4).from_address(self.io_address)
+        self.io_stand_in = mx.zeros((4,), dtype=mx.int32)
+        self.token, self.position = mx.zeros((1,), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
+        self.rows = row_buffers(cache)
+        self.state = [mx.zeros_like(a) for a, rows in zip(cache.arrays(), self.rows) if not rows]
+        mx.eval(self.io_stand_in, self.token, self.position, *self.state)
+        self.graphs: dict[tuple[int, ...], tuple[ReplayGraph, mx.array]] = {}
+        self.checked: set[tuple[int, ...]] = set()
+        self._rows_at: tuple[int, ...] = ()
+        self._row_arrays: list[mx.array] = []
+        self.position_next = 0
+        self.launched = False
+
+    def enter(self, cache: SessionCache) -> None:
+        """Takes the cache's state: its replaced arrays copied into the decoder's, its row buffers as they are
+        (graphs made for other row buffers are dropped)."""
+        arrays = cache.arrays()
+        row_arrays = [a for a, rows in zip(arrays, self.rows) if rows]
+        at = tuple(address(a) for a in row_arrays)
+        if at != self._rows_at:
+            self.close_graphs()
+            self._rows_at = at
+        self._row_arrays = row_arrays
+        mx.synchronize()
+        with nvrtc.recording() as recorded:
+            copy_into([a for a, rows in zip(arrays, self.rows) if not rows], self.state)
+        graph = ReplayGraph(self.driver, recorded.launches, bound=recorded.bound, stream=self.stream)
+        graph.launch()
+        graph.synchronize()
+        graph.close()
+        self.position_next = cache.n_tokens
+        self.launched = False
+
+    def launch(self, token: int) -> None:
+        """Feeds `token` at the next position (the graph of its kind; the first launch of a kind is checked)."""
+        kind = self.model.ends(self.position_next)
+        graph, logits = self._graph(kind)
+        want = self._reference(token, kind) if kind not in self.checked else None
+        self.io[0], self.io[1] = token, self.position_next
+        graph.launch()
+        if want is not None:
+            graph.synchronize()
+            self._check(logits, *want)
+            self.checked.add(kind)
+        self.position_next += 1
+        self.launched = True
+
+    def chosen(self) -> int:
+        """The token the last launch chose (waits for it)."""
+        self.synchronize()
+        return int(self.io[2])
+
+    def synchronize(self) -> None:
+        self.driver.synchronize(self.stream)
+
+    def logits(self) -> mx.array:
+        """A copy of the last launch's logits (waits for it)."""
+        self.synchronize()
+        _, logits = self.graphs[self.model.ends(self.position_next - 1)]
+        copy = logits * 1
+        mx.eval(copy)
+        return copy
+
+    def leave(self, cache: SessionCache) -> None:
+        """Hands the state back to `cache` as new arrays, at the position reached."""
+        self.synchronize()
+        own = iter(self.state)
+        rows = iter(self._row_arrays)
+        arrays = [next(rows) if is_rows else next(own) * 1 for is_rows in self.rows]
+        mx.eval(*arrays)
+        cache.layers, cache.n_tokens = unflatten_layers(self.model.config, arrays), self.position_next
+
+    def _layers(self) -> list:
+        own, rows = iter(self.state), iter(self._row_arrays)
+        return unflatten_layers(self.model.config, [next(rows) if is_rows else next(own) for is_rows in self.rows])
+
+    def _graph(self, kind: tuple[int, ...]) -> tuple[ReplayGraph, mx.array]:
+        if kind not in self.graphs:
+            layers = self._layers()
+            with nvrtc.recording() as recorded:
+                nvrtc.bind(self.io_stand_in, self.io_address)
+                token, position = build(LOAD_KERNEL, "cuda")(
+                    inputs=[self.io_stand_in], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                    output_shapes=[(1,), (1,)], output_dtypes=[mx.int32, mx.int32])
+                nvrtc.bind(token, self.token)
+                nvrtc.bind(position, self.position)
+                _, logits, new_layers = self.model.step(token, position, layers, kind)
+                (chosen,) = build(GREEDY_KERNEL, "cuda")(
+                    inputs=[logits], template=[("V", logits.size), ("NEVER", logits.size if self.never is None else self.never)],
+                    grid=(GREEDY_THREADS, 1, 1), threadgroup=(GREEDY_THREADS, 1, 1),
+                    output_shapes=[(1,)], output_dtypes=[mx.int32])
+                nvrtc.bind(chosen, self.io_address + 8)
+                new = [a for state in new_layers for a in state.arrays()]
+                copy_into([a for a, rows in zip(new, self.rows) if not rows], self.state)
+            mx.eval(logits, chosen, *new)
+            self.graphs[kind] = ReplayGraph(self.driver, recorded.launches, bound=recorded.bound,
+                                            stream=self.stream), logits
+        return self.graphs[kind]
+
+    def _reference(self, token: int, kind: tuple[int, ...]) -> tuple[mx.array, int, list]:
+        """The logits, greedy choice and new layer states MLX's step makes from the decoder's state (as new
+        arrays: nothing the decoder holds is written)."""
+        _, logits, layers = self.model.step(mx.array([token], dtype=mx.int32),
+                                            mx.array([self.position_next], dtype=mx.int32), self._layers(), kind)
+        masked = logits if self.never is None else mx.where(mx.arange(logits.size) == self.never, -mx.inf, logits)
+        choice = mx.argmax(masked)
+        mx.eval(logits, choice, *(a for state in layers for a in state.arrays()))
+        return logits, int(choice.item()), layers
+
+    def _check(self, got: mx.array, want: mx.array, choice: int, layers: list) -> None:
+        finite = mx.isfinite(want)
+        scale = mx.max(mx.abs(mx.where(finite, want, 0))).item()
+        error = mx.max(mx.abs(mx.where(finite, got - want, 0))).item()
+        if not error <= CHECK_TOLERANCE * max(scale, 1e-30) or int(self.io[2]) != choice:
+            raise GraphCheckError(f"the decode graph's first step differs from MLX's (logits off by {error:.3g} of "
+                                  f"{scale:.3g}; token {int(self.io[2])} against {choice})",
+                                  (layers, want, self.position_next + 1))
+
+    def close_graphs(self) -> None:
+        for graph, _ in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
+        self.checked.clear()
+
+    def close(self) -> None:
+        self.close_graphs()
+        self.driver.destroy_stream(self.stream)
+        self._free()

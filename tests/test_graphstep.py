@@ -1,0 +1,88 @@
+"""Greedy decoding through CUDA graphs of our own (model/graphstep.py): the same tokens and logits as MLX's step,
+the state handed back intact. The kernels it adds run on the CPU as CUDA text (emulated_cuda, slow); the decoder
+itself needs the GPU."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4_mlx.kernels.dialect import CUDA
+from ds4_mlx.model import graphstep
+from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.graphstep import GREEDY_KERNEL, LOAD_KERNEL, copy_kernel
+from ds4_mlx.model.model import Model
+from ds4_mlx.model.weights import open_weights
+from ds4_mlx.sampling import argmax
+from ds4_mlx.session import Session
+from emulated_cuda import emulated
+from test_kernels_hc import NEUTRAL_WORDS
+
+CTX = 1024
+
+
+@pytest.mark.parametrize("kernel", [LOAD_KERNEL, GREEDY_KERNEL, copy_kernel([8, 3])], ids=lambda k: k.name)
+def test_kernels_render_for_cuda(kernel):
+    source = CUDA.render(kernel.source)
+    assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", source + CUDA.header(kernel))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("never", [3000, 700], ids=["plain", "never"])
+def test_emulated_greedy_takes_the_lowest_id_of_the_largest_logit(tmp_path, never):
+    logits = np.random.default_rng(1).normal(size=3000).astype(np.float32)
+    logits[[5, 700, 2999]] = 9.0  # a tie: the lowest id wins
+    logits[11] = np.nan  # never chosen
+    run = emulated(GREEDY_KERNEL, {"V": 3000, "NEVER": never}, tmp_path)
+    (chosen,) = run([logits], [(1,)], (1, 1), 1024, [np.int32])
+    assert chosen[0] == 5
+    logits[5] = 0.0
+    (chosen,) = run([logits], [(1,)], (1, 1), 1024, [np.int32])
+    assert chosen[0] == (2999 if never == 700 else 700)
+
+
+@pytest.mark.slow
+def test_emulated_copy_moves_each_array(tmp_path):
+    a, b = np.arange(3000, dtype=np.float32), np.arange(5, dtype=np.float32) - 9
+    run = emulated(copy_kernel([3000, 5]), {"N0": 3000, "N1": 5}, tmp_path)
+    got = run([a, b], [(3000,), (5,)], (graphstep.COPY_BLOCKS, 2), 256)
+    assert np.array_equal(got[0], a) and np.array_equal(got[1], b)
+
+
+@pytest.mark.gpu
+def test_graph_decoding_equals_mlx_greedy_decoding(tmp_path):
+    """140 greedy tokens after a 124-token prompt (every kind of step: windows of 4 and of 128 end on the way)
+    through the decode graph, against MLX's step token by token; then the state handed back (a snapshot) decodes
+    on through MLX as the plain session does, and a chosen token taken back is chosen again."""
+    path = tmp_path / "small.gguf"
+    write_model(path, preset="small", experts="q2", vocab="small")
+    model = Model(open_weights(path))
+    prompt = [(7 * i + 3) % (model.config.n_vocab - 1) + 1 for i in range(124)]
+    plain, graph = Session(model, CTX), Session(model, CTX)
+    for session in (plain, graph):
+        session.prefill(prompt)
+    for _ in range(140):
+        plain.decode(argmax(plain.logits))
+        graph.confirm(int(graph.feed_chosen().item()))
+        assert graph.tokens == plain.tokens
+    assert graph._graph is not None and not graph._graph_failed and len(graph._graph.checked) == 3
+    scale = mx.max(mx.abs(plain.logits)).item()
+    assert mx.max(mx.abs(graph.logits - plain.logits)).item() <= 1e-4 * scale
+    token = int(graph.feed_chosen().item())
+    graph.take_back()
+    assert int(graph.feed_chosen().item()) == token
+    graph.take_back()
+    snap = graph.snapshot()  # hands the state back
+    assert snap.cache.n_tokens == plain.cache.n_tokens
+    for got, want in zip(graph.cache.arrays(), plain.cache.arrays()):
+        finite = mx.isfinite(want)
+        assert mx.array_equal(finite, mx.isfinite(got))
+        assert mx.max(mx.abs(mx.where(finite, got - want, 0))).item() <= 1e-4 * max(1.0, mx.max(mx.abs(
+            mx.where(finite, want, 0))).item())
+    for _ in range(6):
+        plain.decode(argmax(plain.logits))
+        graph.decode(argmax(graph.logits))
+        assert graph.tokens == plain.tokens
