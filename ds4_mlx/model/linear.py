@@ -210,10 +210,12 @@ class Linear:
         return self._half
 
     @property
-    def f16_words(self) -> mx.array | None:
-        """W's float16 values, as held: the float16 matrix, or an F16 tensor's file rows (OUT, 2 * IN) uint8."""
-        if self._half is not None:
-            return self._half
+    def table(self) -> mx.array | None:
+        """W as held where a row reads as it is: the float32 or float16 matrix, or an F16 tensor's file rows
+        (OUT, 2 * IN) uint8; None for the other forms."""
+        for held in (self._dense, self._half):
+            if held is not None:
+                return held
         return self._raw if self._raw is not None and self.ggml_type == GGMLType.F16 else None
 
     @property

@@ -273,12 +273,12 @@ class Model:
         for layer, block in enumerate(self.blocks):  # each block's last post is applied with the next one's first pre
             residual, layers[layer] = block(residual, token, position, layers[layer], ends)
         streams = residual.apply()
-        return streams, self.head(streams)[0], layers
+        return streams, self.head(streams).reshape(-1), layers  # a view: no gather to replay
 
     def embed_streams(self, token: mx.array) -> mx.array:
         """The streams (1, n_hc, n_embd) a decode token starts as: its embedding row in every stream (one launch
-        from a float16 table on GPU backends, kernels/ends.py)."""
-        table = self.embedding.f16_words
+        on GPU backends where the table's rows read as they are held, kernels/ends.py)."""
+        table = self.embedding.table
         if table is None:
             row = self.embedding.rows(token)
             return mx.broadcast_to(row[:, None, :], (1, self.config.n_hc, self.config.n_embd))
