@@ -33,7 +33,8 @@ from .sampling import argmax
 
 
 GRAPH_ENV = "DS4_GRAPH_DECODE"
-"""`off` keeps greedy decoding on MLX's compiled step on CUDA (model/graphstep.py is the default there)."""
+"""`on` sends greedy decoding on CUDA through the decode graph (model/graphstep.py); off by default while its
+first-step check still finds the graph's logits apart from MLX's on the device (bench/RESULTS.md, session 11)."""
 GRAPH_FED = "graph"
 """`_fed` while a token chosen by the decode graph awaits confirm (it is launched then) or take_back."""
 
@@ -175,8 +176,8 @@ class Session:
         Why: MLX records a decode step's ~900 graph nodes on the host, which takes about as long as the device
         takes to run them. Fed this way, the host builds a step while the device still runs the one before, instead of
         after reading its token back. Read the token (`.item()`), then `confirm` it, or `take_back` the step if
-        the stream stops there. Without an MTP block. On CUDA the step is one launch of a graph of our own
-        (model/graphstep.py): the token comes back chosen, and `confirm` launches its step.
+        the stream stops there. Without an MTP block. On CUDA with DS4_GRAPH_DECODE=on the step is one launch of a
+        graph of our own (model/graphstep.py): the token comes back chosen, and `confirm` launches its step.
         """
         if self.mtp is not None:
             raise ValueError("feed_chosen runs without an MTP block (speculate feeds ahead with one)")
@@ -242,12 +243,12 @@ class Session:
         return mx.argmax(logits + self._never_masks[never])
 
     def _graph_ready(self, never: int | None) -> bool:
-        """Whether greedy decoding runs through the decode graph now (entering it if need be): on CUDA, unless
-        DS4_GRAPH_DECODE=off, the reference kernel mode, or an earlier failure in this session."""
+        """Whether greedy decoding runs through the decode graph now (entering it if need be): on CUDA with
+        DS4_GRAPH_DECODE=on, outside the reference kernel mode, unless it failed before in this session."""
         if self._graph_on and self._graph.never == never:
             return True
         self._leave_graph()
-        if (self._graph_failed or os.environ.get(GRAPH_ENV, "on") == "off" or not on_cuda()
+        if (self._graph_failed or os.environ.get(GRAPH_ENV, "off") != "on" or not on_cuda()
                 or registry.mode() == "reference"):
             return False
         try:
