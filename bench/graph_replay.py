@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.kernels import nvrtc
-from ds4_mlx.kernels.cudagraph import Driver, ReplayGraph, is_row_contiguous
+from ds4_mlx.kernels.cudagraph import Driver, ReplayGraph, address, is_row_contiguous
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 from ds4_mlx.session import Session
@@ -45,6 +45,38 @@ def contiguous_inputs(launches: list[nvrtc.Launch]) -> tuple[list[nvrtc.Launch],
     return out, copies
 
 
+def record(model: Model, cache, token: int, position: int, ends: tuple[int, ...]) -> tuple[nvrtc.Recording, list]:
+    """One eager step's launches, and its outputs, evaluated."""
+    ids, at = mx.array([token], dtype=mx.int32), mx.array([position], dtype=mx.int32)
+    mx.eval(ids, at)
+    with nvrtc.recording() as recorded:
+        streams, logits, layers = model.step(ids, at, cache.layers, ends)
+    outputs = [streams, logits, *(a for state in layers for a in state.arrays())]
+    mx.eval(*outputs)
+    return recorded, [ids, at, *cache.arrays()]
+
+
+def made_outside(model: Model, cache, position: int) -> list[str]:
+    """The launch inputs that no recorded launch wrote and that are not the step's inputs, whose values change
+    with the token and position: values some op outside the recorded kernels made from them (a replay of the
+    launches alone would read them stale)."""
+    ends = model.ends(position)
+    (first, inputs), (second, _) = (record(model, cache, t, position + d, ends) for t, d in ((7, 0), (9, 1)))
+    if len(first.launches) != len(second.launches):
+        return [f"the two recordings launch {len(first.launches)} and {len(second.launches)} kernels"]
+    found = []
+    for launch, other in zip(first.launches, second.launches):
+        known = [(address(a), address(a) + a.nbytes) for a in inputs]
+        known += [(address(a), address(a) + a.nbytes) for earlier in first.launches for a in earlier.outputs]
+        for i, (a, b) in enumerate(zip(launch.inputs, other.inputs)):
+            start = address(a)
+            if any(s <= start < e for s, e in known):
+                continue
+            if not np.array_equal(host_copy(a), host_copy(b), equal_nan=True):
+                found.append(f"{launch.function} input {i} {a.shape} {a.dtype}")
+    return found
+
+
 def host_copy(array: mx.array) -> np.ndarray:
     return np.array(array.astype(mx.float32) if array.dtype == mx.bfloat16 else array, copy=True)
 
@@ -60,6 +92,10 @@ def main() -> int:
     session.prefill([i % 1000 + 5 for i in range(args.at)])
     cache = session.cache
     fed_ahead(model, cache)
+    outside = made_outside(model, cache, cache.n_tokens)
+    print(f"inputs made outside the recorded launches that change with the token: {len(outside)}")
+    for line in outside[:20]:
+        print("  " + line)
 
     position = cache.n_tokens
     token, at = mx.array([7], dtype=mx.int32), mx.array([position], dtype=mx.int32)

@@ -9,6 +9,7 @@
 #                  submit, wait, and the same through the session (bench/gpu_profile.py)
 #   replay[:N[:AT]] one recorded decode step over N layers (default 43) after AT tokens (default 2048) replayed as one
 #                  CUDA graph of our own, against MLX's step fed ahead (bench/graph_replay.py)
+#   diff[:N[:AT]]  where the decode graph first parts from MLX, launch by launch (bench/graph_diff.py)
 #   prefill        the same for one 4096-token prefill chunk (the session's chunk on CUDA)
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
@@ -157,6 +158,9 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
           --ctx-max 2048 --gen-tokens 32 --repeats 2 --json > "$out/knobs_$tag.json" 2> "$out/knobs_$tag.err"
         echo "${knob:-defaults}: $(figures "$out/knobs_$tag.json")"
       done ;;
+    diff*)
+      IFS=: read -r _ layers at <<< "$step:"; layers=${layers:-4}; at=${at:-2048}
+      timeout "$(left 5)" python3 bench/graph_diff.py --layers "$layers" --at "$at" 2>&1 | grep -v "warnings.warn" | tail -14 ;;
     replay*)
       IFS=: read -r _ layers at <<< "$step:"; layers=${layers:-43}; at=${at:-2048}
       timeout "$(left 5)" python3 bench/graph_replay.py --layers "$layers" --at "$at" 2>&1 | grep -v "warnings.warn" | tail -12 ;;

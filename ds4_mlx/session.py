@@ -231,6 +231,13 @@ class Session:
         self.cache.take_back(undo)
         self._fed = None
 
+    def prepare_greedy(self, never: int | None = None) -> bool:
+        """Readies greedy decoding (`feed_chosen` with this `never`) before the first token: on CUDA with
+        DS4_GRAPH_DECODE=on the decode graphs are recorded and checked now (for new row buffers, ~0.1 s a kind at
+        Flash size), not inside the first token. Returns whether tokens will go through them."""
+        self._check_none_fed()
+        return self.mtp is None and self._logits is not None and self._graph_ready(never)
+
     def _choose(self, never: int | None) -> mx.array:
         """The greedy choice from the logits on the device, never `never`."""
         logits = self._logits.reshape(-1)
@@ -258,7 +265,10 @@ class Session:
             if self._graph is None:
                 self._graph = GraphDecoder(self.model, self._cache, never)
             self._graph.enter(self._cache)
-        except (OSError, DriverError, CompileError, ValueError) as error:
+        except GraphCheckError as error:
+            self._graph_stand_down(str(error))
+            return False
+        except (OSError, DriverError, CompileError, ValueError, RuntimeError) as error:
             self._graph_stand_down(f"the decode graph could not be made ({error})")
             return False
         self._graph_token = int(self._choose(never).item())
@@ -268,13 +278,9 @@ class Session:
     def _launch_graph(self, token: int) -> None:
         try:
             self._graph.launch(token)
-        except GraphCheckError as error:  # the state of the step MLX made (the graph's first step of a kind)
-            self._graph_on = False
-            self._cache.layers, self._logits, self._cache.n_tokens = error.recovery
-            self._graph_stand_down(str(error))
-        except (OSError, DriverError, CompileError, ValueError, RuntimeError) as error:  # nothing was launched
+        except DriverError as error:  # nothing was launched
             self._leave_graph()
-            self._graph_stand_down(f"the decode graph could not be made ({error})")
+            self._graph_stand_down(f"the decode graph did not launch ({error})")
             self.decode(token)
             return
         self.tokens.append(token)

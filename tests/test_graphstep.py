@@ -13,7 +13,7 @@ import pytest
 from ds4_mlx.kernels.dialect import CUDA
 from ds4_mlx.model import graphstep
 from ds4_mlx.model.factory import write_model
-from ds4_mlx.model.graphstep import GREEDY_KERNEL, LOAD_KERNEL, copy_kernel
+from ds4_mlx.model.graphstep import GREEDY_KERNEL, LOAD_KERNEL, GraphDecoder, copy_kernel
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights
 from ds4_mlx.sampling import argmax
@@ -71,7 +71,7 @@ def test_graph_decoding_equals_mlx_greedy_decoding(tmp_path, monkeypatch):
         plain.decode(argmax(plain.logits))
         graph.confirm(int(graph.feed_chosen().item()))
         assert graph.tokens == plain.tokens
-    assert graph._graph is not None and not graph._graph_failed and len(graph._graph.checked) == 3
+    assert graph._graph is not None and not graph._graph_failed and len(graph._graph.graphs) == 3
     scale = mx.max(mx.abs(plain.logits)).item()
     assert mx.max(mx.abs(graph.logits - plain.logits)).item() <= 1e-4 * scale
     token = int(graph.feed_chosen().item())
@@ -89,3 +89,22 @@ def test_graph_decoding_equals_mlx_greedy_decoding(tmp_path, monkeypatch):
         plain.decode(argmax(plain.logits))
         graph.decode(argmax(graph.logits))
         assert graph.tokens == plain.tokens
+
+
+def test_small_arrays_get_copies_off_the_scalar_pool():
+    """Arrays of 8 bytes or fewer that the launches read or write, unless already bound, are bound to copies of
+    their values large enough to be allocated apart (MLX serves small arrays from shared managed pages)."""
+    from types import SimpleNamespace
+
+    from ds4_mlx.kernels import nvrtc
+
+    position, eps, big, token = mx.array([7], dtype=mx.int32), mx.array([1e-6, 0.5]), mx.zeros((4, 4)), \
+        mx.array([3], dtype=mx.int32)
+    launch = nvrtc.Launch(b"", "f", (1, 1, 1), (1, 1, 1), 0, (position, eps, big), (token,), True, None)
+    recorded = nvrtc.Recording([launch, launch], [(token, mx.zeros((1,), dtype=mx.int32))])
+    holder = SimpleNamespace(_moved=[])
+    moves = GraphDecoder._off_the_scalar_pool(holder, recorded)
+    assert [a is b for (a, _), b in zip(moves, (position, eps))] == [True, True] and len(moves) == 2
+    for (array, copy), whole in zip(moves, holder._moved, strict=True):
+        assert copy.nbytes == array.nbytes and mx.array_equal(copy, array)
+        assert whole.nbytes > graphstep.SCALAR_POOL_BYTES

@@ -258,3 +258,17 @@ def test_window_kernel_is_used_and_shifts_and_finishes(on_gpu, kernels_unforced,
     assert all(d.fast for d in FINISH_INTO_WINDOW.fast_path.decisions().values())
     assert mx.array_equal(got[:-1], args[-1][1:])
     assert_steady(got[-1:], FINISH_INTO_WINDOW.fast_path.reference(*args)[-1:], args[:-1])
+
+
+@pytest.mark.slow
+def test_emulated_kernel_rotates_at_the_aligned_position(monkeypatch, tmp_path):
+    """align (a compressed row at its window's first token): the launch forms position - position % align itself;
+    equal to the formula at the aligned positions."""
+    monkeypatch.setattr(rows, "build", emulated_build(tmp_path))
+    key = (512, 64, "weighted", RowQuant.KV_FP8, False, 4)
+    x, positions, rope, norm, quant, half, align = rows.FinishRows._probe(key)
+    got = FINISH_ROWS.fast_path.fast(x, positions, rope, norm, quant, half, align)
+    aligned = positions - positions % 4
+    assert_steady(got, FINISH_ROWS.fast_path.reference(x, aligned, rope, norm, quant, half), (x, aligned, rope, norm,
+                                                                                            quant, half))
+    assert not mx.array_equal(aligned, positions)

@@ -196,7 +196,7 @@ class ReplayGraph:
                 raise ValueError(f"{launch.function} takes an initial fill")
             if launch.row_contiguous and not all(is_row_contiguous(a) for a in launch.inputs):
                 raise ValueError(f"{launch.function} reads an array MLX would copy first (not row-contiguous)")
-        self.driver, self.launches = driver, list(launches)
+        self.driver, self.launches, self.bound = driver, list(launches), list(bound)
         moved = Moves(bound)
         arrays = [([moved.span(a) for a in launch.inputs], [moved.span(a) for a in launch.outputs])
                   for launch in launches]

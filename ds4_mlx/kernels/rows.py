@@ -94,7 +94,7 @@ if (NORM > 0) {
     v *= weight[i];
   }
 }
-v = rw_rope(v, i, W, NROT, positions[row / HEADS], inv_freq);
+v = rw_rope(v, i, W, NROT, positions[row / HEADS] - positions[row / HEADS] % ALIGN, inv_freq);
 if (QUANT == 1) {
   const float amax = ds4_simd_max(v < 0.0f ? -v : v);
   if (SIMD_LANE == 0) {
@@ -151,7 +151,7 @@ def fits(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant:
 
 
 def _launch(kernel: Kernel, args: tuple, rows: int, heads: int, shape: tuple[int, ...], *extra: mx.array,
-            constants: tuple[tuple[str, int], ...] = ()) -> mx.array:
+            constants: tuple[tuple[str, int], ...] = (), align: int = 1) -> mx.array:
     """One threadgroup per output row of `shape` (float32), each of one thread per value, finishing FinishRows's
     arguments `args` (x, positions, rope, norm, quant, round_half); `extra` inputs follow the five common ones and
     `constants` the common template. The row count is the grid's alone, no constant, so that chunks of every length
@@ -164,7 +164,7 @@ def _launch(kernel: Kernel, args: tuple, rows: int, heads: int, shape: tuple[int
         inputs=[x, weight, rope.inv_freq, positions.astype(mx.int32), eps, *extra],
         template=[("W", width), ("NROT", rope.n_rot), ("HEADS", heads),
                   ("NORM", NORMS.index(norm_kind(norm))), ("QUANT", int(quant)), ("ROUND_HALF", int(round_half)),
-                  *constants],
+                  ("ALIGN", align), *constants],
         grid=(rows * width, 1, 1), threadgroup=(width, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32],
     )
@@ -175,34 +175,44 @@ class FinishRows:
     """Norm, RoPE and quantisation simulation of rows in one launch, where the kernel passed its check."""
 
     def __init__(self, reference: Callable[..., mx.array]):
-        self.fast_path = FastPath("finish_rows", reference, self._kernel, self._probe, tolerance=TOLERANCE,
+        self._formula = reference
+        self.fast_path = FastPath("finish_rows", self._reference, self._kernel, self._probe, tolerance=TOLERANCE,
                                   backends=("cuda", "metal"))
 
     def __call__(self, x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None = None,
-                 quant: RowQuant = RowQuant.NONE, round_half: bool = False) -> mx.array:
+                 quant: RowQuant = RowQuant.NONE, round_half: bool = False, align: int = 1) -> mx.array:
         """x (T, ..., W), row t at positions[t] -> the same shape, float32: RMSNorm (`norm`), `rope`, `quant`, and
-        a float16 round with `round_half`. Rows the kernel does not take go to the reference."""
-        args = (x, positions, rope, norm, quant, round_half)
+        a float16 round with `round_half`. With `align`, row t is rotated at positions[t] less positions[t] % align
+        (a compressed row at its window's first token), worked out in the launch: an op of its own would be one
+        node more, and one a recorded step (kernels/cudagraph.py) would not replay. Rows the kernel does not take
+        go to the reference."""
+        args = (x, positions, rope, norm, quant, round_half, *((align,) if align != 1 else ()))
         if not fits(x, positions, rope, norm, quant):
             return self.fast_path.reference(*args)
-        return self.fast_path(*args, key=(x.shape[-1], rope.n_rot, norm_kind(norm), quant, round_half))
+        return self.fast_path(*args, key=(x.shape[-1], rope.n_rot, norm_kind(norm), quant, round_half, *args[6:]))
+
+    def _reference(self, x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant: RowQuant,
+                   round_half: bool, align: int = 1) -> mx.array:
+        return self._formula(x, positions - positions % align if align != 1 else positions, rope, norm, quant,
+                             round_half)
 
     @staticmethod
     def _kernel(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None, quant: RowQuant,
-                round_half: bool) -> mx.array:
+                round_half: bool, align: int = 1) -> mx.array:
         rows = x.size // x.shape[-1]
         return _launch(FINISH_KERNEL, (x, positions, rope, norm, quant, round_half), rows, rows // positions.size,
-                       x.shape)
+                       x.shape, align=align)
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
-        width, n_rot, kind, quant, round_half = key
+        width, n_rot, kind, quant, round_half, *align = key
         rope = RoPE(n_rot, 10000.0)  # the first pair's angle is the position itself: cos and sin of up to 1e6
         positions = mx.array([0, 37, 999_983], dtype=mx.int32)
         weight = mx.array(np.random.default_rng(71).uniform(0.5, 1.5, width).astype(np.float32))
         norm = None if kind == "none" else (None if kind == "unweighted" else weight, 1e-6)
-        x = steady_rows((3, 2, width), positions, rope, norm, quant, seed=72)
-        return x, positions, rope, norm, quant, round_half
+        rotated = positions - positions % align[0] if align else positions
+        x = steady_rows((3, 2, width), rotated, rope, norm, quant, seed=72)
+        return (x, positions, rope, norm, quant, round_half, *align)
 
 
 class FinishIntoWindow:

@@ -127,12 +127,12 @@ class Compressor:
     def _stepped(self, stepped: tuple[mx.array, mx.array, mx.array], position: mx.array) -> tuple[mx.array, Frontier]:
         """(pooled row, frontier kv, frontier score) of a step at `position` -> its finished row and frontier."""
         pooled, kv, score = stepped
-        first = position - position % self.ratio  # the row's position: its window's first token
-        return self._finish(pooled, first), Frontier(kv, score)
+        return self._finish(pooled, position, align=self.ratio), Frontier(kv, score)  # at its window's first token
 
-    def _finish(self, pooled: mx.array, positions: mx.array) -> mx.array:
-        """Pooled rows (n, width) at their positions (n,), finished: norm, RoPE, quantisation simulation."""
-        return FINISH_ROWS(pooled, positions, self.rope, (self.norm, self.eps), self.quant, False)
+    def _finish(self, pooled: mx.array, positions: mx.array, align: int = 1) -> mx.array:
+        """Pooled rows (n, width) at their positions (n,) (less positions % align), finished: norm, RoPE,
+        quantisation simulation."""
+        return FINISH_ROWS(pooled, positions, self.rope, (self.norm, self.eps), self.quant, False, align=align)
 
 
 def pool_step(kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.array, frontier_score: mx.array,

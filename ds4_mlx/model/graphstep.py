@@ -14,9 +14,9 @@ dependencies their address ranges give. The graph of a kind:
 
 The host writes two ints, launches, and later reads one int. The cache the session holds stays as it was while the
 decoder runs; `leave` hands the decoder's state back as new arrays (so that no snapshot shares a buffer this
-decoder writes). The first launch of each kind is checked against the same step through MLX: logits within
-CHECK_TOLERANCE and the same token, else the decoder stands down (GraphCheckError) and the session carries on
-through MLX from the state it had.
+decoder writes). When the graphs are made (for each set of row buffers), each kind's is launched once and checked
+against the same step through MLX: logits within CHECK_TOLERANCE and the same token, else the decoder stands down
+(GraphCheckError) and the session decodes through MLX from the state it had.
 
 Status (session 11, bench/RESULTS.md): off unless DS4_GRAPH_DECODE=on. A recorded step replayed on its own inputs
 gives MLX's outputs bit for bit at 11.4 ms a token (87.5 t/s, 43 layers at 2k, against 13.6 ms for MLX's step in
@@ -28,6 +28,7 @@ kernel. Finding it is the next step.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -78,6 +79,10 @@ if (t == 0) {
 """)
 """The lowest id of the largest logit (mx.argmax's choice), NaNs and `NEVER` left out."""
 
+SCALAR_POOL_BYTES = 8
+"""MLX's CUDA allocator serves arrays of this many bytes or fewer from one pool of managed memory."""
+PADDED = 16
+"""Values in the decoder's own copies of small arrays: 64 bytes or more, out of the pool."""
 COPY_BLOCKS = 8
 CHECK_TOLERANCE = 1e-4
 """Relative to the largest logit. The graph runs the kernels MLX runs on the same inputs, so the logits agree to
@@ -85,12 +90,7 @@ the rounding of the few kernels that sum with atomics in another order (none do 
 
 
 class GraphCheckError(RuntimeError):
-    """A graph's first step disagreed with MLX's; the decoder is not used again. `recovery`: the layer states,
-    logits and token count of that step as MLX made it, for the session to carry on from."""
-
-    def __init__(self, message: str, recovery: tuple[list, mx.array, int]) -> None:
-        super().__init__(message)
-        self.recovery = recovery
+    """A graph's check step disagreed with MLX's; the decoder is not used again."""
 
 
 def copy_kernel(sizes: Sequence[int]) -> Kernel:
@@ -148,48 +148,65 @@ class GraphDecoder:
         self._free = lambda: runtime.free_host(self.io_address)
         self.io = (ctypes.c_int32 * 4).from_address(self.io_address)
         self.io_stand_in = mx.zeros((4,), dtype=mx.int32)
-        self.token, self.position = mx.zeros((1,), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
+        self.token, self.position = (mx.zeros((PADDED,), dtype=mx.int32) for _ in range(2))  # off the scalar pool
+        self._moved: list[mx.array] = []
         self.rows = row_buffers(cache)
         self.state = [mx.zeros_like(a) for a, rows in zip(cache.arrays(), self.rows) if not rows]
         mx.eval(self.io_stand_in, self.token, self.position, *self.state)
         self.graphs: dict[tuple[int, ...], tuple[ReplayGraph, mx.array]] = {}
-        self.checked: set[tuple[int, ...]] = set()
         self._rows_at: tuple[int, ...] = ()
         self._row_arrays: list[mx.array] = []
         self.position_next = 0
         self.launched = False
 
     def enter(self, cache: SessionCache) -> None:
-        """Takes the cache's state: its replaced arrays copied into the decoder's, its row buffers as they are
-        (graphs made for other row buffers are dropped)."""
+        """Takes the cache's state: its replaced arrays copied into the decoder's, its row buffers as they are.
+        For row buffers it has no graphs of, every kind's graph is recorded and checked first (GraphCheckError:
+        one disagreed with MLX's step; the cache is as it was)."""
         arrays = cache.arrays()
         row_arrays = [a for a, rows in zip(arrays, self.rows) if rows]
         at = tuple(address(a) for a in row_arrays)
+        self._row_arrays = row_arrays
+        self.position_next = cache.n_tokens
+        self.launched = False
+        mx.synchronize()
+        self._copy_in(arrays)
         if at != self._rows_at:
             self.close_graphs()
+            for kind in sorted({self.model.ends(n) for n in range(math.lcm(*self.model.ratios))}):
+                self._graph(kind)
+                self._check_kind(kind)
             self._rows_at = at
-        self._row_arrays = row_arrays
-        mx.synchronize()
+            self._copy_in(arrays)  # the checks' steps wrote the decoder's state
+
+    def _copy_in(self, arrays: Sequence[mx.array]) -> None:
         with nvrtc.recording() as recorded:
             copy_into([a for a, rows in zip(arrays, self.rows) if not rows], self.state)
         graph = ReplayGraph(self.driver, recorded.launches, bound=recorded.bound, stream=self.stream)
         graph.launch()
         graph.synchronize()
         graph.close()
-        self.position_next = cache.n_tokens
-        self.launched = False
 
-    def launch(self, token: int) -> None:
-        """Feeds `token` at the next position (the graph of its kind; the first launch of a kind is checked)."""
-        kind = self.model.ends(self.position_next)
-        graph, logits = self._graph(kind)
-        want = self._reference(token, kind) if kind not in self.checked else None
+    def _check_kind(self, kind: tuple[int, ...], token: int = 1) -> None:
+        """One launch of the kind's graph at the next position against MLX's step from the same state. The row a
+        completing kind writes lies past the live rows (the step at that position writes it again)."""
+        graph, logits = self.graphs[kind]
+        want, choice = self._reference(token, kind)
         self.io[0], self.io[1] = token, self.position_next
         graph.launch()
-        if want is not None:
-            graph.synchronize()
-            self._check(logits, *want)
-            self.checked.add(kind)
+        graph.synchronize()
+        finite = mx.isfinite(want)
+        scale = mx.max(mx.abs(mx.where(finite, want, 0))).item()
+        error = mx.max(mx.abs(mx.where(finite, logits - want, 0))).item()
+        if not error <= CHECK_TOLERANCE * max(scale, 1e-30) or int(self.io[2]) != choice:
+            raise GraphCheckError(f"the decode graph of steps {kind or '()'} differs from MLX's step (logits off by "
+                                  f"{error:.3g} of {scale:.3g}; token {int(self.io[2])} against {choice})")
+
+    def launch(self, token: int) -> None:
+        """Feeds `token` at the next position (the graph of its kind)."""
+        graph, _ = self.graphs[self.model.ends(self.position_next)]
+        self.io[0], self.io[1] = token, self.position_next
+        graph.launch()
         self.position_next += 1
         self.launched = True
 
@@ -230,8 +247,8 @@ class GraphDecoder:
                 token, position = build(LOAD_KERNEL, "cuda")(
                     inputs=[self.io_stand_in], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                     output_shapes=[(1,), (1,)], output_dtypes=[mx.int32, mx.int32])
-                nvrtc.bind(token, self.token)
-                nvrtc.bind(position, self.position)
+                nvrtc.bind(token, self.token[:1])
+                nvrtc.bind(position, self.position[:1])
                 _, logits, new_layers = self.model.step(token, position, layers, kind)
                 (chosen,) = build(GREEDY_KERNEL, "cuda")(
                     inputs=[logits], template=[("V", logits.size), ("NEVER", logits.size if self.never is None else self.never)],
@@ -241,34 +258,41 @@ class GraphDecoder:
                 new = [a for state in new_layers for a in state.arrays()]
                 copy_into([a for a, rows in zip(new, self.rows) if not rows], self.state)
             mx.eval(logits, chosen, *new)
-            self.graphs[kind] = ReplayGraph(self.driver, recorded.launches, bound=recorded.bound,
-                                            stream=self.stream), logits
+            bound = recorded.bound + self._off_the_scalar_pool(recorded)
+            self.graphs[kind] = ReplayGraph(self.driver, recorded.launches, bound=bound, stream=self.stream), logits
         return self.graphs[kind]
 
-    def _reference(self, token: int, kind: tuple[int, ...]) -> tuple[mx.array, int, list]:
-        """The logits, greedy choice and new layer states MLX's step makes from the decoder's state (as new
-        arrays: nothing the decoder holds is written)."""
-        _, logits, layers = self.model.step(mx.array([token], dtype=mx.int32),
-                                            mx.array([self.position_next], dtype=mx.int32), self._layers(), kind)
+    def _off_the_scalar_pool(self, recorded: nvrtc.Recording) -> list[tuple[mx.array, mx.array]]:
+        """Each array of SCALAR_POOL_BYTES or fewer the launches read or write, bound to a copy of its own.
+
+        MLX keeps such arrays on shared pages of managed memory (its allocator's scalar pool), which the host
+        touches whenever it makes a small array (a token, `.item()`): each touch moves the page to the host, and the
+        GPU's next access to any value on it faults it back. That slowed MLX's step once (a router's counter,
+        bench/RESULTS.md, session 10); a graph reads the position, the token and small constants in hundreds of
+        launches. One suspect of the decoder's 6.8 tokens/s in session 11 (not measured since)."""
+        bound = {id(a) for a, _ in recorded.bound}
+        small = {id(a): a for launch in recorded.launches for a in (*launch.inputs, *launch.outputs)
+                 if a.nbytes <= SCALAR_POOL_BYTES and id(a) not in bound}
+        copies = [mx.concatenate([a.reshape(-1), mx.zeros((PADDED,), dtype=a.dtype)]) for a in small.values()]
+        mx.eval(*copies)
+        self._moved += copies
+        return [(a, copy[: a.size]) for a, copy in zip(small.values(), copies)]
+
+    def _reference(self, token: int, kind: tuple[int, ...]) -> tuple[mx.array, int]:
+        """The logits and greedy choice MLX's step makes from the decoder's state (nothing of it is written)."""
+        _, logits, _ = self.model.step(mx.array([token], dtype=mx.int32),
+                                       mx.array([self.position_next], dtype=mx.int32), self._layers(), kind)
         masked = logits if self.never is None else mx.where(mx.arange(logits.size) == self.never, -mx.inf, logits)
         choice = mx.argmax(masked)
-        mx.eval(logits, choice, *(a for state in layers for a in state.arrays()))
-        return logits, int(choice.item()), layers
-
-    def _check(self, got: mx.array, want: mx.array, choice: int, layers: list) -> None:
-        finite = mx.isfinite(want)
-        scale = mx.max(mx.abs(mx.where(finite, want, 0))).item()
-        error = mx.max(mx.abs(mx.where(finite, got - want, 0))).item()
-        if not error <= CHECK_TOLERANCE * max(scale, 1e-30) or int(self.io[2]) != choice:
-            raise GraphCheckError(f"the decode graph's first step differs from MLX's (logits off by {error:.3g} of "
-                                  f"{scale:.3g}; token {int(self.io[2])} against {choice})",
-                                  (layers, want, self.position_next + 1))
+        mx.eval(logits, choice)
+        return logits, int(choice.item())
 
     def close_graphs(self) -> None:
         for graph, _ in self.graphs.values():
             graph.close()
         self.graphs.clear()
-        self.checked.clear()
+        self._moved.clear()
+        self._rows_at = ()
 
     def close(self) -> None:
         self.close_graphs()
