@@ -59,9 +59,10 @@ def record(model: Model, cache, token: int, position: int, ends: tuple[int, ...]
 def made_outside(model: Model, cache, position: int) -> list[str]:
     """The launch inputs that no recorded launch wrote and that are not the step's inputs, whose values change
     with the token and position: values some op outside the recorded kernels made from them (a replay of the
-    launches alone would read them stale)."""
+    launches alone would read them stale). The second position is in other compression windows of every ratio (a
+    window's start is such a value)."""
     ends = model.ends(position)
-    (first, inputs), (second, _) = (record(model, cache, t, position + d, ends) for t, d in ((7, 0), (9, 1)))
+    (first, inputs), (second, _) = (record(model, cache, t, position + d, ends) for t, d in ((7, 0), (9, 129)))
     if len(first.launches) != len(second.launches):
         return [f"the two recordings launch {len(first.launches)} and {len(second.launches)} kernels"]
     found = []

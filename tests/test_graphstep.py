@@ -53,8 +53,8 @@ def test_emulated_copy_moves_each_array(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="session 11 on the H200: the graph's first step differs from MLX's (logits "
-                   "off by 1.86 of 3.24), so the decoder stands down; bench/RESULTS.md")
+@pytest.mark.xfail(strict=True, reason="session 11 on the H200: on this preset the graph's check step differs from "
+                   "MLX's (logits off by 1.86 of 3.24), so the decoder stands down; bench/RESULTS.md")
 def test_graph_decoding_equals_mlx_greedy_decoding(tmp_path, monkeypatch):
     """140 greedy tokens after a 124-token prompt (every kind of step: windows of 4 and of 128 end on the way)
     through the decode graph, against MLX's step token by token; then the state handed back (a snapshot) decodes

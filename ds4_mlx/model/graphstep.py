@@ -20,9 +20,8 @@ against the same step through MLX: logits within CHECK_TOLERANCE and the same to
 
 Status (session 11, bench/RESULTS.md): off unless DS4_GRAPH_DECODE=on. A recorded step replayed on its own inputs
 gives MLX's outputs bit for bit at 11.4 ms a token (87.5 t/s, 43 layers at 2k, against 13.6 ms for MLX's step in
-the same process); driven by new tokens here, the first-step check still finds the logits apart (0.05 of 3.7 on
-the Flash layout, 1.9 of 3.2 on the small preset): some value of the step is still made outside a recorded
-kernel. Finding it is the next step.
+the same process). Driven by new tokens, the graphs pass their checks on the Flash layout but decoded at 6.8 t/s
+(unexplained), and the small preset's check fails.
 """
 
 from __future__ import annotations
