@@ -361,7 +361,8 @@ def test_recording_lists_each_launch_with_its_cubin_dims_and_arrays(use_route, l
     with nvrtc.recording() as later:
         assert nvrtc.is_recording()
     nvrtc.bind(y, x)  # outside a recording: nothing to note
-    assert later.launches == [] and len(recorded) == 2 and recording.bound == [(z, x)]  # the block ended: nothing more was added
+    # the block ended: nothing more was added
+    assert later.launches == [] and len(recorded) == 2 and recording.bound == [(z, x)]
 
 
 def test_launch_dims_follow_mlx():

@@ -182,10 +182,11 @@ class _Module:
 
 
 class ReplayGraph:
-    """Recorded launches as one instantiated CUDA graph on a stream of its own: `launch()` runs them all, in the
-    order and with the overlap their dependencies allow (`chain=True`: each after the one before, as one stream
-    runs them). Graphs launched on one `stream` run one after the other. Launches must come from our cubins, read row-contiguous arrays (or make none contiguous), and take
-    no initial fill: anything else is refused with ValueError before any graph is made."""
+    """Recorded launches as one instantiated CUDA graph: `launch()` runs them all, in the order and with the
+    overlap their dependencies allow (`chain=True`: each after the one before, as one stream runs them). Graphs
+    launched on one `stream` run one after the other; `bound` places arrays in other buffers (`nvrtc.bind`).
+    Launches must come from our cubins, read row-contiguous arrays (or make none contiguous), and take no initial
+    fill: anything else is refused with ValueError before any graph is made."""
 
     def __init__(self, driver: Driver, launches: Sequence[Launch], chain: bool = False,
                  bound: Sequence[tuple[mx.array, mx.array | int]] = (), stream: int | None = None) -> None:

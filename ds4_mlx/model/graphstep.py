@@ -249,8 +249,9 @@ class GraphDecoder:
                 nvrtc.bind(token, self.token[:1])
                 nvrtc.bind(position, self.position[:1])
                 _, logits, new_layers = self.model.step(token, position, layers, kind)
+                never = logits.size if self.never is None else self.never
                 (chosen,) = build(GREEDY_KERNEL, "cuda")(
-                    inputs=[logits], template=[("V", logits.size), ("NEVER", logits.size if self.never is None else self.never)],
+                    inputs=[logits], template=[("V", logits.size), ("NEVER", never)],
                     grid=(GREEDY_THREADS, 1, 1), threadgroup=(GREEDY_THREADS, 1, 1),
                     output_shapes=[(1,)], output_dtypes=[mx.int32])
                 nvrtc.bind(chosen, self.io_address + 8)
