@@ -3,6 +3,7 @@ address ranges they read and write. The driver itself needs a GPU (bench/graph_r
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import mlx.core as mx
@@ -59,3 +60,50 @@ def test_bound_arrays_and_their_views_move_to_the_target():
     assert moves.span(other) == (4096, 4108) and moves.span(rows) == (address(rows), address(rows) + 128)
     with pytest.raises(ValueError, match="bound to one of"):
         Moves([(other, rows)])
+
+
+class FakeDriver:
+    """Stands in for the CUDA driver: hands out handles and keeps each kernel node's launch, parameters (the
+    addresses the kernel is given) and dependencies."""
+
+    def __init__(self):
+        self.nodes: list[dict] = []
+        self.lib = None
+
+    def new_stream(self) -> int:
+        return 1
+
+    def destroy_stream(self, stream: int) -> None:
+        pass
+
+    def handle(self, function: str, *args) -> int:
+        if function == "cuGraphAddKernelNode_v2":
+            params = args[3]._obj
+            deps = ctypes.cast(args[1], ctypes.POINTER(ctypes.c_void_p))
+            pointers = ctypes.cast(params.params, ctypes.POINTER(ctypes.c_void_p))
+            self.nodes.append({"params": pointers, "deps": [deps[i] for i in range(args[2])],
+                               "grid": tuple(params.grid), "block": tuple(params.block)})
+            return 1000 + len(self.nodes)
+        return 7
+
+
+def test_replay_graph_gives_each_launch_moved_addresses_and_its_dependencies():
+    """A launch writing a bound array writes its target; a later reader of that array reads the target and waits
+    for the writer; independent launches wait for nothing."""
+    from ds4_mlx.kernels.cudagraph import ReplayGraph
+    from ds4_mlx.kernels.nvrtc import Launch
+
+    rows, out, x, y = mx.zeros((4, 8)), mx.zeros((4, 8)), mx.ones((8,)), mx.ones((8,))
+    mx.eval(rows, out, x, y)
+    writer = Launch(b"cubin", "write", (2, 1, 1), (32, 1, 1), 0, (x,), (out,), True, None)
+    other = Launch(b"cubin", "other", (1, 1, 1), (32, 1, 1), 0, (x,), (y,), True, None)
+    reader = Launch(b"cubin", "read", (1, 1, 1), (64, 1, 1), 0, (out[1:],), (mx.zeros((3, 8)),), True, None)
+    mx.eval(*reader.outputs)
+    driver = FakeDriver()
+    graph = ReplayGraph(driver, [writer, other, reader], bound=[(out, rows)])
+    first, second, third = driver.nodes
+    given = lambda node, i: ctypes.cast(node["params"][i], ctypes.POINTER(ctypes.c_void_p))[0]
+    assert given(first, 0) == address(x) and given(first, 1) == address(rows)  # written in place of `out`
+    assert given(third, 0) == address(rows) + 32  # the view of `out` read from the target
+    assert first["deps"] == [] and second["deps"] == [] and third["deps"] == [1001]
+    assert first["grid"] == (2, 1, 1) and third["block"] == (64, 1, 1) and graph.edges == 1
