@@ -108,3 +108,72 @@ def test_small_arrays_get_copies_off_the_scalar_pool():
     for (array, copy), whole in zip(moves, holder._moved, strict=True):
         assert copy.nbytes == array.nbytes and mx.array_equal(copy, array)
         assert whole.nbytes > graphstep.SCALAR_POOL_BYTES
+
+
+class StandInDecoder:
+    """GraphDecoder's part in the session, played by MLX's own step on a private cache: what the session does
+    around a decoder (enter, launch on confirm, read the choice, hand the state back) runs on the CPU."""
+
+    def __init__(self, model: Model, cache, never: int | None) -> None:
+        self.model, self.never, self.launched, self.entries = model, never, False, 0
+        self.cache = model.new_cache(cache.ctx)
+
+    def enter(self, cache) -> None:
+        self.cache.restore(cache.snapshot())
+        self.entries += 1
+
+    def launch(self, token: int) -> None:
+        _, self._logits = self.model.decode(token, self.cache)
+        masked = self._logits if self.never is None else mx.where(
+            mx.arange(self._logits.size) == self.never, -mx.inf, self._logits)
+        self._chosen = int(mx.argmax(masked).item())
+        self.launched = True
+
+    def chosen(self) -> int:
+        return self._chosen
+
+    def logits(self) -> mx.array:
+        return self._logits
+
+    def leave(self, cache) -> None:
+        cache.restore(self.cache.snapshot())
+
+    def close(self) -> None:
+        pass
+
+
+def test_session_decodes_through_a_decoder_as_plain_greedy_decoding(monkeypatch, tmp_path):
+    """With a decoder in use (DS4_GRAPH_DECODE=on, here on the CPU through a stand-in), feed_chosen / confirm /
+    take_back give plain greedy decoding's tokens and logits, `never` is never chosen, and a snapshot (which hands
+    the state back) decodes on through MLX as the plain session does."""
+    from ds4_mlx import session as session_module
+
+    monkeypatch.setenv("DS4_GRAPH_DECODE", "on")
+    monkeypatch.setattr(session_module, "on_cuda", lambda: True)
+    monkeypatch.setattr(session_module, "GraphDecoder", StandInDecoder)
+    path = tmp_path / "tiny.gguf"
+    write_model(path, preset="tiny", experts="q2", vocab="small")
+    model = Model(open_weights(path))
+    prompt = [(5 * i + 2) % (model.config.n_vocab - 1) + 1 for i in range(40)]
+    plain, graph = Session(model, 256), Session(model, 256)
+    for session in (plain, graph):
+        session.prefill(prompt)
+    never = argmax(plain.logits)  # the token greedy decoding would take first: never chosen here
+    assert graph.prepare_greedy(never=never)
+    for step in range(8):
+        masked = mx.where(mx.arange(plain.logits.size) == never, -mx.inf, plain.logits)
+        plain.decode(argmax(masked))
+        token = int(graph.feed_chosen(never=never).item())
+        if step == 3:  # taken back, the same token is chosen again
+            graph.take_back()
+            assert int(graph.feed_chosen(never=never).item()) == token
+        graph.confirm(token)
+        assert graph.tokens == plain.tokens and token != never
+        assert mx.array_equal(graph.logits, plain.logits)
+    assert graph._graph.entries == 1  # reading the logits did not hand the state back
+    snap = graph.snapshot()
+    assert snap.cache.n_tokens == plain.cache.n_tokens == len(plain.tokens)
+    for _ in range(3):
+        plain.decode(argmax(plain.logits))
+        graph.decode(argmax(graph.logits))
+    assert graph.tokens == plain.tokens and mx.array_equal(graph.logits, plain.logits)
