@@ -51,6 +51,35 @@ def graph_nodes(arrays: Sequence[mx.array]) -> dict[str, str]:
     return nodes
 
 
+_EDGE = re.compile(r'^(\S+) -> (\S+)', re.MULTILINE)
+
+
+def ops_after_kernels(arrays: Sequence[mx.array]) -> Counter[str]:
+    """The primitives in the arrays' unevaluated graph that are neither views nor custom kernels and take, directly
+    or through other nodes, the output of a custom kernel: MLX ops on values a step computes. A step recorded for a
+    CUDA graph of our own (model/graphstep.py) must hold none, since only its kernels are replayed. (An op that
+    reads a step's input array directly is not seen here: the graph's check step finds those.)"""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "graph.dot"
+        mx.export_to_dot(str(path), *arrays)
+        text = path.read_text()
+    names = dict(_NODE.findall(text))
+    if registry.planned() is not None:
+        names = {node: STAND_IN if name == "Depends" else name for node, name in names.items()}
+    after: dict[str, list[str]] = {}
+    for source, target in _EDGE.findall(text):
+        after.setdefault(source.strip('"'), []).append(target.strip('"'))
+    seen: set[str] = set()
+    todo = [node for node, name in names.items() if name == STAND_IN]
+    while todo:
+        node = todo.pop()
+        for nxt in after.get(node, []):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return Counter(names[n] for n in seen if n in names and names[n] != STAND_IN and names[n] not in VIEWS)
+
+
 def decode_step_ops(model: Model, cache: SessionCache, token: int = 0) -> dict:
     """Primitives in the graph of one decode step of `token` at the cache's position, as `Model.decode` runs it
     (the compiled step: its fused elementwise kernels count once each); the cache is left as it was.

@@ -18,10 +18,13 @@ decoder writes). When the graphs are made (for each set of row buffers), each ki
 against the same step through MLX: logits within CHECK_TOLERANCE and the same token, else the decoder stands down
 (GraphCheckError) and the session decodes through MLX from the state it had.
 
+A step that holds MLX ops on the values it computes (`graph.ops_after_kernels`: a fast path that fell back to its
+reference, say) is refused before any graph is made: only kernels are replayed.
+
 Status (session 11, bench/RESULTS.md): off unless DS4_GRAPH_DECODE=on. A recorded step replayed on its own inputs
 gives MLX's outputs bit for bit at 11.4 ms a token (87.5 t/s, 43 layers at 2k, against 13.6 ms for MLX's step in
-the same process). Driven by new tokens, the graphs pass their checks on the Flash layout but decoded at 6.8 t/s
-(unexplained), and the small preset's check fails.
+the same process). Driven by new tokens, the graphs pass their checks on the Flash layout but decoded at 6.8 t/s,
+most likely from GPU writes to MLX's scalar pool (`_off_the_scalar_pool`, added after that run, not yet measured).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ..kernels import nvrtc
 from ..kernels.cudagraph import Driver, ReplayGraph, address
 from ..kernels.dialect import Kernel, build
 from .cache import SessionCache, unflatten_layers
+from .graph import ops_after_kernels
 from .model import Model
 from .pinned import CudaRuntime
 
@@ -257,6 +261,10 @@ class GraphDecoder:
                 nvrtc.bind(chosen, self.io_address + 8)
                 new = [a for state in new_layers for a in state.arrays()]
                 copy_into([a for a, rows in zip(new, self.rows) if not rows], self.state)
+            ops = ops_after_kernels([chosen, *new])
+            if ops:
+                raise ValueError(f"the step holds MLX ops on computed values, which a graph does not replay: "
+                                 f"{dict(ops.most_common(6))}")
             mx.eval(logits, chosen, *new)
             bound = recorded.bound + self._off_the_scalar_pool(recorded)
             self.graphs[kind] = ReplayGraph(self.driver, recorded.launches, bound=bound, stream=self.stream), logits
