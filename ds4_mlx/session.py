@@ -33,8 +33,8 @@ from .sampling import argmax
 
 
 GRAPH_ENV = "DS4_GRAPH_DECODE"
-"""`on` sends greedy decoding on CUDA through the decode graph (model/graphstep.py); off by default while its
-first-step check still finds the graph's logits apart from MLX's on the device (bench/RESULTS.md, session 11)."""
+"""`on` sends greedy decoding on CUDA through the decode graphs (model/graphstep.py); off by default until they are
+measured faster than MLX's step (they ran at 6.8 t/s against 68 in session 11, bench/RESULTS.md)."""
 GRAPH_FED = "graph"
 """`_fed` while a token chosen by the decode graph awaits confirm (it is launched then) or take_back."""
 
@@ -121,13 +121,13 @@ class Session:
     def reset(self) -> None:
         """Forget everything: an empty cache at position 0."""
         self._leave_graph()
-        self._fed = None
         self.tokens: list[int] = []
         self.cache = self.model.new_cache(self.ctx)
         self.logits: mx.array | None = None
         self.mtp_cache = self.mtp.new_cache() if self.mtp is not None else None
         self._block_start: Snapshot | None = None  # the state before the last speculative block, for `rewind`
-        self._fed: tuple[StepUndo, mx.array | None] | None = None  # a token fed by `feed_chosen`, not yet confirmed
+        # a token fed by `feed_chosen`, not yet confirmed: its undo point, or GRAPH_FED
+        self._fed: tuple[StepUndo, mx.array | None] | str | None = None
 
     @property
     def room(self) -> int:
@@ -233,8 +233,8 @@ class Session:
 
     def prepare_greedy(self, never: int | None = None) -> bool:
         """Readies greedy decoding (`feed_chosen` with this `never`) before the first token: on CUDA with
-        DS4_GRAPH_DECODE=on the decode graphs are recorded and checked now (for new row buffers, ~0.1 s a kind at
-        Flash size), not inside the first token. Returns whether tokens will go through them."""
+        DS4_GRAPH_DECODE=on the decode graphs are recorded and checked now (for new row buffers: a recorded and a
+        checked step a kind), not inside the first token. Returns whether tokens will go through them."""
         self._check_none_fed()
         return self.mtp is None and self._logits is not None and self._graph_ready(never)
 
