@@ -17,6 +17,9 @@ can't be found or fails, or the cache can't be written, it launches through `mx.
 one warning. The first-use checks (registry.py) compare each kernel with its reference whichever way it was built.
 DS4_CUDA_CACHE=off turns this off; DS4_CUDA_CACHE=DIR moves the cache (default $XDG_CACHE_HOME/ds4-mlx/cuda, or
 ~/.cache/ds4-mlx/cuda).
+
+Inside `recording()` every launch is also listed (`Launch`: the cubin, the launch dimensions, the arrays), so that
+kernels/cudagraph.py can hand the same launches to the driver as one graph of our own.
 """
 
 from __future__ import annotations
