@@ -21,10 +21,7 @@ from ds4_mlx.model.graphstep import GraphDecoder
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 from ds4_mlx.session import Session
-
-
-def host(array: mx.array) -> np.ndarray:
-    return np.array(array.astype(mx.float32) if array.dtype == mx.bfloat16 else array, copy=True)
+from graph_replay import host_copy
 
 
 def main() -> int:
@@ -46,7 +43,7 @@ def main() -> int:
         model.step(mx.array([token], dtype=mx.int32), mx.array([position], dtype=mx.int32), decoder._layers(), kind)
     for launch in mlx_run.launches:
         mx.eval(*launch.outputs)
-    want = [[host(a) for a in launch.outputs] for launch in mlx_run.launches]
+    want = [[host_copy(a) for a in launch.outputs] for launch in mlx_run.launches]
     bound = {id(a) for a, _ in graph.bound}
     decoder.io[0], decoder.io[1] = token, position
     graph.launch()
@@ -61,7 +58,7 @@ def main() -> int:
         for j, (out, expected) in enumerate(zip(g.outputs, w)):
             if id(out) in bound:
                 continue
-            got = host(out)
+            got = host_copy(out)
             if not np.array_equal(got, expected, equal_nan=True):
                 diff = np.nanmax(np.abs(got.astype(np.float64) - expected.astype(np.float64)))
                 print(f"launch {i} {g.function[:90]} output {j} {out.shape}: largest difference {diff:g}")

@@ -19,6 +19,7 @@ read back one id.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -151,9 +152,17 @@ def argmax(logits: mx.array) -> int:
     return mx.argmax(logits.reshape(-1)).item()
 
 
-def device_argmax(logits: mx.array) -> mx.array:
-    """`argmax` left on the device: a lazy uint32 scalar (the lowest id among ties, the same op)."""
-    return mx.argmax(logits.reshape(-1))
+def device_argmax(logits: mx.array, never: int | None = None) -> mx.array:
+    """`argmax` left on the device: a lazy uint32 scalar (the lowest id among ties, the same op); never `never` (a
+    token a probe must not end on: the bench's EOS)."""
+    logits = logits.reshape(-1)
+    return mx.argmax(logits if never is None else logits + _never_mask(logits.size, never))
+
+
+@functools.cache
+def _never_mask(size: int, never: int) -> mx.array:
+    """0 everywhere but -inf at `never`: one add a step."""
+    return mx.where(mx.arange(size) == never, -mx.inf, 0.0)
 
 
 def _sample_full_vocab(logits: np.ndarray, temperature: np.float32, min_p: np.float32, rng: XorShift64Star) -> int:

@@ -29,7 +29,7 @@ from .model.graphstep import GraphCheckError, GraphDecoder
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
 from .model.mtp import MTP, MTPSnapshot
 from .model.stream import on_cuda
-from .sampling import argmax
+from .sampling import argmax, device_argmax
 
 
 GRAPH_ENV = "DS4_GRAPH_DECODE"
@@ -92,7 +92,6 @@ class Session:
         self._graph_on = False  # the decoder holds the state: `cache` and `logits` are handed back on access
         self._graph_token: int | None = None  # the token the decoder chose, not yet fed
         self._graph_failed = False
-        self._never_masks: dict[int, mx.array] = {}
         self.reset()
 
     @property
@@ -189,7 +188,7 @@ class Session:
                 self._graph_token = self._graph.chosen()
             self._fed = GRAPH_FED
             return mx.array([self._graph_token], dtype=mx.int32)
-        token = self._choose(never).astype(mx.int32).reshape(1)
+        token = device_argmax(self._logits, never).astype(mx.int32).reshape(1)
         mx.async_eval(token)  # its own event: reading it waits for the previous step only
         undo, before = self.cache.undo_point(), self.logits
         _, self.logits = self.model.decode(token, self.cache)
@@ -238,17 +237,6 @@ class Session:
         self._check_none_fed()
         return self.mtp is None and self._logits is not None and self._graph_ready(never)
 
-    def _choose(self, never: int | None) -> mx.array:
-        """The greedy choice from the logits on the device, never `never`."""
-        logits = self._logits.reshape(-1)
-        if never is None:
-            return mx.argmax(logits)
-        if never not in self._never_masks:
-            mask = mx.zeros(logits.shape)
-            mask[never] = -mx.inf
-            self._never_masks[never] = mask
-        return mx.argmax(logits + self._never_masks[never])
-
     def _graph_ready(self, never: int | None) -> bool:
         """Whether greedy decoding runs through the decode graph now (entering it if need be): on CUDA with
         DS4_GRAPH_DECODE=on, outside the reference kernel mode, unless it failed before in this session."""
@@ -271,7 +259,7 @@ class Session:
         except (OSError, DriverError, CompileError, ValueError, RuntimeError) as error:
             self._graph_stand_down(f"the decode graph could not be made ({error})")
             return False
-        self._graph_token = int(self._choose(never).item())
+        self._graph_token = int(device_argmax(self._logits, never).item())
         self._graph_on = True
         return True
 

@@ -76,6 +76,9 @@ class FakeDriver:
     def destroy_stream(self, stream: int) -> None:
         pass
 
+    def function(self, cubin: bytes, name: str, shared_memory: int) -> int:
+        return 99
+
     def handle(self, function: str, *args) -> int:
         if function == "cuGraphAddKernelNode_v2":
             params = args[3]._obj

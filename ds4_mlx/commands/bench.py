@@ -316,16 +316,13 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
     step's primitive counts at the first frontier."""
     import mlx.core as mx
 
+    from ..sampling import device_argmax
+
     session = loaded.session
     model = session.model
-    no_eos = mx.zeros((model.config.n_vocab,))
-    no_eos[loaded.tokenizer.eos_id] = -mx.inf
-
-    def choose(logits: mx.array) -> mx.array:
-        return mx.argmax(logits.reshape(-1) + no_eos)
 
     def greedy(logits: mx.array) -> int:
-        return int(choose(logits).item())
+        return int(device_argmax(logits, never=loaded.tokenizer.eos_id).item())
 
     if walk.prefill_chunk is not None:
         session.chunk_size = walk.prefill_chunk

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -73,17 +72,18 @@ class _Spans:
 
 
 def address(array: mx.array) -> int:
-    """The device address of an evaluated array's first element (MLX's managed allocation; nothing is copied or
-    touched). Dtypes numpy lacks are read through a same-size view."""
-    if array.dtype == mx.bfloat16:
-        array = array.view(mx.uint16)
-    return np.asarray(array).ctypes.data
+    """The device address of an evaluated array's first element (on CUDA, its managed allocation: nothing is copied
+    or touched)."""
+    return _numpy(array).ctypes.data
 
 
 def is_row_contiguous(array: mx.array) -> bool:
-    if array.dtype == mx.bfloat16:
-        array = array.view(mx.uint16)
-    return bool(np.asarray(array).flags.c_contiguous)
+    return bool(_numpy(array).flags.c_contiguous)
+
+
+def _numpy(array: mx.array) -> np.ndarray:
+    """numpy's view of the array's memory (a same-size integer view for dtypes numpy lacks)."""
+    return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
 
 
 class Moves:
@@ -91,21 +91,23 @@ class Moves:
     (`nvrtc.bind`), whose bytes, and those of every view into them, are at the target's."""
 
     def __init__(self, bound: Sequence[tuple[mx.array, mx.array | int]]) -> None:
-        self.moves: list[tuple[int, int, int]] = []
+        moves: dict[int, tuple[int, int]] = {}  # start -> (end, target): bound arrays are buffers of their own
         for array, target in bound:
             if isinstance(target, mx.array) and target.nbytes != array.nbytes:
                 raise ValueError(f"an array of {array.nbytes} bytes bound to one of {target.nbytes}")
             start = address(array)
-            self.moves.append((start, start + array.nbytes, target if isinstance(target, int) else address(target)))
+            moves.setdefault(start, (start + array.nbytes, target if isinstance(target, int) else address(target)))
+        self.starts = sorted(moves)
+        self.moves = [moves[s] for s in self.starts]
 
     def span(self, array: mx.array) -> Span:
         start = self.address(address(array))
         return start, start + array.nbytes
 
     def address(self, at: int) -> int:
-        for start, end, target in self.moves:
-            if start <= at < end:
-                return target + (at - start)
+        i = bisect.bisect_right(self.starts, at) - 1
+        if i >= 0 and at < self.moves[i][0]:
+            return self.moves[i][1] + (at - self.starts[i])
         return at
 
 
@@ -137,12 +139,14 @@ class Driver:
             "cuGraphAddKernelNode_v2": [pp, p, p, size, ctypes.POINTER(_KernelNodeParams)],
             "cuGraphInstantiateWithFlags": [pp, p, ctypes.c_ulonglong], "cuGraphLaunch": [p, p],
             "cuMemsetD8Async": [ctypes.c_ulonglong, ctypes.c_ubyte, size, p], "cuGraphDestroy": [p],
-            "cuGraphExecDestroy": [p], "cuModuleUnload": [p], "cuStreamDestroy_v2": [p],
+            "cuGraphExecDestroy": [p], "cuStreamDestroy_v2": [p],
         }
         for name, args in signatures.items():
             function = getattr(lib, name)
             function.argtypes, function.restype = args, ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self._modules: dict[bytes, int] = {}
+        self._functions: dict[tuple[bytes, str], int] = {}
         self.check(lib.cuInit(0), "cuInit")
         context = ctypes.c_void_p()
         self.check(lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
@@ -168,17 +172,25 @@ class Driver:
     def synchronize(self, stream: int) -> None:
         self.check(self.lib.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
 
+    def function(self, cubin: bytes, name: str, shared_memory: int) -> int:
+        """The kernel `name` of `cubin`, its module loaded once for the process (graphs of one step share them)."""
+        key = (cubin, name)
+        if key not in self._functions:
+            if cubin not in self._modules:
+                buffer = ctypes.create_string_buffer(cubin, len(cubin))
+                self._modules[cubin] = self.handle("cuModuleLoadData", ctypes.cast(buffer, ctypes.c_void_p))
+            function = self.handle("cuModuleGetFunction", ctypes.c_void_p(self._modules[cubin]), name.encode())
+            if shared_memory > 48000:
+                self.check(self.lib.cuFuncSetAttribute(ctypes.c_void_p(function), Driver.MAX_DYNAMIC_SHARED,
+                                                       shared_memory), "cuFuncSetAttribute")
+            self._functions[key] = function
+        return self._functions[key]
+
     def handle(self, function: str, *args) -> int:
         """Calls `function(&out, *args)` and returns out."""
         out = ctypes.c_void_p()
         self.check(getattr(self.lib, function)(ctypes.byref(out), *args), function)
         return out.value or 0
-
-
-@dataclass
-class _Module:
-    module: int
-    functions: dict[str, int]
 
 
 class ReplayGraph:
@@ -205,7 +217,6 @@ class ReplayGraph:
         order = [[i - 1] if i else [] for i in range(len(launches))] if chain else \
             dependencies([r for r, _ in arrays], [w for _, w in arrays])
         self.edges = sum(map(len, order))
-        self._modules: dict[bytes, _Module] = {}
         self._keep: list = []  # parameter buffers, alive while the graph is
         self.graph = driver.handle("cuGraphCreate", 0)
         nodes: list[int] = []
@@ -216,26 +227,11 @@ class ReplayGraph:
         self._own_stream = stream is None
         self.stream = driver.new_stream() if stream is None else stream
 
-    def _function(self, launch: Launch) -> int:
-        module = self._modules.get(launch.cubin)
-        if module is None:
-            buffer = ctypes.create_string_buffer(launch.cubin, len(launch.cubin))
-            module = self._modules[launch.cubin] = _Module(
-                self.driver.handle("cuModuleLoadData", ctypes.cast(buffer, ctypes.c_void_p)), {})
-        function = module.functions.get(launch.function)
-        if function is None:
-            function = module.functions[launch.function] = self.driver.handle(
-                "cuModuleGetFunction", ctypes.c_void_p(module.module), launch.function.encode())
-            if launch.shared_memory > 48000:
-                self.driver.check(self.driver.lib.cuFuncSetAttribute(
-                    ctypes.c_void_p(function), Driver.MAX_DYNAMIC_SHARED, launch.shared_memory),
-                    "cuFuncSetAttribute")
-        return function
-
     def _add(self, launch: Launch, pointers: list[int], deps: list[int]) -> int:
         values = (ctypes.c_void_p * len(pointers))(*pointers)
         params = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(values) + 8 * i for i in range(len(pointers))])
-        node_params = _KernelNodeParams(func=self._function(launch), shared_memory=launch.shared_memory,
+        function = self.driver.function(launch.cubin, launch.function, launch.shared_memory)
+        node_params = _KernelNodeParams(func=function, shared_memory=launch.shared_memory,
                                         params=ctypes.addressof(params))
         node_params.grid[:] = launch.blocks
         node_params.block[:] = launch.block
@@ -265,6 +261,3 @@ class ReplayGraph:
         lib.cuGraphDestroy(ctypes.c_void_p(self.graph))
         if self._own_stream:
             self.driver.destroy_stream(self.stream)
-        for module in self._modules.values():
-            lib.cuModuleUnload(ctypes.c_void_p(module.module))
-        self._modules.clear()

@@ -42,13 +42,19 @@ def graph_nodes(arrays: Sequence[mx.array]) -> dict[str, str]:
     """The primitives the arrays' unevaluated graph holds: node id -> primitive name. While graphs are planned for
     another backend (registry.planning), the stand-ins of custom kernels are named STAND_IN (the decode step has
     no Depends of its own)."""
+    return _exported(arrays)[0]
+
+
+def _exported(arrays: Sequence[mx.array]) -> tuple[dict[str, str], str]:
+    """`graph_nodes`, and the dot text they were read from."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "graph.dot"
         mx.export_to_dot(str(path), *arrays)
-        nodes = dict(_NODE.findall(path.read_text()))
+        text = path.read_text()
+    nodes = dict(_NODE.findall(text))
     if registry.planned() is not None:
         nodes = {node: STAND_IN if name == "Depends" else name for node, name in nodes.items()}
-    return nodes
+    return nodes, text
 
 
 _EDGE = re.compile(r'^(\S+) -> (\S+)', re.MULTILINE)
@@ -59,13 +65,7 @@ def ops_after_kernels(arrays: Sequence[mx.array]) -> Counter[str]:
     or through other nodes, the output of a custom kernel: MLX ops on values a step computes. A step recorded for a
     CUDA graph of our own (model/graphstep.py) must hold none, since only its kernels are replayed. (An op that
     reads a step's input array directly is not seen here: the graph's check step finds those.)"""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "graph.dot"
-        mx.export_to_dot(str(path), *arrays)
-        text = path.read_text()
-    names = dict(_NODE.findall(text))
-    if registry.planned() is not None:
-        names = {node: STAND_IN if name == "Depends" else name for node, name in names.items()}
+    names, text = _exported(arrays)
     after: dict[str, list[str]] = {}
     for source, target in _EDGE.findall(text):
         after.setdefault(source.strip('"'), []).append(target.strip('"'))

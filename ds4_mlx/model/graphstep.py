@@ -38,6 +38,7 @@ import mlx.core as mx
 from ..kernels import nvrtc
 from ..kernels.cudagraph import Driver, ReplayGraph, address
 from ..kernels.dialect import Kernel, build
+from ..sampling import device_argmax
 from .cache import SessionCache, unflatten_layers
 from .graph import ops_after_kernels
 from .model import Model
@@ -232,14 +233,13 @@ class GraphDecoder:
     def leave(self, cache: SessionCache) -> None:
         """Hands the state back to `cache` as new arrays, at the position reached."""
         self.synchronize()
-        own = iter(self.state)
-        rows = iter(self._row_arrays)
-        arrays = [next(rows) if is_rows else next(own) * 1 for is_rows in self.rows]
-        mx.eval(*arrays)
-        cache.layers, cache.n_tokens = unflatten_layers(self.model.config, arrays), self.position_next
+        copies = [a * 1 for a in self.state]
+        mx.eval(*copies)
+        cache.layers, cache.n_tokens = self._layers(copies), self.position_next
 
-    def _layers(self) -> list:
-        own, rows = iter(self.state), iter(self._row_arrays)
+    def _layers(self, own: Sequence[mx.array] | None = None) -> list:
+        """Layer states of the row buffers and `own` (by default the decoder's copies of the replaced arrays)."""
+        own, rows = iter(self.state if own is None else own), iter(self._row_arrays)
         return unflatten_layers(self.model.config, [next(rows) if is_rows else next(own) for is_rows in self.rows])
 
     def _graph(self, kind: tuple[int, ...]) -> tuple[ReplayGraph, mx.array]:
@@ -290,8 +290,7 @@ class GraphDecoder:
         """The logits and greedy choice MLX's step makes from the decoder's state (nothing of it is written)."""
         _, logits, _ = self.model.step(mx.array([token], dtype=mx.int32),
                                        mx.array([self.position_next], dtype=mx.int32), self._layers(), kind)
-        masked = logits if self.never is None else mx.where(mx.arange(logits.size) == self.never, -mx.inf, logits)
-        choice = mx.argmax(masked)
+        choice = device_argmax(logits, self.never)
         mx.eval(logits, choice)
         return logits, int(choice.item())
 

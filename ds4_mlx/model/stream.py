@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
-import numpy as np
 
+from ..kernels.cudagraph import address
 from .gguf import GGUFFile, TensorInfo
 from .pinned import CudaRuntime, PinnedReader
 
@@ -233,11 +233,11 @@ class TensorStream:
             return lambda: self._mapped_copy(info, first, end)
         staged = mx.zeros((end - first, info.row_bytes), mx.uint8)  # written by the GPU: device-resident pages
         mx.eval(staged)
-        address, offset, reader = _address(staged), info.offset + first * info.row_bytes, self._pinned
+        at, offset, reader = address(staged), info.offset + first * info.row_bytes, self._pinned
 
         def fill() -> mx.array:
             t = time.perf_counter()
-            reader.fill(address, offset, nbytes)
+            reader.fill(at, offset, nbytes)
             self.stats.copy_seconds += time.perf_counter() - t
             self.stats.pinned_bytes += nbytes
             return staged
@@ -312,11 +312,6 @@ def _pinned_reader(weights: ModelWeights) -> PinnedReader | None:
     except OSError as error:
         warnings.warn(f"loading through mapped memory (slower: {error})", stacklevel=3)
         return None
-
-
-def _address(array: mx.array) -> int:
-    """The address of an evaluated array's data: on CUDA, its managed allocation (no page is touched)."""
-    return np.asarray(array).ctypes.data
 
 
 def _write(outputs: list[mx.array], parts: Sequence[mx.array], first: int) -> None:
