@@ -9,6 +9,8 @@
 #                  submit, wait, and the same through the session (bench/gpu_profile.py)
 #   replay[:N[:AT]] one recorded decode step over N layers (default 43) after AT tokens (default 2048) replayed as one
 #                  CUDA graph of our own, against MLX's step fed ahead (bench/graph_replay.py)
+#   decoder[:N[:AT]] where a token's time goes through the decode graphs (bench/graph_decoder.py): the session's
+#                  loop part by part, each kind's graph alone, the GPU timeline of a few tokens (default 43 layers, 2k)
 #   diff[:N[:AT]]  where the decode graph first parts from MLX, launch by launch (bench/graph_diff.py)
 #   prefill        the same for one 4096-token prefill chunk (the session's chunk on CUDA)
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
@@ -164,6 +166,10 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
     replay*)
       IFS=: read -r _ layers at <<< "$step:"; layers=${layers:-43}; at=${at:-2048}
       timeout "$(left 5)" python3 bench/graph_replay.py --layers "$layers" --at "$at" 2>&1 | grep -v "warnings.warn" | tail -12 ;;
+    decoder*)
+      IFS=: read -r _ layers at <<< "$step:"; layers=${layers:-43}; at=${at:-2048}
+      timeout "$(left 5)" python3 bench/graph_decoder.py --layers "$layers" --at "$at" > "$out/decoder$layers.txt" 2>&1
+      grep -v "warnings.warn\|it/s\]" "$out/decoder$layers.txt" | cut -c1-160 | tail -60 ;;
     ab:*)
       IFS=: read -r _ dir layers ctx <<< "$step:"; layers=${layers:-43}; ctx=${ctx:-2048}
       for d in "$dir" .; do

@@ -1,0 +1,80 @@
+"""Where a token's time goes when greedy decoding runs through the decode graphs (model/graphstep.py).
+
+    python bench/graph_decoder.py --layers 43 --at 2048
+
+A recorded step replayed on its own inputs ran at 11.4 ms (bench/graph_replay.py); driven by new tokens through the
+session it ran at 146 ms (session 11). This splits the second: the session's loop part by part (feed_chosen, which
+waits for the last launch; the read-back; confirm, which launches), then the decoder alone (each kind's graph
+launched at one position and waited for, and back to back), then the GPU timeline of a few tokens under CUPTI
+(bench/gpu_profile.py: kernels slow from page faults show as long kernels, host waits as gaps). Synthetic weights in
+the published layout. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import mlx.core as mx
+
+from ds4_mlx.model.model import Model
+from ds4_mlx.model.synthetic import flash_config, synthetic_weights
+from ds4_mlx.session import Session
+from gpu_profile import kernel_table, print_medians, session_loop
+
+
+def decoder_alone(session: Session, repeats: int) -> None:
+    """Each kind's graph launched at the next position again and again (its step rewrites the same rows): the
+    launch's host time, launched and waited for, and back to back."""
+    decoder = session._graph
+    at = decoder.position_next
+    for kind, (graph, _) in sorted(decoder.graphs.items()):
+        decoder.io[0], decoder.io[1] = 7, at
+        graph.launch()
+        graph.synchronize()
+        parts: dict[str, list[float]] = collections.defaultdict(list)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            graph.launch()
+            t1 = time.perf_counter()
+            graph.synchronize()
+            parts["launch"].append(t1 - t0)
+            parts["waited"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            graph.launch()
+        graph.synchronize()
+        parts["back to back"].append((time.perf_counter() - t0) / repeats)
+        print_medians(f"kind {kind or '()'} ({len(graph.launches)} nodes)", parts)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--at", type=int, default=2048, help="decode after a prompt of this many tokens")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--profile", type=int, default=4, help="tokens under CUPTI (0: none; needs torch)")
+    args = p.parse_args()
+    os.environ["DS4_GRAPH_DECODE"] = "on"
+    model = Model(synthetic_weights(flash_config(args.layers)))
+    session = Session(model, args.at + 2 * args.tokens + args.profile + 64)
+    session.prefill([i % 1000 + 5 for i in range(args.at)])
+    mx.eval(session.logits)
+    t0 = time.perf_counter()
+    ready = session.prepare_greedy()
+    print(f"decode graphs {'ready' if ready else 'NOT used'} in {time.perf_counter() - t0:.2f} s")
+    if not ready:
+        return 1
+    session_loop(session, args.tokens)
+    if args.profile:
+        kernel_table(lambda: session.confirm(int(session.feed_chosen().item())), args.profile, top=25)
+    session_loop(session, args.tokens)
+    decoder_alone(session, args.tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
