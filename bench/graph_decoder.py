@@ -14,16 +14,77 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import os
 import sys
 import time
 
 import mlx.core as mx
 
+from ds4_mlx.kernels.cudagraph import Driver
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 from ds4_mlx.session import Session
 from gpu_profile import kernel_table, print_medians, session_loop
+
+
+POOL_ATTRIBUTES = {"reserved": 5, "reserved high": 6, "used": 7, "used high": 8}  # CU_MEMPOOL_ATTR_*
+
+
+def device_memory(when: str) -> None:
+    """Free and total device memory as the driver sees it (managed pages resident on the GPU count as used), the
+    default memory pool's reserve and use (MLX's stream-ordered allocations), MLX's own counts."""
+    lib = Driver.load().lib
+    free, total, pool = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_void_p()
+    lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+    lib.cuDeviceGetDefaultMemPool(ctypes.byref(pool), 0)
+    figures = []
+    for name, attribute in POOL_ATTRIBUTES.items():
+        value = ctypes.c_uint64()
+        lib.cuMemPoolGetAttribute(pool, attribute, ctypes.byref(value))
+        figures.append(f"{name} {value.value / 1e9:.1f}")
+    print(f"device memory {when}: {free.value / 1e9:.1f} GB free of {total.value / 1e9:.1f}; pool GB "
+          f"{', '.join(figures)}; MLX active {mx.get_active_memory() / 1e9:.1f}, cache "
+          f"{mx.get_cache_memory() / 1e9:.1f}, peak {mx.get_peak_memory() / 1e9:.1f}")
+
+
+def advancing(session: Session, tokens: int, label: str) -> None:
+    """Each step's choice fed at the next position, `tokens` steps: medians, first and last."""
+    decoder = session._graph
+    token, times = 7, []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        decoder.launch(token)
+        token = decoder.chosen()
+        times.append(time.perf_counter() - t0)
+    print_medians(label, {"token": times, "first": times[:1], "last": times[-1:]})
+
+
+def variants(session: Session, tokens: int) -> None:
+    """The decoder driven four ways, `tokens` steps each, to tell what slows it: one step again and again (its
+    token and position fixed), or advancing (each step's choice fed at the next position); each alone, or with an
+    MLX scalar made and read between steps (as the session's loop does with the token)."""
+    decoder = session._graph
+    at = decoder.position_next
+    same, _ = decoder.graphs[session.model.ends(at)]
+    token = 7
+    for advancing in (False, True):
+        for scalar in (False, True):
+            times = []
+            for _ in range(tokens):
+                t0 = time.perf_counter()
+                if advancing:
+                    decoder.launch(token)
+                    token = decoder.chosen()
+                else:
+                    decoder.io[0], decoder.io[1] = 7, at
+                    same.launch()
+                    decoder.synchronize()
+                if scalar:
+                    mx.array([token], dtype=mx.int32).item()
+                times.append(time.perf_counter() - t0)
+            label = ("advancing" if advancing else "one step") + (" + an MLX scalar" if scalar else "")
+            print_medians(label, {"token": times, "first": times[:1], "last": times[-1:]})
 
 
 def decoder_alone(session: Session, repeats: int) -> None:
@@ -60,14 +121,24 @@ def main() -> int:
     args = p.parse_args()
     os.environ["DS4_GRAPH_DECODE"] = "on"
     model = Model(synthetic_weights(flash_config(args.layers)))
-    session = Session(model, args.at + 2 * args.tokens + args.profile + 64)
+    session = Session(model, args.at + 8 * args.tokens + args.profile + 256)
+    device_memory("after the model was made")
     session.prefill([i % 1000 + 5 for i in range(args.at)])
     mx.eval(session.logits)
+    device_memory("after the prefill")
+    mx.reset_peak_memory()
     t0 = time.perf_counter()
     ready = session.prepare_greedy()
     print(f"decode graphs {'ready' if ready else 'NOT used'} in {time.perf_counter() - t0:.2f} s")
     if not ready:
         return 1
+    device_memory("after the graphs were made")
+    variants(session, args.tokens)
+    session_loop(session, args.tokens)
+    t0 = time.perf_counter()
+    session.cache  # the state handed back: the next token enters the decoder again (its graphs kept)
+    session.prepare_greedy()
+    print(f"entered again in {time.perf_counter() - t0:.2f} s")
     session_loop(session, args.tokens)
     if args.profile:
         kernel_table(lambda: session.confirm(int(session.feed_chosen().item())), args.profile, top=25)

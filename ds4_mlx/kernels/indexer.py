@@ -11,9 +11,11 @@ indexer rows (N, D), of which the first (p + 1) // ratio are visible to a query 
   SIMD group takes 4 rows at a time (float4 loads every lane shares), each lane 2 of the 64 heads (the queries sit
   transposed in threadgroup memory), the lanes' weighted terms are summed across the group. A query with at most
   top_k visible rows writes nothing: all of them are picked, so no score is read. It takes q_b's output and
-  finishes the queries while it stages them (every threadgroup all 64 x 128 values: RoPE at the position, then,
-  simulating, Hadamard + FP4), with kernels/rows.py's ROW_HELPERS, the arithmetic of its finish kernel: the
-  decode step's query finish is no launch of its own.
+  finishes the queries while it stages them (every threadgroup all 64 x 128 values, a head per SIMD group at a
+  time with shuffles and no barrier: RoPE at the position, then, simulating, Hadamard + FP4), with the arithmetic
+  of kernels/rows.py's finish kernel: the decode step's query finish is no launch of its own. (Finished through
+  threadgroup memory, 256 threads a pass with a barrier a butterfly, the finish took most of the launch's 77 µs at
+  2k: session 10.)
 - `SELECT_KERNEL`: one threadgroup of 1024 threads per query. With at most top_k visible rows the answer is fixed:
   indices 0..top_k-1, valid below the visible count (what `mask_to_indices` pads with). Otherwise it finds the
   top_k-th largest score by a radix select over order-preserving uint32 keys (4 passes of 8 bits, a 256-bin
@@ -83,27 +85,85 @@ if (visible <= K) {
   return;
 }
 {
-  // the queries finished as kernels/rows.py's FINISH_KERNEL does (RoPE at the position, then QUANT), D threads a
-  // head, WARPS * 32 / D heads a pass: held in registers while qt serves the Hadamard as scratch, then staged
-  // transposed, head h of dim d at d * HP + (h ^ (d & 31)) (a swizzle: neither the stores nor the reads conflict)
-  const int i = THREAD_IN_GROUP % D;
-  const int first = THREAD_IN_GROUP / D;
+  // the queries finished as kernels/rows.py's FINISH_KERNEL does (RoPE at the position, then QUANT), a head per
+  // SIMD group at a time with no barrier: lane l holds dims l * V .. l * V + V - 1, the RoPE partner is the next
+  // value (the next lane where V is 1), the Hadamard's butterflies below V in the lane and above it across lanes
+  // (aq_hadamard's stages, in its order), an FP4 block of 32 is 32 / V lanes. Then staged transposed, head h of
+  // dim d at d * HP + (h ^ (d & 31)) (a swizzle: the score loop's reads do not conflict)
+  constexpr int V = D / 32;
+  constexpr int HEADS_A_SIMD = HP / WARPS;
   const int p_t = position[t];
-  float fin[PASSES];
-  #pragma unroll 1  // passes run one after another anyway (the Hadamard's barriers); unrolled, 214 KB of cubin
-  for (int p = 0; p < PASSES; ++p) {
-    const int h = p * (WARPS * 32 / D) + first;
-    float v = h < H ? q[((size_t)t * H + h) * D + i] : 0.0f;
-    v = rw_rope(v, i, D, NROT, p_t, inv_freq);
-    if (QUANT == 2) {
-      v = rw_indexer_fp4(qt + 2 * D * first, i, v);
-    }
-    fin[p] = h < H ? v : 0.0f;
-  }
-  ds4_barrier();
+  float cs[V], sn[V];  // the lane's RoPE angles are the same for every head
   #pragma unroll
-  for (int p = 0; p < PASSES; ++p) {
-    qt[i * HP + ((p * (WARPS * 32 / D) + first) ^ (i & 31))] = fin[p];
+  for (int e = 0; e < V; ++e) {
+    const int i = lane * V + e;
+    const float angle = i >= D - NROT ? (float)p_t * inv_freq[(i - (D - NROT)) >> 1] : 0.0f;
+    cs[e] = ds4_cos(angle);
+    sn[e] = ds4_sin(angle);
+  }
+  float x[HEADS_A_SIMD][V];  // every head's loads in flight before any is used
+  #pragma unroll
+  for (int k = 0; k < HEADS_A_SIMD; ++k) {
+    const int h = warp + k * WARPS;
+    #pragma unroll
+    for (int e = 0; e < V; ++e) {
+      x[k][e] = h < H ? q[((size_t)t * H + h) * D + lane * V + e] : 0.0f;
+    }
+  }
+  #pragma unroll
+  for (int k = 0; k < HEADS_A_SIMD; ++k) {
+    const int h = warp + k * WARPS;
+    float v[V];
+    #pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const int i = lane * V + e;
+      const float partner = V == 1 ? ds4_simd_xor(x[k][0], 1) : x[k][e ^ 1];
+      v[e] = i < D - NROT ? x[k][e] : ((i & 1) ? partner * sn[e] + x[k][e] * cs[e] : x[k][e] * cs[e] - partner * sn[e]);
+    }
+    if (QUANT == 2) {
+      #pragma unroll
+      for (int s = 1; s < D; s <<= 1) {
+        if (s < V) {
+          float u[V];
+          #pragma unroll
+          for (int e = 0; e < V; ++e) {
+            u[e] = (e & s) ? v[e & ~s] - v[e | s] : v[e & ~s] + v[e | s];
+          }
+          #pragma unroll
+          for (int e = 0; e < V; ++e) {
+            v[e] = u[e];
+          }
+        } else {
+          #pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const float o = ds4_simd_xor(v[e], s / V);
+            v[e] = (lane & (s / V)) ? o - v[e] : v[e] + o;
+          }
+        }
+      }
+      float amax = 0.0f;
+      #pragma unroll
+      for (int e = 0; e < V; ++e) {
+        v[e] *= 0.08838834764831845f;
+        const float a = v[e] < 0.0f ? -v[e] : v[e];
+        amax = a > amax ? a : amax;
+      }
+      #pragma unroll
+      for (int o = 1; o < 32 / V; o <<= 1) {
+        const float other = ds4_simd_xor(amax, o);
+        amax = other > amax ? other : amax;
+      }
+      const float block_scale = aq_fp4_scale(amax);
+      #pragma unroll
+      for (int e = 0; e < V; ++e) {
+        v[e] = aq_fp4(v[e], block_scale);
+      }
+    }
+    #pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const int i = lane * V + e;
+      qt[i * HP + (h ^ (i & 31))] = h < H ? v[e] : 0.0f;
+    }
   }
 }
 float wl[HP / 32];
@@ -392,12 +452,12 @@ def heads_padded(n_head: int) -> int:
 
 def scores_template(h: int, d: int, n: int, ratio: int, top_k: int, n_rot: int = 0,
                     quant: RowQuant = RowQuant.NONE) -> dict[str, int]:
-    """The score kernel's constants; BLOCKS is its number of threadgroups per query, PASSES the rounds in which
-    its threads finish the queries (NROT, QUANT: how)."""
+    """The score kernel's constants; BLOCKS is its number of threadgroups per query; NROT and QUANT say how its
+    SIMD groups finish the queries."""
     groups = -(-n // ROWS_PER_SIMD)
     return {"H": h, "HP": heads_padded(h), "D": d, "N": n, "K": top_k, "RATIO": ratio, "R": ROWS_PER_SIMD,
             "WARPS": SCORE_SIMDS, "BLOCKS": min(-(-groups // SCORE_SIMDS), MAX_SCORE_GROUPS), "NROT": n_rot,
-            "QUANT": int(quant), "PASSES": heads_padded(h) * d // (SCORE_SIMDS * SIMD_WIDTH)}
+            "QUANT": int(quant)}
 
 
 def select_template(n: int, ratio: int, top_k: int) -> dict[str, int]:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..kernels import nvrtc
-from ..kernels.cudagraph import Driver, ReplayGraph, address
+from ..kernels.cudagraph import Driver, ReplayGraph, locate
 from ..kernels.dialect import Kernel, build
 from ..sampling import device_argmax
 from .cache import SessionCache, unflatten_layers
@@ -159,29 +159,46 @@ class GraphDecoder:
         mx.eval(self.io_stand_in, self.token, self.position, *self.state)
         self.graphs: dict[tuple[int, ...], tuple[ReplayGraph, mx.array]] = {}
         self._rows_at: tuple[int, ...] = ()
+        self._named: list[mx.array] = []  # every array the graphs' launches name, and where each was
+        self._named_at: list[tuple[int, bool]] = []
         self._row_arrays: list[mx.array] = []
         self.position_next = 0
         self.launched = False
 
     def enter(self, cache: SessionCache) -> None:
         """Takes the cache's state: its replaced arrays copied into the decoder's, its row buffers as they are.
-        For row buffers it has no graphs of, every kind's graph is recorded and checked first (GraphCheckError:
-        one disagreed with MLX's step; the cache is as it was)."""
+        For row buffers it has no graphs of, or where an array its graphs name has moved since they were made (MLX
+        moves a buffer to managed memory when the host first reads it), every kind's graph is recorded and checked
+        first (GraphCheckError: one disagreed with MLX's step; the cache is as it was)."""
         arrays = cache.arrays()
         row_arrays = [a for a, rows in zip(arrays, self.rows) if rows]
-        at = tuple(address(a) for a in row_arrays)
+        at = tuple(address for address, _ in locate(row_arrays))
         self._row_arrays = row_arrays
         self.position_next = cache.n_tokens
         self.launched = False
         mx.synchronize()
         self._copy_in(arrays)
-        if at != self._rows_at:
+        if at != self._rows_at or locate(self._named) != self._named_at:
             self.close_graphs()
             for kind in sorted({self.model.ends(n) for n in range(math.lcm(*self.model.ratios))}):
                 self._graph(kind)
                 self._check_kind(kind)
             self._rows_at = at
+            self._named = list({id(a): a for graph, _ in self.graphs.values()
+                                for launch in graph.launches for a in (*launch.inputs, *launch.outputs)}.values())
+            self._named_at = locate(self._named)
             self._copy_in(arrays)  # the checks' steps wrote the decoder's state
+            self._keep_resident()
+
+    def _keep_resident(self) -> None:
+        """The managed buffers the graphs read or write (arrays MLX made from host bytes) moved to the GPU and
+        advised to stay. Why: the driver may evict managed pages to the host when the GPU's memory runs short, and
+        a graph's kernel then faults them back a page at a time (decode ran 10-30x slower so when the weights were
+        managed memory: bench/RESULTS.md, session 12)."""
+        spans = {span for graph, _ in self.graphs.values()
+                 for reads, writes in graph.spans for span in (*reads, *writes)}
+        self.driver.keep_on_device(sorted(s for s in spans if self.driver.is_managed(s[0])), self.stream)
+        self.synchronize()
 
     def _copy_in(self, arrays: Sequence[mx.array]) -> None:
         with nvrtc.recording() as recorded:
@@ -300,6 +317,7 @@ class GraphDecoder:
         self.graphs.clear()
         self._moved.clear()
         self._rows_at = ()
+        self._named, self._named_at = [], []
 
     def close(self) -> None:
         self.close_graphs()
