@@ -2,12 +2,14 @@
 
     python bench/graph_decoder.py --layers 43 --at 2048
 
-A recorded step replayed on its own inputs ran at 11.4 ms (bench/graph_replay.py); driven by new tokens through the
-session it ran at 146 ms (session 11). This splits the second: the session's loop part by part (feed_chosen, which
-waits for the last launch; the read-back; confirm, which launches), then the decoder alone (each kind's graph
-launched at one position and waited for, and back to back), then the GPU timeline of a few tokens under CUPTI
-(bench/gpu_profile.py: kernels slow from page faults show as long kernels, host waits as gaps). Synthetic weights in
-the published layout. CUDA only.
+A recorded step replayed on its own inputs ran at 11.4 ms (bench/graph_replay.py, session 11); driven by new tokens
+through the session it ran at 146 ms. This split that apart (session 12, bench/RESULTS.md): device memory and the
+default memory pool's reserve after the model, the prefill and the graphs; the decoder driven four ways (one step
+relaunched or advancing, each with or without an MLX scalar made between steps: advancing alone was slow, so the
+cost followed the pages each token reads, not the host's work); the session's loop part by part (feed_chosen, which
+waits for the last launch; the read-back; confirm, which launches); a second entry's cost; the GPU timeline of a
+few tokens under CUPTI (bench/gpu_profile.py: kernels slowed by page faults show as long kernels, host waits as
+gaps); each kind's graph launched alone. Synthetic weights in the published layout. CUDA only.
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels.cudagraph import (LOCATE_BATCH, Driver, Located, Moves, address, dependencies,
-                                       is_row_contiguous, locate)
+from ds4_mlx.kernels.cudagraph import Moves, address, dependencies, is_row_contiguous
 
 
 def test_a_reader_waits_for_the_writer_of_what_it_reads():
@@ -50,26 +49,6 @@ def test_address_and_contiguity_of_arrays_and_views():
     assert is_row_contiguous(x) and is_row_contiguous(x[1:]) and not is_row_contiguous(x.T)
     assert not is_row_contiguous(mx.broadcast_to(x[:1], (3, 4)))
     assert np.asarray(x).ctypes.data == address(x)
-
-
-@pytest.mark.gpu
-@pytest.mark.cuda
-def test_arrays_are_located_on_cuda_without_being_moved(on_gpu):
-    """The probe kernel's addresses and contiguity; a device buffer stays device memory (numpy's view would move it
-    to managed memory, MLX's Buffer::raw_ptr), and once the host has moved it, the probe finds it where it went."""
-    x = mx.arange(12, dtype=mx.float32).reshape(3, 4) + 0  # a device op's output
-    mx.eval(x)
-    driver = Driver.load()
-    at, row = locate([x])[0]
-    assert row and not driver.is_managed(at) and locate([x])[0][0] == at
-    views = [x[1:], x.T, mx.broadcast_to(x[:1], (3, 4)), x.astype(mx.bfloat16), mx.array(3.0)]
-    mx.eval(*views)
-    found = locate([x] * (LOCATE_BATCH + 1) + views)  # more than a batch
-    assert found[: LOCATE_BATCH + 1] == [(at, True)] * (LOCATE_BATCH + 1)
-    assert found[-5][0] == at + 16 and [f[1] for f in found[-5:]] == [True, False, False, True, True]
-    assert Located([x]).address(x[2:]) == at + 32
-    host = np.asarray(x).ctypes.data  # the host's first read moves the buffer
-    assert address(x) == host and driver.is_managed(host)
 
 
 def test_bound_arrays_and_their_views_move_to_the_target():

@@ -71,66 +71,16 @@ class _Spans:
         return {index for s, e, index in self.items[lo:hi] if s < end and start < e}
 
 
-LOCATE_BATCH = 32
-"""Arrays one probe launch locates."""
-
-
-def _locate_source(count: int) -> str:
-    """A probe kernel's body: for input x_i, out[2i] its data pointer (at its offset), out[2i + 1] whether it is
-    row-contiguous (strides of a row-major layout wherever a dimension is longer than 1, as MLX's flag has it)."""
-    parts = []
-    for i in range(count):
-        parts.append(f"""  out[{2 * i}] = (unsigned long long)x{i};
-  {{
-    bool row = true;
-    long long expect = 1;
-    for (int d = x{i}_ndim - 1; d >= 0; --d) {{
-      row = row && (x{i}_shape[d] == 1 || x{i}_strides[d] == expect);
-      expect *= x{i}_shape[d];
-    }}
-    out[{2 * i + 1}] = row ? 1 : 0;
-  }}""")
-    return "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + "\n".join(parts) + "\n}\n"
-
-
-_probe: list = []
-
-
-def locate(arrays: Sequence[mx.array]) -> list[tuple[int, bool]]:
-    """Each evaluated array's data address and whether it is row-contiguous, leaving its memory where it is.
-
-    Why not numpy's view: on CUDA, MLX hands the host a pointer only after moving the buffer to managed memory
-    (`Buffer::raw_ptr`), a copy of the whole buffer; done for every weight a decode step reads, it moved the 88 GB
-    of the full model into managed memory, where the driver evicted pages to the host under the memory pool's
-    growth, and the graphs faulted them back page by page (10-30x slower: bench/RESULTS.md, session 12). On CUDA a
-    probe kernel reads the pointers MLX passes to kernels instead; elsewhere numpy's view copies nothing."""
-    if not arrays:
-        return []
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
-        views = [_numpy(a) for a in arrays]
-        return [(v.ctypes.data, bool(v.flags.c_contiguous)) for v in views]
-    if not _probe:
-        _probe.append(mx.fast.cuda_kernel(
-            name="ds4_locate", input_names=[f"x{i}" for i in range(LOCATE_BATCH)], output_names=["out"],
-            source=_locate_source(LOCATE_BATCH), ensure_row_contiguous=False))
-    found: list[tuple[int, bool]] = []
-    for first in range(0, len(arrays), LOCATE_BATCH):
-        batch = [a if a.ndim else a.reshape(1) for a in arrays[first:first + LOCATE_BATCH]]
-        batch += [batch[0]] * (LOCATE_BATCH - len(batch))
-        (out,) = _probe[0](inputs=batch, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(2 * LOCATE_BATCH,)],
-                           output_dtypes=[mx.uint64])
-        values = out.tolist()
-        found += [(values[2 * i], bool(values[2 * i + 1])) for i in range(min(LOCATE_BATCH, len(arrays) - first))]
-    return found
-
-
 def address(array: mx.array) -> int:
-    """The device address of an evaluated array's first element (`locate`: nothing is copied or moved)."""
-    return locate([array])[0][0]
+    """The device address of an evaluated array's first element, through numpy's view of it. On CUDA that view
+    moves the array to managed memory first, if it is not there (MLX's `Buffer::raw_ptr` copies a device buffer
+    into a new managed one): the array's address changes once, and its pages may be evicted to the host when the
+    GPU's memory runs short (see GraphDecoder._keep_resident)."""
+    return _numpy(array).ctypes.data
 
 
 def is_row_contiguous(array: mx.array) -> bool:
-    return locate([array])[0][1]
+    return bool(_numpy(array).flags.c_contiguous)
 
 
 def _numpy(array: mx.array) -> np.ndarray:
@@ -138,49 +88,22 @@ def _numpy(array: mx.array) -> np.ndarray:
     return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
 
 
-class Located:
-    """`locate`'s answers for many arrays, found in batches up front (any other array is found when asked for)."""
-
-    def __init__(self, arrays: Sequence[mx.array] = ()) -> None:
-        self._found: dict[int, tuple[mx.array, int, bool]] = {}
-        self.add(arrays)
-
-    def add(self, arrays: Sequence[mx.array]) -> None:
-        unique = [a for a in {id(a): a for a in arrays}.values() if id(a) not in self._found]
-        for array, (at, row) in zip(unique, locate(unique)):
-            self._found[id(array)] = (array, at, row)  # the array kept: its id stays its own
-
-    def address(self, array: mx.array) -> int:
-        if id(array) not in self._found:
-            self.add([array])
-        return self._found[id(array)][1]
-
-    def row_contiguous(self, array: mx.array) -> bool:
-        if id(array) not in self._found:
-            self.add([array])
-        return self._found[id(array)][2]
-
-
 class Moves:
     """Where arrays' bytes are in a replay: at their own addresses, except those bound to another buffer
     (`nvrtc.bind`), whose bytes, and those of every view into them, are at the target's."""
 
-    def __init__(self, bound: Sequence[tuple[mx.array, mx.array | int]], located: Located | None = None) -> None:
-        arrays = [a for pair in bound for a in pair if isinstance(a, mx.array)]
-        self.located = Located(arrays) if located is None else located
+    def __init__(self, bound: Sequence[tuple[mx.array, mx.array | int]]) -> None:
         moves: dict[int, tuple[int, int]] = {}  # start -> (end, target): bound arrays are buffers of their own
         for array, target in bound:
             if isinstance(target, mx.array) and target.nbytes != array.nbytes:
                 raise ValueError(f"an array of {array.nbytes} bytes bound to one of {target.nbytes}")
-            start = self.located.address(array)
-            end = start + array.nbytes
-            moves.setdefault(start, (end, target if isinstance(target, int) else self.located.address(target)))
+            start = address(array)
+            moves.setdefault(start, (start + array.nbytes, target if isinstance(target, int) else address(target)))
         self.starts = sorted(moves)
         self.moves = [moves[s] for s in self.starts]
 
     def span(self, array: mx.array) -> Span:
-        """Where `array`'s bytes are in the replay (`array` one of those `located` holds)."""
-        start = self.address(self.located.address(array))
+        start = self.address(address(array))
         return start, start + array.nbytes
 
     def address(self, at: int) -> int:
@@ -264,26 +187,25 @@ class Driver:
         return status == 0 and bool(flag.value)
 
     def keep_on_device(self, spans: Sequence[Span], stream: int) -> None:
-        """The managed ranges advised to stay on the context's GPU and moved there now (in `stream`'s order).
-
-        Why: MLX keeps arrays made from host bytes, the weights among them, in managed memory, which the driver
-        may evict to the host when the GPU's memory runs short (as MLX's memory pool grows). A kernel that then
-        reads an evicted page faults it back, one page at a time: decode through graphs ran at 4-15 tokens/s
-        so, and at 122 with the pages prefetched (bench/RESULTS.md, session 12)."""
-        device = ctypes.c_int()
-        self.check(self.lib.cuCtxGetDevice(ctypes.byref(device)), "cuCtxGetDevice")
+        """Managed ranges advised to stay on the context's GPU and moved there now (in `stream`'s order): a
+        kernel that reads a managed page the driver evicted to the host faults it back a page at a time."""
+        device = self.device()
         for start, end in spans:
-            self.check(self.lib.cuMemAdvise(start, end - start, Driver.PREFERRED_LOCATION, device.value),
-                       "cuMemAdvise")
-            self.check(self.lib.cuMemPrefetchAsync(start, end - start, device.value, ctypes.c_void_p(stream)),
+            self.check(self.lib.cuMemAdvise(start, end - start, Driver.PREFERRED_LOCATION, device), "cuMemAdvise")
+            self.check(self.lib.cuMemPrefetchAsync(start, end - start, device, ctypes.c_void_p(stream)),
                        "cuMemPrefetchAsync")
 
     def trim_memory_pool(self) -> None:
-        """The device's default memory pool (MLX's stream-ordered allocations) gives its unused reserve back."""
+        """The device's default memory pool (where MLX's stream-ordered allocations come from) gives back the
+        memory it holds unused."""
+        pool = self.handle("cuDeviceGetDefaultMemPool", self.device())
+        self.check(self.lib.cuMemPoolTrimTo(ctypes.c_void_p(pool), 0), "cuMemPoolTrimTo")
+
+    def device(self) -> int:
+        """The current context's device (MLX's)."""
         device = ctypes.c_int()
         self.check(self.lib.cuCtxGetDevice(ctypes.byref(device)), "cuCtxGetDevice")
-        pool = self.handle("cuDeviceGetDefaultMemPool", device.value)
-        self.check(self.lib.cuMemPoolTrimTo(ctypes.c_void_p(pool), 0), "cuMemPoolTrimTo")
+        return device.value
 
     def function(self, cubin: bytes, name: str, shared_memory: int) -> int:
         """The kernel `name` of `cubin`, its module loaded once for the process (graphs of one step share them)."""
@@ -315,17 +237,15 @@ class ReplayGraph:
 
     def __init__(self, driver: Driver, launches: Sequence[Launch], chain: bool = False,
                  bound: Sequence[tuple[mx.array, mx.array | int]] = (), stream: int | None = None) -> None:
-        located = Located([a for launch in launches for a in (*launch.inputs, *launch.outputs)]
-                          + [a for pair in bound for a in pair if isinstance(a, mx.array)])
         for launch in launches:
             if launch.cubin is None:
                 raise ValueError(f"{launch.function} was compiled by MLX: no cubin to launch")
             if launch.init_value is not None:
                 raise ValueError(f"{launch.function} takes an initial fill")
-            if launch.row_contiguous and not all(located.row_contiguous(a) for a in launch.inputs):
+            if launch.row_contiguous and not all(is_row_contiguous(a) for a in launch.inputs):
                 raise ValueError(f"{launch.function} reads an array MLX would copy first (not row-contiguous)")
         self.driver, self.launches, self.bound = driver, list(launches), list(bound)
-        moved = Moves(bound, located)
+        moved = Moves(bound)
         arrays = [([moved.span(a) for a in launch.inputs], [moved.span(a) for a in launch.outputs])
                   for launch in launches]
         self.spans = arrays

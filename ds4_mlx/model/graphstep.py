@@ -21,10 +21,11 @@ against the same step through MLX: logits within CHECK_TOLERANCE and the same to
 A step that holds MLX ops on the values it computes (`graph.ops_after_kernels`: a fast path that fell back to its
 reference, say) is refused before any graph is made: only kernels are replayed.
 
-Status (session 11, bench/RESULTS.md): off unless DS4_GRAPH_DECODE=on. A recorded step replayed on its own inputs
-gives MLX's outputs bit for bit at 11.4 ms a token (87.5 t/s, 43 layers at 2k, against 13.6 ms for MLX's step in
-the same process). Driven by new tokens, the graphs pass their checks on the Flash layout but decoded at 6.8 t/s,
-most likely from GPU writes to MLX's scalar pool (`_off_the_scalar_pool`, added after that run, not yet measured).
+Status (session 12, bench/RESULTS.md): off unless DS4_GRAPH_DECODE=on. 43 Flash layers at 2k decode at 121.5 tokens/s
+through the graphs against 69.6 through MLX's step (`ds4-mlx bench`, same machine), 8.2 ms a token, each kind's
+graph checked against MLX's step when made. Their arrays' addresses move the weights into managed memory
+(cudagraph.address), which must be kept on the GPU (`_keep_resident`: the 6.8 tokens/s of session 11 was that
+memory faulted back from the host). Not yet measured: 32k, the engine and server on the GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..kernels import nvrtc
-from ..kernels.cudagraph import Driver, ReplayGraph, locate
+from ..kernels.cudagraph import Driver, ReplayGraph, address
 from ..kernels.dialect import Kernel, build
 from ..sampling import device_argmax
 from .cache import SessionCache, unflatten_layers
@@ -159,42 +160,43 @@ class GraphDecoder:
         mx.eval(self.io_stand_in, self.token, self.position, *self.state)
         self.graphs: dict[tuple[int, ...], tuple[ReplayGraph, mx.array]] = {}
         self._rows_at: tuple[int, ...] = ()
-        self._named: list[mx.array] = []  # every array the graphs' launches name, and where each was
-        self._named_at: list[tuple[int, bool]] = []
         self._row_arrays: list[mx.array] = []
         self.position_next = 0
         self.launched = False
 
     def enter(self, cache: SessionCache) -> None:
         """Takes the cache's state: its replaced arrays copied into the decoder's, its row buffers as they are.
-        For row buffers it has no graphs of, or where an array its graphs name has moved since they were made (MLX
-        moves a buffer to managed memory when the host first reads it), every kind's graph is recorded and checked
-        first (GraphCheckError: one disagreed with MLX's step; the cache is as it was)."""
+        For row buffers it has no graphs of, every kind's graph is recorded and checked first (GraphCheckError:
+        one disagreed with MLX's step; the cache is as it was)."""
         arrays = cache.arrays()
         row_arrays = [a for a, rows in zip(arrays, self.rows) if rows]
-        at = tuple(address for address, _ in locate(row_arrays))
+        at = tuple(address(a) for a in row_arrays)
         self._row_arrays = row_arrays
         self.position_next = cache.n_tokens
         self.launched = False
         mx.synchronize()
         self._copy_in(arrays)
-        if at != self._rows_at or locate(self._named) != self._named_at:
+        if at != self._rows_at:
             self.close_graphs()
             for kind in sorted({self.model.ends(n) for n in range(math.lcm(*self.model.ratios))}):
                 self._graph(kind)
                 self._check_kind(kind)
             self._rows_at = at
-            self._named = list({id(a): a for graph, _ in self.graphs.values()
-                                for launch in graph.launches for a in (*launch.inputs, *launch.outputs)}.values())
-            self._named_at = locate(self._named)
             self._copy_in(arrays)  # the checks' steps wrote the decoder's state
-            self._keep_resident()
+        self._keep_resident()
 
     def _keep_resident(self) -> None:
-        """The managed buffers the graphs read or write (arrays MLX made from host bytes) moved to the GPU and
-        advised to stay. Why: the driver may evict managed pages to the host when the GPU's memory runs short, and
-        a graph's kernel then faults them back a page at a time (decode ran 10-30x slower so when the weights were
-        managed memory: bench/RESULTS.md, session 12)."""
+        """Every managed buffer the graphs read or write moved to the GPU and advised to stay, after MLX's buffer
+        cache and the device's memory pool give back what they hold unused.
+
+        Why: the graphs take their arrays' addresses through numpy (cudagraph.address), which makes MLX move each
+        one, the weights among them, into managed memory; the device buffers they leave go back to the memory pool,
+        which then held 56 GB of the H200's 150, so the driver evicted managed weights to the host and the graphs
+        faulted them back page by page: 7-15 tokens/s. With the reserve given back and the weights prefetched the
+        same graphs decode at 122 (bench/RESULTS.md, session 12). Every entry does it, since a prefill between two
+        can grow the pool again: ~0.3 s where the pages are already on the GPU (the full model)."""
+        mx.clear_cache()
+        self.driver.trim_memory_pool()
         spans = {span for graph, _ in self.graphs.values()
                  for reads, writes in graph.spans for span in (*reads, *writes)}
         self.driver.keep_on_device(sorted(s for s in spans if self.driver.is_managed(s[0])), self.stream)
@@ -294,7 +296,8 @@ class GraphDecoder:
         touches whenever it makes a small array (a token, `.item()`): each touch moves the page to the host, and the
         GPU's next access to any value on it faults it back. That slowed MLX's step once (a router's counter,
         bench/RESULTS.md, session 10); a graph reads the position, the token and small constants in hundreds of
-        launches. One suspect of the decoder's 6.8 tokens/s in session 11 (not measured since)."""
+        launches. (Suspected of session 11's 6.8 tokens/s, which turned out to be evicted weights: not measured
+        without these copies.)"""
         bound = {id(a) for a, _ in recorded.bound}
         small = {id(a): a for launch in recorded.launches for a in (*launch.inputs, *launch.outputs)
                  if a.nbytes <= SCALAR_POOL_BYTES and id(a) not in bound}
@@ -317,7 +320,6 @@ class GraphDecoder:
         self.graphs.clear()
         self._moved.clear()
         self._rows_at = ()
-        self._named, self._named_at = [], []
 
     def close(self) -> None:
         self.close_graphs()
