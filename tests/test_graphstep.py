@@ -113,6 +113,39 @@ def test_a_step_with_mlx_ops_stands_the_decoder_down_and_decodes_through_mlx(mon
     assert graph.tokens == plain.tokens and graph._graph is None
 
 
+@pytest.mark.gpu
+def test_engine_answers_through_the_graphs_as_through_mlx(monkeypatch):
+    """The engine's greedy requests (fed ahead, so through the graphs with DS4_GRAPH_DECODE=on) give the tokens
+    MLX's step gives, a second request (continuing the live session: the decoder entered again) included; a
+    sampled request between them leaves the graphs and comes back. Four Flash layers, synthetic weights."""
+    from ds4_mlx.engine import Engine, GenerationRequest
+    from ds4_mlx.events import Done
+    from ds4_mlx.model.factory import build_vocab
+    from ds4_mlx.model.synthetic import flash_config, synthetic_weights
+    from ds4_mlx.sampling import SamplingParams
+    from ds4_mlx.tokenizer import Tokenizer
+
+    model = Model(synthetic_weights(flash_config(4)))
+    vocab = build_vocab("real")
+    tokenizer = Tokenizer(list(vocab.tokens), list(vocab.merges))
+    first = [(11 * i + 5) % 9000 + 1 for i in range(200)]
+    requests = [(first, 0.0), (first + [17, 23], 0.8), (first + [17, 23, 31], 0.0)]
+    answers: dict[str, list[list[int]]] = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("DS4_GRAPH_DECODE", mode)
+        engine = Engine(model, tokenizer, CTX)
+        answers[mode] = []
+        for prompt, temperature in requests:
+            request = GenerationRequest(prompt=prompt, max_tokens=40,
+                                        sampling=SamplingParams(temperature=temperature, seed=5))
+            events = list(engine.generate(request))
+            assert isinstance(events[-1], Done)
+            answers[mode].append(events[-1].token_ids)
+        if mode == "on":
+            assert engine.session._graph is not None and not engine.session._graph_failed
+    assert answers["on"] == answers["off"]
+
+
 class StandInDecoder:
     """GraphDecoder's part in the session, played by MLX's own step on a private cache: what the session does
     around a decoder (enter, launch on confirm, read the choice, hand the state back) runs on the CPU."""
