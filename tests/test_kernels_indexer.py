@@ -205,8 +205,8 @@ def emulated_pick(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array,
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(scores, picked, valid) from the two kernels' CUDA text run on the CPU (head weights times `scale`; the
     queries finished by `rope`, if any, and `quant` in the score kernel)."""
-    t, n = q.shape[0], rows.shape[0]
-    template = scores_template(HEADS, DIM, n, RATIO, top_k, 0 if rope is None else rope.n_rot, quant)
+    (t, heads), (n, d) = w.shape, rows.shape
+    template = scores_template(heads, d, n, RATIO, top_k, 0 if rope is None else rope.n_rot, quant)
     q, w, rows = (np.array(a, np.float32) for a in (q, w, rows))
     positions = np.array(positions, np.int32)
     inv_freq = np.array([scale] if rope is None else rope.inv_freq, np.float32)
@@ -249,6 +249,23 @@ def test_emulated_cuda_scores_within_tolerance(on_cpu, rope, tmp_path):
     scores, _, _ = emulated_pick(q, w, rows, positions, TOP_K, tmp_path, rope=rope)
     finished = q if rope is None else finish_rows(q, positions, rope, None, RowQuant.NONE, False)
     want = index_scores(finished, w, rows, visible_mask(2050, positions))
+    assert registry.disagreement(mx.array(scores), want, SCORE_TOLERANCE) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("heads", "d", "n_rot"), [(5, 32, 32), (40, 64, 16), (32, 256, 64)], ids=str)
+def test_emulated_cuda_scores_rotate_queries_of_every_width(on_cpu, heads, d, n_rot, tmp_path):
+    """Query widths of one, two and eight values a lane (the finish's RoPE partner in the next lane, or in the
+    lane's next value), heads that do not fill the SIMD groups' share: float scores within tolerance of the
+    reference's product with the rotated queries."""
+    rope = RoPE(n_rot, 10000.0)
+    n = 300
+    positions = mx.array([position_seeing(v, RATIO) for v in (65, n - 1)] + [999_983], dtype=mx.int32)
+    q, w, rows = (random_activations((3, heads, d), seed=21), random_activations((3, heads), seed=22) * 0.1,
+                  random_activations((n, d), seed=23))
+    scores, _, _ = emulated_pick(q, w, rows, positions, 64, tmp_path, rope=rope)
+    finished = finish_rows(q, positions, rope, None, RowQuant.NONE, False)
+    want = index_scores(finished, w, rows, visible_mask(n, positions))
     assert registry.disagreement(mx.array(scores), want, SCORE_TOLERANCE) is None
 
 
