@@ -86,10 +86,10 @@ if (visible <= K) {
 }
 {
   // the queries finished as kernels/rows.py's FINISH_KERNEL does (RoPE at the position, then QUANT), a head per
-  // SIMD group at a time with no barrier: lane l holds dims l * V .. l * V + V - 1, the RoPE partner is the next
-  // value (the next lane where V is 1), the Hadamard's butterflies below V in the lane and above it across lanes
-  // (aq_hadamard's stages, in its order), an FP4 block of 32 is 32 / V lanes. Then staged transposed, head h of
-  // dim d at d * HP + (h ^ (d & 31)) (a swizzle: the score loop's reads do not conflict)
+  // SIMD group at a time with no barrier: lane l holds dims l * V .. l * V + V - 1, a RoPE pair is two values of a
+  // lane (of two neighbouring lanes where V is 1), the Hadamard's butterflies below V in the lane and above it
+  // across lanes (aq_hadamard's stages, in its order), an FP4 block of 32 is 32 / V lanes. Then staged
+  // transposed, head h of dim d at d * HP + (h ^ (d & 31)) (a swizzle: the score loop's reads do not conflict)
   constexpr int V = D / 32;
   constexpr int HEADS_A_SIMD = HP / WARPS;
   const int p_t = position[t];
