@@ -33,8 +33,9 @@ from .sampling import argmax, device_argmax
 
 
 GRAPH_ENV = "DS4_GRAPH_DECODE"
-"""`on` sends greedy decoding on CUDA through the decode graphs (model/graphstep.py); off by default until they are
-measured faster than MLX's step (they ran at 6.8 t/s against 68 in session 11, bench/RESULTS.md)."""
+"""`on` sends greedy decoding on CUDA through the decode graphs (model/graphstep.py): 121.5 t/s at 2k against 69.6
+through MLX's step (session 12, bench/RESULTS.md). Off by default until 32k and the engine and server have run with
+them on a GPU."""
 GRAPH_FED = "graph"
 """`_fed` while a token chosen by the decode graph awaits confirm (it is launched then) or take_back."""
 
@@ -107,9 +108,8 @@ class Session:
     @property
     def logits(self) -> mx.array | None:
         """The logits for the next token (while the decode graph runs, a copy of its last ones)."""
-        if self._graph_on and self._graph.launched:
-            self._logits = self._graph.logits()
-            self._graph.launched = False
+        if self._graph_on:
+            self._take_graph_logits()
         return self._logits
 
     @logits.setter
@@ -286,11 +286,15 @@ class Session:
         if not self._graph_on:
             return
         self._graph_on = False
+        self._take_graph_logits()
+        self._graph.leave(self._cache)
+        self._graph_token = None
+
+    def _take_graph_logits(self) -> None:
+        """The decoder's last launch's logits become the session's (once per launch)."""
         if self._graph.launched:
             self._logits = self._graph.logits()
             self._graph.launched = False
-        self._graph.leave(self._cache)
-        self._graph_token = None
 
     def _feed(self, tokens: list[int]) -> mx.array:
         """Run the model (then the MTP block, on the model's final streams) over tokens at the next positions;

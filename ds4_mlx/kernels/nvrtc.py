@@ -447,7 +447,7 @@ def is_recording() -> bool:
 def bind(array: mx.array, target: mx.array | int) -> None:
     """While recording: in the replay, `array`'s buffer is `target`'s (an array of as many bytes, or a device
     address), so that a launch writing `array` writes `target` in place and its readers read `target`."""
-    if _recorders and _recorders[-1] is not None:
+    if is_recording():
         _recorders[-1].bound.append((array, target))
 
 
@@ -520,7 +520,7 @@ class CachedKernel:
                 output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
                 shared_memory=self.shared_memory, init_value=init_value,
                 ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
-        if _recorders and _recorders[-1] is not None:
+        if is_recording():
             blocks, block = launch_dims(grid, threadgroup)
             _recorders[-1].launches.append(Launch(cubin, lowered, blocks, block, self.shared_memory, tuple(inputs),
                                          tuple(outputs), self.ensure_row_contiguous, init_value))

@@ -161,6 +161,7 @@ class GraphDecoder:
         self.graphs: dict[tuple[int, ...], tuple[ReplayGraph, mx.array]] = {}
         self._rows_at: tuple[int, ...] = ()
         self._row_arrays: list[mx.array] = []
+        self._managed: list[tuple[int, int]] = []  # the graphs' managed buffers, found when they are made
         self.position_next = 0
         self.launched = False
 
@@ -182,6 +183,9 @@ class GraphDecoder:
                 self._graph(kind)
                 self._check_kind(kind)
             self._rows_at = at
+            spans = {span for graph, _ in self.graphs.values()
+                     for reads, writes in graph.spans for span in (*reads, *writes)}
+            self._managed = sorted(s for s in spans if self.driver.is_managed(s[0]))
             self._copy_in(arrays)  # the checks' steps wrote the decoder's state
         self._keep_resident()
 
@@ -197,9 +201,7 @@ class GraphDecoder:
         can grow the pool again: a second entry took 0.47 s on the full model, its pages already there."""
         mx.clear_cache()
         self.driver.trim_memory_pool()
-        spans = {span for graph, _ in self.graphs.values()
-                 for reads, writes in graph.spans for span in (*reads, *writes)}
-        self.driver.keep_on_device(sorted(s for s in spans if self.driver.is_managed(s[0])), self.stream)
+        self.driver.keep_on_device(self._managed, self.stream)
         self.synchronize()
 
     def _copy_in(self, arrays: Sequence[mx.array]) -> None:
@@ -320,6 +322,7 @@ class GraphDecoder:
         self.graphs.clear()
         self._moved.clear()
         self._rows_at = ()
+        self._managed = []
 
     def close(self) -> None:
         self.close_graphs()

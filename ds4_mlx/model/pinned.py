@@ -4,7 +4,7 @@ Why: copying a tensor out of the mapped file into a host MLX array costs a page 
 sides (the file's mapping, and the CUDA managed memory the array is made in), and the GPU then pulls that managed
 memory over on demand, page by page. The 81 GB q2 file loaded at 1.4 GB/s that way (H200, the file in a tmpfs).
 Here worker threads `pread` the file into page-locked buffers (the kernel copies from its page cache, no faults)
-and hand each buffer to the GPU's copy engines (`cudaMemcpyAsync` into an array already resident in device memory),
+and hand each buffer to the GPU's copy engines (`cudaMemcpyAsync` into an array a device op made; see stream.py),
 each worker on its own non-blocking stream, so MLX's work on its own streams goes on meanwhile. The same file then
 loads in 14.1 s (6.1 GB/s, the loader's part 7.7 GB/s) with 1.65 GB of host RSS at most.
 
