@@ -121,9 +121,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--profile", type=int, default=4, help="tokens under CUPTI (0: none; needs torch)")
     args = p.parse_args()
-    os.environ["DS4_GRAPH_DECODE"] = "on"
+    os.environ.pop("DS4_GRAPH_DECODE", None)  # the default: decoding through the graphs
     model = Model(synthetic_weights(flash_config(args.layers)))
-    session = Session(model, args.at + 8 * args.tokens + args.profile + 256)
+    session = Session(model, args.at + 8 * args.tokens + args.profile + 456)
     device_memory("after the model was made")
     session.prefill([i % 1000 + 5 for i in range(args.at)])
     mx.eval(session.logits)
@@ -142,6 +142,12 @@ def main() -> int:
     session.prepare_greedy()
     print(f"entered again in {time.perf_counter() - t0:.2f} s")
     session_loop(session, args.tokens)
+    held = session.snapshot()  # a prefill while a snapshot holds the row buffers makes new ones
+    session.prefill([i % 1000 + 7 for i in range(200)])
+    t0 = time.perf_counter()
+    session.prepare_greedy()
+    print(f"entered again after a 200-token prefill (new row buffers) in {time.perf_counter() - t0:.2f} s")
+    del held
     if args.profile:
         kernel_table(lambda: session.confirm(int(session.feed_chosen().item())), args.profile, top=25)
     session_loop(session, args.tokens)

@@ -33,15 +33,20 @@ from .sampling import argmax, device_argmax
 
 
 GRAPH_ENV = "DS4_GRAPH_DECODE"
-"""`on` sends greedy decoding on CUDA through the decode graphs (model/graphstep.py): 121.5 t/s at 2k against 69.6
-through MLX's step (session 12, bench/RESULTS.md). Off by default until 32k and the engine and server have run with
-them on a GPU."""
+"""`off` keeps decoding on CUDA in MLX's compiled step instead of the decode graphs (model/graphstep.py): 121.5 t/s
+at 2k through them against 69.6 through MLX's step (session 12, bench/RESULTS.md)."""
+
+
+def graphs_wanted() -> bool:
+    """Whether decoding goes through the decode graphs when they can be made: on CUDA, unless DS4_GRAPH_DECODE=off
+    or the kernels are forced to their references."""
+    return os.environ.get(GRAPH_ENV, "on") != "off" and on_cuda() and registry.mode() != "reference"
 GRAPH_FED = "graph"
 """`_fed` while a token chosen by the decode graph awaits confirm (it is launched then) or take_back."""
 
 
 class GraphDecodeWarning(RuntimeWarning):
-    """Greedy decoding went back to MLX's compiled step: the decode graph could not be made, or disagreed."""
+    """Decoding went back to MLX's compiled step: the decode graph could not be made, or disagreed."""
 
 
 CUDA_PREFILL_CHUNK = 4096
@@ -164,7 +169,11 @@ class Session:
             yield start + len(chunk), len(tokens)
 
     def decode(self, token: int) -> mx.array:
-        """Feed one token; returns the logits for the next one."""
+        """Feed one token; returns the logits for the next one. On CUDA, without an MTP block, through the
+        decode graphs (model/graphstep.py) as greedy decoding: sampled decoding reads their logits."""
+        if self.mtp is None and self._fed is None and self._graph_ready(None, choosing=False):
+            self._launch_graph(token)
+            return self.logits
         return self.prefill([token])
 
     def feed_chosen(self, never: int | None = None) -> mx.array:
@@ -175,8 +184,8 @@ class Session:
         Why: MLX records a decode step's ~900 graph nodes on the host, which takes about as long as the device
         takes to run them. Fed this way, the host builds a step while the device still runs the one before, instead of
         after reading its token back. Read the token (`.item()`), then `confirm` it, or `take_back` the step if
-        the stream stops there. Without an MTP block. On CUDA with DS4_GRAPH_DECODE=on the step is one launch of a
-        graph of our own (model/graphstep.py): the token comes back chosen, and `confirm` launches its step.
+        the stream stops there. Without an MTP block. On CUDA (unless DS4_GRAPH_DECODE=off) the step is one launch
+        of a graph of our own (model/graphstep.py): the token comes back chosen, and `confirm` launches its step.
         """
         if self.mtp is not None:
             raise ValueError("feed_chosen runs without an MTP block (speculate feeds ahead with one)")
@@ -210,7 +219,7 @@ class Session:
         if self._fed is None:
             raise ValueError("no token was fed by feed_chosen")
         if self._fed == GRAPH_FED:
-            self._fed, self._graph_token = None, None
+            self._fed = None
             if self._graph_on:
                 self._launch_graph(token)
             else:  # the state was handed back between the choice and now
@@ -231,23 +240,23 @@ class Session:
         self._fed = None
 
     def prepare_greedy(self, never: int | None = None) -> bool:
-        """Readies greedy decoding (`feed_chosen` with this `never`) before the first token: on CUDA with
-        DS4_GRAPH_DECODE=on the decode graphs are recorded and checked now (for new row buffers: a recorded and a
+        """Readies greedy decoding (`feed_chosen` with this `never`) before the first token: on CUDA (unless
+        DS4_GRAPH_DECODE=off) the decode graphs are recorded and checked now if they are not yet (a recorded and a
         checked step a kind), not inside the first token. Returns whether tokens will go through them."""
         self._check_none_fed()
         return self.mtp is None and self._logits is not None and self._graph_ready(never)
 
-    def _graph_ready(self, never: int | None) -> bool:
-        """Whether greedy decoding runs through the decode graph now (entering it if need be): on CUDA with
-        DS4_GRAPH_DECODE=on, outside the reference kernel mode, unless it failed before in this session."""
-        if self._graph_on and self._graph.never == never:
+    def _graph_ready(self, never: int | None, choosing: bool = True) -> bool:
+        """Whether decoding runs through the decode graph now (entering it if need be): on CUDA unless
+        DS4_GRAPH_DECODE=off, outside the reference kernel mode, unless it failed before in this session.
+        `choosing`: the graph's greedy choice (never `never`) is the next token, else only its logits are read."""
+        if self._graph_on and (not choosing or self._graph.never == never):
             return True
         self._leave_graph()
-        if (self._graph_failed or os.environ.get(GRAPH_ENV, "off") != "on" or not on_cuda()
-                or registry.mode() == "reference"):
+        if not graphs_wanted() or self._graph_failed:
             return False
         try:
-            if self._graph is not None and self._graph.never != never:
+            if self._graph is not None and choosing and self._graph.never != never:
                 self._graph.close()
                 self._graph = None
             if self._graph is None:
@@ -259,11 +268,12 @@ class Session:
         except (OSError, DriverError, CompileError, ValueError, RuntimeError) as error:
             self._graph_stand_down(f"the decode graph could not be made ({error})")
             return False
-        self._graph_token = int(device_argmax(self._logits, never).item())
+        self._graph_token = int(device_argmax(self._logits, never).item()) if choosing else None
         self._graph_on = True
         return True
 
     def _launch_graph(self, token: int) -> None:
+        self._graph_token = None
         try:
             self._graph.launch(token)
         except DriverError as error:  # nothing was launched
@@ -274,7 +284,7 @@ class Session:
         self.tokens.append(token)
 
     def _graph_stand_down(self, reason: str) -> None:
-        warnings.warn(f"greedy decoding goes through MLX's compiled step: {reason}", GraphDecodeWarning,
+        warnings.warn(f"decoding goes through MLX's compiled step: {reason}", GraphDecodeWarning,
                       stacklevel=4)
         self._graph_failed = True
         if self._graph is not None:

@@ -47,7 +47,7 @@ def test_emulated_greedy_takes_the_lowest_id_of_the_largest_logit(tmp_path, neve
 @pytest.mark.slow
 def test_emulated_copy_moves_each_array(tmp_path):
     a, b = np.arange(3000, dtype=np.float32), np.arange(5, dtype=np.float32) - 9
-    run = emulated(copy_kernel([3000, 5]), {"N0": 3000, "N1": 5}, tmp_path)
+    run = emulated(copy_kernel([3000, 5]), {"N0": 3000, "N1": 5, "BLOCKS": graphstep.COPY_BLOCKS}, tmp_path)
     got = run([a, b], [(3000,), (5,)], (graphstep.COPY_BLOCKS, 2), 256)
     assert np.array_equal(got[0], a) and np.array_equal(got[1], b)
 
@@ -115,9 +115,10 @@ def test_a_step_with_mlx_ops_stands_the_decoder_down_and_decodes_through_mlx(mon
 
 @pytest.mark.gpu
 def test_engine_answers_through_the_graphs_as_through_mlx(monkeypatch):
-    """The engine's greedy requests (fed ahead, so through the graphs with DS4_GRAPH_DECODE=on) give the tokens
-    MLX's step gives, a second request (continuing the live session: the decoder entered again) included; a
-    sampled request between them leaves the graphs and comes back. Four Flash layers, synthetic weights."""
+    """The engine's requests through the graphs (the default on CUDA) give the tokens MLX's step gives
+    (DS4_GRAPH_DECODE=off): greedy ones (fed ahead), a sampled one (the graphs' logits read back), each after a
+    prefill that continues the live session (the decoder entered again, its graphs made once). Four Flash layers,
+    synthetic weights."""
     from ds4_mlx.engine import Engine, GenerationRequest
     from ds4_mlx.events import Done
     from ds4_mlx.model.factory import build_vocab
@@ -131,8 +132,18 @@ def test_engine_answers_through_the_graphs_as_through_mlx(monkeypatch):
     first = [(11 * i + 5) % 9000 + 1 for i in range(200)]
     requests = [(first, 0.0), (first + [17, 23], 0.8), (first + [17, 23, 31], 0.0)]
     answers: dict[str, list[list[int]]] = {}
+    made, make = [], GraphDecoder._graph
+
+    def counted(decoder: GraphDecoder, kind: tuple[int, ...]):
+        made.extend([kind] if kind not in decoder.graphs else [])
+        return make(decoder, kind)
+
+    monkeypatch.setattr(GraphDecoder, "_graph", counted)
     for mode in ("off", "on"):
-        monkeypatch.setenv("DS4_GRAPH_DECODE", mode)
+        if mode == "off":
+            monkeypatch.setenv("DS4_GRAPH_DECODE", mode)
+        else:
+            monkeypatch.delenv("DS4_GRAPH_DECODE")
         engine = Engine(model, tokenizer, CTX)
         answers[mode] = []
         for prompt, temperature in requests:
@@ -143,7 +154,7 @@ def test_engine_answers_through_the_graphs_as_through_mlx(monkeypatch):
             answers[mode].append(events[-1].token_ids)
         if mode == "on":
             assert engine.session._graph is not None and not engine.session._graph_failed
-    assert answers["on"] == answers["off"]
+    assert answers["on"] == answers["off"] and len(made) == len(set(made)) == 3
 
 
 class StandInDecoder:
@@ -178,13 +189,13 @@ class StandInDecoder:
         pass
 
 
-def test_session_decodes_through_a_decoder_as_plain_greedy_decoding(monkeypatch, tmp_path):
-    """With a decoder in use (DS4_GRAPH_DECODE=on, here on the CPU through a stand-in), feed_chosen / confirm /
-    take_back give plain greedy decoding's tokens and logits, `never` is never chosen, and a snapshot (which hands
-    the state back) decodes on through MLX as the plain session does."""
+def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, tmp_path):
+    """With a decoder in use (the default on CUDA, here on the CPU through a stand-in), feed_chosen / confirm /
+    take_back give plain greedy decoding's tokens and logits, `never` is never chosen; a snapshot hands the state
+    back, and `decode` (sampled decoding's call) enters the decoder again and gives plain decoding's logits."""
     from ds4_mlx import session as session_module
 
-    monkeypatch.setenv("DS4_GRAPH_DECODE", "on")
+    monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
     monkeypatch.setattr(session_module, "on_cuda", lambda: True)
     monkeypatch.setattr(session_module, "GraphDecoder", StandInDecoder)
     path = tmp_path / "tiny.gguf"
@@ -194,11 +205,17 @@ def test_session_decodes_through_a_decoder_as_plain_greedy_decoding(monkeypatch,
     plain, graph = Session(model, 256), Session(model, 256)
     for session in (plain, graph):
         session.prefill(prompt)
+
+    def plain_decode(token: int) -> None:
+        with monkeypatch.context() as off:
+            off.setenv("DS4_GRAPH_DECODE", "off")
+            plain.decode(token)
+
     never = argmax(plain.logits)  # the token greedy decoding would take first: never chosen here
     assert graph.prepare_greedy(never=never)
     for step in range(8):
         masked = mx.where(mx.arange(plain.logits.size) == never, -mx.inf, plain.logits)
-        plain.decode(argmax(masked))
+        plain_decode(argmax(masked))
         token = int(graph.feed_chosen(never=never).item())
         if step == 3:  # taken back, the same token is chosen again
             graph.take_back()
@@ -208,11 +225,38 @@ def test_session_decodes_through_a_decoder_as_plain_greedy_decoding(monkeypatch,
         assert mx.array_equal(graph.logits, plain.logits)
     assert graph._graph.entries == 1  # reading the logits did not hand the state back
     snap = graph.snapshot()
-    assert snap.cache.n_tokens == plain.cache.n_tokens == len(plain.tokens)
-    for _ in range(3):
-        plain.decode(argmax(plain.logits))
-        graph.decode(argmax(graph.logits))
-    assert graph.tokens == plain.tokens and mx.array_equal(graph.logits, plain.logits)
+    assert snap.cache.n_tokens == plain.cache.n_tokens == len(plain.tokens) and not graph._graph_on
+    for token in (9, 31, 4):
+        plain_decode(token)
+        assert mx.array_equal(graph.decode(token), plain.logits)
+    assert graph.tokens == plain.tokens and graph._graph.entries == 2 and graph._graph_on
+    assert graph.cache.n_tokens == plain.cache.n_tokens and not graph._graph_on
+
+
+def test_leave_hands_back_the_rows_completed_since_the_entry_and_spares_snapshots(tmp_path):
+    """`leave` on the CPU, the decoder's state played by a cache MLX's step advanced: the cache then equals that
+    state in every live row, raw window and frontier, and a snapshot taken before (whose row buffers the cache
+    shared) is as it was."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path, preset="tiny", experts="q2", vocab="small")
+    model = Model(open_weights(path))
+    cache, ahead = model.new_cache(256), model.new_cache(256)
+    model(mx.array([(3 * i + 1) % 500 + 1 for i in range(37)], dtype=mx.int32), cache)
+    ahead.restore(cache.snapshot())
+    before = cache.snapshot()
+    kept = [np.array(a) for a in before.arrays()]
+    for token in range(2, 16):  # 37 -> 51: rows end at 39, 43, 47 (ratio 4); none at ratio 128
+        mx.eval(model.decode(token, ahead))
+    decoder = object.__new__(GraphDecoder)
+    decoder.model, decoder.ratios, decoder.state = model, graphstep.row_ratios(cache), ahead.arrays()
+    decoder.position_entered, decoder.position_next = 37, 51
+    decoder.synchronize = lambda: None
+    decoder.leave(cache)
+    assert cache.n_tokens == 51 and decoder.position_entered == 51
+    for got, want, ratio in zip(cache.arrays(), ahead.arrays(), decoder.ratios, strict=True):
+        live = 51 // ratio if ratio else got.shape[0]
+        assert mx.array_equal(got[:live], want[:live])
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(kept, before.arrays()))
 
 
 def test_ops_after_kernels_are_the_mlx_ops_on_computed_values():

@@ -1,4 +1,4 @@
-"""Greedy decoding on CUDA through graphs of our own: one launch a token instead of ~900 MLX nodes.
+"""Decoding on CUDA through graphs of our own: one launch a token instead of ~900 MLX nodes.
 
 MLX spends ~20 µs of host time per node of the compiled decode step on the H200, so its ~900 nodes take longer
 on the host than the GPU takes to run them (bench/RESULTS.md, session 10). Every node of the step that does work
@@ -7,16 +7,19 @@ completes) and replayed as one CUDA graph (kernels/cudagraph.py): the launches a
 dependencies their address ranges give. The graph of a kind:
 
 1. LOAD_KERNEL reads the token and its position from page-locked host memory the host wrote before the launch;
-2. the step (`Model.step`), reading this decoder's copies of the arrays a step replaces (raw windows, compressor
-   frontiers) and the session's row buffers, which a completing step writes in place (`rows.write_row`);
+2. the step (`Model.step`) over this decoder's copy of the session's state: it replaces the raw windows and the
+   compressor frontiers, and a completing step writes its row into the row buffers in place (`rows.write_row`);
 3. GREEDY_KERNEL writes the argmax of the logits (never `never`, the bench's EOS) to host memory;
 4. one copy launch puts the step's new raw windows and frontiers where the next step reads them.
 
-The host writes two ints, launches, and later reads one int. The cache the session holds stays as it was while the
-decoder runs; `leave` hands the decoder's state back as new arrays (so that no snapshot shares a buffer this
-decoder writes). When the graphs are made (for each set of row buffers), each kind's is launched once and checked
-against the same step through MLX: logits within CHECK_TOLERANCE and the same token, else the decoder stands down
-(GraphCheckError) and the session decodes through MLX from the state it had.
+The host writes two ints, launches, and later reads one int (or the logits, for sampled decoding). `enter` copies
+the session's state into the decoder's arrays, so the graphs, made at the first entry, serve every later one: a
+prefill between two requests makes new row buffers in the session's cache, not in the decoder. The cache the
+session holds stays as it was while the decoder runs; `leave` hands the state back (new raw windows and frontiers,
+the rows completed meanwhile written into the row buffers), so no snapshot shares a buffer this decoder writes.
+When the graphs are made, each kind's is launched once and checked against the same step through MLX: logits
+within CHECK_TOLERANCE and the same token, else the decoder stands down (GraphCheckError) and the session decodes
+through MLX from the state it had.
 
 A step that holds MLX ops on the values it computes (`graph.ops_after_kernels`: a fast path that fell back to its
 reference, say) is refused before any graph is made: only kernels are replayed.
@@ -37,7 +40,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..kernels import nvrtc
-from ..kernels.cudagraph import Driver, ReplayGraph, address
+from ..kernels.cudagraph import Driver, ReplayGraph
 from ..kernels.dialect import Kernel, build
 from ..sampling import device_argmax
 from .cache import SessionCache, unflatten_layers
@@ -89,6 +92,9 @@ SCALAR_POOL_BYTES = 8
 PADDED = 16
 """Values in the decoder's own copies of small arrays: 64 bytes or more, out of the pool."""
 COPY_BLOCKS = 8
+"""Threadgroups an array of a step's copy launch (raw windows and frontiers: a few hundred KB in all)."""
+ROW_COPY_BLOCKS = 256
+"""Threadgroups a row buffer of an entry's copy (16.8 MB a ratio-4 layer's compressed rows at 32k)."""
 CHECK_TOLERANCE = 1e-4
 """Relative to the largest logit. The graph runs the kernels MLX runs on the same inputs, so the logits agree to
 the rounding of the few kernels that sum with atomics in another order (none do today: they are equal)."""
@@ -99,7 +105,7 @@ class GraphCheckError(RuntimeError):
 
 
 def copy_kernel(sizes: Sequence[int]) -> Kernel:
-    """A launch copying float32 arrays s_i to d_i (sizes[i] values each): one row of threadgroups per array."""
+    """A launch copying float32 arrays s_i to d_i (N_i values each): one row of BLOCKS threadgroups per array."""
     cases = "\n".join(f"  case {i}: src = s{i}; dst = d{i}; n = N{i}; break;" for i in range(len(sizes)))
     source = f"""
 const GLOBAL_MEM float* src = s0;
@@ -108,7 +114,7 @@ int n = 0;
 switch (GROUP_Y) {{
 {cases}
 }}
-for (int i = GROUP_X * 256 + THREAD_IN_GROUP; i < n; i += 256 * {COPY_BLOCKS}) {{
+for (int i = GROUP_X * 256 + THREAD_IN_GROUP; i < n; i += 256 * BLOCKS) {{
   dst[i] = src[i];
 }}
 """
@@ -117,32 +123,39 @@ for (int i = GROUP_X * 256 + THREAD_IN_GROUP; i < n; i += 256 * {COPY_BLOCKS}) {
                   tuple(f"d{i}" for i in range(count)), source)
 
 
-def copy_into(sources: Sequence[mx.array], targets: Sequence[mx.array]) -> None:
+def copy_into(sources: Sequence[mx.array], targets: Sequence[mx.array], blocks: int = COPY_BLOCKS) -> None:
     """Records one launch copying each source into its target (bound: the replay writes the target itself)."""
     if any(s.dtype != mx.float32 or s.shape != t.shape for s, t in zip(sources, targets)):
         raise ValueError("the decoder copies float32 state arrays of equal shapes")
     sizes = [s.size for s in sources]
     outputs = build(copy_kernel(sizes), "cuda")(
-        inputs=list(sources), template=[(f"N{i}", n) for i, n in enumerate(sizes)],
-        grid=(256 * COPY_BLOCKS, len(sources), 1), threadgroup=(256, 1, 1),
+        inputs=list(sources), template=[(f"N{i}", n) for i, n in enumerate(sizes)] + [("BLOCKS", blocks)],
+        grid=(256 * blocks, len(sources), 1), threadgroup=(256, 1, 1),
         output_shapes=[s.shape for s in sources], output_dtypes=[mx.float32] * len(sources))
     for out, target in zip(outputs, targets):
         nvrtc.bind(out, target)
 
 
-def row_buffers(cache: SessionCache) -> list[bool]:
-    """For each of the cache's arrays, whether it is a row buffer (written in place) rather than replaced."""
-    flags: list[bool] = []
-    for state in cache.layers:
-        flags.append(False)
+def row_ratios(cache: SessionCache) -> list[int]:
+    """For each of the cache's arrays, the compression ratio of its rows where it is a row buffer (written in
+    place, a row a window), else 0 (an array a step replaces)."""
+    ratios: list[int] = []
+    for layer, state in enumerate(cache.layers):
+        ratio = cache.config.compress_ratio(layer)
+        ratios.append(0)
         for rows in (state.comp, state.index):
             if rows is not None:
-                flags += [True, False, False]
-    return flags
+                ratios += [ratio, 0, 0]
+    return ratios
 
 
 class GraphDecoder:
-    """Greedy decoding of one session's cache through CUDA graphs recorded from its model's decode step."""
+    """Decoding of one session's cache through CUDA graphs recorded from its model's decode step: each launch
+    feeds a token and chooses the next greedily (never `never`); its logits are there for a sampler.
+
+    The decoder holds a copy of the whole cache (its row buffers too, so their memory is held twice while it lives):
+    the graphs name those arrays' addresses, so they are made once and serve every later entry, whatever buffers
+    the session's cache holds by then (a prefill between two entries makes new ones)."""
 
     def __init__(self, model: Model, cache: SessionCache, never: int | None) -> None:
         self.model, self.never = model, never
@@ -155,38 +168,29 @@ class GraphDecoder:
         self.io_stand_in = mx.zeros((4,), dtype=mx.int32)
         self.token, self.position = (mx.zeros((PADDED,), dtype=mx.int32) for _ in range(2))  # off the scalar pool
         self._moved: list[mx.array] = []
-        self.rows = row_buffers(cache)
-        self.state = [mx.zeros_like(a) for a, rows in zip(cache.arrays(), self.rows) if not rows]
+        self.ratios = row_ratios(cache)
+        self.state = [mx.zeros_like(a) for a in cache.arrays()]
         mx.eval(self.io_stand_in, self.token, self.position, *self.state)
         self.graphs: dict[tuple[int, ...], tuple[ReplayGraph, mx.array]] = {}
-        self._rows_at: tuple[int, ...] = ()
-        self._row_arrays: list[mx.array] = []
         self._managed: list[tuple[int, int]] = []  # the graphs' managed buffers, found when they are made
-        self.position_next = 0
+        self.position_entered = self.position_next = 0
         self.launched = False
 
     def enter(self, cache: SessionCache) -> None:
-        """Takes the cache's state: its replaced arrays copied into the decoder's, its row buffers as they are.
-        For row buffers it has no graphs of, every kind's graph is recorded and checked first (GraphCheckError:
-        one disagreed with MLX's step; the cache is as it was)."""
-        arrays = cache.arrays()
-        row_arrays = [a for a, rows in zip(arrays, self.rows) if rows]
-        at = tuple(address(a) for a in row_arrays)
-        self._row_arrays = row_arrays
-        self.position_next = cache.n_tokens
+        """Takes a copy of the cache's state. The first entry records every kind's graph and checks it first
+        (GraphCheckError: one disagreed with MLX's step; the cache is as it was)."""
+        self.position_entered = self.position_next = cache.n_tokens
         self.launched = False
         mx.synchronize()
-        self._copy_in(arrays)
-        if at != self._rows_at:
-            self.close_graphs()
+        self._copy_in(cache.arrays())
+        if not self.graphs:
             for kind in sorted({self.model.ends(n) for n in range(math.lcm(*self.model.ratios))}):
                 self._graph(kind)
                 self._check_kind(kind)
-            self._rows_at = at
             spans = {span for graph, _ in self.graphs.values()
                      for reads, writes in graph.spans for span in (*reads, *writes)}
             self._managed = sorted(s for s in spans if self.driver.is_managed(s[0]))
-            self._copy_in(arrays)  # the checks' steps wrote the decoder's state
+            self._copy_in(cache.arrays())  # the checks' steps wrote the decoder's state
         self._keep_resident()
 
     def _keep_resident(self) -> None:
@@ -205,8 +209,13 @@ class GraphDecoder:
         self.synchronize()
 
     def _copy_in(self, arrays: Sequence[mx.array]) -> None:
+        """The cache's arrays copied into the decoder's, the row buffers (up to ~0.5 GB at 32k) by more blocks."""
+        rows = [bool(r) for r in self.ratios]
         with nvrtc.recording() as recorded:
-            copy_into([a for a, rows in zip(arrays, self.rows) if not rows], self.state)
+            for is_rows, blocks in ((False, COPY_BLOCKS), (True, ROW_COPY_BLOCKS)):
+                pairs = [(a, own) for a, own, r in zip(arrays, self.state, rows) if r == is_rows]
+                if pairs:
+                    copy_into(*zip(*pairs), blocks=blocks)
         graph = ReplayGraph(self.driver, recorded.launches, bound=recorded.bound, stream=self.stream)
         graph.launch()
         graph.synchronize()
@@ -252,16 +261,26 @@ class GraphDecoder:
         return copy
 
     def leave(self, cache: SessionCache) -> None:
-        """Hands the state back to `cache` as new arrays, at the position reached."""
+        """Hands the state back to `cache` at the position reached: the replaced arrays as new copies, and in each
+        row buffer the rows the decoder completed since it entered (MLX writes them in place where no snapshot
+        holds the buffer, else into a copy: a snapshot's rows never change)."""
         self.synchronize()
-        copies = [a * 1 for a in self.state]
-        mx.eval(*copies)
-        cache.layers, cache.n_tokens = self._layers(copies), self.position_next
+        state = []
+        for mine, theirs, ratio in zip(self.state, cache.arrays(), self.ratios):
+            first, end = self.position_entered // max(ratio, 1), self.position_next // max(ratio, 1)
+            if not ratio:
+                state.append(mine * 1)
+            elif end > first:
+                state.append(mx.slice_update(theirs, mine[first:end], mx.array([first]), axes=(0,)))
+            else:
+                state.append(theirs)
+        cache.layers, cache.n_tokens = unflatten_layers(self.model.config, state), self.position_next
+        del state
+        mx.eval(*cache.arrays())
+        self.position_entered = self.position_next
 
-    def _layers(self, own: Sequence[mx.array] | None = None) -> list:
-        """Layer states of the row buffers and `own` (by default the decoder's copies of the replaced arrays)."""
-        own, rows = iter(self.state if own is None else own), iter(self._row_arrays)
-        return unflatten_layers(self.model.config, [next(rows) if is_rows else next(own) for is_rows in self.rows])
+    def _layers(self) -> list:
+        return unflatten_layers(self.model.config, self.state)
 
     def _graph(self, kind: tuple[int, ...]) -> tuple[ReplayGraph, mx.array]:
         if kind not in self.graphs:
@@ -281,7 +300,7 @@ class GraphDecoder:
                     output_shapes=[(1,)], output_dtypes=[mx.int32])
                 nvrtc.bind(chosen, self.io_address + 8)
                 new = [a for state in new_layers for a in state.arrays()]
-                copy_into([a for a, rows in zip(new, self.rows) if not rows], self.state)
+                copy_into(*zip(*[(a, own) for a, own, r in zip(new, self.state, self.ratios) if not r]))
             ops = ops_after_kernels([chosen, *new])
             if ops:
                 raise ValueError(f"the step holds MLX ops on computed values, which a graph does not replay: "
@@ -316,15 +335,10 @@ class GraphDecoder:
         mx.eval(logits, choice)
         return logits, int(choice.item())
 
-    def close_graphs(self) -> None:
+    def close(self) -> None:
         for graph, _ in self.graphs.values():
             graph.close()
         self.graphs.clear()
         self._moved.clear()
-        self._rows_at = ()
-        self._managed = []
-
-    def close(self) -> None:
-        self.close_graphs()
         self.driver.destroy_stream(self.stream)
         self._free()
