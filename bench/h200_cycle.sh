@@ -44,9 +44,9 @@
 #   ab:DIR[:N[:CTX]] prefill from 0 to CTX tokens (default 2048) then decode there (128 tokens) over N layers
 #                  (default 43) with the tree in DIR (another commit's `git archive`: untracked and not ignored,
 #                  or named in the call's carry, so that it travels), then with this one, on the same machine
-#                  (both inherit the call's environment: DS4_GRAPH_DECODE=on before the script compares the graphs)
-#   graph[:N[:CTX]] the same bench with this tree, greedy decoding through MLX's compiled step (DS4_GRAPH_DECODE=off,
-#                  the default) and through the decode graph (=on, model/graphstep.py), on the same machine
+#                  (both inherit the call's environment: DS4_GRAPH_DECODE=off compares MLX's steps)
+#   graph[:N[:CTX]] the same bench with this tree, greedy decoding through MLX's compiled step (DS4_GRAPH_DECODE=off)
+#                  and through the decode graphs (=on, the default on CUDA, model/graphstep.py), on the same machine
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)

@@ -24,11 +24,11 @@ through MLX from the state it had.
 A step that holds MLX ops on the values it computes (`graph.ops_after_kernels`: a fast path that fell back to its
 reference, say) is refused before any graph is made: only kernels are replayed.
 
-Status (session 12, bench/RESULTS.md): off unless DS4_GRAPH_DECODE=on. 43 Flash layers at 2k decode at 121.5 tokens/s
-through the graphs against 69.6 through MLX's step (`ds4-mlx bench`, same machine), 8.2 ms a token, each kind's
-graph checked against MLX's step when made. Their arrays' addresses move the weights into managed memory
-(cudagraph.address), which must be kept on the GPU (`_keep_resident`: the 6.8 tokens/s of session 11 was that
-memory faulted back from the host). Not yet measured: 32k, the engine and server on the GPU.
+Status (session 13, bench/RESULTS.md): the default on CUDA (session.py, DS4_GRAPH_DECODE=off leaves it). 43 Flash
+layers decode at 121.7 tokens/s at 2k and 116.7 at 32k through the graphs against ~70 through MLX's step (`ds4-mlx
+bench`, same machine), 8.2 ms a token. The graphs are made in ~14 s at the first entry; a later one takes ~0.2 s.
+Their arrays' addresses move the weights into managed memory (cudagraph.address), which must be kept on the GPU
+(`_keep_resident`: the 6.8 tokens/s of session 11 was that memory faulted back from the host).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class GraphDecoder:
         which then held 56 GB of the H200's 150, so the driver evicted managed weights to the host and the graphs
         faulted them back page by page: 7-15 tokens/s. With the reserve given back and the weights prefetched the
         same graphs decode at 122 (bench/RESULTS.md, session 12). Every entry does it, since a prefill between two
-        can grow the pool again: a second entry took 0.47 s on the full model, its pages already there."""
+        can grow the pool again: a later entry takes 0.16-0.20 s on the full model, its pages already there."""
         mx.clear_cache()
         self.driver.trim_memory_pool()
         self.driver.keep_on_device(self._managed, self.stream)
