@@ -33,7 +33,7 @@ from .model.mtp import MTP, open_mtp
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .sampling import Sampler, SamplingParams
-from .session import Session, Snapshot
+from .session import Session, Snapshot, graphs_wanted
 from .stop import StopStrings
 from .tokenizer import StreamDecoder, Tokenizer, utf8
 
@@ -42,6 +42,16 @@ log = logging.getLogger("ds4_mlx.engine")
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
 MAX_MTP_DRAFT = 16  # ds4's cap on --mtp-draft
+SPECULATION_LOSES = ("on CUDA decoding goes through the decode graphs, 8.2 ms a token at 2k on the H200, while a "
+                     "speculative verify call through MLX costs ~88 ms over 1-3 tokens (DS4_GRAPH_DECODE=off "
+                     "speculates through MLX's step)")
+
+
+def speculation_pays() -> bool:
+    """Whether MTP speculation can beat plain decoding here: not where the decode graphs run. A verify call goes
+    through MLX's chunk path, 87.8 ms over 1 token and 89.2 over 3 on the H200 (bench/RESULTS.md, session 6), so
+    even every guess right gives ~34 tokens/s against the graphs' ~120 (session 13)."""
+    return not graphs_wanted()
 
 
 @dataclass
@@ -143,13 +153,18 @@ class Engine:
         mtp_draft: int = 1,
         mtp_margin: float = 3.0,
         kv_ram_budget: int | None = None,
+        speculate_anyway: bool = False,
     ) -> None:
         """`mtp_draft` >= 2 turns on speculative greedy decoding with the `mtp` draft block: up to mtp_draft - 1
-        guessed tokens are verified per model call (ds4's --mtp-draft; 1 = off). `mtp_margin` is ds4's
+        guessed tokens are verified per model call (ds4's --mtp-draft; 1 = off), where it can pay
+        (`speculation_pays`; `speculate_anyway` for the bench, which measures it everywhere). `mtp_margin` is ds4's
         --mtp-margin: a lone guess whose top-1/top-2 logit gap is below it is not verified. `kv_ram_budget` is
         the bytes in-memory checkpoints may hold (0 = none; None = what the device has left, see checkpoints.py)."""
         if not 1 <= mtp_draft <= MAX_MTP_DRAFT:
             raise ValueError(f"mtp_draft must be between 1 and {MAX_MTP_DRAFT}, got {mtp_draft}")
+        if mtp_draft > 1 and not (speculate_anyway or speculation_pays()):
+            log.warning("--mtp-draft %d is unused: %s", mtp_draft, SPECULATION_LOSES)
+            mtp_draft, mtp = 1, None
         if mtp_draft > 1 and mtp is None:
             raise ValueError(f"mtp_draft {mtp_draft} needs an MTP draft block (--mtp FILE)")
         if not mtp_margin >= 0:
@@ -205,6 +220,8 @@ class Engine:
         if kv_cache is not None:
             check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
         mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
+        if opts.get("mtp_draft", 1) > 1 and not (opts.get("speculate_anyway") or speculation_pays()):
+            mtp_weights = None  # checked, not loaded: the engine would not use it
         model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
         check_memory(weights, model_bytes, ctx, device_memory_bytes())
         if opts.get("kv_ram_budget") is None:

@@ -384,3 +384,20 @@ def test_make_model_and_run_with_mtp(tmp_path, capsys):
     assert "MTP guesses accepted" in capsys.readouterr().err
     assert main(base + ["--mtp-draft", "3"]) == 2  # a usage mistake
     assert "--mtp-draft 3 needs an MTP draft file: --mtp FILE" in capsys.readouterr().err
+
+
+def test_speculation_is_off_where_the_decode_graphs_run(monkeypatch, caplog, model, tokenizer, mtp, paths):
+    """Where the decode graphs run (CUDA), a verify call through MLX costs ~10 graph tokens: --mtp-draft is unused
+    there, said once in the log, and Engine.load does not build the draft block; the bench still speculates."""
+    from ds4_mlx import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "speculation_pays", lambda: False)
+    with caplog.at_level("WARNING", logger="ds4_mlx.engine"):
+        engine = Engine(model, tokenizer, CTX, mtp=mtp, mtp_draft=3)
+    assert engine.session.mtp is None and engine.mtp_draft == 1
+    assert [r.getMessage() for r in caplog.records if "--mtp-draft 3 is unused" in r.getMessage()]
+    assert Engine(model, tokenizer, CTX, mtp=mtp, mtp_draft=3, speculate_anyway=True).session.mtp is mtp
+    loaded = Engine.load(paths[0], CTX, mtp=paths[1], mtp_draft=2)
+    assert loaded.session.mtp is None and "mtp" not in loaded.load_phases
+    monkeypatch.setattr(engine_module, "speculation_pays", lambda: True)
+    assert Engine(model, tokenizer, CTX, mtp=mtp, mtp_draft=3).session.mtp is mtp

@@ -502,7 +502,7 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
             label, session, tokenizer, file_bytes = _synthetic(args, walk.ctx)
         else:
             args.ctx = walk.ctx
-            engine = open_engine(args)
+            engine = open_engine(args, speculate_anyway=True)  # its --mtp figures are measured everywhere
             label = "demo" if args.demo else args.model.name
             session, tokenizer, file_bytes = engine.session, engine.tokenizer, engine.model.load_stats.file_bytes
             phases = engine.load_phases
