@@ -49,11 +49,12 @@ class GraphDecodeWarning(RuntimeWarning):
     """Decoding went back to MLX's compiled step: the decode graph could not be made, or disagreed."""
 
 
-CUDA_PREFILL_CHUNK = 4096
-"""On CUDA, chunks of 4096 tokens: on the H200 all 43 layers prefill an 8k prompt at 1,025 t/s against 871 t/s in
-ds4's 2048-token chunks (883 against 776 from 8k to 32k; bench/RESULTS.md, session 6), since the grouped expert
-GEMMs fill more of their tiles; the prefill's peak memory grows by ~6 GB at 32k. Chunking does not change the
-result (spec §3.10: a chunk equals feeding its tokens one at a time)."""
+CUDA_PREFILL_CHUNK = 8192
+"""On CUDA, chunks of 8192 tokens: on the H200 all 43 layers prefill a 16k prompt at 1,921 t/s against 1,717 in
+4096-token chunks (session 13; 4096 beat ds4's 2048 by 1,025 to 871 t/s at 8k in session 6), since the grouped
+expert GEMMs fill more of their tiles and each expert's weights are read for more pairs; the prefill's peak memory
+grows by ~9.4 GB (108.2 GB at 16k against 98.8; bench/RESULTS.md). Chunking does not change the result (spec
+§3.10: a chunk equals feeding its tokens one at a time)."""
 
 
 def prefill_chunk_for(ctx: int) -> int:

@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="walks to run; figures are the median, with min and max (default 1)")
     g.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="tokens per prefill chunk (default the session's: 4096 on CUDA, ds4's 2048 elsewhere, or the "
+                   help="tokens per prefill chunk (default the session's: 8192 on CUDA, ds4's 2048 elsewhere, or the "
                         "whole context below that), to choose a GPU's chunk size by measurement")
     g.add_argument("--read-back", action="store_true",
                    help="decode as sampled decoding does, reading each token back before the next step is built "
