@@ -32,7 +32,7 @@ from .model.model import Model
 from .model.mtp import MTP, open_mtp
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, argmax
 from .session import Session, Snapshot, graphs_wanted
 from .stop import StopStrings
 from .tokenizer import StreamDecoder, Tokenizer, utf8
@@ -252,6 +252,23 @@ class Engine:
     @classmethod
     def demo(cls, ctx: int = 4096, **opts) -> Engine:
         return cls.load(ensure_demo_model(), ctx, **opts)
+
+    def warm_up(self) -> float:
+        """Feeds a short prompt and a few greedy tokens through the live session, then empties it; returns the
+        seconds taken. Why: the first use of each kernel compiles or reads it back and checks it against its
+        reference, and on CUDA the first decoded token makes and checks the decode graphs (~14 s on the full
+        model, bench/RESULTS.md session 13): a server does that before it takes requests, not inside the first."""
+        t0 = time.perf_counter()
+        tokens = self.tokenizer.encode("The kernels are compiled and checked here.")[: max(1, self.ctx // 2)]
+        self.session.reset()
+        self.session.prefill(tokens)
+        for _ in range(min(3, self.session.room)):
+            if self.session.mtp is None:
+                self.session.confirm(int(self.session.feed_chosen().item()))
+            else:
+                self.session.speculate(argmax(self.session.logits), self.mtp_draft - 1, self.mtp_margin)
+        self.session.reset()
+        return time.perf_counter() - t0
 
     def set_context(self, ctx: int) -> None:
         """Replaces the live session with an empty one of `ctx` tokens, if the device has room for its state."""

@@ -280,3 +280,21 @@ def test_greedy_answers_of_the_tiny_model_are_the_same_fed_ahead(tiny, monkeypat
         _, done = run(tiny, prompt=prompt, sampling=GREEDY, max_tokens=40)
         answers.append((done.token_ids, tiny.session.tokens, mx.array(tiny.session.logits).tolist()))
     assert answers[0] == answers[1] and len(answers[0][0]) == 40
+
+
+def test_warm_up_leaves_an_empty_session_that_answers_as_a_fresh_engine(tmp_path):
+    """`Engine.warm_up` (what `serve` runs on a GPU before taking requests) feeds a prompt and a few tokens, then
+    empties the live session: the next answer is the one a fresh engine gives."""
+    from ds4_mlx.engine import Engine, GenerationRequest
+    from ds4_mlx.events import Done
+    from ds4_mlx.model.factory import write_model
+    from ds4_mlx.sampling import SamplingParams
+
+    path = write_model(tmp_path / "tiny.gguf", preset="tiny")
+    request = GenerationRequest(prompt="Hello there", max_tokens=12, sampling=SamplingParams(temperature=0.7, seed=3))
+    fresh = Engine.load(path, 256)
+    want = [e for e in fresh.generate(request) if isinstance(e, Done)][0].token_ids
+    warmed = Engine.load(path, 256)
+    assert warmed.warm_up() > 0
+    assert warmed.session.tokens == [] and warmed.session.cache.n_tokens == 0 and warmed.session.logits is None
+    assert [e for e in warmed.generate(request) if isinstance(e, Done)][0].token_ids == want

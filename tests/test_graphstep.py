@@ -146,6 +146,9 @@ def test_engine_answers_through_the_graphs_as_through_mlx(monkeypatch):
             monkeypatch.delenv("DS4_GRAPH_DECODE")
         engine = Engine(model, tokenizer, CTX)
         answers[mode] = []
+        if mode == "on":  # what `serve` does first: the graphs are made here, not in the first request
+            engine.warm_up()
+            assert len(made) == 3 and engine.session.cache.n_tokens == 0
         for prompt, temperature in requests:
             request = GenerationRequest(prompt=prompt, max_tokens=40,
                                         sampling=SamplingParams(temperature=temperature, seed=5))

@@ -5,6 +5,7 @@ GPU's kernels at Flash's shapes take a chunk of CUDA_PREFILL_CHUNK tokens (8192)
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from ds4_mlx.model.graphstep import row_ratios
@@ -12,8 +13,13 @@ from ds4_mlx.model.model import Model
 from ds4_mlx.session import CUDA_PREFILL_CHUNK, Session
 
 TOLERANCE = 1e-3
-"""Of the largest logit. The chunks' kernels sum in float32 (tensor cores at float32 accuracy), in an order that
-depends on the chunk: ~1e-5 expected; an indexer pick flipped by that rounding would move a logit further."""
+"""Of the largest logit (or state value). The chunks' kernels sum in float32 (tensor cores at float32 accuracy), in
+an order that depends on the chunk: ~1e-5 expected; an indexer pick flipped by that rounding would move a logit
+further."""
+FLIPPED = 0.01
+"""The share of cached values that may differ by more: rows simulated in FP8 or FP4 (spec's KV_FP8, the indexer's
+FP4) round to a grid of e4m3 or e2m1 steps, and a value within ~1e-6 of a rounding boundary lands on either side
+(seen on the H200: 0.0625 at values of 0.5-1, one e4m3 step), never by more than one step."""
 
 
 @pytest.mark.gpu
@@ -38,8 +44,12 @@ def test_cuda_chunks_equal_smaller_chunks_on_flash_layers(on_cuda):
     assert mx.max(mx.abs(big - small)).item() <= TOLERANCE * scale
     for x, y, ratio in zip(big_cache.arrays(), small_cache.arrays(), row_ratios(big_cache), strict=True):
         live = len(prompt) // ratio if ratio else x.shape[0]  # a row buffer's live rows; else the whole array
-        x, y = x[:live], y[:live]
-        finite = mx.isfinite(y)
-        assert mx.array_equal(finite, mx.isfinite(x))
-        assert mx.max(mx.abs(mx.where(finite, x - y, 0))).item() <= TOLERANCE * max(
-            1.0, mx.max(mx.abs(mx.where(finite, y, 0))).item())
+        x, y = np.array(x[:live]), np.array(y[:live])
+        finite = np.isfinite(y)
+        assert np.array_equal(finite, np.isfinite(x))
+        x, y = x[finite], y[finite]
+        close = TOLERANCE * max(1.0, float(np.abs(y).max(initial=0.0)))
+        diff = np.abs(x - y)
+        step = np.exp2(np.floor(np.log2(np.maximum(np.abs(y), 2.0**-6))) - 1)  # one e2m1 step at y (e4m3's: 1/4 of it)
+        assert np.all(diff <= np.maximum(step, close))
+        assert np.mean(diff > close) <= FLIPPED

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from .options import (
     add_kv_cache_arguments,
@@ -16,6 +17,9 @@ from .options import (
     port_number,
     positive_int,
 )
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 DEFAULT_MAX_QUEUE = 64
 
@@ -65,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     check_listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S%z", stream=sys.stderr)  # ISO 8601
-    worker = Worker(lambda: open_engine(args, default_max_tokens=args.tokens, kv_cache=kv_cache), args.max_queue)
+    worker = Worker(lambda: warmed(open_engine(args, default_max_tokens=args.tokens, kv_cache=kv_cache)),
+                    args.max_queue)
     engine = worker.start()
     warn_if_exposed(args.host, args.api_key)
     app = create_app(worker, ServerOptions(cors=args.cors, api_key=args.api_key or None, trace=args.trace,
@@ -74,6 +79,17 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("ds4_mlx.serve").info("model %s loaded, ctx %d", engine.model_name, engine.ctx)
     server.run()
     return 0
+
+
+def warmed(engine: Engine) -> Engine:
+    """The engine after `Engine.warm_up` on a GPU (kernels compiled and checked, the decode graphs made), so that
+    the first request does not wait for them; on the CPU there is little to warm."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu:
+        seconds = engine.warm_up()
+        logging.getLogger("ds4_mlx.serve").info("warmed up in %.1f s (kernels, decode graphs)", seconds)
+    return engine
 
 
 def warn_if_exposed(host: str, api_key: str | None) -> None:
