@@ -33,6 +33,7 @@ from .model.mtp import MTP, open_mtp
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .sampling import Sampler, SamplingParams, argmax
+from .model.stream import device_memory_bytes
 from .session import Session, Snapshot, graphs_wanted
 from .stop import StopStrings
 from .tokenizer import StreamDecoder, Tokenizer, utf8
@@ -92,14 +93,6 @@ def ensure_demo_model() -> Path:
         write_model(tmp, preset=DEMO_PRESET, experts="q2", vocab="real", seed=DEMO_SEED)
         tmp.replace(path)
     return path
-
-
-def device_memory_bytes() -> int:
-    """Memory the current MLX device can use: the GPU's memory, or the machine's RAM for the CPU backend."""
-    info = mx.device_info()
-    if "memory_size" in info:
-        return int(info["memory_size"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_context(config: ModelConfig, ctx: int) -> None:
@@ -183,7 +176,8 @@ class Engine:
         self.session = Session(model, ctx, mtp if mtp_draft > 1 else None)
         self._on_disk = 0  # the furthest position of the live session already checkpointed to disk
         if kv_ram_budget is None:
-            kv_ram_budget = default_ram_budget(device_memory_bytes(), mx.get_active_memory())
+            decoder = self.session.cache.nbytes if graphs_wanted() else 0  # the decode graphs' copy of the state
+            kv_ram_budget = default_ram_budget(device_memory_bytes(), mx.get_active_memory() + decoder)
         self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
         self.load_phases: dict[str, float] = {}
         """Seconds of each part of `load` (open and check the file, weights, mtp, tokenizer, engine)."""
@@ -227,7 +221,8 @@ class Engine:
         if opts.get("kv_ram_budget") is None:
             from .model.cache import session_bytes
 
-            used = model_bytes + session_bytes(weights.config, ctx)
+            copies = 2 if graphs_wanted() else 1  # the decode graphs hold a copy of the session's state
+            used = model_bytes + copies * session_bytes(weights.config, ctx)
             opts["kv_ram_budget"] = default_ram_budget(device_memory_bytes(), used)
         phase("open")
         with ThreadPoolExecutor(1, thread_name_prefix="ds4-mlx-tokenizer") as pool:

@@ -25,7 +25,7 @@ from .kernels import registry
 from .kernels.cudagraph import DriverError
 from .kernels.nvrtc import CompileError
 from .model.cache import SessionCache, StepUndo
-from .model.graphstep import GraphCheckError, GraphDecoder
+from .model.graphstep import GraphCheckError, GraphDecoder, spare_device_bytes
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
 from .model.mtp import MTP, MTPSnapshot
 from .model.stream import on_cuda
@@ -261,6 +261,12 @@ class Session:
                 self._graph.close()
                 self._graph = None
             if self._graph is None:
+                spare = spare_device_bytes()
+                if self._cache.nbytes > 0.9 * spare:
+                    self._graph_stand_down(f"the decode graphs hold a copy of the session's state, "
+                                           f"{self._cache.nbytes / 2**30:.1f} GiB, and the device has "
+                                           f"{max(spare, 0) / 2**30:.1f} GiB spare")
+                    return False
                 self._graph = GraphDecoder(self.model, self._cache, never)
             self._graph.enter(self._cache)
         except GraphCheckError as error:

@@ -298,3 +298,18 @@ def test_warm_up_leaves_an_empty_session_that_answers_as_a_fresh_engine(tmp_path
     assert warmed.warm_up() > 0
     assert warmed.session.tokens == [] and warmed.session.cache.n_tokens == 0 and warmed.session.logits is None
     assert [e for e in warmed.generate(request) if isinstance(e, Done)][0].token_ids == want
+
+
+@pytest.mark.parametrize("info", [{"memory_size": 7 << 30}, {"total_memory": 7 << 30, "device_name": "NVIDIA H200"}],
+                         ids=["metal", "cuda"])
+def test_device_memory_is_the_gpus_under_either_name(monkeypatch, info):
+    """MLX reports a GPU's memory as `memory_size` on Metal and `total_memory` on CUDA; the CPU backend reports
+    neither, and the machine's RAM counts."""
+    import os
+
+    from ds4_mlx.model import stream
+
+    monkeypatch.setattr(stream.mx, "device_info", lambda: info)
+    assert stream.device_memory_bytes() == 7 << 30
+    monkeypatch.setattr(stream.mx, "device_info", lambda: {"device_name": "cpu"})
+    assert stream.device_memory_bytes() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

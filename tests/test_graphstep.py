@@ -201,6 +201,7 @@ def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, tmp_pa
     monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
     monkeypatch.setattr(session_module, "on_cuda", lambda: True)
     monkeypatch.setattr(session_module, "GraphDecoder", StandInDecoder)
+    monkeypatch.setattr(session_module, "spare_device_bytes", lambda: 1 << 40)
     path = tmp_path / "tiny.gguf"
     write_model(path, preset="tiny", experts="q2", vocab="small")
     model = Model(open_weights(path))
@@ -234,6 +235,28 @@ def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, tmp_pa
         assert mx.array_equal(graph.decode(token), plain.logits)
     assert graph.tokens == plain.tokens and graph._graph.entries == 2 and graph._graph_on
     assert graph.cache.n_tokens == plain.cache.n_tokens and not graph._graph_on
+
+
+def test_no_decoder_where_its_copy_of_the_state_would_not_fit(monkeypatch, tmp_path):
+    """The decoder holds a copy of the session's state: with less spare device memory than that, decoding stays in
+    MLX's step (one warning) and gives its tokens."""
+    from ds4_mlx import session as session_module
+    from ds4_mlx.session import GraphDecodeWarning
+
+    monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
+    monkeypatch.setattr(session_module, "on_cuda", lambda: True)
+    monkeypatch.setattr(session_module, "GraphDecoder", StandInDecoder)
+    path = tmp_path / "tiny.gguf"
+    write_model(path, preset="tiny", experts="q2", vocab="small")
+    model = Model(open_weights(path))
+    session = Session(model, 256)
+    session.prefill([5, 9, 13])
+    monkeypatch.setattr(session_module, "spare_device_bytes", lambda: session.cache.nbytes)
+    with pytest.warns(GraphDecodeWarning, match="copy of the session's state"):
+        assert not session.prepare_greedy()
+    token = int(session.feed_chosen().item())
+    session.confirm(token)
+    assert session._graph is None and session.tokens == [5, 9, 13, token]
 
 
 def test_leave_hands_back_the_rows_completed_since_the_entry_and_spares_snapshots(tmp_path):

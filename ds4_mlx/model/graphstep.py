@@ -46,6 +46,7 @@ from ..sampling import device_argmax
 from .cache import SessionCache, unflatten_layers
 from .graph import ops_after_kernels
 from .model import Model
+from .stream import device_memory_bytes
 from .pinned import CudaRuntime
 
 LOAD_KERNEL = Kernel("ds4_graph_load", ("io",), ("token", "position"), """
@@ -98,6 +99,11 @@ ROW_COPY_BLOCKS = 256
 CHECK_TOLERANCE = 1e-4
 """Relative to the largest logit. The graph runs the kernels MLX runs on the same inputs, so the logits agree to
 the rounding of the few kernels that sum with atomics in another order (none do today: they are equal)."""
+
+
+def spare_device_bytes() -> int:
+    """The device's memory not held by MLX's live arrays (what a decoder's copy of the cache would come from)."""
+    return device_memory_bytes() - mx.get_active_memory()
 
 
 class GraphCheckError(RuntimeError):

@@ -71,6 +71,16 @@ def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+def device_memory_bytes() -> int:
+    """Memory the current MLX device can use: the GPU's (MLX says `memory_size` on Metal, `total_memory` on CUDA),
+    or the machine's RAM for the CPU backend."""
+    info = mx.device_info()
+    for key in ("memory_size", "total_memory"):
+        if key in info:
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def to_device(arrays: Sequence[mx.array]) -> list[mx.array]:
     """The arrays as outputs of a device op, so that once evaluated they live in device memory.
 
