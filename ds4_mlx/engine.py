@@ -30,10 +30,10 @@ from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
 from .model.mtp import MTP, open_mtp
+from .model.stream import device_memory_bytes
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .sampling import Sampler, SamplingParams, argmax
-from .model.stream import device_memory_bytes
 from .session import Session, Snapshot, graphs_wanted
 from .stop import StopStrings
 from .tokenizer import StreamDecoder, Tokenizer, utf8

@@ -33,14 +33,16 @@ from .sampling import argmax, device_argmax
 
 
 GRAPH_ENV = "DS4_GRAPH_DECODE"
-"""`off` keeps decoding on CUDA in MLX's compiled step instead of the decode graphs (model/graphstep.py): 121.5 t/s
-at 2k through them against 69.6 through MLX's step (session 12, bench/RESULTS.md)."""
+"""`off` keeps decoding on CUDA in MLX's compiled step instead of the decode graphs (model/graphstep.py): 121.7 t/s
+at 2k and 116.7 at 32k through them against ~70 through MLX's step (session 13, bench/RESULTS.md)."""
 
 
 def graphs_wanted() -> bool:
     """Whether decoding goes through the decode graphs when they can be made: on CUDA, unless DS4_GRAPH_DECODE=off
     or the kernels are forced to their references."""
     return os.environ.get(GRAPH_ENV, "on") != "off" and on_cuda() and registry.mode() != "reference"
+
+
 GRAPH_FED = "graph"
 """`_fed` while a token chosen by the decode graph awaits confirm (it is launched then) or take_back."""
 
