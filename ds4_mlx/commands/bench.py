@@ -352,9 +352,10 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
                 counts = decode_step_ops(model, session.cache, greedy(session.logits))
             at_frontier = session.snapshot()
             with without_mtp(session):
-                t1 = time.perf_counter()  # the decode graphs, where used, are made (or entered) here: not a token's time
+                t1 = time.perf_counter()  # the decode graphs, where used, are made or entered here: no token's time
                 if session.prepare_greedy(never=loaded.tokenizer.eos_id):
-                    say(f"decode graphs ready in {time.perf_counter() - t1:.2f} s (DS4_GRAPH_DECODE=off: MLX's step)")
+                    say(f"decode graphs ready in {time.perf_counter() - t1:.2f} s "
+                        "(DS4_GRAPH_DECODE=off decodes through MLX's step)")
                 t1 = time.perf_counter()
                 for _ in range(walk.gen_tokens):  # as the engine decodes
                     if walk.read_back:
