@@ -278,6 +278,7 @@ class Engine:
                 f"ctx {ctx} needs {need / gib:.1f} GiB of session state but only {max(room, 0) / gib:.1f} GiB is "
                 f"free next to the model; the context stays at {self.ctx}"
             )
+        self.session.close()
         self.session = Session(self.model, ctx, self.session.mtp)
         self.ctx = ctx
         self._on_disk = 0

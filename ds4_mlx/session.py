@@ -136,6 +136,14 @@ class Session:
         # a token fed by `feed_chosen`, not yet confirmed: its undo point, or GRAPH_FED
         self._fed: tuple[StepUndo, mx.array | None] | str | None = None
 
+    def close(self) -> None:
+        """Gives back the decode graphs: their driver resources and their copy of the state. The session stays
+        usable (its state handed back first) and makes them again if it decodes on."""
+        self._leave_graph()
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
+
     @property
     def room(self) -> int:
         """How many more tokens fit in the context."""

@@ -16,7 +16,7 @@ from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.graphstep import GREEDY_KERNEL, LOAD_KERNEL, GraphDecoder, copy_kernel
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights
-from ds4_mlx.sampling import argmax
+from ds4_mlx.sampling import SamplingParams, argmax
 from ds4_mlx.session import Session
 from emulated_cuda import emulated
 from test_kernels_hc import NEUTRAL_WORDS
@@ -189,7 +189,7 @@ class StandInDecoder:
         cache.restore(self.cache.snapshot())
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, tmp_path):
@@ -235,6 +235,27 @@ def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, tmp_pa
         assert mx.array_equal(graph.decode(token), plain.logits)
     assert graph.tokens == plain.tokens and graph._graph.entries == 2 and graph._graph_on
     assert graph.cache.n_tokens == plain.cache.n_tokens and not graph._graph_on
+
+
+def test_a_new_context_gives_the_old_sessions_graphs_back(monkeypatch, tmp_path):
+    """`Engine.set_context` replaces the live session: the old one's decoder is closed (its graphs, stream and copy
+    of the state given back), not left to the garbage collector."""
+    from ds4_mlx import session as session_module
+    from ds4_mlx.engine import Engine, GenerationRequest
+
+    monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
+    monkeypatch.setattr(session_module, "on_cuda", lambda: True)
+    monkeypatch.setattr(session_module, "GraphDecoder", StandInDecoder)
+    monkeypatch.setattr(session_module, "spare_device_bytes", lambda: 1 << 40)
+    path = tmp_path / "tiny.gguf"
+    write_model(path, preset="tiny", experts="q2", vocab="small")
+    engine = Engine.load(path, 256)
+    list(engine.generate(GenerationRequest(prompt=[5, 9, 13], max_tokens=4,
+                                           sampling=SamplingParams(temperature=0.0))))
+    decoder = engine.session._graph
+    assert decoder is not None and decoder.entries == 1
+    engine.set_context(512)
+    assert getattr(decoder, "closed", False) and engine.session._graph is None and engine.ctx == 512
 
 
 def test_no_decoder_where_its_copy_of_the_state_would_not_fit(monkeypatch, tmp_path):
