@@ -18,6 +18,8 @@
 #   plans[:FLAGS]  the decode matvec kernel at Flash's shapes under every launch plan (bench/matvec_plans.py);
 #                  FLAGS its options without dashes, comma-separated (cold,chosen or cold-gb=16,chosen): cold, each
 #                  call reads its weights from memory, not the L2, as in a decode step
+#   attnplans      the decode attention kernel with each head's keys shared by 1, 2, 4, 8 threadgroups at Flash's
+#                  shapes (bench/attention_plans.py): what kernels/attention.py's splits_for should choose
 #   experts        the decode expert kernels under other threadgroup counts (bench/expert_plans.py)
 #   kinds[:N]      decode t/s over N layers (default 12) with the step's kinds (rows written only when a window
 #                  ends) against one step that always writes, in one process (bench/step_kinds.py)
@@ -134,6 +136,8 @@ for step in "$@"; do
           --ctx-max 16384 --gen-tokens 0 --prefill-chunk "$c" --json > "$out/chunks_$c.json" 2> "$out/chunks_$c.err"
         echo "chunk $c: $(figures "$out/chunks_$c.json")"
       done ;;
+    attnplans)
+      timeout "$(left 10)" python3 bench/attention_plans.py 2>&1 | grep -v "warnings.warn\|_warn_once\|UserWarning" | tail -24 ;;
     ttft*)
       IFS=: read -r _ layers ctx <<< "$step:"; layers=${layers:-43}; ctx=${ctx:-11520}
       timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start "$ctx" \

@@ -192,10 +192,10 @@ class StandInDecoder:
         self.closed = True
 
 
-def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, tmp_path):
-    """With a decoder in use (the default on CUDA, here on the CPU through a stand-in), feed_chosen / confirm /
-    take_back give plain greedy decoding's tokens and logits, `never` is never chosen; a snapshot hands the state
-    back, and `decode` (sampled decoding's call) enters the decoder again and gives plain decoding's logits."""
+@pytest.fixture
+def stand_in_cuda(monkeypatch, tmp_path):
+    """The session as on CUDA with the graphs on by default, its decoder played by StandInDecoder with room to
+    spare; returns a tiny model's path."""
     from ds4_mlx import session as session_module
 
     monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
@@ -204,7 +204,14 @@ def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, tmp_pa
     monkeypatch.setattr(session_module, "spare_device_bytes", lambda: 1 << 40)
     path = tmp_path / "tiny.gguf"
     write_model(path, preset="tiny", experts="q2", vocab="small")
-    model = Model(open_weights(path))
+    return path
+
+
+def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, stand_in_cuda):
+    """With a decoder in use (the default on CUDA, here on the CPU through a stand-in), feed_chosen / confirm /
+    take_back give plain greedy decoding's tokens and logits, `never` is never chosen; a snapshot hands the state
+    back, and `decode` (sampled decoding's call) enters the decoder again and gives plain decoding's logits."""
+    model = Model(open_weights(stand_in_cuda))
     prompt = [(5 * i + 2) % (model.config.n_vocab - 1) + 1 for i in range(40)]
     plain, graph = Session(model, 256), Session(model, 256)
     for session in (plain, graph):
@@ -237,19 +244,12 @@ def test_session_decodes_through_a_decoder_as_plain_decoding(monkeypatch, tmp_pa
     assert graph.cache.n_tokens == plain.cache.n_tokens and not graph._graph_on
 
 
-def test_a_new_context_gives_the_old_sessions_graphs_back(monkeypatch, tmp_path):
+def test_a_new_context_gives_the_old_sessions_graphs_back(stand_in_cuda):
     """`Engine.set_context` replaces the live session: the old one's decoder is closed (its graphs, stream and copy
     of the state given back), not left to the garbage collector."""
-    from ds4_mlx import session as session_module
     from ds4_mlx.engine import Engine, GenerationRequest
 
-    monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
-    monkeypatch.setattr(session_module, "on_cuda", lambda: True)
-    monkeypatch.setattr(session_module, "GraphDecoder", StandInDecoder)
-    monkeypatch.setattr(session_module, "spare_device_bytes", lambda: 1 << 40)
-    path = tmp_path / "tiny.gguf"
-    write_model(path, preset="tiny", experts="q2", vocab="small")
-    engine = Engine.load(path, 256)
+    engine = Engine.load(stand_in_cuda, 256)
     list(engine.generate(GenerationRequest(prompt=[5, 9, 13], max_tokens=4,
                                            sampling=SamplingParams(temperature=0.0))))
     decoder = engine.session._graph
@@ -258,18 +258,13 @@ def test_a_new_context_gives_the_old_sessions_graphs_back(monkeypatch, tmp_path)
     assert getattr(decoder, "closed", False) and engine.session._graph is None and engine.ctx == 512
 
 
-def test_no_decoder_where_its_copy_of_the_state_would_not_fit(monkeypatch, tmp_path):
+def test_no_decoder_where_its_copy_of_the_state_would_not_fit(monkeypatch, stand_in_cuda):
     """The decoder holds a copy of the session's state: with less spare device memory than that, decoding stays in
     MLX's step (one warning) and gives its tokens."""
     from ds4_mlx import session as session_module
     from ds4_mlx.session import GraphDecodeWarning
 
-    monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
-    monkeypatch.setattr(session_module, "on_cuda", lambda: True)
-    monkeypatch.setattr(session_module, "GraphDecoder", StandInDecoder)
-    path = tmp_path / "tiny.gguf"
-    write_model(path, preset="tiny", experts="q2", vocab="small")
-    model = Model(open_weights(path))
+    model = Model(open_weights(stand_in_cuda))
     session = Session(model, 256)
     session.prefill([5, 9, 13])
     monkeypatch.setattr(session_module, "spare_device_bytes", lambda: session.cache.nbytes)

@@ -100,18 +100,22 @@ def test_step_reference_is_the_chunk_formulas(on_cpu):
         assert mx.array_equal(got, want)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("kind", attention.KEY_SETS)
-def test_decode_attention_renders_for_cuda_and_metal(kind):
-    """Each kind's text, placeholders filled, with every neutral word spelled and every helper defined by both
-    preludes (ds4_cos and ds4_sin among them); the kinds' names differ (MLX names compiled kernels after them)."""
-    kernel = attention.ATTEND_KERNELS[kind]
+def test_decode_attention_renders_for_cuda_and_metal(kind, split):
+    """Each kind's text, whole heads or split, placeholders filled, with every neutral word spelled and every helper
+    defined by both preludes (ds4_cos and ds4_sin among them); the kernels' names differ (MLX names compiled
+    kernels after them)."""
+    kernel = (attention.SPLIT_KERNELS if split else attention.ATTEND_KERNELS)[kind]
     for target in (CUDA, METAL):
         out = rendered(kernel, target)
-        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r"|EXTRA_KEYS|KEY_ROW)\b", out["source"])
+        placeholders = "|EXTRA_KEYS|KEY_ROW|HEAD_SHARE|SHARES_MERGED"
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + placeholders + r")\b", out["source"])
         assert balanced(out["source"])
         for helper in {"ds4_cos", "ds4_sin", *re.findall(r"\bds4_\w+(?=\()", out["source"])}:
             assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
-    assert len({k.name for k in attention.ATTEND_KERNELS.values()}) == len(attention.KEY_SETS)
+    names = {k.name for k in (*attention.ATTEND_KERNELS.values(), *attention.SPLIT_KERNELS.values())}
+    assert len(names) == 2 * len(attention.KEY_SETS)
 
 
 def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
@@ -189,6 +193,33 @@ def test_emulated_decode_attention_equals_reference(on_cpu, case, monkeypatch, t
     got = DecodeAttention._kernel(*args)
     want = attend_step(*args)
     assert got.shape == want.shape and np.isfinite(np.array(got)).all()  # every output was written
+    assert within(got, want)
+
+
+SPLIT_CASES = {
+    "flash-picked": ((HEADS, DIM, N_ROT, WINDOW, *FLASH_CASES["picked"]), 4),
+    "flash-ratio4-rows": ((HEADS, DIM, N_ROT, WINDOW, *FLASH_CASES["ratio4-rows"]), 8),
+    "flash-window-filling": ((HEADS, DIM, N_ROT, WINDOW, *FLASH_CASES["window-filling"]), 2),
+    "first-token": (ODD_CASES["first-token"], 4),  # one key: every share but one empty
+    "picked": (ODD_CASES["picked"], 3),
+    "all-rows": (ODD_CASES["all-rows"], 8),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,splits", SPLIT_CASES.values(), ids=SPLIT_CASES.keys())
+def test_emulated_split_decode_attention_equals_reference(on_cpu, case, splits, monkeypatch, tmp_path):
+    """A head's keys shared by several threadgroups (SPLIT_HEAD), the last one of each head merging the shares:
+    the reference's output at Flash's shapes and odd ones, empty shares included, each launch given the counters
+    of its head count."""
+    monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
+    args = step_inputs(*case)
+    counters = []
+    monkeypatch.setattr(DecodeAttention, "counter", staticmethod(lambda heads: counters.append(heads) or
+                                                                  mx.zeros((max(heads, 16),), dtype=mx.uint32)))
+    got = DecodeAttention._kernel(*args, splits=splits)
+    want = attend_step(*args)
+    assert counters == [case[0]] and got.shape == want.shape and np.isfinite(np.array(got)).all()
     assert within(got, want)
 
 

@@ -14,7 +14,9 @@ chunk_attention.py).
   the negated angle as it is written. The angles are position * inv_freq in float32, as the reference's, with
   cos and sin taken in the kernel (ds4_cos, ds4_sin). One threadgroup per head; each SIMD group runs an online
   softmax over every eighth key, KEYS keys a step, with D / 32 dims per lane, and the groups' partial sums are
-  merged with the sink at the end.
+  merged with the sink at the end. Or (SPLIT_KERNELS, `splits_for`) SPLITS threadgroups a head, each over its
+  share of the keys, the last to finish merging the shares: more of the GPU for a few heads, measured by
+  bench/attention_plans.py before it is chosen.
 
 Their references are the model's plain formulas (model/rope.py, model/attention.py), handed in by the model; the
 kernels equal them to float32 rounding (TOLERANCE): the same products, summed in another order.
@@ -58,7 +60,7 @@ if (i < (size_t)count[0] * D) {
 """
 
 _ATTEND = """
-const int h = GROUP_X;
+HEAD_SHARE
 const int lane = SIMD_LANE;
 const int group = SIMD_INDEX;
 constexpr int PER_LANE = D / 32;
@@ -101,13 +103,13 @@ first = first > 0 ? first : 0;
 EXTRA_KEYS
 float m = -3.0e38f;  // below every score: exp(m - top) is 0
 float l = 0.0f;
-// KEYS keys a step (every GROUPS-th from this SIMD group's first): their rows' loads are all issued before the
-// first dot product needs one, then one online-softmax update takes the step's scores together
-for (int n0 = first + group; n0 < WINDOW + extra; n0 += KEYS * GROUPS) {
+// KEYS keys a step (every (GROUPS * SPLITS)-th from this SIMD group's first): their rows' loads are all issued
+// before the first dot product needs one, then one online-softmax update takes the step's scores together
+for (int n0 = first + share * GROUPS + group; n0 < WINDOW + extra; n0 += KEYS * GROUPS * SPLITS) {
   float kv[KEYS][PER_LANE];
   bool use[KEYS];
   for (int b = 0; b < KEYS; ++b) {
-    const int n = n0 + b * GROUPS;
+    const int n = n0 + b * GROUPS * SPLITS;
     use[b] = n < WINDOW + extra;
     const GLOBAL_MEM float* row = window;  // a key not used reads row 0 of the window and weighs 0
     if (use[b]) {
@@ -163,26 +165,27 @@ if (lane == 0) {
   part_l[group] = l;
 }
 ds4_barrier();
+SHARES_MERGED
 const float sink = sinks[h];
 float top = sink;
-for (int g = 0; g < GROUPS; ++g) {
+for (int g = 0; g < PARTS; ++g) {
   top = part_m[g] > top ? part_m[g] : top;
 }
-float weight[GROUPS];
+float weight[PARTS];
 float total = ds4_exp(sink - top);
-for (int g = 0; g < GROUPS; ++g) {
+for (int g = 0; g < PARTS; ++g) {
   weight[g] = ds4_exp(part_m[g] - top);
   total += part_l[g] * weight[g];
 }
 for (int d = THREAD_IN_GROUP; d < D; d += GROUPS * 32) {
   float v = 0.0f;
-  for (int g = 0; g < GROUPS; ++g) {
+  for (int g = 0; g < PARTS; ++g) {
     v += part_acc[g * D + d] * weight[g];
   }
   v = v / total;
   if (d >= ROT_START) {  // rotated back by the negated angle: (a, b) -> (a c + b s, b c - a s)
     float partner = 0.0f;  // the other dim of d's pair
-    for (int g = 0; g < GROUPS; ++g) {
+    for (int g = 0; g < PARTS; ++g) {
       partner += part_acc[g * D + (d ^ 1)] * weight[g];
     }
     partner = partner / total;
@@ -224,11 +227,84 @@ extra = extra < ROWS ? extra : ROWS;""", """
 row is (`row`). "window": none; "rows": the visible compressed rows, a prefix of the buffer;
 "picked": the indexer's rows, by index into the buffer, leaving out (`use[b]`) those that are not real."""
 
-ATTEND_KERNELS = {
-    kind: Kernel(f"ds4_decode_attention_{kind}", ("q", "position", "inv_freq", "window", *inputs, "sinks", "params"),
-                 ("out",), _ATTEND.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n")))
-    for kind, (inputs, extra, row) in KEY_SETS.items()
+WHOLE_HEAD = ("""
+const int h = GROUP_X;  // one threadgroup a head
+const int share = 0;
+constexpr int SPLITS = 1;""", """
+constexpr int PARTS = GROUPS;  // the SIMD groups' sums, merged with the sink""")
+SPLIT_HEAD = ("""
+const int h = GROUP_X / SPLITS;  // SPLITS threadgroups a head, each over every SPLITS-th run of GROUPS keys
+const int share = GROUP_X - h * SPLITS;""", """
+constexpr int PARTS = SPLITS;  // the head's shares, merged with the sink by the threadgroup that ends last
+{
+  float top = -3.0e38f;
+  for (int g = 0; g < GROUPS; ++g) {
+    top = part_m[g] > top ? part_m[g] : top;
+  }
+  float weight[GROUPS];
+  float total = 0.0f;
+  for (int g = 0; g < GROUPS; ++g) {
+    weight[g] = ds4_exp(part_m[g] - top);
+    total += part_l[g] * weight[g];
+  }
+  GLOBAL_MEM float* mine = partial + (size_t)(h * SPLITS + share) * (D + 2);
+  for (int d = THREAD_IN_GROUP; d < D; d += GROUPS * 32) {
+    float v = 0.0f;
+    for (int g = 0; g < GROUPS; ++g) {
+      v += part_acc[g * D + d] * weight[g];
+    }
+    mine[d] = v;
+  }
+  if (THREAD_IN_GROUP == 0) {
+    mine[D] = top;
+    mine[D + 1] = total;
+  }
 }
+SHARED unsigned int last_flag[1];
+if (!ds4_last_group(counter + h, SPLITS, last_flag, THREAD_IN_GROUP)) {
+  return;
+}
+for (int i = THREAD_IN_GROUP; i < SPLITS * (D + 2); i += GROUPS * 32) {
+  const int g = i / (D + 2);
+  const int d = i - g * (D + 2);
+  const float v = ds4_load_fresh(partial + (size_t)h * SPLITS * (D + 2) + i);
+  if (d < D) {
+    part_acc[g * D + d] = v;
+  } else if (d == D) {
+    part_m[g] = v;
+  } else {
+    part_l[g] = v;
+  }
+}
+ds4_barrier();""")
+"""How a head's keys are shared (the HEAD_SHARE and SHARES_MERGED texts): by one threadgroup (WHOLE_HEAD), or by
+SPLITS threadgroups (SPLIT_HEAD, 2 <= SPLITS <= GROUPS), each writing its share's maximum, sum and weighted values
+to `partial` (heads x SPLITS x (D + 2)); the last of a head's threadgroups to finish (`counter`, one word a head,
+zero between launches) merges them as one threadgroup merges its SIMD groups."""
+
+
+def _attend_kernel(kind: str, split: bool) -> Kernel:
+    inputs, extra, row = KEY_SETS[kind]
+    head, merged = SPLIT_HEAD if split else WHOLE_HEAD
+    source = (_ATTEND.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n"))
+              .replace("HEAD_SHARE", head.strip("\n")).replace("SHARES_MERGED", merged.strip("\n")))
+    if not split:
+        return Kernel(f"ds4_decode_attention_{kind}", ("q", "position", "inv_freq", "window", *inputs, "sinks",
+                                                        "params"), ("out",), source)
+    return Kernel(f"ds4_decode_attention_split_{kind}", ("q", "position", "inv_freq", "window", *inputs, "sinks",
+                                                          "params", "counter"), ("out", "partial"), source)
+
+
+ATTEND_KERNELS = {kind: _attend_kernel(kind, False) for kind in KEY_SETS}
+SPLIT_KERNELS = {kind: _attend_kernel(kind, True) for kind in KEY_SETS}
+
+
+def splits_for(kind: str, heads: int) -> int:
+    """Threadgroups sharing a head's keys: one (the kernel measured in the decode step, bench/RESULTS.md session
+    13: 47 µs a call over the window and 512 picked rows, 64 threadgroups for Flash's 64 heads on the H200's 132
+    SMs). The split kernels (SPLIT_HEAD) fill the GPU with more, at the cost of a merge; `bench/attention_plans.py`
+    times them at Flash's shapes to choose here (not yet run on a GPU)."""
+    return 1
 
 
 class StepShape(NamedTuple):
@@ -304,8 +380,23 @@ class DecodeAttention:
                          ratio if kind == "rows" else 0, rows.shape[0] if kind == "rows" else 0,
                          picked.shape[-1] if kind == "picked" else 0)
 
+    counters: dict[int, mx.array] = {}
+    """One word a head, for the split kernels (`ds4_last_group`), shared by every call with that head count: a
+    step's attention launches follow one another (each needs the layer before), so none overlap."""
+
     @staticmethod
-    def _kernel(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps) -> mx.array:
+    def counter(heads: int) -> mx.array:
+        """The counters of `heads` heads, made once and evaluated (16 words or more: MLX keeps arrays of 8 bytes
+        or less in managed memory, where an atomic is slow; dialect.py)."""
+        if heads not in DecodeAttention.counters:
+            counter = mx.zeros((max(heads, 16),), dtype=mx.uint32)
+            mx.eval(counter)
+            DecodeAttention.counters[heads] = counter
+        return DecodeAttention.counters[heads]
+
+    @staticmethod
+    def _kernel(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps, splits: int | None = None
+                ) -> mx.array:
         heads = sinks.shape[0]
         w, d = window.shape
         n_rot = 2 * inv_freq.shape[0]
@@ -322,11 +413,22 @@ class DecodeAttention:
             kind, extra = "picked", [rows, picked, valid]  # (1, P): read as stored, no reshape node
             template += [("PICKS", picked.shape[-1])]
         params = mx.array([1.0 / math.sqrt(d), eps], dtype=mx.float32)  # the scores' scale, the query norm's eps
-        (out,) = build(ATTEND_KERNELS[kind], current_backend())(
-            inputs=[q, position, inv_freq, window, *extra, sinks, params],
-            template=template,
-            grid=(heads * GROUPS * SIMD_WIDTH, 1, 1), threadgroup=(GROUPS * SIMD_WIDTH, 1, 1),
-            output_shapes=[(1, heads, d)], output_dtypes=[mx.float32],
+        splits = splits_for(kind, heads) if splits is None else splits
+        if not 1 <= splits <= GROUPS:
+            raise ValueError(f"a head's keys are shared by 1 to {GROUPS} threadgroups, not {splits}")
+        if splits == 1:
+            (out,) = build(ATTEND_KERNELS[kind], current_backend())(
+                inputs=[q, position, inv_freq, window, *extra, sinks, params],
+                template=template,
+                grid=(heads * GROUPS * SIMD_WIDTH, 1, 1), threadgroup=(GROUPS * SIMD_WIDTH, 1, 1),
+                output_shapes=[(1, heads, d)], output_dtypes=[mx.float32],
+            )
+            return out
+        out, _ = build(SPLIT_KERNELS[kind], current_backend())(
+            inputs=[q, position, inv_freq, window, *extra, sinks, params, DecodeAttention.counter(heads)],
+            template=template + [("SPLITS", splits)],
+            grid=(heads * splits * GROUPS * SIMD_WIDTH, 1, 1), threadgroup=(GROUPS * SIMD_WIDTH, 1, 1),
+            output_shapes=[(1, heads, d), (heads * splits * (d + 2),)], output_dtypes=[mx.float32, mx.float32],
         )
         return out
 
