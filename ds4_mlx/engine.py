@@ -34,7 +34,7 @@ from .model.stream import device_memory_bytes
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .sampling import Sampler, SamplingParams, argmax
-from .session import Session, Snapshot, graphs_wanted
+from .session import Session, Snapshot, graphs_wanted, state_copies
 from .stop import StopStrings
 from .tokenizer import StreamDecoder, Tokenizer, utf8
 
@@ -53,6 +53,11 @@ def speculation_pays() -> bool:
     through MLX's chunk path, 87.8 ms over 1 token and 89.2 over 3 on the H200 (bench/RESULTS.md, session 6), so
     even every guess right gives ~34 tokens/s against the graphs' ~120 (session 13)."""
     return not graphs_wanted()
+
+
+def drafts_unused(mtp_draft: int, speculate_anyway: bool) -> bool:
+    """Whether --mtp-draft asks for speculation where it does not pay (the engine then decodes plainly)."""
+    return mtp_draft > 1 and not (speculate_anyway or speculation_pays())
 
 
 @dataclass
@@ -155,7 +160,7 @@ class Engine:
         the bytes in-memory checkpoints may hold (0 = none; None = what the device has left, see checkpoints.py)."""
         if not 1 <= mtp_draft <= MAX_MTP_DRAFT:
             raise ValueError(f"mtp_draft must be between 1 and {MAX_MTP_DRAFT}, got {mtp_draft}")
-        if mtp_draft > 1 and not (speculate_anyway or speculation_pays()):
+        if drafts_unused(mtp_draft, speculate_anyway):
             log.warning("--mtp-draft %d is unused: %s", mtp_draft, SPECULATION_LOSES)
             mtp_draft, mtp = 1, None
         if mtp_draft > 1 and mtp is None:
@@ -176,7 +181,7 @@ class Engine:
         self.session = Session(model, ctx, mtp if mtp_draft > 1 else None)
         self._on_disk = 0  # the furthest position of the live session already checkpointed to disk
         if kv_ram_budget is None:
-            decoder = self.session.cache.nbytes if graphs_wanted() else 0  # the decode graphs' copy of the state
+            decoder = (state_copies() - 1) * self.session.cache.nbytes
             kv_ram_budget = default_ram_budget(device_memory_bytes(), mx.get_active_memory() + decoder)
         self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
         self.load_phases: dict[str, float] = {}
@@ -214,15 +219,14 @@ class Engine:
         if kv_cache is not None:
             check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
         mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
-        if opts.get("mtp_draft", 1) > 1 and not (opts.get("speculate_anyway") or speculation_pays()):
+        if drafts_unused(opts.get("mtp_draft", 1), opts.get("speculate_anyway", False)):
             mtp_weights = None  # checked, not loaded: the engine would not use it
         model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
         check_memory(weights, model_bytes, ctx, device_memory_bytes())
         if opts.get("kv_ram_budget") is None:
             from .model.cache import session_bytes
 
-            copies = 2 if graphs_wanted() else 1  # the decode graphs hold a copy of the session's state
-            used = model_bytes + copies * session_bytes(weights.config, ctx)
+            used = model_bytes + state_copies() * session_bytes(weights.config, ctx)
             opts["kv_ram_budget"] = default_ram_budget(device_memory_bytes(), used)
         phase("open")
         with ThreadPoolExecutor(1, thread_name_prefix="ds4-mlx-tokenizer") as pool:

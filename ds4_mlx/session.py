@@ -43,6 +43,11 @@ def graphs_wanted() -> bool:
     return os.environ.get(GRAPH_ENV, "on") != "off" and on_cuda() and registry.mode() != "reference"
 
 
+def state_copies() -> int:
+    """Copies of a session's state that decoding holds: two where the decode graphs run (the decoder's own)."""
+    return 2 if graphs_wanted() else 1
+
+
 GRAPH_FED = "graph"
 """`_fed` while a token chosen by the decode graph awaits confirm (it is launched then) or take_back."""
 

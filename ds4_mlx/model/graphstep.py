@@ -216,10 +216,9 @@ class GraphDecoder:
 
     def _copy_in(self, arrays: Sequence[mx.array]) -> None:
         """The cache's arrays copied into the decoder's, the row buffers (up to ~0.5 GB at 32k) by more blocks."""
-        rows = [bool(r) for r in self.ratios]
         with nvrtc.recording() as recorded:
             for is_rows, blocks in ((False, COPY_BLOCKS), (True, ROW_COPY_BLOCKS)):
-                pairs = [(a, own) for a, own, r in zip(arrays, self.state, rows) if r == is_rows]
+                pairs = [(a, own) for a, own, r in zip(arrays, self.state, self.ratios) if bool(r) == is_rows]
                 if pairs:
                     copy_into(*zip(*pairs), blocks=blocks)
         graph = ReplayGraph(self.driver, recorded.launches, bound=recorded.bound, stream=self.stream)
@@ -281,7 +280,7 @@ class GraphDecoder:
             else:
                 state.append(theirs)
         cache.layers, cache.n_tokens = unflatten_layers(self.model.config, state), self.position_next
-        del state
+        del state  # the cache alone holds the old row buffers now: MLX may update them in place
         mx.eval(*cache.arrays())
         self.position_entered = self.position_next
 
