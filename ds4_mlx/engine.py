@@ -181,7 +181,7 @@ class Engine:
         self.session = Session(model, ctx, mtp if mtp_draft > 1 else None)
         self._on_disk = 0  # the furthest position of the live session already checkpointed to disk
         if kv_ram_budget is None:
-            decoder = (state_copies() - 1) * self.session.cache.nbytes
+            decoder = self.session.cache.nbytes if state_copies() > 1 else 0  # the decode graphs' copy
             kv_ram_budget = default_ram_budget(device_memory_bytes(), mx.get_active_memory() + decoder)
         self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
         self.load_phases: dict[str, float] = {}
