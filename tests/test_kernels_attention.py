@@ -232,3 +232,12 @@ def test_emulated_probe_passes(on_cpu, monkeypatch, tmp_path):
                 attention.StepShape("picked", HEADS, DIM, N_ROT, WINDOW, 0, 0, 512)):
         args = DecodeAttention._probe(key)
         assert within(DecodeAttention._kernel(*args), attend_step(*args))
+
+
+def test_split_heads_only_for_the_picked_rows_on_cuda():
+    """The plan bench/attention_plans.py measured: four threadgroups a head over the window and the indexer's picks
+    on CUDA, one elsewhere (the window alone, a ratio-128 layer's rows) and everywhere on Metal."""
+    with registry.planning("cuda"):
+        assert [attention.splits_for(kind, HEADS) for kind in ("window", "rows", "picked")] == [1, 1, 4]
+    with registry.planning("metal"):
+        assert {attention.splits_for(kind, HEADS) for kind in ("window", "rows", "picked")} == {1}

@@ -15,8 +15,8 @@ chunk_attention.py).
   cos and sin taken in the kernel (ds4_cos, ds4_sin). One threadgroup per head; each SIMD group runs an online
   softmax over every eighth key, KEYS keys a step, with D / 32 dims per lane, and the groups' partial sums are
   merged with the sink at the end. Or (SPLIT_KERNELS, `splits_for`) SPLITS threadgroups a head, each over its
-  share of the keys, the last to finish merging the shares: more of the GPU for a few heads, measured by
-  bench/attention_plans.py before it is chosen.
+  share of the keys, the last to finish merging the shares: more of the GPU for a few heads, chosen on CUDA for
+  the indexer's picked rows, where bench/attention_plans.py measured it faster.
 
 Their references are the model's plain formulas (model/rope.py, model/attention.py), handed in by the model; the
 kernels equal them to float32 rounding (TOLERANCE): the same products, summed in another order.
@@ -300,11 +300,12 @@ SPLIT_KERNELS = {kind: _attend_kernel(kind, True) for kind in KEY_SETS}
 
 
 def splits_for(kind: str, heads: int) -> int:
-    """Threadgroups sharing a head's keys: one (the kernel measured in the decode step, bench/RESULTS.md session
-    13: 47 µs a call over the window and 512 picked rows, 64 threadgroups for Flash's 64 heads on the H200's 132
-    SMs). The split kernels (SPLIT_HEAD) fill the GPU with more, at the cost of a merge; `bench/attention_plans.py`
-    times them at Flash's shapes to choose here (not yet run on a GPU)."""
-    return 1
+    """Threadgroups sharing a head's keys, from `bench/attention_plans.py` on the H200 (bench/RESULTS.md, session
+    14; Flash's 64 heads, 1 / 2 / 4 / 8 threadgroups a head): a ratio-4 layer's call over the window and 512
+    picked rows 42.1 / 29.6 / 27.3 / 41.7 µs, so four; the window alone 18.4 / 18.6 / 20.4 / 30.5 and a ratio-128
+    layer's rows 14.6 / 19.0 / 28.0 / 31.2 at 2k (22.6 / 32.6 / 27.4 / 38.3 at 32k), so one. Metal keeps one:
+    its split text has never run."""
+    return 4 if kind == "picked" and current_backend() == "cuda" else 1
 
 
 class StepShape(NamedTuple):
