@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -33,6 +34,8 @@ EXPERTS, USED = 256, 6
 RAW = {"gate/up IQ2_XXS": (GGMLType.IQ2_XXS, 2048, 4096), "down Q2_K": (GGMLType.Q2_K, 4096, 2048)}
 DENSE = {"q_a": (1024, 4096), "q_b": (32768, 1024), "out_b": (4096, 8192), "shared gate": (2048, 4096)}
 HALF = [(512, 4096), (8192, 1024)]
+STAGES = (2, 3, 4)
+"""Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
 """F16 matrices: a compressor's kv (the router's gate is 256 x 4096), the indexer's q_b."""
 
 
@@ -83,7 +86,8 @@ def main() -> int:
         x = random_activations((args.tokens, shape[1]), seed=4)
         mx.eval(weight.wq, x)
         first = None
-        for kind, matmul in (("f16", f16_affine_matmul), ("dequantize + cuBLAS float32", dense_float32)):
+        for kind, matmul in (*((f"f16 stages={n}", partial(f16_affine_matmul, stages=n)) for n in STAGES),
+                             ("dequantize + cuBLAS float32", dense_float32)):
             y = matmul(x, weight)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
@@ -93,7 +97,8 @@ def main() -> int:
         w = mx.array(np.random.default_rng(5).standard_normal(shape).astype(np.float16))
         x = random_activations((args.tokens, shape[1]), seed=6)
         first = None
-        for kind, matmul in (("f16", half_matmul), ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
+        for kind, matmul in (*((f"f16 stages={n}", partial(half_matmul, stages=n)) for n in STAGES),
+                             ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
             y = matmul(x, w)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()

@@ -46,6 +46,7 @@ HOST = r"""
 struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
+struct uint2 { unsigned int x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 struct __half { unsigned short bits; };
 struct Index { unsigned int x, y, z; };
@@ -164,7 +165,9 @@ inline void ds4_copy16_async(float* dst, const float* src, bool full) {
     std::memset(dst, 0, 16);
   }
 }
+inline void ds4_copy4_async(float* dst, const float* src, bool full) { *dst = full ? *src : 0.0f; }
 inline void ds4_async_commit() {}
+template <int N> inline void ds4_async_wait_keep() {}
 inline void ds4_async_wait_all() {}
 inline void ds4_async_wait_prior() {}
 
@@ -178,6 +181,12 @@ inline unsigned int ds4_half2_bits(float lo, float hi) { return half_bits(lo) | 
 inline void ds4_half2_split(float a, float b, unsigned int& hi, unsigned int& lo) {
   hi = ds4_half2_bits(a, b);
   lo = ds4_half2_bits(a - ds4_half_to_float(hi & 0xFFFFu), b - ds4_half_to_float(hi >> 16));
+}
+// two bytes as halves 1024 + byte (prmt with 0x64 above each), less the halves of bias: exact for these values
+inline unsigned int ds4_quant_half2(unsigned int w, unsigned int selector, unsigned int bias) {
+  const unsigned int h = ds4_byte_perm(w, 0x64646464u, selector);
+  return half_bits(ds4_half_to_float(h & 0xFFFFu) - ds4_half_to_float(bias & 0xFFFFu))
+         | (half_bits(ds4_half_to_float(h >> 16) - ds4_half_to_float(bias >> 16)) << 16);
 }
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, as the TF32 one above: halves two to a register, low half
 // first (g = lane >> 2, t = lane & 3: a0 A[g][2t..2t+1], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..];

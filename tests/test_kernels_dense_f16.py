@@ -18,7 +18,7 @@ import pytest
 from ds4_mlx.kernels import batch, dense_f16, half, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
-from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, KERNEL, LDH, THREADS, TK, TM, TN, f16_affine_matmul,
+from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, STAGES, THREADS, TK, TM, TN, f16_affine_matmul,
                                        half_matmul)
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.halfsplit import reference_row_scales
@@ -81,18 +81,31 @@ def test_one_half_of_x_would_not_do():
     assert within(((hi + lo) / scale) @ w.T, want, TOLERANCE / 100)
 
 
-def test_kernel_renders_for_cuda_only():
-    out = rendered(KERNEL, CUDA)
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_kernel_renders_for_cuda_only(bits):
+    kernel = dense_f16.kernel(bits)
+    out = rendered(kernel, CUDA)
     assert out["input_names"] == ["xhi", "xlo", "wq", "scales", "biases", "dims", "xscale"]
     assert out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert not re.search(r"\bds4_mma_f16_16x8x16\(", METAL.prelude)
     assert DENSE_F16.backends == ("cuda",)
-    # threadgroup memory: x hi / lo and quant slices as half pairs, scales, c and row scales: under 48 KB
-    assert (2 * TM + TN) * LDH * 4 + 3 * TN * 4 <= 48 * 1024 and LDH % 32 == 20 and TK == 32
-    # the staging maps: x rows by 16 threads of float pairs, quant words by whole rows
-    assert THREADS == 256 and (TM * TK) % (2 * THREADS) == 0 and all(TN * bits % THREADS == 0 for bits in (4, 8))
+    # the stages in dynamic threadgroup memory, within what an H200 SM gives one threadgroup (227 KB)
+    assert kernel.shared_memory == 4 * STAGES * dense_f16.stage_words(bits) <= 227 * 1024 and TK == 32
+    assert "extern __shared__ __align__(16) float ds4_shared[];" in CUDA.header(kernel)
+    # the copies: whole 16-byte words of x rows (TK / 8 a row) and of quant rows, from every thread
+    assert THREADS == 256 and (TM * TK // 8) % THREADS == 0 and TK * bits % 128 == 0
     assert dense_f16.TOLERANCE == batch.TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 3])
+def test_emulated_kernel_at_every_pipeline_depth(on_cpu, stages, monkeypatch, tmp_path):
+    """Two and three stages in flight (STAGES is the default): the same product, K of more groups than stages."""
+    monkeypatch.setattr(dense_f16, "build", emulated_build(tmp_path))
+    x, blocks, want = case(GGMLType.Q8_0, (136, 256), 21, seed=9)
+    got = np.array(f16_affine_matmul(x, to_affine(blocks, GGMLType.Q8_0, (136, 256)), stages=stages))
+    assert within(got, want, TOLERANCE)
 
 
 CASES = {

@@ -38,13 +38,15 @@ check leaves `batch_matmul`'s next choice.
 
 from __future__ import annotations
 
+from functools import cache
+
 import mlx.core as mx
 import numpy as np
 
 from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .dialect import Kernel, build
-from .halfsplit import X_FRAGMENTS, split_rows
+from .halfsplit import split_rows
 from .probe import random_activations, random_blocks
 from .quants import dequantize, reference_matmul
 from .registry import FastPath, current_backend
@@ -54,13 +56,20 @@ TM = 128
 TN = 128
 """Rows of W (outputs) per threadgroup."""
 TK = GROUP_SIZE
-"""K slice per step: one affine group (two mma k-steps of 16), so that one scale and one c apply to it."""
-LDH = TK // 2 + 4
-"""Threadgroup row stride in 32-bit words (half pairs): 20 puts a fragment load's 8 rows x 4 words on 32 banks."""
+"""K slice per stage: one affine group (two mma k-steps of 16), so that one scale and one c apply to it."""
+STAGES = 4
+"""Stages in flight: the copies of the next STAGES - 1 groups land while one is multiplied."""
 THREADS = 256
 """8 warps."""
 TOLERANCE = 1e-5
 """batch.TOLERANCE's value (batch imports this module): float32 reassociation, 1e-5 of the largest output."""
+
+
+def stage_words(bits: int) -> int:
+    """32-bit words of threadgroup memory a stage holds: x hi and lo (TM rows of TK / 2 words each), the quants
+    (TN rows of TK * bits / 32 words), and the group's scales (and Q4_K's biases), TN floats each."""
+    return TM * TK + TN * TK * bits // 32 + {16: 0, 8: TN, 4: 2 * TN}[bits]
+
 
 _SOURCE = """
 const int tid = THREAD_IN_GROUP;
@@ -72,12 +81,13 @@ const int row0 = GROUP_X * TM;
 const int batch = GROUP_Y / col_tiles;
 const int col0 = (GROUP_Y - batch * col_tiles) * TN;
 const int rows = n_rows - row0;
-SHARED unsigned int xh[TM * LDH];
-SHARED unsigned int xl[TM * LDH];
-SHARED unsigned int ws[TN * LDH];
-SHARED float sc[TN];
-SHARED float cc[TN];
+constexpr int XW = TM * TK / 2;
+constexpr int WW = TN * TK * BITS / 32;
+constexpr int STAGE = 2 * XW + WW + (BITS == 16 ? 0 : (BITS == 4 ? 2 : 1) * TN);
+constexpr int XC = TK / 8;
+constexpr int WC = TK * BITS / 128;
 SHARED float rsx[TM];
+SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
 const int gid = lane >> 2;
@@ -86,123 +96,135 @@ const int wm = (warp >> 1) * 32;
 const int wn = (warp & 1) * 64;
 const int words = n_in * BITS / 32;
 const int groups = n_in / TK;
-const size_t x_tile = ((size_t)batch * n_rows + row0) * (n_in / 2);  // the tile's first word in xhi, xlo
+const size_t x_tile = ((size_t)batch * n_rows + row0) * (n_in / 2);
 const GLOBAL_MEM uint32_t* q_tile = wq + ((size_t)batch * n_out + col0) * words;
 const GLOBAL_MEM float* s_tile = scales + ((size_t)batch * n_out + col0) * groups;
 const GLOBAL_MEM float* b_tile = biases + ((size_t)batch * n_out + col0) * groups;
-constexpr int VPW = 32 / BITS;
-constexpr int XP = TM * TK / (2 * THREADS);
-constexpr int WL = TN * BITS / THREADS;
-constexpr float MAGIC = 8388608.0f + (float)(1 << (BITS - 1));
-const int kp = tid % (TK / 2);
-const int sr = tid / (TK / 2);
-const int qw = tid % BITS;
-const int qr = tid / BITS;
 if (tid < TM) {
   rsx[tid] = tid < rows ? xscale[(size_t)batch * n_rows + row0 + tid] : 0.0f;
 }
-unsigned int xa_hi[XP];
-unsigned int xa_lo[XP];
-uint32_t wa[WL];
-float sa = 0.0f;
-float ba = 0.0f;
-float acc[2][8][4] = {};
-for (int s = 0; s <= groups; ++s) {
+auto load_stage = [&](int s) {
+  SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
+  #pragma unroll
+  for (int c = tid; c < TM * XC; c += THREADS) {
+    const int r = c / XC;
+    const size_t at = x_tile + (size_t)(r < rows ? r : 0) * (n_in / 2) + s * (TK / 2) + 4 * (c % XC);
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + 4 * c), reinterpret_cast<const GLOBAL_MEM float*>(xhi + at),
+                     r < rows);
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + XW + 4 * c),
+                     reinterpret_cast<const GLOBAL_MEM float*>(xlo + at), r < rows);
+  }
+  #pragma unroll
+  for (int c = tid; c < TN * WC; c += THREADS) {
+    const int n = c / WC;
+    const bool ok = col0 + n < n_out;
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + 2 * XW + 4 * c),
+                     reinterpret_cast<const GLOBAL_MEM float*>(q_tile + (size_t)(ok ? n : 0) * words
+                                                                + s * (TK * BITS / 32) + 4 * (c % WC)), ok);
+  }
+  if (BITS != 16 && tid < (BITS == 4 ? 2 : 1) * TN) {
+    const int n = tid % TN;
+    const bool ok = col0 + n < n_out;
+    const GLOBAL_MEM float* src = (tid < TN ? s_tile : b_tile) + (size_t)(ok ? n : 0) * groups + s;
+    ds4_copy4_async(reinterpret_cast<SHARED_MEM float*>(st + 2 * XW + WW + tid), src, ok);
+  }
+};
+#pragma unroll
+for (int s = 0; s < STAGES - 1; ++s) {
   if (s < groups) {
+    load_stage(s);
+  }
+  ds4_async_commit();
+}
+const unsigned int centre = BITS == 8 ? 0x64806480u : 0x64086408u;
+const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
+float acc[2][8][4] = {};
+for (int s = 0; s < groups; ++s) {
+  ds4_async_wait_keep<STAGES - 2>();
+  ds4_barrier();
+  if (s + STAGES - 1 < groups) {
+    load_stage(s + STAGES - 1);
+  }
+  ds4_async_commit();
+  const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
+  const SHARED_MEM uint4* xh4 = reinterpret_cast<const SHARED_MEM uint4*>(st);
+  const SHARED_MEM uint4* xl4 = reinterpret_cast<const SHARED_MEM uint4*>(st + XW);
+  const SHARED_MEM unsigned int* ws = st + 2 * XW;
+  const SHARED_MEM float* sc = reinterpret_cast<const SHARED_MEM float*>(st + 2 * XW + WW);
+  uint4 xv[2][2][2];
+  #pragma unroll
+  for (int i = 0; i < 2; ++i) {
     #pragma unroll
-    for (int j = 0; j < XP; ++j) {
-      const int r = sr + j * (2 * THREADS / TK);
-      const size_t at = x_tile + (size_t)r * (n_in / 2) + s * (TK / 2) + kp;
-      xa_hi[j] = r < rows ? xhi[at] : 0u;
-      xa_lo[j] = r < rows ? xlo[at] : 0u;
-    }
-    #pragma unroll
-    for (int p = 0; p < WL; ++p) {
-      const int r = qr + p * (THREADS / BITS);
-      wa[p] = col0 + r < n_out ? q_tile[(size_t)r * words + s * BITS + qw] : 0u;
-    }
-    if (BITS != 16 && tid < TN) {
-      const bool ok = col0 + tid < n_out;
-      sa = ok ? s_tile[(size_t)tid * groups + s] : 0.0f;
-      ba = ok ? b_tile[(size_t)tid * groups + s] : 0.0f;
+    for (int h = 0; h < 2; ++h) {
+      xv[i][h][0] = xl4[(wm + 16 * i + 8 * h + gid) * XC + tig];
+      xv[i][h][1] = xh4[(wm + 16 * i + 8 * h + gid) * XC + tig];
     }
   }
-  if (s > 0) {
-    float part[2][8][4] = {};
-    float xsum[2][4] = {};
-    const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
-    #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      unsigned int ah[2][4];
-      unsigned int al[2][4];
-      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        ds4_x_fragments(xh, xl, (wm + 16 * i + gid) * LDH + 8 * kk + tig, LDH, ah[i], al[i]);
-        if (BITS == 4) {
-          ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
-          ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
-        }
+  float part[2][8][4] = {};
+  float xsum[2][4] = {};
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int n = wn + 8 * j + gid;
+    unsigned int wv[4];
+    if (BITS == 16) {
+      const uint4 v = reinterpret_cast<const SHARED_MEM uint4*>(ws + n * (TK / 2))[tig];
+      wv[0] = v.x; wv[1] = v.y; wv[2] = v.z; wv[3] = v.w;
+    } else {
+      unsigned int q[2];
+      if (BITS == 8) {
+        const uint2 v = reinterpret_cast<const SHARED_MEM uint2*>(ws + n * (TK / 4))[tig];
+        q[0] = v.x;
+        q[1] = v.y;
+      } else {
+        const unsigned int v = ws[n * (TK / 8) + tig];
+        const unsigned int even = v & 0x0F0F0F0Fu;
+        const unsigned int odd = (v >> 4) & 0x0F0F0F0Fu;
+        q[0] = ds4_byte_perm(even, odd, 0x5140u);
+        q[1] = ds4_byte_perm(even, odd, 0x7362u);
       }
       #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int bt = (wn + 8 * j + gid) * LDH + 8 * kk + tig;
-        const unsigned int bq[2] = {ws[bt], ws[bt + 4]};
-        #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          ds4_mma_f16_16x8x16(part[i][j], al[i], bq);
-          ds4_mma_f16_16x8x16(part[i][j], ah[i], bq);
-        }
+      for (int kk = 0; kk < 2; ++kk) {
+        wv[2 * kk] = ds4_quant_half2(q[kk], 0x4140u, centre);
+        wv[2 * kk + 1] = ds4_quant_half2(q[kk], 0x4342u, centre);
       }
     }
     #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int kk = 0; kk < 2; ++kk) {
+      const unsigned int b[2] = {wv[2 * kk], wv[2 * kk + 1]};
       #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int n = wn + 8 * j + 2 * tig + (c & 1);
+      for (int i = 0; i < 2; ++i) {
         #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          acc[i][j][c] = BITS == 16 ? acc[i][j][c] + part[i][j][c] : fmaf(sc[n], part[i][j][c], acc[i][j][c]);
-          if (BITS == 4) {
-            acc[i][j][c] = fmaf(cc[n], xsum[i][c], acc[i][j][c]);
+        for (int half = 0; half < 2; ++half) {
+          const unsigned int a[4] = {kk ? xv[i][0][half].z : xv[i][0][half].x, kk ? xv[i][1][half].z : xv[i][1][half].x,
+                                     kk ? xv[i][0][half].w : xv[i][0][half].y, kk ? xv[i][1][half].w : xv[i][1][half].y};
+          ds4_mma_f16_16x8x16(part[i][j], a, b);
+          if (BITS == 4 && j == 0) {
+            ds4_mma_f16_16x8x16(xsum[i], a, ones);
           }
         }
       }
     }
   }
-  ds4_barrier();
-  if (s < groups) {
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
     #pragma unroll
-    for (int j = 0; j < XP; ++j) {
-      const int r = sr + j * (2 * THREADS / TK);
-      xh[r * LDH + kp] = xa_hi[j];
-      xl[r * LDH + kp] = xa_lo[j];
-    }
-    #pragma unroll
-    for (int p = 0; p < WL; ++p) {
-      const int base = (qr + p * (THREADS / BITS)) * LDH + qw * VPW / 2;
-      if (BITS == 16) {
-        ws[base] = wa[p];
-        continue;
-      }
+    for (int c = 0; c < 4; ++c) {
+      const int n = wn + 8 * j + 2 * tig + (c & 1);
       #pragma unroll
-      for (int m = 0; m < VPW / 2; ++m) {
-        float q[2];
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int at = 2 * m + e;
-          q[e] = (BITS == 8 ? ds4_magic_byte(wa[p], at)
-                            : ds4_float(0x4B000000u | ((wa[p] >> (BITS * at)) & ((1u << BITS) - 1u)))) - MAGIC;
+      for (int i = 0; i < 2; ++i) {
+        if (BITS == 16) {
+          acc[i][j][c] += part[i][j][c];
+        } else {
+          acc[i][j][c] = fmaf(sc[n], part[i][j][c], acc[i][j][c]);
         }
-        ws[base + m] = ds4_half2_bits(q[0], q[1]);
+        if (BITS == 4) {
+          acc[i][j][c] = fmaf(sc[TN + n] + 8.0f * sc[n], xsum[i][c], acc[i][j][c]);
+        }
       }
-    }
-    if (BITS != 16 && tid < TN) {
-      sc[tid] = sa;
-      cc[tid] = ba + sa * (float)(1 << (BITS - 1));
     }
   }
-  ds4_barrier();
 }
+ds4_async_wait_keep<0>();
 #pragma unroll
 for (int i = 0; i < 2; ++i) {
   #pragma unroll
@@ -221,34 +243,44 @@ for (int i = 0; i < 2; ++i) {
   }
 }
 """
-"""Step s loads group s into registers, multiplies group s - 1 (in threadgroup memory) into `part` (and, for
-Q4_K, the x row sums into `xsum`), drains both into `acc` with the group's (scale, c), then stores group s once
-every warp is past the multiply: x scaled by its row's power of two and split into hi and lo half pairs, the quants
-centred as half pairs. The mma tile (i, j) of a warp is rows wm + 16 i.. and columns wn + 8 j..; rows past T
-read as zeros, W rows past OUT as zero quants with scale and c 0; every lane of every warp takes part in every
-mma."""
+"""Stage s (group s of K) lands in buffer s % STAGES by cp.async, STAGES - 1 groups ahead of the multiply: x's hi
+and lo half pairs as they are in memory (TM rows of 16 words), the quant words as they are (TN rows), the scales
+(and Q4_K's biases) of the group's TN outputs. Each step waits for its stage, passes one barrier (so every warp is
+done with the buffer the next copies overwrite), issues those copies, and multiplies: the warp's mma tile (i, j)
+is rows wm + 16 i.., columns wn + 8 j... K is permuted inside each 16-wide mma step, the same way for x and W:
+lane t's fragment pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of step kk hold the values 8t + 4kk .. + 3 of the group,
+so that a lane reads x as one 16-byte word of each row (both steps, conflict-free at 16 words a row) and W as 8
+bytes (Q8_0), 4 bytes (Q4_K: 8 nibbles) or 16 bytes (F16) of its column's row. The quants are made halves from
+those words in registers (ds4_quant_half2: q - 128, or q - 8, exact), the partial sums of each group drained
+into the float32 accumulators with its scale (and Q4_K's c times x's row sums, from the tensor cores with a B of
+ones). Rows past T read as zeros, W rows past OUT as zero quants with scale and bias 0."""
 
-KERNEL = Kernel("ds4_dense_affine_f16", ("xhi", "xlo", "wq", "scales", "biases", "dims", "xscale"), ("y",),
-                _SOURCE, X_FRAGMENTS)
-"""CUDA only: it calls the tensor-core helpers of the CUDA prelude."""
+@cache
+def kernel(bits: int, stages: int = STAGES) -> Kernel:
+    """The kernel for one quant width (4, 8, or 16: F16) and pipeline depth. CUDA only: the tensor-core helpers of
+    the CUDA prelude. Its threadgroup memory, `stages` x `stage_words`, is dynamic, past the 48 KB of static
+    arrays: at STAGES, 82 KB for Q8_0, 76 KB for Q4_K, 96 KB for F16."""
+    return Kernel(f"ds4_dense_affine_f16_{bits}_{stages}", ("xhi", "xlo", "wq", "scales", "biases", "dims", "xscale"),
+                  ("y",), _SOURCE, shared_memory=4 * stages * stage_words(bits))
 
 
-def f16_affine_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
+def f16_affine_matmul(x: mx.array, weight: AffineWeight, stages: int = STAGES) -> mx.array:
     """x @ W.T as float32 for an affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN); IN a
-    multiple of 32 (the affine layout's). CUDA only."""
+    multiple of 32 (the affine layout's). `stages`: the pipeline's depth (bench/prefill_gemms.py compares them).
+    CUDA only."""
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
     return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32),
-                   weight.biases.astype(mx.float32), weight.bits)
+                   weight.biases.astype(mx.float32), weight.bits, stages)
 
 
-def half_matmul(x: mx.array, w: mx.array) -> mx.array:
+def half_matmul(x: mx.array, w: mx.array, stages: int = STAGES) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN). CUDA only."""
     unused = mx.zeros((1,), dtype=mx.float32)
-    return _launch(x, 1, w.shape[0], w.view(mx.uint32), unused, unused, 16)
+    return _launch(x, 1, w.shape[0], w.view(mx.uint32), unused, unused, 16, stages)
 
 
-def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, biases: mx.array, bits: int
-            ) -> mx.array:
+def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, biases: mx.array, bits: int,
+            stages: int) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
@@ -258,9 +290,9 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
         return mx.zeros((*lead, n_out), dtype=mx.float32)
     col_tiles = -(-n_out // TN)
     hi, lo, row_scale = split_rows(x)
-    (y,) = build(KERNEL, current_backend())(
+    (y,) = build(kernel(bits, stages), current_backend())(
         inputs=[hi, lo, wq, scales, biases, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
-        template=[("TM", TM), ("TN", TN), ("TK", TK), ("LDH", LDH), ("THREADS", THREADS), ("BITS", bits)],
+        template=[("TM", TM), ("TN", TN), ("TK", TK), ("STAGES", stages), ("THREADS", THREADS), ("BITS", bits)],
         grid=(-(-n_rows // TM) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )

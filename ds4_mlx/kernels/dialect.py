@@ -49,7 +49,11 @@ share, plus a few neutral words that each dialect spells its own way:
   ds4_copy16_async(float* dst, const float* src, bool full) (16 bytes from global to threadgroup memory without
   passing through registers, cp.async; zeros where not `full`; both addresses 16-byte aligned), ds4_async_commit()
   (the copies issued since the last commit become one group), ds4_async_wait_all() and ds4_async_wait_prior()
-  (this thread's groups all landed, or all but the newest): a stage's keys load while the previous one is used.
+  (this thread's groups all landed, or all but the newest): a stage's keys load while the previous one is used;
+  ds4_copy4_async (the same for 4 bytes, 4-byte aligned) and ds4_async_wait_keep<N>() (all but the N newest
+  groups landed), for pipelines several stages deep; ds4_quant_half2(w, selector, bias) (two bytes of w, chosen as
+  prmt's selector 0x4140 or 0x4342 chooses bytes 0, 1 or 2, 3 with 0x64 above each, as the halves 1024 + byte,
+  less the two halves of `bias`: 0x64806480 makes a byte b the exact half b - 128).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -247,7 +251,19 @@ __device__ __forceinline__ void ds4_copy16_async(float* dst, const float* src, b
   const unsigned int at = (unsigned int)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(at), "l"(src), "r"(full ? 16 : 0) : "memory");
 }
+__device__ __forceinline__ void ds4_copy4_async(float* dst, const float* src, bool full) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(at), "l"(src), "r"(full ? 4 : 0) : "memory");
+}
 __device__ __forceinline__ void ds4_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void ds4_async_wait_keep() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ unsigned int ds4_quant_half2(unsigned int w, unsigned int selector, unsigned int bias) {
+  const unsigned int h = ds4_byte_perm(w, 0x64646464u, selector);
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), *reinterpret_cast<const __half2*>(&bias));
+  return *reinterpret_cast<const unsigned int*>(&r);
+}
 __device__ __forceinline__ void ds4_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 __device__ __forceinline__ void ds4_async_wait_prior() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 __device__ __forceinline__ void ds4_mma_tf32_16x8x8(float* c, const unsigned int* a, const unsigned int* b) {
