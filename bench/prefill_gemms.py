@@ -3,9 +3,9 @@
     python bench/prefill_gemms.py                 # 4096-token chunk (CUDA's), random routing over 256 experts
     python bench/prefill_gemms.py --tokens 2048 --calls 4
 
-Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down at each stage width
-(TK = 32 and 64, one or two threadgroups an SM), the dense affine projections (Q8_0) by the float16 kernel
-(dense_f16.py) and by its fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone,
+Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down under each plan
+(RAW_PLANS: stage width, threadgroups an SM, stages of x in flight), the dense affine projections (Q8_0) by the
+float16 kernel (dense_f16.py) at each pipeline depth and by its fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone,
 bench/RESULTS.md), and F16 matrices by the float16 kernel and cuBLAS's float32 GEMM (what they took before). Each line is checked against the first of its group (the outputs must agree within float32
 reassociation), so a fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median
 of `--repeats` evaluations is reported. CUDA only (the kernels are).
@@ -34,6 +34,8 @@ EXPERTS, USED = 256, 6
 RAW = {"gate/up IQ2_XXS": (GGMLType.IQ2_XXS, 2048, 4096), "down Q2_K": (GGMLType.Q2_K, 4096, 2048)}
 DENSE = {"q_a": (1024, 4096), "q_b": (32768, 1024), "out_b": (4096, 8192), "shared gate": (2048, 4096)}
 HALF = [(512, 4096), (8192, 1024)]
+RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1, 4))
+"""(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
 """F16 matrices: a compressor's kv (the router's gate is 256 x 4096), the indexer's q_b."""
@@ -74,13 +76,14 @@ def main() -> int:
         x = random_activations((ids.size, n_in), seed=2)
         mx.eval(blocks, x, counts)
         first = None
-        for tk, groups in ((32, 1), (64, 1), (32, 2), (64, 2)):
-            y = raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk=tk, groups=groups)
+        for tk, groups, stages in RAW_PLANS:
+            y = raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk=tk, groups=groups,
+                                 stages=stages)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
             ms = per_call_ms(lambda: raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk=tk,
-                                                      groups=groups), args.calls, args.repeats)
-            report(f"{name} TK={tk} groups={groups}", 2.0 * ids.size * n_out * n_in, ms, error)
+                                                      groups=groups, stages=stages), args.calls, args.repeats)
+            report(f"{name} TK={tk} groups={groups} stages={stages}", 2.0 * ids.size * n_out * n_in, ms, error)
     for name, shape in DENSE.items():
         weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=3), GGMLType.Q8_0, shape)
         x = random_activations((args.tokens, shape[1]), seed=4)

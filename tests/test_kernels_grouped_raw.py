@@ -21,7 +21,7 @@ from ds4_mlx.kernels import grouped_raw, halfsplit, registry
 from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA
 from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
-from ds4_mlx.kernels.grouped_raw import KERNELS, TK, grid_words, raw_grouped_gemm, template
+from ds4_mlx.kernels.grouped_raw import STAGES, TK, grid_words, kernel, raw_grouped_gemm, shared_bytes, template
 from ds4_mlx.kernels.halfsplit import reference_row_scales
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
@@ -59,17 +59,20 @@ def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int],
 
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_kernels_render_for_cuda(ggml_type):
-    out = rendered(KERNELS[ggml_type, 1], CUDA)
+    out = rendered(kernel(ggml_type, 1), CUDA)
     assert out["input_names"] == ["xhi", "xlo", "w", "counts", "dims", "xscale", "xrow"]
     assert out["output_names"] == ["y"]
     assert_renders_cleanly(out)
     assert RAW_GROUPED[ggml_type].direct.backends == ("cuda",)
-    # threadgroup memory at each stage width: the x hi / lo and W tiles, row scales and the scan, IQ2_XXS's byte
-    # grid and W row scales (Q2_K: a scale and a min per W row and group, the same bytes): under the 48 KB limit
+    # threadgroup memory at each stage width: STAGES x tiles and two W tiles dynamic; row scales and indices, the
+    # scan, IQ2_XXS's byte grid and two stages' W row scales (Q2_K: a scale and a min per W row and group) static:
+    # two threadgroups within an H200 SM's 228 KB
     for tk in (32, 64):
         ldh = dict(template(tk))["LDH"]
         assert ldh % 32 in (4, 20) and ldh % 4 == 0
-        assert (2 * 64 + 128) * ldh * 4 + 64 * 4 + 12 + 4 * 512 + 4 * 128 * tk // 16 <= 48 * 1024
+        static = 2 * 64 * 4 + 12 + 4 * 512 + 2 * 2 * 4 * 128 * tk // 16
+        assert kernel(ggml_type, 2, tk).shared_memory == shared_bytes(tk) == 4 * (STAGES * 2 * 64 + 2 * 128) * ldh
+        assert 2 * (shared_bytes(tk) + static) <= 228 * 1024
 
 
 def test_the_byte_grid_is_ggmls_grid():
@@ -268,9 +271,9 @@ def test_the_two_group_kernels_carry_launch_bounds_on_cuda_only():
     from ds4_mlx.kernels.dialect import METAL
 
     for ggml_type in RAW_TYPES:
-        two = rendered(KERNELS[ggml_type, 2], CUDA)
-        assert two["launch_bounds"] == (256, 2) and "launch_bounds" not in rendered(KERNELS[ggml_type, 1], CUDA)
-        assert "launch_bounds" not in rendered(KERNELS[ggml_type, 2], METAL)
+        two = rendered(kernel(ggml_type, 2), CUDA)
+        assert two["launch_bounds"] == (256, 2) and "launch_bounds" not in rendered(kernel(ggml_type, 1), CUDA)
+        assert "launch_bounds" not in rendered(kernel(ggml_type, 2), METAL)
         text = nvrtc.kernel_text("f", two["header"], two["source"], [("x", mx.float32)], [("y", mx.float32)], [],
                                  two["launch_bounds"])
         assert "__global__ void __launch_bounds__(256, 2) f(" in text

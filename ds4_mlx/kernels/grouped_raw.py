@@ -44,6 +44,8 @@ barriers, and a tile of 64 pairs decodes every expert's W about twice: 96 pairs 
 
 from __future__ import annotations
 
+from functools import cache
+
 import mlx.core as mx
 import numpy as np
 from gguf.quants import IQ2_XXS
@@ -119,13 +121,11 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
     return TILE_HEAD + f"""
 constexpr int KD = {1 if q2_k else 2};""" + """
 constexpr int U = TK / 32;
-constexpr int XP = TM * TK / (2 * THREADS);
-SHARED unsigned int xh[TM * LDH];
-SHARED unsigned int xl[TM * LDH];
-SHARED uint4 ws4[TN * LDH / 4];
+constexpr int XSTAGE = 2 * TM * LDH;
 SHARED float rsx[TM];
 SHARED unsigned int xr[TM];
-SHARED_MEM unsigned int* ws = reinterpret_cast<SHARED_MEM unsigned int*>(ws4);
+SHARED_MEM unsigned int* xbuf = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
+SHARED_MEM unsigned int* wbuf = xbuf + STAGES * XSTAGE;
 """ + w_shared + TILE_SCAN + """
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
@@ -133,41 +133,54 @@ const int gid = lane >> 2;
 const int tig = lane & 3;
 const int wm = (warp / (TN / 32)) * 32;
 const int wn = (warp % (TN / 32)) * 32;
-const int kp = tid % (TK / 2);
-const int sr = tid / (TK / 2);
 if (tid < TM) {
   const unsigned int at = tid < rows ? (GATHER ? xrow[row0 + tid] : (unsigned int)(row0 + tid)) : 0u;
   xr[tid] = at;
   rsx[tid] = tid < rows ? xscale[at] : 0.0f;
 }
 ds4_barrier();
-unsigned int xa_hi[XP];
-unsigned int xa_lo[XP];
-""" + w_setup + """float acc[2][4][4] = {};
-const int steps = n_in / TK;
-for (int s = 0; s <= steps; ++s) {
-  if (s < steps) {
-    #pragma unroll
-    for (int j = 0; j < XP; ++j) {
-      const int r = sr + j * (2 * THREADS / TK);
-      const size_t at = (size_t)xr[r] * (n_in / 2) + s * (TK / 2) + kp;
-      xa_hi[j] = r < rows ? xhi[at] : 0u;
-      xa_lo[j] = r < rows ? xlo[at] : 0u;
-    }
-""" + w_load + """  }
-  if (s > 0) {
-""" + multiply + """  }
-  ds4_barrier();
-  if (s < steps) {
-    #pragma unroll
-    for (int j = 0; j < XP; ++j) {
-      const int r = sr + j * (2 * THREADS / TK);
-      xh[r * LDH + kp] = xa_hi[j];
-      xl[r * LDH + kp] = xa_lo[j];
-    }
-""" + w_store + """  }
-  ds4_barrier();
+auto load_x = [&](int ls) {
+  SHARED_MEM unsigned int* st = xbuf + (ls % STAGES) * XSTAGE;
+  #pragma unroll
+  for (int c = tid; c < TM * TK / 8; c += THREADS) {
+    const int r = c / (TK / 8);
+    const int p = c % (TK / 8);
+    const size_t at = (size_t)xr[r] * (n_in / 2) + ls * (TK / 2) + 4 * p;
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + r * LDH + 4 * p),
+                     reinterpret_cast<const GLOBAL_MEM float*>(xhi + at), r < rows);
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + (TM + r) * LDH + 4 * p),
+                     reinterpret_cast<const GLOBAL_MEM float*>(xlo + at), r < rows);
+  }
+};
+""" + w_setup + """const int steps = n_in / TK;
+#pragma unroll
+for (int ls = 0; ls < STAGES - 1; ++ls) {
+  if (ls < steps) {
+    load_x(ls);
+  }
+  ds4_async_commit();
 }
+{
+  const int ls = 0;
+""" + w_load + """}
+ds4_barrier();
+float acc[2][4][4] = {};
+for (int s = 0; s < steps; ++s) {
+  SHARED_MEM unsigned int* ws = wbuf + (s & 1) * TN * LDH;
+  SHARED_MEM float* wsc = wsc_all + (s & 1) * SCALES;
+""" + ("  SHARED_MEM float* wml = wml_all + (s & 1) * SCALES;\n" if q2_k else "") + w_store + """  ds4_async_wait_keep<STAGES - 2>();
+  ds4_barrier();
+  if (s + STAGES - 1 < steps) {
+    load_x(s + STAGES - 1);
+  }
+  ds4_async_commit();
+  if (s + 1 < steps) {
+    const int ls = s + 1;
+""" + w_load + """  }
+  const SHARED_MEM unsigned int* xh = xbuf + (s % STAGES) * XSTAGE;
+  const SHARED_MEM unsigned int* xl = xh + TM * LDH;
+""" + multiply + """}
+ds4_async_wait_keep<0>();
 #pragma unroll
 for (int i = 0; i < 2; ++i) {
   #pragma unroll
@@ -240,7 +253,7 @@ _STORE = """      SHARED_MEM uint4* wrow = reinterpret_cast<SHARED_MEM uint4*>(w
 """Slice u's 16 decoded values dv (small integers: exact as halves) as two 16-byte stores of eight halves each: row
 dn starts at word LDH dn (16-byte aligned), slice u at 16 u, the thread's half at 8 dh."""
 
-_IQ2_XXS_SHARED = "SHARED unsigned int iq2_grid[512];\nSHARED float wsc[TN * (TK / 32)];\n"
+_IQ2_XXS_SHARED = "SHARED unsigned int iq2_grid[512];\nconstexpr int SCALES = TN * (TK / 32);\nSHARED float wsc_all[2 * SCALES];\n"
 _IQ2_XXS_SETUP = _row(66) + """for (int i = tid; i < 512; i += THREADS) {
   iq2_grid[i] = ds4_iq2xxs_bytes[i];
 }
@@ -249,11 +262,11 @@ unsigned int w_q[U];
 unsigned int w_aux[U];
 """
 _IQ2_XXS_LOAD = """    const GLOBAL_MEM unsigned short* b16 =
-        reinterpret_cast<const GLOBAL_MEM unsigned short*>(w_row + (size_t)((s * U) >> 3) * 66);
+        reinterpret_cast<const GLOBAL_MEM unsigned short*>(w_row + (size_t)((ls * U) >> 3) * 66);
     w_d = b16[0];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int sub = 4 * ((s * U + u) & 7);
+      const int sub = 4 * ((ls * U + u) & 7);
       w_q[u] = b16[1 + sub + dh];
       w_aux[u] = (unsigned int)b16[3 + sub] | ((unsigned int)b16[4 + sub] << 16);
     }
@@ -284,17 +297,18 @@ field of the group plus its parity bit (ggml's ksigns). The reference's value is
 aux >> 28) * 0.25, negated by its sign bit; the tile holds the signed magnitudes (8, 25 or 43) and wsc each
 slice's db per row, which scales the slice's partial sums as they are drained."""
 
-_Q2_K_SHARED = "SHARED float wsc[2 * (TK / 32) * TN];\nSHARED float wml[2 * (TK / 32) * TN];\n"
+_Q2_K_SHARED = ("constexpr int SCALES = 2 * (TK / 32) * TN;\nSHARED float wsc_all[2 * SCALES];\n"
+                "SHARED float wml_all[2 * SCALES];\n")
 _Q2_K_SETUP = _row(84) + """unsigned int w_dm = 0u;
 unsigned int w_sc[U];
 unsigned int w_qs[U][4];
 """
 _Q2_K_LOAD = """    const GLOBAL_MEM unsigned int* b32 =
-        reinterpret_cast<const GLOBAL_MEM unsigned int*>(w_row + (size_t)((s * U) >> 3) * 84);
+        reinterpret_cast<const GLOBAL_MEM unsigned int*>(w_row + (size_t)((ls * U) >> 3) * 84);
     w_dm = b32[20];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int sl = s * U + u;
+      const int sl = ls * U + u;
       const int hb = (sl >> 2) & 1;
       w_sc[u] = b32[2 * hb + ((sl >> 1) & 1)];
       #pragma unroll
@@ -336,25 +350,38 @@ GROUPS = 2
 """Threadgroups an SM holds at once: the launch bounds cap registers at 128 a thread (at TK = 64, nvcc 13 for
 sm_90: 169 / 182 registers without them, one threadgroup an SM; 128 with 28 / 36 bytes spilled), so that one
 threadgroup's stage can run while the other waits on its loads."""
-KERNELS: dict[tuple[GGMLType, int], Kernel] = {
-    (ggml_type, groups): Kernel(f"ds4_grouped_raw_f16_{ggml_type.name.lower()}" + ("_x2" if groups == 2 else ""),
-                                _INPUTS, ("y",), source, header,
-                                launch_bounds=(THREADS, groups) if groups > 1 else None)
-    for ggml_type, (source, header) in _TEXTS.items() for groups in (1, 2)
-}
-"""CUDA only (the tensor-core helpers of the CUDA prelude); one kernel per raw expert type and occupancy."""
+STAGES = 3
+"""Stages of x in flight: the copies of the next STAGES - 1 are landing while one is multiplied."""
+
+
+def shared_bytes(tk: int = TK, stages: int = STAGES) -> int:
+    """Dynamic threadgroup memory: `stages` x tiles (TM rows of hi, then of lo) and two W tiles (TN rows), LDH words
+    a row."""
+    return 4 * (stages * 2 * TM + 2 * TN) * (tk // 2 + 4)
+
+
+@cache
+def kernel(ggml_type: GGMLType, groups: int = GROUPS, tk: int = TK, stages: int = STAGES) -> Kernel:
+    """One kernel per raw expert type, occupancy, stage width and pipeline depth. CUDA only (the tensor-core helpers
+    of the CUDA prelude)."""
+    source, header = _TEXTS[ggml_type]
+    return Kernel(f"ds4_grouped_raw_f16_{ggml_type.name.lower()}_{groups}_{tk}_{stages}", _INPUTS, ("y",), source,
+                  header, launch_bounds=(THREADS, groups) if groups > 1 else None,
+                  shared_memory=shared_bytes(tk, stages))
+
 
 def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
-                     shape: tuple[int, int, int], rows: mx.array | None = None, tk: int = TK, groups: int = GROUPS
-                     ) -> mx.array:
+                     shape: tuple[int, int, int], rows: mx.array | None = None, tk: int = TK, groups: int = GROUPS,
+                     stages: int = STAGES) -> mx.array:
     """x[i] @ W[e(i)].T as float32 (N, OUT) for a raw bank `blocks` (uint8, E rows of OUT * row bytes) of type
     `ggml_type` and row-major shape (E, OUT, IN), pair i's expert given by the counts (E,) of pairs sorted by
     expert. With `rows` (N,), pair i reads x[rows[i]] (x (T, IN): a chunk's tokens, each read by its k pairs, with no
-    (N, IN) copy made and one row scale per token); without, x[i] (x (N, IN)). `tk` the stage width and `groups`
-    the occupancy (bench/prefill_gemms.py compares them). CUDA only."""
+    (N, IN) copy made and one row scale per token); without, x[i] (x (N, IN)). `tk` the stage width, `groups`
+    the occupancy and `stages` the pipeline's depth (bench/prefill_gemms.py compares them). CUDA only."""
     hi, lo, scales = split_rows(x)
     n = x.shape[0] if rows is None else rows.size
     gather = rows is not None
     index = rows.astype(mx.uint32) if gather else mx.zeros((1,), dtype=mx.uint32)
-    return launch_grouped(build(KERNELS[ggml_type, groups], current_backend()), [hi, lo], blocks, counts, shape,
-                          [*template(tk), ("GATHER", gather)], extra=[scales, index], pairs=n)
+    return launch_grouped(build(kernel(ggml_type, groups, tk, stages), current_backend()), [hi, lo], blocks, counts,
+                          shape, [*template(tk), ("STAGES", stages), ("GATHER", gather)], extra=[scales, index],
+                          pairs=n)
