@@ -18,7 +18,7 @@ import pytest
 from ds4_mlx.kernels import batch, dense_f16, half, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
-from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, STAGES, THREADS, TK, TM, TN, f16_affine_matmul,
+from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, STAGES, THREADS, TK, TM, f16_affine_matmul,
                                        half_matmul)
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.halfsplit import reference_row_scales
