@@ -49,8 +49,9 @@
 #                  (default 43) with the tree in DIR (another commit's `git archive`: untracked and not ignored,
 #                  or named in the call's carry, so that it travels), then with this one, on the same machine
 #                  (both inherit the call's environment: DS4_GRAPH_DECODE=off compares MLX's steps)
-#   graph[:N[:CTX]] the same bench with this tree, greedy decoding through MLX's compiled step (DS4_GRAPH_DECODE=off)
-#                  and through the decode graphs (=on, the default on CUDA, model/graphstep.py), on the same machine
+#   graph[:N[:CTX[:MODES]]] the same bench with this tree, greedy decoding through MLX's compiled step
+#                  (DS4_GRAPH_DECODE=off) and through the decode graphs (=on, the default on CUDA,
+#                  model/graphstep.py), on the same machine; MODES one of them (default off,on)
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
@@ -192,8 +193,8 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       done
       rm -f "$out/ab.json" "$out/ab.err" ;;
     graph*)
-      IFS=: read -r _ layers ctx <<< "$step:"; layers=${layers:-43}; ctx=${ctx:-2048}
-      for mode in off on; do
+      IFS=: read -r _ layers ctx modes <<< "$step:"; layers=${layers:-43}; ctx=${ctx:-2048}; modes=${modes:-off,on}
+      for mode in $(echo "$modes" | tr ',' ' '); do
         DS4_GRAPH_DECODE=$mode timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" \
           --ctx-start "$ctx" --ctx-max "$ctx" --gen-tokens 128 --json > "$out/graph.json" 2> "$out/graph_$mode.err"
         echo "graph decoding $mode: $(figures "$out/graph.json")"
