@@ -204,7 +204,7 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
     attn)
       timeout "$(left 10)" python3 bench/chunk_attention.py 2>&1 | grep -v "warnings.warn" | tail -15 ;;
     gemms)
-      timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -24 ;;
+      timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -160,47 +160,55 @@ for (int s = 0; s < groups; ++s) {
       xv[i][h][1] = xh4[(wm + 16 * i + 8 * h + gid) * XC + tig];
     }
   }
-  float part[2][8][4] = {};
-  float xsum[2][4] = {};
+  unsigned int wq_j[8][4];
   #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int n = wn + 8 * j + gid;
-    unsigned int wv[4];
     if (BITS == 16) {
       const uint4 v = reinterpret_cast<const SHARED_MEM uint4*>(ws + n * (TK / 2))[tig];
-      wv[0] = v.x; wv[1] = v.y; wv[2] = v.z; wv[3] = v.w;
+      wq_j[j][0] = v.x;
+      wq_j[j][1] = v.y;
+      wq_j[j][2] = v.z;
+      wq_j[j][3] = v.w;
+    } else if (BITS == 8) {
+      const uint2 v = reinterpret_cast<const SHARED_MEM uint2*>(ws + n * (TK / 4))[tig];
+      wq_j[j][0] = v.x;
+      wq_j[j][1] = v.y;
     } else {
-      unsigned int q[2];
-      if (BITS == 8) {
-        const uint2 v = reinterpret_cast<const SHARED_MEM uint2*>(ws + n * (TK / 4))[tig];
-        q[0] = v.x;
-        q[1] = v.y;
+      const unsigned int v = ws[n * (TK / 8) + tig];
+      const unsigned int even = v & 0x0F0F0F0Fu;
+      const unsigned int odd = (v >> 4) & 0x0F0F0F0Fu;
+      wq_j[j][0] = ds4_byte_perm(even, odd, 0x5140u);
+      wq_j[j][1] = ds4_byte_perm(even, odd, 0x7362u);
+    }
+  }
+  float part[2][8][4] = {};
+  float xsum[2][4] = {};
+  #pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    unsigned int b[8][2];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (BITS == 16) {
+        b[j][0] = wq_j[j][2 * kk];
+        b[j][1] = wq_j[j][2 * kk + 1];
       } else {
-        const unsigned int v = ws[n * (TK / 8) + tig];
-        const unsigned int even = v & 0x0F0F0F0Fu;
-        const unsigned int odd = (v >> 4) & 0x0F0F0F0Fu;
-        q[0] = ds4_byte_perm(even, odd, 0x5140u);
-        q[1] = ds4_byte_perm(even, odd, 0x7362u);
-      }
-      #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        wv[2 * kk] = ds4_quant_half2(q[kk], 0x4140u, centre);
-        wv[2 * kk + 1] = ds4_quant_half2(q[kk], 0x4342u, centre);
+        b[j][0] = ds4_quant_half2(wq_j[j][kk], 0x4140u, centre);
+        b[j][1] = ds4_quant_half2(wq_j[j][kk], 0x4342u, centre);
       }
     }
     #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const unsigned int b[2] = {wv[2 * kk], wv[2 * kk + 1]};
+    for (int half = 0; half < 2; ++half) {
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
+        const unsigned int a[4] = {kk ? xv[i][0][half].z : xv[i][0][half].x, kk ? xv[i][1][half].z : xv[i][1][half].x,
+                                   kk ? xv[i][0][half].w : xv[i][0][half].y, kk ? xv[i][1][half].w : xv[i][1][half].y};
+        if (BITS == 4) {
+          ds4_mma_f16_16x8x16(xsum[i], a, ones);
+        }
         #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const unsigned int a[4] = {kk ? xv[i][0][half].z : xv[i][0][half].x, kk ? xv[i][1][half].z : xv[i][1][half].x,
-                                     kk ? xv[i][0][half].w : xv[i][0][half].y, kk ? xv[i][1][half].w : xv[i][1][half].y};
-          ds4_mma_f16_16x8x16(part[i][j], a, b);
-          if (BITS == 4 && j == 0) {
-            ds4_mma_f16_16x8x16(xsum[i], a, ones);
-          }
+        for (int j = 0; j < 8; ++j) {
+          ds4_mma_f16_16x8x16(part[i][j], a, b[j]);
         }
       }
     }

@@ -101,6 +101,12 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
 """ + (_XSUM if q2_k else "") + """          #pragma unroll
           for (int j = 0; j < 4; ++j) {
             ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
+          }
+        }
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
             ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
           }
         }
