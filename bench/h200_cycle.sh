@@ -53,6 +53,7 @@
 #                  (DS4_GRAPH_DECODE=off) and through the decode graphs (=on, the default on CUDA,
 #                  model/graphstep.py), on the same machine; MODES one of them (default off,on)
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
+#   mma            the mma.sync ceiling those GEMMs' instruction has at 8, 16 and 32 warps an SM (bench/mma_ceiling.py)
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
@@ -203,6 +204,8 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       rm -f "$out/graph.json" ;;
     attn)
       timeout "$(left 10)" python3 bench/chunk_attention.py 2>&1 | grep -v "warnings.warn" | tail -15 ;;
+    mma)
+      timeout "$(left 10)" python3 bench/mma_ceiling.py 2>&1 | grep -v "warnings.warn" | tail -5 ;;
     gemms)
       timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
     *) echo "unknown step $step" ;;
