@@ -15,17 +15,22 @@ reads the packed quants, scales and biases themselves, one launch: y = x @ W.T f
   staging copies words): each product takes 2 mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product,
   3xTF32's class (~2^-21). The store undoes the row scale exactly;
 - tiles: a threadgroup is 8 warps over TM x TN = 128 x 128 outputs, warp w the 32 x 64 block at rows 32 (w / 2),
-  columns 64 (w % 2). The K loop stages one group (TK = 32) of the x rows (a word of hi and
-  one of lo half pairs a thread) and of the W rows (whole uint32 words of quants, stored as centred half pairs);
-  rows are LDH = 20 words apart, so that a fragment load hits 32 distinct banks. The next group's global loads are
-  in flight in registers while the current one is multiplied. Threadgroups take row tiles fastest, so the ones
-  running together share a W column tile, and x stays mostly in L2. Threadgroup memory: (2 x 128 + 128) x 20 x 4 +
-  3 x 128 x 4 = 32,256 bytes; 240-254 registers (nvcc 13, sm_90): one threadgroup an SM.
+  columns 64 (w % 2). Each stage is one group (TK = 32) of the x rows (hi and lo half pairs, as split_rows wrote
+  them) and of the W rows (the packed quant words as stored, and the group's scales), copied into threadgroup
+  memory by cp.async STAGES - 1 groups ahead of the multiply, with one barrier a stage. The quants are made halves
+  in registers as the fragments are read, so the copies never pass through registers. A lane's mma fragments
+  carry a permutation of K inside each 16-wide step (the same for x and W), so that it reads x as 16-byte words
+  and a W row as 4, 8 or 16 bytes, conflict-free with unpadded rows. The mma of a step go lo pass, then hi pass,
+  each over the 16 tiles of the warp, so that no mma waits on the one just before it. Threadgroups take row tiles
+  fastest, so the ones running together share a W column tile, and x stays mostly in L2. 228-234 registers (nvcc
+  13, sm_90): one threadgroup an SM.
 
 Measured (H200, 4096 rows, bench/prefill_gemms.py), against the 3xTF32 kernel this replaced (TF32 mma.m16n8k8, x
 split at every fragment read): q_a 0.66 / 0.88 ms, q_b 3.84 / 5.80, out_b 3.47 / 5.72 (79 TFLOP/s), the shared
 expert's gate 1.12 / 1.57. With x split before the GEMM (session 8, another machine): q_a 0.74, q_b 3.63 (was 4.01
-there), out_b 3.52 (3.63), shared gate 1.10 (1.32).
+there), out_b 3.52 (3.63), shared gate 1.10 (1.32). Staged through registers one group ahead (session 14): q_a
+0.64, q_b 3.50, out_b 3.38, shared gate 1.05; by cp.async 2 / 3 / 4 stages deep, mma in the order written then:
+q_b 3.51 / 3.62 / 3.56, out_b 3.39 / 3.54 / 3.41, so the loads were never what held it.
 
 BITS = 16 is the same kernel for an F16 matrix (`half_matmul`: the compressor, indexer and router projections of
 a chunk, which took cuBLAS's float32 SIMT GEMM, ~5% of a chunk's GPU time): its values are halves already, staged
