@@ -16,14 +16,16 @@ Arithmetic: float16 tensor cores at float32 accuracy (mma.m16n8k16, float32 sums
 The tensor cores truncate the sums they accumulate: each slice (IQ2_XXS) or group (Q2_K) starts from zeroed partial
 sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does.
 
-Staging: a stage is TK = 64 values (two 32-value slices). The x tile (64 rows: pairs, or with GATHER the tokens the
-pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) is a copy of words: x is
-split once before the GEMM (halfsplit.split_rows: one pass, hi and lo half pairs), a word of each a thread (TK / 2
-threads a row, contiguous bytes); the W tile's 128 rows are decoded from the bank's blocks in registers, two
-threads a row and 16 values a slice each, and stored as halves, eight per 16-byte store. Rows are LDH = 36 words apart: fragment loads hit 32 distinct banks. The next
-stage's global loads are in flight in registers while the current stage is multiplied. Threadgroup memory: (2 x 64
-+ 128) x 36 x 4 bytes of tiles, 2 x 64 x 4 of row scales and indices, 12 of scan, plus IQ2_XXS's grid (2,048) and
-slice scales (1,024) or Q2_K's scales and mins (4,096): 40,460 / 41,484 bytes, so two threadgroups fit an SM (GROUPS).
+Staging: a stage is TK = 64 values (two 32-value slices). The x tiles (64 rows: pairs, or with GATHER the tokens
+the pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) are copies of words: x
+is split once before the GEMM (halfsplit.split_rows: one pass, hi and lo half pairs), and its stages land in
+threadgroup memory by cp.async STAGES - 1 ahead of the multiply. The W tile's 128 rows are decoded from the bank's
+blocks in registers, two threads a row and 16 values a slice each, and stored as halves, eight per 16-byte store,
+into one of two W tiles: a stage's W loads are in flight in registers while the stage before is multiplied, and it
+is decoded into the tile the multiply before that left, so a stage passes one barrier. Rows are LDH = 36 words
+apart: fragment loads hit 32 distinct banks. Threadgroup memory: STAGES x 2 x 64 + 2 x 128 rows of LDH words
+dynamic (92,160 bytes at TK 64, 3 stages), the row scales and indices, the scan, IQ2_XXS's grid (2,048) and two
+stages' slice scales (2,048) or Q2_K's scales and mins (8,192) static: two threadgroups fit an SM (GROUPS).
 
 Decoding: thread tid decodes W row tid / 2 of the tile, values 16 (tid % 2) .. + 15 of the slice. A 32-value slice
 is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) run pair of a Q2_K block:
