@@ -99,9 +99,9 @@ def test_kernel_renders_for_cuda_only(bits):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [3, 4])
 def test_emulated_kernel_at_every_pipeline_depth(on_cpu, stages, monkeypatch, tmp_path):
-    """Two and three stages in flight (STAGES is the default): the same product, K of more groups than stages."""
+    """Three and four stages in flight (STAGES is the default): the same product, K of more groups than stages."""
     monkeypatch.setattr(dense_f16, "build", emulated_build(tmp_path))
     x, blocks, want = case(GGMLType.Q8_0, (136, 256), 21, seed=9)
     got = np.array(f16_affine_matmul(x, to_affine(blocks, GGMLType.Q8_0, (136, 256)), stages=stages))

@@ -277,3 +277,17 @@ def test_the_two_group_kernels_carry_launch_bounds_on_cuda_only():
         text = nvrtc.kernel_text("f", two["header"], two["source"], [("x", mx.float32)], [("y", mx.float32)], [],
                                  two["launch_bounds"])
         assert "__global__ void __launch_bounds__(256, 2) f(" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
+def test_emulated_kernel_at_a_deeper_pipeline(on_cpu, ggml_type, monkeypatch, tmp_path):
+    """Three stages of x in flight (STAGES is the default): the same products, K of more stages than that."""
+    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
+    counts, n_out, n_in = [3, 0, 70], 40, 512
+    blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=12)
+    x = np.random.default_rng(13).standard_normal((ids.size, n_in)).astype(np.float32)
+    shape = (len(counts), n_out, n_in)
+    got = np.array(raw_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type, shape,
+                                    stages=3))
+    assert within(got, products(x, weights, ids), TOLERANCE)

@@ -62,8 +62,9 @@ TN = 128
 """Rows of W (outputs) per threadgroup."""
 TK = GROUP_SIZE
 """K slice per stage: one affine group (two mma k-steps of 16), so that one scale and one c apply to it."""
-STAGES = 4
-"""Stages in flight: the copies of the next STAGES - 1 groups land while one is multiplied."""
+STAGES = 2
+"""Stages in flight: the copies of the next group land while one is multiplied. Deeper was no faster (H200,
+bench/prefill_gemms.py, session 14: q_b 3.48 / 3.53 / 3.54 ms at 2 / 3 / 4 stages, out_b 3.35 / 3.50 / 3.46)."""
 THREADS = 256
 """8 warps."""
 TOLERANCE = 1e-5
@@ -272,7 +273,7 @@ ones). Rows past T read as zeros, W rows past OUT as zero quants with scale and 
 def kernel(bits: int, stages: int = STAGES) -> Kernel:
     """The kernel for one quant width (4, 8, or 16: F16) and pipeline depth. CUDA only: the tensor-core helpers of
     the CUDA prelude. Its threadgroup memory, `stages` x `stage_words`, is dynamic, past the 48 KB of static
-    arrays: at STAGES, 82 KB for Q8_0, 76 KB for Q4_K, 96 KB for F16."""
+    arrays: at STAGES, 41 KB for Q8_0, 38 KB for Q4_K, 48 KB for F16."""
     return Kernel(f"ds4_dense_affine_f16_{bits}_{stages}", ("xhi", "xlo", "wq", "scales", "biases", "dims", "xscale"),
                   ("y",), _SOURCE, shared_memory=4 * stages * stage_words(bits))
 

@@ -24,7 +24,7 @@ blocks in registers, two threads a row and 16 values a slice each, and stored as
 into one of two W tiles: a stage's W loads are in flight in registers while the stage before is multiplied, and it
 is decoded into the tile the multiply before that left, so a stage passes one barrier. Rows are LDH = 36 words
 apart: fragment loads hit 32 distinct banks. Threadgroup memory: STAGES x 2 x 64 + 2 x 128 rows of LDH words
-dynamic (92,160 bytes at TK 64, 3 stages), the row scales and indices, the scan, IQ2_XXS's grid (2,048) and two
+dynamic (55,296 bytes at TK 64, 2 stages), the row scales and indices, the scan, IQ2_XXS's grid (2,048) and two
 stages' slice scales (2,048) or Q2_K's scales and mins (8,192) static: two threadgroups fit an SM (GROUPS).
 
 Decoding: thread tid decodes W row tid / 2 of the tile, values 16 (tid % 2) .. + 15 of the slice. A 32-value slice
@@ -358,8 +358,10 @@ GROUPS = 2
 """Threadgroups an SM holds at once: the launch bounds cap registers at 128 a thread (at TK = 64, nvcc 13 for
 sm_90: 169 / 182 registers without them, one threadgroup an SM; 128 with 28 / 36 bytes spilled), so that one
 threadgroup's stage can run while the other waits on its loads."""
-STAGES = 3
-"""Stages of x in flight: the copies of the next STAGES - 1 are landing while one is multiplied."""
+STAGES = 2
+"""Stages of x in flight: the copies of the next STAGES - 1 are landing while one is multiplied. Measured (H200,
+bench/prefill_gemms.py, session 14, TK 64, two threadgroups an SM): IQ2_XXS 6.22 / 6.16 ms at 2 / 3 stages, Q2_K
+7.87 / 9.08 (3 stages spill registers there)."""
 
 
 def shared_bytes(tk: int = TK, stages: int = STAGES) -> int:
