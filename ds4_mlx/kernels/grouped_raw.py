@@ -41,7 +41,8 @@ the TF32 rate per mma on the H200) and 48 loads. Measured (H200, a 4096-token ch
 bench/prefill_gemms.py): 12.0 / 14.3 ms per Flash IQ2_XXS / Q2_K projection for the 3xTF32 kernel; 9.8 / 10.4 here
 at TK 32 and one threadgroup an SM; 7.2 / 8.6 at TK 64 and two (GROUPS); **6.5 / 8.7** with x split before the
 GEMM (63 / 48 TFLOP/s of useful work, ~13% of the float16 peak: each stage still decodes W in registers between two
-barriers, and a tile of 64 pairs decodes every expert's W about twice: 96 pairs an expert in a 4096-token chunk).
+barriers, and a tile of 64 pairs decodes every expert's W about twice: 96 pairs an expert in a 4096-token chunk);
+**6.22 / 7.87** with x by cp.async and two W tiles, one barrier a stage (session 14, STAGES).
 """
 
 from __future__ import annotations
@@ -86,13 +87,15 @@ def grid_words() -> list[int]:
 
 
 def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: bool) -> str:
-    """The kernel body with its W staging given: `w_shared` declares what the staging keeps beside the W tile `ws`
-    (TN rows of LDH words, row n = output column col0 + n, two halves a word along k); `w_setup` runs once past the
-    tile scan; `w_load` issues stage s's global loads into registers; `w_store` decodes them into ws (and the
-    stage's scales) once every warp is past the previous multiply. A stage is U = TK / SLICE slices. The partial
-    sums are drained once per scale: IQ2_XXS has one per W row and slice (`wsc`, slice-major; KD = 2 mma k-steps a
-    drain); Q2_K (`q2_k`) a scale and a min per W row and group of 16 (`wsc`, `wml`, group-major; KD = 1), the
-    min times the group's sum of x, from the tensor cores with a B of ones."""
+    """The kernel body with its W staging given: `w_shared` declares what the staging keeps beside the W tiles
+    (SCALES floats a stage for `wsc_all`, and for Q2_K `wml_all`, two stages each); `w_setup` runs once past the
+    tile scan; `w_load` issues stage ls's global loads into registers; `w_store` decodes them into `ws` (TN rows of
+    LDH words, row n = output column col0 + n, two halves a word along k) and the stage's scales, the tile and
+    scales of stage s's parity, which the multiply two stages back left before the last barrier. A stage is U = TK
+    / SLICE slices. The partial sums are drained once per scale: IQ2_XXS has one per W row and slice (`wsc`,
+    slice-major; KD = 2 mma k-steps a drain); Q2_K (`q2_k`) a scale and a min per W row and group of 16 (`wsc`,
+    `wml`, group-major; KD = 1), the min times the group's sum of x, from the tensor cores with a B of ones. Each
+    k-step issues the lo pass over the warp's eight tiles, then the hi pass."""
     multiply = """    #pragma unroll
     for (int g = 0; g < 2 * U / KD; ++g) {
       float part[2][4][4] = {};
