@@ -89,7 +89,6 @@ const int col0 = (GROUP_Y - batch * col_tiles) * TN;
 const int rows = n_rows - row0;
 constexpr int XW = TM * TK / 2;
 constexpr int WW = TN * TK * BITS / 32;
-constexpr int STAGE = 2 * XW + WW + (BITS == 16 ? 0 : (BITS == 4 ? 2 : 1) * TN);
 constexpr int XC = TK / 8;
 constexpr int WC = TK * BITS / 128;
 SHARED float rsx[TM];
@@ -267,7 +266,9 @@ so that a lane reads x as one 16-byte word of each row (both steps, conflict-fre
 bytes (Q8_0), 4 bytes (Q4_K: 8 nibbles) or 16 bytes (F16) of its column's row. The quants are made halves from
 those words in registers (ds4_quant_half2: q - 128, or q - 8, exact), the partial sums of each group drained
 into the float32 accumulators with its scale (and Q4_K's c times x's row sums, from the tensor cores with a B of
-ones). Rows past T read as zeros, W rows past OUT as zero quants with scale and bias 0."""
+ones). Rows past T read as zeros, W rows past OUT as zero quants with scale and bias 0. STAGE, a stage's words, is
+`stage_words`'s."""
+
 
 @cache
 def kernel(bits: int, stages: int = STAGES) -> Kernel:
@@ -306,7 +307,8 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     hi, lo, row_scale = split_rows(x)
     (y,) = build(kernel(bits, stages), current_backend())(
         inputs=[hi, lo, wq, scales, biases, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
-        template=[("TM", TM), ("TN", TN), ("TK", TK), ("STAGES", stages), ("THREADS", THREADS), ("BITS", bits)],
+        template=[("TM", TM), ("TN", TN), ("TK", TK), ("STAGES", stages), ("STAGE", stage_words(bits)),
+                  ("THREADS", THREADS), ("BITS", bits)],
         grid=(-(-n_rows // TM) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
