@@ -2,6 +2,7 @@
 
     python bench/prefill_gemms.py                 # 4096-token chunk (CUDA's), random routing over 256 experts
     python bench/prefill_gemms.py --tokens 2048 --calls 4
+    python bench/prefill_gemms.py --once          # each kernel's default plan once, untimed: for a profiler
 
 Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down under each plan
 (RAW_PLANS: stage width, threadgroups an SM, stages of x in flight), the dense affine projections (Q8_0) by the
@@ -45,8 +46,15 @@ def dense_float32(x: mx.array, weight) -> mx.array:
     return dense_matmul(x, weight, mx.float32)
 
 
+ONCE = False
+"""--once: every call evaluated once and not timed (bench/ncu_summary.py profiles those launches)."""
+
+
 def per_call_ms(call: Callable[[], mx.array], calls: int, repeats: int) -> float:
     mx.eval(call())  # compile and check first
+    if ONCE:
+        mx.synchronize()
+        return float("nan")
     times = []
     for _ in range(repeats):
         mx.synchronize()
@@ -66,7 +74,11 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--once", action="store_true", help="each kernel's default plan once, untimed (for a profiler)")
     args = p.parse_args()
+    global ONCE, RAW_PLANS, STAGES
+    if args.once:
+        ONCE, RAW_PLANS, STAGES = True, RAW_PLANS[1:2], STAGES[:1]
 
     rng = np.random.default_rng(0)
     ids = np.sort(np.concatenate([rng.choice(EXPERTS, USED, replace=False) for _ in range(args.tokens)]))

@@ -15,13 +15,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import batch, dense_f16, half, registry
+from ds4_mlx.kernels import batch, dense_f16, half, halfsplit, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
 from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, STAGES, THREADS, TK, TM, f16_affine_matmul,
                                        half_matmul)
 from ds4_mlx.kernels.dialect import CUDA, METAL
-from ds4_mlx.kernels.halfsplit import reference_row_scales
+from ds4_mlx.kernels.halfsplit import BLOCK_ROWS, reference_row_scales, reference_split_blocks, to_blocks
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import GGMLType
@@ -79,6 +79,40 @@ def test_one_half_of_x_would_not_do():
     lo = (xs - hi).astype(np.float16).astype(np.float64)
     assert not within((hi / scale) @ w.T, want, TOLERANCE)
     assert within(((hi + lo) / scale) @ w.T, want, TOLERANCE / 100)
+
+
+def test_blocks_hold_each_lane_s_fragment_as_one_word():
+    """`to_blocks`: lane 4 g + t's 16-byte word of block B, group s, k-step kk is mma.m16n8k16's A fragment for
+    rows g and g + 8 of the block (a0 a1: word 4 t + 2 kk of both rows; a2 a3: the next word), every batch's rows
+    padded with zeros to whole blocks."""
+    n_batch, rows, words = 3, 19, 32  # 19 rows: a block and a partial one per batch; IN = 64, two groups
+    x = np.random.default_rng(7).integers(1, 2**32, (n_batch * rows, words), dtype=np.uint32)
+    got = np.array(to_blocks(mx.array(x), n_batch)).reshape(n_batch, 2, words // 16, 2, 32, 4)
+    src = np.zeros((n_batch, 2 * BLOCK_ROWS, words), np.uint32)
+    src[:, :rows] = x.reshape(n_batch, rows, words)
+    for b in range(n_batch):
+        for block in range(2):
+            for s in range(words // 16):
+                for kk in range(2):
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        row = src[b, 16 * block + g], src[b, 16 * block + g + 8]
+                        word = 16 * s + 4 * t + 2 * kk
+                        want = [row[0][word], row[1][word], row[0][word + 1], row[1][word + 1]]
+                        assert list(got[b, block, s, kk, lane]) == want
+
+
+@pytest.mark.slow
+def test_emulated_split_into_blocks_equals_the_reference(on_cpu, monkeypatch, tmp_path):
+    """The split kernel writing the fragment layout (BLOCKED) is the reference's bit for bit: rows from 1e-30 to
+    1e30 and a zero row, one batch or several whose rows end inside a block."""
+    monkeypatch.setattr(halfsplit, "build", emulated_build(tmp_path))
+    (x,) = halfsplit._split_probe(96)
+    for rows, n_batch in ((8, 1), (4, 2), (21, 3)):
+        xs = mx.concatenate([x] * 8)[: rows * n_batch]
+        got, want = halfsplit._kernel_split_rows(xs, n_batch), reference_split_blocks(xs, n_batch)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and registry.disagreement(g, w, 0.0) is None
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])

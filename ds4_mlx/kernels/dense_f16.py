@@ -51,7 +51,7 @@ import numpy as np
 from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .dialect import Kernel, build
-from .halfsplit import split_rows
+from .halfsplit import BLOCK_ROWS, split_blocks
 from .probe import random_activations, random_blocks
 from .quants import dequantize, reference_matmul
 from .registry import FastPath, current_backend
@@ -83,13 +83,14 @@ const int n_rows = dims[0];
 const int n_out = dims[1];
 const int n_in = dims[2];
 const int col_tiles = dims[3];
+const int blocks = dims[4];
 const int row0 = GROUP_X * TM;
 const int batch = GROUP_Y / col_tiles;
 const int col0 = (GROUP_Y - batch * col_tiles) * TN;
 const int rows = n_rows - row0;
 constexpr int XW = TM * TK / 2;
 constexpr int WW = TN * TK * BITS / 32;
-constexpr int XC = TK / 8;
+constexpr int XB = TM / 16;
 constexpr int WC = TK * BITS / 128;
 SHARED float rsx[TM];
 SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
@@ -101,7 +102,7 @@ const int wm = (warp >> 1) * 32;
 const int wn = (warp & 1) * 64;
 const int words = n_in * BITS / 32;
 const int groups = n_in / TK;
-const size_t x_tile = ((size_t)batch * n_rows + row0) * (n_in / 2);
+const size_t x_tile = ((size_t)batch * blocks + GROUP_X * XB) * groups * 64;
 const GLOBAL_MEM uint32_t* q_tile = wq + ((size_t)batch * n_out + col0) * words;
 const GLOBAL_MEM float* s_tile = scales + ((size_t)batch * n_out + col0) * groups;
 const GLOBAL_MEM float* b_tile = biases + ((size_t)batch * n_out + col0) * groups;
@@ -111,13 +112,13 @@ if (tid < TM) {
 auto load_stage = [&](int s) {
   SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
   #pragma unroll
-  for (int c = tid; c < TM * XC; c += THREADS) {
-    const int r = c / XC;
-    const size_t at = x_tile + (size_t)(r < rows ? r : 0) * (n_in / 2) + s * (TK / 2) + 4 * (c % XC);
+  for (int c = tid; c < XB * 64; c += THREADS) {
+    const bool ok = GROUP_X * XB + c / 64 < blocks;
+    const size_t at = 4 * (x_tile + ((size_t)(ok ? c / 64 : 0) * groups + s) * 64 + c % 64);
     ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + 4 * c), reinterpret_cast<const GLOBAL_MEM float*>(xhi + at),
-                     r < rows);
+                     ok);
     ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + XW + 4 * c),
-                     reinterpret_cast<const GLOBAL_MEM float*>(xlo + at), r < rows);
+                     reinterpret_cast<const GLOBAL_MEM float*>(xlo + at), ok);
   }
   #pragma unroll
   for (int c = tid; c < TN * WC; c += THREADS) {
@@ -160,9 +161,9 @@ for (int s = 0; s < groups; ++s) {
   #pragma unroll
   for (int i = 0; i < 2; ++i) {
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      xv[i][h][0] = xl4[(wm + 16 * i + 8 * h + gid) * XC + tig];
-      xv[i][h][1] = xh4[(wm + 16 * i + 8 * h + gid) * XC + tig];
+    for (int kk = 0; kk < 2; ++kk) {
+      xv[i][kk][0] = xl4[((wm / 16 + i) * 2 + kk) * 32 + lane];
+      xv[i][kk][1] = xh4[((wm / 16 + i) * 2 + kk) * 32 + lane];
     }
   }
   unsigned int wq_j[8][4];
@@ -206,8 +207,7 @@ for (int s = 0; s < groups; ++s) {
     for (int half = 0; half < 2; ++half) {
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const unsigned int a[4] = {kk ? xv[i][0][half].z : xv[i][0][half].x, kk ? xv[i][1][half].z : xv[i][1][half].x,
-                                   kk ? xv[i][0][half].w : xv[i][0][half].y, kk ? xv[i][1][half].w : xv[i][1][half].y};
+        const unsigned int a[4] = {xv[i][kk][half].x, xv[i][kk][half].y, xv[i][kk][half].z, xv[i][kk][half].w};
         if (BITS == 4) {
           ds4_mma_f16_16x8x16(xsum[i], a, ones);
         }
@@ -304,9 +304,11 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
     col_tiles = -(-n_out // TN)
-    hi, lo, row_scale = split_rows(x)
+    hi, lo, row_scale = split_blocks(x, n_batch)
+    blocks = -(-n_rows // BLOCK_ROWS)
     (y,) = build(kernel(bits, stages), current_backend())(
-        inputs=[hi, lo, wq, scales, biases, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
+        inputs=[hi, lo, wq, scales, biases, mx.array([n_rows, n_out, n_in, col_tiles, blocks], dtype=mx.int32),
+                row_scale],
         template=[("TM", TM), ("TN", TN), ("TK", TK), ("STAGES", stages), ("STAGE", stage_words(bits)),
                   ("THREADS", THREADS), ("BITS", bits)],
         grid=(-(-n_rows // TM) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),

@@ -57,8 +57,31 @@ def reference_row_scales(x: mx.array) -> mx.array:
 
 _SPLIT = """
 const int tid = THREAD_IN_GROUP;
-const int row = GROUP_X;
 const int n_in = dims[0];
+const int t_rows = dims[1];
+const int slots = dims[2];
+const int batch = BLOCKED ? GROUP_X / slots : 0;
+const int rr = BLOCKED ? GROUP_X - batch * slots : GROUP_X;
+const bool pad = BLOCKED && rr >= t_rows;
+const int row = BLOCKED ? batch * t_rows + (pad ? 0 : rr) : GROUP_X;
+auto at = [&](int p) -> size_t {
+  if (!BLOCKED) {
+    return (size_t)row * (n_in / 2) + p;
+  }
+  const int s = p >> 4;
+  const int q = p & 1;
+  const int kk = (p >> 1) & 1;
+  const int t = (p >> 2) & 3;
+  const int g = GROUP_X & 15;
+  return (((size_t)(GROUP_X >> 4) * (n_in / 32) + s) * 2 + kk) * 128 + ((g & 7) * 4 + t) * 4 + q * 2 + (g >> 3);
+};
+if (pad) {
+  for (int p = tid; p < n_in / 2; p += THREADS) {
+    hi[at(p)] = 0u;
+    lo[at(p)] = 0u;
+  }
+  return;
+}
 const GLOBAL_MEM float* r = x + (size_t)row * n_in;
 SHARED float part[THREADS / 32];
 float m = 0.0f;
@@ -81,14 +104,15 @@ if (tid == 0) {
   scale[row] = sc;
 }
 for (int p = tid; p < n_in / 2; p += THREADS) {
-  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[(size_t)row * (n_in / 2) + p], lo[(size_t)row * (n_in / 2) + p]);
+  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[at(p)], lo[at(p)]);
 }
 """
 """One threadgroup per row: each thread the largest magnitude of its strided values, then the SIMD groups' and the
 row's (a maximum is exact in any order; every thread takes it), the scale from its exponent bits as the reference
 builds it, then each pair of the scaled row split into its hi and lo half pairs. A NaN is dropped by the
 comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays
-a NaN through the products anyway."""
+a NaN through the products anyway. BLOCKED: one threadgroup per row slot of `to_blocks`'s layout (`slots` a
+batch, its first `t_rows` real), each word written where that layout puts it, the padding rows' words zero."""
 
 SPLIT_KERNEL = Kernel("ds4_split_rows", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT)
 
@@ -110,12 +134,17 @@ def reference_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     return hi.view(mx.uint32), lo.view(mx.uint32), scale
 
 
-def _kernel_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def _kernel_split_rows(x: mx.array, n_batch: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel's split: row-major words, or with `n_batch` the fragment layout of `to_blocks`."""
     n, n_in = x.shape
+    rows = n // (n_batch or 1)
+    slots = BLOCK_ROWS * -(-rows // BLOCK_ROWS)
+    grid_rows = n if n_batch is None else n_batch * slots
     return tuple(build(SPLIT_KERNEL, current_backend())(
-        inputs=[x, mx.array([n_in], dtype=mx.int32)], template=[("THREADS", THREADS), ("X_TOP", X_TOP)],
-        grid=(n * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), output_shapes=[(n, n_in // 2)] * 2 + [(n,)],
-        output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
+        inputs=[x, mx.array([n_in, rows, slots], dtype=mx.int32)],
+        template=[("THREADS", THREADS), ("X_TOP", X_TOP), ("BLOCKED", n_batch is not None)],
+        grid=(grid_rows * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(grid_rows, n_in // 2)] * 2 + [(n,)], output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
 
 
 def _split_probe(key: int) -> tuple:
@@ -134,3 +163,46 @@ prelude's); bit for bit equal (tolerance 0); key: the row length."""
 def split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """`reference_split_rows` of x (N, IN) float32, by the one-pass kernel where its check passed."""
     return SPLIT_ROWS(x.astype(mx.float32), key=x.shape[-1])
+
+
+BLOCK_ROWS = 16
+"""Rows of a block of the fragment layout: the rows of one mma.m16n8k16 A tile."""
+
+
+def to_blocks(words: mx.array, n_batch: int) -> mx.array:
+    """Half-pair words (N, IN / 2) of n_batch batches of T rows each, IN a multiple of 32, in the layout whose
+    16-byte words are mma.m16n8k16 A fragments as they are (dense_f16.py reads one per mma, with no register
+    moves to assemble it): each batch's rows padded with zero rows to blocks of 16; block B's 32-value group s is
+    1 KB, two k-steps kk of 32 lanes' fragments, lane 4 g + t holding words 4 t + 2 kk and 4 t + 2 kk + 1 of the
+    group for rows g and g + 8 of the block (row g's word, row g + 8's word, and again for the next word), the
+    permutation of K inside each 16-value step that dense_f16.py's W fragments share. Returns (N', IN / 2) for the
+    N' = n_batch * 16 * blocks row slots."""
+    n, w = words.shape
+    rows = n // n_batch
+    blocks = -(-rows // BLOCK_ROWS)
+    words = mx.pad(words.reshape(n_batch, rows, w), [(0, 0), (0, BLOCK_ROWS * blocks - rows), (0, 0)])
+    words = words.reshape(n_batch, blocks, 2, 8, w // 16, 4, 2, 2).transpose(0, 1, 4, 6, 3, 5, 7, 2)
+    return words.reshape(n_batch * blocks * BLOCK_ROWS, w)
+
+
+def reference_split_blocks(x: mx.array, n_batch: int) -> tuple[mx.array, mx.array, mx.array]:
+    """`reference_split_rows` with hi and lo in `to_blocks`'s fragment layout."""
+    hi, lo, scale = reference_split_rows(x)
+    return to_blocks(hi, n_batch), to_blocks(lo, n_batch), scale
+
+
+def _blocks_probe(key: int) -> tuple:
+    """`_split_probe`'s eight rows as two batches of four, each padded to a block."""
+    (x,) = _split_probe(key)
+    return x, 2
+
+
+SPLIT_BLOCKS = FastPath("split_blocks", reference_split_blocks, _kernel_split_rows, _blocks_probe, tolerance=0.0,
+                        backends=("cuda",))
+"""The split in the fragment layout by the same one-pass kernel (BLOCKED), bit for bit the reference's."""
+
+
+def split_blocks(x: mx.array, n_batch: int = 1) -> tuple[mx.array, mx.array, mx.array]:
+    """`reference_split_blocks` of x (N, IN) float32 (n_batch batches of rows, IN a multiple of 32), by the
+    kernel where its check passed."""
+    return SPLIT_BLOCKS(x.astype(mx.float32), n_batch, key=x.shape[-1])
