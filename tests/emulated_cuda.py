@@ -191,6 +191,15 @@ inline unsigned int ds4_quant_half2(unsigned int w, unsigned int selector, unsig
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, as the TF32 one above: halves two to a register, low half
 // first (g = lane >> 2, t = lane & 3: a0 A[g][2t..2t+1], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..];
 // b0 B[2t..2t+1][g], b1 B[2t+8..2t+9][g]), exact products summed in double, truncated toward zero
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: the warp's row addresses gathered as in lane_xor.
+inline void ds4_ldmatrix_x4(unsigned int* r, const unsigned int* row) {
+  static const unsigned int* rows[32][32];
+  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  rows[simd][lane] = row;
+  ds4_simd_barrier();
+  for (int m = 0; m < 4; ++m) r[m] = rows[simd][8 * m + (lane >> 2)][lane & 3];
+  ds4_simd_barrier();
+}
 inline void ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned int* b) {
   static unsigned int as[32][32][4], bs[32][32][2];
   const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;

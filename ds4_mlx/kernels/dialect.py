@@ -46,6 +46,9 @@ share, plus a few neutral words that each dialect spells its own way:
   ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned int* b) (c += A B for one warp, A 16 x 16 and
   B 16 x 8 halves, two per register, low half first, C float32, mma.m16n8k16.f16's layout: a = A[g][2t, 2t+1],
   A[g+8][2t, 2t+1], A[g][2t+8, 2t+9], A[g+8][2t+8, 2t+9]; b = B[2t, 2t+1][g], B[2t+8, 2t+9][g]; c as above);
+  ds4_ldmatrix_x4(unsigned int* r, const unsigned int* row) (ldmatrix.m8n8.x4: lane 8 m + i gives the threadgroup
+  memory address of row i of 8 x 8 half matrix m, 16 bytes, 16-byte aligned; lane 4 g + t receives in r[m] word
+  t of matrix m's row g: one instruction for a whole mma A fragment, or two B fragments);
   ds4_copy16_async(float* dst, const float* src, bool full) (16 bytes from global to threadgroup memory without
   passing through registers, cp.async; zeros where not `full`; both addresses 16-byte aligned), ds4_async_commit()
   (the copies issued since the last commit become one group), ds4_async_wait_all() and ds4_async_wait_prior()
@@ -246,6 +249,11 @@ __device__ __forceinline__ void ds4_mma_f16_16x8x16(float* c, const unsigned int
                "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void ds4_ldmatrix_x4(unsigned int* r, const unsigned int* row) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
 }
 __device__ __forceinline__ void ds4_copy16_async(float* dst, const float* src, bool full) {
   const unsigned int at = (unsigned int)__cvta_generic_to_shared(dst);

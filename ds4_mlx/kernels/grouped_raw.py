@@ -56,7 +56,7 @@ from gguf.quants import IQ2_XXS
 from ..model.gguf import GGMLType
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .grouped_gemm import TILE_HEAD, TILE_SCAN, THREADS, TM, TN, launch_grouped
-from .halfsplit import X_FRAGMENTS, split_rows
+from .halfsplit import split_rows
 from .registry import current_backend
 
 SLICE = 32
@@ -228,17 +228,25 @@ _FRAGMENTS = """      unsigned int ah[2][4];
       unsigned int bw[4][2];
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        ds4_x_fragments(xh, xl, (wm + 16 * i + gid) * LDH + KW + tig, LDH, ah[i], al[i]);
+        const int at = (wm + 16 * i + (lane & 15)) * LDH + KW + 4 * (lane >> 4);
+        ds4_ldmatrix_x4(ah[i], xh + at);
+        ds4_ldmatrix_x4(al[i], xl + at);
       }
       #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int bt = (wn + 8 * j + gid) * LDH + KW + tig;
-        bw[j][0] = ws[bt];
-        bw[j][1] = ws[bt + 4];
+      for (int j = 0; j < 4; j += 2) {
+        unsigned int v[4];
+        ds4_ldmatrix_x4(v, ws + (wn + 8 * j + (lane & 7) + 8 * (lane >> 4)) * LDH + KW + 4 * ((lane >> 3) & 1));
+        bw[j][0] = v[0];
+        bw[j][1] = v[1];
+        bw[j + 1][0] = v[2];
+        bw[j + 1][1] = v[3];
       }
 """
-"""One mma k-step's fragments (KW: its first word in a row, 8 words = 16 halves a step): the x hi and lo rows
-of the warp's two 16-row tiles and the W rows of its four 8-column tiles, by mma.m16n8k16's layout."""
+"""One mma k-step's fragments (KW: its first word in a row, 8 words = 16 halves a step), each ldmatrix.x4 four 8 x 8
+blocks of the tiles as mma.m16n8k16 takes them: the x hi and lo rows of the warp's two 16-row tiles (lanes 0-15
+address rows 0-15 at the step's first 8 halves, lanes 16-31 the same rows at the next 8: a0-a3), and the W rows
+of two 8-column tiles a call (lanes 0-7 the first tile's rows at the first 8 halves, 8-15 at the next 8, then the
+second tile's: b of both). Rows LDH words apart: each block's 8 rows on distinct banks."""
 
 
 def _row(block_bytes: int) -> str:
@@ -354,9 +362,9 @@ _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map
 _INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow")
 _TEXTS = {
     GGMLType.IQ2_XXS: (f16_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE, False),
-                       SIMD_EXCLUSIVE_SUM + X_FRAGMENTS + _GRID_HEADER),
+                       SIMD_EXCLUSIVE_SUM + _GRID_HEADER),
     GGMLType.Q2_K: (f16_source(_Q2_K_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE, True),
-                    SIMD_EXCLUSIVE_SUM + X_FRAGMENTS),
+                    SIMD_EXCLUSIVE_SUM),
 }
 GROUPS = 2
 """Threadgroups an SM holds at once: the launch bounds cap registers at 128 a thread (at TK = 64, nvcc 13 for

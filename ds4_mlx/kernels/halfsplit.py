@@ -21,23 +21,6 @@ from .dialect import Kernel, build
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
-X_FRAGMENTS = """
-DEVICE_FN void ds4_x_fragments(const SHARED_MEM unsigned int* xh, const SHARED_MEM unsigned int* xl, int at,
-                               int ld, unsigned int* ah, unsigned int* al) {
-  ah[0] = xh[at];
-  ah[1] = xh[at + 8 * ld];
-  ah[2] = xh[at + 4];
-  ah[3] = xh[at + 8 * ld + 4];
-  al[0] = xl[at];
-  al[1] = xl[at + 8 * ld];
-  al[2] = xl[at + 4];
-  al[3] = xl[at + 8 * ld + 4];
-}
-"""
-"""The header helper both kernels read their x fragments with: the A fragments of one mma.m16n8k16 k-step for the
-hi and lo tiles (half pairs, rows `ld` words apart), `at` the word of the lane's row g, column pair t: rows g and
-g + 8, words t and t + 4 (halves 2t, 2t + 1 and 2t + 8, 2t + 9)."""
-
 X_TOP = 14
 """A row's largest magnitude is scaled into [2^14, 2^15): below float16's largest value (65504) after rounding."""
 THREADS = 256
