@@ -54,7 +54,7 @@
 #                  model/graphstep.py), on the same machine; MODES one of them (default off,on)
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
 #   ncu[:REGEX]    Nsight Compute (/usr/local/cuda/bin/ncu, --set full) on each GEMM of `gemms` run once, the kernels
-#                  whose names match REGEX (default the tensor-core GEMMs and the split): time, issue rate, stall
+#                  whose names match REGEX (default the tensor-core GEMMs): time, issue rate, stall
 #                  reasons, executed SASS by opcode per HMMA (bench/ncu_summary.py)
 #   ablate         those GEMMs timed again with one part of the kernel taken out at a time: drain, barrier, loads,
 #                  mma, lo pass, W decode (bench/gemm_ablate.py): what each part costs where nothing hides it
@@ -214,10 +214,10 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
     gemms)
       timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
     ncu*)
-      regex=${step#ncu}; regex=${regex#:}; regex=${regex:-ds4_(dense|grouped_raw|split)}
+      regex=${step#ncu}; regex=${regex#:}; regex=${regex:-ds4_(dense|grouped_raw)}
       timeout "$(left 30)" /usr/local/cuda/bin/ncu --set full -k "regex:$regex" -o /tmp/gemms -f \
         python3 bench/prefill_gemms.py --once > "$out/ncu.log" 2>&1; tail -2 "$out/ncu.log"
-      timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep 2>&1 | tail -40 ;;
+      timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep 2>&1 | tail -60 ;;
     ablate)
       timeout "$(left 10)" python3 bench/gemm_ablate.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
     *) echo "unknown step $step" ;;
