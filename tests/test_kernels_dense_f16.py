@@ -104,13 +104,13 @@ def test_blocks_hold_each_lane_s_fragment_as_one_word():
 
 @pytest.mark.slow
 def test_emulated_split_into_blocks_equals_the_reference(on_cpu, monkeypatch, tmp_path):
-    """The split kernel writing the fragment layout (BLOCKED) is the reference's bit for bit: rows from 1e-30 to
-    1e30 and a zero row, one batch or several whose rows end inside a block."""
+    """The split kernel writing the fragment layout is the reference's bit for bit: rows from 1e-30 to 1e30 and a
+    zero row, one batch or several whose rows end inside a block, at a width of three groups."""
     monkeypatch.setattr(halfsplit, "build", emulated_build(tmp_path))
     (x,) = halfsplit._split_probe(96)
     for rows, n_batch in ((8, 1), (4, 2), (21, 3)):
         xs = mx.concatenate([x] * 8)[: rows * n_batch]
-        got, want = halfsplit._kernel_split_rows(xs, n_batch), reference_split_blocks(xs, n_batch)
+        got, want = halfsplit._kernel_split_blocks(xs, n_batch), reference_split_blocks(xs, n_batch)
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape and registry.disagreement(g, w, 0.0) is None
 

@@ -40,31 +40,8 @@ def reference_row_scales(x: mx.array) -> mx.array:
 
 _SPLIT = """
 const int tid = THREAD_IN_GROUP;
+const int row = GROUP_X;
 const int n_in = dims[0];
-const int t_rows = dims[1];
-const int slots = dims[2];
-const int batch = BLOCKED ? GROUP_X / slots : 0;
-const int rr = BLOCKED ? GROUP_X - batch * slots : GROUP_X;
-const bool pad = BLOCKED && rr >= t_rows;
-const int row = BLOCKED ? batch * t_rows + (pad ? 0 : rr) : GROUP_X;
-auto at = [&](int p) -> size_t {
-  if (!BLOCKED) {
-    return (size_t)row * (n_in / 2) + p;
-  }
-  const int s = p >> 4;
-  const int q = p & 1;
-  const int kk = (p >> 1) & 1;
-  const int t = (p >> 2) & 3;
-  const int g = GROUP_X & 15;
-  return (((size_t)(GROUP_X >> 4) * (n_in / 32) + s) * 2 + kk) * 128 + ((g & 7) * 4 + t) * 4 + q * 2 + (g >> 3);
-};
-if (pad) {
-  for (int p = tid; p < n_in / 2; p += THREADS) {
-    hi[at(p)] = 0u;
-    lo[at(p)] = 0u;
-  }
-  return;
-}
 const GLOBAL_MEM float* r = x + (size_t)row * n_in;
 SHARED float part[THREADS / 32];
 float m = 0.0f;
@@ -87,15 +64,14 @@ if (tid == 0) {
   scale[row] = sc;
 }
 for (int p = tid; p < n_in / 2; p += THREADS) {
-  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[at(p)], lo[at(p)]);
+  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[(size_t)row * (n_in / 2) + p], lo[(size_t)row * (n_in / 2) + p]);
 }
 """
 """One threadgroup per row: each thread the largest magnitude of its strided values, then the SIMD groups' and the
 row's (a maximum is exact in any order; every thread takes it), the scale from its exponent bits as the reference
 builds it, then each pair of the scaled row split into its hi and lo half pairs. A NaN is dropped by the
 comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays
-a NaN through the products anyway. BLOCKED: one threadgroup per row slot of `to_blocks`'s layout (`slots` a
-batch, its first `t_rows` real), each word written where that layout puts it, the padding rows' words zero."""
+a NaN through the products anyway."""
 
 SPLIT_KERNEL = Kernel("ds4_split_rows", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT)
 
@@ -117,17 +93,12 @@ def reference_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     return hi.view(mx.uint32), lo.view(mx.uint32), scale
 
 
-def _kernel_split_rows(x: mx.array, n_batch: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """The kernel's split: row-major words, or with `n_batch` the fragment layout of `to_blocks`."""
+def _kernel_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     n, n_in = x.shape
-    rows = n // (n_batch or 1)
-    slots = BLOCK_ROWS * -(-rows // BLOCK_ROWS)
-    grid_rows = n if n_batch is None else n_batch * slots
     return tuple(build(SPLIT_KERNEL, current_backend())(
-        inputs=[x, mx.array([n_in, rows, slots], dtype=mx.int32)],
-        template=[("THREADS", THREADS), ("X_TOP", X_TOP), ("BLOCKED", n_batch is not None)],
-        grid=(grid_rows * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(grid_rows, n_in // 2)] * 2 + [(n,)], output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
+        inputs=[x, mx.array([n_in], dtype=mx.int32)], template=[("THREADS", THREADS), ("X_TOP", X_TOP)],
+        grid=(n * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), output_shapes=[(n, n_in // 2)] * 2 + [(n,)],
+        output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
 
 
 def _split_probe(key: int) -> tuple:
@@ -180,9 +151,87 @@ def _blocks_probe(key: int) -> tuple:
     return x, 2
 
 
-SPLIT_BLOCKS = FastPath("split_blocks", reference_split_blocks, _kernel_split_rows, _blocks_probe, tolerance=0.0,
+_SPLIT_BLOCKS = """
+const int tid = THREAD_IN_GROUP;
+const int n_in = dims[0];
+const int t_rows = dims[1];
+const int blocks = dims[2];
+const int batch = GROUP_X / blocks;
+const int r0 = (GROUP_X - batch * blocks) * 16;
+const GLOBAL_MEM float* xb = x + (size_t)batch * t_rows * n_in;
+SHARED float row_scale[16];
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int rr = r0 + 2 * SIMD_INDEX + h;
+  float m = 0.0f;
+  if (rr < t_rows) {
+    for (int k = SIMD_LANE; k < n_in; k += 32) {
+      const float v = xb[(size_t)rr * n_in + k] < 0.0f ? -xb[(size_t)rr * n_in + k] : xb[(size_t)rr * n_in + k];
+      m = v > m ? v : m;
+    }
+  }
+  m = ds4_simd_max(m);
+  int k = X_TOP - ((int)(ds4_bits(m) >> 23) - 127);
+  k = k < -126 ? -126 : (k > 127 ? 127 : k);
+  const float sc = ds4_float((unsigned int)(k + 127) << 23);
+  if (SIMD_LANE == 0) {
+    row_scale[2 * SIMD_INDEX + h] = sc;
+    if (rr < t_rows) {
+      scale[(size_t)batch * t_rows + rr] = sc;
+    }
+  }
+}
+ds4_barrier();
+const int frags = n_in * 2;
+GLOBAL_MEM uint4* hi4 = reinterpret_cast<GLOBAL_MEM uint4*>(hi) + (size_t)GROUP_X * frags;
+GLOBAL_MEM uint4* lo4 = reinterpret_cast<GLOBAL_MEM uint4*>(lo) + (size_t)GROUP_X * frags;
+for (int f = tid; f < frags; f += THREADS) {
+  const int g = (f & 31) >> 2;
+  const int col = 32 * (f >> 6) + 8 * (f & 3) + 4 * ((f >> 5) & 1);
+  float v[2][4] = {};
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = r0 + g + 8 * h;
+    if (rr < t_rows) {
+      const float sc = row_scale[g + 8 * h];
+      const float4 w = *reinterpret_cast<const GLOBAL_MEM float4*>(xb + (size_t)rr * n_in + col);
+      v[h][0] = w.x * sc;
+      v[h][1] = w.y * sc;
+      v[h][2] = w.z * sc;
+      v[h][3] = w.w * sc;
+    }
+  }
+  uint4 hv;
+  uint4 lv;
+  ds4_half2_split(v[0][0], v[0][1], hv.x, lv.x);
+  ds4_half2_split(v[1][0], v[1][1], hv.y, lv.y);
+  ds4_half2_split(v[0][2], v[0][3], hv.z, lv.z);
+  ds4_half2_split(v[1][2], v[1][3], hv.w, lv.w);
+  hi4[f] = hv;
+  lo4[f] = lv;
+}
+"""
+"""One threadgroup per block of 16 row slots (THREADS = 256: SIMD group w finds the scales of rows 2w and 2w + 1 as
+the row kernel does), then each thread one 16-byte A fragment at a time: four values of two rows (g and g + 8)
+read as 16-byte words, scaled, split, and the hi and lo fragments written whole (padding rows zero)."""
+
+BLOCK_KERNEL = Kernel("ds4_split_blocks", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT_BLOCKS)
+
+
+def _kernel_split_blocks(x: mx.array, n_batch: int) -> tuple[mx.array, mx.array, mx.array]:
+    n, n_in = x.shape
+    rows = n // n_batch
+    blocks = -(-rows // BLOCK_ROWS)
+    return tuple(build(BLOCK_KERNEL, current_backend())(
+        inputs=[x, mx.array([n_in, rows, blocks], dtype=mx.int32)], template=[("THREADS", THREADS), ("X_TOP", X_TOP)],
+        grid=(n_batch * blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n_batch * blocks * BLOCK_ROWS, n_in // 2)] * 2 + [(n,)],
+        output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
+
+
+SPLIT_BLOCKS = FastPath("split_blocks", reference_split_blocks, _kernel_split_blocks, _blocks_probe, tolerance=0.0,
                         backends=("cuda",))
-"""The split in the fragment layout by the same one-pass kernel (BLOCKED), bit for bit the reference's."""
+"""The split in the fragment layout by its own one-pass kernel, bit for bit the reference's."""
 
 
 def split_blocks(x: mx.array, n_batch: int = 1) -> tuple[mx.array, mx.array, mx.array]:
