@@ -190,14 +190,16 @@ def test_emulated_kernel_decodes_every_value_as_the_reference(on_cpu, ggml_type,
 
 
 @pytest.mark.slow
-def test_emulated_kernel_at_flash_k(on_cpu, monkeypatch, tmp_path):
-    """IQ2_XXS at Flash's gate / up K = 4096: within TOLERANCE / 10 of the float64 products (the tensor cores'
-    truncation drained per slice, as the scratch kernel). Two experts, 70 pairs, 24 outputs (~30 s on 2 cores)."""
+@pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
+def test_emulated_kernel_at_flash_k(on_cpu, ggml_type, monkeypatch, tmp_path):
+    """At Flash's K (IQ2_XXS gate / up 4096, Q2_K down 2048): within TOLERANCE / 10 of the float64 products (the
+    tensor cores' truncation drained per slice, and for Q2_K per stage of 64 values, its group scales in the tile).
+    Two experts, 70 pairs, 24 outputs (~30 s on 2 cores)."""
     monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
-    counts, n_out, n_in = [40, 30], 24, 4096
-    blocks, weights, ids = bank(GGMLType.IQ2_XXS, counts, n_out, n_in, seed=12)
+    counts, n_out, n_in = [40, 30], 24, FLASH_SHAPES[ggml_type][1]
+    blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=12)
     x = np.random.default_rng(13).standard_normal((ids.size, n_in)).astype(np.float32)
-    got = run(GGMLType.IQ2_XXS, x, blocks, counts, n_out, n_in)
+    got = run(ggml_type, x, blocks, counts, n_out, n_in)
     assert np.isfinite(got).all()
     assert within(got, products(x, weights, ids), TOLERANCE / 10)
 

@@ -56,7 +56,9 @@ share, plus a few neutral words that each dialect spells its own way:
   ds4_copy4_async (the same for 4 bytes, 4-byte aligned) and ds4_async_wait_keep<N>() (all but the N newest
   groups landed), for pipelines several stages deep; ds4_quant_half2(w, selector, bias) (two bytes of w, chosen as
   prmt's selector 0x4140 or 0x4342 chooses bytes 0, 1 or 2, 3 with 0x64 above each, as the halves 1024 + byte,
-  less the two halves of `bias`: 0x64806480 makes a byte b the exact half b - 128).
+  less the two halves of `bias`: 0x64806480 makes a byte b the exact half b - 128); ds4_quant_fma_half2(w,
+  selector, scale, offset) (the same halves 1024 + byte times `scale` plus `offset`, both half pairs, one fused
+  rounding: scale k, offset -1024 k make a byte b the half b k, exact while b k is).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -270,6 +272,13 @@ template <int N> __device__ __forceinline__ void ds4_async_wait_keep() {
 __device__ __forceinline__ unsigned int ds4_quant_half2(unsigned int w, unsigned int selector, unsigned int bias) {
   const unsigned int h = ds4_byte_perm(w, 0x64646464u, selector);
   const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), *reinterpret_cast<const __half2*>(&bias));
+  return *reinterpret_cast<const unsigned int*>(&r);
+}
+__device__ __forceinline__ unsigned int ds4_quant_fma_half2(unsigned int w, unsigned int selector, unsigned int scale,
+                                                           unsigned int offset) {
+  const unsigned int h = ds4_byte_perm(w, 0x64646464u, selector);
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&h), *reinterpret_cast<const __half2*>(&scale),
+                            *reinterpret_cast<const __half2*>(&offset));
   return *reinterpret_cast<const unsigned int*>(&r);
 }
 __device__ __forceinline__ void ds4_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }

@@ -7,14 +7,16 @@ warps of 32 x 32 outputs each).
 
 Arithmetic: float16 tensor cores at float32 accuracy (mma.m16n8k16, float32 sums), from two exact facts:
 - a raw q2 weight is a small integer times scales: IQ2_XXS db * (+-8, 25 or 43), one db per 32-value sub-block;
-  Q2_K dl * q - ml, q in 0..3, one (dl, ml) per group of 16. The integers are exact halves, so the tile holds them
-  and the scales apply to each slice's (or group's) partial sums as they are drained into the float32 accumulators:
-  db * sum(x m) where the reference sums x (db m); dl * sum(x q) - ml * sum(x) for Q2_K, sum(x) from the tensor
-  cores too (a B of ones). Float32 reassociation of the same exact factors;
+  Q2_K d * (sc q) - ml, q in 0..3, sc a 4-bit scale and ml one min per group of 16, d per block of 256. The
+  integers (m, sc q) are exact halves, so the tile holds them and the scales apply to the partial sums as they are
+  drained into the float32 accumulators: db * sum(x m) per slice where the reference sums x (db m); d * sum(x sc q)
+  per stage and ml * sum(x) per group for Q2_K, sum(x) from the tensor cores too (a B of ones). Float32
+  reassociation of the same exact factors;
 - x is split into two halves (halfsplit.py: each row scaled by a power of two first), and each product takes 2 mma
   (lo w, then hi w into the same partial sums): ~2^-22 relative dropped per product, 3xTF32's class (2^-21).
-The tensor cores truncate the sums they accumulate: each slice (IQ2_XXS) or group (Q2_K) starts from zeroed partial
-sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does.
+The tensor cores truncate the sums they accumulate: each slice (IQ2_XXS) or stage (Q2_K) starts from zeroed partial
+sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does (at most 8 mma
+deep: ~2^-21 of a partial sum at worst).
 
 Staging: a stage is TK = 64 values (two 32-value slices). The x tiles (64 rows: pairs, or with GATHER the tokens
 the pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) are copies of words: x
@@ -33,7 +35,8 @@ is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) 
   block keeps 2-byte alignment); the grid is ggml's 256 x 8 magnitudes as bytes (2 KiB) in threadgroup memory, a
   magnitude one byte permute to 2^23 + m minus 2^23 (exact, no int-to-float conversion);
 - Q2_K: d | dmin, the word holding the thread's scale byte and the thread's 16 qs bytes are six 32-bit loads
-  (84-byte blocks keep 4-byte alignment); a quant is two bits of a qs byte, made a float the same way.
+  (84-byte blocks keep 4-byte alignment); four quants are two bits of each byte of a qs word, made the halves
+  sc q two at a time (ds4_quant_fma_half2).
 
 Cost against the 3xTF32 kernel this replaced (TF32 mma.m16n8k8, x split into TF32 hi / lo as floats): per 32
 values a warp issued 64 mma of 8-deep products and 96 32-bit fragment loads; here 32 mma of 16-deep products (twice
@@ -42,7 +45,10 @@ bench/prefill_gemms.py): 12.0 / 14.3 ms per Flash IQ2_XXS / Q2_K projection for 
 at TK 32 and one threadgroup an SM; 7.2 / 8.6 at TK 64 and two (GROUPS); **6.5 / 8.7** with x split before the
 GEMM (63 / 48 TFLOP/s of useful work, ~13% of the float16 peak: each stage still decodes W in registers between two
 barriers, and a tile of 64 pairs decodes every expert's W about twice: 96 pairs an expert in a 4096-token chunk);
-**6.22 / 7.87** with x by cp.async and two W tiles, one barrier a stage (session 14, STAGES).
+**6.22 / 7.87** with x by cp.async and two W tiles, one barrier a stage (session 14, STAGES). Nsight Compute
+(session 15, bench/ncu_summary.py) then counted 12 instructions issued per mma in the Q2_K kernel, as often
+waiting for an issue slot as for data: 3.2 FFMA (its drain every group of 16) and 1.7 fragment loads. The
+fragments now come by ldmatrix (a tenth of the loads) and Q2_K's group scales ride in the tile.
 """
 
 from __future__ import annotations
@@ -94,13 +100,13 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
     LDH words, row n = output column col0 + n, two halves a word along k) and the stage's scales, the tile and
     scales of stage s's parity, which the multiply two stages back left before the last barrier. A stage is U = TK
     / SLICE slices. The partial sums are drained once per scale: IQ2_XXS has one per W row and slice (`wsc`,
-    slice-major; KD = 2 mma k-steps a drain); Q2_K (`q2_k`) a scale and a min per W row and group of 16 (`wsc`,
-    `wml`, group-major; KD = 1), the min times the group's sum of x, from the tensor cores with a B of ones. Each
-    k-step issues the lo pass over the warp's eight tiles, then the hi pass."""
-    multiply = """    #pragma unroll
+    slice-major; KD = 2 mma k-steps a drain); Q2_K (`q2_k`) its group scales in the tile, so one d per W row and
+    stage (`wsc`: the partial sums drained once a stage, 8 mma deep), and a min per W row and group of 16 (`wml`,
+    group-major; KD = 1), times the group's sum of x from the tensor cores with a B of ones, drained each k-step.
+    Each k-step issues the lo pass over the warp's eight tiles, then the hi pass."""
+    multiply = ("    float part[2][4][4] = {};\n" if q2_k else "") + """    #pragma unroll
     for (int g = 0; g < 2 * U / KD; ++g) {
-      float part[2][4][4] = {};
-""" + (_XSUM_INIT if q2_k else "") + """      #pragma unroll
+""" + (_XSUM_INIT if q2_k else "      float part[2][4][4] = {};\n") + """      #pragma unroll
       for (int kk = 0; kk < KD; ++kk) {
 """ + _FRAGMENTS.replace("KW", "8 * (g * KD + kk)") + """        #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -117,19 +123,9 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
           }
         }
       }
-      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int n = g * TN + wn + 8 * j + 2 * tig + (c & 1);
-            acc[i][j][c] = fmaf(wsc[n], part[i][j][c], acc[i][j][c]);
-""" + (_MIN if q2_k else "") + """          }
-        }
-      }
-    }
-"""
+""" + (_DRAIN.replace("TERM", "-wml[n], xsum[i][c]").replace("NBASE", "g * TN") if q2_k else
+       _DRAIN.replace("TERM", "wsc[n], part[i][j][c]").replace("NBASE", "g * TN")) + """    }
+""" + (_DRAIN.replace("TERM", "wsc[n], part[i][j][c]").replace("NBASE", "0") if q2_k else "")
     return TILE_HEAD + f"""
 constexpr int KD = {1 if q2_k else 2};""" + """
 constexpr int U = TK / 32;
@@ -213,15 +209,27 @@ for (int i = 0; i < 2; ++i) {
 """
 
 
+_DRAIN = """      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          #pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int n = NBASE + wn + 8 * j + 2 * tig + (c & 1);
+            acc[i][j][c] = fmaf(TERM, acc[i][j][c]);
+          }
+        }
+      }
+"""
+"""Partial sums into the accumulators: TERM the scale and the partial sum of output (i, j, c), NBASE where the
+scales of this drain start (output n's at NBASE + n)."""
+
 _XSUM_INIT = """      float xsum[2][4] = {};
       const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
 """
 _XSUM = """          ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
           ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
 """
-_MIN = """            acc[i][j][c] = fmaf(-wml[n], xsum[i][c], acc[i][j][c]);
-"""
-"""Q2_K's min term: the rows' sums of x over the group (x times a B of ones), times the group's min per column."""
 
 _FRAGMENTS = """      unsigned int ah[2][4];
       unsigned int al[2][4];
@@ -341,21 +349,33 @@ _Q2_K_STORE = """    #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int sl = s * U + u;
       const unsigned int sc = (w_sc[u] >> (8 * (2 * (sl & 1) + dh))) & 255u;
-      const int at = (2 * u + dh) * TN + dn;
-      wsc[at] = d_ok ? ds4_half_to_float((unsigned short)(w_dm & 0xFFFFu)) * (float)(sc & 15u) : 0.0f;
-      wml[at] = d_ok ? ds4_half_to_float((unsigned short)(w_dm >> 16)) * (float)(sc >> 4) : 0.0f;
-      float dv[16];
-      #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        dv[i] = ds4_float(0x4B000000u | ((w_qs[u][i >> 2] >> (8 * (i & 3) + 2 * (sl & 3))) & 3u)) - 8388608.0f;
+      if (u == 0 && dh == 0) {
+        wsc[dn] = d_ok ? ds4_half_to_float((unsigned short)(w_dm & 0xFFFFu)) : 0.0f;
       }
-""" + _STORE + "    }\n"
+      wml[(2 * u + dh) * TN + dn] = d_ok ? ds4_half_to_float((unsigned short)(w_dm >> 16)) * (float)(sc >> 4) : 0.0f;
+      const unsigned int k2 = ds4_half2_bits((float)(sc & 15u), (float)(sc & 15u));
+      const unsigned int o2 = ds4_half2_bits(-1024.0f * (float)(sc & 15u), -1024.0f * (float)(sc & 15u));
+      SHARED_MEM uint4* wrow = reinterpret_cast<SHARED_MEM uint4*>(ws + dn * LDH + 16 * u + 8 * dh);
+      #pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const unsigned int q0 = (w_qs[u][2 * m] >> (2 * (sl & 3))) & 0x03030303u;
+        const unsigned int q1 = (w_qs[u][2 * m + 1] >> (2 * (sl & 3))) & 0x03030303u;
+        uint4 v;
+        v.x = d_ok ? ds4_quant_fma_half2(q0, 0x4140u, k2, o2) : 0u;
+        v.y = d_ok ? ds4_quant_fma_half2(q0, 0x4342u, k2, o2) : 0u;
+        v.z = d_ok ? ds4_quant_fma_half2(q1, 0x4140u, k2, o2) : 0u;
+        v.w = d_ok ? ds4_quant_fma_half2(q1, 0x4342u, k2, o2) : 0u;
+        wrow[m] = v;
+      }
+    }
+"""
 """Slice sl = s U + u is values 32 (sl % 8) .. of block sl / 8: half hb = (sl / 4) % 2 and shift 2 j, j = sl % 4;
 value 128 hb + 32 j + 16 dh + i has quant (qs[32 hb + 16 dh + i] >> 2 j) & 3 (qs from byte 16 = word 4) and scale
 byte 8 hb + 2 j + dh (word 2 hb + j / 2, byte 2 (j % 2) + dh); d | dmin is word 20 (bytes 80-83). The reference's
-value is dl q - ml with dl = d (sc & 15) and ml = dmin (sc >> 4), both exact products; the tile holds q (0..3) and
-each group's dl and ml (group 2 u + dh of the stage), applied at the group's drain (dl times the partial sums, less
-ml times the rows' sums of x)."""
+value is dl q - ml with dl = d (sc & 15) and ml = dmin (sc >> 4), both exact products; the tile holds (sc & 15) q
+(0..45, exact halves, made from the quant bytes by one prmt and one fused half multiply-add for two), the stage's
+d per row (a stage of 64 values never straddles a block) and each group's ml (group 2 u + dh of the stage): the
+partial sums take d once a stage, and each group's rows' sums of x its ml."""
 
 _GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map(str, grid_words())) + "};\n"
 
