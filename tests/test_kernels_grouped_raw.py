@@ -193,7 +193,7 @@ def test_emulated_kernel_decodes_every_value_as_the_reference(on_cpu, ggml_type,
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_emulated_kernel_at_flash_k(on_cpu, ggml_type, monkeypatch, tmp_path):
     """At Flash's K (IQ2_XXS gate / up 4096, Q2_K down 2048): within TOLERANCE / 10 of the float64 products (the
-    tensor cores' truncation drained per slice, and for Q2_K per stage of 64 values, its group scales in the tile).
+    tensor cores' truncation drained once a stage of 64 values, the scales finer than a block in the tile).
     Two experts, 70 pairs, 24 outputs (~30 s on 2 cores)."""
     monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
     counts, n_out, n_in = [40, 30], 24, FLASH_SHAPES[ggml_type][1]

@@ -6,16 +6,15 @@ the host, tiles never straddle experts (the grid and row-tile scan of grouped_ge
 warps of 32 x 32 outputs each).
 
 Arithmetic: float16 tensor cores at float32 accuracy (mma.m16n8k16, float32 sums), from two exact facts:
-- a raw q2 weight is a small integer times scales: IQ2_XXS db * (+-8, 25 or 43), one db per 32-value sub-block;
-  Q2_K d * (sc q) - ml, q in 0..3, sc a 4-bit scale and ml one min per group of 16, d per block of 256. The
-  integers (m, sc q) are exact halves, so the tile holds them and the scales apply to the partial sums as they are
-  drained into the float32 accumulators: db * sum(x m) per slice where the reference sums x (db m); d * sum(x sc q)
-  per stage and ml * sum(x) per group for Q2_K, sum(x) from the tensor cores too (a B of ones). Float32
-  reassociation of the same exact factors;
+- a raw q2 weight is a small integer times scales: IQ2_XXS (d / 8) * (k m), m = +-8, 25 or 43 and k odd, 1..31,
+  one per 32-value sub-block; Q2_K d * (sc q) - ml, q in 0..3, sc a 4-bit scale and ml one min per group of 16;
+  d per block of 256. The integers (k m, sc q) are exact halves, so the tile holds them and the block's scale
+  applies to a stage's partial sums as they are drained into the float32 accumulators: (d / 8) * sum(x k m) where
+  the reference sums x (db m); d * sum(x sc q) and ml * sum(x) per group for Q2_K, sum(x) from the tensor cores
+  too (a B of ones). Float32 reassociation of the same exact factors;
 - x is split into two halves (halfsplit.py: each row scaled by a power of two first), and each product takes 2 mma
   (lo w, then hi w into the same partial sums): ~2^-22 relative dropped per product, 3xTF32's class (2^-21).
-The tensor cores truncate the sums they accumulate: each slice (IQ2_XXS) or stage (Q2_K) starts from zeroed partial
-sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does (at most 8 mma
+The tensor cores truncate the sums they accumulate: each stage starts from zeroed partial sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does (at most 8 mma
 deep: ~2^-21 of a partial sum at worst).
 
 Staging: a stage is TK = 64 values (two 32-value slices). The x tiles (64 rows: pairs, or with GATHER the tokens
@@ -32,8 +31,9 @@ stages' slice scales (2,048) or Q2_K's scales and mins (8,192) static: two threa
 Decoding: thread tid decodes W row tid / 2 of the tile, values 16 (tid % 2) .. + 15 of the slice. A 32-value slice
 is one IQ2_XXS sub-block (8 bytes, plus the block's f16 d) or one (half, shift) run pair of a Q2_K block:
 - IQ2_XXS: the block's d, the sub-block's aux and the thread's two grid indices are four 16-bit loads (a 66-byte
-  block keeps 2-byte alignment); the grid is ggml's 256 x 8 magnitudes as bytes (2 KiB) in threadgroup memory, a
-  magnitude one byte permute to 2^23 + m minus 2^23 (exact, no int-to-float conversion);
+  block keeps 2-byte alignment); the grid is ggml's 256 x 8 magnitudes as bytes (2 KiB) in threadgroup memory, two
+  magnitudes made the halves k m by one byte permute and one fused half multiply-add (ds4_quant_fma_half2), their
+  signs xored in;
 - Q2_K: d | dmin, the word holding the thread's scale byte and the thread's 16 qs bytes are six 32-bit loads
   (84-byte blocks keep 4-byte alignment); four quants are two bits of each byte of a qs word, made the halves
   sc q two at a time (ds4_quant_fma_half2).
@@ -99,9 +99,9 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
     tile scan; `w_load` issues stage ls's global loads into registers; `w_store` decodes them into `ws` (TN rows of
     LDH words, row n = output column col0 + n, two halves a word along k) and the stage's scales, the tile and
     scales of stage s's parity, which the multiply two stages back left before the last barrier. A stage is U = TK
-    / SLICE slices. The partial sums are drained once per scale: IQ2_XXS has one per W row and slice (`wsc`,
-    slice-major; KD = 2 mma k-steps a drain); Q2_K (`q2_k`) its group scales in the tile, so one d per W row and
-    stage (`wsc`: the partial sums drained once a stage, 8 mma deep), and a min per W row and group of 16 (`wml`,
+    / SLICE slices. The scales finer than a block ride in the tile, so the partial sums are drained with one scale
+    per W row and stage (`wsc`, 8 mma deep): IQ2_XXS's d / 8 (KD = 2 U mma k-steps a drain); Q2_K's (`q2_k`) d,
+    and a min per W row and group of 16 (`wml`,
     group-major; KD = 1), times the group's sum of x from the tensor cores with a B of ones, drained each k-step.
     Each k-step issues the lo pass over the warp's eight tiles, then the hi pass."""
     multiply = ("    float part[2][4][4] = {};\n" if q2_k else "") + """    #pragma unroll
@@ -126,9 +126,9 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
 """ + (_DRAIN.replace("TERM", "-wml[n], xsum[i][c]").replace("NBASE", "g * TN") if q2_k else
        _DRAIN.replace("TERM", "wsc[n], part[i][j][c]").replace("NBASE", "g * TN")) + """    }
 """ + (_DRAIN.replace("TERM", "wsc[n], part[i][j][c]").replace("NBASE", "0") if q2_k else "")
-    return TILE_HEAD + f"""
-constexpr int KD = {1 if q2_k else 2};""" + """
-constexpr int U = TK / 32;
+    return TILE_HEAD + """
+constexpr int U = TK / 32;""" + f"""
+constexpr int KD = {1 if q2_k else "2 * U"};""" + """
 constexpr int XSTAGE = 2 * TM * LDH;
 SHARED float rsx[TM];
 SHARED unsigned int xr[TM];
@@ -301,29 +301,37 @@ _IQ2_XXS_LOAD = """    const GLOBAL_MEM unsigned short* b16 =
 """
 _IQ2_XXS_STORE = """    #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (dh == 0) {
-        wsc[u * TN + dn] = d_ok ? ds4_half_to_float((unsigned short)w_d) * (0.5f + (float)(w_aux[u] >> 28)) * 0.25f
-                                : 0.0f;
+      if (u == 0 && dh == 0) {
+        wsc[dn] = d_ok ? ds4_half_to_float((unsigned short)w_d) * 0.125f : 0.0f;
       }
-      float dv[16];
+      const float k = (float)(2u * (w_aux[u] >> 28) + 1u);
+      const unsigned int k2 = ds4_half2_bits(k, k);
+      const unsigned int o2 = ds4_half2_bits(-1024.0f * k, -1024.0f * k);
+      SHARED_MEM uint4* wrow = reinterpret_cast<SHARED_MEM uint4*>(ws + dn * LDH + 16 * u + 8 * dh);
       #pragma unroll
       for (int gg = 0; gg < 2; ++gg) {
         const unsigned int idx = (w_q[u] >> (8 * gg)) & 255u;
         const unsigned int low = (w_aux[u] >> (7 * (2 * dh + gg))) & 127u;
         const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float magnitude = ds4_magic_byte(iq2_grid[2 * idx + (j >> 2)], j & 3) - 8388608.0f;
-          dv[8 * gg + j] = (signs >> j) & 1u ? -magnitude : magnitude;
-        }
+        const unsigned int g0 = iq2_grid[2 * idx];
+        const unsigned int g1 = iq2_grid[2 * idx + 1];
+        uint4 v;
+        v.x = d_ok ? ds4_quant_fma_half2(g0, 0x4140u, k2, o2) ^ ((signs * 0x40008000u) & 0x80008000u) : 0u;
+        v.y = d_ok ? ds4_quant_fma_half2(g0, 0x4342u, k2, o2) ^ ((signs * 0x10002000u) & 0x80008000u) : 0u;
+        v.z = d_ok ? ds4_quant_fma_half2(g1, 0x4140u, k2, o2) ^ ((signs * 0x04000800u) & 0x80008000u) : 0u;
+        v.w = d_ok ? ds4_quant_fma_half2(g1, 0x4342u, k2, o2) ^ ((signs * 0x01000200u) & 0x80008000u) : 0u;
+        wrow[gg] = v;
       }
-""" + _STORE + "    }\n"
+    }
+"""
 """Slice u of stage s is sub-block (s U + u) % 8 of block s U / 8 (a stage never straddles a block: TK divides 256;
 16-bit words: d at 0, sub-block b at 1 + 4 b: grid indices in words +0 and +1, aux in +2 and +3). Half dh holds
 groups 2 dh and 2 dh + 1 (8 values each): grid indices = the two bytes of word 1 + 4 b + dh, signs = aux's 7-bit
 field of the group plus its parity bit (ggml's ksigns). The reference's value is db * magnitude, db = d * (0.5 +
-aux >> 28) * 0.25, negated by its sign bit; the tile holds the signed magnitudes (8, 25 or 43) and wsc each
-slice's db per row, which scales the slice's partial sums as they are drained."""
+aux >> 28) * 0.25 = (d / 8) * k with k = 2 (aux >> 28) + 1 (exact); the tile holds the signed k * magnitude (at
+most 31 * 43 = 1333: exact halves, two at a time from the grid bytes by one prmt and one fused half multiply-add,
+the signs' bits moved to the halves' sign bits by a multiply and xored in) and wsc the block's d / 8 per row, which
+scales the stage's partial sums as they are drained (a stage of 64 values never straddles a block)."""
 
 _Q2_K_SHARED = ("constexpr int SCALES = 2 * (TK / 32) * TN;\nSHARED float wsc_all[2 * SCALES];\n"
                 "SHARED float wml_all[2 * SCALES];\n")
