@@ -55,7 +55,8 @@
 #   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
 #   ncu[:REGEX]    Nsight Compute (/usr/local/cuda/bin/ncu, --set full) on each GEMM of `gemms` run once, the kernels
 #                  whose names match REGEX (default the tensor-core GEMMs): time, issue rate, stall
-#                  reasons, executed SASS by opcode per HMMA (bench/ncu_summary.py)
+#                  reasons, executed SASS by opcode per HMMA (bench/ncu_summary.py; with the most stalled
+#                  instructions in $OUT/ncu_summary.txt)
 #   ablate         those GEMMs timed again with one part of the kernel taken out at a time: drain, barrier, loads,
 #                  mma, lo pass, W decode (bench/gemm_ablate.py): what each part costs where nothing hides it
 #   mma            the mma.sync ceiling those GEMMs' instruction has at 8, 16 and 32 warps an SM (bench/mma_ceiling.py)
@@ -217,7 +218,8 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       regex=${step#ncu}; regex=${regex#:}; regex=${regex:-ds4_(dense|grouped_raw)}
       timeout "$(left 30)" /usr/local/cuda/bin/ncu --set full -k "regex:$regex" -o /tmp/gemms -f \
         python3 bench/prefill_gemms.py --once > "$out/ncu.log" 2>&1; tail -2 "$out/ncu.log"
-      timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep 2>&1 | tail -60 ;;
+      timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep > "$out/ncu_summary.txt" 2>&1
+      grep -v "^    " "$out/ncu_summary.txt" | tail -40 ;;
     ablate)
       timeout "$(left 10)" python3 bench/gemm_ablate.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
     *) echo "unknown step $step" ;;

@@ -1,5 +1,6 @@
 """What Nsight Compute saw in each kernel of a report: duration, issue rate, warp stall reasons, and the executed
-SASS by opcode (how many instructions of each kind a tensor-core instruction costs).
+SASS by opcode (how many instructions of each kind a tensor-core instruction costs), and the instructions where
+warps waited most.
 
     ncu --set full -k regex:ds4_ -o /tmp/rep python3 bench/prefill_gemms.py --once
     python bench/ncu_summary.py /tmp/rep.ncu-rep [--ncu /usr/local/cuda/bin/ncu]
@@ -15,6 +16,10 @@ import csv
 import io
 import subprocess
 from collections import Counter
+
+
+TOP = 6
+"""Instructions listed per kernel: those with the most stall samples, with their most frequent reason."""
 
 
 def export(ncu: str, report: str, *args: str) -> str:
@@ -63,6 +68,13 @@ def summary(metrics: dict[str, str], lines: list[dict[str, str]]) -> None:
             ops[op.split(".")[0]] += int(number(line.get("Instructions Executed", "0")))
     total = sum(stalls.values()) or 1
     print("   stall samples: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in stalls.most_common(8)))
+    hot = sorted(lines, key=lambda line: -number(line.get("Warp Stall Sampling (All Samples)", "0")))[:TOP]
+    for line in hot:
+        reasons = {k.removeprefix("stall_"): number(v) for k, v in line.items()
+                   if k.startswith("stall_") and "Not Issued" not in k and k != "stall_selected"}
+        reason = max(reasons, key=reasons.get) if reasons else "?"
+        print(f"   {100 * number(line.get('Warp Stall Sampling (All Samples)', '0')) / total:4.1f}% "
+              f"{reason:<14} {line.get('Source', '').strip()[:70]}")
     mma = ops["HMMA"] or 1
     executed = sum(ops.values())
     print(f"   executed {executed / 1e6:.0f} M instructions, {executed / mma:.1f} a HMMA: "
