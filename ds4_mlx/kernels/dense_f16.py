@@ -11,18 +11,19 @@ reads the packed quants, scales and biases themselves, one launch: y = x @ W.T f
   x_k, the row sums of x from the tensor cores (a B of ones; Q4_K only), applied as the group's partial sums are
   drained into the float32 accumulators (the tensor cores truncate the sums they accumulate: each group starts from
   zeroed partial sums, added to the accumulators rounded to nearest);
-- x is scaled per row by a power of two and split into two halves (halfsplit.py, once before the GEMM: the
-  staging copies words): each product takes 2 mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product,
+- x is scaled per row by a power of two and split into two halves (halfsplit.split_blocks, once before the GEMM,
+  in the fragment layout: each 16-byte word one lane's mma A fragment): each product takes 2 mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product,
   3xTF32's class (~2^-21). The store undoes the row scale exactly;
 - tiles: a threadgroup is 8 warps over TM x TN = 128 x 128 outputs, warp w the 32 x 64 block at rows 32 (w / 2),
-  columns 64 (w % 2). Each stage is one group (TK = 32) of the x rows (hi and lo half pairs, as split_rows wrote
-  them) and of the W rows (the packed quant words as stored, and the group's scales), copied into threadgroup
-  memory by cp.async STAGES - 1 groups ahead of the multiply, with one barrier a stage. The quants are made halves
-  in registers as the fragments are read, so the copies never pass through registers. A lane's mma fragments
-  carry a permutation of K inside each 16-wide step (the same for x and W), so that it reads x as 16-byte words
+  columns 64 (w % 2). Each stage is one group (TK = 32) of the x rows (the tile's eight 16-row blocks of hi and
+  of lo fragments, 1 KB each as split_blocks wrote them) and of the W rows (the packed quant words as stored, and
+  the group's scales), copied into threadgroup memory by cp.async STAGES - 1 groups ahead of the multiply, with
+  one barrier a stage. The quants are made halves in registers as the fragments are read, so the copies never pass
+  through registers. A lane's mma fragments carry a permutation of K inside each 16-wide step (the same for x and
+  W), so that a lane reads one 16-byte word of x per fragment (the four registers mma takes, as loaded: no moves)
   and a W row as 4, 8 or 16 bytes, conflict-free with unpadded rows. The mma of a step go lo pass, then hi pass,
   each over the 16 tiles of the warp, so that no mma waits on the one just before it. Threadgroups take row tiles
-  fastest, so the ones running together share a W column tile, and x stays mostly in L2. 228-234 registers (nvcc
+  fastest, so the ones running together share a W column tile, and x stays mostly in L2. 222-226 registers (nvcc
   13, sm_90): one threadgroup an SM.
 
 Measured (H200, 4096 rows, bench/prefill_gemms.py), against the 3xTF32 kernel this replaced (TF32 mma.m16n8k8, x
@@ -30,7 +31,9 @@ split at every fragment read): q_a 0.66 / 0.88 ms, q_b 3.84 / 5.80, out_b 3.47 /
 expert's gate 1.12 / 1.57. With x split before the GEMM (session 8, another machine): q_a 0.74, q_b 3.63 (was 4.01
 there), out_b 3.52 (3.63), shared gate 1.10 (1.32). Staged through registers one group ahead (session 14): q_a
 0.64, q_b 3.50, out_b 3.38, shared gate 1.05; by cp.async 2 / 3 / 4 stages deep, mma in the order written then:
-q_b 3.51 / 3.62 / 3.56, out_b 3.39 / 3.54 / 3.41, so the loads were never what held it.
+q_b 3.51 / 3.62 / 3.56, out_b 3.39 / 3.54 / 3.41, so the loads were never what held it. Nsight Compute (session
+15) showed what did: 10.5 instructions issued per mma, 4.3 of them register moves gathering each A fragment from
+two row-major x rows; with x in the fragment layout 6.5, and q_b 2.77, out_b 2.83, q_a 0.555, shared gate 0.95.
 
 BITS = 16 is the same kernel for an F16 matrix (`half_matmul`: the compressor, indexer and router projections of
 a chunk, which took cuBLAS's float32 SIMT GEMM, ~5% of a chunk's GPU time): its values are halves already, staged
@@ -257,16 +260,17 @@ for (int i = 0; i < 2; ++i) {
 }
 """
 """Stage s (group s of K) lands in buffer s % STAGES by cp.async, STAGES - 1 groups ahead of the multiply: x's hi
-and lo half pairs as they are in memory (TM rows of 16 words), the quant words as they are (TN rows), the scales
+and lo fragments as they are in memory (the tile's TM / 16 blocks of 2 k-steps x 32 lanes x 16 bytes), the quant
+words as they are (TN rows), the scales
 (and Q4_K's biases) of the group's TN outputs. Each step waits for its stage, passes one barrier (so every warp is
 done with the buffer the next copies overwrite), issues those copies, and multiplies: the warp's mma tile (i, j)
 is rows wm + 16 i.., columns wn + 8 j... K is permuted inside each 16-wide mma step, the same way for x and W:
 lane t's fragment pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of step kk hold the values 8t + 4kk .. + 3 of the group,
-so that a lane reads x as one 16-byte word of each row (both steps, conflict-free at 16 words a row) and W as 8
-bytes (Q8_0), 4 bytes (Q4_K: 8 nibbles) or 16 bytes (F16) of its column's row. The quants are made halves from
+so that a lane reads x as one 16-byte word a fragment (halfsplit.to_blocks: consecutive lanes, consecutive words)
+and W as 8 bytes (Q8_0), 4 bytes (Q4_K: 8 nibbles) or 16 bytes (F16) of its column's row. The quants are made halves from
 those words in registers (ds4_quant_half2: q - 128, or q - 8, exact), the partial sums of each group drained
 into the float32 accumulators with its scale (and Q4_K's c times x's row sums, from the tensor cores with a B of
-ones). Rows past T read as zeros, W rows past OUT as zero quants with scale and bias 0. STAGE, a stage's words, is
+ones). Rows past T read as zeros (the layout's padding, or blocks past the last, zero-filled), W rows past OUT as zero quants with scale and bias 0. STAGE, a stage's words, is
 `stage_words`'s."""
 
 
