@@ -49,8 +49,10 @@ RAW_CUTS = {
     "decode": [(grouped_raw._Q2_K_STORE, "")],
     "w loads": [(grouped_raw._Q2_K_LOAD, "")],
     "barrier": [("  ds4_async_wait_keep<STAGES - 2>();\n  ds4_barrier();", "  ds4_async_wait_keep<STAGES - 2>();")],
-    "mma": [("ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);", "part[i][j][0] += __uint_as_float(al[i][0] ^ bw[j][0]);"),
-            ("ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);", "part[i][j][1] += __uint_as_float(ah[i][0] ^ bw[j][1]);")],
+    "mma": [("ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);",
+             "part[i][j][0] += __uint_as_float(al[i][0] ^ bw[j][0]);"),
+            ("ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);",
+             "part[i][j][1] += __uint_as_float(ah[i][0] ^ bw[j][1]);")],
 }
 """Parts of grouped_raw's Q2_K kernel."""
 RAW_PIN = 76 * 1024

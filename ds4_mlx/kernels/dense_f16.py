@@ -11,9 +11,9 @@ reads the packed quants, scales and biases themselves, one launch: y = x @ W.T f
   x_k, the row sums of x from the tensor cores (a B of ones; Q4_K only), applied as the group's partial sums are
   drained into the float32 accumulators (the tensor cores truncate the sums they accumulate: each group starts from
   zeroed partial sums, added to the accumulators rounded to nearest);
-- x is scaled per row by a power of two and split into two halves (halfsplit.split_blocks, once before the GEMM,
-  in the fragment layout: each 16-byte word one lane's mma A fragment): each product takes 2 mma.m16n8k16 (lo, then hi), ~2^-22 relative dropped per product,
-  3xTF32's class (~2^-21). The store undoes the row scale exactly;
+- x is scaled per row by a power of two and split into two halves (halfsplit.split_blocks, once before the GEMM, in
+  the fragment layout: each 16-byte word one lane's mma A fragment): each product takes 2 mma.m16n8k16 (lo, then
+  hi), ~2^-22 relative dropped per product, 3xTF32's class (~2^-21). The store undoes the row scale exactly;
 - tiles: a threadgroup is 8 warps over TM x TN = 128 x 128 outputs, warp w the 32 x 64 block at rows 32 (w / 2),
   columns 64 (w % 2). Each stage is one group (TK = 32) of the x rows (the tile's eight 16-row blocks of hi and
   of lo fragments, 1 KB each as split_blocks wrote them) and of the W rows (the packed quant words as stored, and
@@ -261,16 +261,16 @@ for (int i = 0; i < 2; ++i) {
 """
 """Stage s (group s of K) lands in buffer s % STAGES by cp.async, STAGES - 1 groups ahead of the multiply: x's hi
 and lo fragments as they are in memory (the tile's TM / 16 blocks of 2 k-steps x 32 lanes x 16 bytes), the quant
-words as they are (TN rows), the scales
-(and Q4_K's biases) of the group's TN outputs. Each step waits for its stage, passes one barrier (so every warp is
-done with the buffer the next copies overwrite), issues those copies, and multiplies: the warp's mma tile (i, j)
-is rows wm + 16 i.., columns wn + 8 j... K is permuted inside each 16-wide mma step, the same way for x and W:
-lane t's fragment pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of step kk hold the values 8t + 4kk .. + 3 of the group,
-so that a lane reads x as one 16-byte word a fragment (halfsplit.to_blocks: consecutive lanes, consecutive words)
-and W as 8 bytes (Q8_0), 4 bytes (Q4_K: 8 nibbles) or 16 bytes (F16) of its column's row. The quants are made halves from
-those words in registers (ds4_quant_half2: q - 128, or q - 8, exact), the partial sums of each group drained
-into the float32 accumulators with its scale (and Q4_K's c times x's row sums, from the tensor cores with a B of
-ones). Rows past T read as zeros (the layout's padding, or blocks past the last, zero-filled), W rows past OUT as zero quants with scale and bias 0. STAGE, a stage's words, is
+words as they are (TN rows), the scales (and Q4_K's biases) of the group's TN outputs. Each step waits for its
+stage, passes one barrier (so every warp is done with the buffer the next copies overwrite), issues those copies,
+and multiplies: the warp's mma tile (i, j) is rows wm + 16 i.., columns wn + 8 j... K is permuted inside each
+16-wide mma step, the same way for x and W: lane t's fragment pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of step kk
+hold the values 8t + 4kk .. + 3 of the group, so that a lane reads x as one 16-byte word a fragment
+(halfsplit.to_blocks: consecutive lanes, consecutive words) and W as 8 bytes (Q8_0), 4 bytes (Q4_K: 8 nibbles) or 16
+bytes (F16) of its column's row. The quants are made halves from those words in registers (ds4_quant_half2: q - 128,
+or q - 8, exact), the partial sums of each group drained into the float32 accumulators with its scale (and Q4_K's c
+times x's row sums, from the tensor cores with a B of ones). Rows past T read as zeros (the layout's padding, or
+blocks past the last, zero-filled), W rows past OUT as zero quants with scale and bias 0. STAGE, a stage's words, is
 `stage_words`'s."""
 
 

@@ -14,8 +14,9 @@ Arithmetic: float16 tensor cores at float32 accuracy (mma.m16n8k16, float32 sums
   too (a B of ones). Float32 reassociation of the same exact factors;
 - x is split into two halves (halfsplit.py: each row scaled by a power of two first), and each product takes 2 mma
   (lo w, then hi w into the same partial sums): ~2^-22 relative dropped per product, 3xTF32's class (2^-21).
-The tensor cores truncate the sums they accumulate: each stage starts from zeroed partial sums, added to the float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does (at most 8 mma
-deep: ~2^-21 of a partial sum at worst).
+The tensor cores truncate the sums they accumulate: each stage starts from zeroed partial sums, added to the
+float32 accumulators (rounded to nearest) at its drain, as grouped_tf32.py does (at most 8 mma deep: ~2^-21 of a
+partial sum at worst).
 
 Staging: a stage is TK = 64 values (two 32-value slices). The x tiles (64 rows: pairs, or with GATHER the tokens
 the pairs read, by the `xrow` index, so that gate and up need no (N, IN) copy of the chunk) are copies of words: x
@@ -101,9 +102,9 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
     scales of stage s's parity, which the multiply two stages back left before the last barrier. A stage is U = TK
     / SLICE slices. The scales finer than a block ride in the tile, so the partial sums are drained with one scale
     per W row and stage (`wsc`, 8 mma deep): IQ2_XXS's d / 8 (KD = 2 U mma k-steps a drain); Q2_K's (`q2_k`) d,
-    and a min per W row and group of 16 (`wml`,
-    group-major; KD = 1), times the group's sum of x from the tensor cores with a B of ones, drained each k-step.
-    Each k-step issues the lo pass over the warp's eight tiles, then the hi pass."""
+    and a min per W row and group of 16 (`wml`, group-major; KD = 1), times the group's sum of x from the tensor
+    cores with a B of ones, drained each k-step. Each k-step issues the lo pass over the warp's eight tiles, then
+    the hi pass."""
     multiply = ("    float part[2][4][4] = {};\n" if q2_k else "") + """    #pragma unroll
     for (int g = 0; g < 2 * U / KD; ++g) {
 """ + (_XSUM_INIT if q2_k else "      float part[2][4][4] = {};\n") + """      #pragma unroll
