@@ -18,6 +18,6 @@
   and each pair's token row, no scratch; CUDA only) and `batch` (projections of 16+ rows as dequantize + GEMM,
   DS4_PREFILL_DTYPE), with `dense_f16` (CUDA's tensor-core kernel for them and for a chunk's F16 projections);
   `halfsplit`: how `grouped_raw` and `dense_f16` reach float32 accuracy on float16 tensor cores (x scaled per row,
-  split into two halves);
+  split into two halves, row-major or in mma's fragment layout);
 - `probe`: random valid quant blocks for the first-use checks.
 """
