@@ -183,6 +183,11 @@ inline void ds4_half2_split(float a, float b, unsigned int& hi, unsigned int& lo
   lo = ds4_half2_bits(a - ds4_half_to_float(hi & 0xFFFFu), b - ds4_half_to_float(hi >> 16));
 }
 // two bytes as halves 1024 + byte (prmt with 0x64 above each), less the halves of bias: exact for these values
+inline unsigned int ds4_quant_half2(unsigned int w, unsigned int selector, unsigned int bias) {
+  const unsigned int h = ds4_byte_perm(w, 0x64646464u, selector);
+  return half_bits(ds4_half_to_float(h & 0xFFFFu) - ds4_half_to_float(bias & 0xFFFFu))
+         | (half_bits(ds4_half_to_float(h >> 16) - ds4_half_to_float(bias >> 16)) << 16);
+}
 // __hfma2 with one rounding: the halves' product is exact in a double, the sum rounded there and then to a half
 // (exact wherever the kernels use it: small integer results).
 inline unsigned int ds4_quant_fma_half2(unsigned int w, unsigned int selector, unsigned int scale, unsigned int offset) {
@@ -195,14 +200,6 @@ inline unsigned int ds4_quant_fma_half2(unsigned int w, unsigned int selector, u
   }
   return r;
 }
-inline unsigned int ds4_quant_half2(unsigned int w, unsigned int selector, unsigned int bias) {
-  const unsigned int h = ds4_byte_perm(w, 0x64646464u, selector);
-  return half_bits(ds4_half_to_float(h & 0xFFFFu) - ds4_half_to_float(bias & 0xFFFFu))
-         | (half_bits(ds4_half_to_float(h >> 16) - ds4_half_to_float(bias >> 16)) << 16);
-}
-// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, as the TF32 one above: halves two to a register, low half
-// first (g = lane >> 2, t = lane & 3: a0 A[g][2t..2t+1], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..];
-// b0 B[2t..2t+1][g], b1 B[2t+8..2t+9][g]), exact products summed in double, truncated toward zero
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16: the warp's row addresses gathered as in lane_xor.
 inline void ds4_ldmatrix_x4(unsigned int* r, const unsigned int* row) {
   static const unsigned int* rows[32][32];
@@ -212,6 +209,9 @@ inline void ds4_ldmatrix_x4(unsigned int* r, const unsigned int* row) {
   for (int m = 0; m < 4; ++m) r[m] = rows[simd][8 * m + (lane >> 2)][lane & 3];
   ds4_simd_barrier();
 }
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, as the TF32 one above: halves two to a register, low half
+// first (g = lane >> 2, t = lane & 3: a0 A[g][2t..2t+1], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..];
+// b0 B[2t..2t+1][g], b1 B[2t+8..2t+9][g]), exact products summed in double, truncated toward zero
 inline void ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned int* b) {
   static unsigned int as[32][32][4], bs[32][32][2];
   const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
