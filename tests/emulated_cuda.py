@@ -209,6 +209,21 @@ inline void ds4_ldmatrix_x4(unsigned int* r, const unsigned int* row) {
   for (int m = 0; m < 4; ++m) r[m] = rows[simd][8 * m + (lane >> 2)][lane & 3];
   ds4_simd_barrier();
 }
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane 4g + t receives halves g of rows 2t and 2t + 1 of matrix m.
+inline void ds4_ldmatrix_x4_trans(unsigned int* r, const unsigned int* row) {
+  static const unsigned int* rows[32][32];
+  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  rows[simd][lane] = row;
+  ds4_simd_barrier();
+  const unsigned int g = lane >> 2, t = lane & 3;
+  for (int m = 0; m < 4; ++m) {
+    unsigned short a, b;
+    std::memcpy(&a, reinterpret_cast<const unsigned short*>(rows[simd][8 * m + 2 * t]) + g, 2);
+    std::memcpy(&b, reinterpret_cast<const unsigned short*>(rows[simd][8 * m + 2 * t + 1]) + g, 2);
+    r[m] = a | ((unsigned int)b << 16);
+  }
+  ds4_simd_barrier();
+}
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, as the TF32 one above: halves two to a register, low half
 // first (g = lane >> 2, t = lane & 3: a0 A[g][2t..2t+1], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..];
 // b0 B[2t..2t+1][g], b1 B[2t+8..2t+9][g]), exact products summed in double, truncated toward zero

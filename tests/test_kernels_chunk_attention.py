@@ -113,9 +113,9 @@ def test_chunk_attention_renders_for_cuda_and_metal(kind):
 
 
 def test_tensor_kernel_memory_fits_the_h200():
-    """Queries, two rounds of keys and the probabilities: 203 KB at 32 heads, 167 KB at 16 (one threadgroup an SM
-    either way; the H200 gives a threadgroup up to 227 KB)."""
-    assert chunk_attention.tensor_shared_bytes(2) == 202_880 and chunk_attention.tensor_shared_bytes(1) == 167_488
+    """The queries' and a round's keys' half planes, the next round's keys landing and the probabilities: 209 KB at
+    32 heads, 171 KB at 16 (one threadgroup an SM either way; the H200 gives a threadgroup up to 227 KB)."""
+    assert chunk_attention.tensor_shared_bytes(2) == 209_280 and chunk_attention.tensor_shared_bytes(1) == 171_008
 
 
 def test_cpu_uses_the_reference(on_cpu, kernels_unforced):
@@ -196,7 +196,7 @@ dims), at each head count a threadgroup serves."""
 @pytest.mark.slow
 @pytest.mark.parametrize("case,heads", list(TENSOR_CASES.values()), ids=list(TENSOR_CASES))
 def test_emulated_tensor_chunk_attention_equals_reference(on_cpu, case, heads, monkeypatch, tmp_path):
-    """The tensor-core kernel's CUDA text, its TF32 products emulated (tests/emulated_cuda.py)."""
+    """The tensor-core kernel's CUDA text, its half products emulated (tests/emulated_cuda.py)."""
     monkeypatch.setattr(chunk_attention, "build", emulated_build(tmp_path))
     monkeypatch.setattr(chunk_attention, "TENSOR_HEADS", heads)
     args = block_inputs(*case)

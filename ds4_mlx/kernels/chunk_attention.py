@@ -13,18 +13,23 @@ are not real are never loaded), read where they are stored. Online softmax with 
   8): 32-40 ms for a ratio-4 layer's 4096-token chunk deep in a context (640 keys a query), a quarter of a prefill
   chunk's time over Flash's 43 layers: a key costs a SIMD group 16 threadgroup loads per lane, 64 FMAs and 6
   shuffles for two heads. Metal's kernel, and CUDA's where the tensor-core one did not pass its check.
-- `TENSOR_KERNELS` (CUDA): the same attention on tensor cores at float32 accuracy (3xTF32: each operand split into
-  a TF32 high part and a TF32 residue, the products high x high, high x residue and residue x high kept, ~2^-21 of
-  each product lost; the tensor cores truncate their sums, so a score is drained into float32 every 64 dims and
-  P V every round: 1.6e-6 of the output at Flash's shapes in emulation, within TOLERANCE). One threadgroup per
-  (query, TENSOR_HEADS heads), 4 warps per 16 heads. The queries sit in threadgroup memory (dynamic: D + 4 floats
-  a row, so that fragment loads hit 32 banks); each round of TILE = 32 keys is copied into threadgroup memory
-  (cp.async) while the previous round is multiplied, then (1) each warp scores 16 heads x 8 keys over all D dims
-  (mma.m16n8k8, in independent chains), (2) each warp turns 4 heads' scores into probabilities (the online
-  softmax's maximum and sum per head, kept in its lanes), (3) each warp adds P V for its D / WARPS dims of every
-  head, its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads. Measured (H200, 4096
-  queries from position 8192, bench/chunk_attention.py): a ratio-4 layer 32.1 ms SIMT, 14.3 here (16.9 before the
-  copies were asynchronous); ratio 128 10.9 / 5.2; window only 4.9 / 3.2.
+- `TENSOR_KERNELS` (CUDA): the same attention on float16 tensor cores at float32 accuracy (mma.m16n8k16, float32
+  sums). Each query row and each key row is scaled by a power of two that puts its largest magnitude in [1, 2) and
+  split into two halves, hi and lo (_SPLIT_ROW), kept as half planes in threadgroup memory; a product takes three
+  mma (lo x hi, hi x lo, hi x hi: ~2^-21 of each product lost, 3xTF32's class). The queries are split once per
+  threadgroup, a round's keys once per round; P V takes each probability times its key's scale inverse over the
+  round's largest (at most 1, so no half overflows) and the round's sums times that largest. The tensor cores
+  truncate their sums, so a score is drained into float32 every 64 dims and P V every round: 1.0e-6 of the
+  output at Flash's shapes in emulation, within TOLERANCE. One threadgroup per (query, TENSOR_HEADS heads), 4
+  warps per 16 heads. Each round of TILE = 32 keys lands as floats in threadgroup memory (cp.async) while the
+  previous round is multiplied, then (1) each warp splits TILE / WARPS keys into the planes, (2) each warp scores
+  16 heads x 8 keys over all D dims (fragments by ldmatrix, in independent chains), (3) each warp turns 4 heads'
+  scores into probabilities (the online softmax's maximum and sum per head, kept in its lanes), split into half
+  planes, (4) each warp adds P V for its D / WARPS dims of every head (the keys' B fragments by ldmatrix.trans),
+  its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads. Measured (H200, 4096 queries
+  from position 8192, bench/chunk_attention.py) for the 3xTF32 kernel this replaced (mma.m16n8k8 on TF32 splits
+  made again at every fragment load): a ratio-4 layer 32.1 ms SIMT, 14.3 TF32 (16.9 before the copies were
+  asynchronous); ratio 128 10.9 / 5.2; window only 4.9 / 3.2.
 """
 
 from __future__ import annotations
@@ -192,25 +197,39 @@ const int warp = SIMD_INDEX;
 const int g = lane >> 2;  // the mma fragments' row (A, C) or column (B) within a tile
 const int t = lane & 3;
 constexpr int HG = 16 * M_TILES;  // heads of a threadgroup
-constexpr int STRIDE = D + 4;  // floats per row of the queries and keys: loads at [g][t] hit 32 banks
-constexpr int PSTRIDE = TILE + 4;
+constexpr int LDW = D / 2 + 4;  // words (half pairs) a plane row: ldmatrix's 8 rows x 16 bytes on 32 banks
+constexpr int KSTRIDE = D + 4;  // floats a landing row
+constexpr int PW = TILE / 2 + 4;  // words a probability plane row
+constexpr int PSTRIDE = TILE + 4;  // floats a score row
 constexpr int NT = D / (8 * WARPS);  // n-tiles of 8 dims a warp owns in P V
-constexpr int HEADS_PER_WARP = HG / WARPS;  // in the softmax
+constexpr int HEADS_PER_WARP = HG / WARPS;  // in the softmax and the queries' split
+constexpr int KEYS_PER_WARP = TILE / WARPS;  // in the keys' split
 constexpr int DRAIN = 64;  // dims of a score summed on the tensor cores before the sum is added in float32
 const int h0 = GROUP_X * HG;
 QUERY_KEYS
-float* q_s = ds4_shared;  // HG x STRIDE
-float* keys_s = q_s + HG * STRIDE;  // 2 x TILE x STRIDE: a round's keys and the next round's, loading
-float* p_s = keys_s + 2 * TILE * STRIDE;  // HG x PSTRIDE: scores, then probabilities
-float* alpha_s = p_s + HG * PSTRIDE;  // HG: each head's rescaling this round, then its output factor
-for (int e = THREAD_IN_GROUP; e < HG * D / 4; e += WARPS * 32) {
-  const int hl = e / (D / 4);
-  const int c = (e - hl * (D / 4)) * 4;
-  float4 v = {0.0f, 0.0f, 0.0f, 0.0f};
-  if (h0 + hl < H) {
-    v = *reinterpret_cast<const float4*>(q + ((size_t)b * H + h0 + hl) * D + c);
+SHARED_MEM unsigned int* qh = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);  // HG x LDW, then lo
+SHARED_MEM unsigned int* ql = qh + HG * LDW;
+SHARED_MEM unsigned int* kh = ql + HG * LDW;  // TILE x LDW: this round's keys, hi then lo
+SHARED_MEM unsigned int* kl = kh + TILE * LDW;
+SHARED_MEM unsigned int* ph = kl + TILE * LDW;  // HG x PW: this round's probabilities, hi then lo
+SHARED_MEM unsigned int* pl = ph + HG * PW;
+SHARED_MEM float* kin = reinterpret_cast<SHARED_MEM float*>(pl + HG * PW);  // TILE x KSTRIDE: the next round, landing
+SHARED_MEM float* p_s = kin + TILE * KSTRIDE;  // HG x PSTRIDE: scores
+SHARED_MEM float* alpha_s = p_s + HG * PSTRIDE;  // HG: each head's rescaling this round, then its output factor
+SHARED_MEM float* qinv_s = alpha_s + HG;  // HG: each head's query scale undone
+SHARED_MEM float* kinv_s = qinv_s + HG;  // TILE: each key's scale undone
+STAGE_FIRST
+for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
+  const int hl = warp * HEADS_PER_WARP + i;
+  const GLOBAL_MEM float* src = q + ((size_t)b * H + h0 + hl) * D;
+  float2 v[D / 64];
+  for (int j = 0; j < D / 64; ++j) {
+    v[j] = h0 + hl < H ? *reinterpret_cast<const GLOBAL_MEM float2*>(src + 2 * lane + 64 * j) : make_float2(0.0f, 0.0f);
   }
-  *reinterpret_cast<float4*>(q_s + hl * STRIDE + c) = v;
+  const float inv = ds4_split_row(v, qh + hl * LDW + lane, ql + hl * LDW + lane);
+  if (lane == 0) {
+    qinv_s[hl] = inv;
+  }
 }
 float m_run[HEADS_PER_WARP];  // heads warp * HEADS_PER_WARP + i: running maximum and sum, the same in every lane
 float l_run[HEADS_PER_WARP];
@@ -228,50 +247,63 @@ for (int mi = 0; mi < M_TILES; ++mi) {
 }
 const int mw = warp >> 2;  // in the scores: the warp's 16 heads and 8 keys
 const int nw = warp & 3;
-STAGE_FIRST
 for (int t0 = 0; t0 < n_keys; t0 += TILE) {
-  const float* k_s = keys_s + ((t0 / TILE) & 1) * TILE * STRIDE;  // this round's keys
-  float* k_next = keys_s + (((t0 / TILE) & 1) ^ 1) * TILE * STRIDE;
-  ds4_barrier();  // every warp is done with the previous round: its keys' buffer takes the next round's
+  ds4_async_wait_all();
+  ds4_barrier();  // this round's keys landed; every warp is done with the previous round's planes
+  for (int i = 0; i < KEYS_PER_WARP; ++i) {  // the round's keys, split once
+    const int key = warp * KEYS_PER_WARP + i;
+    float2 v[D / 64];
+    for (int j = 0; j < D / 64; ++j) {
+      v[j] = *reinterpret_cast<const SHARED_MEM float2*>(kin + key * KSTRIDE + 2 * lane + 64 * j);
+    }
+    const float inv = ds4_split_row(v, kh + key * LDW + lane, kl + key * LDW + lane);
+    if (lane == 0) {
+      kinv_s[key] = inv;
+    }
+  }
+  ds4_barrier();  // the planes are written and the landing rows free
   if (t0 + TILE < n_keys) {
 STAGE_NEXT
-    ds4_async_wait_prior();  // this round's keys have landed (the next round's may still be in flight)
-  } else {
-    ds4_async_wait_all();
   }
-  ds4_barrier();  // every thread's copies of this round are visible
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const float* qa = q_s + (16 * mw + g) * STRIDE + t;
-  const float* kb = k_s + (8 * nw + g) * STRIDE + t;
-  for (int k1 = 0; k1 < D; k1 += DRAIN) {  // the tensor cores truncate their sums: drained every DRAIN dims
-    float part[4][4];  // four independent chains (even and odd k-steps, large and small products): the mma
-    for (int c = 0; c < 16; ++c) {  // latency overlaps, where one accumulator would serialise every product
-      part[c >> 2][c & 3] = 0.0f;
-    }
-    for (int k0 = k1; k0 < k1 + DRAIN; k0 += 8) {
-      unsigned int ah[4], al[4], bh[2], bl[2];
-      ds4_tf32_split(qa[k0], ah[0], al[0]);
-      ds4_tf32_split(qa[k0 + 8 * STRIDE], ah[1], al[1]);
-      ds4_tf32_split(qa[k0 + 4], ah[2], al[2]);
-      ds4_tf32_split(qa[k0 + 8 * STRIDE + 4], ah[3], al[3]);
-      ds4_tf32_split(kb[k0], bh[0], bl[0]);
-      ds4_tf32_split(kb[k0 + 4], bh[1], bl[1]);
-      const int chain = (k0 >> 2) & 2;
-      ds4_mma_tf32_16x8x8(part[chain + 1], al, bh);
-      ds4_mma_tf32_16x8x8(part[chain + 1], ah, bl);
-      ds4_mma_tf32_16x8x8(part[chain], ah, bh);
+  const SHARED_MEM unsigned int* qa = qh + (16 * mw + (lane & 15)) * LDW + 4 * (lane >> 4);
+  const SHARED_MEM unsigned int* kb = kh + (8 * nw + (lane & 7)) * LDW + 4 * (lane >> 3);
+  for (int k1 = 0; k1 < D / 2; k1 += DRAIN / 2) {  // the tensor cores truncate their sums: drained every DRAIN dims
+    float large[2][4] = {};  // independent chains (even and odd k-steps, large and small products)
+    float small[2][4] = {};
+    for (int kw = k1; kw < k1 + DRAIN / 2; kw += 16) {  // two k-steps of 16 dims
+      unsigned int bh[4], bl[4];
+      ds4_ldmatrix_x4(bh, kb + kw);
+      ds4_ldmatrix_x4(bl, kb + (kl - kh) + kw);
+      for (int kk = 0; kk < 2; ++kk) {
+        unsigned int ah[4], al[4];
+        ds4_ldmatrix_x4(ah, qa + kw + 8 * kk);
+        ds4_ldmatrix_x4(al, qa + (ql - qh) + kw + 8 * kk);
+        ds4_mma_f16_16x8x16(small[kk], al, bh + 2 * kk);
+        ds4_mma_f16_16x8x16(small[kk], ah, bl + 2 * kk);
+        ds4_mma_f16_16x8x16(large[kk], ah, bh + 2 * kk);
+      }
     }
     for (int c = 0; c < 4; ++c) {
-      s[c] += (part[1][c] + part[3][c]) + (part[0][c] + part[2][c]);  // the small products first
+      s[c] += (small[0][c] + small[1][c]) + (large[0][c] + large[1][c]);  // the small products first
     }
   }
-  float* srow = p_s + (16 * mw + g) * PSTRIDE + 8 * nw + 2 * t;
-  srow[0] = s[0] * scale;
-  srow[1] = s[1] * scale;
-  srow[8 * PSTRIDE] = s[2] * scale;
-  srow[8 * PSTRIDE + 1] = s[3] * scale;
+  const float upper_q = scale * qinv_s[16 * mw + g];
+  const float lower_q = scale * qinv_s[16 * mw + g + 8];
+  const float key0 = kinv_s[8 * nw + 2 * t];
+  const float key1 = kinv_s[8 * nw + 2 * t + 1];
+  SHARED_MEM float* srow = p_s + (16 * mw + g) * PSTRIDE + 8 * nw + 2 * t;
+  srow[0] = s[0] * upper_q * key0;
+  srow[1] = s[1] * upper_q * key1;
+  srow[8 * PSTRIDE] = s[2] * lower_q * key0;
+  srow[8 * PSTRIDE + 1] = s[3] * lower_q * key1;
   ds4_barrier();
   const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
+  // P V takes the keys as scaled (key / kinv): each probability times its key's kinv / R, R the round's largest
+  // kinv (at most 1: no half overflows), and the round's P V times R
+  const float kinv = lane < count ? kinv_s[lane] : 0.0f;
+  const float big = ds4_simd_max(kinv);
+  const float rel = ds4_div(kinv, big);
   for (int i = 0; i < HEADS_PER_WARP; ++i) {  // lane: key
     const int h = warp * HEADS_PER_WARP + i;
     const float score = lane < count ? p_s[h * PSTRIDE + lane] : -3.0e38f;
@@ -281,49 +313,53 @@ STAGE_NEXT
     const float p = lane < count ? ds4_exp(score - top) : 0.0f;
     l_run[i] = l_run[i] * alpha + ds4_simd_sum(p);
     m_run[i] = top;
-    p_s[h * PSTRIDE + lane] = p;
+    const float scaled = p * rel;
+    const float next = ds4_simd_xor(scaled, 1);
+    if ((lane & 1) == 0) {
+      ds4_half2_split(scaled, next, ph[h * PW + lane / 2], pl[h * PW + lane / 2]);
+    }
     if (lane == 0) {
       alpha_s[h] = alpha;
     }
   }
   ds4_barrier();
-  unsigned int ph[M_TILES][TILE / 8][4], pl[M_TILES][TILE / 8][4];  // P's fragments, split once a round
+  unsigned int pah[M_TILES][TILE / 16][4], pal[M_TILES][TILE / 16][4];  // P's fragments
   float upper[M_TILES], lower[M_TILES];  // this round's rescaling of rows g and g + 8
   for (int mi = 0; mi < M_TILES; ++mi) {
     upper[mi] = alpha_s[16 * mi + g];
     lower[mi] = alpha_s[16 * mi + g + 8];
-    for (int kk = 0; kk < TILE / 8; ++kk) {
-      const float* pa = p_s + (16 * mi + g) * PSTRIDE + 8 * kk + t;
-      ds4_tf32_split(pa[0], ph[mi][kk][0], pl[mi][kk][0]);
-      ds4_tf32_split(pa[8 * PSTRIDE], ph[mi][kk][1], pl[mi][kk][1]);
-      ds4_tf32_split(pa[4], ph[mi][kk][2], pl[mi][kk][2]);
-      ds4_tf32_split(pa[8 * PSTRIDE + 4], ph[mi][kk][3], pl[mi][kk][3]);
+    for (int kk = 0; kk < TILE / 16; ++kk) {
+      const int at = (16 * mi + (lane & 15)) * PW + 8 * kk + 4 * (lane >> 4);
+      ds4_ldmatrix_x4(pah[mi][kk], ph + at);
+      ds4_ldmatrix_x4(pal[mi][kk], pl + at);
     }
   }
-  const float* vb = k_s + t * STRIDE + warp * 8 * NT + g;
-  for (int j = 0; j < NT; ++j) {  // the round's P V in fresh sums (truncated over TILE keys only), then merged
-    float large[M_TILES][4], small[M_TILES][4];  // separate chains, as in the scores
-    for (int mi = 0; mi < M_TILES; ++mi) {
-      for (int c = 0; c < 4; ++c) {
-        large[mi][c] = 0.0f;
-        small[mi][c] = 0.0f;
-      }
-    }
-    for (int kk = 0; kk < TILE / 8; ++kk) {
-      unsigned int bh[2], bl[2];
-      ds4_tf32_split(vb[8 * kk * STRIDE + 8 * j], bh[0], bl[0]);
-      ds4_tf32_split(vb[(8 * kk + 4) * STRIDE + 8 * j], bh[1], bl[1]);
+  const int d0 = warp * (D / WARPS);  // the warp's first dim
+  for (int j = 0; j < NT; j += 2) {  // n-tiles j and j + 1 (the same tile twice where NT is odd)
+    const int j1 = j + 1 < NT ? j + 1 : j;
+    const int vat = (8 * ((lane >> 3) & 1) + (lane & 7)) * LDW + d0 / 2 + 4 * ((lane >> 4) ? j1 : j);
+    float large[M_TILES][2][4] = {};  // the round's P V in fresh sums (truncated over TILE keys only), then merged
+    float small[M_TILES][2][4] = {};
+    for (int kk = 0; kk < TILE / 16; ++kk) {
+      unsigned int vh[4], vl[4];
+      ds4_ldmatrix_x4_trans(vh, kh + 16 * kk * LDW + vat);
+      ds4_ldmatrix_x4_trans(vl, kl + 16 * kk * LDW + vat);
       for (int mi = 0; mi < M_TILES; ++mi) {
-        ds4_mma_tf32_16x8x8(small[mi], pl[mi][kk], bh);
-        ds4_mma_tf32_16x8x8(small[mi], ph[mi][kk], bl);
-        ds4_mma_tf32_16x8x8(large[mi], ph[mi][kk], bh);
+        for (int jj = 0; jj < 2; ++jj) {
+          ds4_mma_f16_16x8x16(small[mi][jj], pal[mi][kk], vh + 2 * jj);
+          ds4_mma_f16_16x8x16(small[mi][jj], pah[mi][kk], vl + 2 * jj);
+          ds4_mma_f16_16x8x16(large[mi][jj], pah[mi][kk], vh + 2 * jj);
+        }
       }
     }
     for (int mi = 0; mi < M_TILES; ++mi) {
-      o[mi][j][0] = o[mi][j][0] * upper[mi] + (small[mi][0] + large[mi][0]);
-      o[mi][j][1] = o[mi][j][1] * upper[mi] + (small[mi][1] + large[mi][1]);
-      o[mi][j][2] = o[mi][j][2] * lower[mi] + (small[mi][2] + large[mi][2]);
-      o[mi][j][3] = o[mi][j][3] * lower[mi] + (small[mi][3] + large[mi][3]);
+      for (int jj = 0; jj < 2 && j + jj < NT; ++jj) {
+        float* acc = o[mi][j + jj];
+        acc[0] = acc[0] * upper[mi] + big * (small[mi][jj][0] + large[mi][jj][0]);
+        acc[1] = acc[1] * upper[mi] + big * (small[mi][jj][1] + large[mi][jj][1]);
+        acc[2] = acc[2] * lower[mi] + big * (small[mi][jj][2] + large[mi][jj][2]);
+        acc[3] = acc[3] * lower[mi] + big * (small[mi][jj][3] + large[mi][jj][3]);
+      }
     }
   }
 }
@@ -353,8 +389,30 @@ for (int mi = 0; mi < M_TILES; ++mi) {
   }
 }
 """
+_SPLIT_ROW = """
+template <int N>
+DEVICE_FN float ds4_split_row(const float2 (&v)[N], SHARED_MEM unsigned int* hi, SHARED_MEM unsigned int* lo) {
+  float top = 0.0f;
+  for (int j = 0; j < N; ++j) {
+    top = fmaxf(top, fmaxf(fabsf(v[j].x), fabsf(v[j].y)));
+  }
+  top = ds4_simd_max(top);
+  unsigned int e = (ds4_bits(top) >> 23) & 255u;
+  e = e < 1u ? 1u : e > 253u ? 253u : e;
+  const float scale = ds4_float((254u - e) << 23);
+  for (int j = 0; j < N; ++j) {
+    ds4_half2_split(v[j].x * scale, v[j].y * scale, hi[32 * j], lo[32 * j]);
+  }
+  return ds4_float(e << 23);
+}
+"""
+"""One row of D floats held by a warp (lane: the pairs at dims 2 lane + 64 j) into its half planes: scaled by a power
+of two that puts its largest magnitude in [1, 2), split into halves hi and lo (pair word lane + 32 j of each); the
+scale's inverse returned (exact: both are normal powers of two). hi + lo carries ~22 bits of every value within
+2^-10 of the row's largest; the smaller ones lose only what falls below 2^-25 of it."""
+
 _STAGE = """
-  for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {  // keys ROUND.. into BUFFER, 16 bytes a copy
+  for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {  // keys ROUND.. as floats, 16 bytes a copy
     const int key = e / (D / 4);
     const int c = (e - key * (D / 4)) * 4;
     const int n = ROUND + key;
@@ -363,31 +421,34 @@ _STAGE = """
 KEY_ROW
       src = row + c;
     }
-    ds4_copy16_async(BUFFER + key * STRIDE + c, src, n < n_keys);
+    ds4_copy16_async(kin + key * KSTRIDE + c, src, n < n_keys);
   }
   ds4_async_commit();"""
-"""A round's keys staged without passing through registers (cp.async): the copies of round ROUND land in BUFFER
+"""A round's keys staged without passing through registers (cp.async): the copies of round ROUND land in `kin`
 while the previous round is multiplied."""
 TENSOR_HEADS = 32
-"""Heads a tensor-core threadgroup serves (16 or 32: 4 warps per 16); its keys are read from L2 once per this many
-heads. Threadgroup memory at D = 512: 203 KB with 32, 167 KB with 16 (one threadgroup an SM either way). Measured
-before the keys were double-buffered (one round's keys, 137 and 101 KB, two threadgroups an SM at 16): 32 heads
-18.5 ms, 16 heads 23.8 for a ratio-4 layer's 4096 queries (bench/chunk_attention.py)."""
+"""Heads a tensor-core threadgroup serves (16 or 32: 4 warps per 16); its keys are read from L2 and split once per
+this many heads. Threadgroup memory at D = 512: 209 KB with 32, 171 KB with 16 (one threadgroup an SM either way).
+Measured for the TF32 kernel before its keys were double-buffered (137 and 101 KB, two threadgroups an SM at 16):
+32 heads 18.5 ms, 16 heads 23.8 for a ratio-4 layer's 4096 queries (bench/chunk_attention.py)."""
 TENSOR_TILE = 32
 """Keys a round stages: a lane's key in the softmax; 4 n-tiles of 8 in the scores, one per warp of a 16-head row."""
 
 
 def tensor_shared_bytes(m_tiles: int, d: int = 512) -> int:
-    """Dynamic threadgroup memory of the tensor-core kernel: queries and two rounds of keys (D + 4 floats a row),
-    the probabilities (TILE + 4 a row) and one factor per head."""
+    """Dynamic threadgroup memory of the tensor-core kernel: the queries' and a round's keys' half planes (D / 2 + 4
+    words a row, hi and lo), the probabilities' (TILE / 2 + 4), the next round's keys landing as floats (D + 4 a
+    row), the scores (TILE + 4 a row) and a factor per head and key."""
     heads = 16 * m_tiles
-    return 4 * (heads * (d + 4) + 2 * TENSOR_TILE * (d + 4) + heads * (TENSOR_TILE + 4) + heads)
+    words = (2 * (heads + TENSOR_TILE) * (d // 2 + 4) + 2 * heads * (TENSOR_TILE // 2 + 4) + TENSOR_TILE * (d + 4)
+             + heads * (TENSOR_TILE + 4) + 2 * heads + TENSOR_TILE)
+    return 4 * words
 
 
 def _tensor_source(extra: str, row: str) -> str:
     """The tensor-core kernel's text for one kind of key set: its staging of the first round and of each next."""
-    first = _STAGE.replace("ROUND", "0").replace("BUFFER", "keys_s")
-    following = _STAGE.replace("ROUND", "t0 + TILE").replace("BUFFER", "k_next")
+    first = _STAGE.replace("ROUND", "0")
+    following = _STAGE.replace("ROUND", "t0 + TILE")
     text = _TENSOR.replace("QUERY_KEYS", _QUERY_KEYS.strip("\n"))
     text = text.replace("STAGE_FIRST", first.strip("\n")).replace("STAGE_NEXT", following.strip("\n"))
     return text.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n"))
@@ -396,7 +457,7 @@ def _tensor_source(extra: str, row: str) -> str:
 TENSOR_KERNELS = {
     (kind, m_tiles): Kernel(f"ds4_chunk_attention_tc{m_tiles}_{kind}", ("q", "raw", *inputs, "sinks", "info", "params"),
                             ("out",), _tensor_source(extra, row),
-                            header=SIMD_EXCLUSIVE_SUM, shared_memory=tensor_shared_bytes(m_tiles))
+                            header=SIMD_EXCLUSIVE_SUM + _SPLIT_ROW, shared_memory=tensor_shared_bytes(m_tiles))
     for kind, (inputs, extra, row) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)
 }
 """By (kind, m-tiles of 16 heads): their threadgroup memory is sized for D up to 512."""

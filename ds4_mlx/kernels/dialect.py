@@ -48,7 +48,9 @@ share, plus a few neutral words that each dialect spells its own way:
   A[g+8][2t, 2t+1], A[g][2t+8, 2t+9], A[g+8][2t+8, 2t+9]; b = B[2t, 2t+1][g], B[2t+8, 2t+9][g]; c as above);
   ds4_ldmatrix_x4(unsigned int* r, const unsigned int* row) (ldmatrix.m8n8.x4: lane 8 m + i gives the threadgroup
   memory address of row i of 8 x 8 half matrix m, 16 bytes, 16-byte aligned; lane 4 g + t receives in r[m] word
-  t of matrix m's row g: one instruction for a whole mma A fragment, or two B fragments);
+  t of matrix m's row g: one instruction for a whole mma A fragment, or two B fragments) and ds4_ldmatrix_x4_trans
+  (the same matrices transposed: lane 4 g + t receives halves g of rows 2t and 2t + 1, so that B fragments come
+  from a matrix stored k-major);
   ds4_copy16_async(float* dst, const float* src, bool full) (16 bytes from global to threadgroup memory without
   passing through registers, cp.async; zeros where not `full`; both addresses 16-byte aligned), ds4_async_commit()
   (the copies issued since the last commit become one group), ds4_async_wait_all() and ds4_async_wait_prior()
@@ -255,6 +257,11 @@ __device__ __forceinline__ void ds4_mma_f16_16x8x16(float* c, const unsigned int
 __device__ __forceinline__ void ds4_ldmatrix_x4(unsigned int* r, const unsigned int* row) {
   const unsigned int at = (unsigned int)__cvta_generic_to_shared(row);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+}
+__device__ __forceinline__ void ds4_ldmatrix_x4_trans(unsigned int* r, const unsigned int* row) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
 }
 __device__ __forceinline__ void ds4_copy16_async(float* dst, const float* src, bool full) {
