@@ -336,7 +336,7 @@ def test_emulated_tensor_scores_are_exact_on_exact_inputs(on_cpu, n, top_k, tmp_
 
 @pytest.mark.slow
 def test_emulated_tensor_scores_within_tolerance(on_cpu, tmp_path):
-    """Float queries and rows: 3xTF32 products, heads summed in another order, within SCORE_TOLERANCE."""
+    """Float queries and rows: split half products, heads summed in another order, within SCORE_TOLERANCE."""
     q, w, rows, positions = float_inputs(1100, TOP_K)
     scores = emulated_tensor_scores(q, w, rows, positions, TOP_K, tmp_path)
     want = index_scores(q, w, rows, visible_mask(1100, positions))

@@ -14,8 +14,9 @@ are not real are never loaded), read where they are stored. Online softmax with 
   chunk's time over Flash's 43 layers: a key costs a SIMD group 16 threadgroup loads per lane, 64 FMAs and 6
   shuffles for two heads. Metal's kernel, and CUDA's where the tensor-core one did not pass its check.
 - `TENSOR_KERNELS` (CUDA): the same attention on float16 tensor cores at float32 accuracy (mma.m16n8k16, float32
-  sums). Each query row and each key row is scaled by a power of two that puts its largest magnitude in [1, 2) and
-  split into two halves, hi and lo (_SPLIT_ROW), kept as half planes in threadgroup memory; a product takes three
+  sums). Each query row and each key row is scaled by a power of two (halfsplit.py's rule: its largest magnitude
+  in [2^14, 2^15)) and split into two halves, hi and lo (halfsplit.SPLIT_ROW), kept as half planes in threadgroup
+  memory; a product takes three
   mma (lo x hi, hi x lo, hi x hi: ~2^-21 of each product lost, 3xTF32's class). The queries are split once per
   threadgroup, a round's keys once per round; P V takes each probability times its key's scale inverse over the
   round's largest (at most 1, so no half overflows) and the round's sums times that largest. The tensor cores
@@ -43,6 +44,7 @@ import numpy as np
 
 from .attention import TOLERANCE
 from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
+from .halfsplit import SPLIT_ROW
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
@@ -389,28 +391,6 @@ for (int mi = 0; mi < M_TILES; ++mi) {
   }
 }
 """
-_SPLIT_ROW = """
-template <int N>
-DEVICE_FN float ds4_split_row(const float2 (&v)[N], SHARED_MEM unsigned int* hi, SHARED_MEM unsigned int* lo) {
-  float top = 0.0f;
-  for (int j = 0; j < N; ++j) {
-    top = fmaxf(top, fmaxf(fabsf(v[j].x), fabsf(v[j].y)));
-  }
-  top = ds4_simd_max(top);
-  unsigned int e = (ds4_bits(top) >> 23) & 255u;
-  e = e < 1u ? 1u : e > 253u ? 253u : e;
-  const float scale = ds4_float((254u - e) << 23);
-  for (int j = 0; j < N; ++j) {
-    ds4_half2_split(v[j].x * scale, v[j].y * scale, hi[32 * j], lo[32 * j]);
-  }
-  return ds4_float(e << 23);
-}
-"""
-"""One row of D floats held by a warp (lane: the pairs at dims 2 lane + 64 j) into its half planes: scaled by a power
-of two that puts its largest magnitude in [1, 2), split into halves hi and lo (pair word lane + 32 j of each); the
-scale's inverse returned (exact: both are normal powers of two). hi + lo carries ~22 bits of every value within
-2^-10 of the row's largest; the smaller ones lose only what falls below 2^-25 of it."""
-
 _STAGE = """
   for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {  // keys ROUND.. as floats, 16 bytes a copy
     const int key = e / (D / 4);
@@ -457,7 +437,7 @@ def _tensor_source(extra: str, row: str) -> str:
 TENSOR_KERNELS = {
     (kind, m_tiles): Kernel(f"ds4_chunk_attention_tc{m_tiles}_{kind}", ("q", "raw", *inputs, "sinks", "info", "params"),
                             ("out",), _tensor_source(extra, row),
-                            header=SIMD_EXCLUSIVE_SUM + _SPLIT_ROW, shared_memory=tensor_shared_bytes(m_tiles))
+                            header=SIMD_EXCLUSIVE_SUM + SPLIT_ROW, shared_memory=tensor_shared_bytes(m_tiles))
     for kind, (inputs, extra, row) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)
 }
 """By (kind, m-tiles of 16 heads): their threadgroup memory is sized for D up to 512."""

@@ -56,6 +56,25 @@ DEVICE_FN float ds4_row_scale(float m, int top) {
 """The header both split kernels share: a running largest magnitude (a NaN never replaces it), and the power of two
 for a row whose largest magnitude is m, from its exponent bits as `reference_row_scales` builds it (top: X_TOP)."""
 
+SPLIT_ROW = ROW_SCALE + """
+template <int N>
+DEVICE_FN float ds4_split_row(const float2 (&v)[N], SHARED_MEM unsigned int* hi, SHARED_MEM unsigned int* lo) {
+  float m = 0.0f;
+  for (int j = 0; j < N; ++j) {
+    m = ds4_abs_max(ds4_abs_max(m, v[j].x), v[j].y);
+  }
+  const float scale = ds4_row_scale(ds4_simd_max(m), """ + str(X_TOP) + """);
+  for (int j = 0; j < N; ++j) {
+    ds4_half2_split(v[j].x * scale, v[j].y * scale, hi[32 * j], lo[32 * j]);
+  }
+  return ds4_div(1.0f, scale);
+}
+"""
+"""A header for kernels that split rows in threadgroup memory themselves (chunk_attention.py, indexer.py: their
+queries and keys, whose products both need float32 accuracy): one row of 64 N floats held by a warp (lane: the pairs
+at 2 lane + 64 j) scaled by the row's power of two, as `reference_row_scales` picks it, and split into half planes
+(word lane + 32 j of hi and lo); the scale's inverse returned, to be applied to the products. CUDA only."""
+
 _SPLIT = """
 const int tid = THREAD_IN_GROUP;
 const int row = GROUP_X;

@@ -47,6 +47,7 @@ import numpy as np
 
 from ..model.rope import RoPE
 from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
+from .halfsplit import SPLIT_ROW
 from .registry import FastPath, current_backend
 from .rows import ROW_HELPERS, RowQuant, fits, steady_rows
 
@@ -338,9 +339,9 @@ const int N = count[0];
 const int t = GROUP_Y;
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
-const int g = lane >> 2;  // the mma fragments' row (A, C) or column (B) within a tile
+const int g = lane >> 2;  // the mma fragments' row (C) or column (B) within a tile
 const int c4 = lane & 3;
-constexpr int STRIDE = D + 4;  // words per row of the queries and keys: loads at [g][c4] hit 32 banks
+constexpr int LDW = D / 2 + 4;  // words (half pairs) a plane row: ldmatrix's 8 rows x 16 bytes on 32 banks
 constexpr int TILE = 8 * WARPS;  // keys a round: 8 a warp
 int visible = (position[t] + 1) / RATIO;
 visible = visible < N ? visible : N;
@@ -350,31 +351,38 @@ if (visible <= K || begin >= end) {
   return;  // every visible row is picked: no score is read (as the SIMT kernel leaves it)
 }
 GLOBAL_MEM float* out = scores + (size_t)t * N;
-unsigned int* q_hi = (unsigned int*)ds4_shared;  // 16 * MT x STRIDE: the queries split once
-unsigned int* q_lo = q_hi + 16 * MT * STRIDE;
-float* k_s = (float*)(q_lo + 16 * MT * STRIDE);  // TILE x STRIDE
-float* w_s = k_s + TILE * STRIDE;  // 16 * MT head weights times scale (0 past H)
-for (int e = THREAD_IN_GROUP; e < 16 * MT * D; e += WARPS * 32) {
-  const int h = e / D;
-  const int d = e - h * D;
-  ds4_tf32_split(h < H ? q[((size_t)t * H + h) * D + d] : 0.0f, q_hi[h * STRIDE + d], q_lo[h * STRIDE + d]);
-}
-for (int h = THREAD_IN_GROUP; h < 16 * MT; h += WARPS * 32) {
-  w_s[h] = h < H ? w[(size_t)t * H + h] * scale[0] : 0.0f;  // the reference's weights * scale
-}
-const int last = visible < end ? visible : end;
-for (int t0 = begin; t0 < last; t0 += TILE) {
-  ds4_barrier();  // the queries are staged; every warp is done with the previous keys
-  for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {
-    const int key = e / (D / 4);
-    const int c = (e - key * (D / 4)) * 4;
-    float4 v = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (t0 + key < last) {
-      v = *reinterpret_cast<const float4*>(rows + (size_t)(t0 + key) * D + c);
-    }
-    *reinterpret_cast<float4*>(k_s + key * STRIDE + c) = v;
+SHARED_MEM unsigned int* qh = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);  // 16 MT x LDW, then lo
+SHARED_MEM unsigned int* ql = qh + 16 * MT * LDW;
+SHARED_MEM unsigned int* kh = ql + 16 * MT * LDW + warp * 16 * LDW;  // the warp's 8 keys: 8 x LDW hi, then lo
+SHARED_MEM unsigned int* kl = kh + 8 * LDW;
+SHARED_MEM float* w_s = reinterpret_cast<SHARED_MEM float*>(qh + 2 * (16 * MT + TILE) * LDW);  // 16 MT
+SHARED_MEM float* kinv_s = w_s + 16 * MT + 8 * warp;  // the warp's 8 keys' scales undone
+for (int h = warp; h < 16 * MT; h += WARPS) {  // the queries, split once
+  float2 v[D / 64];
+  for (int j = 0; j < D / 64; ++j) {
+    v[j] = h < H ? *reinterpret_cast<const GLOBAL_MEM float2*>(q + ((size_t)t * H + h) * D + 2 * lane + 64 * j)
+                 : make_float2(0.0f, 0.0f);
   }
-  ds4_barrier();
+  const float inv = ds4_split_row(v, qh + h * LDW + lane, ql + h * LDW + lane);
+  if (lane == 0) {
+    w_s[h] = h < H ? w[(size_t)t * H + h] * scale[0] * inv : 0.0f;  // the reference's weights * scale, unscaling q
+  }
+}
+ds4_barrier();
+const int last = visible < end ? visible : end;
+for (int t0 = begin + 8 * warp; t0 < last; t0 += TILE) {  // the warp's own 8 keys a round: no barrier
+  for (int i = 0; i < 8; ++i) {
+    float2 v[D / 64];
+    for (int j = 0; j < D / 64; ++j) {
+      v[j] = t0 + i < last ? *reinterpret_cast<const GLOBAL_MEM float2*>(rows + (size_t)(t0 + i) * D + 2 * lane + 64 * j)
+                           : make_float2(0.0f, 0.0f);
+    }
+    const float inv = ds4_split_row(v, kh + i * LDW + lane, kl + i * LDW + lane);
+    if (lane == 0) {
+      kinv_s[i] = inv;
+    }
+  }
+  ds4_simd_barrier();  // the warp's planes are written
   float large[MT][4], small[MT][4];  // q . k for 16 heads x the warp's 8 keys, per m-tile; separate chains
   for (int mi = 0; mi < MT; ++mi) {
     for (int i = 0; i < 4; ++i) {
@@ -382,29 +390,34 @@ for (int t0 = begin; t0 < last; t0 += TILE) {
       small[mi][i] = 0.0f;
     }
   }
-  const float* kb = k_s + (8 * warp + g) * STRIDE + c4;
-  for (int k0 = 0; k0 < D; k0 += 8) {
-    unsigned int bh[2], bl[2];
-    ds4_tf32_split(kb[k0], bh[0], bl[0]);
-    ds4_tf32_split(kb[k0 + 4], bh[1], bl[1]);
-    for (int mi = 0; mi < MT; ++mi) {
-      const int at = (16 * mi + g) * STRIDE + k0 + c4;
-      const unsigned int ah[4] = {q_hi[at], q_hi[at + 8 * STRIDE], q_hi[at + 4], q_hi[at + 8 * STRIDE + 4]};
-      const unsigned int al[4] = {q_lo[at], q_lo[at + 8 * STRIDE], q_lo[at + 4], q_lo[at + 8 * STRIDE + 4]};
-      ds4_mma_tf32_16x8x8(small[mi], al, bh);
-      ds4_mma_tf32_16x8x8(small[mi], ah, bl);
-      ds4_mma_tf32_16x8x8(large[mi], ah, bh);
+  const SHARED_MEM unsigned int* kb = kh + (lane & 7) * LDW + 4 * (lane >> 3);
+  for (int kw = 0; kw < D / 2; kw += 16) {  // two k-steps of 16 dims
+    unsigned int bh[4], bl[4];
+    ds4_ldmatrix_x4(bh, kb + kw);
+    ds4_ldmatrix_x4(bl, kb + 8 * LDW + kw);
+    for (int kk = 0; kk < 2; ++kk) {
+      for (int mi = 0; mi < MT; ++mi) {
+        unsigned int ah[4], al[4];
+        const int at = (16 * mi + (lane & 15)) * LDW + kw + 8 * kk + 4 * (lane >> 4);
+        ds4_ldmatrix_x4(ah, qh + at);
+        ds4_ldmatrix_x4(al, ql + at);
+        ds4_mma_f16_16x8x16(small[mi], al, bh + 2 * kk);
+        ds4_mma_f16_16x8x16(small[mi], ah, bl + 2 * kk);
+        ds4_mma_f16_16x8x16(large[mi], ah, bh + 2 * kk);
+      }
     }
   }
+  const float k0 = kinv_s[2 * c4];
+  const float k1 = kinv_s[2 * c4 + 1];
   float even = 0.0f;  // the lane's heads' weighted terms for keys 2 c4 and 2 c4 + 1 of the warp's 8
   float odd = 0.0f;
   for (int mi = 0; mi < MT; ++mi) {
     const float upper = w_s[16 * mi + g];
     const float lower = w_s[16 * mi + g + 8];
-    const float d0 = small[mi][0] + large[mi][0];
-    const float d1 = small[mi][1] + large[mi][1];
-    const float d2 = small[mi][2] + large[mi][2];
-    const float d3 = small[mi][3] + large[mi][3];
+    const float d0 = (small[mi][0] + large[mi][0]) * k0;
+    const float d1 = (small[mi][1] + large[mi][1]) * k1;
+    const float d2 = (small[mi][2] + large[mi][2]) * k0;
+    const float d3 = (small[mi][3] + large[mi][3]) * k1;
     even += upper * (d0 > 0.0f ? d0 : 0.0f) + lower * (d2 > 0.0f ? d2 : 0.0f);
     odd += upper * (d1 > 0.0f ? d1 : 0.0f) + lower * (d3 > 0.0f ? d3 : 0.0f);
   }
@@ -412,13 +425,14 @@ for (int t0 = begin; t0 < last; t0 += TILE) {
     even += ds4_simd_xor(even, offset);
     odd += ds4_simd_xor(odd, offset);
   }
-  const int key = t0 + 8 * warp + 2 * c4;
+  const int key = t0 + 2 * c4;
   if (g == 0 && key < last) {
     out[key] = even;
   }
   if (g == 0 && key + 1 < last) {
     out[key + 1] = odd;
   }
+  ds4_simd_barrier();  // every lane is done with the planes before the next round's split
 }
 const float below = -ds4_float(0x7f800000u);  // -inf: not visible
 for (int i = (last > begin ? last : begin) + THREAD_IN_GROUP; i < end; i += WARPS * 32) {
@@ -435,14 +449,14 @@ TENSOR_SCORE_HEADS, TENSOR_SCORE_WIDTH = 64, 128
 
 
 def tensor_scores_bytes(heads: int = TENSOR_SCORE_HEADS, d: int = TENSOR_SCORE_WIDTH) -> int:
-    """Dynamic threadgroup memory of the tensor-core score kernel: the queries' TF32 high parts and residues and a
-    round's keys (D + 4 words a row), and the head weights."""
+    """Dynamic threadgroup memory of the tensor-core score kernel: the queries' and each warp's 8 keys' half planes
+    (D / 2 + 4 words a row, hi and lo), the head weights and the keys' scales."""
     m_tiles = -(-heads // 16)
-    return 4 * (2 * 16 * m_tiles * (d + 4) + 8 * TENSOR_SCORE_WARPS * (d + 4) + 16 * m_tiles)
+    return 4 * (2 * (16 * m_tiles + 8 * TENSOR_SCORE_WARPS) * (d // 2 + 4) + 16 * m_tiles + 8 * TENSOR_SCORE_WARPS)
 
 
 TENSOR_SCORES_KERNEL = Kernel("ds4_indexer_scores_tc", ("q", "w", "rows", "position", "scale", "count"), ("scores",),
-                              _TENSOR_SCORES, _HELPERS, shared_memory=tensor_scores_bytes())
+                              _TENSOR_SCORES, _HELPERS + SPLIT_ROW, shared_memory=tensor_scores_bytes())
 
 
 def heads_padded(n_head: int) -> int:
@@ -487,10 +501,10 @@ def indexer_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx
 
 def tensor_fits(weights: mx.array, rows: mx.array, rope: RoPE | None, quant: RowQuant) -> bool:
     """Whether the tensor-core score kernel takes these (CUDA; finished queries; heads and width its threadgroup
-    memory holds, rows of whole float4 and 8-wide k-steps)."""
+    memory holds, rows a warp splits as pairs: a multiple of 64 wide)."""
     h, d = weights.shape[1], rows.shape[1]
     return (current_backend() == "cuda" and rope is None and quant == RowQuant.NONE and h <= TENSOR_SCORE_HEADS
-            and d <= TENSOR_SCORE_WIDTH and d % 8 == 0)
+            and d <= TENSOR_SCORE_WIDTH and d % 64 == 0)
 
 
 def tensor_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, ratio: int, top_k: int,
