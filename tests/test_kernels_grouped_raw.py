@@ -117,7 +117,6 @@ CASES = {
     "beyond_a_tile": ([130, 0, 20], 200, 512),  # 3 row tiles for expert 0; 2 column tiles (the second partial)
     "one_expert": ([5], 8, 256),  # E = 1, OUT below a warp's 32 columns
     "many_experts": ([0, 3, 0, 0, 1, 7, 0, 2] * 5 + [70], 24, 256),  # 41 experts: two per lane in the scan
-    "row_tails": ([16, 17, 33, 48, 57, 64], 96, 256),  # each count of a warp's 16-row tiles holding pairs (0, 1, 2)
 }
 """counts per expert, OUT, IN (a multiple of 256: whole blocks)."""
 

@@ -111,20 +111,16 @@ def f16_source(w_shared: str, w_setup: str, w_load: str, w_store: str, q2_k: boo
       for (int kk = 0; kk < KD; ++kk) {
 """ + _FRAGMENTS.replace("KW", "8 * (g * KD + kk)") + """        #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          if (i < mt) {
-""" + (_XSUM if q2_k else "") + """            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
-            }
+""" + (_XSUM if q2_k else "") + """          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            ds4_mma_f16_16x8x16(part[i][j], al[i], bw[j]);
           }
         }
         #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          if (i < mt) {
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
-            }
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            ds4_mma_f16_16x8x16(part[i][j], ah[i], bw[j]);
           }
         }
       }
@@ -146,7 +142,6 @@ const int gid = lane >> 2;
 const int tig = lane & 3;
 const int wm = (warp / (TN / 32)) * 32;
 const int wn = (warp % (TN / 32)) * 32;
-const int mt = rows - wm > 16 ? 2 : rows - wm > 0 ? 1 : 0;  // the warp's 16-row tiles holding pairs: the rest idle
 if (tid < TM) {
   const unsigned int at = tid < rows ? (GATHER ? xrow[row0 + tid] : (unsigned int)(row0 + tid)) : 0u;
   xr[tid] = at;
@@ -217,14 +212,12 @@ for (int i = 0; i < 2; ++i) {
 
 _DRAIN = """      #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        if (i < mt) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
           #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const int n = NBASE + wn + 8 * j + 2 * tig + (c & 1);
-              acc[i][j][c] = fmaf(TERM, acc[i][j][c]);
-            }
+          for (int c = 0; c < 4; ++c) {
+            const int n = NBASE + wn + 8 * j + 2 * tig + (c & 1);
+            acc[i][j][c] = fmaf(TERM, acc[i][j][c]);
           }
         }
       }
@@ -235,8 +228,8 @@ scales of this drain start (output n's at NBASE + n)."""
 _XSUM_INIT = """      float xsum[2][4] = {};
       const unsigned int ones[2] = {0x3C003C00u, 0x3C003C00u};
 """
-_XSUM = """            ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
-            ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
+_XSUM = """          ds4_mma_f16_16x8x16(xsum[i], al[i], ones);
+          ds4_mma_f16_16x8x16(xsum[i], ah[i], ones);
 """
 
 _FRAGMENTS = """      unsigned int ah[2][4];
@@ -244,11 +237,9 @@ _FRAGMENTS = """      unsigned int ah[2][4];
       unsigned int bw[4][2];
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        if (i < mt) {
-          const int at = (wm + 16 * i + (lane & 15)) * LDH + KW + 4 * (lane >> 4);
-          ds4_ldmatrix_x4(ah[i], xh + at);
-          ds4_ldmatrix_x4(al[i], xl + at);
-        }
+        const int at = (wm + 16 * i + (lane & 15)) * LDH + KW + 4 * (lane >> 4);
+        ds4_ldmatrix_x4(ah[i], xh + at);
+        ds4_ldmatrix_x4(al[i], xl + at);
       }
       #pragma unroll
       for (int j = 0; j < 4; j += 2) {
