@@ -30,7 +30,9 @@ from ds4_mlx.kernels.indexer import (
     position_seeing,
     scores_template,
     select_template,
+    tensor_template,
 )
+from ds4_mlx.kernels.halfsplit import reference_split_rows
 from ds4_mlx.kernels.probe import random_activations
 from ds4_mlx.kernels.rows import RowQuant, steady_rows
 from ds4_mlx.model.attention import INDEXER_PICK, index_scores, pick_finished_rows, pick_rows
@@ -304,11 +306,11 @@ def emulated_tensor_scores(q: mx.array, w: mx.array, rows: mx.array, positions: 
     """The tensor-core score kernel's CUDA text run on the CPU, as `tensor_scores` launches it (NaN where it writes
     nothing: queries with at most top_k visible rows)."""
     (t, h), (n, d) = w.shape, rows.shape
-    template = {"H": h, "MT": -(-h // 16), "D": d, "K": top_k, "RATIO": RATIO, "WARPS": TENSOR_SCORE_WARPS,
-                "KEYS": TENSOR_SCORE_KEYS}
-    q, w, rows = (np.array(a, np.float32) for a in (q, w, rows))
-    (scores,) = emulated(TENSOR_SCORES_KERNEL, template, tmp_path)(
-        [q, w, rows, np.array(positions, np.int32), np.array([scale], np.float32), np.array([n], np.int32)], [(t, n)],
+    hi, lo, row_scales = (np.array(a) for a in reference_split_rows(rows))
+    q, w = (np.array(a, np.float32) for a in (q, w))
+    (scores,) = emulated(TENSOR_SCORES_KERNEL, tensor_template(h, d, RATIO, top_k), tmp_path)(
+        [q, w, hi, lo, row_scales, np.array(positions, np.int32), np.array([scale], np.float32),
+         np.array([n], np.int32)], [(t, n)],
         (-(-n // TENSOR_SCORE_KEYS), t), TENSOR_SCORE_WARPS * 32)
     return scores
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..model.rope import RoPE
 from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
-from .halfsplit import SPLIT_ROW
+from .halfsplit import SPLIT_ROW, split_rows
 from .registry import FastPath, current_backend
 from .rows import ROW_HELPERS, RowQuant, fits, steady_rows
 
@@ -342,7 +342,7 @@ const int warp = SIMD_INDEX;
 const int g = lane >> 2;  // the mma fragments' row (C) or column (B) within a tile
 const int c4 = lane & 3;
 constexpr int LDW = D / 2 + 4;  // words (half pairs) a plane row: ldmatrix's 8 rows x 16 bytes on 32 banks
-constexpr int TILE = 8 * WARPS;  // keys a round: 8 a warp
+constexpr int TILE = WK * WARPS;  // keys a round: WK a warp
 int visible = (position[t] + 1) / RATIO;
 visible = visible < N ? visible : N;
 const int begin = GROUP_X * KEYS;
@@ -353,10 +353,9 @@ if (visible <= K || begin >= end) {
 GLOBAL_MEM float* out = scores + (size_t)t * N;
 SHARED_MEM unsigned int* qh = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);  // 16 MT x LDW, then lo
 SHARED_MEM unsigned int* ql = qh + 16 * MT * LDW;
-SHARED_MEM unsigned int* kh = ql + 16 * MT * LDW + warp * 16 * LDW;  // the warp's 8 keys: 8 x LDW hi, then lo
-SHARED_MEM unsigned int* kl = kh + 8 * LDW;
+SHARED_MEM unsigned int* kh = ql + 16 * MT * LDW + warp * 2 * WK * LDW;  // the warp's keys: WK x LDW hi, then lo
+SHARED_MEM unsigned int* kl = kh + WK * LDW;
 SHARED_MEM float* w_s = reinterpret_cast<SHARED_MEM float*>(qh + 2 * (16 * MT + TILE) * LDW);  // 16 MT
-SHARED_MEM float* kinv_s = w_s + 16 * MT + 8 * warp;  // the warp's 8 keys' scales undone
 for (int h = warp; h < 16 * MT; h += WARPS) {  // the queries, split once
   float2 v[D / 64];
   for (int j = 0; j < D / 64; ++j) {
@@ -370,69 +369,83 @@ for (int h = warp; h < 16 * MT; h += WARPS) {  // the queries, split once
 }
 ds4_barrier();
 const int last = visible < end ? visible : end;
-for (int t0 = begin + 8 * warp; t0 < last; t0 += TILE) {  // the warp's own 8 keys a round: no barrier
-  for (int i = 0; i < 8; ++i) {
-    float2 v[D / 64];
-    for (int j = 0; j < D / 64; ++j) {
-      v[j] = t0 + i < last ? *reinterpret_cast<const GLOBAL_MEM float2*>(rows + (size_t)(t0 + i) * D + 2 * lane + 64 * j)
-                           : make_float2(0.0f, 0.0f);
-    }
-    const float inv = ds4_split_row(v, kh + i * LDW + lane, kl + i * LDW + lane);
-    if (lane == 0) {
-      kinv_s[i] = inv;
+for (int t0 = begin + WK * warp; t0 < last; t0 += TILE) {  // the warp's own WK keys a round: no barrier
+  for (int e = lane; e < WK * D / 8; e += 32) {  // their planes, split before the launch: 16-byte copies
+    const int i = e / (D / 8);
+    const int c = 4 * (e - i * (D / 8));
+    const bool real = t0 + i < last;
+    const size_t at = (size_t)(real ? t0 + i : 0) * (D / 2) + c;
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(kh + i * LDW + c),
+                     reinterpret_cast<const GLOBAL_MEM float*>(rows_hi + at), real);
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(kl + i * LDW + c),
+                     reinterpret_cast<const GLOBAL_MEM float*>(rows_lo + at), real);
+  }
+  ds4_async_commit();
+  float kinv[WK / 8][2];  // the scales of the lane's keys 8 nt + 2 c4 (+ 1), undone
+  for (int nt = 0; nt < WK / 8; ++nt) {
+    for (int u = 0; u < 2; ++u) {
+      const int key = t0 + 8 * nt + 2 * c4 + u;
+      kinv[nt][u] = key < last ? ds4_div(1.0f, rows_scale[key]) : 0.0f;
     }
   }
-  ds4_simd_barrier();  // the warp's planes are written
-  float large[MT][4], small[MT][4];  // q . k for 16 heads x the warp's 8 keys, per m-tile; separate chains
+  float large[MT][WK / 8][4], small[MT][WK / 8][4];  // q . k for 16 heads x 8 keys a tile; separate chains
   for (int mi = 0; mi < MT; ++mi) {
-    for (int i = 0; i < 4; ++i) {
-      large[mi][i] = 0.0f;
-      small[mi][i] = 0.0f;
+    for (int nt = 0; nt < WK / 8; ++nt) {
+      for (int i = 0; i < 4; ++i) {
+        large[mi][nt][i] = 0.0f;
+        small[mi][nt][i] = 0.0f;
+      }
     }
   }
-  const SHARED_MEM unsigned int* kb = kh + (lane & 7) * LDW + 4 * (lane >> 3);
+  ds4_async_wait_all();
+  ds4_simd_barrier();  // every lane's copies of the warp's planes landed
   for (int kw = 0; kw < D / 2; kw += 16) {  // two k-steps of 16 dims
-    unsigned int bh[4], bl[4];
-    ds4_ldmatrix_x4(bh, kb + kw);
-    ds4_ldmatrix_x4(bl, kb + 8 * LDW + kw);
+    unsigned int bh[WK / 8][4], bl[WK / 8][4];
+    for (int nt = 0; nt < WK / 8; ++nt) {
+      const int at = (8 * nt + (lane & 7)) * LDW + kw + 4 * (lane >> 3);
+      ds4_ldmatrix_x4(bh[nt], kh + at);
+      ds4_ldmatrix_x4(bl[nt], kl + at);
+    }
     for (int kk = 0; kk < 2; ++kk) {
       for (int mi = 0; mi < MT; ++mi) {
         unsigned int ah[4], al[4];
         const int at = (16 * mi + (lane & 15)) * LDW + kw + 8 * kk + 4 * (lane >> 4);
         ds4_ldmatrix_x4(ah, qh + at);
         ds4_ldmatrix_x4(al, ql + at);
-        ds4_mma_f16_16x8x16(small[mi], al, bh + 2 * kk);
-        ds4_mma_f16_16x8x16(small[mi], ah, bl + 2 * kk);
-        ds4_mma_f16_16x8x16(large[mi], ah, bh + 2 * kk);
+        for (int nt = 0; nt < WK / 8; ++nt) {
+          ds4_mma_f16_16x8x16(small[mi][nt], al, bh[nt] + 2 * kk);
+          ds4_mma_f16_16x8x16(small[mi][nt], ah, bl[nt] + 2 * kk);
+          ds4_mma_f16_16x8x16(large[mi][nt], ah, bh[nt] + 2 * kk);
+        }
       }
     }
   }
-  const float k0 = kinv_s[2 * c4];
-  const float k1 = kinv_s[2 * c4 + 1];
-  float even = 0.0f;  // the lane's heads' weighted terms for keys 2 c4 and 2 c4 + 1 of the warp's 8
-  float odd = 0.0f;
-  for (int mi = 0; mi < MT; ++mi) {
-    const float upper = w_s[16 * mi + g];
-    const float lower = w_s[16 * mi + g + 8];
-    const float d0 = (small[mi][0] + large[mi][0]) * k0;
-    const float d1 = (small[mi][1] + large[mi][1]) * k1;
-    const float d2 = (small[mi][2] + large[mi][2]) * k0;
-    const float d3 = (small[mi][3] + large[mi][3]) * k1;
-    even += upper * (d0 > 0.0f ? d0 : 0.0f) + lower * (d2 > 0.0f ? d2 : 0.0f);
-    odd += upper * (d1 > 0.0f ? d1 : 0.0f) + lower * (d3 > 0.0f ? d3 : 0.0f);
+  for (int nt = 0; nt < WK / 8; ++nt) {
+    float even = 0.0f;  // the lane's heads' weighted terms for keys 2 c4 and 2 c4 + 1 of the tile's 8
+    float odd = 0.0f;
+    for (int mi = 0; mi < MT; ++mi) {
+      const float upper = w_s[16 * mi + g];
+      const float lower = w_s[16 * mi + g + 8];
+      const float d0 = (small[mi][nt][0] + large[mi][nt][0]) * kinv[nt][0];
+      const float d1 = (small[mi][nt][1] + large[mi][nt][1]) * kinv[nt][1];
+      const float d2 = (small[mi][nt][2] + large[mi][nt][2]) * kinv[nt][0];
+      const float d3 = (small[mi][nt][3] + large[mi][nt][3]) * kinv[nt][1];
+      even += upper * (d0 > 0.0f ? d0 : 0.0f) + lower * (d2 > 0.0f ? d2 : 0.0f);
+      odd += upper * (d1 > 0.0f ? d1 : 0.0f) + lower * (d3 > 0.0f ? d3 : 0.0f);
+    }
+    for (int offset = 4; offset < 32; offset <<= 1) {  // over g: the lanes holding the other heads
+      even += ds4_simd_xor(even, offset);
+      odd += ds4_simd_xor(odd, offset);
+    }
+    const int key = t0 + 8 * nt + 2 * c4;
+    if (g == 0 && key < last) {
+      out[key] = even;
+    }
+    if (g == 0 && key + 1 < last) {
+      out[key + 1] = odd;
+    }
   }
-  for (int offset = 4; offset < 32; offset <<= 1) {  // over g: the lanes holding the other heads
-    even += ds4_simd_xor(even, offset);
-    odd += ds4_simd_xor(odd, offset);
-  }
-  const int key = t0 + 2 * c4;
-  if (g == 0 && key < last) {
-    out[key] = even;
-  }
-  if (g == 0 && key + 1 < last) {
-    out[key + 1] = odd;
-  }
-  ds4_simd_barrier();  // every lane is done with the planes before the next round's split
+  ds4_simd_barrier();  // every lane is done with the planes before the next round's copies
 }
 const float below = -ds4_float(0x7f800000u);  // -inf: not visible
 for (int i = (last > begin ? last : begin) + THREAD_IN_GROUP; i < end; i += WARPS * 32) {
@@ -440,7 +453,9 @@ for (int i = (last > begin ? last : begin) + THREAD_IN_GROUP; i < end; i += WARP
 }
 """
 TENSOR_SCORE_WARPS = 8
-"""Warps of a tensor-core score threadgroup: 8 keys each a round."""
+"""Warps of a tensor-core score threadgroup."""
+TENSOR_SCORE_WK = 16
+"""Keys a warp scores a round (two n-tiles: each query fragment read from threadgroup memory serves 6 mma)."""
 TENSOR_SCORE_KEYS = 512
 """Keys (rows) a tensor-core score threadgroup scores for its query: N / 512 threadgroups a query, each staging the
 query's heads once."""
@@ -449,14 +464,15 @@ TENSOR_SCORE_HEADS, TENSOR_SCORE_WIDTH = 64, 128
 
 
 def tensor_scores_bytes(heads: int = TENSOR_SCORE_HEADS, d: int = TENSOR_SCORE_WIDTH) -> int:
-    """Dynamic threadgroup memory of the tensor-core score kernel: the queries' and each warp's 8 keys' half planes
-    (D / 2 + 4 words a row, hi and lo), the head weights and the keys' scales."""
+    """Dynamic threadgroup memory of the tensor-core score kernel: the queries' and each warp's keys' half planes
+    (D / 2 + 4 words a row, hi and lo) and the head weights: 105 KB at Flash's, two threadgroups an SM."""
     m_tiles = -(-heads // 16)
-    return 4 * (2 * (16 * m_tiles + 8 * TENSOR_SCORE_WARPS) * (d // 2 + 4) + 16 * m_tiles + 8 * TENSOR_SCORE_WARPS)
+    return 4 * (2 * (16 * m_tiles + TENSOR_SCORE_WK * TENSOR_SCORE_WARPS) * (d // 2 + 4) + 16 * m_tiles)
 
 
-TENSOR_SCORES_KERNEL = Kernel("ds4_indexer_scores_tc", ("q", "w", "rows", "position", "scale", "count"), ("scores",),
-                              _TENSOR_SCORES, _HELPERS + SPLIT_ROW, shared_memory=tensor_scores_bytes())
+TENSOR_SCORES_KERNEL = Kernel("ds4_indexer_scores_tc",
+                              ("q", "w", "rows_hi", "rows_lo", "rows_scale", "position", "scale", "count"),
+                              ("scores",), _TENSOR_SCORES, _HELPERS + SPLIT_ROW, shared_memory=tensor_scores_bytes())
 
 
 def heads_padded(n_head: int) -> int:
@@ -511,23 +527,30 @@ def tensor_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.
                   scale: float = 1.0) -> mx.array:
     """`indexer_scores` for finished queries q (T, H, D) (or (T, H * D)) on float16 tensor cores at float32
     accuracy (rows split into scaled half planes, three mma.m16n8k16 a product, as kernels/chunk_attention.py's):
-    the same contract, a prefill chunk's many queries at once. Each threadgroup takes one query's
-    TENSOR_SCORE_KEYS rows; its queries are split once; each warp splits its own 8 keys a round (no barrier),
-    scores every head against them, then sums w_h relu(.) over the heads in its lanes; rows past the visible
-    count are skipped (causal: a chunk's early queries see fewer). Measured (H200, a 4096-token chunk of a
-    ratio-4 layer at 16k, 3xTF32 kernel before: A fragments one word at a time, keys split at every load): 6.6 ms."""
+    the same contract, a prefill chunk's many queries at once. The rows are split once, before the launch
+    (halfsplit.split_rows); each threadgroup takes one query's TENSOR_SCORE_KEYS rows and splits its queries;
+    each warp copies its own TENSOR_SCORE_WK keys' planes a round (cp.async, no barrier), scores every head
+    against them, then sums w_h relu(.) over the heads in its lanes; rows past the visible count are skipped
+    (causal: a chunk's early queries see fewer). Measured (H200, the indexer of a ratio-4 layer's 4096-token
+    chunk at 16k): 6.6 ms for the 3xTF32 kernel this replaced (A fragments a word at a time, keys split at every
+    load), 6.4 with each warp splitting its 8 keys itself (the split, once per query, was most of its work)."""
     (t, h), (n, d) = weights.shape, rows.shape
-    template = {"H": h, "MT": -(-h // 16), "D": d, "K": top_k, "RATIO": ratio, "WARPS": TENSOR_SCORE_WARPS,
-                "KEYS": TENSOR_SCORE_KEYS}
+    hi, lo, row_scales = split_rows(rows)
     (scores,) = build(TENSOR_SCORES_KERNEL, current_backend())(
-        inputs=[q.astype(mx.float32), weights.astype(mx.float32), rows.astype(mx.float32),
-                positions.astype(mx.int32), mx.array([scale], dtype=mx.float32), mx.array([n], dtype=mx.int32)],
-        template=list(template.items()),
+        inputs=[q.astype(mx.float32), weights.astype(mx.float32), hi, lo, row_scales, positions.astype(mx.int32),
+                mx.array([scale], dtype=mx.float32), mx.array([n], dtype=mx.int32)],
+        template=list(tensor_template(h, d, ratio, top_k).items()),
         grid=(-(-n // TENSOR_SCORE_KEYS) * TENSOR_SCORE_WARPS * SIMD_WIDTH, t, 1),
         threadgroup=(TENSOR_SCORE_WARPS * SIMD_WIDTH, 1, 1),
         output_shapes=[(t, n)], output_dtypes=[mx.float32],
     )
     return scores
+
+
+def tensor_template(h: int, d: int, ratio: int, top_k: int) -> dict[str, int]:
+    """The tensor-core score kernel's template constants."""
+    return {"H": h, "MT": -(-h // 16), "D": d, "K": top_k, "RATIO": ratio, "WARPS": TENSOR_SCORE_WARPS,
+            "WK": TENSOR_SCORE_WK, "KEYS": TENSOR_SCORE_KEYS}
 
 
 def select_rows(scores: mx.array, positions: mx.array, ratio: int, top_k: int) -> tuple[mx.array, mx.array]:
