@@ -15,22 +15,21 @@ are not real are never loaded), read where they are stored. Online softmax with 
   shuffles for two heads. Metal's kernel, and CUDA's where the tensor-core one did not pass its check.
 - `TENSOR_KERNELS` (CUDA): the same attention on float16 tensor cores at float32 accuracy (mma.m16n8k16, float32
   sums). Each query row and each key row is scaled by a power of two (halfsplit.py's rule: its largest magnitude
-  in [2^14, 2^15)) and split into two halves, hi and lo (halfsplit.SPLIT_ROW), kept as half planes in threadgroup
-  memory; a product takes three
-  mma (lo x hi, hi x lo, hi x hi: ~2^-21 of each product lost, 3xTF32's class). The queries are split once per
-  threadgroup, a round's keys once per round; P V takes each probability times its key's scale inverse over the
-  round's largest (at most 1, so no half overflows) and the round's sums times that largest. The tensor cores
-  truncate their sums, so a score is drained into float32 every 64 dims and P V every round: 1.0e-6 of the
-  output at Flash's shapes in emulation, within TOLERANCE. One threadgroup per (query, TENSOR_HEADS heads), 4
-  warps per 16 heads. Each round of TILE = 32 keys lands as floats in threadgroup memory (cp.async) while the
-  previous round is multiplied, then (1) each warp splits TILE / WARPS keys into the planes, (2) each warp scores
-  16 heads x 8 keys over all D dims (fragments by ldmatrix, in independent chains), (3) each warp turns 4 heads'
-  scores into probabilities (the online softmax's maximum and sum per head, kept in its lanes), split into half
-  planes, (4) each warp adds P V for its D / WARPS dims of every head (the keys' B fragments by ldmatrix.trans),
-  its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads. Measured (H200, 4096 queries
-  from position 8192, bench/chunk_attention.py) for the 3xTF32 kernel this replaced (mma.m16n8k8 on TF32 splits
-  made again at every fragment load): a ratio-4 layer 32.1 ms SIMT, 14.3 TF32 (16.9 before the copies were
-  asynchronous); ratio 128 10.9 / 5.2; window only 4.9 / 3.2.
+  in [2^14, 2^15)) and split into two halves, hi and lo, kept as half planes in threadgroup memory; a product
+  takes three mma (lo x hi, hi x lo, hi x hi: ~2^-21 of each product lost, 3xTF32's class). The keys (raw and
+  compressed rows) are split before the launch (halfsplit.split_rows), the queries once per threadgroup
+  (halfsplit.SPLIT_ROW); P V takes each probability times its key's scale inverse over the round's largest (at
+  most 1, so no half overflows) and the round's sums times that largest. The tensor cores truncate their sums, so
+  a score is drained into float32 every 64 dims and P V every round: 1.1e-6 of the output at Flash's shapes in
+  emulation, within TOLERANCE. One threadgroup per (query, TENSOR_HEADS heads), 4 warps per 16 heads. Each round
+  of TILE = 32 keys' planes is copied into threadgroup memory (cp.async) while the previous round is multiplied,
+  then (1) each warp scores 16 heads x 8 keys over all D dims (fragments by ldmatrix, in independent chains), (2)
+  each warp turns 4 heads' scores into probabilities (the online softmax's maximum and sum per head, kept in its
+  lanes), split into half planes, (3) each warp adds P V for its D / WARPS dims of every head (the keys' B
+  fragments by ldmatrix.trans), its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads.
+  Measured (H200, 4096 queries from position 8192, bench/chunk_attention.py; ms for a ratio-4 layer / ratio 128 /
+  window only): SIMT 32.0 / 10.8 / 4.9; the 3xTF32 kernel this replaced (mma.m16n8k8 on TF32 splits made again at
+  every fragment load) 14.3 / 5.2 / 3.2; with half planes split in the kernel 10.3 / 4.1 / 2.5.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ import numpy as np
 
 from .attention import TOLERANCE
 from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
-from .halfsplit import SPLIT_ROW
+from .halfsplit import SPLIT_ROW, split_rows
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
@@ -200,26 +199,22 @@ const int g = lane >> 2;  // the mma fragments' row (A, C) or column (B) within 
 const int t = lane & 3;
 constexpr int HG = 16 * M_TILES;  // heads of a threadgroup
 constexpr int LDW = D / 2 + 4;  // words (half pairs) a plane row: ldmatrix's 8 rows x 16 bytes on 32 banks
-constexpr int KSTRIDE = D + 4;  // floats a landing row
 constexpr int PW = TILE / 2 + 4;  // words a probability plane row
 constexpr int PSTRIDE = TILE + 4;  // floats a score row
 constexpr int NT = D / (8 * WARPS);  // n-tiles of 8 dims a warp owns in P V
 constexpr int HEADS_PER_WARP = HG / WARPS;  // in the softmax and the queries' split
-constexpr int KEYS_PER_WARP = TILE / WARPS;  // in the keys' split
 constexpr int DRAIN = 64;  // dims of a score summed on the tensor cores before the sum is added in float32
 const int h0 = GROUP_X * HG;
 QUERY_KEYS
 SHARED_MEM unsigned int* qh = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);  // HG x LDW, then lo
 SHARED_MEM unsigned int* ql = qh + HG * LDW;
-SHARED_MEM unsigned int* kh = ql + HG * LDW;  // TILE x LDW: this round's keys, hi then lo
-SHARED_MEM unsigned int* kl = kh + TILE * LDW;
-SHARED_MEM unsigned int* ph = kl + TILE * LDW;  // HG x PW: this round's probabilities, hi then lo
+SHARED_MEM unsigned int* kbuf = ql + HG * LDW;  // two rounds' keys (this one, the next landing): TILE x LDW hi, lo
+SHARED_MEM unsigned int* ph = kbuf + 4 * TILE * LDW;  // HG x PW: this round's probabilities, hi then lo
 SHARED_MEM unsigned int* pl = ph + HG * PW;
-SHARED_MEM float* kin = reinterpret_cast<SHARED_MEM float*>(pl + HG * PW);  // TILE x KSTRIDE: the next round, landing
-SHARED_MEM float* p_s = kin + TILE * KSTRIDE;  // HG x PSTRIDE: scores
+SHARED_MEM float* p_s = reinterpret_cast<SHARED_MEM float*>(pl + HG * PW);  // HG x PSTRIDE: scores
 SHARED_MEM float* alpha_s = p_s + HG * PSTRIDE;  // HG: each head's rescaling this round, then its output factor
 SHARED_MEM float* qinv_s = alpha_s + HG;  // HG: each head's query scale undone
-SHARED_MEM float* kinv_s = qinv_s + HG;  // TILE: each key's scale undone
+SHARED_MEM float* kinv_s = qinv_s + HG;  // 2 x TILE: each key's scale undone, this round's and the next's
 STAGE_FIRST
 for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
   const int hl = warp * HEADS_PER_WARP + i;
@@ -250,20 +245,12 @@ for (int mi = 0; mi < M_TILES; ++mi) {
 const int mw = warp >> 2;  // in the scores: the warp's 16 heads and 8 keys
 const int nw = warp & 3;
 for (int t0 = 0; t0 < n_keys; t0 += TILE) {
+  const int parity = (t0 / TILE) & 1;
+  const SHARED_MEM unsigned int* kh = kbuf + parity * 2 * TILE * LDW;  // this round's keys
+  const SHARED_MEM unsigned int* kl = kh + TILE * LDW;
+  const SHARED_MEM float* kinv_r = kinv_s + parity * TILE;
   ds4_async_wait_all();
-  ds4_barrier();  // this round's keys landed; every warp is done with the previous round's planes
-  for (int i = 0; i < KEYS_PER_WARP; ++i) {  // the round's keys, split once
-    const int key = warp * KEYS_PER_WARP + i;
-    float2 v[D / 64];
-    for (int j = 0; j < D / 64; ++j) {
-      v[j] = *reinterpret_cast<const SHARED_MEM float2*>(kin + key * KSTRIDE + 2 * lane + 64 * j);
-    }
-    const float inv = ds4_split_row(v, kh + key * LDW + lane, kl + key * LDW + lane);
-    if (lane == 0) {
-      kinv_s[key] = inv;
-    }
-  }
-  ds4_barrier();  // the planes are written and the landing rows free
+  ds4_barrier();  // this round's keys landed; every warp is done with the previous round's buffers
   if (t0 + TILE < n_keys) {
 STAGE_NEXT
   }
@@ -292,8 +279,8 @@ STAGE_NEXT
   }
   const float upper_q = scale * qinv_s[16 * mw + g];
   const float lower_q = scale * qinv_s[16 * mw + g + 8];
-  const float key0 = kinv_s[8 * nw + 2 * t];
-  const float key1 = kinv_s[8 * nw + 2 * t + 1];
+  const float key0 = kinv_r[8 * nw + 2 * t];
+  const float key1 = kinv_r[8 * nw + 2 * t + 1];
   SHARED_MEM float* srow = p_s + (16 * mw + g) * PSTRIDE + 8 * nw + 2 * t;
   srow[0] = s[0] * upper_q * key0;
   srow[1] = s[1] * upper_q * key1;
@@ -303,7 +290,7 @@ STAGE_NEXT
   const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
   // P V takes the keys as scaled (key / kinv): each probability times its key's kinv / R, R the round's largest
   // kinv (at most 1: no half overflows), and the round's P V times R
-  const float kinv = lane < count ? kinv_s[lane] : 0.0f;
+  const float kinv = lane < count ? kinv_r[lane] : 0.0f;
   const float big = ds4_simd_max(kinv);
   const float rel = ds4_div(kinv, big);
   for (int i = 0; i < HEADS_PER_WARP; ++i) {  // lane: key
@@ -392,20 +379,39 @@ for (int mi = 0; mi < M_TILES; ++mi) {
 }
 """
 _STAGE = """
-  for (int e = THREAD_IN_GROUP; e < TILE * D / 4; e += WARPS * 32) {  // keys ROUND.. as floats, 16 bytes a copy
-    const int key = e / (D / 4);
-    const int c = (e - key * (D / 4)) * 4;
+  for (int e = THREAD_IN_GROUP; e < TILE * D / 8; e += WARPS * 32) {  // keys ROUND.., 16 bytes of a plane a copy
+    const int key = e / (D / 8);
+    const int c = 4 * (e - key * (D / 8));
     const int n = ROUND + key;
-    const GLOBAL_MEM float* src = raw;  // past the last key: zeros, masked in the softmax
+    const GLOBAL_MEM unsigned int* hi_src = raw_hi;  // past the last key: zeros, masked in the softmax
+    const GLOBAL_MEM unsigned int* lo_src = raw_lo;
+    float inv = 0.0f;
     if (n < n_keys) {
-KEY_ROW
-      src = row + c;
+KEY_SOURCE
+      hi_src = (from_raw ? raw_hi : ROWS_hi) + (size_t)at * (D / 2) + c;
+      lo_src = (from_raw ? raw_lo : ROWS_lo) + (size_t)at * (D / 2) + c;
+      inv = c == 0 ? ds4_div(1.0f, (from_raw ? raw_scale : ROWS_scale)[at]) : 0.0f;
     }
-    ds4_copy16_async(kin + key * KSTRIDE + c, src, n < n_keys);
+    SHARED_MEM unsigned int* dst = kbuf + PARITY * 2 * TILE * LDW + key * LDW + c;
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(dst), reinterpret_cast<const GLOBAL_MEM float*>(hi_src),
+                     n < n_keys);
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(dst + TILE * LDW),
+                     reinterpret_cast<const GLOBAL_MEM float*>(lo_src), n < n_keys);
+    if (c == 0) {
+      kinv_s[PARITY * TILE + key] = inv;
+    }
   }
   ds4_async_commit();"""
-"""A round's keys staged without passing through registers (cp.async): the copies of round ROUND land in `kin`
-while the previous round is multiplied."""
+"""A round's keys staged from their half planes, split before the launch (halfsplit.split_rows), without passing
+through registers (cp.async): round ROUND lands in buffer PARITY while the previous round is multiplied. KEY_SOURCE
+says whether key n is a raw row and its index `at`; ROWS the compressed rows' inputs (the raw ones for "window")."""
+TENSOR_KEY_SOURCES: dict[str, tuple[str, str]] = {
+    "window": ("raw", "const bool from_raw = true;\nconst int at = lo + n;"),
+    "rows": ("rows", "const bool from_raw = n < n_raw;\nconst int at = from_raw ? lo + n : n - n_raw;"),
+    "picked": ("rows", "const bool from_raw = n < n_raw;\nconst int at = from_raw ? lo + n : chosen[n - n_raw];"),
+}
+"""Per kind of key set (CHUNK_KEY_SETS), where the tensor-core kernel's key n is: the inputs of its compressed
+rows' planes and the key's source and index."""
 TENSOR_HEADS = 32
 """Heads a tensor-core threadgroup serves (16 or 32: 4 warps per 16); its keys are read from L2 and split once per
 this many heads. Threadgroup memory at D = 512: 209 KB with 32, 171 KB with 16 (one threadgroup an SM either way).
@@ -415,30 +421,40 @@ TENSOR_TILE = 32
 """Keys a round stages: a lane's key in the softmax; 4 n-tiles of 8 in the scores, one per warp of a 16-head row."""
 
 
+def _planes(name: str) -> tuple[str, ...]:
+    """The tensor-core kernel's inputs for a float input of the SIMT kernel: rows (raw, rows) as halfsplit's half
+    planes and row scales, the others as they are."""
+    return (f"{name}_hi", f"{name}_lo", f"{name}_scale") if name in ("raw", "rows") else (name,)
+
+
 def tensor_shared_bytes(m_tiles: int, d: int = 512) -> int:
-    """Dynamic threadgroup memory of the tensor-core kernel: the queries' and a round's keys' half planes (D / 2 + 4
-    words a row, hi and lo), the probabilities' (TILE / 2 + 4), the next round's keys landing as floats (D + 4 a
-    row), the scores (TILE + 4 a row) and a factor per head and key."""
+    """Dynamic threadgroup memory of the tensor-core kernel: the queries' and two rounds of keys' half planes (D / 2
+    + 4 words a row, hi and lo), the probabilities' (TILE / 2 + 4), the scores (TILE + 4 a row) and a factor per
+    head and key."""
     heads = 16 * m_tiles
-    words = (2 * (heads + TENSOR_TILE) * (d // 2 + 4) + 2 * heads * (TENSOR_TILE // 2 + 4) + TENSOR_TILE * (d + 4)
-             + heads * (TENSOR_TILE + 4) + 2 * heads + TENSOR_TILE)
+    words = (2 * heads * (d // 2 + 4) + 4 * TENSOR_TILE * (d // 2 + 4) + 2 * heads * (TENSOR_TILE // 2 + 4)
+             + heads * (TENSOR_TILE + 4) + 2 * heads + 2 * TENSOR_TILE)
     return 4 * words
 
 
-def _tensor_source(extra: str, row: str) -> str:
+def _tensor_source(kind: str, extra: str) -> str:
     """The tensor-core kernel's text for one kind of key set: its staging of the first round and of each next."""
-    first = _STAGE.replace("ROUND", "0")
-    following = _STAGE.replace("ROUND", "t0 + TILE")
+    prefix, source = TENSOR_KEY_SOURCES[kind]
+    stage = _STAGE.replace("KEY_SOURCE", "\n".join("      " + line for line in source.split("\n")))
+    stage = stage.replace("ROWS_", prefix + "_")
+    first = stage.replace("ROUND", "0").replace("PARITY", "0")
+    following = stage.replace("ROUND", "t0 + TILE").replace("PARITY", "(parity ^ 1)")
     text = _TENSOR.replace("QUERY_KEYS", _QUERY_KEYS.strip("\n"))
     text = text.replace("STAGE_FIRST", first.strip("\n")).replace("STAGE_NEXT", following.strip("\n"))
-    return text.replace("EXTRA_KEYS", extra.strip("\n")).replace("KEY_ROW", row.strip("\n"))
+    return text.replace("EXTRA_KEYS", extra.strip("\n"))
 
 
 TENSOR_KERNELS = {
-    (kind, m_tiles): Kernel(f"ds4_chunk_attention_tc{m_tiles}_{kind}", ("q", "raw", *inputs, "sinks", "info", "params"),
-                            ("out",), _tensor_source(extra, row),
+    (kind, m_tiles): Kernel(f"ds4_chunk_attention_tc{m_tiles}_{kind}",
+                            ("q", *_planes("raw"), *[n for i in inputs for n in _planes(i)], "sinks", "info", "params"),
+                            ("out",), _tensor_source(kind, extra),
                             header=SIMD_EXCLUSIVE_SUM + SPLIT_ROW, shared_memory=tensor_shared_bytes(m_tiles))
-    for kind, (inputs, extra, row) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)
+    for kind, (inputs, extra, _) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)
 }
 """By (kind, m-tiles of 16 heads): their threadgroup memory is sized for D up to 512."""
 
@@ -536,10 +552,12 @@ class ChunkAttention:
         if d % 64 or d > 512:  # scores drained every 64 dims; each of up to 8 warps owns D / 8 of P V's dims
             raise ValueError(f"the tensor-core chunk attention needs a head width that is a multiple of 64 up to "
                              f"512, got {d}")
-        kind, inputs, template = ChunkAttention._launch_inputs(*args)
+        kind, (q, raw, *rest), template = ChunkAttention._launch_inputs(*args)
+        if kind != "window":
+            rest = [*split_rows(rest[0]), *rest[1:]]
         groups = -(-heads // TENSOR_HEADS)
         (out,) = build(TENSOR_KERNELS[kind, m_tiles], current_backend())(
-            inputs=inputs, template=template + [("WARPS", warps), ("TILE", TENSOR_TILE), ("M_TILES", m_tiles)],
+            inputs=[q, *split_rows(raw), *rest], template=template + [("WARPS", warps), ("TILE", TENSOR_TILE), ("M_TILES", m_tiles)],
             grid=(groups * warps * SIMD_WIDTH, b, 1), threadgroup=(warps * SIMD_WIDTH, 1, 1),
             output_shapes=[(b, heads, d)], output_dtypes=[mx.float32],
         )
