@@ -57,6 +57,8 @@
 #                  whose names match REGEX (default the tensor-core GEMMs): time, issue rate, stall
 #                  reasons, executed SASS by opcode per HMMA (bench/ncu_summary.py; with the most stalled
 #                  instructions in $OUT/ncu_summary.txt)
+#   ncuattn[:R1,R2] the same on bench/chunk_attention.py, the first launch whose name matches each regex (default
+#                  the chunk attention's "picked" kernel at 32 heads, then the indexer's tensor-core scores)
 #   ablate         those GEMMs timed again with one part of the kernel taken out at a time: drain, barrier, loads,
 #                  mma, lo pass, W decode (bench/gemm_ablate.py): what each part costs where nothing hides it
 #   mma            the mma.sync ceiling those GEMMs' instruction has at 8, 16 and 32 warps an SM (bench/mma_ceiling.py)
@@ -220,6 +222,14 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
         python3 bench/prefill_gemms.py --once > "$out/ncu.log" 2>&1; tail -2 "$out/ncu.log"
       timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep > "$out/ncu_summary.txt" 2>&1
       grep -v "^    " "$out/ncu_summary.txt" | tail -40 ;;
+    ncuattn*)
+      regexes=${step#ncuattn}; regexes=${regexes#:}; regexes=${regexes:-chunk_attention_tc2_picked,indexer_scores_tc}
+      for regex in ${regexes//,/ }; do
+        timeout "$(left 30)" /usr/local/cuda/bin/ncu --set full -k "regex:$regex" -c 1 -o /tmp/attn -f \
+          python3 bench/chunk_attention.py --calls 1 --repeats 1 > "$out/ncuattn.log" 2>&1; tail -1 "$out/ncuattn.log"
+        timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/attn.ncu-rep >> "$out/ncuattn_summary.txt" 2>&1
+      done
+      grep -v "^    " "$out/ncuattn_summary.txt" | tail -40 ;;
     ablate)
       timeout "$(left 10)" python3 bench/gemm_ablate.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
     *) echo "unknown step $step" ;;
