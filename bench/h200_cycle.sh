@@ -216,12 +216,6 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       timeout "$(left 10)" python3 bench/mma_ceiling.py 2>&1 | grep -v "warnings.warn" | tail -5 ;;
     gemms)
       timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
-    ncu*)
-      regex=${step#ncu}; regex=${regex#:}; regex=${regex:-ds4_(dense|grouped_raw)}
-      timeout "$(left 30)" /usr/local/cuda/bin/ncu --set full -k "regex:$regex" -o /tmp/gemms -f \
-        python3 bench/prefill_gemms.py --once > "$out/ncu.log" 2>&1; tail -2 "$out/ncu.log"
-      timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep > "$out/ncu_summary.txt" 2>&1
-      grep -v "^    " "$out/ncu_summary.txt" | tail -40 ;;
     ncuattn*)
       regexes=${step#ncuattn}; regexes=${regexes#:}; regexes=${regexes:-chunk_attention_tc2_picked,indexer_scores_tc}
       for regex in ${regexes//,/ }; do
@@ -230,6 +224,12 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
         timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/attn.ncu-rep >> "$out/ncuattn_summary.txt" 2>&1
       done
       grep -v "^    " "$out/ncuattn_summary.txt" | tail -40 ;;
+    ncu*)
+      regex=${step#ncu}; regex=${regex#:}; regex=${regex:-ds4_(dense|grouped_raw)}
+      timeout "$(left 30)" /usr/local/cuda/bin/ncu --set full -k "regex:$regex" -o /tmp/gemms -f \
+        python3 bench/prefill_gemms.py --once > "$out/ncu.log" 2>&1; tail -2 "$out/ncu.log"
+      timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep > "$out/ncu_summary.txt" 2>&1
+      grep -v "^    " "$out/ncu_summary.txt" | tail -40 ;;
     ablate)
       timeout "$(left 10)" python3 bench/gemm_ablate.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
     *) echo "unknown step $step" ;;
