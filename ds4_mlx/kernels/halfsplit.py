@@ -194,17 +194,21 @@ const int batch = GROUP_X / blocks;
 const int r0 = (GROUP_X - batch * blocks) * 16;
 const GLOBAL_MEM float* xb = x + (size_t)batch * t_rows * n_in;
 SHARED float row_scale[16];
+float m[2] = {0.0f, 0.0f};
+for (int k = 4 * SIMD_LANE; k < n_in; k += 128) {  // both rows' loads in flight together, 16 bytes each
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = r0 + 2 * SIMD_INDEX + h;
+    if (rr < t_rows) {
+      const float4 w = *reinterpret_cast<const GLOBAL_MEM float4*>(xb + (size_t)rr * n_in + k);
+      m[h] = ds4_abs_max(ds4_abs_max(ds4_abs_max(ds4_abs_max(m[h], w.x), w.y), w.z), w.w);
+    }
+  }
+}
 #pragma unroll
 for (int h = 0; h < 2; ++h) {
   const int rr = r0 + 2 * SIMD_INDEX + h;
-  float m = 0.0f;
-  if (rr < t_rows) {
-    for (int k = SIMD_LANE; k < n_in; k += 32) {
-      m = ds4_abs_max(m, xb[(size_t)rr * n_in + k]);
-    }
-  }
-  m = ds4_simd_max(m);
-  const float sc = ds4_row_scale(m, X_TOP);
+  const float sc = ds4_row_scale(ds4_simd_max(m[h]), X_TOP);
   if (SIMD_LANE == 0) {
     row_scale[2 * SIMD_INDEX + h] = sc;
     if (rr < t_rows) {
@@ -216,6 +220,7 @@ ds4_barrier();
 const int frags = n_in * 2;
 GLOBAL_MEM uint4* hi4 = reinterpret_cast<GLOBAL_MEM uint4*>(hi) + (size_t)GROUP_X * frags;
 GLOBAL_MEM uint4* lo4 = reinterpret_cast<GLOBAL_MEM uint4*>(lo) + (size_t)GROUP_X * frags;
+#pragma unroll 4
 for (int f = tid; f < frags; f += THREADS) {
   const int g = (f & 31) >> 2;
   const int col = 32 * (f >> 6) + 8 * (f & 3) + 4 * ((f >> 5) & 1);
@@ -242,8 +247,8 @@ for (int f = tid; f < frags; f += THREADS) {
   lo4[f] = lv;
 }
 """
-"""One threadgroup per block of 16 row slots (THREADS = 256: SIMD group w finds the scales of rows 2w and 2w + 1 as
-the row kernel does), then each thread one 16-byte A fragment at a time: four values of two rows (g and g + 8)
+"""One threadgroup per block of 16 row slots (THREADS = 256: SIMD group w finds the scales of rows 2w and 2w + 1,
+reading both rows 16 bytes a load), then each thread one 16-byte A fragment at a time: four values of two rows (g and g + 8)
 read as 16-byte words, scaled, split, and the hi and lo fragments written whole (padding rows zero)."""
 
 BLOCK_KERNEL = Kernel("ds4_split_blocks", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT_BLOCKS, ROW_SCALE)
