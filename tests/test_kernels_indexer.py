@@ -30,6 +30,7 @@ from ds4_mlx.kernels.indexer import (
     position_seeing,
     scores_template,
     select_template,
+    tensor_scores_bytes,
     tensor_template,
 )
 from ds4_mlx.kernels.halfsplit import reference_split_rows
@@ -299,6 +300,13 @@ def test_emulated_cuda_scores_scale_the_weights_as_the_model_does(on_cpu, tmp_pa
     assert (picked == np.array(want_picked)).all() and (valid == np.array(want_valid)).all()
     wide = ((positions + 1) // RATIO > 64).tolist()
     assert (scores[wide] == np.array(index_scores(q, w * scale, rows, visible_mask(600, positions)))[wide]).all()
+
+
+def test_two_tensor_score_threadgroups_fit_an_sm():
+    """The tensor-core score kernel's planes at Flash's indexer shapes (64 heads of 128) leave room for a second
+    threadgroup on an H200 SM (228 KB, 1 KB reserved a threadgroup), and its launch bounds ask for two."""
+    assert 2 * (tensor_scores_bytes() + 1024) <= 228 * 1024
+    assert TENSOR_SCORES_KERNEL.launch_bounds == (TENSOR_SCORE_WARPS * 32, 2)
 
 
 def emulated_tensor_scores(q: mx.array, w: mx.array, rows: mx.array, positions: mx.array, top_k: int, tmp_path,

@@ -214,7 +214,7 @@ SHARED_MEM unsigned int* pl = ph + HG * PW;
 SHARED_MEM float* p_s = reinterpret_cast<SHARED_MEM float*>(pl + HG * PW);  // HG x PSTRIDE: scores
 SHARED_MEM float* alpha_s = p_s + HG * PSTRIDE;  // HG: each head's rescaling this round, then its output factor
 SHARED_MEM float* qinv_s = alpha_s + HG;  // HG: each head's query scale undone
-SHARED_MEM float* kinv_s = qinv_s + HG;  // 2 x TILE: each key's scale undone, this round's and the next's
+SHARED_MEM float* kscale_s = qinv_s + HG;  // 2 x TILE: each key's row scale, this round's and the next's
 STAGE_FIRST
 for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
   const int hl = warp * HEADS_PER_WARP + i;
@@ -248,7 +248,7 @@ for (int t0 = 0; t0 < n_keys; t0 += TILE) {
   const int parity = (t0 / TILE) & 1;
   const SHARED_MEM unsigned int* kh = kbuf + parity * 2 * TILE * LDW;  // this round's keys
   const SHARED_MEM unsigned int* kl = kh + TILE * LDW;
-  const SHARED_MEM float* kinv_r = kinv_s + parity * TILE;
+  const SHARED_MEM float* kscale_r = kscale_s + parity * TILE;
   ds4_async_wait_all();
   ds4_barrier();  // this round's keys landed; every warp is done with the previous round's buffers
   if (t0 + TILE < n_keys) {
@@ -279,8 +279,8 @@ STAGE_NEXT
   }
   const float upper_q = scale * qinv_s[16 * mw + g];
   const float lower_q = scale * qinv_s[16 * mw + g + 8];
-  const float key0 = kinv_r[8 * nw + 2 * t];
-  const float key1 = kinv_r[8 * nw + 2 * t + 1];
+  const float key0 = ds4_div(1.0f, kscale_r[8 * nw + 2 * t]);  // past the last key: not finite, never read
+  const float key1 = ds4_div(1.0f, kscale_r[8 * nw + 2 * t + 1]);
   SHARED_MEM float* srow = p_s + (16 * mw + g) * PSTRIDE + 8 * nw + 2 * t;
   srow[0] = s[0] * upper_q * key0;
   srow[1] = s[1] * upper_q * key1;
@@ -290,7 +290,7 @@ STAGE_NEXT
   const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
   // P V takes the keys as scaled (key / kinv): each probability times its key's kinv / R, R the round's largest
   // kinv (at most 1: no half overflows), and the round's P V times R
-  const float kinv = lane < count ? kinv_r[lane] : 0.0f;
+  const float kinv = lane < count ? ds4_div(1.0f, kscale_r[lane]) : 0.0f;
   const float big = ds4_simd_max(kinv);
   const float rel = ds4_div(kinv, big);
   for (int i = 0; i < HEADS_PER_WARP; ++i) {  // lane: key
@@ -385,12 +385,12 @@ _STAGE = """
     const int n = ROUND + key;
     const GLOBAL_MEM unsigned int* hi_src = raw_hi;  // past the last key: zeros, masked in the softmax
     const GLOBAL_MEM unsigned int* lo_src = raw_lo;
-    float inv = 0.0f;
+    const GLOBAL_MEM float* scale_src = raw_scale;
     if (n < n_keys) {
 KEY_SOURCE
       hi_src = (from_raw ? raw_hi : ROWS_hi) + (size_t)at * (D / 2) + c;
       lo_src = (from_raw ? raw_lo : ROWS_lo) + (size_t)at * (D / 2) + c;
-      inv = c == 0 ? ds4_div(1.0f, (from_raw ? raw_scale : ROWS_scale)[at]) : 0.0f;
+      scale_src = (from_raw ? raw_scale : ROWS_scale) + at;
     }
     SHARED_MEM unsigned int* dst = kbuf + PARITY * 2 * TILE * LDW + key * LDW + c;
     ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(dst), reinterpret_cast<const GLOBAL_MEM float*>(hi_src),
@@ -398,12 +398,12 @@ KEY_SOURCE
     ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(dst + TILE * LDW),
                      reinterpret_cast<const GLOBAL_MEM float*>(lo_src), n < n_keys);
     if (c == 0) {
-      kinv_s[PARITY * TILE + key] = inv;
+      ds4_copy4_async(kscale_s + PARITY * TILE + key, scale_src, n < n_keys);
     }
   }
   ds4_async_commit();"""
 """A round's keys staged from their half planes, split before the launch (halfsplit.split_rows), without passing
-through registers (cp.async): round ROUND lands in buffer PARITY while the previous round is multiplied. KEY_SOURCE
+through registers (cp.async), with their row scales: round ROUND lands in buffer PARITY while the previous round is multiplied. KEY_SOURCE
 says whether key n is a raw row and its index `at`; ROWS the compressed rows' inputs (the raw ones for "window")."""
 TENSOR_KEY_SOURCES: dict[str, tuple[str, str]] = {
     "window": ("raw", "const bool from_raw = true;\nconst int at = lo + n;"),

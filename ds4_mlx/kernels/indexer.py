@@ -356,6 +356,7 @@ SHARED_MEM unsigned int* ql = qh + 16 * MT * LDW;
 SHARED_MEM unsigned int* kh = ql + 16 * MT * LDW + warp * 2 * WK * LDW;  // the warp's keys: WK x LDW hi, then lo
 SHARED_MEM unsigned int* kl = kh + WK * LDW;
 SHARED_MEM float* w_s = reinterpret_cast<SHARED_MEM float*>(qh + 2 * (16 * MT + TILE) * LDW);  // 16 MT
+SHARED_MEM float* kscale = w_s + 16 * MT + warp * WK;  // the warp's keys' row scales
 for (int h = warp; h < 16 * MT; h += WARPS) {  // the queries, split once
   float2 v[D / 64];
   for (int j = 0; j < D / 64; ++j) {
@@ -380,14 +381,10 @@ for (int t0 = begin + WK * warp; t0 < last; t0 += TILE) {  // the warp's own WK 
     ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(kl + i * LDW + c),
                      reinterpret_cast<const GLOBAL_MEM float*>(rows_lo + at), real);
   }
-  ds4_async_commit();
-  float kinv[WK / 8][2];  // the scales of the lane's keys 8 nt + 2 c4 (+ 1), undone
-  for (int nt = 0; nt < WK / 8; ++nt) {
-    for (int u = 0; u < 2; ++u) {
-      const int key = t0 + 8 * nt + 2 * c4 + u;
-      kinv[nt][u] = key < last ? ds4_div(1.0f, rows_scale[key]) : 0.0f;
-    }
+  if (lane < WK) {
+    ds4_copy4_async(kscale + lane, rows_scale + (t0 + lane < last ? t0 + lane : 0), t0 + lane < last);
   }
+  ds4_async_commit();
   float large[MT][WK / 8][4], small[MT][WK / 8][4];  // q . k for 16 heads x 8 keys a tile; separate chains
   for (int mi = 0; mi < MT; ++mi) {
     for (int nt = 0; nt < WK / 8; ++nt) {
@@ -399,6 +396,13 @@ for (int t0 = begin + WK * warp; t0 < last; t0 += TILE) {  // the warp's own WK 
   }
   ds4_async_wait_all();
   ds4_simd_barrier();  // every lane's copies of the warp's planes landed
+  float kinv[WK / 8][2];  // the scales of the lane's keys 8 nt + 2 c4 (+ 1), undone
+  for (int nt = 0; nt < WK / 8; ++nt) {
+    for (int u = 0; u < 2; ++u) {
+      const int key = 8 * nt + 2 * c4 + u;
+      kinv[nt][u] = t0 + key < last ? ds4_div(1.0f, kscale[key]) : 0.0f;
+    }
+  }
   for (int kw = 0; kw < D / 2; kw += 16) {  // two k-steps of 16 dims
     unsigned int bh[WK / 8][4], bl[WK / 8][4];
     for (int nt = 0; nt < WK / 8; ++nt) {
@@ -465,14 +469,16 @@ TENSOR_SCORE_HEADS, TENSOR_SCORE_WIDTH = 64, 128
 
 def tensor_scores_bytes(heads: int = TENSOR_SCORE_HEADS, d: int = TENSOR_SCORE_WIDTH) -> int:
     """Dynamic threadgroup memory of the tensor-core score kernel: the queries' and each warp's keys' half planes
-    (D / 2 + 4 words a row, hi and lo) and the head weights: 105 KB at Flash's, two threadgroups an SM."""
+    (D / 2 + 4 words a row, hi and lo), the head weights and the keys' row scales: 105 KB at Flash's, two
+    threadgroups an SM (with the launch bounds' 128 registers a thread)."""
     m_tiles = -(-heads // 16)
-    return 4 * (2 * (16 * m_tiles + TENSOR_SCORE_WK * TENSOR_SCORE_WARPS) * (d // 2 + 4) + 16 * m_tiles)
+    return 4 * ((2 * (d // 2 + 4) + 1) * (16 * m_tiles + TENSOR_SCORE_WK * TENSOR_SCORE_WARPS))
 
 
 TENSOR_SCORES_KERNEL = Kernel("ds4_indexer_scores_tc",
                               ("q", "w", "rows_hi", "rows_lo", "rows_scale", "position", "scale", "count"),
-                              ("scores",), _TENSOR_SCORES, _HELPERS + SPLIT_ROW, shared_memory=tensor_scores_bytes())
+                              ("scores",), _TENSOR_SCORES, _HELPERS + SPLIT_ROW, shared_memory=tensor_scores_bytes(),
+                              launch_bounds=(TENSOR_SCORE_WARPS * SIMD_WIDTH, 2))
 
 
 def heads_padded(n_head: int) -> int:
