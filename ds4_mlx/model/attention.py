@@ -193,7 +193,7 @@ class Attention:
 
         q_latent = rms_norm(self.q_a(x), self.q_a_norm, self.eps)
         q = self.q_b(q_latent).reshape(t, self.n_head, self.head_dim)
-        q = self.rope(rms_norm(q, None, self.eps), positions)
+        q = FINISH_ROWS(q, positions, self.rope, (None, self.eps))  # norm and RoPE, one launch where it fits
 
         kv = self._finish_kv(self.kv(x), positions)
         n_prev = min(n_past, self.window - 1)
