@@ -43,7 +43,7 @@ import numpy as np
 
 from .attention import TOLERANCE
 from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
-from .halfsplit import SPLIT_ROW, split_rows
+from .halfsplit import SPLIT_ROW, held_split
 from .probe import random_activations
 from .registry import FastPath, current_backend
 
@@ -554,10 +554,10 @@ class ChunkAttention:
                              f"512, got {d}")
         kind, (q, raw, *rest), template = ChunkAttention._launch_inputs(*args)
         if kind != "window":
-            rest = [*split_rows(rest[0]), *rest[1:]]
+            rest = [*held_split(rest[0]), *rest[1:]]
         groups = -(-heads // TENSOR_HEADS)
         (out,) = build(TENSOR_KERNELS[kind, m_tiles], current_backend())(
-            inputs=[q, *split_rows(raw), *rest], template=template + [("WARPS", warps), ("TILE", TENSOR_TILE), ("M_TILES", m_tiles)],
+            inputs=[q, *held_split(raw), *rest], template=template + [("WARPS", warps), ("TILE", TENSOR_TILE), ("M_TILES", m_tiles)],
             grid=(groups * warps * SIMD_WIDTH, b, 1), threadgroup=(warps * SIMD_WIDTH, 1, 1),
             output_shapes=[(b, heads, d)], output_dtypes=[mx.float32],
         )

@@ -54,7 +54,7 @@ import numpy as np
 from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .dialect import Kernel, build
-from .halfsplit import BLOCK_ROWS, split_blocks
+from .halfsplit import BLOCK_ROWS, held_split
 from .probe import random_activations, random_blocks
 from .quants import dequantize, reference_matmul
 from .registry import FastPath, current_backend
@@ -298,25 +298,6 @@ def half_matmul(x: mx.array, w: mx.array, stages: int = STAGES) -> mx.array:
     return _launch(x, 1, w.shape[0], w.view(mx.uint32), unused, unused, 16, stages)
 
 
-SPLITS_HELD = 2
-"""The last splits of x kept for reuse (`split_of`): a layer's projections read one input several times (q_a, kv,
-the compressors' and the indexer's projections its normed input; q_b and the indexer's q_b its query latent; the
-router and the shared expert the FFN's), interleaved two at a time at most."""
-_splits: list[tuple[mx.array, int, tuple[mx.array, mx.array, mx.array]]] = []
-
-
-def split_of(x: mx.array, n_batch: int) -> tuple[mx.array, mx.array, mx.array]:
-    """split_blocks of x (..., IN) as n_batch batches of rows, made once for an array that several projections
-    read (the same array object: its values cannot have changed); the last SPLITS_HELD are held."""
-    for held, batches, parts in _splits:
-        if held is x and batches == n_batch:
-            return parts
-    parts = split_blocks(x.astype(mx.float32).reshape(-1, x.shape[-1]), n_batch)
-    _splits.insert(0, (x, n_batch, parts))
-    del _splits[SPLITS_HELD:]
-    return parts
-
-
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, biases: mx.array, bits: int,
             stages: int) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
@@ -326,7 +307,7 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
     col_tiles = -(-n_out // TN)
-    hi, lo, row_scale = split_of(x, n_batch)
+    hi, lo, row_scale = held_split(x, n_batch)
     blocks = -(-n_rows // BLOCK_ROWS)
     (y,) = build(kernel(bits, stages), current_backend())(
         inputs=[hi, lo, wq, scales, biases, mx.array([n_rows, n_out, n_in, col_tiles, blocks], dtype=mx.int32),

@@ -63,7 +63,7 @@ from gguf.quants import IQ2_XXS
 from ..model.gguf import GGMLType
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .grouped_gemm import TILE_HEAD, TILE_SCAN, THREADS, TM, TN, launch_grouped
-from .halfsplit import split_rows
+from .halfsplit import held_split
 from .registry import current_backend
 
 SLICE = 32
@@ -429,7 +429,7 @@ def raw_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type:
     expert. With `rows` (N,), pair i reads x[rows[i]] (x (T, IN): a chunk's tokens, each read by its k pairs, with no
     (N, IN) copy made and one row scale per token); without, x[i] (x (N, IN)). `tk` the stage width, `groups`
     the occupancy and `stages` the pipeline's depth (bench/prefill_gemms.py compares them). CUDA only."""
-    hi, lo, scales = split_rows(x)
+    hi, lo, scales = held_split(x)
     n = x.shape[0] if rows is None else rows.size
     gather = rows is not None
     index = rows.astype(mx.uint32) if gather else mx.zeros((1,), dtype=mx.uint32)

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..model.rope import RoPE
 from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
-from .halfsplit import SPLIT_ROW, split_rows
+from .halfsplit import SPLIT_ROW, held_split
 from .registry import FastPath, current_backend
 from .rows import ROW_HELPERS, RowQuant, fits, steady_rows
 
@@ -541,7 +541,7 @@ def tensor_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.
     chunk at 16k): 6.6 ms for the 3xTF32 kernel this replaced (A fragments a word at a time, keys split at every
     load), 6.4 with each warp splitting its 8 keys itself (the split, once per query, was most of its work)."""
     (t, h), (n, d) = weights.shape, rows.shape
-    hi, lo, row_scales = split_rows(rows)
+    hi, lo, row_scales = held_split(rows)
     (scores,) = build(TENSOR_SCORES_KERNEL, current_backend())(
         inputs=[q.astype(mx.float32), weights.astype(mx.float32), hi, lo, row_scales, positions.astype(mx.int32),
                 mx.array([scale], dtype=mx.float32), mx.array([n], dtype=mx.int32)],
