@@ -24,6 +24,7 @@ from ds4_mlx.model.attention import CHUNK_ATTENTION, attend, attend_block
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.model import Model
+from ds4_mlx.model.rope import RoPE
 from ds4_mlx.model.weights import open_weights
 from emulated_cuda import emulated_build
 from kernel_checks import assert_renders_cleanly, rendered, used_kinds
@@ -208,13 +209,48 @@ def test_emulated_tensor_chunk_attention_equals_reference(on_cpu, case, heads, m
         assert (np.array(got)[list(case[-1])] == 0).all()
 
 
+def finishing_args(case: tuple, seed: int = 0) -> tuple:
+    """A case's block_inputs with its queries as q_b's outputs (scaled by 37: the norm shows) and the RoPE of an
+    eighth of the head width (Flash's 64 of 512) at base 10000, eps 1e-6: what the model hands CHUNK_ATTENTION."""
+    q, *rest = block_inputs(*case, seed=seed)
+    return (q * 37.0, *rest, RoPE(q.shape[-1] // 8, 10000.0).inv_freq, 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["window-crosses-start", "many-heads", "rows-growing", "picked", "sink-only"])
+def test_emulated_tensor_kernel_finishes_the_queries(on_cpu, name, monkeypatch, tmp_path):
+    """With the RoPE's inv_freq, the tensor-core kernel norms and rotates each query in its launch and rotates the
+    output back: equal to the model's composition (`finishing` of attend_block), and not to the unfinished core."""
+    monkeypatch.setattr(chunk_attention, "build", emulated_build(tmp_path))
+    args = finishing_args(ODD_CASES[name])
+    got = ChunkAttention._tensor_kernel(*args)
+    want = chunk_attention.finishing(attend_block)(*args)
+    assert within(got, want)
+    assert not within(got, attend_block(*args[:10]))
+
+
+@pytest.mark.gpu
+def test_flash_queries_finished_in_the_tensor_kernel(on_gpu, kernels_unforced):
+    """Flash's picked layer, q_b's outputs finished in the launch (the model's call on CUDA): the kernel's fast path
+    takes the call and equals the reference."""
+    args = finishing_args((HEADS, DIM, WINDOW, 128, 8000, 8000 - WINDOW + 1, "picked", 4, 2032, PICKS, (5,)))
+    got = CHUNK_ATTENTION(*args)
+    key = CHUNK_ATTENTION.key(args[0], args[4], args[5], args[6], args[7], args[10])
+    assert key.n_rot == DIM // 8 and CHUNK_ATTENTION.path(key) is CHUNK_ATTENTION.tensor_path
+    assert within(got, chunk_attention.finishing(attend_block)(*args))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("key", [ChunkShape("window", 3, 64, 5, 0, 0), ChunkShape("rows", 17, 32, 6, 4, 0),
-                                 ChunkShape("rows", 2, 64, 4, 16, 0), ChunkShape("picked", 5, 64, 6, 0, 9)],
-                         ids=["window", "rows-ratio4", "rows-ratio16", "picked"])
+                                 ChunkShape("rows", 2, 64, 4, 16, 0), ChunkShape("picked", 5, 64, 6, 0, 9),
+                                 ChunkShape("picked", 5, 64, 6, 0, 9, 8)],
+                         ids=["window", "rows-ratio4", "rows-ratio16", "picked", "picked-finishing"])
 def test_emulated_probe_passes(on_cpu, monkeypatch, tmp_path, key):
     """The first-use probe's inputs, as the GPU will check them (at small shapes: the Flash ones take minutes)."""
     monkeypatch.setattr(chunk_attention, "build", emulated_build(tmp_path))
     args = ChunkAttention._probe(key)
-    assert ChunkAttention.key(args[0], args[4], args[5], args[6], args[7]) == key
-    assert within(ChunkAttention._kernel(*args), attend_block(*args))
+    assert ChunkAttention.key(args[0], args[4], args[5], args[6], args[7], *args[10:11]) == key
+    want = chunk_attention.finishing(attend_block)(*args)
+    assert within(chunk_attention.finishing(ChunkAttention._kernel)(*args), want)
+    if key.head_dim % 64 == 0:
+        assert within(ChunkAttention._tensor_kernel(*args), want)

@@ -27,6 +27,9 @@ are not real are never loaded), read where they are stored. Online softmax with 
   each warp turns 4 heads' scores into probabilities (the online softmax's maximum and sum per head, kept in its
   lanes), split into half planes, (3) each warp adds P V for its D / WARPS dims of every head (the keys' B
   fragments by ldmatrix.trans), its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads.
+  Given the RoPE's inv_freq (NROT), it also finishes q_b's outputs as it splits them (each head's RMSNorm, then
+  the RoPE at the query's position) and rotates the output back as it stores it (`finishing`, which the other
+  paths compose from ops): two passes over a chunk's (T, 64, 512) queries and outputs less.
   Measured (H200, 4096 queries from position 8192, bench/chunk_attention.py; ms for a ratio-4 layer / ratio 128 /
   window only): SIMT 32.0 / 10.8 / 4.9; the 3xTF32 kernel this replaced (mma.m16n8k8 on TF32 splits made again at
   every fragment load) 14.3 / 5.2 / 3.2; with half planes split in the kernel 10.3 / 4.1 / 2.5.
@@ -41,6 +44,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from ..model.norm import rms_norm
+from ..model.rope import ROTATE, RoPE, cos_sin
 from .attention import TOLERANCE
 from .dialect import SIMD_EXCLUSIVE_SUM, SIMD_WIDTH, Kernel, build
 from .halfsplit import SPLIT_ROW, held_split
@@ -223,6 +228,25 @@ for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
   for (int j = 0; j < D / 64; ++j) {
     v[j] = h0 + hl < H ? *reinterpret_cast<const GLOBAL_MEM float2*>(src + 2 * lane + 64 * j) : make_float2(0.0f, 0.0f);
   }
+  if (NROT > 0) {  // q_b's output: the head's RMSNorm, then the RoPE of its trailing NROT dims (rows.py's formulas)
+    float squares = 0.0f;
+    for (int j = 0; j < D / 64; ++j) {
+      squares += v[j].x * v[j].x + v[j].y * v[j].y;
+    }
+    const float norm = 1.0f / sqrt(ds4_simd_sum(squares) / (float)D + params[1]);
+    for (int j = 0; j < D / 64; ++j) {
+      const int dim = 2 * lane + 64 * j;
+      const float a = v[j].x * norm;
+      const float c = v[j].y * norm;
+      v[j] = make_float2(a, c);
+      if (dim >= D - NROT) {
+        const float angle = (float)pos * inv_freq[(dim - (D - NROT)) >> 1];
+        const float cs = ds4_cos(angle);
+        const float sn = ds4_sin(angle);
+        v[j] = make_float2(a * cs - c * sn, c * cs + a * sn);
+      }
+    }
+  }
   const float inv = ds4_split_row(v, qh + hl * LDW + lane, ql + hl * LDW + lane);
   if (lane == 0) {
     qinv_s[hl] = inv;
@@ -364,6 +388,13 @@ for (int i = 0; i < HEADS_PER_WARP; ++i) {
   }
 }
 ds4_barrier();
+float rc[NT], rs[NT];  // with NROT, the output's inverse RoPE: cos and sin of the lane's pair in each n-tile
+for (int j = 0; j < NT; ++j) {
+  const int dim = warp * 8 * NT + 8 * j + 2 * t;
+  const float angle = NROT > 0 && dim >= D - NROT ? (float)pos * inv_freq[(dim - (D - NROT)) >> 1] : 0.0f;
+  rc[j] = NROT > 0 && dim >= D - NROT ? ds4_cos(angle) : 1.0f;
+  rs[j] = NROT > 0 && dim >= D - NROT ? ds4_sin(angle) : 0.0f;
+}
 for (int mi = 0; mi < M_TILES; ++mi) {
   for (int half = 0; half < 2; ++half) {
     const int h = 16 * mi + g + 8 * half;
@@ -371,8 +402,11 @@ for (int mi = 0; mi < M_TILES; ++mi) {
       const float factor = alpha_s[h];
       GLOBAL_MEM float* dst = out + ((size_t)b * H + h0 + h) * D + warp * 8 * NT + 2 * t;
       for (int j = 0; j < NT; ++j) {
-        dst[8 * j] = o[mi][j][2 * half] * factor;
-        dst[8 * j + 1] = o[mi][j][2 * half + 1] * factor;
+        const float a = o[mi][j][2 * half] * factor;
+        const float c = o[mi][j][2 * half + 1] * factor;
+        const bool turn = NROT > 0 && warp * 8 * NT + 8 * j + 2 * t >= D - NROT;
+        dst[8 * j] = turn ? a * rc[j] + c * rs[j] : a;
+        dst[8 * j + 1] = turn ? c * rc[j] - a * rs[j] : c;
       }
     }
   }
@@ -451,7 +485,8 @@ def _tensor_source(kind: str, extra: str) -> str:
 
 TENSOR_KERNELS = {
     (kind, m_tiles): Kernel(f"ds4_chunk_attention_tc{m_tiles}_{kind}",
-                            ("q", *_planes("raw"), *[n for i in inputs for n in _planes(i)], "sinks", "info", "params"),
+                            ("q", *_planes("raw"), *[n for i in inputs for n in _planes(i)], "sinks", "inv_freq", "info",
+                             "params"),
                             ("out",), _tensor_source(kind, extra),
                             header=SIMD_EXCLUSIVE_SUM + SPLIT_ROW, shared_memory=tensor_shared_bytes(m_tiles))
     for kind, (inputs, extra, _) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)
@@ -462,7 +497,8 @@ TENSOR_KERNELS = {
 class ChunkShape(NamedTuple):
     """What selects a compiled chunk-attention kernel (its fast path's key): the kind of key set after the raw
     window (CHUNK_KEY_SETS), the head count and width, the window, the compression ratio of "rows" and the
-    indexer's picks per query of "picked" (0 where a kind has none)."""
+    indexer's picks per query of "picked" (0 where a kind has none), and the RoPE dims of the queries' finishing
+    (0: the queries come finished)."""
 
     kind: str
     heads: int
@@ -470,6 +506,25 @@ class ChunkShape(NamedTuple):
     window: int
     ratio: int
     picks: int
+    n_rot: int = 0
+
+
+def finishing(core: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """`core` (attend_block's contract) taking, where `inv_freq` is given, q_b's output: each head RMS-normed
+    (`eps`, no weight) and rotated at its position first, and the output rotated back (the decode step's finishing,
+    model/attention.py's attend_step). The tensor-core kernel does both in its launch; the others compose them."""
+
+    def attend(q: mx.array, raw: mx.array, raw_first: int, first: int, window: int, rows: mx.array | None,
+               ratio: int, picked: mx.array | None, valid: mx.array | None, sinks: mx.array,
+               inv_freq: mx.array | None = None, eps: float = 0.0) -> mx.array:
+        if inv_freq is None:
+            return core(q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks)
+        n_rot = 2 * inv_freq.shape[0]
+        cos, sin = cos_sin(mx.arange(first, first + q.shape[0], dtype=mx.int32), inv_freq)
+        q = ROTATE(rms_norm(q, None, eps), cos, sin, n_rot, False)
+        return ROTATE(core(q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks), cos, sin, n_rot, True)
+
+    return attend
 
 
 class ChunkAttention:
@@ -478,26 +533,30 @@ class ChunkAttention:
     with the sinks."""
 
     def __init__(self, reference: Callable[..., mx.array]):
+        reference = finishing(reference)
         self.tensor_path = FastPath("chunk_attention_tensor", reference, self._tensor_kernel, self._probe,
                                     tolerance=TOLERANCE, backends=("cuda",))
-        self.simt_path = FastPath("chunk_attention", reference, self._kernel, self._probe, tolerance=TOLERANCE,
-                                  backends=("cuda", "metal"))
+        self.simt_path = FastPath("chunk_attention", reference, finishing(self._kernel), self._probe,
+                                  tolerance=TOLERANCE, backends=("cuda", "metal"))
 
     def __call__(self, q: mx.array, raw: mx.array, raw_first: int, first: int, window: int, rows: mx.array | None,
-                 ratio: int, picked: mx.array | None, valid: mx.array | None, sinks: mx.array) -> mx.array:
+                 ratio: int, picked: mx.array | None, valid: mx.array | None, sinks: mx.array,
+                 inv_freq: mx.array | None = None, eps: float = 0.0) -> mx.array:
         """q (B, H, D): queries at positions first..first+B-1; raw (R, D): row j at position raw_first + j, of
         which a query at p sees p - window < position <= p; then the compressed rows (C, D) or None, of which
         either the first (p + 1) // ratio are visible or, with the indexer's `picked` (B, K) int32, those rows
-        where `valid` (B, K); sinks (H,) -> (B, H, D)."""
-        key = self.key(q, window, rows, ratio, picked)
-        return self.path(key)(q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks, key=key)
+        where `valid` (B, K); sinks (H,) -> (B, H, D). With the RoPE's `inv_freq`, q is q_b's output, finished
+        here and the output rotated back (`finishing`)."""
+        key = self.key(q, window, rows, ratio, picked, inv_freq)
+        args = (q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks)
+        return self.path(key)(*args, *(() if inv_freq is None else (inv_freq, eps)), key=key)
 
-    def used(self, heads: int, head_dim: int, window: int, ratio: int, picks: int) -> bool:
+    def used(self, heads: int, head_dim: int, window: int, ratio: int, picks: int, n_rot: int = 0) -> bool:
         """Whether a kernel serves every kind of key set a layer of these shapes can ask for (checking each
         on its first use): then a block's memory is its output alone, so blocks need not be small."""
         kinds = ["window"] + (["rows"] if ratio else []) + (["picked"] if picks else [])
         keys = [ChunkShape(kind, heads, head_dim, window, ratio if kind == "rows" else 0,
-                           picks if kind == "picked" else 0) for kind in kinds]
+                           picks if kind == "picked" else 0, n_rot) for kind in kinds]
         return all(self.path(key).enabled(key) for key in keys)
 
     def path(self, key: ChunkShape) -> FastPath:
@@ -507,11 +566,12 @@ class ChunkAttention:
         return self.tensor_path if fits and self.tensor_path.enabled(key) else self.simt_path
 
     @staticmethod
-    def key(q: mx.array, window: int, rows: mx.array | None, ratio: int, picked: mx.array | None) -> ChunkShape:
+    def key(q: mx.array, window: int, rows: mx.array | None, ratio: int, picked: mx.array | None,
+            inv_freq: mx.array | None = None) -> ChunkShape:
         """The shape class of a call's arguments (the fast paths' key)."""
         kind = "window" if rows is None else "rows" if picked is None else "picked"
         return ChunkShape(kind, q.shape[1], q.shape[2], window, ratio if kind == "rows" else 0,
-                          picked.shape[-1] if kind == "picked" else 0)
+                          picked.shape[-1] if kind == "picked" else 0, 0 if inv_freq is None else 2 * inv_freq.size)
 
     @staticmethod
     def _launch_inputs(q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks) -> tuple[str, list, list]:
@@ -546,18 +606,23 @@ class ChunkAttention:
 
     @staticmethod
     def _tensor_kernel(*args) -> mx.array:
+        """The tensor-core kernel, with the queries' finishing in its launch where args carry inv_freq and eps."""
+        args, (inv_freq, eps) = args[:10], (args[10:] or (None, 0.0))
         b, heads, d = args[0].shape
         m_tiles = TENSOR_HEADS // 16
         warps = 4 * m_tiles
         if d % 64 or d > 512:  # scores drained every 64 dims; each of up to 8 warps owns D / 8 of P V's dims
             raise ValueError(f"the tensor-core chunk attention needs a head width that is a multiple of 64 up to "
                              f"512, got {d}")
-        kind, (q, raw, *rest), template = ChunkAttention._launch_inputs(*args)
+        kind, (q, raw, *rest, info, params), template = ChunkAttention._launch_inputs(*args)
         if kind != "window":
             rest = [*held_split(rest[0]), *rest[1:]]
+        n_rot = 0 if inv_freq is None else 2 * inv_freq.size
+        finish = [inv_freq if n_rot else params, info, mx.array([1.0 / math.sqrt(d), eps], dtype=mx.float32)]
         groups = -(-heads // TENSOR_HEADS)
         (out,) = build(TENSOR_KERNELS[kind, m_tiles], current_backend())(
-            inputs=[q, *held_split(raw), *rest], template=template + [("WARPS", warps), ("TILE", TENSOR_TILE), ("M_TILES", m_tiles)],
+            inputs=[q, *held_split(raw), *rest, *finish],
+            template=template + [("WARPS", warps), ("TILE", TENSOR_TILE), ("M_TILES", m_tiles), ("NROT", n_rot)],
             grid=(groups * warps * SIMD_WIDTH, b, 1), threadgroup=(warps * SIMD_WIDTH, 1, 1),
             output_shapes=[(b, heads, d)], output_dtypes=[mx.float32],
         )
@@ -567,8 +632,9 @@ class ChunkAttention:
     def _probe(key: Hashable) -> tuple:
         """Five queries whose window starts before the chunk (the first sees a full window); "rows": visible
         counts that change within the block (at Flash's window, ratio 4: 33 to 34; ratio 128: 2 to 3); "picked":
-        each query's own ascending picks among twice as many rows, about a third not real, the third query's none."""
-        kind, heads, d, window, ratio, picks = key
+        each query's own ascending picks among twice as many rows, about a third not real, the third query's none;
+        with n_rot, q_b's outputs to finish (the RoPE at base 10000, eps 1e-6)."""
+        kind, heads, d, window, ratio, picks, n_rot = key
         b = 5
         first = max(window + 3, 3 * ratio - 2)
         raw_first = max(0, first - window + 1)
@@ -584,4 +650,5 @@ class ChunkAttention:
             real[2] = False
             valid = mx.array(real)
         return (random_activations((b, heads, d), seed=60), random_activations((first + b - raw_first, d), seed=61),
-                raw_first, first, window, rows, ratio, picked, valid, random_activations((heads,), seed=62))
+                raw_first, first, window, rows, ratio, picked, valid, random_activations((heads,), seed=62),
+                *((RoPE(n_rot, 10000.0).inv_freq, 1e-6) if n_rot else ()))

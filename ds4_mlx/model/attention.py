@@ -192,8 +192,7 @@ class Attention:
         positions = mx.arange(n_past, n_past + t, dtype=mx.int32)
 
         q_latent = rms_norm(self.q_a(x), self.q_a_norm, self.eps)
-        q = self.q_b(q_latent).reshape(t, self.n_head, self.head_dim)
-        q = FINISH_ROWS(q, positions, self.rope, (None, self.eps))  # norm and RoPE, one launch where it fits
+        q = self.q_b(q_latent).reshape(t, self.n_head, self.head_dim)  # normed and rotated in CHUNK_ATTENTION
 
         kv = self._finish_kv(self.kv(x), positions)
         n_prev = min(n_past, self.window - 1)
@@ -209,7 +208,8 @@ class Attention:
                 comp_rows = None
 
         picks = 0 if self.indexer is None else self.indexer.top_k
-        block = t if CHUNK_ATTENTION.used(self.n_head, self.head_dim, self.window, self.ratio, picks) else QUERY_BLOCK
+        block = (t if CHUNK_ATTENTION.used(self.n_head, self.head_dim, self.window, self.ratio, picks, self.rope.n_rot)
+                 else QUERY_BLOCK)
         if index_queries is not None:
             iq, iw = index_queries  # the reference's (B, n_head, N) product bounds a block; the kernels' does not
             if not INDEXER_PICK.enabled(iq, iw, index_rows, positions, None, RowQuant.NONE, self.ratio, picks):
@@ -222,9 +222,8 @@ class Attention:
                 picked, valid = INDEXER_PICK(iq[start:stop], iw[start:stop], index_rows, positions[start:stop], None,
                                              RowQuant.NONE, self.ratio, self.indexer.top_k)
             out.append(CHUNK_ATTENTION(q[start:stop], raw, n_past - n_prev, n_past + start, self.window, comp_rows,
-                                       self.ratio, picked, valid, self.sinks))
-        out = self.rope(mx.concatenate(out) if len(out) > 1 else out[0], positions, inverse=True)
-        return self._project_out(out), state
+                                       self.ratio, picked, valid, self.sinks, self.rope.inv_freq, self.eps))
+        return self._project_out(mx.concatenate(out) if len(out) > 1 else out[0]), state
 
     def step(self, x: mx.array, position: mx.array, state: LayerState, norm: Norm, completes: bool = True
              ) -> tuple[mx.array, LayerState]:
