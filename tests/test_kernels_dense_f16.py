@@ -103,20 +103,23 @@ def test_blocks_hold_each_lane_s_fragment_as_one_word():
 
 
 def test_an_input_several_projections_read_is_split_once(on_cpu):
-    """held_split hands back the split it made for the same array (a layer's projections of one input), makes a
-    new one for another array, batching or layout, holds only the last SPLITS_HELD of a layout, and equals the
-    split it stands for."""
+    """Within splits_held, held_split hands back the split it made for the same array (a layer's projections of one
+    input), makes a new one for another array, batching or layout, holds only the last SPLITS_HELD of a layout,
+    and equals the split it stands for; outside it, nothing is held."""
     xs = [random_activations((20, 64), seed=s) for s in (3, 4, 5)]
-    first = halfsplit.held_split(xs[0], 1)
-    assert halfsplit.held_split(xs[0], 1) is first
-    assert halfsplit.held_split(xs[0], 2) is not first
-    rows = halfsplit.held_split(xs[0])
-    assert rows is not first and halfsplit.held_split(xs[0]) is rows
-    for got, want in zip(first + rows, halfsplit.split_blocks(xs[0], 1) + halfsplit.split_rows(xs[0]), strict=True):
-        assert mx.array_equal(got, want)
-    for x in xs[1:]:
-        halfsplit.held_split(x, 1)
-    assert len(halfsplit._held[True]) == halfsplit.SPLITS_HELD and halfsplit.held_split(xs[0], 1) is not first
+    with halfsplit.splits_held():
+        first = halfsplit.held_split(xs[0], 1)
+        assert halfsplit.held_split(xs[0], 1) is first
+        assert halfsplit.held_split(xs[0], 2) is not first
+        rows = halfsplit.held_split(xs[0])
+        assert rows is not first and halfsplit.held_split(xs[0]) is rows
+        for got, want in zip(first + rows, halfsplit.split_blocks(xs[0], 1) + halfsplit.split_rows(xs[0]),
+                             strict=True):
+            assert mx.array_equal(got, want)
+        for x in xs[1:]:
+            halfsplit.held_split(x, 1)
+        assert len(halfsplit._held[True]) == halfsplit.SPLITS_HELD and halfsplit.held_split(xs[0], 1) is not first
+    assert halfsplit._held is None and halfsplit.held_split(xs[0]) is not halfsplit.held_split(xs[0])
 
 
 @pytest.mark.slow

@@ -11,8 +11,9 @@ that its absolute error is at most 2^-39 of it. Each product then takes two mma.
 same partial sums), whose products are exact in the float32 sums: ~2^-22 relative is dropped per product, the class
 of 3xTF32 (2^-21), with two mma of 16-deep products where 3xTF32 takes three of 8-deep ones.
 
-An array several kernels read is split once (`held_split`: a layer's projections of one input, the routed gate and
-up of the chunk's tokens, the indexer's query blocks of its rows; the last two of each layout held).
+An array several kernels read is split once within a prefill chunk's forward (`held_split` inside `splits_held`: a
+layer's projections of one input, the routed gate and up of the chunk's tokens, the indexer's query blocks of its
+rows; the last two of each layout held).
 
 Two layouts: row-major words (`split_rows`, for grouped_raw.py, whose tiles gather any rows by index and take their
 fragments by ldmatrix) and the fragment layout (`split_blocks`, for dense_f16.py, whose tiles are whole 16-row
@@ -21,6 +22,9 @@ the row-major reading cost 4.3 register moves per mma, Nsight Compute on the H20
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -284,21 +288,35 @@ SPLITS_HELD = 2
 (q_a, kv, the compressors' and the indexer's projections its normed input; q_b and the indexer's q_b its query
 latent; the router and the shared expert the FFN's input; the routed gate and up the chunk's tokens; the indexer's
 query blocks its rows), at most two inputs of a layout interleaved."""
-_held: dict[bool, list[tuple[mx.array, int, tuple[mx.array, mx.array, mx.array]]]] = {False: [], True: []}
+_held: dict[bool, list[tuple[mx.array, int | None, tuple[mx.array, mx.array, mx.array]]]] | None = None
+
+
+@contextmanager
+def splits_held() -> Iterator[None]:
+    """Within it (one prefill chunk's forward), `held_split` reuses the splits it made; after it, they are released.
+    An array's values never change while its graph is built, but a state buffer that outlives the chunk can be
+    written in place later (the decode graphs, model/graphstep.py), so no split outlives the chunk."""
+    global _held
+    _held = {False: [], True: []}
+    try:
+        yield
+    finally:
+        _held = None
 
 
 def held_split(x: mx.array, n_batch: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """`split_rows` of x (N, IN), or with n_batch `split_blocks` of x (..., IN) as n_batch batches of rows, made once
-    for an array that several kernels read (the same array object: its values cannot have changed); the last
-    SPLITS_HELD of each layout are held."""
-    held = _held[n_batch is not None]
-    for array, batches, parts in held:
+    """`split_rows` of x (N, IN), or with n_batch `split_blocks` of x (..., IN) as n_batch batches of rows; within
+    `splits_held`, made once for an array that several kernels read (the same array object) and the last
+    SPLITS_HELD of each layout held."""
+    held = None if _held is None else _held[n_batch is not None]
+    for array, batches, parts in held or ():
         if array is x and batches == n_batch:
             return parts
     if n_batch is None:
         parts = split_rows(x)
     else:
         parts = split_blocks(x.astype(mx.float32).reshape(-1, x.shape[-1]), n_batch)
-    held.insert(0, (x, n_batch, parts))
-    del held[SPLITS_HELD:]
+    if held is not None:
+        held.insert(0, (x, n_batch, parts))
+        del held[SPLITS_HELD:]
     return parts

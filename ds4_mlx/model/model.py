@@ -23,6 +23,7 @@ import mlx.core as mx
 from ds4_mlx.errors import RequestError
 from ds4_mlx.kernels import registry
 from ds4_mlx.kernels.ends import EMBED_STREAMS
+from ds4_mlx.kernels.halfsplit import splits_held
 from ds4_mlx.kernels.quants import dequantize
 from ds4_mlx.model.attention import Attention, Indexer
 from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
@@ -251,10 +252,11 @@ class Model:
         layers = list(cache.layers)
         grouped = tokens.size * self.config.n_expert_used > GATHER_LIMIT
         residual: mx.array | PendingPost = streams
-        for layer, block in enumerate(self.blocks):
-            residual, layers[layer] = block(residual, tokens, n_past, layers[layer])
-            if grouped:  # a layer's float expert scratch (GiBs at Flash size) is freed before the next is made
-                mx.eval(*residual.arrays(), *layers[layer].arrays())
+        with splits_held():  # an input several kernels read is split into halves once (kernels/halfsplit.py)
+            for layer, block in enumerate(self.blocks):
+                residual, layers[layer] = block(residual, tokens, n_past, layers[layer])
+                if grouped:  # a layer's float expert scratch (GiBs at Flash size) is freed before the next is made
+                    mx.eval(*residual.arrays(), *layers[layer].arrays())
         streams = residual.apply()
         cache.layers, cache.n_tokens = layers, n_past + tokens.size
         return streams
