@@ -539,7 +539,8 @@ def tensor_scores(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.
     against them, then sums w_h relu(.) over the heads in its lanes; rows past the visible count are skipped
     (causal: a chunk's early queries see fewer). Measured (H200, the indexer of a ratio-4 layer's 4096-token
     chunk at 16k): 6.6 ms for the 3xTF32 kernel this replaced (A fragments a word at a time, keys split at every
-    load), 6.4 with each warp splitting its 8 keys itself (the split, once per query, was most of its work)."""
+    load), 6.4 with each warp splitting its 8 keys itself (the split, once per query, was most of its work), 4.4
+    with the rows split before the launch, 3.4 with their scales staged with them and two threadgroups an SM."""
     (t, h), (n, d) = weights.shape, rows.shape
     hi, lo, row_scales = held_split(rows)
     (scores,) = build(TENSOR_SCORES_KERNEL, current_backend())(
