@@ -238,14 +238,14 @@ for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
     const float norm = 1.0f / sqrt(ds4_simd_sum(squares) / (float)D + params[1]);
     for (int j = 0; j < D / 64; ++j) {
       const int dim = 2 * lane + 64 * j;
-      const float a = v[j].x * norm;
-      const float c = v[j].y * norm;
-      v[j] = make_float2(a, c);
+      const float x0 = v[j].x * norm;
+      const float x1 = v[j].y * norm;
+      v[j] = make_float2(x0, x1);
       if (dim >= D - NROT) {
         const float angle = (float)pos * inv_freq[(dim - (D - NROT)) >> 1];
         const float cs = ds4_cos(angle);
         const float sn = ds4_sin(angle);
-        v[j] = make_float2(a * cs - c * sn, c * cs + a * sn);
+        v[j] = make_float2(x0 * cs - x1 * sn, x1 * cs + x0 * sn);
       }
     }
   }
@@ -314,8 +314,8 @@ STAGE_NEXT
   srow[8 * PSTRIDE + 1] = s[3] * lower_q * key1;
   ds4_barrier();
   const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
-  // P V takes the keys as scaled (key / kinv): each probability times its key's kinv / R, R the round's largest
-  // kinv (at most 1: no half overflows), and the round's P V times R
+  // P V takes the keys as split (each times its row scale): each probability times its key's inverse scale over R,
+  // the round's largest inverse scale (so at most 1: no half overflows), and the round's P V times R
   const float kinv = lane < count ? ds4_div(1.0f, kscale_r[lane]) : 0.0f;
   const float big = ds4_simd_max(kinv);
   const float rel = ds4_div(kinv, big);
@@ -404,11 +404,11 @@ for (int mi = 0; mi < M_TILES; ++mi) {
       const float factor = alpha_s[h];
       GLOBAL_MEM float* dst = out + ((size_t)b * H + h0 + h) * D + warp * 8 * NT + 2 * t;
       for (int j = 0; j < NT; ++j) {
-        const float a = o[mi][j][2 * half] * factor;
-        const float c = o[mi][j][2 * half + 1] * factor;
+        const float y0 = o[mi][j][2 * half] * factor;
+        const float y1 = o[mi][j][2 * half + 1] * factor;
         const bool turn = NROT > 0 && warp * 8 * NT + 8 * j + 2 * t >= D - NROT;
-        dst[8 * j] = turn ? a * rc[j] + c * rs[j] : a;
-        dst[8 * j + 1] = turn ? c * rc[j] - a * rs[j] : c;
+        dst[8 * j] = turn ? y0 * rc[j] + y1 * rs[j] : y0;
+        dst[8 * j + 1] = turn ? y1 * rc[j] - y0 * rs[j] : y1;
       }
     }
   }
@@ -438,9 +438,10 @@ KEY_SOURCE
     }
   }
   ds4_async_commit();"""
-"""A round's keys staged from their half planes, split before the launch (halfsplit.split_rows), without passing
-through registers (cp.async), with their row scales: round ROUND lands in buffer PARITY while the previous round is multiplied. KEY_SOURCE
-says whether key n is a raw row and its index `at`; ROWS the compressed rows' inputs (the raw ones for "window")."""
+"""A round's keys staged from their half planes, split before the launch (halfsplit.split_rows), with their row
+scales, without passing through registers (cp.async): round ROUND lands in buffer PARITY while the previous round
+is multiplied. KEY_SOURCE says whether key n is a raw row and its index `at`; ROWS the compressed rows' inputs (the
+raw ones for "window")."""
 TENSOR_KEY_SOURCES: dict[str, tuple[str, str]] = {
     "window": ("raw", "const bool from_raw = true;\nconst int at = lo + n;"),
     "rows": ("rows", "const bool from_raw = n < n_raw;\nconst int at = from_raw ? lo + n : n - n_raw;"),
@@ -450,7 +451,7 @@ TENSOR_KEY_SOURCES: dict[str, tuple[str, str]] = {
 rows' planes and the key's source and index."""
 TENSOR_HEADS = 32
 """Heads a tensor-core threadgroup serves (16 or 32: 4 warps per 16); its keys are read from L2 and split once per
-this many heads. Threadgroup memory at D = 512: 209 KB with 32, 171 KB with 16 (one threadgroup an SM either way).
+this many heads. Threadgroup memory at D = 512: 210 KB with 32, 172 KB with 16 (one threadgroup an SM either way).
 Measured for the TF32 kernel before its keys were double-buffered (137 and 101 KB, two threadgroups an SM at 16):
 32 heads 18.5 ms, 16 heads 23.8 for a ratio-4 layer's 4096 queries (bench/chunk_attention.py)."""
 TENSOR_TILE = 32
@@ -487,8 +488,8 @@ def _tensor_source(kind: str, extra: str) -> str:
 
 TENSOR_KERNELS = {
     (kind, m_tiles): Kernel(f"ds4_chunk_attention_tc{m_tiles}_{kind}",
-                            ("q", *_planes("raw"), *[n for i in inputs for n in _planes(i)], "sinks", "inv_freq", "info",
-                             "params"),
+                            ("q", *_planes("raw"), *[n for i in inputs for n in _planes(i)], "sinks", "inv_freq",
+                             "info", "params"),
                             ("out",), _tensor_source(kind, extra),
                             header=SIMD_EXCLUSIVE_SUM + SPLIT_ROW, shared_memory=tensor_shared_bytes(m_tiles))
     for kind, (inputs, extra, _) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)

@@ -255,8 +255,8 @@ for (int f = tid; f < frags; f += THREADS) {
 }
 """
 """One threadgroup per block of 16 row slots (THREADS = 256: SIMD group w finds the scales of rows 2w and 2w + 1,
-reading both rows 16 bytes a load), then each thread one 16-byte A fragment at a time: four values of two rows (g and g + 8)
-read as 16-byte words, scaled, split, and the hi and lo fragments written whole (padding rows zero)."""
+reading both rows 16 bytes a load), then each thread one 16-byte A fragment at a time: four values of two rows (g
+and g + 8) read as 16-byte words, scaled, split, and the hi and lo fragments written whole (padding rows zero)."""
 
 BLOCK_KERNEL = Kernel("ds4_split_blocks", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT_BLOCKS, ROW_SCALE)
 
