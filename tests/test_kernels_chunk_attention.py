@@ -229,6 +229,24 @@ def test_emulated_tensor_kernel_finishes_the_queries(on_cpu, name, monkeypatch, 
     assert not within(got, attend_block(*args[:10]))
 
 
+@pytest.mark.slow
+def test_emulated_tensor_kernel_answers_a_query_whatever_its_chunk(on_cpu, monkeypatch, tmp_path):
+    """A query's output from the tensor-core kernel is the same bits whether its block holds the other queries or
+    not, and whatever raw rows come before its window (another chunking: the raw rows start elsewhere): its keys'
+    scales are per row and its rounds start at its own first key, so chunked prefill moves it only where its inputs
+    move."""
+    monkeypatch.setattr(chunk_attention, "build", emulated_build(tmp_path))
+    q, raw, raw_first, first, window, rows, ratio, picked, valid, sinks, inv_freq, eps = finishing_args(
+        ODD_CASES["picked"], seed=5)
+    whole = np.array(ChunkAttention._tensor_kernel(q, raw, raw_first, first, window, rows, ratio, picked, valid,
+                                                   sinks, inv_freq, eps))
+    earlier = mx.concatenate([random_activations((7, q.shape[-1]), seed=9), raw])
+    for lo, hi in ((0, 2), (2, q.shape[0])):
+        part = ChunkAttention._tensor_kernel(q[lo:hi], earlier, raw_first - 7, first + lo, window, rows, ratio,
+                                             picked[lo:hi], valid[lo:hi], sinks, inv_freq, eps)
+        assert np.array_equal(np.array(part), whole[lo:hi])
+
+
 @pytest.mark.gpu
 def test_flash_queries_finished_in_the_tensor_kernel(on_gpu, kernels_unforced):
     """Flash's picked layer, q_b's outputs finished in the launch (the model's call on CUDA): the kernel's fast path

@@ -345,6 +345,17 @@ def test_emulated_tensor_scores_are_exact_on_exact_inputs(on_cpu, n, top_k, tmp_
 
 
 @pytest.mark.slow
+def test_emulated_tensor_scores_do_not_depend_on_later_rows(on_cpu, tmp_path):
+    """A query's scores from the tensor-core kernel are the same bits whether the buffer holds rows it cannot see
+    yet or not (a later chunk's: another chunking), with its rows in other threadgroups' and warps' ranges."""
+    q, w, rows, positions = float_inputs(1100, TOP_K)
+    q, w, positions = q[:2], w[:2], positions[:2]  # they see top_k + 1 and 1099 rows
+    longer = emulated_tensor_scores(q, w, rows, positions, TOP_K, tmp_path)
+    shorter = emulated_tensor_scores(q, w, rows[:1099], positions, TOP_K, tmp_path)
+    assert np.array_equal(longer[:, :1099], shorter)
+
+
+@pytest.mark.slow
 def test_emulated_tensor_scores_within_tolerance(on_cpu, tmp_path):
     """Float queries and rows: split half products, heads summed in another order, within SCORE_TOLERANCE."""
     q, w, rows, positions = float_inputs(1100, TOP_K)
