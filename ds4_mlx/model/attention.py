@@ -14,8 +14,10 @@ the model width.
 A chunk of T tokens is computed at once; masks give every query exactly the rows it would see if the tokens were
 fed one at a time. Queries run in blocks to bound the memory of scores and gathered rows; on GPU backends a
 block's attention core, `attend_block` (masks from the positions, the key sets read where they are stored, softmax
-with the sinks), is one kernel (kernels/attention.py) that needs neither, so there a layer's queries are one block
-unless the indexer's scores bound it.
+with the sinks), is one kernel (kernels/chunk_attention.py) that needs neither, so there a layer's queries are one
+block unless the indexer's scores bound it. The block takes q_b's output and the RoPE, so that the queries' norm and
+RoPE and the output's inverse RoPE are part of that launch on CUDA (composed around it elsewhere, as the decode
+step's `attend_step` does).
 
 `step` is the decode form of the same sublayer: one token at a position held in an array, every shape fixed by
 the context size, so a compiled decode step traces it once. It always lets the indexer choose among the visible
