@@ -22,7 +22,8 @@ EXACT = 1e-5
 @pytest.mark.cuda
 def test_cuda_chunks_equal_smaller_chunks_on_flash_layers(on_cuda):
     """4 Flash layers (synthetic weights): a prompt of one CUDA chunk and a bit prefilled in CUDA's chunks and in
-    2048-token chunks gives the same logits, and the same state in the layers before the first indexer."""
+    2048-token chunks gives the same state in the layers before the first indexer (checked first: no indexer tie
+    can move it, so a failure there is a chunk dependence of its own), and the same logits."""
     from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 
     model = Model(synthetic_weights(flash_config(4)))
@@ -36,10 +37,11 @@ def test_cuda_chunks_equal_smaller_chunks_on_flash_layers(on_cuda):
         mx.eval(logits)
         results.append((logits, session.cache))
     (big, big_cache), (small, small_cache) = results
-    scale = mx.max(mx.abs(small)).item()
-    assert mx.max(mx.abs(big - small)).item() <= TOLERANCE * scale
     first_indexer = next(i for i in range(model.config.n_layer) if model.config.compress_ratio(i) == 4)
     assert first_indexer > 0
-    for a, b in zip(big_cache.layers[:first_indexer], small_cache.layers[:first_indexer]):
-        for x, y in zip(a.arrays(), b.arrays(), strict=True):
-            assert mx.max(mx.abs(x - y)).item() <= EXACT * max(1.0, mx.max(mx.abs(y)).item())
+    for layer, (a, b) in enumerate(zip(big_cache.layers[:first_indexer], small_cache.layers[:first_indexer])):
+        for x, y in zip(a.arrays(), b.arrays(), strict=True):  # first: a move here is no tie of the indexer's
+            moved = mx.max(mx.abs(x - y)).item() / max(1.0, mx.max(mx.abs(y)).item())
+            assert moved <= EXACT, f"layer {layer}'s state moved by {moved:.2e} of its largest value"
+    moved = mx.max(mx.abs(big - small)).item() / mx.max(mx.abs(small)).item()
+    assert moved <= TOLERANCE, f"the logits moved by {moved:.2e} of the largest"
