@@ -28,8 +28,9 @@ are not real are never loaded), read where they are stored. Online softmax with 
   lanes), split into half planes, (3) each warp adds P V for its D / WARPS dims of every head (the keys' B
   fragments by ldmatrix.trans), its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads.
   Given the RoPE's inv_freq (NROT), it also finishes q_b's outputs as it splits them (each head's RMSNorm, then
-  the RoPE at the query's position) and rotates the output back as it stores it (`finishing`, which the other
-  paths compose from ops): two passes over a chunk's (T, 64, 512) queries and outputs less.
+  the RoPE at the query's position, its angles' cos and sin taken once a threadgroup) and rotates the output back
+  as it stores it (`finishing`, which the other paths compose from ops): two passes over a chunk's (T, 64, 512)
+  queries and outputs less.
   Measured (H200, 4096 queries from position 8192, bench/chunk_attention.py; ms for a ratio-4 layer / ratio 128 /
   window only): SIMT 32.0 / 10.8 / 4.9; the 3xTF32 kernel this replaced (mma.m16n8k8 on TF32 splits made again at
   every fragment load) 14.3 / 5.2 / 3.2; with half planes split in the kernel 10.3 / 4.1 / 2.5; with the keys
@@ -223,6 +224,16 @@ SHARED_MEM float* alpha_s = p_s + HG * PSTRIDE;  // HG: each head's rescaling th
 SHARED_MEM float* qinv_s = alpha_s + HG;  // HG: each head's query scale undone
 SHARED_MEM float* kscale_s = qinv_s + HG;  // 2 x TILE: each key's row scale, this round's and the next's
 STAGE_FIRST
+SHARED float rot_cos[NROT > 0 ? NROT / 2 : 1];  // with NROT, the query position's angles: every head's, both ways
+SHARED float rot_sin[NROT > 0 ? NROT / 2 : 1];
+if (NROT > 0) {
+  for (int i = THREAD_IN_GROUP; i < NROT / 2; i += WARPS * 32) {
+    const float angle = (float)pos * inv_freq[i];  // the reference's float32 product
+    rot_cos[i] = ds4_cos(angle);
+    rot_sin[i] = ds4_sin(angle);
+  }
+  ds4_barrier();
+}
 for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
   const int hl = warp * HEADS_PER_WARP + i;
   const GLOBAL_MEM float* src = q + ((size_t)b * H + h0 + hl) * D;
@@ -242,9 +253,8 @@ for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
       const float x1 = v[j].y * norm;
       v[j] = make_float2(x0, x1);
       if (dim >= D - NROT) {
-        const float angle = (float)pos * inv_freq[(dim - (D - NROT)) >> 1];
-        const float cs = ds4_cos(angle);
-        const float sn = ds4_sin(angle);
+        const float cs = rot_cos[(dim - (D - NROT)) >> 1];
+        const float sn = rot_sin[(dim - (D - NROT)) >> 1];
         v[j] = make_float2(x0 * cs - x1 * sn, x1 * cs + x0 * sn);
       }
     }
@@ -390,13 +400,6 @@ for (int i = 0; i < HEADS_PER_WARP; ++i) {
   }
 }
 ds4_barrier();
-float rc[NT], rs[NT];  // with NROT, the output's inverse RoPE: cos and sin of the lane's pair in each n-tile
-for (int j = 0; j < NT; ++j) {
-  const int dim = warp * 8 * NT + 8 * j + 2 * t;
-  const float angle = NROT > 0 && dim >= D - NROT ? (float)pos * inv_freq[(dim - (D - NROT)) >> 1] : 0.0f;
-  rc[j] = NROT > 0 && dim >= D - NROT ? ds4_cos(angle) : 1.0f;
-  rs[j] = NROT > 0 && dim >= D - NROT ? ds4_sin(angle) : 0.0f;
-}
 for (int mi = 0; mi < M_TILES; ++mi) {
   for (int half = 0; half < 2; ++half) {
     const int h = 16 * mi + g + 8 * half;
@@ -406,9 +409,16 @@ for (int mi = 0; mi < M_TILES; ++mi) {
       for (int j = 0; j < NT; ++j) {
         const float y0 = o[mi][j][2 * half] * factor;
         const float y1 = o[mi][j][2 * half + 1] * factor;
-        const bool turn = NROT > 0 && warp * 8 * NT + 8 * j + 2 * t >= D - NROT;
-        dst[8 * j] = turn ? y0 * rc[j] + y1 * rs[j] : y0;
-        dst[8 * j + 1] = turn ? y1 * rc[j] - y0 * rs[j] : y1;
+        const int dim = warp * 8 * NT + 8 * j + 2 * t;
+        if (NROT > 0 && dim >= D - NROT) {  // rotated back by the negated angle
+          const float cs = rot_cos[(dim - (D - NROT)) >> 1];
+          const float sn = rot_sin[(dim - (D - NROT)) >> 1];
+          dst[8 * j] = y0 * cs + y1 * sn;
+          dst[8 * j + 1] = y1 * cs - y0 * sn;
+        } else {
+          dst[8 * j] = y0;
+          dst[8 * j + 1] = y1;
+        }
       }
     }
   }
