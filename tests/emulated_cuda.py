@@ -190,11 +190,13 @@ inline unsigned int ds4_quant_half2(unsigned int w, unsigned int selector, unsig
 }
 // __hfma2 with one rounding: the halves' product is exact in a double, the sum rounded there and then to a half
 // (exact wherever the kernels use it: small integer results).
-inline unsigned int ds4_quant_fma_half2(unsigned int w, unsigned int selector, unsigned int scale, unsigned int offset) {
+inline unsigned int ds4_quant_fma_half2(unsigned int w, unsigned int selector, unsigned int scale,
+                                        unsigned int offset) {
   const unsigned int h = ds4_byte_perm(w, 0x64646464u, selector);
   unsigned int r = 0u;
   for (int k = 0; k < 2; ++k) {
-    const double v = (double)ds4_half_to_float((h >> (16 * k)) & 0xFFFFu) * ds4_half_to_float((scale >> (16 * k)) & 0xFFFFu)
+    const float value = ds4_half_to_float((h >> (16 * k)) & 0xFFFFu);
+    const double v = (double)value * ds4_half_to_float((scale >> (16 * k)) & 0xFFFFu)
                      + ds4_half_to_float((offset >> (16 * k)) & 0xFFFFu);
     r |= half_bits((float)v) << (16 * k);
   }

@@ -6,10 +6,11 @@ significant bits. Each row of x is scaled by a power of two that puts its larges
 (`reference_row_scales`: exact, and undone exactly when the kernel stores the row), then split: hi = half(x), lo =
 half(x - hi) (`ds4_half2_split`, CUDA prelude), once before the GEMM (`split_rows`: one pass finding the scale and
 writing both halves, a kernel on CUDA, so that the GEMMs' staging of x is a copy of words; measured on the H200:
-7.17 → 6.54 ms per IQ2_XXS projection, 4.01 → 3.63 for q_b). hi + lo carries ~22 bits of x; lo stays a normal half down to 2^-17 of the row's largest value, and below
-that its absolute error is at most 2^-39 of it. Each product then takes two mma.m16n8k16 (lo w, then hi w into the
-same partial sums), whose products are exact in the float32 sums: ~2^-22 relative is dropped per product, the class
-of 3xTF32 (2^-21), with two mma of 16-deep products where 3xTF32 takes three of 8-deep ones.
+7.17 → 6.54 ms per IQ2_XXS projection, 4.01 → 3.63 for q_b). hi + lo carries ~22 bits of x; lo stays a normal
+half down to 2^-17 of the row's largest value, and below that its absolute error is at most 2^-39 of it. Each
+product then takes two mma.m16n8k16 (lo w, then hi w into the same partial sums), whose products are exact in the
+float32 sums: ~2^-22 relative is dropped per product, the class of 3xTF32 (2^-21), with two mma of 16-deep
+products where 3xTF32 takes three of 8-deep ones.
 
 An array several kernels read is split once within a prefill chunk's forward (`held_split` inside `splits_held`: a
 layer's projections of one input, the routed gate and up of the chunk's tokens, the indexer's query blocks of its
