@@ -6,8 +6,8 @@
 
 Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down under each plan
 (RAW_PLANS: stage width, threadgroups an SM, stages of x in flight), the dense affine projections (Q8_0) by the
-float16 kernel (dense_f16.py) at each pipeline depth and by its fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone,
-bench/RESULTS.md), and F16 matrices by the float16 kernel and cuBLAS's float32 GEMM (what they took before). Each line is checked against the first of its group (the outputs must agree within float32
+float16 kernel (dense_f16.py) at each pipeline depth, by warpgroup products (dense_wgmma.py) and by its fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone,
+bench/RESULTS.md), and F16 matrices by the float16 kernel, the wgmma kernel and cuBLAS's float32 GEMM (what they took before). Each line is checked against the first of its group (the outputs must agree within float32
 reassociation), so a fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median
 of `--repeats` evaluations is reported. CUDA only (the kernels are).
 """
@@ -26,6 +26,7 @@ import numpy as np
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import dense_matmul
 from ds4_mlx.kernels.dense_f16 import f16_affine_matmul, half_matmul
+from ds4_mlx.kernels.dense_wgmma import wgmma_affine_matmul, wgmma_half_matmul
 from ds4_mlx.kernels.grouped_gemm import expert_counts
 from ds4_mlx.kernels.grouped_raw import raw_grouped_gemm
 from ds4_mlx.kernels.probe import random_activations, random_blocks
@@ -102,7 +103,7 @@ def main() -> int:
         mx.eval(weight.wq, x)
         first = None
         for kind, matmul in (*((f"f16 stages={n}", partial(f16_affine_matmul, stages=n)) for n in STAGES),
-                             ("dequantize + cuBLAS float32", dense_float32)):
+                             ("wgmma", wgmma_affine_matmul), ("dequantize + cuBLAS float32", dense_float32)):
             y = matmul(x, weight)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
@@ -113,7 +114,7 @@ def main() -> int:
         x = random_activations((args.tokens, shape[1]), seed=6)
         first = None
         for kind, matmul in (*((f"f16 stages={n}", partial(half_matmul, stages=n)) for n in STAGES),
-                             ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
+                             ("wgmma", wgmma_half_matmul), ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
             y = matmul(x, w)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()

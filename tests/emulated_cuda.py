@@ -258,6 +258,50 @@ inline void ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned 
   }
 }
 
+// wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 with A from registers: the warpgroup's fragments gathered
+// (warp w holds rows 16 w.. of A as mma.m16n8k16's A fragment), B (16 x 128) read from threadgroup memory as the
+// descriptor of a K-major tile without swizzling lays it out: 8 x 8 core matrices of 16-byte rows (an N row's 8
+// consecutive K), the next core matrix along K LBO bytes on, along N SBO bytes on; each D element (lane's
+// fragment as mma's C, n8 block j in d[4 j..4 j + 3]) is its exact products summed in double onto D (or onto zero)
+// and truncated toward zero, as the mma above. It runs at once: the fence, commit and wait are nothing to do. The
+// exchange passes the whole threadgroup's barrier: every warpgroup of the kernels that use it calls it together.
+template <int LBO, int SBO>
+inline void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsigned int* b, int accumulate) {
+  static unsigned int as[8][128][4];
+  const unsigned int group = threadIdx.x >> 7, me = threadIdx.x & 127;
+  for (int i = 0; i < 4; ++i) as[group][me][i] = a[i];
+  ds4_barrier();
+  float A[64][16];
+  for (int l = 0; l < 128; ++l) {
+    const int row0 = 16 * (l >> 5), g = (l & 31) >> 2, t = l & 3;
+    for (int i = 0; i < 4; ++i) {
+      for (int h = 0; h < 2; ++h) {
+        A[row0 + g + 8 * (i & 1)][2 * t + 8 * (i >> 1) + h] = ds4_half_to_float((as[group][l][i] >> (16 * h)) & 0xFFFFu);
+      }
+    }
+  }
+  ds4_barrier();
+  const unsigned char* tile = reinterpret_cast<const unsigned char*>(b);
+  const int row0 = 16 * (me >> 5), g = (me & 31) >> 2, t = me & 3;
+  for (int j = 0; j < 16; ++j) {
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + g + 8 * (i >> 1), col = 8 * j + 2 * t + (i & 1);
+      double sum = accumulate ? d[4 * j + i] : 0.0;
+      for (int k = 0; k < 16; ++k) {
+        unsigned short bits;
+        std::memcpy(&bits, tile + (col >> 3) * SBO + (col & 7) * 16 + (k >> 3) * LBO + (k & 7) * 2, 2);
+        sum += (double)A[row][k] * ds4_half_to_float(bits);
+      }
+      const float nearest = (float)sum;
+      d[4 * j + i] = std::fabs((double)nearest) > std::fabs(sum) ? std::nextafter(nearest, 0.0f) : nearest;
+    }
+  }
+}
+inline void ds4_wgmma_fence() {}
+inline void ds4_wgmma_commit() {}
+template <int N> inline void ds4_wgmma_wait(float*) {}
+inline void ds4_fence_async_shared() {}
+
 // Threadgroups one after the other, by the same threads; a separate barrier ends each group, so a thread that
 // leaves the kernel early cannot stand in for one at the kernel's own barriers, and the next group does not touch
 // the static threadgroup memory before every thread is done with it.

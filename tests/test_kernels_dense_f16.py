@@ -15,11 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import batch, dense_f16, half, halfsplit, registry
+from ds4_mlx.kernels import batch, dense_f16, dense_wgmma, half, halfsplit, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
 from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, STAGES, THREADS, TK, TM, f16_affine_matmul,
                                        half_matmul)
+from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.halfsplit import BLOCK_ROWS, reference_row_scales, reference_split_blocks, to_blocks
 from ds4_mlx.kernels.probe import random_activations, random_blocks
@@ -118,7 +119,7 @@ def test_an_input_several_projections_read_is_split_once(on_cpu):
             assert mx.array_equal(got, want)
         for x in xs[1:]:
             halfsplit.held_split(x, 1)
-        assert len(halfsplit._held[True]) == halfsplit.SPLITS_HELD and halfsplit.held_split(xs[0], 1) is not first
+        assert len(halfsplit._held["blocks"]) == halfsplit.SPLITS_HELD and halfsplit.held_split(xs[0], 1) is not first
     assert halfsplit._held is None and halfsplit.held_split(xs[0]) is not halfsplit.held_split(xs[0])
 
 
@@ -261,7 +262,8 @@ def test_dense_f16_equals_the_reference_at_flash_size(on_cuda, name):
     want = reference_matmul(x, blocks, GGMLType.Q8_0, shape)
     assert got.shape == want.shape
     assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
-    assert (batch_matmul(x, weight) == got).all().item()
+    wgmma = dense_wgmma.fits(x, weight) and DENSE_WGMMA.enabled(GGMLType.Q8_0)  # Hopper's kernel first
+    assert (batch_matmul(x, weight) == (dense_wgmma.wgmma_affine_matmul(x, weight) if wgmma else got)).all().item()
 
 
 @pytest.mark.gpu
@@ -320,4 +322,4 @@ def test_half_batch_equals_the_reference_on_the_gpu(on_cuda, shape):
     assert HALF_BATCH.enabled(shape)
     want = x @ w.astype(mx.float32).T
     assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
-    assert (got == half_matmul(x, w)).all().item()
+    assert (got == dense_wgmma.half_product(x, w)).all().item()

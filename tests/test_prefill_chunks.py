@@ -4,29 +4,38 @@ GPU's kernels at Flash's shapes take a chunk of CUDA_PREFILL_CHUNK tokens (8192)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
 from ds4_mlx.model.model import Model
 from ds4_mlx.session import CUDA_PREFILL_CHUNK, Session
 
-TOLERANCE = 2e-3
-"""Of the largest logit. The chunks' kernels sum in float32 in an order that depends on the chunk, and the indexer's
-top-k picks near a tie can flip with that rounding, which moves everything downstream of them: the logits moved by
-6.6e-4 of the largest on the H200 (session 13), the later layers' rows by more on a few percent of their values."""
 EXACT = 1e-5
-"""Of the largest value: the state of the layers before the first indexer, which no pick touches (equal there)."""
+"""Of the largest value: the state of the layers before the first indexer, which no pick touches, and the logits
+when the indexer picks every row (its top_k past the rows a prompt makes, so that no tie can flip a pick). What is
+left is float32 summed in an order some MLX ops choose by shape."""
+TIED = 1e-2
+"""Of the largest logit, with Flash's top_k of 512: the chunks' kernels sum in float32 in an order that depends on
+the chunk, and a pick near a tie at the top_k-th place can flip with that rounding, which moves everything
+downstream of it. Measured on the H200: 6.6e-4 (session 13), 2.37e-3 and 2.46e-3 (session 15's and 16's trees,
+session 17), while with every row picked the same chunks agree within EXACT. A chunk-boundary bug (a row missed or
+seen twice, a position off) moves logits by far more than a flipped pick among 512."""
 
 
 @pytest.mark.gpu
 @pytest.mark.cuda
-def test_cuda_chunks_equal_smaller_chunks_on_flash_layers(on_cuda):
+@pytest.mark.parametrize(("top_k", "tolerance"), [(4096, EXACT), (None, TIED)], ids=["every_row", "flash_top_k"])
+def test_cuda_chunks_equal_smaller_chunks_on_flash_layers(on_cuda, top_k: int | None, tolerance: float):
     """4 Flash layers (synthetic weights): a prompt of one CUDA chunk and a bit prefilled in CUDA's chunks and in
     2048-token chunks gives the same state in the layers before the first indexer (checked first: no indexer tie
-    can move it, so a failure there is a chunk dependence of its own), and the same logits."""
+    can move it, so a failure there is a chunk dependence of its own), and the same logits: within EXACT when the
+    indexer's top_k (4096) passes the prompt's 2,123 compressed rows, within TIED at Flash's 512."""
     from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 
-    model = Model(synthetic_weights(flash_config(4)))
+    config = flash_config(4)
+    model = Model(synthetic_weights(config if top_k is None else replace(config, indexer_top_k=top_k)))
     prompt = [(13 * i + 7) % 9000 + 1 for i in range(CUDA_PREFILL_CHUNK + 300)]
     results = []
     for chunk in (CUDA_PREFILL_CHUNK, 2048):
@@ -44,4 +53,4 @@ def test_cuda_chunks_equal_smaller_chunks_on_flash_layers(on_cuda):
             moved = mx.max(mx.abs(x - y)).item() / max(1.0, mx.max(mx.abs(y)).item())
             assert moved <= EXACT, f"layer {layer}'s state moved by {moved:.2e} of its largest value"
     moved = mx.max(mx.abs(big - small)).item() / mx.max(mx.abs(small)).item()
-    assert moved <= TOLERANCE, f"the logits moved by {moved:.2e} of the largest"
+    assert moved <= tolerance, f"the logits moved by {moved:.2e} of the largest"

@@ -25,7 +25,9 @@ import mlx.core as mx
 from ..errors import Ds4Error
 from ..model.gguf import GGMLType
 from .affine import AffineWeight, to_affine
+from . import dense_wgmma
 from .dense_f16 import DENSE_F16, f16_affine_matmul, fits
+from .dense_wgmma import DENSE_WGMMA, wgmma_affine_matmul
 from .probe import random_activations, random_blocks
 from .quants import reference_matmul
 from .registry import FastPath, current_backend
@@ -57,11 +59,13 @@ def dense_matmul(x: mx.array, weight: AffineWeight, dtype: mx.Dtype) -> mx.array
 
 
 def batch_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
-    """x @ W.T for x of at least BATCH_TOKENS rows: in float32 on CUDA the tensor-core kernel that reads the affine
-    weight itself (dense_f16.py), elsewhere (or where its check failed) dequantize + GEMM where that check passed,
-    else the quantized matmul."""
+    """x @ W.T for x of at least BATCH_TOKENS rows: in float32 on CUDA the tensor-core kernels that read the affine
+    weight themselves (dense_wgmma.py on Hopper for Q8_0, dense_f16.py), elsewhere (or where their checks failed)
+    dequantize + GEMM where that check passed, else the quantized matmul."""
     dtype = prefill_dtype()
     ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
+    if dtype == mx.float32 and dense_wgmma.fits(x, weight) and DENSE_WGMMA.enabled(ggml_type):
+        return wgmma_affine_matmul(x, weight)
     if dtype == mx.float32 and fits(x, weight) and DENSE_F16.enabled(ggml_type):
         return f16_affine_matmul(x, weight)
     if AFFINE_BATCH[dtype].enabled(ggml_type):

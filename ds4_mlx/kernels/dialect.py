@@ -150,6 +150,34 @@ class Dialect:
         )
 
 
+_D64 = ", ".join(f"%{i}" for i in range(64))
+_WGMMA = """
+template <int LBO, int SBO>
+__device__ __forceinline__ void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsigned int* b,
+                                                        int accumulate) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(b);
+  const unsigned long long desc = (unsigned long long)((at & 0x3FFFFu) >> 4) | ((unsigned long long)(LBO >> 4) << 16)
+                                  | ((unsigned long long)(SBO >> 4) << 32);
+  asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %69, 0;\\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {""" + _D64 + """}, {%64, %65, %66, %67}, %68, p, "
+               "1, 1, 0;\\n}"
+               : """ + ", ".join(f'"+f"(d[{i}])' for i in range(64)) + """
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+__device__ __forceinline__ void ds4_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void ds4_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void ds4_wgmma_wait(float* d) {
+  asm volatile("wgmma.wait_group.sync.aligned %64;"
+               : """ + ", ".join(f'"+f"(d[{i}])' for i in range(64)) + """
+               : "n"(N) : "memory");
+}
+__device__ __forceinline__ void ds4_fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+"""
+"""The CUDA prelude's warpgroup products (sm_90a, Hopper's wgmma), written out here for their 64 accumulators."""
+
+
 NEUTRAL_WORDS = (
     "THREAD_IN_GROUP", "GROUP_X", "GROUP_Y", "SIMD_LANE", "SIMD_INDEX",
     "SHARED", "SHARED_MEM", "GLOBAL_MEM", "CONSTANT", "DEVICE_FN",
@@ -296,7 +324,7 @@ __device__ __forceinline__ void ds4_mma_tf32_16x8x8(float* c, const unsigned int
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-""",
+""" + _WGMMA,
     make=CachedKernel,
 )
 

@@ -33,7 +33,8 @@ import mlx.core as mx
 import numpy as np
 
 from .batch import BATCH_TOKENS
-from .dense_f16 import HALF_BATCH, half_matmul
+from .dense_f16 import HALF_BATCH
+from .dense_wgmma import half_product
 from .dialect import SIMD_WIDTH, Kernel, build
 from .fused_norm import PROBE_SCALE, Norm, apply, fits, normed_kernel, probe_norm, variant
 from .probe import random_activations
@@ -274,7 +275,7 @@ def half_matvec(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
     eps), x is first rms_norm(x, weight, eps), row by row: folded into the same launch."""
     if not _takes_kernel(x, w, norm):
         if _batch(x, w):
-            return half_matmul(apply(x, norm), w)
+            return half_product(apply(x, norm), w)
         return reference(x, w, norm)
     rows = x.size // x.shape[-1]
     if x.ndim == 2:
@@ -283,8 +284,9 @@ def half_matvec(x: mx.array, w: mx.array, norm: Norm | None = None) -> mx.array:
 
 
 def _batch(x: mx.array, w: mx.array) -> bool:
-    """Whether a chunk's rows take the float16 tensor-core GEMM (dense_f16.py, CUDA): float32 x of at least
-    BATCH_TOKENS rows, IN a multiple of 32, and its check passed for W's shape."""
+    """Whether a chunk's rows take a float16 tensor-core GEMM (dense_f16.py, CUDA; `half_product` takes
+    dense_wgmma.py's where it can): float32 x of at least BATCH_TOKENS rows, IN a multiple of 32, and dense_f16's
+    check passed for W's shape."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     return (rows >= BATCH_TOKENS and x.dtype == mx.float32 and w.ndim == 2 and w.shape[1] % 32 == 0
             and HALF_BATCH.enabled(tuple(w.shape)))

@@ -106,12 +106,14 @@ if (tid == 0) {
   scale[row] = sc;
 }
 for (int p = tid; p < n_in / 2; p += THREADS) {
-  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[(size_t)row * (n_in / 2) + p], lo[(size_t)row * (n_in / 2) + p]);
+  const int at = TRANSPOSED ? (p & ~15) | ((p & 3) << 2) | ((p >> 2) & 3) : p;
+  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[(size_t)row * (n_in / 2) + at], lo[(size_t)row * (n_in / 2) + at]);
 }
 """
 """One threadgroup per row: each thread the largest magnitude of its strided values, then the SIMD groups' and the
 row's (a maximum is exact in any order; every thread takes it), the scale from its exponent bits as the reference
-builds it, then each pair of the scaled row split into its hi and lo half pairs. A NaN is dropped by the
+builds it, then each pair of the scaled row split into its hi and lo half pairs (word p written at p, or with
+TRANSPOSED at `transpose_groups`'s place for it). A NaN is dropped by the
 comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays
 a NaN through the products anyway."""
 
@@ -135,10 +137,11 @@ def reference_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     return hi.view(mx.uint32), lo.view(mx.uint32), scale
 
 
-def _kernel_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def _kernel_split_rows(x: mx.array, transposed: bool = False) -> tuple[mx.array, mx.array, mx.array]:
     n, n_in = x.shape
     return tuple(build(SPLIT_KERNEL, current_backend())(
-        inputs=[x, mx.array([n_in], dtype=mx.int32)], template=[("THREADS", THREADS), ("X_TOP", X_TOP)],
+        inputs=[x, mx.array([n_in], dtype=mx.int32)],
+        template=[("THREADS", THREADS), ("X_TOP", X_TOP), ("TRANSPOSED", int(transposed))],
         grid=(n * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), output_shapes=[(n, n_in // 2)] * 2 + [(n,)],
         output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
 
@@ -159,6 +162,37 @@ prelude's); bit for bit equal (tolerance 0); key: the row length."""
 def split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """`reference_split_rows` of x (N, IN) float32, by the one-pass kernel where its check passed."""
     return SPLIT_ROWS(x.astype(mx.float32), key=x.shape[-1])
+
+
+def transpose_groups(words: mx.array) -> mx.array:
+    """Half-pair words (N, IN / 2), IN a multiple of 32, with each group of 16 words (32 values) read as a 4 x 4
+    matrix and transposed: word 4 t + a of a group goes to 4 a + t. dense_wgmma.py's B tiles are these rows' 16-byte
+    runs as they are (each the 8 K of one row of a wgmma core matrix): the run a = 2 kk + c holds words a, 4 + a, 8 +
+    a, 12 + a, the values that mma fragment c of k-step kk takes in the permutation of K the W fragments share (lane
+    t's values 8 t + 4 kk .. + 3, one 8-byte word of a Q8_0 row)."""
+    n, w = words.shape
+    return words.reshape(n, w // 16, 4, 4).swapaxes(-1, -2).reshape(n, w)
+
+
+def reference_split_transposed(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """`reference_split_rows` with hi and lo in `transpose_groups`'s layout."""
+    hi, lo, scale = reference_split_rows(x)
+    return transpose_groups(hi), transpose_groups(lo), scale
+
+
+def _kernel_split_transposed(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    return _kernel_split_rows(x, transposed=True)
+
+
+SPLIT_TRANSPOSED = FastPath("split_transposed", reference_split_transposed, _kernel_split_transposed, _split_probe,
+                            tolerance=0.0, backends=("cuda",))
+"""The split kernel writing `transpose_groups`'s layout, bit for bit the reference's; key: the row length."""
+
+
+def split_transposed(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """`reference_split_transposed` of x (N, IN) float32, IN a multiple of 32, by the kernel where its check
+    passed."""
+    return SPLIT_TRANSPOSED(x.astype(mx.float32), key=x.shape[-1])
 
 
 BLOCK_ROWS = 16
@@ -289,7 +323,9 @@ SPLITS_HELD = 2
 (q_a, kv, the compressors' and the indexer's projections its normed input; q_b and the indexer's q_b its query
 latent; the router and the shared expert the FFN's input; the routed gate and up the chunk's tokens; the indexer's
 query blocks its rows), at most two inputs of a layout interleaved."""
-_held: dict[bool, list[tuple[mx.array, int | None, tuple[mx.array, mx.array, mx.array]]]] | None = None
+LAYOUTS = ("rows", "blocks", "transposed")
+"""`held_split`'s layouts: `split_rows`, `split_blocks`, `split_transposed`."""
+_held: dict[str, list[tuple[mx.array, int | None, tuple[mx.array, mx.array, mx.array]]]] | None = None
 
 
 @contextmanager
@@ -298,23 +334,26 @@ def splits_held() -> Iterator[None]:
     An array's values never change while its graph is built, but a state buffer that outlives the chunk can be
     written in place later (the decode graphs, model/graphstep.py), so no split outlives the chunk."""
     global _held
-    _held = {False: [], True: []}
+    _held = {layout: [] for layout in LAYOUTS}
     try:
         yield
     finally:
         _held = None
 
 
-def held_split(x: mx.array, n_batch: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """`split_rows` of x (N, IN), or with n_batch `split_blocks` of x (..., IN) as n_batch batches of rows; within
-    `splits_held`, made once for an array that several kernels read (the same array object) and the last
-    SPLITS_HELD of each layout held."""
-    held = None if _held is None else _held[n_batch is not None]
+def held_split(x: mx.array, n_batch: int | None = None, layout: str = "rows") -> tuple[mx.array, mx.array, mx.array]:
+    """`split_rows` of x (N, IN), `split_transposed` of x (..., IN) (layout "transposed"), or with n_batch
+    `split_blocks` of x (..., IN) as n_batch batches of rows; within `splits_held`, made once for an array that
+    several kernels read (the same array object) and the last SPLITS_HELD of each layout held."""
+    layout = "blocks" if n_batch is not None else layout
+    held = None if _held is None else _held[layout]
     for array, batches, parts in held or ():
         if array is x and batches == n_batch:
             return parts
-    if n_batch is None:
+    if layout == "rows":
         parts = split_rows(x)
+    elif layout == "transposed":
+        parts = split_transposed(x.reshape(-1, x.shape[-1]))
     else:
         parts = split_blocks(x.astype(mx.float32).reshape(-1, x.shape[-1]), n_batch)
     if held is not None:

@@ -1,0 +1,299 @@
+"""Prefill's Q8_0 and F16 projections by Hopper's warpgroup products (wgmma, sm_90a), at float32 accuracy.
+
+dense_f16.py's kernel issues one mma.m16n8k16 at a time from registers, and Nsight Compute found it bound by the
+instructions around them (6.5 issued a mma, 8 warps an SM: the tensor pipe ~28% busy, ~97 TFLOP/s of useful work
+for q_b on the H200). A wgmma is one instruction for a 64 x 128 x 16 product of a warpgroup (four warps), its B
+operand read from threadgroup memory by the tensor cores themselves. The same arithmetic, arranged for it:
+
+- A = W in registers: warp w of a warpgroup holds 16 W rows (outputs) as mma's A fragments, made from the quants
+  in the tile as exact halves (q - 128; F16 values as they are), the permutation of K inside each 16-wide step
+  dense_f16.py's W fragments take (lane t reads one 8-byte word of a Q8_0 row: its values 8 t .. 8 t + 7);
+- B = x: 64 tokens, each as its hi and lo halves (halfsplit's rule: the row scaled by a power of two, then split),
+  as 128 columns: hi in columns 0-63, lo in 64-127, so that a lane's D holds a token's hi and lo sums together
+  (n8 blocks j and j + 8). The tile is K-major without swizzling: core matrices of 8 columns x 8 K (16-byte rows),
+  copied by cp.async from x's rows in `halfsplit.transpose_groups`'s layout, where each 16-byte run is the 8 K of
+  one core-matrix row in that same permutation;
+- each group of 32 K (one affine scale) is two wgmma into zeroed partial sums (the tensor cores truncate what
+  they accumulate), then drained into float32 accumulators with the group's scale, hi and lo added (F16: no
+  scale), as dense_f16.py drains its mma. The store undoes x's row scale exactly.
+
+A threadgroup is two warpgroups over 128 W rows x 64 tokens, each warpgroup the 64 rows 64 g..; stage s (group s
+of K) lands in buffer s % STAGES by cp.async, STAGES - 1 groups ahead: the B tile (128 x 32 halves, 8 KB), the
+tile's quant rows, and the group's scales. A step waits for its stage, makes the copies visible to the tensor cores
+(fence.proxy.async), passes one barrier (every warpgroup is done with the buffer the next copies overwrite: each
+waited for its wgmma before), issues the copies, reads its A fragments and scales, and issues its two wgmma.
+Threadgroups take token tiles fastest, so the ones running together share a W tile.
+
+Q4_K (whose nonzero offset needs x's row sums) keeps dense_f16.py's kernel; so does any device without wgmma (the
+first-use check fails to build there and the next path is taken). CUDA only; never run on Metal.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+
+from ..model.gguf import GGMLType
+from .affine import GROUP_SIZE, AffineWeight, to_affine
+from .dense_f16 import DENSE_F16, HALF_BATCH, PROBE_BANK, PROBE_SHAPE, TOLERANCE, half_matmul
+from .dialect import Kernel, build
+from .halfsplit import held_split
+from .registry import FastPath, current_backend, planned
+
+TT = 64
+"""Tokens (rows of x) per threadgroup: 128 columns of B, hi and lo."""
+TN = 128
+"""W rows (outputs) per threadgroup: two warpgroups of 64."""
+TK = GROUP_SIZE
+"""K per stage: one affine group, two wgmma k-steps of 16."""
+STAGES = 4
+"""Stages in flight: the copies land STAGES - 1 groups ahead of the products."""
+THREADS = 256
+"""Two warpgroups."""
+B_WORDS = 2 * TT * TK // 2
+"""A stage's B tile: 128 columns of 32 halves, 8 KB."""
+LBO = 128
+"""Bytes from one core matrix of the B tile to the next along K."""
+SBO = 4 * LBO
+"""Bytes from one core matrix to the next along N: the four along K of a group come first."""
+
+
+def stage_words(bits: int) -> int:
+    """32-bit words of threadgroup memory a stage holds: the B tile, the quant rows (TN rows of TK * bits / 32
+    words), and the group's TN scales (Q8_0)."""
+    return B_WORDS + TN * TK * bits // 32 + (TN if bits == 8 else 0)
+
+
+_SOURCE = """
+const int tid = THREAD_IN_GROUP;
+const int n_rows = dims[0];
+const int n_out = dims[1];
+const int n_in = dims[2];
+const int col_tiles = dims[3];
+const int row0 = GROUP_X * TT;
+const int batch = GROUP_Y / col_tiles;
+const int col0 = (GROUP_Y - batch * col_tiles) * TN;
+const int rows = n_rows - row0;
+constexpr int WW = TN * TK * BITS / 32;
+constexpr int WC = TK * BITS / 128;
+SHARED float rsx[TT];
+SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const int gid = lane >> 2;
+const int tig = lane & 3;
+const int wrow = 64 * (warp >> 2) + 16 * (warp & 3) + gid;
+const int half_words = n_in / 2;
+const int words = n_in * BITS / 32;
+const int groups = n_in / TK;
+const GLOBAL_MEM uint32_t* q_tile = wq + ((size_t)batch * n_out + col0) * words;
+const GLOBAL_MEM float* s_tile = scales + ((size_t)batch * n_out + col0) * groups;
+const size_t x_tile = (size_t)batch * n_rows + row0;
+if (tid < TT) {
+  rsx[tid] = tid < rows ? xscale[x_tile + tid] : 0.0f;
+}
+auto load_stage = [&](int s) {
+  SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
+  #pragma unroll
+  for (int c = tid; c < 2 * TT * 4; c += THREADS) {
+    const int n = c >> 2;
+    const int kc = c & 3;
+    const int token = n & (TT - 1);
+    const bool ok = token < rows;
+    const size_t at = (x_tile + (ok ? token : 0)) * half_words + s * 16 + 4 * kc;
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4),
+                     reinterpret_cast<const GLOBAL_MEM float*>((n < TT ? xhi : xlo) + at), ok);
+  }
+  #pragma unroll
+  for (int c = tid; c < TN * WC; c += THREADS) {
+    const int n = c / WC;
+    const bool ok = col0 + n < n_out;
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + B_WORDS + 4 * c),
+                     reinterpret_cast<const GLOBAL_MEM float*>(q_tile + (size_t)(ok ? n : 0) * words
+                                                                + s * (TK * BITS / 32) + 4 * (c % WC)), ok);
+  }
+  if (BITS == 8 && tid < TN) {
+    const bool ok = col0 + tid < n_out;
+    ds4_copy4_async(reinterpret_cast<SHARED_MEM float*>(st + B_WORDS + WW + tid),
+                    s_tile + (size_t)(ok ? tid : 0) * groups + s, ok);
+  }
+};
+#pragma unroll
+for (int s = 0; s < STAGES - 1; ++s) {
+  if (s < groups) {
+    load_stage(s);
+  }
+  ds4_async_commit();
+}
+const unsigned int centre = 0x64806480u;
+float acc[8][2][2] = {};
+float part[64];
+for (int s = 0; s < groups; ++s) {
+  ds4_async_wait_keep<STAGES - 2>();
+  ds4_fence_async_shared();
+  ds4_barrier();
+  if (s + STAGES - 1 < groups) {
+    load_stage(s + STAGES - 1);
+  }
+  ds4_async_commit();
+  const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
+  const SHARED_MEM unsigned int* ws = st + B_WORDS;
+  unsigned int a[2][4];
+  float sc[2] = {1.0f, 1.0f};
+  if (BITS == 16) {
+    const uint4 v0 = reinterpret_cast<const SHARED_MEM uint4*>(ws + wrow * 16)[tig];
+    const uint4 v1 = reinterpret_cast<const SHARED_MEM uint4*>(ws + (wrow + 8) * 16)[tig];
+    a[0][0] = v0.x;
+    a[0][1] = v1.x;
+    a[0][2] = v0.y;
+    a[0][3] = v1.y;
+    a[1][0] = v0.z;
+    a[1][1] = v1.z;
+    a[1][2] = v0.w;
+    a[1][3] = v1.w;
+  } else {
+    const uint2 v0 = reinterpret_cast<const SHARED_MEM uint2*>(ws + wrow * 8)[tig];
+    const uint2 v1 = reinterpret_cast<const SHARED_MEM uint2*>(ws + (wrow + 8) * 8)[tig];
+    const unsigned int r0[2] = {v0.x, v0.y};
+    const unsigned int r1[2] = {v1.x, v1.y};
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      a[kk][0] = ds4_quant_half2(r0[kk], 0x4140u, centre);
+      a[kk][1] = ds4_quant_half2(r1[kk], 0x4140u, centre);
+      a[kk][2] = ds4_quant_half2(r0[kk], 0x4342u, centre);
+      a[kk][3] = ds4_quant_half2(r1[kk], 0x4342u, centre);
+    }
+    const SHARED_MEM float* scs = reinterpret_cast<const SHARED_MEM float*>(ws + WW);
+    sc[0] = scs[wrow];
+    sc[1] = scs[wrow + 8];
+  }
+  ds4_wgmma_fence();
+  ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[0], st, 0);
+  ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[1], st + 2 * (LBO / 4), 1);
+  ds4_wgmma_commit();
+  ds4_wgmma_wait<0>(part);
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float sum = part[4 * j + 2 * h + e] + part[4 * (j + 8) + 2 * h + e];
+        acc[j][e][h] = BITS == 16 ? acc[j][e][h] + sum : fmaf(sc[h], sum, acc[j][e][h]);
+      }
+    }
+  }
+}
+ds4_async_wait_keep<0>();
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int n = col0 + wrow + 8 * h;
+  if (n < n_out) {
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * j + 2 * tig + e;
+        if (r < rows) {
+          y[(x_tile + r) * n_out + n] = acc[j][e][h] * ds4_div(1.0f, rsx[r]);
+        }
+      }
+    }
+  }
+}
+"""
+"""Stage s (group s of K) lands in buffer s % STAGES, STAGES - 1 groups ahead: B's 16-byte runs (column n, K run kc:
+x's hi plane for n < 64, lo for the rest, token n % 64, words 4 kc .. of the group in the transposed layout) at
+core matrix (n / 8, kc), row n % 8; the quant words as they are (TN rows); the group's TN scales (Q8_0). Tokens past
+T read as zeros, W rows past OUT as zero quants with scale 0. Lane 4 g + t of warp w holds W rows wrow = 64 (w / 4)
++ 16 (w % 4) + g and wrow + 8 (mma's A fragment rows g, g + 8); its D holds, for n8 block j < 8, tokens 8 j + 2 t
+and 8 j + 2 t + 1 of those rows' hi sums (part[4 j ..]) and, in block j + 8, their lo sums. STAGE, a stage's words,
+is `stage_words`'s."""
+
+
+@cache
+def kernel(bits: int) -> Kernel:
+    """The kernel for Q8_0 (bits 8) or F16 (16) weights. CUDA sm_90a only. Its threadgroup memory, STAGES x
+    `stage_words`, is dynamic: 51 KB for Q8_0, 64 KB for F16."""
+    return Kernel(f"ds4_dense_wgmma_{bits}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"), ("y",), _SOURCE,
+                  shared_memory=4 * STAGES * stage_words(bits), launch_bounds=(THREADS, 1))
+
+
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
+    """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN)."""
+    if weight.bits != 8:
+        raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
+    n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
+    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8)
+
+
+def wgmma_half_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
+    return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16)
+
+
+def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int) -> mx.array:
+    """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
+    n_in = x.shape[-1]
+    lead = x.shape[:-1]
+    n_rows = x.size // n_in // n_batch
+    if n_rows == 0:
+        return mx.zeros((*lead, n_out), dtype=mx.float32)
+    col_tiles = -(-n_out // TN)
+    hi, lo, row_scale = held_split(x, layout="transposed")
+    (y,) = build(kernel(bits), current_backend())(
+        inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
+        template=[("TT", TT), ("TN", TN), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits)),
+                  ("THREADS", THREADS), ("BITS", bits), ("B_WORDS", B_WORDS), ("LBO", LBO), ("SBO", SBO)],
+        grid=(-(-n_rows // TT) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
+    )
+    return y.reshape(*lead, n_out)
+
+
+def _fast(ggml_type: GGMLType, blocks, x, bank, xb) -> tuple[mx.array, mx.array]:
+    return (wgmma_affine_matmul(x, to_affine(blocks, ggml_type, PROBE_SHAPE)),
+            wgmma_affine_matmul(xb, to_affine(bank, ggml_type, PROBE_BANK)))
+
+
+DENSE_WGMMA = FastPath("dense_affine_wgmma", DENSE_F16.reference, _fast, DENSE_F16.probe, tolerance=TOLERANCE,
+                       backends=("cuda",))
+"""Q8_0 projections of a prefill batch by warpgroup products; key: the ggml type (Q8_0 only: `fits`). The probe
+and bound are dense_f16.py's: two partial column and row tiles, a batch of matrices; 1e-5 of the largest output."""
+HALF_WGMMA = FastPath("half_batch_wgmma", HALF_BATCH.reference, wgmma_half_matmul, HALF_BATCH.probe,
+                      tolerance=TOLERANCE, backends=("cuda",))
+"""F16 projections of a prefill batch by warpgroup products; key (OUT, IN). Probe and bound: dense_f16.py's."""
+
+
+@cache
+def _hopper() -> bool:
+    info = mx.device_info()
+    return int(info.get("compute_capability_major", 0)) == 9
+
+
+def hopper() -> bool:
+    """Whether the GPU has wgmma (compute capability 9.x, sm_90a; Blackwell's tensor cores take other instructions),
+    or graphs are being planned for CUDA (registry.planning: counted as the H200 runs them). Elsewhere the kernels
+    are not tried at all, so that no first-use check warns on every other NVIDIA GPU."""
+    if planned() is not None:
+        return planned() == "cuda"
+    return current_backend() == "cuda" and _hopper()
+
+
+def fits(x: mx.array, weight: AffineWeight) -> bool:
+    """Whether the kernel takes this product: on a Hopper GPU, Q8_0, and a 2-D W or a batch of W with a batch of
+    x."""
+    if weight.bits != 8 or not hopper():
+        return False
+    if weight.wq.ndim == 2:
+        return x.ndim >= 1
+    return weight.wq.ndim == 3 and x.ndim == 3 and x.shape[0] == weight.wq.shape[0]
+
+
+def half_product(x: mx.array, w: mx.array) -> mx.array:
+    """x @ W.T for a float16 W (OUT, IN) and a prefill batch x: by warpgroup products on a Hopper GPU where their
+    check passed, else dense_f16.py's kernel (whose check the caller has passed)."""
+    if hopper() and HALF_WGMMA.enabled(tuple(w.shape)):
+        return wgmma_half_matmul(x, w)
+    return half_matmul(x, w)
