@@ -57,6 +57,11 @@ LBO = 128
 """Bytes from one core matrix of the B tile to the next along K."""
 SBO = 4 * LBO
 """Bytes from one core matrix to the next along N: the four along K of a group come first."""
+PIPELINE = 1
+"""1: each warpgroup issues a group's wgmma before it drains the previous group's partial sums (two sets of 64,
+the copies STAGES - 2 groups ahead); 0: it waits for each group's wgmma and drains it at once."""
+BLOCKS = 1
+"""Threadgroups an SM the registers are held to (launch bounds)."""
 
 
 def stage_words(bits: int) -> int:
@@ -119,8 +124,9 @@ auto load_stage = [&](int s) {
                     s_tile + (size_t)(ok ? tid : 0) * groups + s, ok);
   }
 };
+constexpr int AHEAD = STAGES - 1 - PIPELINE;
 #pragma unroll
-for (int s = 0; s < STAGES - 1; ++s) {
+for (int s = 0; s < AHEAD; ++s) {
   if (s < groups) {
     load_stage(s);
   }
@@ -128,19 +134,19 @@ for (int s = 0; s < STAGES - 1; ++s) {
 }
 const unsigned int centre = 0x64806480u;
 float acc[8][2][2] = {};
-float part[64];
-for (int s = 0; s < groups; ++s) {
-  ds4_async_wait_keep<STAGES - 2>();
+float part[2][64];
+float scale[2][2];
+auto issue = [&](int s, float (&p)[64], float (&sc)[2]) {
+  ds4_async_wait_keep<AHEAD - 1>();
   ds4_fence_async_shared();
   ds4_barrier();
-  if (s + STAGES - 1 < groups) {
-    load_stage(s + STAGES - 1);
+  if (s + AHEAD < groups) {
+    load_stage(s + AHEAD);
   }
   ds4_async_commit();
   const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
   const SHARED_MEM unsigned int* ws = st + B_WORDS;
   unsigned int a[2][4];
-  float sc[2] = {1.0f, 1.0f};
   if (BITS == 16) {
     const uint4 v0 = reinterpret_cast<const SHARED_MEM uint4*>(ws + wrow * 16)[tig];
     const uint4 v1 = reinterpret_cast<const SHARED_MEM uint4*>(ws + (wrow + 8) * 16)[tig];
@@ -169,20 +175,48 @@ for (int s = 0; s < groups; ++s) {
     sc[1] = scs[wrow + 8];
   }
   ds4_wgmma_fence();
-  ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[0], st, 0);
-  ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[1], st + 2 * (LBO / 4), 1);
+  ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[0], st, 0);
+  ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[1], st + 2 * (LBO / 4), 1);
   ds4_wgmma_commit();
-  ds4_wgmma_wait<0>(part);
+};
+auto drain = [&](const float (&p)[64], const float (&sc)[2]) {
   #pragma unroll
   for (int j = 0; j < 8; ++j) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float sum = part[4 * j + 2 * h + e] + part[4 * (j + 8) + 2 * h + e];
+        const float sum = p[4 * j + 2 * h + e] + p[4 * (j + 8) + 2 * h + e];
         acc[j][e][h] = BITS == 16 ? acc[j][e][h] + sum : fmaf(sc[h], sum, acc[j][e][h]);
       }
     }
+  }
+};
+if (PIPELINE == 0) {
+  for (int s = 0; s < groups; ++s) {
+    issue(s, part[0], scale[0]);
+    ds4_wgmma_wait<0>(part[0]);
+    drain(part[0], scale[0]);
+  }
+} else {
+  for (int s = 0; s < groups; s += 2) {
+    issue(s, part[0], scale[0]);
+    if (s > 0) {
+      ds4_wgmma_wait<1>(part[1]);
+      drain(part[1], scale[1]);
+    }
+    if (s + 1 < groups) {
+      issue(s + 1, part[1], scale[1]);
+      ds4_wgmma_wait<1>(part[0]);
+      drain(part[0], scale[0]);
+    }
+  }
+  if (groups & 1) {
+    ds4_wgmma_wait<0>(part[0]);
+    drain(part[0], scale[0]);
+  } else {
+    ds4_wgmma_wait<0>(part[1]);
+    drain(part[1], scale[1]);
   }
 }
 ds4_async_wait_keep<0>();
@@ -213,27 +247,30 @@ is `stage_words`'s."""
 
 
 @cache
-def kernel(bits: int) -> Kernel:
+def kernel(bits: int, blocks: int = BLOCKS) -> Kernel:
     """The kernel for Q8_0 (bits 8) or F16 (16) weights. CUDA sm_90a only. Its threadgroup memory, STAGES x
     `stage_words`, is dynamic: 51 KB for Q8_0, 64 KB for F16."""
-    return Kernel(f"ds4_dense_wgmma_{bits}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"), ("y",), _SOURCE,
-                  shared_memory=4 * STAGES * stage_words(bits), launch_bounds=(THREADS, 1))
+    return Kernel(f"ds4_dense_wgmma_{bits}_{blocks}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"), ("y",),
+                  _SOURCE, shared_memory=4 * STAGES * stage_words(bits), launch_bounds=(THREADS, blocks))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
-    """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN)."""
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int] = (PIPELINE, BLOCKS)
+                        ) -> mx.array:
+    """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
+    `plan`: (PIPELINE, BLOCKS), which bench/prefill_gemms.py compares."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
-    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8)
+    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int] = (PIPELINE, BLOCKS)) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
-    return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16)
+    return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
 
 
-def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int) -> mx.array:
+def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
+            plan: tuple[int, int]) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
@@ -242,10 +279,12 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
         return mx.zeros((*lead, n_out), dtype=mx.float32)
     col_tiles = -(-n_out // TN)
     hi, lo, row_scale = held_split(x, layout="transposed")
-    (y,) = build(kernel(bits), current_backend())(
+    pipeline, blocks = plan
+    (y,) = build(kernel(bits, blocks), current_backend())(
         inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
         template=[("TT", TT), ("TN", TN), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits)),
-                  ("THREADS", THREADS), ("BITS", bits), ("B_WORDS", B_WORDS), ("LBO", LBO), ("SBO", SBO)],
+                  ("THREADS", THREADS), ("BITS", bits), ("B_WORDS", B_WORDS), ("LBO", LBO), ("SBO", SBO),
+                  ("PIPELINE", pipeline)],
         grid=(-(-n_rows // TT) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
