@@ -39,8 +39,8 @@ HALF = [(512, 4096), (8192, 1024)]
 RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1, 4))
 """(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
-WGMMA_PLANS = ((1, 1), (0, 1), (0, 2))
-"""dense_wgmma.py's (PIPELINE, BLOCKS): the default first."""
+WGMMA_PLANS = ((1, 1, 2, 1), (0, 1, 3, 1), (0, 2, 3, 1), (1, 1, 1, 1), (1, 1, 2, 0), (0, 1, 1, 1))
+"""dense_wgmma.py's (PIPELINE, BLOCKS, AHEAD, FENCE): the default first; FENCE 0 only to measure the fence."""
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
 """F16 matrices: a compressor's kv (the router's gate is 256 x 4096), the indexer's q_b."""
 
@@ -105,8 +105,8 @@ def main() -> int:
         mx.eval(weight.wq, x)
         first = None
         for kind, matmul in (*((f"f16 stages={n}", partial(f16_affine_matmul, stages=n)) for n in STAGES),
-                             *((f"wgmma pipeline={p} blocks={b}", partial(wgmma_affine_matmul, plan=(p, b)))
-                               for p, b in WGMMA_PLANS), ("dequantize + cuBLAS float32", dense_float32)):
+                             *((f"wgmma plan={''.join(map(str, plan))}", partial(wgmma_affine_matmul, plan=plan))
+                               for plan in WGMMA_PLANS), ("dequantize + cuBLAS float32", dense_float32)):
             y = matmul(x, weight)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
@@ -117,8 +117,8 @@ def main() -> int:
         x = random_activations((args.tokens, shape[1]), seed=6)
         first = None
         for kind, matmul in (*((f"f16 stages={n}", partial(half_matmul, stages=n)) for n in STAGES),
-                             *((f"wgmma pipeline={p} blocks={b}", partial(wgmma_half_matmul, plan=(p, b)))
-                               for p, b in WGMMA_PLANS), ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
+                             *((f"wgmma plan={''.join(map(str, plan))}", partial(wgmma_half_matmul, plan=plan))
+                               for plan in WGMMA_PLANS), ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
             y = matmul(x, w)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()

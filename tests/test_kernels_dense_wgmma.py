@@ -114,6 +114,19 @@ def test_emulated_kernel_equals_the_product(on_cpu, name, monkeypatch, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("groups", [1, 2, 3, 8])
+def test_emulated_kernel_without_the_pipeline(on_cpu, groups, monkeypatch, tmp_path):
+    """PIPELINE = 0 (each group's wgmma waited for and drained at once) gives the pipelined kernel's values, bit
+    for bit, for K of one group, an even and an odd count, and more groups than stages."""
+    monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
+    x, blocks, want = case(GGMLType.Q8_0, (40, 32 * groups), 9, seed=6)
+    weight = to_affine(blocks, GGMLType.Q8_0, (40, 32 * groups))
+    waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 1, 3, 1)))
+    assert dense_wgmma.PIPELINE == 1 and within(waited, want, TOLERANCE)
+    assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight))).all()
+
+
+@pytest.mark.slow
 def test_emulated_kernel_keeps_float32_accuracy_at_flash_k_and_any_row_scale(on_cpu, monkeypatch, tmp_path):
     """IN = 4096 within TOLERANCE / 10 of the float64 product; rows from 1e-30 to 1e30 and rows mixing magnitudes
     2^20 apart each within TOLERANCE of their own largest output."""

@@ -58,10 +58,17 @@ LBO = 128
 SBO = 4 * LBO
 """Bytes from one core matrix to the next along N: the four along K of a group come first."""
 PIPELINE = 1
-"""1: each warpgroup issues a group's wgmma before it drains the previous group's partial sums (two sets of 64,
-the copies STAGES - 2 groups ahead); 0: it waits for each group's wgmma and drains it at once."""
+"""1: each warpgroup issues a group's wgmma before it drains the previous group's partial sums (two sets of 64);
+0: it waits for each group's wgmma and drains it at once."""
 BLOCKS = 1
 """Threadgroups an SM the registers are held to (launch bounds)."""
+AHEAD = STAGES - 2
+"""Groups the copies run ahead of the products: at most STAGES - 1 - PIPELINE (a buffer is overwritten only
+after every warpgroup's wgmma that read it is done)."""
+FENCE = 1
+"""1: the copies made visible to the tensor cores' async proxy (fence.proxy.async) before the barrier, as PTX's
+memory model asks; 0 only in bench/prefill_gemms.py, to measure what the fence costs."""
+PLAN = (PIPELINE, BLOCKS, AHEAD, FENCE)
 
 
 def stage_words(bits: int) -> int:
@@ -124,7 +131,6 @@ auto load_stage = [&](int s) {
                     s_tile + (size_t)(ok ? tid : 0) * groups + s, ok);
   }
 };
-constexpr int AHEAD = STAGES - 1 - PIPELINE;
 #pragma unroll
 for (int s = 0; s < AHEAD; ++s) {
   if (s < groups) {
@@ -138,7 +144,9 @@ float part[2][64];
 float scale[2][2];
 auto issue = [&](int s, float (&p)[64], float (&sc)[2]) {
   ds4_async_wait_keep<AHEAD - 1>();
-  ds4_fence_async_shared();
+  if (FENCE) {
+    ds4_fence_async_shared();
+  }
   ds4_barrier();
   if (s + AHEAD < groups) {
     load_stage(s + AHEAD);
@@ -254,23 +262,23 @@ def kernel(bits: int, blocks: int = BLOCKS) -> Kernel:
                   _SOURCE, shared_memory=4 * STAGES * stage_words(bits), launch_bounds=(THREADS, blocks))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int] = (PIPELINE, BLOCKS)
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] = PLAN
                         ) -> mx.array:
     """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
-    `plan`: (PIPELINE, BLOCKS), which bench/prefill_gemms.py compares."""
+    `plan`: (PIPELINE, BLOCKS, AHEAD, FENCE), which bench/prefill_gemms.py compares."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
     return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int] = (PIPELINE, BLOCKS)) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
     return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int]) -> mx.array:
+            plan: tuple[int, int, int, int]) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
@@ -279,12 +287,14 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
         return mx.zeros((*lead, n_out), dtype=mx.float32)
     col_tiles = -(-n_out // TN)
     hi, lo, row_scale = held_split(x, layout="transposed")
-    pipeline, blocks = plan
+    pipeline, blocks, ahead, fence = plan
+    if not 1 <= ahead <= STAGES - 1 - pipeline:
+        raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
     (y,) = build(kernel(bits, blocks), current_backend())(
         inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
         template=[("TT", TT), ("TN", TN), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits)),
                   ("THREADS", THREADS), ("BITS", bits), ("B_WORDS", B_WORDS), ("LBO", LBO), ("SBO", SBO),
-                  ("PIPELINE", pipeline)],
+                  ("PIPELINE", pipeline), ("AHEAD", ahead), ("FENCE", fence)],
         grid=(-(-n_rows // TT) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
