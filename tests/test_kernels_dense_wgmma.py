@@ -70,8 +70,8 @@ def test_kernel_renders_for_cuda_only(bits):
     assert not re.search(r"\bds4_wgmma_f16_64x128x16\b", METAL.prelude)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in CUDA.prelude
     assert DENSE_WGMMA.backends == HALF_WGMMA.backends == ("cuda",)
-    # two warpgroups; the B tile's 16 core matrices along N of 4 along K: LBO and SBO 16-byte multiples
-    assert THREADS == 256 and TT == 64 and LBO % 16 == 0 and SBO == 4 * LBO
+    # two warpgroups; a B plane's 16 core matrices along N of 4 along K: LBO and SBO 16-byte multiples
+    assert THREADS == 256 and TT == 128 and LBO % 16 == 0 and SBO == 4 * LBO
     assert kernel.shared_memory == 4 * STAGES * dense_wgmma.stage_words(bits) <= 227 * 1024
 
 
@@ -115,15 +115,15 @@ def test_emulated_kernel_equals_the_product(on_cpu, name, monkeypatch, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("groups", [1, 2, 3, 8])
-def test_emulated_kernel_without_the_pipeline(on_cpu, groups, monkeypatch, tmp_path):
-    """PIPELINE = 0 (each group's wgmma waited for and drained at once) gives the pipelined kernel's values, bit
+def test_emulated_kernel_with_the_pipeline(on_cpu, groups, monkeypatch, tmp_path):
+    """PIPELINE = 1 (a group's wgmma issued before the previous group's drain) gives the default kernel's values, bit
     for bit, for K of one group, an even and an odd count, and more groups than stages."""
     monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
     x, blocks, want = case(GGMLType.Q8_0, (40, 32 * groups), 9, seed=6)
     weight = to_affine(blocks, GGMLType.Q8_0, (40, 32 * groups))
-    waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 1, 3, 1)))
-    assert dense_wgmma.PIPELINE == 1 and within(waited, want, TOLERANCE)
-    assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight))).all()
+    pipelined = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(1, 1, 2)))
+    assert dense_wgmma.PIPELINE == 0 and within(pipelined, want, TOLERANCE)
+    assert (pipelined == np.array(dense_wgmma.wgmma_affine_matmul(x, weight))).all()
 
 
 @pytest.mark.slow

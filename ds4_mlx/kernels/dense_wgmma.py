@@ -41,40 +41,37 @@ from .dialect import Kernel, build
 from .halfsplit import held_split
 from .registry import FastPath, current_backend, planned
 
-TT = 64
-"""Tokens (rows of x) per threadgroup: 128 columns of B, hi and lo."""
+TT = 128
+"""Tokens (rows of x) per threadgroup: the 128 columns of B."""
 TN = 128
 """W rows (outputs) per threadgroup: two warpgroups of 64."""
 TK = GROUP_SIZE
 """K per stage: one affine group, two wgmma k-steps of 16."""
 STAGES = 4
-"""Stages in flight: the copies land STAGES - 1 groups ahead of the products."""
+"""Stage buffers: the copies of a group land while earlier ones are multiplied."""
 THREADS = 256
 """Two warpgroups."""
-B_WORDS = 2 * TT * TK // 2
-"""A stage's B tile: 128 columns of 32 halves, 8 KB."""
+PLANE_WORDS = TT * TK // 2
+"""One plane (hi or lo) of a stage's B tile: 128 columns of 32 halves, 8 KB."""
 LBO = 128
-"""Bytes from one core matrix of the B tile to the next along K."""
+"""Bytes from one core matrix of a B plane to the next along K."""
 SBO = 4 * LBO
 """Bytes from one core matrix to the next along N: the four along K of a group come first."""
-PIPELINE = 1
-"""1: each warpgroup issues a group's wgmma before it drains the previous group's partial sums (two sets of 64);
-0: it waits for each group's wgmma and drains it at once."""
+PIPELINE = 0
+"""1: each warpgroup issues a group's wgmma before it drains the previous group's partial sums (two sets of 64
+registers); 0: it waits for each group's wgmma and drains it at once (measured the faster, one plan below)."""
 BLOCKS = 1
 """Threadgroups an SM the registers are held to (launch bounds)."""
-AHEAD = STAGES - 2
+AHEAD = STAGES - 1
 """Groups the copies run ahead of the products: at most STAGES - 1 - PIPELINE (a buffer is overwritten only
 after every warpgroup's wgmma that read it is done)."""
-FENCE = 1
-"""1: the copies made visible to the tensor cores' async proxy (fence.proxy.async) before the barrier, as PTX's
-memory model asks; 0 only in bench/prefill_gemms.py, to measure what the fence costs."""
-PLAN = (PIPELINE, BLOCKS, AHEAD, FENCE)
+PLAN = (PIPELINE, BLOCKS, AHEAD)
 
 
 def stage_words(bits: int) -> int:
-    """32-bit words of threadgroup memory a stage holds: the B tile, the quant rows (TN rows of TK * bits / 32
-    words), and the group's TN scales (Q8_0)."""
-    return B_WORDS + TN * TK * bits // 32 + (TN if bits == 8 else 0)
+    """32-bit words of threadgroup memory a stage holds: B's hi and lo planes, the quant rows (TN rows of TK * bits
+    / 32 words), and the group's TN scales (Q8_0)."""
+    return 2 * PLANE_WORDS + TN * TK * bits // 32 + (TN if bits == 8 else 0)
 
 
 _SOURCE = """
@@ -89,6 +86,7 @@ const int col0 = (GROUP_Y - batch * col_tiles) * TN;
 const int rows = n_rows - row0;
 constexpr int WW = TN * TK * BITS / 32;
 constexpr int WC = TK * BITS / 128;
+constexpr int B_WORDS = 2 * PLANE_WORDS;
 SHARED float rsx[TT];
 SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
 const int lane = SIMD_LANE;
@@ -99,36 +97,50 @@ const int wrow = 64 * (warp >> 2) + 16 * (warp & 3) + gid;
 const int half_words = n_in / 2;
 const int words = n_in * BITS / 32;
 const int groups = n_in / TK;
-const GLOBAL_MEM uint32_t* q_tile = wq + ((size_t)batch * n_out + col0) * words;
-const GLOBAL_MEM float* s_tile = scales + ((size_t)batch * n_out + col0) * groups;
 const size_t x_tile = (size_t)batch * n_rows + row0;
 if (tid < TT) {
   rsx[tid] = tid < rows ? xscale[x_tile + tid] : 0.0f;
 }
+const int kc = tid & 3;
+const int token = tid >> 2;
+const bool x_ok[2] = {token < rows, token + 64 < rows};
+const GLOBAL_MEM uint32_t* x_src[2][2];
+int x_dst[2];
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+  const size_t at = (x_tile + (x_ok[i] ? token + 64 * i : 0)) * half_words + 4 * kc;
+  x_src[0][i] = xhi + at;
+  x_src[1][i] = xlo + at;
+  const int n = token + 64 * i;
+  x_dst[i] = ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4;
+}
+const GLOBAL_MEM uint32_t* w_src[WC * TN / THREADS];
+bool w_ok[WC * TN / THREADS];
+#pragma unroll
+for (int i = 0; i < WC * TN / THREADS; ++i) {
+  const int c = tid + THREADS * i;
+  w_ok[i] = col0 + c / WC < n_out;
+  w_src[i] = wq + ((size_t)batch * n_out + col0 + (w_ok[i] ? c / WC : 0)) * words + 4 * (c % WC);
+}
+const bool s_ok = BITS == 8 && tid < TN && col0 + tid < n_out;
+const GLOBAL_MEM float* s_src = scales + (BITS == 8 ? ((size_t)batch * n_out + col0 + (s_ok ? tid : 0)) * groups : 0);
 auto load_stage = [&](int s) {
   SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
   #pragma unroll
-  for (int c = tid; c < 2 * TT * 4; c += THREADS) {
-    const int n = c >> 2;
-    const int kc = c & 3;
-    const int token = n & (TT - 1);
-    const bool ok = token < rows;
-    const size_t at = (x_tile + (ok ? token : 0)) * half_words + s * 16 + 4 * kc;
-    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4),
-                     reinterpret_cast<const GLOBAL_MEM float*>((n < TT ? xhi : xlo) + at), ok);
+  for (int plane = 0; plane < 2; ++plane) {
+    #pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + x_dst[i]),
+                       reinterpret_cast<const GLOBAL_MEM float*>(x_src[plane][i] + s * 16), x_ok[i]);
+    }
   }
   #pragma unroll
-  for (int c = tid; c < TN * WC; c += THREADS) {
-    const int n = c / WC;
-    const bool ok = col0 + n < n_out;
-    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + B_WORDS + 4 * c),
-                     reinterpret_cast<const GLOBAL_MEM float*>(q_tile + (size_t)(ok ? n : 0) * words
-                                                                + s * (TK * BITS / 32) + 4 * (c % WC)), ok);
+  for (int i = 0; i < WC * TN / THREADS; ++i) {
+    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + B_WORDS + 4 * (tid + THREADS * i)),
+                     reinterpret_cast<const GLOBAL_MEM float*>(w_src[i] + s * (TK * BITS / 32)), w_ok[i]);
   }
   if (BITS == 8 && tid < TN) {
-    const bool ok = col0 + tid < n_out;
-    ds4_copy4_async(reinterpret_cast<SHARED_MEM float*>(st + B_WORDS + WW + tid),
-                    s_tile + (size_t)(ok ? tid : 0) * groups + s, ok);
+    ds4_copy4_async(reinterpret_cast<SHARED_MEM float*>(st + B_WORDS + WW + tid), s_src + s, s_ok);
   }
 };
 #pragma unroll
@@ -139,14 +151,12 @@ for (int s = 0; s < AHEAD; ++s) {
   ds4_async_commit();
 }
 const unsigned int centre = 0x64806480u;
-float acc[8][2][2] = {};
+float acc[16][2][2] = {};
 float part[2][64];
 float scale[2][2];
 auto issue = [&](int s, float (&p)[64], float (&sc)[2]) {
   ds4_async_wait_keep<AHEAD - 1>();
-  if (FENCE) {
-    ds4_fence_async_shared();
-  }
+  ds4_fence_async_shared();
   ds4_barrier();
   if (s + AHEAD < groups) {
     load_stage(s + AHEAD);
@@ -183,18 +193,21 @@ auto issue = [&](int s, float (&p)[64], float (&sc)[2]) {
     sc[1] = scs[wrow + 8];
   }
   ds4_wgmma_fence();
-  ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[0], st, 0);
-  ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[1], st + 2 * (LBO / 4), 1);
+  #pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[kk], st + PLANE_WORDS + kk * 2 * (LBO / 4), kk);
+    ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[kk], st + kk * 2 * (LBO / 4), 1);
+  }
   ds4_wgmma_commit();
 };
 auto drain = [&](const float (&p)[64], const float (&sc)[2]) {
   #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < 16; ++j) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float sum = p[4 * j + 2 * h + e] + p[4 * (j + 8) + 2 * h + e];
+        const float sum = p[4 * j + 2 * h + e];
         acc[j][e][h] = BITS == 16 ? acc[j][e][h] + sum : fmaf(sc[h], sum, acc[j][e][h]);
       }
     }
@@ -233,7 +246,7 @@ for (int h = 0; h < 2; ++h) {
   const int n = col0 + wrow + 8 * h;
   if (n < n_out) {
     #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 16; ++j) {
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int r = 8 * j + 2 * tig + e;
@@ -245,13 +258,14 @@ for (int h = 0; h < 2; ++h) {
   }
 }
 """
-"""Stage s (group s of K) lands in buffer s % STAGES, STAGES - 1 groups ahead: B's 16-byte runs (column n, K run kc:
-x's hi plane for n < 64, lo for the rest, token n % 64, words 4 kc .. of the group in the transposed layout) at
-core matrix (n / 8, kc), row n % 8; the quant words as they are (TN rows); the group's TN scales (Q8_0). Tokens past
-T read as zeros, W rows past OUT as zero quants with scale 0. Lane 4 g + t of warp w holds W rows wrow = 64 (w / 4)
-+ 16 (w % 4) + g and wrow + 8 (mma's A fragment rows g, g + 8); its D holds, for n8 block j < 8, tokens 8 j + 2 t
-and 8 j + 2 t + 1 of those rows' hi sums (part[4 j ..]) and, in block j + 8, their lo sums. STAGE, a stage's words,
-is `stage_words`'s."""
+"""Stage s (group s of K) lands in buffer s % STAGES, AHEAD groups ahead: B's 16-byte runs (plane hi, then lo;
+column n a token, K run kc: words 4 kc .. of the token's group in the transposed layout) at core matrix (n / 8, kc),
+row n % 8, each thread copying its token's run kc for tokens t and t + 64, both planes; the quant words as they are
+(TN rows); the group's TN scales (Q8_0). Tokens past T read as zeros, W rows past OUT as zero quants with scale 0.
+Lane 4 g + t of warp w holds W rows wrow = 64 (w / 4) + 16 (w % 4) + g and wrow + 8 (mma's A fragment rows g,
+g + 8); each k-step multiplies its fragment by the lo plane, then the hi plane, into the same partial sums, whose
+n8 block j holds tokens 8 j + 2 t and 8 j + 2 t + 1 of those rows (part[4 j ..]). STAGE, a stage's words, is
+`stage_words`'s."""
 
 
 @cache
@@ -262,23 +276,23 @@ def kernel(bits: int, blocks: int = BLOCKS) -> Kernel:
                   _SOURCE, shared_memory=4 * STAGES * stage_words(bits), launch_bounds=(THREADS, blocks))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] = PLAN
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int] = PLAN
                         ) -> mx.array:
     """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
-    `plan`: (PIPELINE, BLOCKS, AHEAD, FENCE), which bench/prefill_gemms.py compares."""
+    `plan`: (PIPELINE, BLOCKS, AHEAD), which bench/prefill_gemms.py compares."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
     return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int] = PLAN) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
     return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int, int, int]) -> mx.array:
+            plan: tuple[int, int, int]) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
@@ -287,14 +301,14 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
         return mx.zeros((*lead, n_out), dtype=mx.float32)
     col_tiles = -(-n_out // TN)
     hi, lo, row_scale = held_split(x, layout="transposed")
-    pipeline, blocks, ahead, fence = plan
+    pipeline, blocks, ahead = plan
     if not 1 <= ahead <= STAGES - 1 - pipeline:
         raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
     (y,) = build(kernel(bits, blocks), current_backend())(
         inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
         template=[("TT", TT), ("TN", TN), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits)),
-                  ("THREADS", THREADS), ("BITS", bits), ("B_WORDS", B_WORDS), ("LBO", LBO), ("SBO", SBO),
-                  ("PIPELINE", pipeline), ("AHEAD", ahead), ("FENCE", fence)],
+                  ("THREADS", THREADS), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO),
+                  ("SBO", SBO), ("PIPELINE", pipeline), ("AHEAD", ahead)],
         grid=(-(-n_rows // TT) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
