@@ -1,6 +1,6 @@
 """What Nsight Compute saw in each kernel of a report: duration, issue rate, warp stall reasons, and the executed
-SASS by opcode (how many instructions of each kind a tensor-core instruction costs), and the instructions where
-warps waited most.
+SASS by opcode (how many instructions of each kind a tensor-core instruction costs), the memory units' and the
+tensor pipe's busy shares, and the instructions where warps waited most.
 
     ncu --set full -k regex:ds4_ -o /tmp/rep python3 bench/prefill_gemms.py --once
     python bench/ncu_summary.py /tmp/rep.ncu-rep [--ncu /usr/local/cuda/bin/ncu]
@@ -20,6 +20,9 @@ from collections import Counter
 
 TOP = 6
 """Instructions listed per kernel: those with the most stall samples, with their most frequent reason."""
+THROUGHPUT = (("L2", "lts__throughput.avg"), ("DRAM", "dram__throughput.avg"), ("L1", "l1tex__throughput.avg"),
+              ("tensor", "sm__pipe_tensor_op"), ("shared", "sm__pipe_shared_cycles_active.avg"))
+"""Units whose busy share of the elapsed time is printed: where a kernel that issues little is held."""
 
 
 def export(ncu: str, report: str, *args: str) -> str:
@@ -56,6 +59,9 @@ def summary(metrics: dict[str, str], lines: list[dict[str, str]]) -> None:
           f"{metrics.get('launch__registers_per_thread', '?')} registers, "
           f"{number(metrics.get('sm__warps_active.avg.pct_of_peak_sustained_active', '0')):.1f}% warps active, "
           f"issue slots busy {number(metrics.get('sm__inst_issued.avg.pct_of_peak_sustained_elapsed', '0')):.1f}%")
+    busy = [(label, number(value)) for label, pattern in THROUGHPUT
+            for key, value in metrics.items() if key.startswith(pattern) and key.endswith("pct_of_peak_sustained_elapsed")]
+    print("   throughput: " + ", ".join(f"{label} {value:.0f}%" for label, value in busy))
     stalls: Counter[str] = Counter()
     ops: Counter[str] = Counter()
     for line in lines:
@@ -75,9 +81,10 @@ def summary(metrics: dict[str, str], lines: list[dict[str, str]]) -> None:
         reason = max(reasons, key=reasons.get) if reasons else "?"
         print(f"   {100 * number(line.get('Warp Stall Sampling (All Samples)', '0')) / total:4.1f}% "
               f"{reason:<14} {line.get('Source', '').strip()[:70]}")
-    mma = ops["HMMA"] or 1
+    kind = "HGMMA" if ops["HGMMA"] else "HMMA"  # a warpgroup product counts once per warp
+    mma = ops[kind] or 1
     executed = sum(ops.values())
-    print(f"   executed {executed / 1e6:.0f} M instructions, {executed / mma:.1f} a HMMA: "
+    print(f"   executed {executed / 1e6:.0f} M instructions, {executed / mma:.1f} a {kind}: "
           + ", ".join(f"{k} {v / mma:.2f}" for k, v in ops.most_common(12)))
 
 

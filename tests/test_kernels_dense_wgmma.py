@@ -10,6 +10,7 @@ batch of matrices, Flash's K, rows of any size.
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 from ds4_mlx.kernels import dense_wgmma, halfsplit, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
-from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, THREADS, TT
+from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, TT, WARPGROUPS
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.halfsplit import reference_split_rows, reference_split_transposed, transpose_groups
 from ds4_mlx.kernels.probe import random_activations, random_blocks
@@ -71,7 +72,7 @@ def test_kernel_renders_for_cuda_only(bits):
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in CUDA.prelude
     assert DENSE_WGMMA.backends == HALF_WGMMA.backends == ("cuda",)
     # two warpgroups; a B plane's 16 core matrices along N of 4 along K: LBO and SBO 16-byte multiples
-    assert THREADS == 256 and TT == 128 and LBO % 16 == 0 and SBO == 4 * LBO
+    assert WARPGROUPS in (2, 3) and TT == 128 and LBO % 16 == 0 and SBO == 4 * LBO
     assert kernel.shared_memory == 4 * STAGES * dense_wgmma.stage_words(bits) <= 227 * 1024
 
 
@@ -121,9 +122,26 @@ def test_emulated_kernel_with_the_pipeline(on_cpu, groups, monkeypatch, tmp_path
     monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
     x, blocks, want = case(GGMLType.Q8_0, (40, 32 * groups), 9, seed=6)
     weight = to_affine(blocks, GGMLType.Q8_0, (40, 32 * groups))
-    pipelined = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(1, 1, 2)))
+    pipelined = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(1, 1, 2, 2)))
     assert dense_wgmma.PIPELINE == 0 and within(pipelined, want, TOLERANCE)
     assert (pipelined == np.array(dense_wgmma.wgmma_affine_matmul(x, weight))).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 16])
+def test_emulated_kernel_with_three_warpgroups(on_cpu, bits, monkeypatch, tmp_path):
+    """Three warpgroups over 192 W rows (the first 256 threads copying B): the two-warpgroup kernel's values, bit
+    for bit, with OUT past one and a half column tiles."""
+    monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
+    if bits == 8:
+        x, blocks, want = case(GGMLType.Q8_0, (300, 96), 130, seed=8)
+        weight = to_affine(blocks, GGMLType.Q8_0, (300, 96))
+        product = partial(dense_wgmma.wgmma_affine_matmul, x, weight)
+    else:
+        x, w, want = half_case(300, 96, 130, seed=8)
+        product = partial(dense_wgmma.wgmma_half_matmul, x, w)
+    three = np.array(product(plan=(0, 1, 3, 3)))
+    assert within(three, want, TOLERANCE) and (three == np.array(product(plan=(0, 1, 3, 2)))).all()
 
 
 @pytest.mark.slow

@@ -43,14 +43,13 @@ from .registry import FastPath, current_backend, planned
 
 TT = 128
 """Tokens (rows of x) per threadgroup: the 128 columns of B."""
-TN = 128
-"""W rows (outputs) per threadgroup: two warpgroups of 64."""
+WARPGROUPS = 2
+"""Warpgroups a threadgroup, each 64 W rows (outputs) of the TN = 64 WARPGROUPS the threadgroup takes: all of them
+read one B tile, so that more of them read less of x a product."""
 TK = GROUP_SIZE
 """K per stage: one affine group, two wgmma k-steps of 16."""
 STAGES = 4
 """Stage buffers: the copies of a group land while earlier ones are multiplied."""
-THREADS = 256
-"""Two warpgroups."""
 PLANE_WORDS = TT * TK // 2
 """One plane (hi or lo) of a stage's B tile: 128 columns of 32 halves, 8 KB."""
 LBO = 128
@@ -65,13 +64,14 @@ BLOCKS = 1
 AHEAD = STAGES - 1
 """Groups the copies run ahead of the products: at most STAGES - 1 - PIPELINE (a buffer is overwritten only
 after every warpgroup's wgmma that read it is done)."""
-PLAN = (PIPELINE, BLOCKS, AHEAD)
+PLAN = (PIPELINE, BLOCKS, AHEAD, WARPGROUPS)
 
 
-def stage_words(bits: int) -> int:
+def stage_words(bits: int, warpgroups: int = WARPGROUPS) -> int:
     """32-bit words of threadgroup memory a stage holds: B's hi and lo planes, the quant rows (TN rows of TK * bits
     / 32 words), and the group's TN scales (Q8_0)."""
-    return 2 * PLANE_WORDS + TN * TK * bits // 32 + (TN if bits == 8 else 0)
+    tn = 64 * warpgroups
+    return 2 * PLANE_WORDS + tn * TK * bits // 32 + (tn if bits == 8 else 0)
 
 
 _SOURCE = """
@@ -126,12 +126,14 @@ const bool s_ok = BITS == 8 && tid < TN && col0 + tid < n_out;
 const GLOBAL_MEM float* s_src = scales + (BITS == 8 ? ((size_t)batch * n_out + col0 + (s_ok ? tid : 0)) * groups : 0);
 auto load_stage = [&](int s) {
   SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
-  #pragma unroll
-  for (int plane = 0; plane < 2; ++plane) {
+  if (tid < 256) {
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + x_dst[i]),
-                       reinterpret_cast<const GLOBAL_MEM float*>(x_src[plane][i] + s * 16), x_ok[i]);
+    for (int plane = 0; plane < 2; ++plane) {
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + x_dst[i]),
+                         reinterpret_cast<const GLOBAL_MEM float*>(x_src[plane][i] + s * 16), x_ok[i]);
+      }
     }
   }
   #pragma unroll
@@ -260,7 +262,8 @@ for (int h = 0; h < 2; ++h) {
 """
 """Stage s (group s of K) lands in buffer s % STAGES, AHEAD groups ahead: B's 16-byte runs (plane hi, then lo;
 column n a token, K run kc: words 4 kc .. of the token's group in the transposed layout) at core matrix (n / 8, kc),
-row n % 8, each thread copying its token's run kc for tokens t and t + 64, both planes; the quant words as they are
+row n % 8, each of the first 256 threads copying its token's run kc for tokens t and t + 64, both planes; the
+quant words as they are
 (TN rows); the group's TN scales (Q8_0). Tokens past T read as zeros, W rows past OUT as zero quants with scale 0.
 Lane 4 g + t of warp w holds W rows wrow = 64 (w / 4) + 16 (w % 4) + g and wrow + 8 (mma's A fragment rows g,
 g + 8); each k-step multiplies its fragment by the lo plane, then the hi plane, into the same partial sums, whose
@@ -269,47 +272,49 @@ n8 block j holds tokens 8 j + 2 t and 8 j + 2 t + 1 of those rows (part[4 j ..])
 
 
 @cache
-def kernel(bits: int, blocks: int = BLOCKS) -> Kernel:
+def kernel(bits: int, blocks: int = BLOCKS, warpgroups: int = WARPGROUPS) -> Kernel:
     """The kernel for Q8_0 (bits 8) or F16 (16) weights. CUDA sm_90a only. Its threadgroup memory, STAGES x
-    `stage_words`, is dynamic: 51 KB for Q8_0, 64 KB for F16."""
-    return Kernel(f"ds4_dense_wgmma_{bits}_{blocks}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"), ("y",),
-                  _SOURCE, shared_memory=4 * STAGES * stage_words(bits), launch_bounds=(THREADS, blocks))
+    `stage_words`, is dynamic: 82 KB for Q8_0, 96 KB for F16 at two warpgroups."""
+    return Kernel(f"ds4_dense_wgmma_{bits}_{blocks}_{warpgroups}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"),
+                  ("y",), _SOURCE, shared_memory=4 * STAGES * stage_words(bits, warpgroups),
+                  launch_bounds=(128 * warpgroups, blocks))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int] = PLAN
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] = PLAN
                         ) -> mx.array:
     """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
-    `plan`: (PIPELINE, BLOCKS, AHEAD), which bench/prefill_gemms.py compares."""
+    `plan`: (PIPELINE, BLOCKS, AHEAD, WARPGROUPS), which bench/prefill_gemms.py compares."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
     return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int] = PLAN) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
     return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int, int]) -> mx.array:
+            plan: tuple[int, int, int, int]) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
     n_rows = x.size // n_in // n_batch
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
-    col_tiles = -(-n_out // TN)
+    pipeline, blocks, ahead, warpgroups = plan
+    tn, threads = 64 * warpgroups, 128 * warpgroups
+    col_tiles = -(-n_out // tn)
     hi, lo, row_scale = held_split(x, layout="transposed")
-    pipeline, blocks, ahead = plan
     if not 1 <= ahead <= STAGES - 1 - pipeline:
         raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
-    (y,) = build(kernel(bits, blocks), current_backend())(
+    (y,) = build(kernel(bits, blocks, warpgroups), current_backend())(
         inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
-        template=[("TT", TT), ("TN", TN), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits)),
-                  ("THREADS", THREADS), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO),
+        template=[("TT", TT), ("TN", tn), ("TK", TK), ("STAGES", STAGES),
+                  ("STAGE", stage_words(bits, warpgroups)), ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO),
                   ("SBO", SBO), ("PIPELINE", pipeline), ("AHEAD", ahead)],
-        grid=(-(-n_rows // TT) * THREADS, col_tiles * n_batch, 1), threadgroup=(THREADS, 1, 1),
+        grid=(-(-n_rows // TT) * threads, col_tiles * n_batch, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
     return y.reshape(*lead, n_out)
