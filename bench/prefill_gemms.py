@@ -39,7 +39,7 @@ HALF = [(512, 4096), (8192, 1024)]
 RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1, 4))
 """(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
-WGMMA_PLANS = ((0, 1, 3, 2), (1, 1, 2, 2), (0, 1, 3, 3), (0, 1, 2, 3))
+WGMMA_PLANS = ((1, 1, 2, 2), (0, 1, 3, 2), (0, 1, 3, 3), (0, 1, 2, 3))
 """dense_wgmma.py's (PIPELINE, BLOCKS, AHEAD, WARPGROUPS): the default first."""
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
 """F16 matrices: a compressor's kv (the router's gate is 256 x 4096), the indexer's q_b."""

@@ -8,21 +8,26 @@ operand read from threadgroup memory by the tensor cores themselves. The same ar
 - A = W in registers: warp w of a warpgroup holds 16 W rows (outputs) as mma's A fragments, made from the quants
   in the tile as exact halves (q - 128; F16 values as they are), the permutation of K inside each 16-wide step
   dense_f16.py's W fragments take (lane t reads one 8-byte word of a Q8_0 row: its values 8 t .. 8 t + 7);
-- B = x: 64 tokens, each as its hi and lo halves (halfsplit's rule: the row scaled by a power of two, then split),
-  as 128 columns: hi in columns 0-63, lo in 64-127, so that a lane's D holds a token's hi and lo sums together
-  (n8 blocks j and j + 8). The tile is K-major without swizzling: core matrices of 8 columns x 8 K (16-byte rows),
-  copied by cp.async from x's rows in `halfsplit.transpose_groups`'s layout, where each 16-byte run is the 8 K of
-  one core-matrix row in that same permutation;
-- each group of 32 K (one affine scale) is two wgmma into zeroed partial sums (the tensor cores truncate what
-  they accumulate), then drained into float32 accumulators with the group's scale, hi and lo added (F16: no
-  scale), as dense_f16.py drains its mma. The store undoes x's row scale exactly.
+- B = x: 128 tokens as columns, in two planes, the tokens' hi and lo halves (halfsplit's rule: each row scaled by
+  a power of two, then split). A plane is K-major without swizzling: core matrices of 8 columns x 8 K (16-byte
+  rows), copied by cp.async from x's rows in `halfsplit.transpose_groups`'s layout, where each 16-byte run is the
+  8 K of one core-matrix row in that same permutation;
+- each group of 32 K (one affine scale) is four wgmma, each k-step's A by the lo plane and then the hi plane, into
+  the same zeroed partial sums (the tensor cores truncate what they accumulate), then drained into float32
+  accumulators with the group's scale (F16: none), one FMA an output, as dense_f16.py drains its mma. The store
+  undoes x's row scale exactly.
 
-A threadgroup is two warpgroups over 128 W rows x 64 tokens, each warpgroup the 64 rows 64 g..; stage s (group s
-of K) lands in buffer s % STAGES by cp.async, STAGES - 1 groups ahead: the B tile (128 x 32 halves, 8 KB), the
-tile's quant rows, and the group's scales. A step waits for its stage, makes the copies visible to the tensor cores
+A threadgroup is WARPGROUPS warpgroups over 64 WARPGROUPS W rows x 128 tokens, warpgroup g the 64 rows 64 g..; stage
+s (group s of K) lands in buffer s % STAGES by cp.async, AHEAD groups ahead: the B planes (2 x 8 KB), the tile's
+quant rows, the group's scales. A step waits for its stage, makes the copies visible to the tensor cores
 (fence.proxy.async), passes one barrier (every warpgroup is done with the buffer the next copies overwrite: each
-waited for its wgmma before), issues the copies, reads its A fragments and scales, and issues its two wgmma.
+waited for the wgmma that read it), issues the copies, reads its A fragments and scales, and issues its wgmma.
 Threadgroups take token tiles fastest, so the ones running together share a W tile.
+
+Measured (H200, 4096 tokens, bench/prefill_gemms.py, session 17): the first form (64 tokens as hi and lo columns,
+a drain of an add and an FMA a token) was slower than dense_f16.py (q_b 4.08 against 2.82 ms): 312 instructions a
+warp a group, 8 warps an SM, issue slots 37% busy (Nsight Compute). This form, at dense_f16.py's tile: q_b 3.03
+(2.78 pipelined), out_b 2.58 (2.48), shared gate 0.81 (0.79), against 2.90, 2.69, 0.87.
 
 Q4_K (whose nonzero offset needs x's row sums) keeps dense_f16.py's kernel; so does any device without wgmma (the
 first-use check fails to build there and the next path is taken). CUDA only; never run on Metal.
@@ -56,12 +61,13 @@ LBO = 128
 """Bytes from one core matrix of a B plane to the next along K."""
 SBO = 4 * LBO
 """Bytes from one core matrix to the next along N: the four along K of a group come first."""
-PIPELINE = 0
+PIPELINE = 1
 """1: each warpgroup issues a group's wgmma before it drains the previous group's partial sums (two sets of 64
-registers); 0: it waits for each group's wgmma and drains it at once (measured the faster, one plan below)."""
+registers, 243 in all: one threadgroup an SM); 0: it waits for each group's wgmma and drains it at once (168
+registers). Measured: 1 faster by 4-9% (session 17)."""
 BLOCKS = 1
 """Threadgroups an SM the registers are held to (launch bounds)."""
-AHEAD = STAGES - 1
+AHEAD = STAGES - 1 - PIPELINE
 """Groups the copies run ahead of the products: at most STAGES - 1 - PIPELINE (a buffer is overwritten only
 after every warpgroup's wgmma that read it is done)."""
 PLAN = (PIPELINE, BLOCKS, AHEAD, WARPGROUPS)
