@@ -59,8 +59,8 @@ def summary(metrics: dict[str, str], lines: list[dict[str, str]]) -> None:
           f"{metrics.get('launch__registers_per_thread', '?')} registers, "
           f"{number(metrics.get('sm__warps_active.avg.pct_of_peak_sustained_active', '0')):.1f}% warps active, "
           f"issue slots busy {number(metrics.get('sm__inst_issued.avg.pct_of_peak_sustained_elapsed', '0')):.1f}%")
-    busy = [(label, number(value)) for label, pattern in THROUGHPUT
-            for key, value in metrics.items() if key.startswith(pattern) and key.endswith("pct_of_peak_sustained_elapsed")]
+    busy = [(label, number(value)) for label, pattern in THROUGHPUT for key, value in metrics.items()
+            if key.startswith(pattern) and key.endswith("pct_of_peak_sustained_elapsed")]
     print("   throughput: " + ", ".join(f"{label} {value:.0f}%" for label, value in busy))
     stalls: Counter[str] = Counter()
     ops: Counter[str] = Counter()

@@ -6,10 +6,12 @@
 
 Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down under each plan
 (RAW_PLANS: stage width, threadgroups an SM, stages of x in flight), the dense affine projections (Q8_0) by the
-float16 kernel (dense_f16.py) at each pipeline depth, by warpgroup products (dense_wgmma.py) and by its fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone,
-bench/RESULTS.md), and F16 matrices by the float16 kernel, the wgmma kernel and cuBLAS's float32 GEMM (what they took before). Each line is checked against the first of its group (the outputs must agree within float32
-reassociation), so a fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median
-of `--repeats` evaluations is reported. CUDA only (the kernels are).
+float16 kernel (dense_f16.py) at each pipeline depth, by warpgroup products (dense_wgmma.py) under each of
+WGMMA_PLANS, and by their fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is
+gone, bench/RESULTS.md), and F16 matrices by the same kernels and cuBLAS's float32 GEMM (what they took before).
+Each line is checked against the first of its group (the outputs must agree within float32 reassociation), so a
+fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median of `--repeats`
+evaluations is reported. CUDA only (the kernels are).
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ EXPERTS, USED = 256, 6
 RAW = {"gate/up IQ2_XXS": (GGMLType.IQ2_XXS, 2048, 4096), "down Q2_K": (GGMLType.Q2_K, 4096, 2048)}
 DENSE = {"q_a": (1024, 4096), "q_b": (32768, 1024), "out_b": (4096, 8192), "shared gate": (2048, 4096)}
 HALF = [(512, 4096), (8192, 1024)]
+"""F16 matrices: a compressor's kv (the router's gate is 256 x 4096), the indexer's q_b."""
 RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1, 4))
 """(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
-WGMMA_PLANS = ((1, 1, 2, 2), (0, 1, 3, 2), (0, 1, 3, 3), (0, 1, 2, 3))
-"""dense_wgmma.py's (PIPELINE, BLOCKS, AHEAD, WARPGROUPS): the default first."""
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
-"""F16 matrices: a compressor's kv (the router's gate is 256 x 4096), the indexer's q_b."""
+WGMMA_PLANS = ((0, 1, 3, 3), (1, 1, 2, 2), (0, 1, 3, 2), (0, 1, 2, 3))
+"""dense_wgmma.py's (PIPELINE, BLOCKS, AHEAD, WARPGROUPS): its PLAN first, then its NARROW_PLAN."""
 
 
 def dense_float32(x: mx.array, weight) -> mx.array:

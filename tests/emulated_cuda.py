@@ -276,7 +276,8 @@ inline void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsig
     const int row0 = 16 * (l >> 5), g = (l & 31) >> 2, t = l & 3;
     for (int i = 0; i < 4; ++i) {
       for (int h = 0; h < 2; ++h) {
-        A[row0 + g + 8 * (i & 1)][2 * t + 8 * (i >> 1) + h] = ds4_half_to_float((as[group][l][i] >> (16 * h)) & 0xFFFFu);
+        const unsigned int bits = (as[group][l][i] >> (16 * h)) & 0xFFFFu;
+        A[row0 + g + 8 * (i & 1)][2 * t + 8 * (i >> 1) + h] = ds4_half_to_float(bits);
       }
     }
   }

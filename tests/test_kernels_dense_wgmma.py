@@ -92,6 +92,7 @@ def test_hopper_only(on_cpu):
 
 
 CASES = {
+    "wide": ((600, 64), 130),  # OUT past NARROW_OUT: three warpgroups, a partial fourth column tile of 192
     "two_column_tiles": ((200, 96), 37),  # T below a token tile, OUT past one column tile
     "three_token_tiles": ((24, 64), 150),  # T past two token tiles, OUT below one warp's rows
     "one_group": ((8, 32), 17),  # IN of one group: a single stage
@@ -99,6 +100,29 @@ CASES = {
     "batch": ((3, 40, 64), 19),  # a batch of matrices, as the grouped output projection
 }
 """W shape, rows of x (Q8_0)."""
+
+
+def test_plans_by_width():
+    """Up to NARROW_OUT outputs two pipelined warpgroups (more threadgroups where a product is under one wave),
+    past it three; the first-use checks run both plans."""
+    assert dense_wgmma.plan_for(512) == dense_wgmma.NARROW_PLAN == (1, 1, 2, 2)
+    assert dense_wgmma.plan_for(513) == dense_wgmma.PLAN == (0, 1, 3, 3)
+    assert set(dense_wgmma.PLANS) == {dense_wgmma.PLAN, dense_wgmma.NARROW_PLAN}
+
+
+@pytest.mark.slow
+def test_emulated_first_use_checks_pass(on_cpu, monkeypatch, tmp_path):
+    """The registry's probes (dense_f16.py's: two partial tiles and a batch of three; F16 with subnormal halves)
+    through the emulated kernels under both plans."""
+    monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
+    args = DENSE_WGMMA.probe(GGMLType.Q8_0)
+    got, want = dense_wgmma._fast(*args), dense_wgmma._reference(*args)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want, strict=True):
+        assert registry.disagreement(g, w, TOLERANCE) is None
+    args = HALF_WGMMA.probe((512, 256))
+    for g, w in zip(dense_wgmma._half_fast(*args), dense_wgmma._half_reference(*args), strict=True):
+        assert registry.disagreement(g, w, TOLERANCE) is None
 
 
 @pytest.mark.slow
@@ -123,7 +147,7 @@ def test_emulated_kernel_without_the_pipeline(on_cpu, groups, monkeypatch, tmp_p
     x, blocks, want = case(GGMLType.Q8_0, (40, 32 * groups), 9, seed=6)
     weight = to_affine(blocks, GGMLType.Q8_0, (40, 32 * groups))
     waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 1, 3, 2)))
-    assert dense_wgmma.PIPELINE == 1 and within(waited, want, TOLERANCE)
+    assert dense_wgmma.NARROW_PLAN == (1, 1, 2, 2) and within(waited, want, TOLERANCE)
     assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight))).all()
 
 

@@ -26,8 +26,10 @@ Threadgroups take token tiles fastest, so the ones running together share a W ti
 
 Measured (H200, 4096 tokens, bench/prefill_gemms.py, session 17): the first form (64 tokens as hi and lo columns,
 a drain of an add and an FMA a token) was slower than dense_f16.py (q_b 4.08 against 2.82 ms): 312 instructions a
-warp a group, 8 warps an SM, issue slots 37% busy (Nsight Compute). This form, at dense_f16.py's tile: q_b 3.03
-(2.78 pipelined), out_b 2.58 (2.48), shared gate 0.81 (0.79), against 2.90, 2.69, 0.87.
+warp a group, 8 warps an SM, issue slots 37% busy (Nsight Compute). This form at dense_f16.py's 128 x 128 tile (two
+warpgroups) was within 10% of it either way; with three warpgroups (192 W rows: 27% less of x copied a product)
+15-21% faster (PLAN). End to end, an 11.5k-token prompt over 43 layers: 2,444 t/s (two warpgroups, pipelined) and
+2,556 t/s (three), one machine; dense_f16.py's last figure 2,483 (session 16).
 
 Q4_K (whose nonzero offset needs x's row sums) keeps dense_f16.py's kernel; so does any device without wgmma (the
 first-use check fails to build there and the next path is taken). CUDA only; never run on Metal.
@@ -48,9 +50,10 @@ from .registry import FastPath, current_backend, planned
 
 TT = 128
 """Tokens (rows of x) per threadgroup: the 128 columns of B."""
-WARPGROUPS = 2
+WARPGROUPS = 3
 """Warpgroups a threadgroup, each 64 W rows (outputs) of the TN = 64 WARPGROUPS the threadgroup takes: all of them
-read one B tile, so that more of them read less of x a product."""
+read one B tile, so that more of them read less of x a product (three: 168 registers x 384 threads, the most an SM
+holds; four would spill)."""
 TK = GROUP_SIZE
 """K per stage: one affine group, two wgmma k-steps of 16."""
 STAGES = 4
@@ -61,16 +64,30 @@ LBO = 128
 """Bytes from one core matrix of a B plane to the next along K."""
 SBO = 4 * LBO
 """Bytes from one core matrix to the next along N: the four along K of a group come first."""
-PIPELINE = 1
+PIPELINE = 0
 """1: each warpgroup issues a group's wgmma before it drains the previous group's partial sums (two sets of 64
-registers, 243 in all: one threadgroup an SM); 0: it waits for each group's wgmma and drains it at once (168
-registers). Measured: 1 faster by 4-9% (session 17)."""
+registers, 243 in all: two warpgroups at most); 0: it waits for each group's wgmma and drains it at once (168
+registers)."""
 BLOCKS = 1
 """Threadgroups an SM the registers are held to (launch bounds)."""
 AHEAD = STAGES - 1 - PIPELINE
 """Groups the copies run ahead of the products: at most STAGES - 1 - PIPELINE (a buffer is overwritten only
 after every warpgroup's wgmma that read it is done)."""
 PLAN = (PIPELINE, BLOCKS, AHEAD, WARPGROUPS)
+"""(PIPELINE, BLOCKS, AHEAD, WARPGROUPS) for most shapes. Measured on the H200 (4096 tokens, bench/prefill_gemms.py,
+session 17, ms; dense_f16.py / two warpgroups pipelined / two waited / three waited): q_b 2.84 / 2.89 / 2.85 /
+**2.43**, out_b 2.76 / 2.61 / 2.63 / **2.28**, shared gate 0.90 / 0.80 / 0.79 / **0.71**, F16 8192 x 1024 0.82 /
+0.87 / 0.91 / **0.70**; but F16 512 x 4096 0.38 / **0.355** / 0.38 / 0.43, whose 512 outputs make three column
+tiles of 192 (96 threadgroups for 132 SMs): `plan_for`."""
+NARROW_PLAN = (1, 1, 2, 2)
+"""For OUT of at most NARROW_OUT: two warpgroups, pipelined (more, smaller threadgroups for a product under one
+wave)."""
+NARROW_OUT = 512
+
+
+def plan_for(n_out: int) -> tuple[int, int, int, int]:
+    """The plan for a W of n_out rows (outputs): NARROW_PLAN up to NARROW_OUT, else PLAN."""
+    return NARROW_PLAN if n_out <= NARROW_OUT else PLAN
 
 
 def stage_words(bits: int, warpgroups: int = WARPGROUPS) -> int:
@@ -286,30 +303,31 @@ def kernel(bits: int, blocks: int = BLOCKS, warpgroups: int = WARPGROUPS) -> Ker
                   launch_bounds=(128 * warpgroups, blocks))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] = PLAN
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] | None = None
                         ) -> mx.array:
     """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
-    `plan`: (PIPELINE, BLOCKS, AHEAD, WARPGROUPS), which bench/prefill_gemms.py compares."""
+    `plan`: (PIPELINE, BLOCKS, AHEAD, WARPGROUPS), which bench/prefill_gemms.py compares; `plan_for`'s
+    otherwise."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
     return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] | None = None) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
     return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int, int, int]) -> mx.array:
+            plan: tuple[int, int, int, int] | None) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
     n_rows = x.size // n_in // n_batch
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
-    pipeline, blocks, ahead, warpgroups = plan
+    pipeline, blocks, ahead, warpgroups = plan or plan_for(n_out)
     tn, threads = 64 * warpgroups, 128 * warpgroups
     col_tiles = -(-n_out // tn)
     hi, lo, row_scale = held_split(x, layout="transposed")
@@ -317,27 +335,45 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
         raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
     (y,) = build(kernel(bits, blocks, warpgroups), current_backend())(
         inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
-        template=[("TT", TT), ("TN", tn), ("TK", TK), ("STAGES", STAGES),
-                  ("STAGE", stage_words(bits, warpgroups)), ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO),
-                  ("SBO", SBO), ("PIPELINE", pipeline), ("AHEAD", ahead)],
+        template=[("TT", TT), ("TN", tn), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits, warpgroups)),
+                  ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO),
+                  ("PIPELINE", pipeline), ("AHEAD", ahead)],
         grid=(-(-n_rows // TT) * threads, col_tiles * n_batch, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
     return y.reshape(*lead, n_out)
 
 
-def _fast(ggml_type: GGMLType, blocks, x, bank, xb) -> tuple[mx.array, mx.array]:
-    return (wgmma_affine_matmul(x, to_affine(blocks, ggml_type, PROBE_SHAPE)),
-            wgmma_affine_matmul(xb, to_affine(bank, ggml_type, PROBE_BANK)))
+PLANS = (PLAN, NARROW_PLAN)
+"""Both plans `plan_for` chooses, each checked at first use."""
 
 
-DENSE_WGMMA = FastPath("dense_affine_wgmma", DENSE_F16.reference, _fast, DENSE_F16.probe, tolerance=TOLERANCE,
+def _reference(*args: object) -> tuple[mx.array, ...]:
+    return DENSE_F16.reference(*args) * len(PLANS)
+
+
+def _fast(ggml_type: GGMLType, blocks, x, bank, xb) -> tuple[mx.array, ...]:
+    w, wb = to_affine(blocks, ggml_type, PROBE_SHAPE), to_affine(bank, ggml_type, PROBE_BANK)
+    return tuple(wgmma_affine_matmul(a, b, plan) for plan in PLANS for a, b in ((x, w), (xb, wb)))
+
+
+def _half_reference(x: mx.array, w: mx.array) -> tuple[mx.array, ...]:
+    return (HALF_BATCH.reference(x, w),) * len(PLANS)
+
+
+def _half_fast(x: mx.array, w: mx.array) -> tuple[mx.array, ...]:
+    return tuple(wgmma_half_matmul(x, w, plan) for plan in PLANS)
+
+
+DENSE_WGMMA = FastPath("dense_affine_wgmma", _reference, _fast, DENSE_F16.probe, tolerance=TOLERANCE,
                        backends=("cuda",))
 """Q8_0 projections of a prefill batch by warpgroup products; key: the ggml type (Q8_0 only: `fits`). The probe
-and bound are dense_f16.py's: two partial column and row tiles, a batch of matrices; 1e-5 of the largest output."""
-HALF_WGMMA = FastPath("half_batch_wgmma", HALF_BATCH.reference, wgmma_half_matmul, HALF_BATCH.probe,
-                      tolerance=TOLERANCE, backends=("cuda",))
-"""F16 projections of a prefill batch by warpgroup products; key (OUT, IN). Probe and bound: dense_f16.py's."""
+and bound are dense_f16.py's (two partial column and row tiles, a batch of matrices; 1e-5 of the largest output),
+each plan's."""
+HALF_WGMMA = FastPath("half_batch_wgmma", _half_reference, _half_fast, HALF_BATCH.probe, tolerance=TOLERANCE,
+                      backends=("cuda",))
+"""F16 projections of a prefill batch by warpgroup products; key (OUT, IN). Probe and bound: dense_f16.py's, each
+plan's."""
 
 
 @cache

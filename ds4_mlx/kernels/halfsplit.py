@@ -107,7 +107,8 @@ if (tid == 0) {
 }
 for (int p = tid; p < n_in / 2; p += THREADS) {
   const int at = TRANSPOSED ? (p & ~15) | ((p & 3) << 2) | ((p >> 2) & 3) : p;
-  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[(size_t)row * (n_in / 2) + at], lo[(size_t)row * (n_in / 2) + at]);
+  const size_t word = (size_t)row * (n_in / 2) + at;
+  ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[word], lo[word]);
 }
 """
 """One threadgroup per row: each thread the largest magnitude of its strided values, then the SIMD groups' and the
