@@ -19,7 +19,7 @@ import pytest
 from ds4_mlx.kernels import dense_wgmma, halfsplit, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
-from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, TT, WARPGROUPS
+from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, TM, WARPGROUPS
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.halfsplit import reference_split_rows, reference_split_transposed, transpose_groups
 from ds4_mlx.kernels.probe import random_activations, random_blocks
@@ -72,7 +72,7 @@ def test_kernel_renders_for_cuda_only(bits):
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in CUDA.prelude
     assert DENSE_WGMMA.backends == HALF_WGMMA.backends == ("cuda",)
     # two warpgroups; a B plane's 16 core matrices along N of 4 along K: LBO and SBO 16-byte multiples
-    assert WARPGROUPS in (2, 3) and TT == 128 and LBO % 16 == 0 and SBO == 4 * LBO
+    assert WARPGROUPS in (2, 3) and TM == 128 and LBO % 16 == 0 and SBO == 4 * LBO
     assert kernel.shared_memory == 4 * STAGES * dense_wgmma.stage_words(bits) <= 227 * 1024
 
 

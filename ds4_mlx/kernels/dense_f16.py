@@ -80,17 +80,22 @@ def stage_words(bits: int) -> int:
     return TM * TK + TN * TK * bits // 32 + {16: 0, 8: TN, 4: 2 * TN}[bits]
 
 
-_SOURCE = """
+TILE = """
 const int tid = THREAD_IN_GROUP;
 const int n_rows = dims[0];
 const int n_out = dims[1];
 const int n_in = dims[2];
 const int col_tiles = dims[3];
-const int blocks = dims[4];
 const int row0 = GROUP_X * TM;
 const int batch = GROUP_Y / col_tiles;
 const int col0 = (GROUP_Y - batch * col_tiles) * TN;
 const int rows = n_rows - row0;
+"""
+"""The dense GEMMs' first lines (this kernel's and dense_wgmma.py's): dims (T, OUT, IN, column tiles), threadgroup
+(x, y) the row tile x and the column tile y of batch y / column tiles; `rows` of the tile's TM are real."""
+
+_SOURCE = TILE + """
+const int blocks = dims[4];
 constexpr int XW = TM * TK / 2;
 constexpr int WW = TN * TK * BITS / 32;
 constexpr int XB = TM / 16;

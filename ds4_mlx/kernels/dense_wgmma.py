@@ -43,12 +43,12 @@ import mlx.core as mx
 
 from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
-from .dense_f16 import DENSE_F16, HALF_BATCH, PROBE_BANK, PROBE_SHAPE, TOLERANCE, half_matmul
+from .dense_f16 import DENSE_F16, HALF_BATCH, PROBE_BANK, PROBE_SHAPE, TILE, TOLERANCE, half_matmul
 from .dialect import Kernel, build
 from .halfsplit import held_split
 from .registry import FastPath, current_backend, planned
 
-TT = 128
+TM = 128
 """Tokens (rows of x) per threadgroup: the 128 columns of B."""
 WARPGROUPS = 3
 """Warpgroups a threadgroup, each 64 W rows (outputs) of the TN = 64 WARPGROUPS the threadgroup takes: all of them
@@ -58,7 +58,7 @@ TK = GROUP_SIZE
 """K per stage: one affine group, two wgmma k-steps of 16."""
 STAGES = 4
 """Stage buffers: the copies of a group land while earlier ones are multiplied."""
-PLANE_WORDS = TT * TK // 2
+PLANE_WORDS = TM * TK // 2
 """One plane (hi or lo) of a stage's B tile: 128 columns of 32 halves, 8 KB."""
 LBO = 128
 """Bytes from one core matrix of a B plane to the next along K."""
@@ -97,20 +97,11 @@ def stage_words(bits: int, warpgroups: int = WARPGROUPS) -> int:
     return 2 * PLANE_WORDS + tn * TK * bits // 32 + (tn if bits == 8 else 0)
 
 
-_SOURCE = """
-const int tid = THREAD_IN_GROUP;
-const int n_rows = dims[0];
-const int n_out = dims[1];
-const int n_in = dims[2];
-const int col_tiles = dims[3];
-const int row0 = GROUP_X * TT;
-const int batch = GROUP_Y / col_tiles;
-const int col0 = (GROUP_Y - batch * col_tiles) * TN;
-const int rows = n_rows - row0;
+_SOURCE = TILE + """
 constexpr int WW = TN * TK * BITS / 32;
 constexpr int WC = TK * BITS / 128;
 constexpr int B_WORDS = 2 * PLANE_WORDS;
-SHARED float rsx[TT];
+SHARED float rsx[TM];
 SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
@@ -121,7 +112,7 @@ const int half_words = n_in / 2;
 const int words = n_in * BITS / 32;
 const int groups = n_in / TK;
 const size_t x_tile = (size_t)batch * n_rows + row0;
-if (tid < TT) {
+if (tid < TM) {
   rsx[tid] = tid < rows ? xscale[x_tile + tid] : 0.0f;
 }
 const int kc = tid & 3;
@@ -335,10 +326,10 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
         raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
     (y,) = build(kernel(bits, blocks, warpgroups), current_backend())(
         inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
-        template=[("TT", TT), ("TN", tn), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits, warpgroups)),
+        template=[("TM", TM), ("TN", tn), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits, warpgroups)),
                   ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO),
                   ("PIPELINE", pipeline), ("AHEAD", ahead)],
-        grid=(-(-n_rows // TT) * threads, col_tiles * n_batch, 1), threadgroup=(threads, 1, 1),
+        grid=(-(-n_rows // TM) * threads, col_tiles * n_batch, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
     return y.reshape(*lead, n_out)
