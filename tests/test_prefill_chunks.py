@@ -17,9 +17,9 @@ EXACT = 1e-5
 in an order some MLX ops choose by shape."""
 EVERY_ROW = 1e-3
 """Of the largest logit, when the indexer picks every row (its top_k past the rows the prompt makes, so that no tie
-can flip a pick): the differences of summation order that EXACT bounds in the early layers, carried through four
-layers of synthetic weights and the compressed rows (a window that straddles two chunks in one run and not in the
-other). Measured on the H200: 2.48e-4 (session 17)."""
+can flip a pick): what is left is float32 summed in an order that depends on the chunk (EXACT bounds it in the
+early layers), carried through four layers of synthetic weights; where in the later layers it grows was not traced.
+Measured on the H200: 2.48e-4 (session 17)."""
 TIED = 1e-2
 """Of the largest logit, with Flash's top_k of 512: a pick near a tie at the top_k-th place can flip with that
 rounding, which moves everything downstream of it. Measured on the H200: 6.6e-4 (session 13), 2.37e-3 and 2.46e-3

@@ -25,9 +25,9 @@ import mlx.core as mx
 from ..errors import Ds4Error
 from ..model.gguf import GGMLType
 from .affine import AffineWeight, to_affine
-from . import dense_wgmma
 from .dense_f16 import DENSE_F16, f16_affine_matmul, fits
 from .dense_wgmma import DENSE_WGMMA, wgmma_affine_matmul
+from .dense_wgmma import fits as wgmma_fits
 from .probe import random_activations, random_blocks
 from .quants import reference_matmul
 from .registry import FastPath, current_backend
@@ -64,7 +64,7 @@ def batch_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
     dequantize + GEMM where that check passed, else the quantized matmul."""
     dtype = prefill_dtype()
     ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
-    if dtype == mx.float32 and dense_wgmma.fits(x, weight) and DENSE_WGMMA.enabled(ggml_type):
+    if dtype == mx.float32 and wgmma_fits(x, weight) and DENSE_WGMMA.enabled(ggml_type):
         return wgmma_affine_matmul(x, weight)
     if dtype == mx.float32 and fits(x, weight) and DENSE_F16.enabled(ggml_type):
         return f16_affine_matmul(x, weight)

@@ -60,7 +60,17 @@ share, plus a few neutral words that each dialect spells its own way:
   prmt's selector 0x4140 or 0x4342 chooses bytes 0, 1 or 2, 3 with 0x64 above each, as the halves 1024 + byte,
   less the two halves of `bias`: 0x64806480 makes a byte b the exact half b - 128); ds4_quant_fma_half2(w,
   selector, scale, offset) (the same halves 1024 + byte times `scale` plus `offset`, both half pairs, one fused
-  rounding: scale k, offset -1024 k make a byte b the half b k, exact while b k is).
+  rounding: scale k, offset -1024 k make a byte b the half b k, exact while b k is);
+  sm_90a only (Hopper's warpgroup products, dense_wgmma.py): ds4_wgmma_f16_64x128x16<LBO, SBO>(float* d, const
+  unsigned int* a, const unsigned int* b, int accumulate) (wgmma.mma_async m64n128k16, called by the 128 threads of
+  a warpgroup together: d, 64 floats a thread, = A B (+ d where accumulate), A 64 x 16 halves from registers, warp w
+  of the warpgroup holding rows 16 w.. as mma.m16n8k16's A fragment, B 16 x 128 halves in threadgroup memory at b,
+  K-major without swizzling: 8 x 8 core matrices of 16-byte rows (a column's 8 consecutive K), the next along K LBO
+  bytes on, along N SBO bytes on; d's n8 block j in d[4 j..4 j + 3] as mma's C), ds4_wgmma_fence() (before a
+  wgmma whose registers other instructions touched), ds4_wgmma_commit() (the wgmma issued since become one group),
+  ds4_wgmma_wait<N>(float* d) (all but the N newest groups done; naming the 64 accumulators keeps the compiler from
+  reading them before) and ds4_fence_async_shared() (threadgroup memory written by threads or cp.async made visible
+  to the tensor cores' reads).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
