@@ -90,9 +90,16 @@ const int row0 = GROUP_X * TM;
 const int batch = GROUP_Y / col_tiles;
 const int col0 = (GROUP_Y - batch * col_tiles) * TN;
 const int rows = n_rows - row0;
+SHARED float rsx[TM];
+SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const int gid = lane >> 2;
+const int tig = lane & 3;
 """
 """The dense GEMMs' first lines (this kernel's and dense_wgmma.py's): dims (T, OUT, IN, column tiles), threadgroup
-(x, y) the row tile x and the column tile y of batch y / column tiles; `rows` of the tile's TM are real."""
+(x, y) the row tile x and the column tile y of batch y / column tiles; `rows` of the tile's TM are real; x's row
+scales (rsx), the dynamic stage buffers, the lane's mma fragment coordinates (gid, tig)."""
 
 _SOURCE = TILE + """
 const int blocks = dims[4];
@@ -100,12 +107,6 @@ constexpr int XW = TM * TK / 2;
 constexpr int WW = TN * TK * BITS / 32;
 constexpr int XB = TM / 16;
 constexpr int WC = TK * BITS / 128;
-SHARED float rsx[TM];
-SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
-const int lane = SIMD_LANE;
-const int warp = SIMD_INDEX;
-const int gid = lane >> 2;
-const int tig = lane & 3;
 const int wm = (warp >> 1) * 32;
 const int wn = (warp & 1) * 64;
 const int words = n_in * BITS / 32;

@@ -101,12 +101,6 @@ _SOURCE = TILE + """
 constexpr int WW = TN * TK * BITS / 32;
 constexpr int WC = TK * BITS / 128;
 constexpr int B_WORDS = 2 * PLANE_WORDS;
-SHARED float rsx[TM];
-SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
-const int lane = SIMD_LANE;
-const int warp = SIMD_INDEX;
-const int gid = lane >> 2;
-const int tig = lane & 3;
 const int wrow = 64 * (warp >> 2) + 16 * (warp & 3) + gid;
 const int half_words = n_in / 2;
 const int words = n_in * BITS / 32;
