@@ -105,8 +105,8 @@ CASES = {
 def test_plans_by_width():
     """Up to NARROW_OUT outputs two pipelined warpgroups (more threadgroups where a product is under one wave),
     past it three; the first-use checks run both plans."""
-    assert dense_wgmma.plan_for(512) == dense_wgmma.NARROW_PLAN == (1, 1, 2, 2)
-    assert dense_wgmma.plan_for(513) == dense_wgmma.PLAN == (0, 1, 3, 3)
+    assert dense_wgmma.plan_for(512) == dense_wgmma.NARROW_PLAN == (1, 2, 2)
+    assert dense_wgmma.plan_for(513) == dense_wgmma.PLAN == (0, 3, 3)
     assert set(dense_wgmma.PLANS) == {dense_wgmma.PLAN, dense_wgmma.NARROW_PLAN}
 
 
@@ -146,8 +146,8 @@ def test_emulated_kernel_without_the_pipeline(on_cpu, groups, monkeypatch, tmp_p
     monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
     x, blocks, want = case(GGMLType.Q8_0, (40, 32 * groups), 9, seed=6)
     weight = to_affine(blocks, GGMLType.Q8_0, (40, 32 * groups))
-    waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 1, 3, 2)))
-    assert dense_wgmma.NARROW_PLAN == (1, 1, 2, 2) and within(waited, want, TOLERANCE)
+    waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 3, 2)))
+    assert dense_wgmma.NARROW_PLAN == (1, 2, 2) and within(waited, want, TOLERANCE)
     assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight))).all()
 
 
@@ -164,8 +164,8 @@ def test_emulated_kernel_with_three_warpgroups(on_cpu, bits, monkeypatch, tmp_pa
     else:
         x, w, want = half_case(300, 96, 130, seed=8)
         product = partial(dense_wgmma.wgmma_half_matmul, x, w)
-    three = np.array(product(plan=(0, 1, 3, 3)))
-    assert within(three, want, TOLERANCE) and (three == np.array(product(plan=(0, 1, 3, 2)))).all()
+    three = np.array(product(plan=(0, 3, 3)))
+    assert within(three, want, TOLERANCE) and (three == np.array(product(plan=(0, 3, 2)))).all()
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ import mlx.core as mx
 from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .dense_f16 import DENSE_F16, HALF_BATCH, PROBE_BANK, PROBE_SHAPE, TILE, TOLERANCE, half_matmul
+from .dense_f16 import fits as dense_fits
 from .dialect import Kernel, build
 from .halfsplit import held_split
 from .registry import FastPath, current_backend, planned
@@ -68,24 +69,22 @@ PIPELINE = 0
 """1: each warpgroup issues a group's wgmma before it drains the previous group's partial sums (two sets of 64
 registers, 243 in all: two warpgroups at most); 0: it waits for each group's wgmma and drains it at once (168
 registers)."""
-BLOCKS = 1
-"""Threadgroups an SM the registers are held to (launch bounds)."""
 AHEAD = STAGES - 1 - PIPELINE
 """Groups the copies run ahead of the products: at most STAGES - 1 - PIPELINE (a buffer is overwritten only
 after every warpgroup's wgmma that read it is done)."""
-PLAN = (PIPELINE, BLOCKS, AHEAD, WARPGROUPS)
-"""(PIPELINE, BLOCKS, AHEAD, WARPGROUPS) for most shapes. Measured on the H200 (4096 tokens, bench/prefill_gemms.py,
+PLAN = (PIPELINE, AHEAD, WARPGROUPS)
+"""(PIPELINE, AHEAD, WARPGROUPS) for most shapes. Measured on the H200 (4096 tokens, bench/prefill_gemms.py,
 session 17, ms; dense_f16.py / two warpgroups pipelined / two waited / three waited): q_b 2.84 / 2.89 / 2.85 /
 **2.43**, out_b 2.76 / 2.61 / 2.63 / **2.28**, shared gate 0.90 / 0.80 / 0.79 / **0.71**, F16 8192 x 1024 0.82 /
 0.87 / 0.91 / **0.70**; but F16 512 x 4096 0.38 / **0.355** / 0.38 / 0.43, whose 512 outputs make three column
 tiles of 192 (96 threadgroups for 132 SMs): `plan_for`."""
-NARROW_PLAN = (1, 1, 2, 2)
+NARROW_PLAN = (1, 2, 2)
 """For OUT of at most NARROW_OUT: two warpgroups, pipelined (more, smaller threadgroups for a product under one
 wave)."""
 NARROW_OUT = 512
 
 
-def plan_for(n_out: int) -> tuple[int, int, int, int]:
+def plan_for(n_out: int) -> tuple[int, int, int]:
     """The plan for a W of n_out rows (outputs): NARROW_PLAN up to NARROW_OUT, else PLAN."""
     return NARROW_PLAN if n_out <= NARROW_OUT else PLAN
 
@@ -280,18 +279,18 @@ n8 block j holds tokens 8 j + 2 t and 8 j + 2 t + 1 of those rows (part[4 j ..])
 
 
 @cache
-def kernel(bits: int, blocks: int = BLOCKS, warpgroups: int = WARPGROUPS) -> Kernel:
+def kernel(bits: int, warpgroups: int = WARPGROUPS) -> Kernel:
     """The kernel for Q8_0 (bits 8) or F16 (16) weights. CUDA sm_90a only. Its threadgroup memory, STAGES x
     `stage_words`, is dynamic: 82 KB for Q8_0, 96 KB for F16 at two warpgroups."""
-    return Kernel(f"ds4_dense_wgmma_{bits}_{blocks}_{warpgroups}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"),
+    return Kernel(f"ds4_dense_wgmma_{bits}_{warpgroups}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"),
                   ("y",), _SOURCE, shared_memory=4 * STAGES * stage_words(bits, warpgroups),
-                  launch_bounds=(128 * warpgroups, blocks))
+                  launch_bounds=(128 * warpgroups, 1))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] | None = None
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int] | None = None
                         ) -> mx.array:
     """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
-    `plan`: (PIPELINE, BLOCKS, AHEAD, WARPGROUPS), which bench/prefill_gemms.py compares; `plan_for`'s
+    `plan`: (PIPELINE, AHEAD, WARPGROUPS), which bench/prefill_gemms.py compares; `plan_for`'s
     otherwise."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
@@ -299,26 +298,26 @@ def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int,
     return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] | None = None) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int] | None = None) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
     return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int, int, int] | None) -> mx.array:
+            plan: tuple[int, int, int] | None) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
     n_rows = x.size // n_in // n_batch
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
-    pipeline, blocks, ahead, warpgroups = plan or plan_for(n_out)
+    pipeline, ahead, warpgroups = plan or plan_for(n_out)
+    if not 1 <= ahead <= STAGES - 1 - pipeline:
+        raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
     tn, threads = 64 * warpgroups, 128 * warpgroups
     col_tiles = -(-n_out // tn)
     hi, lo, row_scale = held_split(x, layout="transposed")
-    if not 1 <= ahead <= STAGES - 1 - pipeline:
-        raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
-    (y,) = build(kernel(bits, blocks, warpgroups), current_backend())(
+    (y,) = build(kernel(bits, warpgroups), current_backend())(
         inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
         template=[("TM", TM), ("TN", tn), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits, warpgroups)),
                   ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO),
@@ -379,11 +378,7 @@ def hopper() -> bool:
 def fits(x: mx.array, weight: AffineWeight) -> bool:
     """Whether the kernel takes this product: on a Hopper GPU, Q8_0, and a 2-D W or a batch of W with a batch of
     x."""
-    if weight.bits != 8 or not hopper():
-        return False
-    if weight.wq.ndim == 2:
-        return x.ndim >= 1
-    return weight.wq.ndim == 3 and x.ndim == 3 and x.shape[0] == weight.wq.shape[0]
+    return weight.bits == 8 and hopper() and dense_fits(x, weight)
 
 
 def half_product(x: mx.array, w: mx.array) -> mx.array:
