@@ -202,9 +202,10 @@ def expert_counts(sorted_ids: mx.array, n_expert: int) -> mx.array:
     return mx.zeros((n_expert,), dtype=mx.uint32).at[sorted_ids].add(mx.ones(sorted_ids.shape, dtype=mx.uint32))
 
 
-def row_tiles(n_pairs: int, n_expert: int) -> int:
-    """Row tiles any counts summing to n_pairs need at most: each used expert adds at most one partial tile."""
-    return -(-n_pairs // TM) + min(n_expert, n_pairs)
+def row_tiles(n_pairs: int, n_expert: int, tm: int = TM) -> int:
+    """Row tiles of tm pairs any counts summing to n_pairs need at most: each used expert adds at most one partial
+    tile."""
+    return -(-n_pairs // tm) + min(n_expert, n_pairs)
 
 
 def grid_fits(n_pairs: int, n_expert: int) -> bool:
@@ -214,13 +215,14 @@ def grid_fits(n_pairs: int, n_expert: int) -> bool:
 
 def launch_grouped(kernel: Callable, x: mx.array | list[mx.array], bank: mx.array, counts: mx.array,
                    shape: tuple[int, int, int], template: list[tuple[str, object]], extra: list[mx.array] = (),
-                   pairs: int | None = None) -> mx.array:
+                   pairs: int | None = None, tile: tuple[int, int, int] = (TM, TN, THREADS)) -> mx.array:
     """One launch of a grouped GEMM kernel (`kernel` as dialect.build made it) over pairs sorted by expert: x (N, IN)
     float32 (or the arrays the kernel reads x as: grouped_raw.py's halves), the bank as the kernel reads it, of shape
     (E, OUT, IN), and its counts (E,) -> float32 (N, OUT); `extra` inputs follow the dims, and `pairs` is N where x
     has other rows (a kernel that gathers them). The grid is the output's column tiles by the row tiles any counts
-    summing to N need; no read-back."""
+    summing to N need; no read-back. `tile`: the kernel's (pairs, outputs, threads) a threadgroup."""
     n_expert, n_out, n_in = shape
+    tm, tn, threads = tile
     xs = x if isinstance(x, list) else [x.astype(mx.float32)]
     n = xs[0].shape[0] if pairs is None else pairs
     if n == 0:
@@ -228,7 +230,7 @@ def launch_grouped(kernel: Callable, x: mx.array | list[mx.array], bank: mx.arra
     (y,) = kernel(
         inputs=[*xs, bank, counts.astype(mx.uint32),
                 mx.array([n_expert, n_out, n_in], dtype=mx.int32), *extra],
-        template=template, grid=(-(-n_out // TN) * THREADS, row_tiles(n, n_expert), 1), threadgroup=(THREADS, 1, 1),
+        template=template, grid=(-(-n_out // tn) * threads, row_tiles(n, n_expert, tm), 1), threadgroup=(threads, 1, 1),
         output_shapes=[(n, n_out)], output_dtypes=[mx.float32],
     )
     return y

@@ -1,0 +1,314 @@
+"""Prefill's routed experts from raw IQ2_XXS / Q2_K banks by Hopper's warpgroup products (wgmma, sm_90a).
+
+The same contract and arithmetic as grouped_raw.py (whose docstring says why the products are exact halves and x's
+two halves give float32 accuracy), arranged as dense_wgmma.py arranges the Q8_0 projections:
+
+- A = W from registers: warp w of warpgroup g holds W rows 64 g + 16 w + gid and + 8 as mma's A fragments, decoded
+  straight from the raw blocks each lane loads from global memory one stage ahead (no W tile in threadgroup memory,
+  no barrier around a W store), in dense_wgmma.py's permutation of K: lane t of a k-step kk holds the values 8 t +
+  4 kk .. + 3 of a 32-value stage. For IQ2_XXS those are one grid entry's (the stage is a sub-block, its group t),
+  so a lane decodes one grid entry a row and stage: the signed magnitudes, exact halves; the sub-block's scale (d /
+  8) k goes to the drain. For Q2_K they are one byte run of the qs bytes: sc q as exact halves (sc the 4-bit scale
+  of the lane's group of 16, t / 2), the block's d to the drain;
+- B = x: TM = 128 pairs of the tile as columns, their hi and lo planes (halfsplit's transposed layout, gathered by
+  row index for gate and up) copied by cp.async STAGES deep;
+- Q2_K's mins: the term -dmin m sum(x) of a group is one more product of the same B by an A that holds the lane's
+  group's m in all four of its values (exact halves), drained with -dmin: four more wgmma a stage.
+
+Per stage (32 K), each warpgroup issues the lo then the hi plane of each k-step into zeroed partial sums, waits,
+and drains them into float32 accumulators with one scale per W row (as grouped_raw.py drains each stage: at most
+four products deep). A tile of 128 pairs and 64 WARPGROUPS W rows never straddles experts (grouped_gemm.py's row-tile
+scan); column tiles run fastest, so the threadgroups running together share one tile of x. Where grouped_raw.py's
+64-pair tiles decoded an expert's W about twice at Flash's 96 pairs an expert, these decode it once.
+
+CUDA sm_90a only, checked at first use like every kernel; never run on Metal.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+
+from ..model.gguf import GGMLType
+from .dense_wgmma import LBO, SBO, hopper
+from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
+from .grouped_gemm import TILE_HEAD, TILE_SCAN, launch_grouped
+from .grouped_raw import _GRID_HEADER
+from .halfsplit import held_split
+from .registry import current_backend
+
+TM = 128
+"""Pairs (rows of x) a tile: the 128 columns of B."""
+WARPGROUPS = 3
+"""Warpgroups a threadgroup, 64 W rows each (dense_wgmma.py's PLAN: the most an SM holds)."""
+TK = 32
+"""K a stage: one IQ2_XXS sub-block, two Q2_K groups of 16; two wgmma k-steps."""
+STAGES = 4
+"""x stages in flight (16 KB each): the copies of the next STAGES - 1 land while one is multiplied."""
+PLANE_WORDS = TM * TK // 2
+"""One plane (hi or lo) of a stage's B tile: 128 columns of 32 halves."""
+
+
+_SOURCE = TILE_HEAD + """
+constexpr int STAGE = 2 * PLANE_WORDS;
+SHARED float rsx[TM];
+SHARED unsigned int xr[TM];
+SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
+W_SHARED""" + TILE_SCAN + """
+const int lane = SIMD_LANE;
+const int warp = SIMD_INDEX;
+const int gid = lane >> 2;
+const int tig = lane & 3;
+const int wrow = 64 * (warp >> 2) + 16 * (warp & 3) + gid;
+if (tid < TM) {
+  const unsigned int at = tid < rows ? (GATHER ? xrow[row0 + tid] : (unsigned int)(row0 + tid)) : 0u;
+  xr[tid] = at;
+  rsx[tid] = tid < rows ? xscale[at] : 0.0f;
+}
+bool w_ok[2];
+size_t w_at[2];
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int n = col0 + wrow + 8 * h;
+  w_ok[h] = n < n_out;
+  w_at[h] = ((size_t)expert * n_out + (w_ok[h] ? n : col0)) * (size_t)((n_in / 256) * BLOCK_BYTES);
+}
+W_SETUP
+ds4_barrier();
+const int half_words = n_in / 2;
+const int kc = tid & 3;
+const int token = tid >> 2;
+const GLOBAL_MEM uint32_t* x_src[2][2];
+bool x_ok[2];
+int x_dst[2];
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+  const int n = token + 64 * i;
+  x_ok[i] = n < rows;
+  const size_t at = (size_t)xr[x_ok[i] ? n : 0] * half_words + 4 * kc;
+  x_src[0][i] = xhi + at;
+  x_src[1][i] = xlo + at;
+  x_dst[i] = ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4;
+}
+auto load_stage = [&](int s) {
+  SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
+  if (tid < 256) {
+    #pragma unroll
+    for (int plane = 0; plane < 2; ++plane) {
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + x_dst[i]),
+                         reinterpret_cast<const GLOBAL_MEM float*>(x_src[plane][i] + s * 16), x_ok[i]);
+      }
+    }
+  }
+};
+const int steps = n_in / TK;
+#pragma unroll
+for (int s = 0; s < STAGES - 1; ++s) {
+  if (s < steps) {
+    load_stage(s);
+  }
+  ds4_async_commit();
+}
+{
+  const int ls = 0;
+W_LOAD}
+float acc[16][2][2] = {};
+float part[64];
+auto product = [&](const SHARED_MEM unsigned int* st, const unsigned int (&a)[2][4]) {
+  ds4_wgmma_fence();
+  #pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[kk], st + PLANE_WORDS + kk * 2 * (LBO / 4), kk);
+    ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[kk], st + kk * 2 * (LBO / 4), 1);
+  }
+  ds4_wgmma_commit();
+  ds4_wgmma_wait<0>(part);
+};
+auto drain = [&](const float (&sc)[2]) {
+  #pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        acc[j][e][h] = fmaf(sc[h], part[4 * j + 2 * h + e], acc[j][e][h]);
+      }
+    }
+  }
+};
+for (int s = 0; s < steps; ++s) {
+  ds4_async_wait_keep<STAGES - 2>();
+  ds4_fence_async_shared();
+  ds4_barrier();
+  if (s + STAGES - 1 < steps) {
+    load_stage(s + STAGES - 1);
+  }
+  ds4_async_commit();
+  const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
+  unsigned int a[2][4];
+  float sc[2];
+W_DECODE  if (s + 1 < steps) {
+    const int ls = s + 1;
+W_LOAD  }
+  product(st, a);
+  drain(sc);
+W_AFTER}
+ds4_async_wait_keep<0>();
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int n = col0 + wrow + 8 * h;
+  if (n < n_out) {
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * j + 2 * tig + e;
+        if (r < rows) {
+          y[(size_t)(row0 + r) * n_out + n] = acc[j][e][h] * ds4_div(1.0f, rsx[r]);
+        }
+      }
+    }
+  }
+}
+"""
+"""The kernel with its W parts left as W_SHARED (threadgroup memory beside the stages), W_SETUP (once, past the
+scan), W_LOAD (stage ls's global loads into registers, for both rows h of the lane), W_DECODE (those registers as
+the stage's A fragments `a` and drain scales `sc`) and W_AFTER (more products of the stage, Q2_K's mins). A stage
+waits for its copies, makes them visible to the tensor cores, passes one barrier (every warpgroup waited for the
+wgmma that read the buffer the next copies overwrite), issues those copies, decodes its A, loads the next stage's
+W, multiplies and drains. Stage s's B in buffer s % STAGES as dense_wgmma.py lays it out: column n a pair (its
+token's row xr[n]), the first 256 threads copying pairs n and n + 64; pairs past the tile read as zeros and are not
+stored; W rows past OUT read row col0 and get scale 0. The store undoes x's row scale."""
+
+_IQ2_XXS = {
+    "BLOCK_BYTES": "66",
+    "W_SHARED": "SHARED unsigned int iq2_grid[512];\n",
+    "W_SETUP": """for (int i = tid; i < 512; i += THREADS) {
+  iq2_grid[i] = ds4_iq2xxs_bytes[i];
+}
+unsigned int w_d[2];
+unsigned int w_q[2];
+unsigned int w_aux[2];
+""",
+    "W_LOAD": """  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const GLOBAL_MEM unsigned short* block =
+        reinterpret_cast<const GLOBAL_MEM unsigned short*>(w + w_at[h] + (size_t)(ls >> 3) * 66);
+    const int sub = 4 * (ls & 7);
+    w_d[h] = block[0];
+    w_q[h] = block[1 + sub + (tig >> 1)];
+    w_aux[h] = (unsigned int)block[3 + sub] | ((unsigned int)block[4 + sub] << 16);
+  }
+""",
+    "W_DECODE": """  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const unsigned int idx = (w_q[h] >> (8 * (tig & 1))) & 255u;
+    const unsigned int low = (w_aux[h] >> (7 * tig)) & 127u;
+    const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
+    const unsigned int g0 = iq2_grid[2 * idx];
+    const unsigned int g1 = iq2_grid[2 * idx + 1];
+    a[0][h] = ds4_quant_half2(g0, 0x4140u, 0x64006400u) ^ ((signs * 0x40008000u) & 0x80008000u);
+    a[0][2 + h] = ds4_quant_half2(g0, 0x4342u, 0x64006400u) ^ ((signs * 0x10002000u) & 0x80008000u);
+    a[1][h] = ds4_quant_half2(g1, 0x4140u, 0x64006400u) ^ ((signs * 0x04000800u) & 0x80008000u);
+    a[1][2 + h] = ds4_quant_half2(g1, 0x4342u, 0x64006400u) ^ ((signs * 0x01000200u) & 0x80008000u);
+    sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)w_d[h]) * 0.125f * (float)(2u * (w_aux[h] >> 28) + 1u)
+                    : 0.0f;
+  }
+""",
+    "W_AFTER": "",
+}
+"""Stage s is sub-block s % 8 of block s / 8 (16-bit words of a 66-byte block: d at 0, sub-block b at 1 + 4 b: grid
+indices in +0 and +1, aux in +2 and +3). Lane t holds group t of the sub-block (its values 8 t .. 8 t + 7: the k-step
+kk's four in grid word kk): grid index = byte t of the sub-block, signs = aux's 7-bit field t plus its parity bit
+(ggml's ksigns), each magnitude an exact half (8, 25 or 43, from its byte by one prmt and one half subtraction)
+with its sign bit xored in. The reference's value is d (0.5 + aux >> 28) / 4 times the signed magnitude: the
+drain's scale (d / 8) (2 (aux >> 28) + 1), exact in float32."""
+
+_Q2_K = {
+    "BLOCK_BYTES": "84",
+    "W_SHARED": "",
+    "W_SETUP": """unsigned int w_dm[2];
+unsigned int w_sc[2];
+unsigned int w_qs[2][2];
+float dmin[2];
+unsigned int am[4];
+""",
+    "W_LOAD": """  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const GLOBAL_MEM unsigned int* b32 =
+        reinterpret_cast<const GLOBAL_MEM unsigned int*>(w + w_at[h] + (size_t)(ls >> 3) * 84);
+    const int hb = (ls >> 2) & 1;
+    w_dm[h] = b32[20];
+    w_sc[h] = b32[2 * hb + ((ls >> 1) & 1)];
+    w_qs[h][0] = b32[4 + 8 * hb + 2 * tig];
+    w_qs[h][1] = b32[5 + 8 * hb + 2 * tig];
+  }
+""",
+    "W_DECODE": """  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const unsigned int scale = (w_sc[h] >> (8 * (2 * (s & 1) + (tig >> 1)))) & 255u;
+    const float k = (float)(scale & 15u);
+    const unsigned int k2 = ds4_half2_bits(k, k);
+    const unsigned int o2 = ds4_half2_bits(-1024.0f * k, -1024.0f * k);
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const unsigned int q = (w_qs[h][kk] >> (2 * (s & 3))) & 0x03030303u;
+      a[kk][h] = ds4_quant_fma_half2(q, 0x4140u, k2, o2);
+      a[kk][2 + h] = ds4_quant_fma_half2(q, 0x4342u, k2, o2);
+    }
+    const float m = (float)(scale >> 4);
+    am[h] = ds4_half2_bits(m, m);
+    am[2 + h] = am[h];
+    sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)(w_dm[h] & 0xFFFFu)) : 0.0f;
+    dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(w_dm[h] >> 16)) : 0.0f;
+  }
+""",
+    "W_AFTER": """  const unsigned int mins[2][4] = {{am[0], am[1], am[2], am[3]}, {am[0], am[1], am[2], am[3]}};
+  product(st, mins);
+  drain(dmin);
+""",
+}
+"""Stage s is values 32 (s % 8) .. of block s / 8: half hb = (s / 4) % 2, shift 2 j with j = s % 4 (qs from word 4;
+scale bytes 0-15; d | dmin word 20 of the 84-byte block). Lane t's values 8 t + 4 kk .. + 3 are qs bytes 32 hb + 8
+t + 4 kk .. (word 4 + 8 hb + 2 t + kk), at shift 2 j, in the stage's group t / 2: scale byte 8 hb + 2 j + t / 2
+(word 2 hb + j / 2, byte 2 (j % 2) + t / 2). The reference's value is d (sc & 15) q - dmin (sc >> 4): the tile holds
+(sc & 15) q (0..45, exact halves, as grouped_raw.py makes them) drained with d; then the same B by A = sc >> 4 in
+each of the lane's values (its group's m), drained with -dmin."""
+
+_PARTS = {GGMLType.IQ2_XXS: _IQ2_XXS, GGMLType.Q2_K: _Q2_K}
+_INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow")
+
+
+@cache
+def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS) -> Kernel:
+    """One kernel per raw expert type and width. CUDA sm_90a only."""
+    source = _SOURCE
+    for name, text in _PARTS[ggml_type].items():
+        source = source.replace(name, text)
+    header = SIMD_EXCLUSIVE_SUM + (_GRID_HEADER if ggml_type == GGMLType.IQ2_XXS else "")
+    return Kernel(f"ds4_grouped_wgmma_{ggml_type.name.lower()}_{warpgroups}", _INPUTS, ("y",), source, header,
+                  launch_bounds=(128 * warpgroups, 1), shared_memory=4 * STAGES * 2 * PLANE_WORDS)
+
+
+def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
+                       shape: tuple[int, int, int], rows: mx.array | None = None,
+                       warpgroups: int = WARPGROUPS) -> mx.array:
+    """grouped_raw.raw_grouped_gemm's product (its arguments, the same result within float32 reassociation) by
+    warpgroup products. CUDA sm_90a only."""
+    hi, lo, scales = held_split(x, layout="transposed")
+    gather = rows is not None
+    index = rows.astype(mx.uint32) if gather else mx.zeros((1,), dtype=mx.uint32)
+    tn, threads = 64 * warpgroups, 128 * warpgroups
+    return launch_grouped(build(kernel(ggml_type, warpgroups), current_backend()), [hi, lo], blocks, counts, shape,
+                          [("TM", TM), ("TN", tn), ("TK", TK), ("THREADS", threads), ("STAGES", STAGES),
+                           ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather)],
+                          extra=[scales, index], pairs=x.shape[0] if rows is None else rows.size,
+                          tile=(TM, tn, threads))
+
+
+def fits(n_in: int) -> bool:
+    """Whether the kernel takes a bank of rows n_in long: on a Hopper GPU (dense_wgmma.hopper), whole blocks."""
+    return hopper() and n_in % 256 == 0
