@@ -4,8 +4,9 @@
     python bench/prefill_gemms.py --tokens 2048 --calls 4
     python bench/prefill_gemms.py --once          # each kernel's default plan once, untimed: for a profiler
 
-Rows: the raw-bank expert GEMM (kernels/grouped_raw.py) for IQ2_XXS gate / up and Q2_K down under each plan
-(RAW_PLANS: stage width, threadgroups an SM, stages of x in flight), the dense affine projections (Q8_0) by the
+Rows: the raw-bank expert GEMM for IQ2_XXS gate / up and Q2_K down by mma (kernels/grouped_raw.py) under each plan
+(RAW_PLANS: stage width, threadgroups an SM, stages of x in flight) and by warpgroup products (grouped_wgmma.py,
+gate / up reading the tokens' rows by index as the model does, at two and three warpgroups), the dense affine projections (Q8_0) by the
 float16 kernel (dense_f16.py) at each pipeline depth, by warpgroup products (dense_wgmma.py) under each of
 WGMMA_PLANS, and by their fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is
 gone, bench/RESULTS.md), and F16 matrices by the same kernels and cuBLAS's float32 GEMM (what they took before).
@@ -31,6 +32,7 @@ from ds4_mlx.kernels.dense_f16 import f16_affine_matmul, half_matmul
 from ds4_mlx.kernels.dense_wgmma import wgmma_affine_matmul, wgmma_half_matmul
 from ds4_mlx.kernels.grouped_gemm import expert_counts
 from ds4_mlx.kernels.grouped_raw import raw_grouped_gemm
+from ds4_mlx.kernels.grouped_wgmma import wgmma_grouped_gemm
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 
@@ -43,6 +45,8 @@ RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1,
 """(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
+GROUPED_WARPGROUPS = (3, 2)
+"""grouped_wgmma.py's warpgroups a threadgroup: its default first."""
 WGMMA_PLANS = ((0, 3, 3), (1, 2, 2), (0, 3, 2), (0, 2, 3))
 """dense_wgmma.py's (PIPELINE, AHEAD, WARPGROUPS): its PLAN first, then its NARROW_PLAN."""
 
@@ -81,9 +85,10 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--once", action="store_true", help="each kernel's default plan once, untimed (for a profiler)")
     args = p.parse_args()
-    global ONCE, RAW_PLANS, STAGES, WGMMA_PLANS
+    global ONCE, RAW_PLANS, STAGES, WGMMA_PLANS, GROUPED_WARPGROUPS
     if args.once:
         ONCE, RAW_PLANS, STAGES, WGMMA_PLANS = True, RAW_PLANS[1:2], STAGES[:1], WGMMA_PLANS[:1]
+        GROUPED_WARPGROUPS = GROUPED_WARPGROUPS[:1]
 
     rng = np.random.default_rng(0)
     ids = np.sort(np.concatenate([rng.choice(EXPERTS, USED, replace=False) for _ in range(args.tokens)]))
@@ -101,6 +106,21 @@ def main() -> int:
             ms = per_call_ms(lambda: raw_grouped_gemm(x, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), tk=tk,
                                                       groups=groups, stages=stages), args.calls, args.repeats)
             report(f"{name} TK={tk} groups={groups} stages={stages}", 2.0 * ids.size * n_out * n_in, ms, error)
+        rows, tokens = None, x
+        if ggml_type == GGMLType.IQ2_XXS:  # gate / up as the model runs them: each pair reads its token by index
+            rows = mx.array((rng.permutation(ids.size) % args.tokens).astype(np.uint32))
+            tokens = x[: args.tokens]
+            first = raw_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows)
+            report(f"{name} mma gathered", 2.0 * ids.size * n_out * n_in, per_call_ms(
+                lambda: raw_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows),
+                args.calls, args.repeats), 0.0)
+        for warpgroups in GROUPED_WARPGROUPS:
+            def call() -> mx.array:
+                return wgmma_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows,
+                                          warpgroups=warpgroups)
+            error = (mx.abs(call() - first).max() / mx.abs(first).max()).item()
+            report(f"{name} wgmma warpgroups={warpgroups}{'' if rows is None else ' gathered'}",
+                   2.0 * ids.size * n_out * n_in, per_call_ms(call, args.calls, args.repeats), error)
     for name, shape in DENSE.items():
         weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=3), GGMLType.Q8_0, shape)
         x = random_activations((args.tokens, shape[1]), seed=4)

@@ -8,9 +8,9 @@ pairs and their per-expert counts instead: for a float32 scratch the 3xTF32 tens
 else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand side is the bank as floats, a *scratch*:
 
 - raw IQ2_XXS / Q2_K banks (q2 files): on CUDA no scratch at all, one kernel decoding the raw blocks in its tile
-  loads on float16 tensor cores at float32 accuracy (grouped_raw.py, one launch per projection; gate and up read
-  each pair's token row through the pair's row index, so the chunk is not copied per pair); on Metal, or where its
-  check fails, the pairs' rows are copied (`pair_inputs`) and the used experts decoded by
+  loads on float16 tensor cores at float32 accuracy (one launch per projection; gate and up read each pair's token
+  row through the pair's row index, so the chunk is not copied per pair): on Hopper by warpgroup products
+  (grouped_wgmma.py), else or where its check fails by mma (grouped_raw.py); on Metal, or where both checks fail, the pairs' rows are copied (`pair_inputs`) and the used experts decoded by
   `dequant.dequantize_used`, one kernel per projection, then the grouped GEMM;
 - affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
   CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
@@ -43,8 +43,11 @@ from ..model.gguf import GGMLType
 from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .batch import BF16_TOLERANCE, DTYPES, TOLERANCE, prefill_dtype
 from .dequant import dequantize_used
-from .grouped_gemm import TM, expert_counts, grid_fits
+from .grouped_gemm import expert_counts, grid_fits
 from .grouped_raw import raw_grouped_gemm
+from .grouped_wgmma import TM as WGMMA_TM
+from .grouped_wgmma import fits as wgmma_fits
+from .grouped_wgmma import wgmma_grouped_gemm
 from .grouped_tf32 import tensor_core_matmul
 from .matvec import gathered_reference
 from .probe import random_activations, random_blocks
@@ -140,8 +143,9 @@ def sliced_reference(x: mx.array, blocks: mx.array, sorted_ids: mx.array, ggml_t
 
 
 class RawGrouped:
-    """The grouped expert GEMM over raw IQ2_XXS / Q2_K blocks: on CUDA the tensor-core kernel reading the blocks
-    directly (grouped_raw.py, no scratch, whatever DS4_PREFILL_DTYPE: float32 is also the more accurate), else
+    """The grouped expert GEMM over raw IQ2_XXS / Q2_K blocks: on CUDA a tensor-core kernel reading the blocks
+    directly (no scratch, whatever DS4_PREFILL_DTYPE: float32 is also the more accurate; grouped_wgmma.py on Hopper,
+    else grouped_raw.py), else
     the dequantize-to-scratch kernel + grouped GEMM on GPUs (one fast path per scratch type), `sliced_reference`
     elsewhere or where the first-use checks fail."""
 
@@ -158,6 +162,9 @@ class RawGrouped:
         """The raw-bank kernel against the same reference, within float32 reassociation (TOLERANCE, 1e-5 of the
         largest output): it decodes the reference's values exactly, drops ~2^-22 of each product (the two-half
         split of x, halfsplit.py) and reassociates the sums (~1e-6 of the largest output at Flash's K)."""
+        self.wgmma = FastPath(f"{ggml_type.name.lower()}_grouped_wgmma", self._reference, self._wgmma,
+                              self._direct_probe, tolerance=TOLERANCE, backends=("cuda",))
+        """The same by warpgroup products (Hopper), against the same reference and bound."""
 
     def __call__(self, x: mx.array, blocks: mx.array, sorted_ids: mx.array, counts: mx.array,
                  shape: tuple[int, int, int], rows: mx.array | None = None) -> mx.array:
@@ -165,6 +172,8 @@ class RawGrouped:
         (or x[i] for x (N, IN) where rows is None): the raw kernel reads the rows it needs, the other paths copy
         them first."""
         key = tuple(shape[1:])
+        if grid_fits(sorted_ids.size, shape[0]) and wgmma_fits(shape[2]) and self.wgmma.enabled(key):
+            return self.wgmma(x, blocks, sorted_ids, counts, shape, rows, key=key)
         if grid_fits(sorted_ids.size, shape[0]) and self.direct.enabled(key):
             return self.direct(x, blocks, sorted_ids, counts, shape, rows, key=key)
         return self.fast_paths[prefill_dtype()](pair_inputs(x, rows), blocks, sorted_ids, counts, shape, key=key)
@@ -181,6 +190,9 @@ class RawGrouped:
     def _direct(self, x, blocks, sorted_ids, counts, shape, rows=None) -> mx.array:
         return raw_grouped_gemm(x, blocks, counts, self.ggml_type, shape, rows)
 
+    def _wgmma(self, x, blocks, sorted_ids, counts, shape, rows=None) -> mx.array:
+        return wgmma_grouped_gemm(x, blocks, counts, self.ggml_type, shape, rows)
+
     def _probe(self, key: Hashable) -> tuple:
         """Five experts: one unused, one with a single pair, one with most pairs."""
         n_out, n_in = key
@@ -190,12 +202,13 @@ class RawGrouped:
         return random_activations((ids.size, n_in), seed=22), blocks, ids, expert_counts(ids, 5), shape
 
     def _direct_probe(self, key: Hashable) -> tuple:
-        """Five experts at the real widths: one unused, one with a single pair, one with two row tiles (76 pairs),
-        the pairs reading 40 tokens' rows in a shuffled order (each token by about two pairs)."""
+        """Five experts at the real widths: one unused, one with a single pair, one with a partial second row tile
+        of the wgmma kernel (134 pairs; three of grouped_raw.py's), the pairs reading 40 tokens' rows in a shuffled
+        order (each token by about three pairs)."""
         n_out, n_in = key
         shape = (5, n_out, n_in)
         blocks = random_blocks(self.ggml_type, 5 * n_out, n_in, seed=25).reshape(5, -1)
-        ids = mx.array([0] * 3 + [1] + [3] * (TM + 6) + [4] * 2, dtype=mx.uint32)
+        ids = mx.array([0] * 3 + [1] + [3] * (WGMMA_TM + 6) + [4] * 2, dtype=mx.uint32)
         rows = mx.array(np.random.default_rng(27).integers(0, 40, ids.size).astype(np.uint32))
         return random_activations((40, n_in), seed=26), blocks, ids, expert_counts(ids, 5), shape, rows
 
