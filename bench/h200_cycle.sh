@@ -52,7 +52,8 @@
 #   graph[:N[:CTX[:MODES]]] the same bench with this tree, greedy decoding through MLX's compiled step
 #                  (DS4_GRAPH_DECODE=off) and through the decode graphs (=on, the default on CUDA,
 #                  model/graphstep.py), on the same machine; MODES one of them (default off,on)
-#   gemms          prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py)
+#   gemms[:ONLY]   prefill's tensor-core GEMMs at Flash's shapes, one 4096-token chunk (bench/prefill_gemms.py;
+#                  ONLY raw, dense or half: those rows alone)
 #   ncu[:REGEX]    Nsight Compute (/usr/local/cuda/bin/ncu, --set full) on each GEMM of `gemms` run once, the kernels
 #                  whose names match REGEX (default the tensor-core GEMMs): time, issue rate, stall
 #                  reasons, executed SASS by opcode per HMMA (bench/ncu_summary.py; with the most stalled
@@ -214,8 +215,10 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       timeout "$(left 10)" python3 bench/chunk_attention.py 2>&1 | grep -v "warnings.warn" | tail -15 ;;
     mma)
       timeout "$(left 10)" python3 bench/mma_ceiling.py 2>&1 | grep -v "warnings.warn" | tail -5 ;;
-    gemms)
-      timeout "$(left 10)" python3 bench/prefill_gemms.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;
+    gemms*)
+      only=${step#gemms}; only=${only#:}
+      timeout "$(left 10)" python3 bench/prefill_gemms.py ${only:+--only $only} 2>&1 | grep -v "warnings.warn" \
+        > "$out/gemms.txt"; tail -60 "$out/gemms.txt" ;;
     ncuattn*)
       regexes=${step#ncuattn}; regexes=${regexes#:}; regexes=${regexes:-chunk_attention_tc2_picked,indexer_scores_tc}
       for regex in ${regexes//,/ }; do
@@ -225,7 +228,7 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       done
       grep -v "^    " "$out/ncuattn_summary.txt" | tail -40 ;;
     ncu*)
-      regex=${step#ncu}; regex=${regex#:}; regex=${regex:-ds4_(dense|grouped_raw)}
+      regex=${step#ncu}; regex=${regex#:}; regex=${regex:-ds4_(dense|grouped_(raw|wgmma))}
       timeout "$(left 30)" /usr/local/cuda/bin/ncu --set full -k "regex:$regex" -o /tmp/gemms -f \
         python3 bench/prefill_gemms.py --once > "$out/ncu.log" 2>&1; tail -2 "$out/ncu.log"
       timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep > "$out/ncu_summary.txt" 2>&1

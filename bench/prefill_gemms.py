@@ -3,6 +3,7 @@
     python bench/prefill_gemms.py                 # 4096-token chunk (CUDA's), random routing over 256 experts
     python bench/prefill_gemms.py --tokens 2048 --calls 4
     python bench/prefill_gemms.py --once          # each kernel's default plan once, untimed: for a profiler
+    python bench/prefill_gemms.py --only raw      # the routed experts' rows only (dense, half: the others)
 
 Rows: the raw-bank expert GEMM for IQ2_XXS gate / up and Q2_K down by mma (kernels/grouped_raw.py) under each plan
 (RAW_PLANS: stage width, threadgroups an SM, stages of x in flight) and by warpgroup products (grouped_wgmma.py,
@@ -45,8 +46,8 @@ RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1,
 """(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
-GROUPED_WARPGROUPS = (3, 2)
-"""grouped_wgmma.py's warpgroups a threadgroup: its default first."""
+GROUPED_PLANS = ((3, 2), (3, 0), (3, 4), (2, 2))
+"""grouped_wgmma.py's (warpgroups a threadgroup, W blocks prefetched ahead; 0: none): its default first."""
 WGMMA_PLANS = ((0, 3, 3), (1, 2, 2), (0, 3, 2), (0, 2, 3))
 """dense_wgmma.py's (PIPELINE, AHEAD, WARPGROUPS): its PLAN first, then its NARROW_PLAN."""
 
@@ -84,16 +85,17 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--once", action="store_true", help="each kernel's default plan once, untimed (for a profiler)")
+    p.add_argument("--only", choices=("raw", "dense", "half"), help="only the routed experts, dense Q8_0 or F16 rows")
     args = p.parse_args()
-    global ONCE, RAW_PLANS, STAGES, WGMMA_PLANS, GROUPED_WARPGROUPS
+    global ONCE, RAW_PLANS, STAGES, WGMMA_PLANS, GROUPED_PLANS
     if args.once:
         ONCE, RAW_PLANS, STAGES, WGMMA_PLANS = True, RAW_PLANS[1:2], STAGES[:1], WGMMA_PLANS[:1]
-        GROUPED_WARPGROUPS = GROUPED_WARPGROUPS[:1]
+        GROUPED_PLANS = GROUPED_PLANS[:1]
 
     rng = np.random.default_rng(0)
     ids = np.sort(np.concatenate([rng.choice(EXPERTS, USED, replace=False) for _ in range(args.tokens)]))
     counts = expert_counts(mx.array(ids.astype(np.uint32)), EXPERTS)
-    for name, (ggml_type, n_out, n_in) in RAW.items():
+    for name, (ggml_type, n_out, n_in) in RAW.items() if args.only in (None, "raw") else ():
         blocks = random_blocks(ggml_type, EXPERTS * n_out, n_in, seed=1).reshape(EXPERTS, -1)
         x = random_activations((ids.size, n_in), seed=2)
         mx.eval(blocks, x, counts)
@@ -114,14 +116,14 @@ def main() -> int:
             report(f"{name} mma gathered", 2.0 * ids.size * n_out * n_in, per_call_ms(
                 lambda: raw_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows),
                 args.calls, args.repeats), 0.0)
-        for warpgroups in GROUPED_WARPGROUPS:
+        for warpgroups, prefetch in GROUPED_PLANS:
             def call() -> mx.array:
                 return wgmma_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows,
-                                          warpgroups=warpgroups)
+                                          warpgroups=warpgroups, prefetch=prefetch)
             error = (mx.abs(call() - first).max() / mx.abs(first).max()).item()
-            report(f"{name} wgmma warpgroups={warpgroups}{'' if rows is None else ' gathered'}",
+            report(f"{name} wgmma wg={warpgroups} prefetch={prefetch}{'' if rows is None else ' gathered'}",
                    2.0 * ids.size * n_out * n_in, per_call_ms(call, args.calls, args.repeats), error)
-    for name, shape in DENSE.items():
+    for name, shape in DENSE.items() if args.only in (None, "dense") else ():
         weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=3), GGMLType.Q8_0, shape)
         x = random_activations((args.tokens, shape[1]), seed=4)
         mx.eval(weight.wq, x)
@@ -134,7 +136,7 @@ def main() -> int:
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
             report(f"dense {name} {kind}", 2.0 * args.tokens * shape[0] * shape[1],
                    per_call_ms(lambda: matmul(x, weight), args.calls, args.repeats), error)
-    for shape in HALF:
+    for shape in HALF if args.only in (None, "half") else ():
         w = mx.array(np.random.default_rng(5).standard_normal(shape).astype(np.float16))
         x = random_activations((args.tokens, shape[1]), seed=6)
         first = None

@@ -48,6 +48,10 @@ STAGES = 4
 """x stages in flight (16 KB each): the copies of the next STAGES - 1 land while one is multiplied."""
 PLANE_WORDS = TM * TK // 2
 """One plane (hi or lo) of a stage's B tile: 128 columns of 32 halves."""
+PREFETCH = 2
+"""W blocks (8 stages each) the L2 prefetches run ahead of the stage being multiplied: each lane's own loads of a
+stage's W are issued one stage ahead only (registers), which an expert's W, read from HBM once per tile, would
+not cover."""
 
 
 _SOURCE = TILE_HEAD + """
@@ -115,6 +119,20 @@ for (int s = 0; s < STAGES - 1; ++s) {
 {
   const int ls = 0;
 W_LOAD}
+auto prefetch = [&](int b) {
+  if (tig == 0 && b < n_in / 256) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const GLOBAL_MEM unsigned char* block = w + w_at[h] + (size_t)b * BLOCK_BYTES;
+      ds4_prefetch_l2(block);
+      ds4_prefetch_l2(block + BLOCK_BYTES - 1);
+    }
+  }
+};
+#pragma unroll
+for (int b = 1; b < PREFETCH; ++b) {
+  prefetch(b);
+}
 float acc[16][2][2] = {};
 float part[64];
 auto product = [&](const SHARED_MEM unsigned int* st, const unsigned int (&a)[2][4]) {
@@ -147,6 +165,9 @@ for (int s = 0; s < steps; ++s) {
     load_stage(s + STAGES - 1);
   }
   ds4_async_commit();
+  if (PREFETCH > 0 && (s & 7) == 0) {
+    prefetch((s >> 3) + PREFETCH);
+  }
   const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
   unsigned int a[2][4];
   float sc[2];
@@ -179,7 +200,8 @@ scan), W_LOAD (stage ls's global loads into registers, for both rows h of the la
 the stage's A fragments `a` and drain scales `sc`) and W_AFTER (more products of the stage, Q2_K's mins). A stage
 waits for its copies, makes them visible to the tensor cores, passes one barrier (every warpgroup waited for the
 wgmma that read the buffer the next copies overwrite), issues those copies, decodes its A, loads the next stage's
-W, multiplies and drains. Stage s's B in buffer s % STAGES as dense_wgmma.py lays it out: column n a pair (its
+W, multiplies and drains; every 8 stages (a W block) lane 0 of each row group asks the L2 for the block PREFETCH
+blocks on (its first and last byte's lines). Stage s's B in buffer s % STAGES as dense_wgmma.py lays it out: column n a pair (its
 token's row xr[n]), the first 256 threads copying pairs n and n + 64; pairs past the tile read as zeros and are not
 stored; W rows past OUT read row col0 and get scale 0. The store undoes x's row scale."""
 
@@ -295,16 +317,17 @@ def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS) -> Kernel:
 
 def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
                        shape: tuple[int, int, int], rows: mx.array | None = None,
-                       warpgroups: int = WARPGROUPS) -> mx.array:
+                       warpgroups: int = WARPGROUPS, prefetch: int = PREFETCH) -> mx.array:
     """grouped_raw.raw_grouped_gemm's product (its arguments, the same result within float32 reassociation) by
-    warpgroup products. CUDA sm_90a only."""
+    warpgroup products; `warpgroups` and `prefetch` (0: none) for bench/prefill_gemms.py. CUDA sm_90a only."""
     hi, lo, scales = held_split(x, layout="transposed")
     gather = rows is not None
     index = rows.astype(mx.uint32) if gather else mx.zeros((1,), dtype=mx.uint32)
     tn, threads = 64 * warpgroups, 128 * warpgroups
     return launch_grouped(build(kernel(ggml_type, warpgroups), current_backend()), [hi, lo], blocks, counts, shape,
                           [("TM", TM), ("TN", tn), ("TK", TK), ("THREADS", threads), ("STAGES", STAGES),
-                           ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather)],
+                           ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
+                           ("PREFETCH", prefetch)],
                           extra=[scales, index], pairs=x.shape[0] if rows is None else rows.size,
                           tile=(TM, tn, threads))
 
