@@ -42,12 +42,18 @@ TM = 128
 """Pairs (rows of x) a tile: the 128 columns of B."""
 WARPGROUPS = 3
 """Warpgroups a threadgroup, 64 W rows each (dense_wgmma.py's PLAN: the most an SM holds)."""
-TK = 32
-"""K a stage: one IQ2_XXS sub-block, two Q2_K groups of 16; two wgmma k-steps."""
+TK = 64
+"""K a stage: U = TK / 32 slices (an IQ2_XXS sub-block, two Q2_K groups of 16 each) of two wgmma k-steps, drained
+together: 4 U wgmma deep."""
 STAGES = 4
 """x stages in flight (16 KB each): the copies of the next STAGES - 1 land while one is multiplied."""
-PLANE_WORDS = TM * TK // 2
-"""One plane (hi or lo) of a stage's B tile: 128 columns of 32 halves."""
+
+
+def plane_words(tk: int = TK) -> int:
+    """32-bit words of one plane (hi or lo) of a stage's B tile: 128 columns of tk halves, as tk / 32 tiles of 32
+    K (dense_wgmma.py's layout) one after the other."""
+    return TM * tk // 2
+
 PREFETCH = 2
 """W blocks (8 stages each) the L2 prefetches run ahead of the stage being multiplied: each lane's own loads of a
 stage's W are issued one stage ahead only (registers), which an expert's W, read from HBM once per tile, would
@@ -56,6 +62,9 @@ not cover."""
 
 _SOURCE = TILE_HEAD + """
 constexpr int STAGE = 2 * PLANE_WORDS;
+constexpr int U = TK / 32;
+constexpr int SUB = TM * 16;
+constexpr int PER_BLOCK = 256 / TK;
 SHARED float rsx[TM];
 SHARED unsigned int xr[TM];
 SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
@@ -83,16 +92,14 @@ ds4_barrier();
 const int half_words = n_in / 2;
 const int kc = tid & 3;
 const int token = tid >> 2;
-const GLOBAL_MEM uint32_t* x_src[2][2];
+unsigned int x_at[2];
 bool x_ok[2];
 int x_dst[2];
 #pragma unroll
 for (int i = 0; i < 2; ++i) {
   const int n = token + 64 * i;
   x_ok[i] = n < rows;
-  const size_t at = (size_t)xr[x_ok[i] ? n : 0] * half_words + 4 * kc;
-  x_src[0][i] = xhi + at;
-  x_src[1][i] = xlo + at;
+  x_at[i] = xr[x_ok[i] ? n : 0] * (unsigned int)half_words + 4 * kc;
   x_dst[i] = ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4;
 }
 auto load_stage = [&](int s) {
@@ -101,9 +108,13 @@ auto load_stage = [&](int s) {
     #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
       #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + x_dst[i]),
-                         reinterpret_cast<const GLOBAL_MEM float*>(x_src[plane][i] + s * 16), x_ok[i]);
+      for (int u = 0; u < U; ++u) {
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const GLOBAL_MEM uint32_t* src = (plane ? xlo : xhi) + x_at[i] + s * (TK / 2) + 16 * u;
+          ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + u * SUB + x_dst[i]),
+                           reinterpret_cast<const GLOBAL_MEM float*>(src), x_ok[i]);
+        }
       }
     }
   }
@@ -135,12 +146,16 @@ for (int b = 1; b < PREFETCH; ++b) {
 }
 float acc[16][2][2] = {};
 float part[64];
-auto product = [&](const SHARED_MEM unsigned int* st, const unsigned int (&a)[2][4]) {
+auto product = [&](const SHARED_MEM unsigned int* st, const unsigned int (&a)[U][2][4]) {
   ds4_wgmma_fence();
   #pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[kk], st + PLANE_WORDS + kk * 2 * (LBO / 4), kk);
-    ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[kk], st + kk * 2 * (LBO / 4), 1);
+  for (int u = 0; u < U; ++u) {
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const SHARED_MEM unsigned int* b = st + u * SUB + kk * 2 * (LBO / 4);
+      ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[u][kk], b + PLANE_WORDS, u + kk);
+      ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[u][kk], b, 1);
+    }
   }
   ds4_wgmma_commit();
   ds4_wgmma_wait<0>(part);
@@ -165,11 +180,11 @@ for (int s = 0; s < steps; ++s) {
     load_stage(s + STAGES - 1);
   }
   ds4_async_commit();
-  if (PREFETCH > 0 && (s & 7) == 0) {
-    prefetch((s >> 3) + PREFETCH);
+  if (PREFETCH > 0 && s % PER_BLOCK == 0) {
+    prefetch(s / PER_BLOCK + PREFETCH);
   }
   const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
-  unsigned int a[2][4];
+  unsigned int a[U][2][4];
   float sc[2];
 W_DECODE  if (s + 1 < steps) {
     const int ls = s + 1;
@@ -212,42 +227,51 @@ _IQ2_XXS = {
   iq2_grid[i] = ds4_iq2xxs_bytes[i];
 }
 unsigned int w_d[2];
-unsigned int w_q[2];
-unsigned int w_aux[2];
+unsigned int w_q[2][U];
+unsigned int w_aux[2][U];
 """,
     "W_LOAD": """  #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const GLOBAL_MEM unsigned short* block =
-        reinterpret_cast<const GLOBAL_MEM unsigned short*>(w + w_at[h] + (size_t)(ls >> 3) * 66);
-    const int sub = 4 * (ls & 7);
+        reinterpret_cast<const GLOBAL_MEM unsigned short*>(w + w_at[h] + (size_t)(ls / PER_BLOCK) * 66);
     w_d[h] = block[0];
-    w_q[h] = block[1 + sub + (tig >> 1)];
-    w_aux[h] = (unsigned int)block[3 + sub] | ((unsigned int)block[4 + sub] << 16);
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int sub = 4 * ((ls * U + u) & 7);
+      w_q[h][u] = block[1 + sub + (tig >> 1)];
+      w_aux[h][u] = (unsigned int)block[3 + sub] | ((unsigned int)block[4 + sub] << 16);
+    }
   }
 """,
     "W_DECODE": """  #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const unsigned int idx = (w_q[h] >> (8 * (tig & 1))) & 255u;
-    const unsigned int low = (w_aux[h] >> (7 * tig)) & 127u;
-    const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
-    const unsigned int g0 = iq2_grid[2 * idx];
-    const unsigned int g1 = iq2_grid[2 * idx + 1];
-    a[0][h] = ds4_quant_half2(g0, 0x4140u, 0x64006400u) ^ ((signs * 0x40008000u) & 0x80008000u);
-    a[0][2 + h] = ds4_quant_half2(g0, 0x4342u, 0x64006400u) ^ ((signs * 0x10002000u) & 0x80008000u);
-    a[1][h] = ds4_quant_half2(g1, 0x4140u, 0x64006400u) ^ ((signs * 0x04000800u) & 0x80008000u);
-    a[1][2 + h] = ds4_quant_half2(g1, 0x4342u, 0x64006400u) ^ ((signs * 0x01000200u) & 0x80008000u);
-    sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)w_d[h]) * 0.125f * (float)(2u * (w_aux[h] >> 28) + 1u)
-                    : 0.0f;
+    sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)w_d[h]) * 0.125f : 0.0f;
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned int idx = (w_q[h][u] >> (8 * (tig & 1))) & 255u;
+      const unsigned int low = (w_aux[h][u] >> (7 * tig)) & 127u;
+      const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
+      const float k = (float)(2u * (w_aux[h][u] >> 28) + 1u);
+      const unsigned int k2 = ds4_half2_bits(k, k);
+      const unsigned int o2 = ds4_half2_bits(-1024.0f * k, -1024.0f * k);
+      const unsigned int g0 = iq2_grid[2 * idx];
+      const unsigned int g1 = iq2_grid[2 * idx + 1];
+      a[u][0][h] = ds4_quant_fma_half2(g0, 0x4140u, k2, o2) ^ ((signs * 0x40008000u) & 0x80008000u);
+      a[u][0][2 + h] = ds4_quant_fma_half2(g0, 0x4342u, k2, o2) ^ ((signs * 0x10002000u) & 0x80008000u);
+      a[u][1][h] = ds4_quant_fma_half2(g1, 0x4140u, k2, o2) ^ ((signs * 0x04000800u) & 0x80008000u);
+      a[u][1][2 + h] = ds4_quant_fma_half2(g1, 0x4342u, k2, o2) ^ ((signs * 0x01000200u) & 0x80008000u);
+    }
   }
 """,
     "W_AFTER": "",
 }
-"""Stage s is sub-block s % 8 of block s / 8 (16-bit words of a 66-byte block: d at 0, sub-block b at 1 + 4 b: grid
-indices in +0 and +1, aux in +2 and +3). Lane t holds group t of the sub-block (its values 8 t .. 8 t + 7: the k-step
-kk's four in grid word kk): grid index = byte t of the sub-block, signs = aux's 7-bit field t plus its parity bit
-(ggml's ksigns), each magnitude an exact half (8, 25 or 43, from its byte by one prmt and one half subtraction)
-with its sign bit xored in. The reference's value is d (0.5 + aux >> 28) / 4 times the signed magnitude: the
-drain's scale (d / 8) (2 (aux >> 28) + 1), exact in float32."""
+"""Slice u of stage s is sub-block (U s + u) % 8 of block s / PER_BLOCK (16-bit words of a 66-byte block: d at 0,
+sub-block b at 1 + 4 b: grid indices in +0 and +1, aux in +2 and +3). Lane t holds group t of the sub-block (its
+values 8 t .. 8 t + 7: k-step kk's four in grid word kk): grid index = byte t of the sub-block, signs = aux's 7-bit
+field t plus its parity bit (ggml's ksigns). The reference's value is d (0.5 + aux >> 28) / 4 times the signed
+magnitude = (d / 8) k m with k = 2 (aux >> 28) + 1: A holds k m (at most 31 x 43 = 1333, an exact half, two at a
+time from the grid bytes by one prmt and one fused half multiply-add, as grouped_raw.py makes them) with its sign
+bit xored in, and the drain's scale is the block's d / 8."""
 
 _Q2_K = {
     "BLOCK_BYTES": "84",
@@ -256,77 +280,92 @@ _Q2_K = {
 unsigned int w_sc[2];
 unsigned int w_qs[2][2];
 float dmin[2];
-unsigned int am[4];
+unsigned int m2[U][2];
 """,
     "W_LOAD": """  #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const GLOBAL_MEM unsigned int* b32 =
-        reinterpret_cast<const GLOBAL_MEM unsigned int*>(w + w_at[h] + (size_t)(ls >> 3) * 84);
-    const int hb = (ls >> 2) & 1;
+        reinterpret_cast<const GLOBAL_MEM unsigned int*>(w + w_at[h] + (size_t)(ls / PER_BLOCK) * 84);
+    const int hb = ((ls * U) >> 2) & 1;
     w_dm[h] = b32[20];
-    w_sc[h] = b32[2 * hb + ((ls >> 1) & 1)];
+    w_sc[h] = b32[2 * hb + (((ls * U) >> 1) & 1)];
     w_qs[h][0] = b32[4 + 8 * hb + 2 * tig];
     w_qs[h][1] = b32[5 + 8 * hb + 2 * tig];
   }
 """,
     "W_DECODE": """  #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const unsigned int scale = (w_sc[h] >> (8 * (2 * (s & 1) + (tig >> 1)))) & 255u;
-    const float k = (float)(scale & 15u);
-    const unsigned int k2 = ds4_half2_bits(k, k);
-    const unsigned int o2 = ds4_half2_bits(-1024.0f * k, -1024.0f * k);
     #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const unsigned int q = (w_qs[h][kk] >> (2 * (s & 3))) & 0x03030303u;
-      a[kk][h] = ds4_quant_fma_half2(q, 0x4140u, k2, o2);
-      a[kk][2 + h] = ds4_quant_fma_half2(q, 0x4342u, k2, o2);
+    for (int u = 0; u < U; ++u) {
+      const int sl = s * U + u;
+      const unsigned int scale = (w_sc[h] >> (8 * (2 * (sl & 1) + (tig >> 1)))) & 255u;
+      const float k = (float)(scale & 15u);
+      const unsigned int k2 = ds4_half2_bits(k, k);
+      const unsigned int o2 = ds4_half2_bits(-1024.0f * k, -1024.0f * k);
+      #pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const unsigned int q = (w_qs[h][kk] >> (2 * (sl & 3))) & 0x03030303u;
+        a[u][kk][h] = ds4_quant_fma_half2(q, 0x4140u, k2, o2);
+        a[u][kk][2 + h] = ds4_quant_fma_half2(q, 0x4342u, k2, o2);
+      }
+      m2[u][h] = ds4_half2_bits((float)(scale >> 4), (float)(scale >> 4));
     }
-    const float m = (float)(scale >> 4);
-    am[h] = ds4_half2_bits(m, m);
-    am[2 + h] = am[h];
     sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)(w_dm[h] & 0xFFFFu)) : 0.0f;
     dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(w_dm[h] >> 16)) : 0.0f;
   }
 """,
-    "W_AFTER": """  const unsigned int mins[2][4] = {{am[0], am[1], am[2], am[3]}, {am[0], am[1], am[2], am[3]}};
+    "W_AFTER": """  unsigned int mins[U][2][4];
+  #pragma unroll
+  for (int u = 0; u < U; ++u) {
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      mins[u][kk][0] = mins[u][kk][2] = m2[u][0];
+      mins[u][kk][1] = mins[u][kk][3] = m2[u][1];
+    }
+  }
   product(st, mins);
   drain(dmin);
 """,
 }
-"""Stage s is values 32 (s % 8) .. of block s / 8: half hb = (s / 4) % 2, shift 2 j with j = s % 4 (qs from word 4;
-scale bytes 0-15; d | dmin word 20 of the 84-byte block). Lane t's values 8 t + 4 kk .. + 3 are qs bytes 32 hb + 8
-t + 4 kk .. (word 4 + 8 hb + 2 t + kk), at shift 2 j, in the stage's group t / 2: scale byte 8 hb + 2 j + t / 2
-(word 2 hb + j / 2, byte 2 (j % 2) + t / 2). The reference's value is d (sc & 15) q - dmin (sc >> 4): the tile holds
-(sc & 15) q (0..45, exact halves, as grouped_raw.py makes them) drained with d; then the same B by A = sc >> 4 in
-each of the lane's values (its group's m), drained with -dmin."""
+"""Slice sl = U s + u is values 32 (sl % 8) .. of block s / PER_BLOCK: half hb = (sl / 4) % 2, shift 2 j with j =
+sl % 4 (qs from word 4; scale bytes 0-15; d | dmin word 20 of the 84-byte block); a stage's slices share hb, so
+their quants are the same qs words at other shifts. Lane t's values 8 t + 4 kk .. + 3 are qs bytes 32 hb + 8 t + 4
+kk .. (word 4 + 8 hb + 2 t + kk), in the slice's group t / 2: scale byte 8 hb + 2 j + t / 2 (word 2 hb + j / 2, byte
+2 (j % 2) + t / 2). The reference's value is d (sc & 15) q - dmin (sc >> 4): A holds (sc & 15) q (0..45, exact
+halves, as grouped_raw.py makes them) drained with the block's d; then the same B by A = sc >> 4 in each of the
+lane's values (its group's m), drained with -dmin."""
 
 _PARTS = {GGMLType.IQ2_XXS: _IQ2_XXS, GGMLType.Q2_K: _Q2_K}
 _INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow")
 
 
 @cache
-def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS) -> Kernel:
-    """One kernel per raw expert type and width. CUDA sm_90a only."""
+def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES) -> Kernel:
+    """One kernel per raw expert type, width, stage width and depth. CUDA sm_90a only."""
     source = _SOURCE
     for name, text in _PARTS[ggml_type].items():
         source = source.replace(name, text)
     header = SIMD_EXCLUSIVE_SUM + (_GRID_HEADER if ggml_type == GGMLType.IQ2_XXS else "")
-    return Kernel(f"ds4_grouped_wgmma_{ggml_type.name.lower()}_{warpgroups}", _INPUTS, ("y",), source, header,
-                  launch_bounds=(128 * warpgroups, 1), shared_memory=4 * STAGES * 2 * PLANE_WORDS)
+    return Kernel(f"ds4_grouped_wgmma_{ggml_type.name.lower()}_{warpgroups}_{tk}_{stages}", _INPUTS, ("y",), source,
+                  header, launch_bounds=(128 * warpgroups, 1), shared_memory=4 * stages * 2 * plane_words(tk))
 
 
 def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
                        shape: tuple[int, int, int], rows: mx.array | None = None,
-                       warpgroups: int = WARPGROUPS, prefetch: int = PREFETCH) -> mx.array:
+                       warpgroups: int = WARPGROUPS, prefetch: int = PREFETCH, tk: int = TK,
+                       stages: int = STAGES) -> mx.array:
     """grouped_raw.raw_grouped_gemm's product (its arguments, the same result within float32 reassociation) by
-    warpgroup products; `warpgroups` and `prefetch` (0: none) for bench/prefill_gemms.py. CUDA sm_90a only."""
+    warpgroup products; `warpgroups`, `prefetch` (0: none), `tk` (32 or 64) and `stages` for
+    bench/prefill_gemms.py. CUDA sm_90a only."""
+    assert tk in (32, 64)
     hi, lo, scales = held_split(x, layout="transposed")
     gather = rows is not None
     index = rows.astype(mx.uint32) if gather else mx.zeros((1,), dtype=mx.uint32)
     tn, threads = 64 * warpgroups, 128 * warpgroups
-    return launch_grouped(build(kernel(ggml_type, warpgroups), current_backend()), [hi, lo], blocks, counts, shape,
-                          [("TM", TM), ("TN", tn), ("TK", TK), ("THREADS", threads), ("STAGES", STAGES),
-                           ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
+    return launch_grouped(build(kernel(ggml_type, warpgroups, tk, stages), current_backend()), [hi, lo], blocks,
+                          counts, shape,
+                          [("TM", TM), ("TN", tn), ("TK", tk), ("THREADS", threads), ("STAGES", stages),
+                           ("PLANE_WORDS", plane_words(tk)), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
                            ("PREFETCH", prefetch)],
                           extra=[scales, index], pairs=x.shape[0] if rows is None else rows.size,
                           tile=(TM, tn, threads))
