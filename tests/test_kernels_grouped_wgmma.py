@@ -20,7 +20,7 @@ from ds4_mlx.kernels import grouped_wgmma, halfsplit, registry
 from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
-from ds4_mlx.kernels.grouped_wgmma import STAGES, TM, kernel, wgmma_grouped_gemm
+from ds4_mlx.kernels.grouped_wgmma import STAGES, TM, W_SLOTS, kernel, wgmma_grouped_gemm
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
@@ -57,8 +57,10 @@ def test_kernels_render_for_cuda_only(ggml_type):
     assert not any(name in k.source for name in ("W_LOAD", "W_DECODE", "W_SETUP", "W_SHARED", "W_AFTER"))
     assert "wgmma.mma_async" not in METAL.prelude
     assert RAW_GROUPED[ggml_type].wgmma.backends == ("cuda",)
-    # STAGES B tiles of two 8 KB planes, dynamic; one threadgroup of 384 threads an SM
-    assert k.shared_memory == 4 * STAGES * TM * grouped_wgmma.TK <= 227 * 1024
+    # STAGES B tiles of two planes and W_SLOTS blocks of 192 W rows, dynamic; one threadgroup of 384 threads an SM
+    w_words = grouped_wgmma.W_WORDS[ggml_type]
+    assert 4 * w_words >= {GGMLType.IQ2_XXS: 66 + 2, GGMLType.Q2_K: 84}[ggml_type]
+    assert k.shared_memory == 4 * (STAGES * TM * grouped_wgmma.TK + W_SLOTS * 192 * w_words) <= 227 * 1024
     assert k.launch_bounds == (384, 1)
 
 

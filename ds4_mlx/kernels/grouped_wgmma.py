@@ -4,22 +4,29 @@ The same contract and arithmetic as grouped_raw.py (whose docstring says why the
 two halves give float32 accuracy), arranged as dense_wgmma.py arranges the Q8_0 projections:
 
 - A = W from registers: warp w of warpgroup g holds W rows 64 g + 16 w + gid and + 8 as mma's A fragments, decoded
-  straight from the raw blocks each lane loads from global memory one stage ahead (no W tile in threadgroup memory,
-  no barrier around a W store), in dense_wgmma.py's permutation of K: lane t of a k-step kk holds the values 8 t +
-  4 kk .. + 3 of a 32-value stage. For IQ2_XXS those are one grid entry's (the stage is a sub-block, its group t),
-  so a lane decodes one grid entry a row and stage: the signed magnitudes, exact halves; the sub-block's scale (d /
-  8) k goes to the drain. For Q2_K they are one byte run of the qs bytes: sc q as exact halves (sc the 4-bit scale
-  of the lane's group of 16, t / 2), the block's d to the drain;
+  from the raw blocks in threadgroup memory in dense_wgmma.py's permutation of K: lane t of a k-step kk holds the
+  values 8 t + 4 kk .. + 3 of a 32-value slice. For IQ2_XXS those are one grid entry's (the slice is a sub-block,
+  its group t): the signed magnitudes times the sub-block's odd k, exact halves, the block's d / 8 to the drain.
+  For Q2_K they are one byte run of the qs bytes: sc q as exact halves (sc the 4-bit scale of the lane's group of
+  16, t / 2), the block's d to the drain;
 - B = x: TM = 128 pairs of the tile as columns, their hi and lo planes (halfsplit's transposed layout, gathered by
   row index for gate and up) copied by cp.async STAGES deep;
 - Q2_K's mins: the term -dmin m sum(x) of a group is one more product of the same B by an A that holds the lane's
-  group's m in all four of its values (exact halves), drained with -dmin: four more wgmma a stage.
+  group's m in all four of its values (exact halves), drained with -dmin.
 
-Per stage (32 K), each warpgroup issues the lo then the hi plane of each k-step into zeroed partial sums, waits,
-and drains them into float32 accumulators with one scale per W row (as grouped_raw.py drains each stage: at most
-four products deep). A tile of 128 pairs and 64 WARPGROUPS W rows never straddles experts (grouped_gemm.py's row-tile
-scan); column tiles run fastest, so the threadgroups running together share one tile of x. Where grouped_raw.py's
-64-pair tiles decoded an expert's W about twice at Flash's 96 pairs an expert, these decode it once.
+The W tile's raw blocks (a block is PER_BLOCK stages) are copied by cp.async too, W_AHEAD blocks ahead into
+W_SLOTS slots: an expert's W is read from HBM once per tile, and loads issued a stage ahead into registers left the
+decode waiting on them (Nsight Compute, session 18: the most stalled instructions were the decode's first uses of
+the loaded words) and spilled registers. Per stage (TK = 64: two slices), each warpgroup decodes its A, issues the
+lo then the hi plane of each k-step into zeroed partial sums, waits, and drains them into float32 accumulators with
+one scale per W row (8 products deep, as grouped_raw.py drains a stage). A tile of 128 pairs and 64 WARPGROUPS W
+rows never straddles experts (grouped_gemm.py's row-tile scan); column tiles run fastest, so the threadgroups
+running together share one tile of x. Where grouped_raw.py's 64-pair tiles decoded an expert's W about twice at
+Flash's 96 pairs an expert, these decode it once.
+
+Measured (H200, bench/prefill_gemms.py, a 4096-token chunk's 24,576 pairs, session 18; grouped_raw.py gathered:
+5.27 / 6.17 ms per IQ2_XXS / Q2_K projection): stages of 32 with W loaded into registers a stage ahead 4.22 /
+5.39 ms; with L2 prefetches of W two blocks ahead 4.10 / 5.28; stages of 64 3.84 / 5.07.
 
 CUDA sm_90a only, checked at first use like every kernel; never run on Metal.
 """
@@ -46,7 +53,12 @@ TK = 64
 """K a stage: U = TK / 32 slices (an IQ2_XXS sub-block, two Q2_K groups of 16 each) of two wgmma k-steps, drained
 together: 4 U wgmma deep."""
 STAGES = 4
-"""x stages in flight (16 KB each): the copies of the next STAGES - 1 land while one is multiplied."""
+"""x stages in flight (32 KB each): the copies of the next STAGES - 1 land while one is multiplied."""
+W_SLOTS = 3
+"""W blocks held: the one being multiplied and W_SLOTS - 1 landing (W_AHEAD = W_SLOTS - 1 blocks ahead)."""
+W_WORDS = {GGMLType.IQ2_XXS: 17, GGMLType.Q2_K: 21}
+"""32-bit words a W row's block takes in a slot: Q2_K's 84 bytes; IQ2_XXS's 66 bytes from the word holding its
+first byte (2-byte aligned: 68 bytes at most)."""
 
 
 def plane_words(tk: int = TK) -> int:
@@ -54,10 +66,10 @@ def plane_words(tk: int = TK) -> int:
     K (dense_wgmma.py's layout) one after the other."""
     return TM * tk // 2
 
-PREFETCH = 2
-"""W blocks (8 stages each) the L2 prefetches run ahead of the stage being multiplied: each lane's own loads of a
-stage's W are issued one stage ahead only (registers), which an expert's W, read from HBM once per tile, would
-not cover."""
+
+def shared_bytes(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES) -> int:
+    """Dynamic threadgroup memory: `stages` B tiles (two planes) and W_SLOTS blocks of the 64 warpgroups W rows."""
+    return 4 * (stages * 2 * plane_words(tk) + W_SLOTS * 64 * warpgroups * W_WORDS[ggml_type])
 
 
 _SOURCE = TILE_HEAD + """
@@ -65,9 +77,11 @@ constexpr int STAGE = 2 * PLANE_WORDS;
 constexpr int U = TK / 32;
 constexpr int SUB = TM * 16;
 constexpr int PER_BLOCK = 256 / TK;
+constexpr int SLOT = TN * W_WORDS;
 SHARED float rsx[TM];
 SHARED unsigned int xr[TM];
 SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
+SHARED_MEM unsigned int* wbuf = buffer + STAGES * STAGE;
 W_SHARED""" + TILE_SCAN + """
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
@@ -79,17 +93,11 @@ if (tid < TM) {
   xr[tid] = at;
   rsx[tid] = tid < rows ? xscale[at] : 0.0f;
 }
-bool w_ok[2];
-size_t w_at[2];
-#pragma unroll
-for (int h = 0; h < 2; ++h) {
-  const int n = col0 + wrow + 8 * h;
-  w_ok[h] = n < n_out;
-  w_at[h] = ((size_t)expert * n_out + (w_ok[h] ? n : col0)) * (size_t)((n_in / 256) * BLOCK_BYTES);
-}
 W_SETUP
 ds4_barrier();
-const int half_words = n_in / 2;
+const int blocks = n_in / 256;
+const size_t row_bytes = (size_t)blocks * BLOCK_BYTES;
+const size_t bank_bytes = (size_t)n_expert * n_out * row_bytes;
 const int kc = tid & 3;
 const int token = tid >> 2;
 unsigned int x_at[2];
@@ -99,7 +107,7 @@ int x_dst[2];
 for (int i = 0; i < 2; ++i) {
   const int n = token + 64 * i;
   x_ok[i] = n < rows;
-  x_at[i] = xr[x_ok[i] ? n : 0] * (unsigned int)half_words + 4 * kc;
+  x_at[i] = xr[x_ok[i] ? n : 0] * (unsigned int)(n_in / 2) + 4 * kc;
   x_dst[i] = ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4;
 }
 auto load_stage = [&](int s) {
@@ -119,6 +127,29 @@ auto load_stage = [&](int s) {
     }
   }
 };
+auto load_w = [&](int b) {
+  if (b < blocks) {
+    SHARED_MEM unsigned int* slot = wbuf + (b % W_SLOTS) * SLOT;
+    for (int c = tid; c < SLOT; c += THREADS) {
+      const int r = c / W_WORDS;
+      const bool ok = col0 + r < n_out;
+      const size_t word = ((((size_t)expert * n_out + (ok ? col0 + r : col0)) * row_bytes + (size_t)b * BLOCK_BYTES)
+                           >> 2) + c % W_WORDS;
+      ds4_copy4_async(reinterpret_cast<SHARED_MEM float*>(slot + c),
+                      reinterpret_cast<const GLOBAL_MEM float*>(w) + word, ok && 4 * word + 4 <= bank_bytes);
+    }
+  }
+};
+auto w_row = [&](int s, int h) {
+  const int b = s / PER_BLOCK;
+  const size_t start = ((size_t)expert * n_out + col0 + wrow + 8 * h) * row_bytes + (size_t)b * BLOCK_BYTES;
+  return reinterpret_cast<const SHARED_MEM unsigned char*>(wbuf + (b % W_SLOTS) * SLOT + (wrow + 8 * h) * W_WORDS)
+         + (start & 3);
+};
+#pragma unroll
+for (int b = 0; b < W_SLOTS - 1; ++b) {
+  load_w(b);
+}
 const int steps = n_in / TK;
 #pragma unroll
 for (int s = 0; s < STAGES - 1; ++s) {
@@ -127,22 +158,10 @@ for (int s = 0; s < STAGES - 1; ++s) {
   }
   ds4_async_commit();
 }
-{
-  const int ls = 0;
-W_LOAD}
-auto prefetch = [&](int b) {
-  if (tig == 0 && b < n_in / 256) {
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const GLOBAL_MEM unsigned char* block = w + w_at[h] + (size_t)b * BLOCK_BYTES;
-      ds4_prefetch_l2(block);
-      ds4_prefetch_l2(block + BLOCK_BYTES - 1);
-    }
-  }
-};
+bool w_ok[2];
 #pragma unroll
-for (int b = 1; b < PREFETCH; ++b) {
-  prefetch(b);
+for (int h = 0; h < 2; ++h) {
+  w_ok[h] = col0 + wrow + 8 * h < n_out;
 }
 float acc[16][2][2] = {};
 float part[64];
@@ -176,20 +195,17 @@ for (int s = 0; s < steps; ++s) {
   ds4_async_wait_keep<STAGES - 2>();
   ds4_fence_async_shared();
   ds4_barrier();
+  if (s % PER_BLOCK == 0) {
+    load_w(s / PER_BLOCK + W_SLOTS - 1);
+  }
   if (s + STAGES - 1 < steps) {
     load_stage(s + STAGES - 1);
   }
   ds4_async_commit();
-  if (PREFETCH > 0 && s % PER_BLOCK == 0) {
-    prefetch(s / PER_BLOCK + PREFETCH);
-  }
   const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
   unsigned int a[U][2][4];
   float sc[2];
-W_DECODE  if (s + 1 < steps) {
-    const int ls = s + 1;
-W_LOAD  }
-  product(st, a);
+W_DECODE  product(st, a);
   drain(sc);
 W_AFTER}
 ds4_async_wait_keep<0>();
@@ -210,15 +226,16 @@ for (int h = 0; h < 2; ++h) {
   }
 }
 """
-"""The kernel with its W parts left as W_SHARED (threadgroup memory beside the stages), W_SETUP (once, past the
-scan), W_LOAD (stage ls's global loads into registers, for both rows h of the lane), W_DECODE (those registers as
-the stage's A fragments `a` and drain scales `sc`) and W_AFTER (more products of the stage, Q2_K's mins). A stage
-waits for its copies, makes them visible to the tensor cores, passes one barrier (every warpgroup waited for the
-wgmma that read the buffer the next copies overwrite), issues those copies, decodes its A, loads the next stage's
-W, multiplies and drains; every 8 stages (a W block) lane 0 of each row group asks the L2 for the block PREFETCH
-blocks on (its first and last byte's lines). Stage s's B in buffer s % STAGES as dense_wgmma.py lays it out: column n a pair (its
-token's row xr[n]), the first 256 threads copying pairs n and n + 64; pairs past the tile read as zeros and are not
-stored; W rows past OUT read row col0 and get scale 0. The store undoes x's row scale."""
+"""The kernel with its W parts left as W_SHARED (static threadgroup memory), W_SETUP (once, past the scan),
+W_DECODE (stage s's A fragments `a` and drain scales `sc` from the rows' blocks in their slot, `w_row(s, h)` the
+first byte of row h's block) and W_AFTER (more products of the stage: Q2_K's mins). A stage waits for its copies,
+makes them visible to the tensor cores, passes one barrier (every warpgroup waited for the wgmma that read the
+buffer the next copies overwrite, and is past the W block the next block's copies overwrite), issues those copies
+(at a block's first stage, the W block W_SLOTS - 1 on too), decodes its A, multiplies and drains. Stage s's B in
+buffer s % STAGES as dense_wgmma.py lays it out: column n a pair (its token's row xr[n]), the first 256 threads
+copying pairs n and n + 64; pairs past the tile read as zeros and are not stored. A W row's block lands as the
+W_WORDS words from the one holding its first byte (past the bank's end, and for rows past OUT, zeros; those rows
+get scale 0). The store undoes x's row scale."""
 
 _IQ2_XXS = {
     "BLOCK_BYTES": "66",
@@ -226,32 +243,19 @@ _IQ2_XXS = {
     "W_SETUP": """for (int i = tid; i < 512; i += THREADS) {
   iq2_grid[i] = ds4_iq2xxs_bytes[i];
 }
-unsigned int w_d[2];
-unsigned int w_q[2][U];
-unsigned int w_aux[2][U];
-""",
-    "W_LOAD": """  #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const GLOBAL_MEM unsigned short* block =
-        reinterpret_cast<const GLOBAL_MEM unsigned short*>(w + w_at[h] + (size_t)(ls / PER_BLOCK) * 66);
-    w_d[h] = block[0];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int sub = 4 * ((ls * U + u) & 7);
-      w_q[h][u] = block[1 + sub + (tig >> 1)];
-      w_aux[h][u] = (unsigned int)block[3 + sub] | ((unsigned int)block[4 + sub] << 16);
-    }
-  }
 """,
     "W_DECODE": """  #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)w_d[h]) * 0.125f : 0.0f;
+    const SHARED_MEM unsigned short* block = reinterpret_cast<const SHARED_MEM unsigned short*>(w_row(s, h));
+    sc[h] = w_ok[h] ? ds4_half_to_float(block[0]) * 0.125f : 0.0f;
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const unsigned int idx = (w_q[h][u] >> (8 * (tig & 1))) & 255u;
-      const unsigned int low = (w_aux[h][u] >> (7 * tig)) & 127u;
+      const int sub = 4 * ((s * U + u) & 7);
+      const unsigned int idx = (block[1 + sub + (tig >> 1)] >> (8 * (tig & 1))) & 255u;
+      const unsigned int aux = (unsigned int)block[3 + sub] | ((unsigned int)block[4 + sub] << 16);
+      const unsigned int low = (aux >> (7 * tig)) & 127u;
       const unsigned int signs = low | ((ds4_popcount(low) & 1u) << 7);
-      const float k = (float)(2u * (w_aux[h][u] >> 28) + 1u);
+      const float k = (float)(2u * (aux >> 28) + 1u);
       const unsigned int k2 = ds4_half2_bits(k, k);
       const unsigned int o2 = ds4_half2_bits(-1024.0f * k, -1024.0f * k);
       const unsigned int g0 = iq2_grid[2 * idx];
@@ -276,52 +280,44 @@ bit xored in, and the drain's scale is the block's d / 8."""
 _Q2_K = {
     "BLOCK_BYTES": "84",
     "W_SHARED": "",
-    "W_SETUP": """unsigned int w_dm[2];
-unsigned int w_sc[2];
-unsigned int w_qs[2][2];
-float dmin[2];
-unsigned int m2[U][2];
-""",
-    "W_LOAD": """  #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const GLOBAL_MEM unsigned int* b32 =
-        reinterpret_cast<const GLOBAL_MEM unsigned int*>(w + w_at[h] + (size_t)(ls / PER_BLOCK) * 84);
-    const int hb = ((ls * U) >> 2) & 1;
-    w_dm[h] = b32[20];
-    w_sc[h] = b32[2 * hb + (((ls * U) >> 1) & 1)];
-    w_qs[h][0] = b32[4 + 8 * hb + 2 * tig];
-    w_qs[h][1] = b32[5 + 8 * hb + 2 * tig];
-  }
-""",
+    "W_SETUP": "",
     "W_DECODE": """  #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    const SHARED_MEM unsigned int* block = reinterpret_cast<const SHARED_MEM unsigned int*>(w_row(s, h));
+    const int hb = ((s * U) >> 2) & 1;
+    const unsigned int scales = block[2 * hb + (((s * U) >> 1) & 1)];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int sl = s * U + u;
-      const unsigned int scale = (w_sc[h] >> (8 * (2 * (sl & 1) + (tig >> 1)))) & 255u;
+      const unsigned int scale = (scales >> (8 * (2 * (sl & 1) + (tig >> 1)))) & 255u;
       const float k = (float)(scale & 15u);
       const unsigned int k2 = ds4_half2_bits(k, k);
       const unsigned int o2 = ds4_half2_bits(-1024.0f * k, -1024.0f * k);
       #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        const unsigned int q = (w_qs[h][kk] >> (2 * (sl & 3))) & 0x03030303u;
+        const unsigned int q = (block[4 + 8 * hb + 2 * tig + kk] >> (2 * (sl & 3))) & 0x03030303u;
         a[u][kk][h] = ds4_quant_fma_half2(q, 0x4140u, k2, o2);
         a[u][kk][2 + h] = ds4_quant_fma_half2(q, 0x4342u, k2, o2);
       }
-      m2[u][h] = ds4_half2_bits((float)(scale >> 4), (float)(scale >> 4));
     }
-    sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)(w_dm[h] & 0xFFFFu)) : 0.0f;
-    dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(w_dm[h] >> 16)) : 0.0f;
+    sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)(block[20] & 0xFFFFu)) : 0.0f;
   }
 """,
     "W_AFTER": """  unsigned int mins[U][2][4];
+  float dmin[2];
   #pragma unroll
-  for (int u = 0; u < U; ++u) {
+  for (int h = 0; h < 2; ++h) {
+    const SHARED_MEM unsigned int* block = reinterpret_cast<const SHARED_MEM unsigned int*>(w_row(s, h));
+    const unsigned int scales = block[2 * (((s * U) >> 2) & 1) + (((s * U) >> 1) & 1)];
     #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      mins[u][kk][0] = mins[u][kk][2] = m2[u][0];
-      mins[u][kk][1] = mins[u][kk][3] = m2[u][1];
+    for (int u = 0; u < U; ++u) {
+      const unsigned int m = (scales >> (8 * (2 * ((s * U + u) & 1) + (tig >> 1)) + 4)) & 15u;
+      #pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        mins[u][kk][h] = mins[u][kk][2 + h] = ds4_half2_bits((float)m, (float)m);
+      }
     }
+    dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(block[20] >> 16)) : 0.0f;
   }
   product(st, mins);
   drain(dmin);
@@ -333,7 +329,8 @@ their quants are the same qs words at other shifts. Lane t's values 8 t + 4 kk .
 kk .. (word 4 + 8 hb + 2 t + kk), in the slice's group t / 2: scale byte 8 hb + 2 j + t / 2 (word 2 hb + j / 2, byte
 2 (j % 2) + t / 2). The reference's value is d (sc & 15) q - dmin (sc >> 4): A holds (sc & 15) q (0..45, exact
 halves, as grouped_raw.py makes them) drained with the block's d; then the same B by A = sc >> 4 in each of the
-lane's values (its group's m), drained with -dmin."""
+lane's values (its group's m), drained with -dmin (both read again from the slot: no register holds them across
+the first product)."""
 
 _PARTS = {GGMLType.IQ2_XXS: _IQ2_XXS, GGMLType.Q2_K: _Q2_K}
 _INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow")
@@ -347,16 +344,16 @@ def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stag
         source = source.replace(name, text)
     header = SIMD_EXCLUSIVE_SUM + (_GRID_HEADER if ggml_type == GGMLType.IQ2_XXS else "")
     return Kernel(f"ds4_grouped_wgmma_{ggml_type.name.lower()}_{warpgroups}_{tk}_{stages}", _INPUTS, ("y",), source,
-                  header, launch_bounds=(128 * warpgroups, 1), shared_memory=4 * stages * 2 * plane_words(tk))
+                  header, launch_bounds=(128 * warpgroups, 1),
+                  shared_memory=shared_bytes(ggml_type, warpgroups, tk, stages))
 
 
 def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
                        shape: tuple[int, int, int], rows: mx.array | None = None,
-                       warpgroups: int = WARPGROUPS, prefetch: int = PREFETCH, tk: int = TK,
-                       stages: int = STAGES) -> mx.array:
+                       warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES) -> mx.array:
     """grouped_raw.raw_grouped_gemm's product (its arguments, the same result within float32 reassociation) by
-    warpgroup products; `warpgroups`, `prefetch` (0: none), `tk` (32 or 64) and `stages` for
-    bench/prefill_gemms.py. CUDA sm_90a only."""
+    warpgroup products; `warpgroups`, `tk` (32 or 64) and `stages` for bench/prefill_gemms.py. CUDA sm_90a
+    only."""
     assert tk in (32, 64)
     hi, lo, scales = held_split(x, layout="transposed")
     gather = rows is not None
@@ -366,7 +363,7 @@ def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_typ
                           counts, shape,
                           [("TM", TM), ("TN", tn), ("TK", tk), ("THREADS", threads), ("STAGES", stages),
                            ("PLANE_WORDS", plane_words(tk)), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
-                           ("PREFETCH", prefetch)],
+                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type])],
                           extra=[scales, index], pairs=x.shape[0] if rows is None else rows.size,
                           tile=(TM, tn, threads))
 
