@@ -302,7 +302,6 @@ inline void ds4_wgmma_fence() {}
 inline void ds4_wgmma_commit() {}
 template <int N> inline void ds4_wgmma_wait(float*) {}
 inline void ds4_fence_async_shared() {}
-inline void ds4_prefetch_l2(const void*) {}
 
 // Threadgroups one after the other, by the same threads; a separate barrier ends each group, so a thread that
 // leaves the kernel early cannot stand in for one at the kernel's own barriers, and the next group does not touch

@@ -60,8 +60,7 @@ share, plus a few neutral words that each dialect spells its own way:
   prmt's selector 0x4140 or 0x4342 chooses bytes 0, 1 or 2, 3 with 0x64 above each, as the halves 1024 + byte,
   less the two halves of `bias`: 0x64806480 makes a byte b the exact half b - 128); ds4_quant_fma_half2(w,
   selector, scale, offset) (the same halves 1024 + byte times `scale` plus `offset`, both half pairs, one fused
-  rounding: scale k, offset -1024 k make a byte b the half b k, exact while b k is); ds4_prefetch_l2(const void* p)
-  (the 128-byte line holding p fetched into the L2, nothing returned: a load far ahead that holds no register);
+  rounding: scale k, offset -1024 k make a byte b the half b k, exact while b k is);
   sm_90a only (Hopper's warpgroup products, dense_wgmma.py): ds4_wgmma_f16_64x128x16<LBO, SBO>(float* d, const
   unsigned int* a, const unsigned int* b, int accumulate) (wgmma.mma_async m64n128k16, called by the 128 threads of
   a warpgroup together: d, 64 floats a thread, = A B (+ d where accumulate), A 64 x 16 halves from registers, warp w
@@ -312,7 +311,6 @@ __device__ __forceinline__ void ds4_copy4_async(float* dst, const float* src, bo
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(at), "l"(src), "r"(full ? 4 : 0) : "memory");
 }
 __device__ __forceinline__ void ds4_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void ds4_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 template <int N> __device__ __forceinline__ void ds4_async_wait_keep() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
