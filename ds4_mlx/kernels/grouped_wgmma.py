@@ -140,11 +140,15 @@ auto load_w = [&](int b) {
     }
   }
 };
+int w_shift[2];
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  w_shift[h] = (int)((((size_t)expert * n_out + col0 + wrow + 8 * h) * row_bytes) & 3);
+}
 auto w_row = [&](int s, int h) {
   const int b = s / PER_BLOCK;
-  const size_t start = ((size_t)expert * n_out + col0 + wrow + 8 * h) * row_bytes + (size_t)b * BLOCK_BYTES;
   return reinterpret_cast<const SHARED_MEM unsigned char*>(wbuf + (b % W_SLOTS) * SLOT + (wrow + 8 * h) * W_WORDS)
-         + (start & 3);
+         + ((w_shift[h] + (BLOCK_BYTES & 3) * b) & 3);
 };
 #pragma unroll
 for (int b = 0; b < W_SLOTS - 1; ++b) {
@@ -303,8 +307,7 @@ _Q2_K = {
     sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)(block[20] & 0xFFFFu)) : 0.0f;
   }
 """,
-    "W_AFTER": """  unsigned int mins[U][2][4];
-  float dmin[2];
+    "W_AFTER": """  float dmin[2];
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const SHARED_MEM unsigned int* block = reinterpret_cast<const SHARED_MEM unsigned int*>(w_row(s, h));
@@ -314,12 +317,12 @@ _Q2_K = {
       const unsigned int m = (scales >> (8 * (2 * ((s * U + u) & 1) + (tig >> 1)) + 4)) & 15u;
       #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        mins[u][kk][h] = mins[u][kk][2 + h] = ds4_half2_bits((float)m, (float)m);
+        a[u][kk][h] = a[u][kk][2 + h] = ds4_half2_bits((float)m, (float)m);
       }
     }
     dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(block[20] >> 16)) : 0.0f;
   }
-  product(st, mins);
+  product(st, a);
   drain(dmin);
 """,
 }
@@ -329,8 +332,8 @@ their quants are the same qs words at other shifts. Lane t's values 8 t + 4 kk .
 kk .. (word 4 + 8 hb + 2 t + kk), in the slice's group t / 2: scale byte 8 hb + 2 j + t / 2 (word 2 hb + j / 2, byte
 2 (j % 2) + t / 2). The reference's value is d (sc & 15) q - dmin (sc >> 4): A holds (sc & 15) q (0..45, exact
 halves, as grouped_raw.py makes them) drained with the block's d; then the same B by A = sc >> 4 in each of the
-lane's values (its group's m), drained with -dmin (both read again from the slot: no register holds them across
-the first product)."""
+lane's values (its group's m, into the registers of the first product's A), drained with -dmin (both read again
+from the slot: no register holds them across the first product)."""
 
 _PARTS = {GGMLType.IQ2_XXS: _IQ2_XXS, GGMLType.Q2_K: _Q2_K}
 _INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow")
