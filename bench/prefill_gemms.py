@@ -46,7 +46,7 @@ RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1,
 """(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
-GROUPED_PLANS = ((3, 64, 4), (3, 64, 3), (3, 32, 4), (2, 64, 4))
+GROUPED_PLANS = ((3, 64, 3), (3, 64, 4), (3, 32, 3), (2, 64, 3))
 """grouped_wgmma.py's (warpgroups a threadgroup, stage width TK, stages of x): its defaults first."""
 WGMMA_PLANS = ((0, 3, 3), (1, 2, 2), (0, 3, 2), (0, 2, 3))
 """dense_wgmma.py's (PIPELINE, AHEAD, WARPGROUPS): its PLAN first, then its NARROW_PLAN."""

@@ -32,10 +32,9 @@ pytestmark = pytest.mark.usefixtures("kernels_unforced")
 
 
 def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int], n_out: int, n_in: int,
-        rows: np.ndarray | None = None, warpgroups: int = grouped_wgmma.WARPGROUPS) -> np.ndarray:
+        rows: np.ndarray | None = None, **plan: int) -> np.ndarray:
     return np.array(wgmma_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type,
-                                       (len(counts), n_out, n_in), None if rows is None else mx.array(rows),
-                                       warpgroups=warpgroups))
+                                       (len(counts), n_out, n_in), None if rows is None else mx.array(rows), **plan))
 
 
 @pytest.fixture
@@ -105,8 +104,8 @@ def test_emulated_kernel_equals_one_product_per_pair(on_cpu, emulated, ggml_type
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 def test_emulated_kernel_gathers_the_rows_its_pairs_read(on_cpu, emulated, ggml_type):
     """With `rows`, pair i reads token rows[i] of x (T, IN), as gate and up read a chunk: tokens read by several
-    pairs of different experts, in no order, some by none, each token's own row scale; two warpgroups give the
-    three's values bit for bit."""
+    pairs of different experts, in no order, some by none, each token's own row scale; two warpgroups and four
+    stages give the default's values bit for bit, stages of 32 (drained twice as often) within TOLERANCE."""
     counts, n_out, n_in = [0, 30, 1, 140, 3], 72, 256
     blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=16)
     rng = np.random.default_rng(17)
@@ -116,6 +115,9 @@ def test_emulated_kernel_gathers_the_rows_its_pairs_read(on_cpu, emulated, ggml_
     assert got.shape == (ids.size, n_out) and np.isfinite(got).all()
     assert within(got, products(x[rows], weights, ids), TOLERANCE)
     assert (run(ggml_type, x, blocks, counts, n_out, n_in, rows, warpgroups=2) == got).all()
+    assert (run(ggml_type, x, blocks, counts, n_out, n_in, rows, stages=4) == got).all()
+    assert within(run(ggml_type, x, blocks, counts, n_out, n_in, rows, tk=32), products(x[rows], weights, ids),
+                  TOLERANCE)
 
 
 @pytest.mark.slow
