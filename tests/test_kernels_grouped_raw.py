@@ -1,7 +1,7 @@
-"""The grouped GEMM that reads raw IQ2_XXS / Q2_K banks directly (kernels/grouped_raw.py: float16 tensor cores, x
-split into two halves).
+"""The grouped GEMMs that read raw IQ2_XXS / Q2_K banks directly (kernels/grouped_raw.py: float16 tensor cores, x
+split into two halves; kernels/grouped_wgmma.py: the same by Hopper's warpgroup products).
 
-The kernel must equal one float64 product per pair over the reference dequantizer's weights (quants.py) within
+Each kernel must equal one float64 product per pair over the reference dequantizer's weights (quants.py) within
 float32 reassociation (TOLERANCE) for odd shapes and routings: unused experts, a single pair, E = 1, several row and
 column tiles. Its decoding must be the reference's values exactly: with one-hot activations each output is one
 weight, which the split carries exactly (a one-hot row scales to 2^14, a half with no residue), so every decoded value is checked to 2^-20 of itself (a wrong
@@ -17,11 +17,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import grouped_raw, halfsplit, registry
+from ds4_mlx.kernels import grouped_raw, grouped_wgmma, halfsplit, registry
 from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA
 from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
-from ds4_mlx.kernels.grouped_raw import STAGES, TK, grid_words, kernel, raw_grouped_gemm, shared_bytes, template
+from ds4_mlx.kernels.grouped_raw import STAGES, grid_words, kernel, raw_grouped_gemm, shared_bytes, template
 from ds4_mlx.kernels.halfsplit import reference_row_scales
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
@@ -47,11 +47,23 @@ def bank(ggml_type: GGMLType, counts: list[int], n_out: int, n_in: int, seed: in
     return blocks, weights, np.repeat(np.arange(n_expert), counts).astype(np.uint32)
 
 
-def run(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int], n_out: int, n_in: int,
-        tk: int = TK) -> np.ndarray:
-    shape = (len(counts), n_out, n_in)
-    return np.array(raw_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type, shape,
-                                     tk=tk))
+KERNELS = {"mma": raw_grouped_gemm, "wgmma": grouped_wgmma.wgmma_grouped_gemm}
+"""Both raw-bank kernels, by their tensor-core instruction; the emulated tests run each."""
+
+
+@pytest.fixture(params=KERNELS)
+def run(request, monkeypatch, tmp_path):
+    """One kernel in emulation (with the split it reads x from): run(ggml_type, x, blocks, counts, OUT, IN, rows=None,
+    **plan) -> its products as numpy."""
+    for module in (grouped_raw, grouped_wgmma, halfsplit):
+        monkeypatch.setattr(module, "build", emulated_build(tmp_path))
+    product = KERNELS[request.param]
+
+    def call(ggml_type: GGMLType, x: np.ndarray, blocks: mx.array, counts: list[int], n_out: int, n_in: int,
+             rows: np.ndarray | None = None, **plan: int) -> np.ndarray:
+        return np.array(product(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type,
+                                (len(counts), n_out, n_in), None if rows is None else mx.array(rows), **plan))
+    return call
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,7 +126,7 @@ def test_row_scales_are_powers_of_two_that_fit_a_half():
 
 CASES = {
     "skewed": ([0, 1, 30, 0, 6], 96, 256),  # N = 37: empty experts, a single pair, OUT below one column tile
-    "beyond_a_tile": ([130, 0, 20], 200, 512),  # 3 row tiles for expert 0; 2 column tiles (the second partial)
+    "beyond_a_tile": ([300, 0, 20], 200, 512),  # 5 (mma) / 3 (wgmma) row tiles for expert 0; 2 partial column tiles
     "one_expert": ([5], 8, 256),  # E = 1, OUT below a warp's 32 columns
     "many_experts": ([0, 3, 0, 0, 1, 7, 0, 2] * 5 + [70], 24, 256),  # 41 experts: two per lane in the scan
 }
@@ -125,40 +137,37 @@ CASES = {
 @pytest.mark.parametrize("tk", [32, 64])
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", CASES)
-def test_emulated_kernel_equals_one_product_per_pair(on_cpu, ggml_type, case, tk, monkeypatch, tmp_path):
-    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
+def test_emulated_kernel_equals_one_product_per_pair(on_cpu, run, ggml_type, case, tk):
     counts, n_out, n_in = CASES[case]
     blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=8)
     x = np.random.default_rng(9).standard_normal((ids.size, n_in)).astype(np.float32)
-    got = run(ggml_type, x, blocks, counts, n_out, n_in, tk)
+    got = run(ggml_type, x, blocks, counts, n_out, n_in, tk=tk)
     assert np.isfinite(got).all()  # every output was written
     assert within(got, products(x, weights, ids), TOLERANCE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
-def test_emulated_kernel_gathers_the_rows_its_pairs_read(on_cpu, ggml_type, monkeypatch, tmp_path):
+def test_emulated_kernel_gathers_the_rows_its_pairs_read(on_cpu, run, ggml_type):
     """With `rows`, pair i reads token rows[i] of x (T, IN), as gate and up read a chunk: tokens read by several
-    pairs of different experts, in no order, some by none; equal to the products over x[rows]."""
-    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
-    counts, n_out, n_in = [0, 30, 1, 70, 3], 40, 256
+    pairs of different experts, in no order, some by none, each with its own row scale; equal to the products over
+    x[rows]."""
+    counts, n_out, n_in = [0, 30, 1, 140, 3], 40, 256
     blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=16)
     rng = np.random.default_rng(17)
     x = rng.standard_normal((50, n_in)).astype(np.float32) * rng.uniform(0.01, 100, (50, 1)).astype(np.float32)
     rows = rng.integers(0, 45, ids.size).astype(np.uint32)
-    got = np.array(raw_grouped_gemm(mx.array(x), blocks, mx.array(np.array(counts, np.uint32)), ggml_type,
-                                    (len(counts), n_out, n_in), mx.array(rows)))
+    got = run(ggml_type, x, blocks, counts, n_out, n_in, rows)
     assert got.shape == (ids.size, n_out) and np.isfinite(got).all()
     assert within(got, products(x[rows], weights, ids), TOLERANCE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
-def test_emulated_kernel_keeps_float32_accuracy_at_any_row_scale(on_cpu, ggml_type, monkeypatch, tmp_path):
+def test_emulated_kernel_keeps_float32_accuracy_at_any_row_scale(on_cpu, run, ggml_type):
     """Rows of very different sizes (1e-30 to 1e30, within float32's normal range: a half without the row scaling
     would overflow or flush them) and rows mixing magnitudes 2^20 apart: each row within TOLERANCE of its own
     largest output."""
-    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
     counts, n_out, n_in = [6, 4], 40, 256
     blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=14)
     rng = np.random.default_rng(15)
@@ -174,11 +183,10 @@ def test_emulated_kernel_keeps_float32_accuracy_at_any_row_scale(on_cpu, ggml_ty
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
-def test_emulated_kernel_decodes_every_value_as_the_reference(on_cpu, ggml_type, monkeypatch, tmp_path):
+def test_emulated_kernel_decodes_every_value_as_the_reference(on_cpu, run, ggml_type):
     """Pair i has x = the one-hot row of column k_i, so its outputs are W_e(i)[:, k_i]: the split carries one value
     exactly (to 2^-20 of itself here), a decoding mistake moves it by far more. Each of two experts reads every
     column once, shuffled (OUT 72: a partial column tile)."""
-    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
     counts, n_out, n_in = [256, 256], 72, 256
     blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=10)
     rng = np.random.default_rng(11)
@@ -191,11 +199,10 @@ def test_emulated_kernel_decodes_every_value_as_the_reference(on_cpu, ggml_type,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
-def test_emulated_kernel_at_flash_k(on_cpu, ggml_type, monkeypatch, tmp_path):
+def test_emulated_kernel_at_flash_k(on_cpu, run, ggml_type):
     """At Flash's K (IQ2_XXS gate / up 4096, Q2_K down 2048): within TOLERANCE / 10 of the float64 products (the
     tensor cores' truncation drained once a stage of 64 values, the scales finer than a block in the tile).
-    Two experts, 70 pairs, 24 outputs (~30 s on 2 cores)."""
-    monkeypatch.setattr(grouped_raw, "build", emulated_build(tmp_path))
+    Two experts, 70 pairs, 24 outputs (~30 s on 2 cores for mma)."""
     counts, n_out, n_in = [40, 30], 24, FLASH_SHAPES[ggml_type][1]
     blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=12)
     x = np.random.default_rng(13).standard_normal((ids.size, n_in)).astype(np.float32)
@@ -210,37 +217,44 @@ def test_emulated_kernel_at_flash_k(on_cpu, ggml_type, monkeypatch, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.cuda
 def test_raw_kernels_pass_their_checks_on_the_gpu(on_cuda):
+    """Both kernels pass their first-use checks on the H200 (compute capability 9.0: wgmma's too)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        assert grouped_wgmma.fits(4096)
         for ggml_type in RAW_TYPES:
             assert RAW_GROUPED[ggml_type].direct.enabled(FLASH_SHAPES[ggml_type])
+            assert RAW_GROUPED[ggml_type].wgmma.enabled(FLASH_SHAPES[ggml_type])
 
 
 @pytest.mark.gpu
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", ["random", "skewed"])
-def test_raw_kernel_equals_the_reference_at_flash_size_without_a_scratch(on_cuda, ggml_type, case):
-    """12,288 pairs of 256 Flash experts: within TOLERANCE of the scratch path's reference (`sliced_reference`),
-    RAW_GROUPED takes this kernel, and the call allocates no bank-sized scratch (the scratch path's float32 bank
-    alone is 8 GiB): its peak above the inputs stays under 1 GiB."""
+def test_raw_kernel_equals_the_reference_at_flash_size_without_a_scratch(on_cuda, name, ggml_type, case):
+    """12,288 pairs of 256 Flash experts, reading 2048 tokens' rows by index as gate and up do: within TOLERANCE of
+    the scratch path's reference (`sliced_reference`), the call allocates no bank-sized scratch (the scratch path's
+    float32 bank alone is 8 GiB: its peak above the inputs stays under 1 GiB), and RAW_GROUPED takes the wgmma
+    kernel on the H200."""
     n_out, n_in = FLASH_SHAPES[ggml_type]
     shape = (256, n_out, n_in)
     ids = flash_routing(case)
     sorted_ids = mx.array(ids)
     counts = mx.array(np.bincount(ids, minlength=256).astype(np.uint32))
     blocks = random_blocks(ggml_type, 256 * n_out, n_in, seed=64).reshape(256, -1)
-    x = random_activations((ids.size, n_in), seed=65)
-    mx.eval(sorted_ids, counts, blocks, x)
+    x = random_activations((2048, n_in), seed=65)
+    rows = mx.array((np.random.default_rng(66).permutation(ids.size) % 2048).astype(np.uint32))
+    mx.eval(sorted_ids, counts, blocks, x, rows)
     mx.synchronize()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    got = raw_grouped_gemm(x, blocks, counts, ggml_type, shape)
+    got = KERNELS[name](x, blocks, counts, ggml_type, shape, rows)
     mx.eval(got)
     assert mx.get_peak_memory() - before <= 1 << 30
-    want = sliced_reference(x, blocks, sorted_ids, ggml_type, shape)
+    want = sliced_reference(x[rows], blocks, sorted_ids, ggml_type, shape)
     assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
-    assert (RAW_GROUPED[ggml_type](x, blocks, sorted_ids, counts, shape) == got).all().item()
+    if name == "wgmma":
+        assert (RAW_GROUPED[ggml_type](x, blocks, sorted_ids, counts, shape, rows) == got).all().item()
 
 
 @pytest.mark.slow

@@ -96,6 +96,30 @@ def stage_words(bits: int, warpgroups: int = WARPGROUPS) -> int:
     return 2 * PLANE_WORDS + tn * TK * bits // 32 + (tn if bits == 8 else 0)
 
 
+STORE = """
+ds4_async_wait_keep<0>();
+#pragma unroll
+for (int h = 0; h < 2; ++h) {
+  const int n = col0 + wrow + 8 * h;
+  if (n < n_out) {
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * j + 2 * tig + e;
+        if (r < rows) {
+          y[(size_t)(Y_ROW0 + r) * n_out + n] = acc[j][e][h] * ds4_div(1.0f, rsx[r]);
+        }
+      }
+    }
+  }
+}
+"""
+"""The last lines of both wgmma kernels (this one's and grouped_wgmma.py's): once the copies are done, each lane's
+accumulators acc[j][e][h] (W row wrow + 8 h of the tile, token 8 j + 2 t + e) stored to y's row Y_ROW0 + token,
+the row's scale undone; rows past the tile's and outputs past OUT are not written."""
+
+
 _SOURCE = TILE + """
 constexpr int WW = TN * TK * BITS / 32;
 constexpr int WC = TK * BITS / 128;
@@ -249,24 +273,7 @@ if (PIPELINE == 0) {
     drain(part[1], scale[1]);
   }
 }
-ds4_async_wait_keep<0>();
-#pragma unroll
-for (int h = 0; h < 2; ++h) {
-  const int n = col0 + wrow + 8 * h;
-  if (n < n_out) {
-    #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = 8 * j + 2 * tig + e;
-        if (r < rows) {
-          y[(x_tile + r) * n_out + n] = acc[j][e][h] * ds4_div(1.0f, rsx[r]);
-        }
-      }
-    }
-  }
-}
-"""
+""" + STORE.replace("Y_ROW0", "x_tile")
 """Stage s (group s of K) lands in buffer s % STAGES, AHEAD groups ahead: B's 16-byte runs (plane hi, then lo;
 column n a token, K run kc: words 4 kc .. of the token's group in the transposed layout) at core matrix (n / 8, kc),
 row n % 8, each of the first 256 threads copying its token's run kc for tokens t and t + 64, both planes; the

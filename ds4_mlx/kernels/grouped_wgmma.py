@@ -38,7 +38,7 @@ from functools import cache
 import mlx.core as mx
 
 from ..model.gguf import GGMLType
-from .dense_wgmma import LBO, SBO, hopper
+from .dense_wgmma import LBO, SBO, STORE, hopper
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .grouped_gemm import TILE_HEAD, TILE_SCAN, launch_grouped
 from .grouped_raw import _GRID_HEADER
@@ -213,24 +213,7 @@ for (int s = 0; s < steps; ++s) {
 W_DECODE  product(st, a);
   drain(sc);
 W_AFTER}
-ds4_async_wait_keep<0>();
-#pragma unroll
-for (int h = 0; h < 2; ++h) {
-  const int n = col0 + wrow + 8 * h;
-  if (n < n_out) {
-    #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = 8 * j + 2 * tig + e;
-        if (r < rows) {
-          y[(size_t)(row0 + r) * n_out + n] = acc[j][e][h] * ds4_div(1.0f, rsx[r]);
-        }
-      }
-    }
-  }
-}
-"""
+""" + STORE.replace("Y_ROW0", "row0")
 """The kernel with its W parts left as W_SHARED (static threadgroup memory), W_SETUP (once, past the scan),
 W_DECODE (stage s's A fragments `a` and drain scales `sc` from the rows' blocks in their slot, `w_row(s, h)` the
 first byte of row h's block) and W_AFTER (more products of the stage: Q2_K's mins). A stage waits for its copies,
@@ -240,7 +223,7 @@ buffer the next copies overwrite, and is past the W block the next block's copie
 buffer s % STAGES as dense_wgmma.py lays it out: column n a pair (its token's row xr[n]), the first 256 threads
 copying pairs n and n + 64; pairs past the tile read as zeros and are not stored. A W row's block lands as the
 W_WORDS words from the one holding its first byte (past the bank's end, and for rows past OUT, zeros; those rows
-get scale 0). The store undoes x's row scale."""
+get scale 0). dense_wgmma.py's STORE ends it."""
 
 _IQ2_XXS = {
     "BLOCK_BYTES": "66",
