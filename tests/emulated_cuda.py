@@ -299,6 +299,7 @@ inline void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsig
   }
 }
 inline void ds4_wgmma_fence() {}
+inline void ds4_wgmma_hold(unsigned int*) {}
 inline void ds4_wgmma_commit() {}
 template <int N> inline void ds4_wgmma_wait(float*) {}
 inline void ds4_fence_async_shared() {}

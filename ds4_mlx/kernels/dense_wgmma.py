@@ -187,7 +187,8 @@ const unsigned int centre = 0x64806480u;
 float acc[16][2][2] = {};
 float part[2][64];
 float scale[2][2];
-auto issue = [&](int s, float (&p)[64], float (&sc)[2]) {
+unsigned int frag[2][2][4];
+auto issue = [&](int s, float (&p)[64], float (&sc)[2], unsigned int (&a)[2][4]) {
   ds4_async_wait_keep<AHEAD - 1>();
   ds4_fence_async_shared();
   ds4_barrier();
@@ -197,7 +198,6 @@ auto issue = [&](int s, float (&p)[64], float (&sc)[2]) {
   ds4_async_commit();
   const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
   const SHARED_MEM unsigned int* ws = st + B_WORDS;
-  unsigned int a[2][4];
   if (BITS == 16) {
     const uint4 v0 = reinterpret_cast<const SHARED_MEM uint4*>(ws + wrow * 16)[tig];
     const uint4 v1 = reinterpret_cast<const SHARED_MEM uint4*>(ws + (wrow + 8) * 16)[tig];
@@ -233,6 +233,16 @@ auto issue = [&](int s, float (&p)[64], float (&sc)[2]) {
   }
   ds4_wgmma_commit();
 };
+auto wait_all = [&](float (&p)[64], unsigned int (&a)[2][4]) {
+  ds4_wgmma_wait<0>(p);
+  ds4_wgmma_hold(a[0]);
+  ds4_wgmma_hold(a[1]);
+};
+auto wait_older = [&](float (&p)[64], unsigned int (&a)[2][4]) {
+  ds4_wgmma_wait<1>(p);
+  ds4_wgmma_hold(a[0]);
+  ds4_wgmma_hold(a[1]);
+};
 auto drain = [&](const float (&p)[64], const float (&sc)[2]) {
   #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -248,28 +258,28 @@ auto drain = [&](const float (&p)[64], const float (&sc)[2]) {
 };
 if (PIPELINE == 0) {
   for (int s = 0; s < groups; ++s) {
-    issue(s, part[0], scale[0]);
-    ds4_wgmma_wait<0>(part[0]);
+    issue(s, part[0], scale[0], frag[0]);
+    wait_all(part[0], frag[0]);
     drain(part[0], scale[0]);
   }
 } else {
   for (int s = 0; s < groups; s += 2) {
-    issue(s, part[0], scale[0]);
+    issue(s, part[0], scale[0], frag[0]);
     if (s > 0) {
-      ds4_wgmma_wait<1>(part[1]);
+      wait_older(part[1], frag[1]);
       drain(part[1], scale[1]);
     }
     if (s + 1 < groups) {
-      issue(s + 1, part[1], scale[1]);
-      ds4_wgmma_wait<1>(part[0]);
+      issue(s + 1, part[1], scale[1], frag[1]);
+      wait_older(part[0], frag[0]);
       drain(part[0], scale[0]);
     }
   }
   if (groups & 1) {
-    ds4_wgmma_wait<0>(part[0]);
+    wait_all(part[0], frag[0]);
     drain(part[0], scale[0]);
   } else {
-    ds4_wgmma_wait<0>(part[1]);
+    wait_all(part[1], frag[1]);
     drain(part[1], scale[1]);
   }
 }

@@ -69,7 +69,9 @@ share, plus a few neutral words that each dialect spells its own way:
   bytes on, along N SBO bytes on; d's n8 block j in d[4 j..4 j + 3] as mma's C), ds4_wgmma_fence() (before a
   wgmma whose registers other instructions touched), ds4_wgmma_commit() (the wgmma issued since become one group),
   ds4_wgmma_wait<N>(float* d) (all but the N newest groups done; naming the 64 accumulators keeps the compiler from
-  reading them before) and ds4_fence_async_shared() (threadgroup memory written by threads or cp.async made visible
+  reading them before), ds4_wgmma_hold(unsigned int* a) (after the wait that covers a wgmma, its four A registers:
+  the compiler sees them read there, so it gives their registers to nothing else while the tensor cores may still
+  read them, which PTX leaves undefined) and ds4_fence_async_shared() (threadgroup memory written by threads or cp.async made visible
   to the tensor cores' reads).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
@@ -175,6 +177,9 @@ __device__ __forceinline__ void ds4_wgmma_f16_64x128x16(float* d, const unsigned
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
 }
 __device__ __forceinline__ void ds4_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void ds4_wgmma_hold(unsigned int* a) {
+  asm volatile("" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3]));
+}
 __device__ __forceinline__ void ds4_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void ds4_wgmma_wait(float* d) {
   asm volatile("wgmma.wait_group.sync.aligned %64;"

@@ -170,7 +170,7 @@ for (int h = 0; h < 2; ++h) {
 }
 float acc[16][2][2] = {};
 float part[64];
-auto product = [&](const SHARED_MEM unsigned int* st, const unsigned int (&a)[U][2][4]) {
+auto product = [&](const SHARED_MEM unsigned int* st, unsigned int (&a)[U][2][4]) {
   ds4_wgmma_fence();
   #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -183,6 +183,13 @@ auto product = [&](const SHARED_MEM unsigned int* st, const unsigned int (&a)[U]
   }
   ds4_wgmma_commit();
   ds4_wgmma_wait<0>(part);
+  #pragma unroll
+  for (int u = 0; u < U; ++u) {
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      ds4_wgmma_hold(a[u][kk]);
+    }
+  }
 };
 auto drain = [&](const float (&sc)[2]) {
   #pragma unroll
