@@ -258,15 +258,15 @@ inline void ds4_mma_f16_16x8x16(float* c, const unsigned int* a, const unsigned 
   }
 }
 
-// wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 with A from registers: the warpgroup's fragments gathered
-// (warp w holds rows 16 w.. of A as mma.m16n8k16's A fragment), B (16 x 128) read from threadgroup memory as the
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.f16.f16 with A from registers: the warpgroup's fragments gathered
+// (warp w holds rows 16 w.. of A as mma.m16n8k16's A fragment), B (16 x N) read from threadgroup memory as the
 // descriptor of a K-major tile without swizzling lays it out: 8 x 8 core matrices of 16-byte rows (an N row's 8
 // consecutive K), the next core matrix along K LBO bytes on, along N SBO bytes on; each D element (lane's
 // fragment as mma's C, n8 block j in d[4 j..4 j + 3]) is its exact products summed in double onto D (or onto zero)
 // and truncated toward zero, as the mma above. It runs at once: the fence, commit and wait are nothing to do. The
 // exchange passes the whole threadgroup's barrier: every warpgroup of the kernels that use it calls it together.
-template <int LBO, int SBO>
-inline void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsigned int* b, int accumulate) {
+template <int N, int LBO, int SBO>
+inline void emulated_wgmma(float* d, const unsigned int* a, const unsigned int* b, int accumulate) {
   static unsigned int as[8][128][4];
   const unsigned int group = threadIdx.x >> 7, me = threadIdx.x & 127;
   for (int i = 0; i < 4; ++i) as[group][me][i] = a[i];
@@ -284,7 +284,7 @@ inline void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsig
   ds4_barrier();
   const unsigned char* tile = reinterpret_cast<const unsigned char*>(b);
   const int row0 = 16 * (me >> 5), g = (me & 31) >> 2, t = me & 3;
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < N / 8; ++j) {
     for (int i = 0; i < 4; ++i) {
       const int row = row0 + g + 8 * (i >> 1), col = 8 * j + 2 * t + (i & 1);
       double sum = accumulate ? d[4 * j + i] : 0.0;
@@ -297,6 +297,14 @@ inline void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsig
       d[4 * j + i] = std::fabs((double)nearest) > std::fabs(sum) ? std::nextafter(nearest, 0.0f) : nearest;
     }
   }
+}
+template <int LBO, int SBO>
+inline void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsigned int* b, int accumulate) {
+  emulated_wgmma<128, LBO, SBO>(d, a, b, accumulate);
+}
+template <int LBO, int SBO>
+inline void ds4_wgmma_f16_64x64x16(float* d, const unsigned int* a, const unsigned int* b, int accumulate) {
+  emulated_wgmma<64, LBO, SBO>(d, a, b, accumulate);
 }
 inline void ds4_wgmma_fence() {}
 inline void ds4_wgmma_hold(unsigned int*) {}

@@ -66,7 +66,8 @@ share, plus a few neutral words that each dialect spells its own way:
   a warpgroup together: d, 64 floats a thread, = A B (+ d where accumulate), A 64 x 16 halves from registers, warp w
   of the warpgroup holding rows 16 w.. as mma.m16n8k16's A fragment, B 16 x 128 halves in threadgroup memory at b,
   K-major without swizzling: 8 x 8 core matrices of 16-byte rows (a column's 8 consecutive K), the next along K LBO
-  bytes on, along N SBO bytes on; d's n8 block j in d[4 j..4 j + 3] as mma's C), ds4_wgmma_fence() (before a
+  bytes on, along N SBO bytes on; d's n8 block j in d[4 j..4 j + 3] as mma's C) and ds4_wgmma_f16_64x64x16 (the
+  same for 64 columns of B, 32 floats of d), ds4_wgmma_fence() (before a
   wgmma whose registers other instructions touched), ds4_wgmma_commit() (the wgmma issued since become one group),
   ds4_wgmma_wait<N>(float* d) (all but the N newest groups done; naming the 64 accumulators keeps the compiler from
   reading them before), ds4_wgmma_hold(unsigned int* a) (after the wait that covers a wgmma, its four A registers:
@@ -162,21 +163,26 @@ class Dialect:
         )
 
 
-_D64 = ", ".join(f"%{i}" for i in range(64))
-_WGMMA = """
+def _wgmma_product(n: int) -> str:
+    """The helper for wgmma.mma_async m64nNk16 with A from registers: n / 2 accumulators a thread."""
+    regs = n // 2
+    return f"""
 template <int LBO, int SBO>
-__device__ __forceinline__ void ds4_wgmma_f16_64x128x16(float* d, const unsigned int* a, const unsigned int* b,
-                                                        int accumulate) {
+__device__ __forceinline__ void ds4_wgmma_f16_64x{n}x16(float* d, const unsigned int* a, const unsigned int* b,
+                                                        int accumulate) {{
   const unsigned int at = (unsigned int)__cvta_generic_to_shared(b);
   const unsigned long long desc = (unsigned long long)((at & 0x3FFFFu) >> 4) | ((unsigned long long)(LBO >> 4) << 16)
                                   | ((unsigned long long)(SBO >> 4) << 32);
-  asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %69, 0;\\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {""" + _D64 + """}, {%64, %65, %66, %67}, %68, p, "
-               "1, 1, 0;\\n}"
-               : """ + ", ".join(f'"+f"(d[{i}])' for i in range(64)) + """
+  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{", ".join(f"%{i}" for i in range(regs))}}}, "
+               "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, 0;\\n}}"
+               : {", ".join(f'"+f"(d[{i}])' for i in range(regs))}
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
-}
-__device__ __forceinline__ void ds4_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+}}
+"""
+
+
+_WGMMA = _wgmma_product(128) + _wgmma_product(64) + """__device__ __forceinline__ void ds4_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void ds4_wgmma_hold(unsigned int* a) {
   asm volatile("" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3]));
 }

@@ -55,6 +55,11 @@ together: 4 U wgmma deep."""
 STAGES = 3
 """x stages in flight (32 KB each): the copies of the next STAGES - 1 land while one is multiplied. Measured (H200,
 session 18, ms per IQ2_XXS / Q2_K projection): 3.74 / 4.93 at 3 stages, 3.87 / 5.13 at 4."""
+OVERLAP = 0
+"""1: a stage's products as two halves of 64 pairs (m64n64k16 into 32 of the partial sums each), the first half
+drained while the tensor cores multiply the second (the same 64 registers); 0: one m64n128k16 product a k-step,
+waited for, then drained. Nsight Compute found the stage's wgmma wait and the drains after it the largest stall
+(session 18); OVERLAP = 1 is equal in emulation and not yet measured on a GPU (bench/prefill_gemms.py times it)."""
 W_SLOTS = 3
 """W blocks held: the one being multiplied and W_SLOTS - 1 landing (W_AHEAD = W_SLOTS - 1 blocks ahead)."""
 W_WORDS = {GGMLType.IQ2_XXS: 17, GGMLType.Q2_K: 21}
@@ -170,30 +175,9 @@ for (int h = 0; h < 2; ++h) {
 }
 float acc[16][2][2] = {};
 float part[64];
-auto product = [&](const SHARED_MEM unsigned int* st, unsigned int (&a)[U][2][4]) {
-  ds4_wgmma_fence();
+auto drain = [&](const float (&sc)[2], int j0, int j1) {
   #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const SHARED_MEM unsigned int* b = st + u * SUB + kk * 2 * (LBO / 4);
-      ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[u][kk], b + PLANE_WORDS, u + kk);
-      ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[u][kk], b, 1);
-    }
-  }
-  ds4_wgmma_commit();
-  ds4_wgmma_wait<0>(part);
-  #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      ds4_wgmma_hold(a[u][kk]);
-    }
-  }
-};
-auto drain = [&](const float (&sc)[2]) {
-  #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = j0; j < j1; ++j) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       #pragma unroll
@@ -202,6 +186,40 @@ auto drain = [&](const float (&sc)[2]) {
       }
     }
   }
+};
+auto multiply = [&](const SHARED_MEM unsigned int* st, unsigned int (&a)[U][2][4], const float (&sc)[2]) {
+  ds4_wgmma_fence();
+  #pragma unroll
+  for (int half = 0; half < 1 + OVERLAP; ++half) {
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      #pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const SHARED_MEM unsigned int* b = st + u * SUB + kk * 2 * (LBO / 4) + half * 8 * (SBO / 4);
+        if (OVERLAP) {
+          ds4_wgmma_f16_64x64x16<LBO, SBO>(part + 32 * half, a[u][kk], b + PLANE_WORDS, u + kk);
+          ds4_wgmma_f16_64x64x16<LBO, SBO>(part + 32 * half, a[u][kk], b, 1);
+        } else {
+          ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[u][kk], b + PLANE_WORDS, u + kk);
+          ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[u][kk], b, 1);
+        }
+      }
+    }
+    ds4_wgmma_commit();
+  }
+  if (OVERLAP) {
+    ds4_wgmma_wait<1>(part);
+    drain(sc, 0, 8);
+  }
+  ds4_wgmma_wait<0>(part);
+  #pragma unroll
+  for (int u = 0; u < U; ++u) {
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      ds4_wgmma_hold(a[u][kk]);
+    }
+  }
+  drain(sc, OVERLAP ? 8 : 0, 16);
 };
 for (int s = 0; s < steps; ++s) {
   ds4_async_wait_keep<STAGES - 2>();
@@ -217,13 +235,14 @@ for (int s = 0; s < steps; ++s) {
   const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
   unsigned int a[U][2][4];
   float sc[2];
-W_DECODE  product(st, a);
-  drain(sc);
+W_DECODE  multiply(st, a, sc);
 W_AFTER}
 """ + STORE.replace("Y_ROW0", "row0")
 """The kernel with its W parts left as W_SHARED (static threadgroup memory), W_SETUP (once, past the scan),
 W_DECODE (stage s's A fragments `a` and drain scales `sc` from the rows' blocks in their slot, `w_row(s, h)` the
-first byte of row h's block) and W_AFTER (more products of the stage: Q2_K's mins). A stage waits for its copies,
+first byte of row h's block) and W_AFTER (more products of the stage: Q2_K's mins). `multiply` issues a stage's
+wgmma (whole, or as two halves of 64 pairs with OVERLAP), waits and drains, then names the A registers
+(ds4_wgmma_hold) so that none is reused while a wgmma may read it. A stage waits for its copies,
 makes them visible to the tensor cores, passes one barrier (every warpgroup waited for the wgmma that read the
 buffer the next copies overwrite, and is past the W block the next block's copies overwrite), issues those copies
 (at a block's first stage, the W block W_SLOTS - 1 on too), decodes its A, multiplies and drains. Stage s's B in
@@ -313,8 +332,7 @@ _Q2_K = {
     }
     dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(block[20] >> 16)) : 0.0f;
   }
-  product(st, a);
-  drain(dmin);
+  multiply(st, a, dmin);
 """,
 }
 """Slice sl = U s + u is values 32 (sl % 8) .. of block s / PER_BLOCK: half hb = (sl / 4) % 2, shift 2 j with j =
@@ -344,10 +362,11 @@ def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stag
 
 def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
                        shape: tuple[int, int, int], rows: mx.array | None = None,
-                       warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES) -> mx.array:
+                       warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES,
+                       overlap: int = OVERLAP) -> mx.array:
     """grouped_raw.raw_grouped_gemm's product (its arguments, the same result within float32 reassociation) by
-    warpgroup products; `warpgroups`, `tk` (32 or 64) and `stages` for bench/prefill_gemms.py. CUDA sm_90a
-    only."""
+    warpgroup products; `warpgroups`, `tk` (32 or 64), `stages` and `overlap` for bench/prefill_gemms.py. CUDA
+    sm_90a only."""
     assert tk in (32, 64)
     hi, lo, scales = held_split(x, layout="transposed")
     gather = rows is not None
@@ -357,7 +376,7 @@ def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_typ
                           counts, shape,
                           [("TM", TM), ("TN", tn), ("TK", tk), ("THREADS", threads), ("STAGES", stages),
                            ("PLANE_WORDS", plane_words(tk)), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
-                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type])],
+                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type]), ("OVERLAP", overlap)],
                           extra=[scales, index], pairs=x.shape[0] if rows is None else rows.size,
                           tile=(TM, tn, threads))
 
