@@ -130,7 +130,9 @@ def main() -> int:
         first = None
         for kind, matmul in (*((f"f16 stages={n}", partial(f16_affine_matmul, stages=n)) for n in STAGES),
                              *((f"wgmma plan={''.join(map(str, plan))}", partial(wgmma_affine_matmul, plan=plan))
-                               for plan in WGMMA_PLANS), ("dequantize + cuBLAS float32", dense_float32)):
+                               for plan in WGMMA_PLANS),
+                             ("wgmma plan=033 overlap", partial(wgmma_affine_matmul, plan=(0, 3, 3), overlap=1)),
+                             ("dequantize + cuBLAS float32", dense_float32)):
             y = matmul(x, weight)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()
@@ -142,7 +144,9 @@ def main() -> int:
         first = None
         for kind, matmul in (*((f"f16 stages={n}", partial(half_matmul, stages=n)) for n in STAGES),
                              *((f"wgmma plan={''.join(map(str, plan))}", partial(wgmma_half_matmul, plan=plan))
-                               for plan in WGMMA_PLANS), ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
+                               for plan in WGMMA_PLANS),
+                             ("wgmma plan=033 overlap", partial(wgmma_half_matmul, plan=(0, 3, 3), overlap=1)),
+                             ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
             y = matmul(x, w)
             first = y if first is None else first
             error = (mx.abs(y - first).max() / mx.abs(first).max()).item()

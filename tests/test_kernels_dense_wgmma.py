@@ -155,7 +155,7 @@ def test_emulated_kernel_without_the_pipeline(on_cpu, groups, monkeypatch, tmp_p
 @pytest.mark.parametrize("bits", [8, 16])
 def test_emulated_kernel_with_three_warpgroups(on_cpu, bits, monkeypatch, tmp_path):
     """Three warpgroups over 192 W rows (the first 256 threads copying B): the two-warpgroup kernel's values, bit
-    for bit, with OUT past one and a half column tiles."""
+    for bit, with OUT past one and a half column tiles; so are the overlapped halves' (OVERLAP)."""
     monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
     if bits == 8:
         x, blocks, want = case(GGMLType.Q8_0, (300, 96), 130, seed=8)
@@ -166,6 +166,7 @@ def test_emulated_kernel_with_three_warpgroups(on_cpu, bits, monkeypatch, tmp_pa
         product = partial(dense_wgmma.wgmma_half_matmul, x, w)
     three = np.array(product(plan=(0, 3, 3)))
     assert within(three, want, TOLERANCE) and (three == np.array(product(plan=(0, 3, 2)))).all()
+    assert (three == np.array(product(plan=(0, 3, 3), overlap=1))).all()  # two m64n64 halves: the same sums
 
 
 @pytest.mark.slow

@@ -72,6 +72,10 @@ registers)."""
 AHEAD = STAGES - 1 - PIPELINE
 """Groups the copies run ahead of the products: at most STAGES - 1 - PIPELINE (a buffer is overwritten only
 after every warpgroup's wgmma that read it is done)."""
+OVERLAP = 0
+"""With PIPELINE 0, 1 issues a group's products as two halves of 64 tokens (m64n64k16, 32 of the partial sums
+each) and drains the first while the tensor cores multiply the second, as grouped_wgmma.py's OVERLAP; equal in
+emulation, not yet measured on a GPU (bench/prefill_gemms.py times it)."""
 PLAN = (PIPELINE, AHEAD, WARPGROUPS)
 """(PIPELINE, AHEAD, WARPGROUPS) for most shapes. Measured on the H200 (4096 tokens, bench/prefill_gemms.py,
 session 17, ms; dense_f16.py / two warpgroups pipelined / two waited / three waited): q_b 2.84 / 2.89 / 2.85 /
@@ -227,11 +231,20 @@ auto issue = [&](int s, float (&p)[64], float (&sc)[2], unsigned int (&a)[2][4])
   }
   ds4_wgmma_fence();
   #pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[kk], st + PLANE_WORDS + kk * 2 * (LBO / 4), kk);
-    ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[kk], st + kk * 2 * (LBO / 4), 1);
+  for (int half = 0; half < 1 + OVERLAP; ++half) {
+    #pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const SHARED_MEM unsigned int* b = st + kk * 2 * (LBO / 4) + half * 8 * (SBO / 4);
+      if (OVERLAP) {
+        ds4_wgmma_f16_64x64x16<LBO, SBO>(p + 32 * half, a[kk], b + PLANE_WORDS, kk);
+        ds4_wgmma_f16_64x64x16<LBO, SBO>(p + 32 * half, a[kk], b, 1);
+      } else {
+        ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[kk], b + PLANE_WORDS, kk);
+        ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[kk], b, 1);
+      }
+    }
+    ds4_wgmma_commit();
   }
-  ds4_wgmma_commit();
 };
 auto wait_all = [&](float (&p)[64], unsigned int (&a)[2][4]) {
   ds4_wgmma_wait<0>(p);
@@ -243,9 +256,9 @@ auto wait_older = [&](float (&p)[64], unsigned int (&a)[2][4]) {
   ds4_wgmma_hold(a[0]);
   ds4_wgmma_hold(a[1]);
 };
-auto drain = [&](const float (&p)[64], const float (&sc)[2]) {
+auto drain = [&](const float (&p)[64], const float (&sc)[2], int j0 = 0, int j1 = 16) {
   #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = j0; j < j1; ++j) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       #pragma unroll
@@ -259,8 +272,12 @@ auto drain = [&](const float (&p)[64], const float (&sc)[2]) {
 if (PIPELINE == 0) {
   for (int s = 0; s < groups; ++s) {
     issue(s, part[0], scale[0], frag[0]);
+    if (OVERLAP) {
+      ds4_wgmma_wait<1>(part[0]);
+      drain(part[0], scale[0], 0, 8);
+    }
     wait_all(part[0], frag[0]);
-    drain(part[0], scale[0]);
+    drain(part[0], scale[0], OVERLAP ? 8 : 0, 16);
   }
 } else {
   for (int s = 0; s < groups; s += 2) {
@@ -304,24 +321,25 @@ def kernel(bits: int, warpgroups: int = WARPGROUPS) -> Kernel:
                   launch_bounds=(128 * warpgroups, 1))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int] | None = None
-                        ) -> mx.array:
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int] | None = None,
+                        overlap: int = OVERLAP) -> mx.array:
     """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
-    `plan`: (PIPELINE, AHEAD, WARPGROUPS), which bench/prefill_gemms.py compares; `plan_for`'s
+    `plan`: (PIPELINE, AHEAD, WARPGROUPS), which bench/prefill_gemms.py compares (with `overlap`); `plan_for`'s
     otherwise."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
-    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
+    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan, overlap)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int] | None = None) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int] | None = None,
+                      overlap: int = OVERLAP) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
-    return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
+    return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan, overlap)
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int, int] | None) -> mx.array:
+            plan: tuple[int, int, int] | None, overlap: int) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
@@ -331,6 +349,8 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     pipeline, ahead, warpgroups = plan or plan_for(n_out)
     if not 1 <= ahead <= STAGES - 1 - pipeline:
         raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
+    if overlap and pipeline:
+        raise ValueError("OVERLAP's halves are drained within a group: PIPELINE must be 0")
     tn, threads = 64 * warpgroups, 128 * warpgroups
     col_tiles = -(-n_out // tn)
     hi, lo, row_scale = held_split(x, layout="transposed")
@@ -338,7 +358,7 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
         inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
         template=[("TM", TM), ("TN", tn), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits, warpgroups)),
                   ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO),
-                  ("PIPELINE", pipeline), ("AHEAD", ahead)],
+                  ("PIPELINE", pipeline), ("AHEAD", ahead), ("OVERLAP", overlap)],
         grid=(-(-n_rows // TM) * threads, col_tiles * n_batch, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(n_batch * n_rows, n_out)], output_dtypes=[mx.float32],
     )
