@@ -386,12 +386,14 @@ value is dl q - ml with dl = d (sc & 15) and ml = dmin (sc >> 4), both exact pro
 d per row (a stage of 64 values never straddles a block) and each group's ml (group 2 u + dh of the stage): the
 partial sums take d once a stage, and each group's rows' sums of x its ml."""
 
-_GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map(str, grid_words())) + "};\n"
+GRID_HEADER = "CONSTANT unsigned int ds4_iq2xxs_bytes[512] = {" + ", ".join(map(str, grid_words())) + "};\n"
+"""ggml's grid as `grid_words` lays it out, a constant table of the header (grouped_wgmma.py's IQ2_XXS kernel reads
+it too)."""
 
 _INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow")
 _TEXTS = {
     GGMLType.IQ2_XXS: (f16_source(_IQ2_XXS_SHARED, _IQ2_XXS_SETUP, _IQ2_XXS_LOAD, _IQ2_XXS_STORE, False),
-                       SIMD_EXCLUSIVE_SUM + _GRID_HEADER),
+                       SIMD_EXCLUSIVE_SUM + GRID_HEADER),
     GGMLType.Q2_K: (f16_source(_Q2_K_SHARED, _Q2_K_SETUP, _Q2_K_LOAD, _Q2_K_STORE, True),
                     SIMD_EXCLUSIVE_SUM),
 }
