@@ -13,7 +13,8 @@ that compiles here can still be wrong, which its tests check.
     PYTHONPATH=$PWD python bench/nvcc_check.py --synthetic 2        # Flash's shapes (first 2 layers, ~8 GB)
     PYTHONPATH=$PWD python bench/nvcc_check.py --nvrtc .../nvidia/cu13/lib/libnvrtc.so.13   # pip nvidia-cuda-nvrtc
 
-Needs nvcc (CUDA 12 or later) on PATH, or a libnvrtc; the GPU architecture is --arch (default sm_90, the H200).
+Needs nvcc (CUDA 12 or later) on PATH, or a libnvrtc; the GPU architecture is --arch (default sm_90a, the H200 as
+the runtime compiles for it: the wgmma kernels need the "a").
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="/tmp/m/small.gguf")
     parser.add_argument("--synthetic", type=int, metavar="LAYERS", help="Flash's layout, first LAYERS layers")
-    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk tokens (default 64)")
     parser.add_argument("--nvrtc", metavar="LIBNVRTC", help="compile with this libnvrtc.so as the runtime does "
                         "(kernels/nvrtc.py: its options for --arch, its text) instead of nvcc")
