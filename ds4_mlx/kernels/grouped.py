@@ -10,8 +10,9 @@ else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand 
 - raw IQ2_XXS / Q2_K banks (q2 files): on CUDA no scratch at all, one kernel decoding the raw blocks in its tile
   loads on float16 tensor cores at float32 accuracy (one launch per projection; gate and up read each pair's token
   row through the pair's row index, so the chunk is not copied per pair): on Hopper by warpgroup products
-  (grouped_wgmma.py), else or where its check fails by mma (grouped_raw.py); on Metal, or where both checks fail, the pairs' rows are copied (`pair_inputs`) and the used experts decoded by
-  `dequant.dequantize_used`, one kernel per projection, then the grouped GEMM;
+  (grouped_wgmma.py), else or where its check fails by mma (grouped_raw.py); on Metal, or where both checks fail,
+  the pairs' rows are copied (`pair_inputs`) and the used experts decoded by `dequant.dequantize_used`, one kernel
+  per projection, then the grouped GEMM;
 - affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
   CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
 - the reference (the CPU, DS4_KERNELS=reference, or a kernel that failed its check): the reference dequantizer
@@ -145,9 +146,8 @@ def sliced_reference(x: mx.array, blocks: mx.array, sorted_ids: mx.array, ggml_t
 class RawGrouped:
     """The grouped expert GEMM over raw IQ2_XXS / Q2_K blocks: on CUDA a tensor-core kernel reading the blocks
     directly (no scratch, whatever DS4_PREFILL_DTYPE: float32 is also the more accurate; grouped_wgmma.py on Hopper,
-    else grouped_raw.py), else
-    the dequantize-to-scratch kernel + grouped GEMM on GPUs (one fast path per scratch type), `sliced_reference`
-    elsewhere or where the first-use checks fail."""
+    else grouped_raw.py), else the dequantize-to-scratch kernel + grouped GEMM on GPUs (one fast path per scratch
+    type), `sliced_reference` elsewhere or where the first-use checks fail."""
 
     def __init__(self, ggml_type: GGMLType):
         self.ggml_type = ggml_type
