@@ -46,8 +46,9 @@ RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1,
 """(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
-GROUPED_PLANS = ((3, 64, 3, 0), (3, 64, 3, 1), (3, 64, 4, 1), (3, 32, 3, 1), (2, 64, 3, 1))
-"""grouped_wgmma.py's (warpgroups a threadgroup, stage width TK, stages of x, OVERLAP): its defaults first."""
+GROUPED_PLANS = ((3, 64, 3, 0, 0), (3, 64, 3, 1, 0), (3, 64, 3, 0, 1), (3, 64, 3, 1, 1), (3, 64, 4, 1, 0),
+                 (3, 32, 3, 1, 0), (2, 64, 3, 1, 0))
+"""grouped_wgmma.py's (warpgroups a threadgroup, stage width TK, stages of x, OVERLAP, MINS): its defaults first."""
 WGMMA_PLANS = ((0, 3, 3), (1, 2, 2), (0, 3, 2), (0, 2, 3))
 """dense_wgmma.py's (PIPELINE, AHEAD, WARPGROUPS): its PLAN first, then its NARROW_PLAN."""
 
@@ -116,12 +117,15 @@ def main() -> int:
             report(f"{name} mma gathered", 2.0 * ids.size * n_out * n_in, per_call_ms(
                 lambda: raw_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows),
                 args.calls, args.repeats), 0.0)
-        for warpgroups, tk, stages, overlap in GROUPED_PLANS:
+        for warpgroups, tk, stages, overlap, mins in GROUPED_PLANS:
+            if mins and ggml_type != GGMLType.Q2_K:
+                continue  # MINS is Q2_K's
+
             def call() -> mx.array:
                 return wgmma_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows,
-                                          warpgroups=warpgroups, tk=tk, stages=stages, overlap=overlap)
+                                          warpgroups=warpgroups, tk=tk, stages=stages, overlap=overlap, mins=mins)
             error = (mx.abs(call() - first).max() / mx.abs(first).max()).item()
-            report(f"{name} wgmma {warpgroups} {tk} {stages} {overlap}{'' if rows is None else ' gathered'}",
+            report(f"{name} wgmma {warpgroups} {tk} {stages} {overlap} {mins}{'' if rows is None else ' gathered'}",
                    2.0 * ids.size * n_out * n_in, per_call_ms(call, args.calls, args.repeats), error)
     for name, shape in DENSE.items() if args.only in (None, "dense") else ():
         weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=3), GGMLType.Q8_0, shape)

@@ -49,7 +49,7 @@ def emulated(monkeypatch, tmp_path):
 def test_kernels_render_for_cuda_only(ggml_type):
     k = kernel(ggml_type)
     out = rendered(k, CUDA)
-    assert out["input_names"] == ["xhi", "xlo", "w", "counts", "dims", "xscale", "xrow"]
+    assert out["input_names"] == ["xhi", "xlo", "w", "counts", "dims", "xscale", "xrow", "shi", "slo"]
     assert_renders_cleanly(out)
     assert not any(name in k.source for name in ("W_LOAD", "W_DECODE", "W_SETUP", "W_SHARED", "W_AFTER"))
     assert "wgmma.mma_async" not in METAL.prelude
@@ -59,6 +59,8 @@ def test_kernels_render_for_cuda_only(ggml_type):
     assert 4 * w_words >= {GGMLType.IQ2_XXS: 66 + 2, GGMLType.Q2_K: 84}[ggml_type]
     assert k.shared_memory == 4 * (STAGES * TM * grouped_wgmma.TK + W_SLOTS * 192 * w_words) <= 227 * 1024
     assert k.launch_bounds == (384, 1)
+    # MINS = 1 adds each slot's group sums: two planes of 128 x 16 halves
+    assert kernel(ggml_type, mins=1).shared_memory == k.shared_memory + 4 * W_SLOTS * 2 * TM * 8 <= 227 * 1024
 
 
 def test_the_cpu_keeps_the_reference_and_cuda_plans_the_kernel(on_cpu):
@@ -98,3 +100,22 @@ def test_emulated_plans_agree(on_cpu, emulated, ggml_type):
     assert (run(ggml_type, x, blocks, counts, n_out, n_in, rows, overlap=1) == got).all()
     assert within(run(ggml_type, x, blocks, counts, n_out, n_in, rows, tk=32), products(x[rows], weights, ids),
                   TOLERANCE)
+
+
+@pytest.mark.slow
+def test_emulated_q2_k_mins_from_group_sums(on_cpu, emulated):
+    """MINS = 1 (Q2_K's mins as one product a block over the tile's group sums of x): within TOLERANCE / 10 of the
+    float64 products at Flash's K (2048), and each row within TOLERANCE of its own largest output for rows from
+    1e-30 to 1e30 and rows mixing magnitudes 2^20 apart (the sums are of the split's scaled rows, / 16 into a
+    half's range)."""
+    ggml_type = GGMLType.Q2_K
+    counts, n_out, n_in = [40, 30], 24, 2048
+    blocks, weights, ids = bank(ggml_type, counts, n_out, n_in, seed=12)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((ids.size, n_in)).astype(np.float32)
+    assert within(run(ggml_type, x, blocks, counts, n_out, n_in, mins=1), products(x, weights, ids), TOLERANCE / 10)
+    x[:10] *= np.array([1e-30, 1e-8, 1.0, 1e8, 1e30, 1.0, 1.0, 1e-3, 1e3, 1.0], np.float32)[:, None]
+    x[[5, 6], ::2] *= 2.0**-20
+    got, want = run(ggml_type, x, blocks, counts, n_out, n_in, mins=1), products(x, weights, ids)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want).max(axis=1) <= TOLERANCE * np.abs(want).max(axis=1)).all()

@@ -12,7 +12,8 @@ two halves give float32 accuracy), arranged as dense_wgmma.py arranges the Q8_0 
 - B = x: TM = 128 pairs of the tile as columns, their hi and lo planes (halfsplit's transposed layout, gathered by
   row index for gate and up) copied by cp.async STAGES deep;
 - Q2_K's mins: the term -dmin m sum(x) of a group is one more product of the same B by an A that holds the lane's
-  group's m in all four of its values (exact halves), drained with -dmin.
+  group's m in all four of its values (exact halves), drained with -dmin; or (MINS) one product a block of the
+  tile's group sums of x by A = 16 m.
 
 The W tile's raw blocks (a block is PER_BLOCK stages) are copied by cp.async too, W_SLOTS - 1 blocks ahead into
 W_SLOTS slots: an expert's W is read from HBM once per tile, and loads issued a stage ahead into registers left the
@@ -62,6 +63,11 @@ OVERLAP = 0
 drained while the tensor cores multiply the second (the same 64 registers); 0: one m64n128k16 product a k-step,
 waited for, then drained. Nsight Compute found the stage's wgmma wait and the drains after it the largest stall
 (session 18); OVERLAP = 1 is equal in emulation and not yet measured on a GPU (bench/prefill_gemms.py times it)."""
+MINS = 0
+"""Q2_K's mins: 0, a second product each stage of the same B by A = each lane's group's m (four more wgmma a slice
+and a drain); 1, one product a block by A = 16 m over the block's 16 groups and B = the tile's sums of x over each
+group of 16 / 16 (`group_sums`, as halves, copied with the block), drained with -dmin once a block. Equal within
+TOLERANCE in emulation; not yet measured on a GPU (bench/prefill_gemms.py times it)."""
 W_SLOTS = 3
 """W blocks held: the one being multiplied and W_SLOTS - 1 landing (W_AHEAD = W_SLOTS - 1 blocks ahead)."""
 W_WORDS = {GGMLType.IQ2_XXS: 17, GGMLType.Q2_K: 21}
@@ -75,9 +81,12 @@ def plane_words(tk: int = TK) -> int:
     return TM * tk // 2
 
 
-def shared_bytes(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES) -> int:
-    """Dynamic threadgroup memory: `stages` B tiles (two planes) and W_SLOTS blocks of the 64 warpgroups W rows."""
-    return 4 * (stages * 2 * plane_words(tk) + W_SLOTS * 64 * warpgroups * W_WORDS[ggml_type])
+def shared_bytes(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES,
+                 mins: int = 0) -> int:
+    """Dynamic threadgroup memory: `stages` B tiles (two planes) and W_SLOTS blocks of the 64 warpgroups W rows
+    (with `mins`, each block's group sums of the tile's x too: two planes of 128 x 16 halves)."""
+    slot = 64 * warpgroups * W_WORDS[ggml_type] + (2 * TM * 8 if mins else 0)
+    return 4 * (stages * 2 * plane_words(tk) + W_SLOTS * slot)
 
 
 _SOURCE = TILE_HEAD + """
@@ -85,7 +94,8 @@ constexpr int STAGE = 2 * PLANE_WORDS;
 constexpr int U = TK / 32;
 constexpr int SUB = TM * 16;
 constexpr int PER_BLOCK = 256 / TK;
-constexpr int SLOT = TN * W_WORDS;
+constexpr int W_AREA = TN * W_WORDS;
+constexpr int SLOT = W_AREA + (MINS ? 2 * TM * 8 : 0);
 SHARED float rsx[TM];
 SHARED unsigned int xr[TM];
 SHARED_MEM unsigned int* buffer = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);
@@ -138,13 +148,25 @@ auto load_stage = [&](int s) {
 auto load_w = [&](int b) {
   if (b < blocks) {
     SHARED_MEM unsigned int* slot = wbuf + (b % W_SLOTS) * SLOT;
-    for (int c = tid; c < SLOT; c += THREADS) {
+    for (int c = tid; c < W_AREA; c += THREADS) {
       const int r = c / W_WORDS;
       const bool ok = col0 + r < n_out;
       const size_t word = ((((size_t)expert * n_out + (ok ? col0 + r : col0)) * row_bytes + (size_t)b * BLOCK_BYTES)
                            >> 2) + c % W_WORDS;
       ds4_copy4_async(reinterpret_cast<SHARED_MEM float*>(slot + c),
                       reinterpret_cast<const GLOBAL_MEM float*>(w) + word, ok && 4 * word + 4 <= bank_bytes);
+    }
+    if (MINS) {
+      for (int c = tid; c < 4 * TM; c += THREADS) {
+        const int n = (c >> 1) % TM;
+        const int run = c & 1;
+        const bool ok = n < rows;
+        const GLOBAL_MEM uint32_t* src = (c < 2 * TM ? shi : slo) + (size_t)xr[ok ? n : 0] * (n_in / 32) + 8 * b
+                                         + 4 * run;
+        ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(slot + W_AREA + (c < 2 * TM ? 0 : TM * 8)
+                                                             + ((n >> 3) * 2 + run) * 32 + (n & 7) * 4),
+                         reinterpret_cast<const GLOBAL_MEM float*>(src), ok);
+      }
     }
   }
 };
@@ -319,22 +341,44 @@ _Q2_K = {
     sc[h] = w_ok[h] ? ds4_half_to_float((unsigned short)(block[20] & 0xFFFFu)) : 0.0f;
   }
 """,
-    "W_AFTER": """  float dmin[2];
-  #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const SHARED_MEM unsigned int* block = reinterpret_cast<const SHARED_MEM unsigned int*>(w_row(s, h));
-    const unsigned int scales = block[2 * (((s * U) >> 2) & 1) + (((s * U) >> 1) & 1)];
+    "W_AFTER": """  if (MINS == 0) {
+    float dmin[2];
     #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const unsigned int m = (scales >> (8 * (2 * ((s * U + u) & 1) + (tig >> 1)) + 4)) & 15u;
+    for (int h = 0; h < 2; ++h) {
+      const SHARED_MEM unsigned int* block = reinterpret_cast<const SHARED_MEM unsigned int*>(w_row(s, h));
+      const unsigned int scales = block[2 * (((s * U) >> 2) & 1) + (((s * U) >> 1) & 1)];
       #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        a[u][kk][h] = a[u][kk][2 + h] = ds4_half2_bits((float)m, (float)m);
+      for (int u = 0; u < U; ++u) {
+        const unsigned int m = (scales >> (8 * (2 * ((s * U + u) & 1) + (tig >> 1)) + 4)) & 15u;
+        #pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          a[u][kk][h] = a[u][kk][2 + h] = ds4_half2_bits((float)m, (float)m);
+        }
       }
+      dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(block[20] >> 16)) : 0.0f;
     }
-    dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(block[20] >> 16)) : 0.0f;
+    multiply(st, a, dmin);
+  } else if (s % PER_BLOCK == PER_BLOCK - 1) {
+    const SHARED_MEM unsigned int* sums = wbuf + ((s / PER_BLOCK) % W_SLOTS) * SLOT + W_AREA;
+    unsigned int am[4];
+    float dmin[2];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const SHARED_MEM unsigned int* block = reinterpret_cast<const SHARED_MEM unsigned int*>(w_row(s, h));
+      const unsigned int first = (block[tig >> 1] >> (16 * (tig & 1))) & 0xFFFFu;
+      const unsigned int second = (block[2 + (tig >> 1)] >> (16 * (tig & 1))) & 0xFFFFu;
+      am[h] = ds4_half2_bits(16.0f * (float)((first >> 4) & 15u), 16.0f * (float)(first >> 12));
+      am[2 + h] = ds4_half2_bits(16.0f * (float)((second >> 4) & 15u), 16.0f * (float)(second >> 12));
+      dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(block[20] >> 16)) : 0.0f;
+    }
+    ds4_wgmma_fence();
+    ds4_wgmma_f16_64x128x16<LBO, 2 * LBO>(part, am, sums + TM * 8, 0);
+    ds4_wgmma_f16_64x128x16<LBO, 2 * LBO>(part, am, sums, 1);
+    ds4_wgmma_commit();
+    ds4_wgmma_wait<0>(part);
+    ds4_wgmma_hold(am);
+    drain(dmin, 0, 16);
   }
-  multiply(st, a, dmin);
 """,
 }
 """Slice sl = U s + u is values 32 (sl % 8) .. of block s / PER_BLOCK: half hb = (sl / 4) % 2, shift 2 j with j =
@@ -347,40 +391,78 @@ lane's values (its group's m, into the registers of the first product's A), drai
 from the slot: no register holds them across the first product)."""
 
 _PARTS = {GGMLType.IQ2_XXS: _IQ2_XXS, GGMLType.Q2_K: _Q2_K}
-_INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow")
+_INPUTS = ("xhi", "xlo", "w", "counts", "dims", "xscale", "xrow", "shi", "slo")
 
 
 @cache
-def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES) -> Kernel:
-    """One kernel per raw expert type, width, stage width and depth. CUDA sm_90a only."""
+def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES, mins: int = 0
+           ) -> Kernel:
+    """One kernel per raw expert type, width, stage width, depth and (Q2_K) way of taking the mins. CUDA sm_90a
+    only."""
     source = _SOURCE
     for name, text in _PARTS[ggml_type].items():
         source = source.replace(name, text)
     header = SIMD_EXCLUSIVE_SUM + (GRID_HEADER if ggml_type == GGMLType.IQ2_XXS else "")
-    return Kernel(f"ds4_grouped_wgmma_{ggml_type.name.lower()}_{warpgroups}_{tk}_{stages}", _INPUTS, ("y",), source,
-                  header, launch_bounds=(128 * warpgroups, 1),
-                  shared_memory=shared_bytes(ggml_type, warpgroups, tk, stages))
+    return Kernel(f"ds4_grouped_wgmma_{ggml_type.name.lower()}_{warpgroups}_{tk}_{stages}_{mins}", _INPUTS, ("y",),
+                  source, header, launch_bounds=(128 * warpgroups, 1),
+                  shared_memory=shared_bytes(ggml_type, warpgroups, tk, stages, mins))
 
 
 def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
                        shape: tuple[int, int, int], rows: mx.array | None = None,
                        warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES,
-                       overlap: int = OVERLAP) -> mx.array:
+                       overlap: int = OVERLAP, mins: int = MINS) -> mx.array:
     """grouped_raw.raw_grouped_gemm's product (its arguments, the same result within float32 reassociation) by
-    warpgroup products; `warpgroups`, `tk` (32 or 64), `stages` and `overlap` for bench/prefill_gemms.py. CUDA
-    sm_90a only."""
+    warpgroup products; `warpgroups`, `tk` (32 or 64), `stages`, `overlap` and `mins` (Q2_K) for
+    bench/prefill_gemms.py. CUDA sm_90a only."""
     assert tk in (32, 64)
     hi, lo, scales = held_split(x, layout="transposed")
+    mins = int(mins and ggml_type == GGMLType.Q2_K)
+    sums = group_sums(x, scales) if mins else (mx.zeros((1,), dtype=mx.uint32),) * 2
     gather = rows is not None
     index = rows.astype(mx.uint32) if gather else mx.zeros((1,), dtype=mx.uint32)
     tn, threads = 64 * warpgroups, 128 * warpgroups
-    return launch_grouped(build(kernel(ggml_type, warpgroups, tk, stages), current_backend()), [hi, lo], blocks,
+    return launch_grouped(build(kernel(ggml_type, warpgroups, tk, stages, mins), current_backend()), [hi, lo], blocks,
                           counts, shape,
                           [("TM", TM), ("TN", tn), ("TK", tk), ("THREADS", threads), ("STAGES", stages),
                            ("PLANE_WORDS", plane_words(tk)), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
-                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type]), ("OVERLAP", overlap)],
-                          extra=[scales, index], pairs=x.shape[0] if rows is None else rows.size,
+                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type]), ("OVERLAP", overlap),
+                           ("MINS", mins)],
+                          extra=[scales, index, *sums], pairs=x.shape[0] if rows is None else rows.size,
                           tile=(TM, tn, threads))
+
+
+_SUMS = """
+const unsigned int at = GROUP_X * THREADS + THREAD_IN_GROUP;
+const unsigned int words = (unsigned int)dims[0] / 32;
+if (at >= (unsigned int)dims[1] * words) {
+  return;
+}
+const unsigned int row = at / words;
+const GLOBAL_MEM float* v = x + (size_t)row * dims[0] + 32 * (at % words);
+const float sc = xscale[row];
+float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+for (int i = 0; i < 32; ++i) {
+  sum[i >> 4] += v[i] * sc;
+}
+ds4_half2_split(sum[0] * 0.0625f, sum[1] * 0.0625f, shi[at], slo[at]);
+"""
+"""Word p of the rows' words: groups 2 p and 2 p + 1 (16 values each) of its row of x times the row's power of two
+(the split's), each sum (16 values below 2^15: below 2^19) / 16 (exact: below 2^15, a half's range) as hi and lo
+halves."""
+SUMS_KERNEL = Kernel("ds4_group_sums", ("x", "xscale", "dims"), ("shi", "slo"), _SUMS)
+
+
+def group_sums(x: mx.array, scales: mx.array) -> tuple[mx.array, mx.array]:
+    """The sums / 16 of each group of 16 values of x (N, IN) times its row scale (the split's), as (hi, lo) half
+    pairs (N, IN / 32): B of MINS's products. CUDA only."""
+    n, n_in = x.shape
+    words = n * n_in // 32
+    return tuple(build(SUMS_KERNEL, current_backend())(
+        inputs=[x.astype(mx.float32), scales, mx.array([n_in, n], dtype=mx.int32)], template=[("THREADS", 256)],
+        grid=(-(-words // 256) * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(n, n_in // 32)] * 2,
+        output_dtypes=[mx.uint32, mx.uint32]))
 
 
 def fits(n_in: int) -> bool:
