@@ -306,6 +306,11 @@ template <int LBO, int SBO>
 inline void ds4_wgmma_f16_64x64x16(float* d, const unsigned int* a, const unsigned int* b, int accumulate) {
   emulated_wgmma<64, LBO, SBO>(d, a, b, accumulate);
 }
+template <int N, int LBO, int SBO>
+inline void ds4_wgmma_split(float* d, const unsigned int* a, const unsigned int* hi, int lo_words, int accumulate) {
+  emulated_wgmma<N, LBO, SBO>(d, a, hi + lo_words, accumulate);
+  emulated_wgmma<N, LBO, SBO>(d, a, hi, 1);
+}
 inline void ds4_wgmma_fence() {}
 inline void ds4_wgmma_hold(unsigned int*) {}
 inline void ds4_wgmma_commit() {}

@@ -234,14 +234,8 @@ auto issue = [&](int s, float (&p)[64], float (&sc)[2], unsigned int (&a)[2][4])
   for (int half = 0; half < 1 + OVERLAP; ++half) {
     #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      const SHARED_MEM unsigned int* b = st + kk * 2 * (LBO / 4) + half * 8 * (SBO / 4);
-      if (OVERLAP) {
-        ds4_wgmma_f16_64x64x16<LBO, SBO>(p + 32 * half, a[kk], b + PLANE_WORDS, kk);
-        ds4_wgmma_f16_64x64x16<LBO, SBO>(p + 32 * half, a[kk], b, 1);
-      } else {
-        ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[kk], b + PLANE_WORDS, kk);
-        ds4_wgmma_f16_64x128x16<LBO, SBO>(p, a[kk], b, 1);
-      }
+      ds4_wgmma_split<(128 >> OVERLAP), LBO, SBO>(p + 32 * half, a[kk],
+                                                  st + kk * 2 * (LBO / 4) + half * 8 * (SBO / 4), PLANE_WORDS, kk);
     }
     ds4_wgmma_commit();
   }

@@ -67,7 +67,9 @@ share, plus a few neutral words that each dialect spells its own way:
   of the warpgroup holding rows 16 w.. as mma.m16n8k16's A fragment, B 16 x 128 halves in threadgroup memory at b,
   K-major without swizzling: 8 x 8 core matrices of 16-byte rows (a column's 8 consecutive K), the next along K LBO
   bytes on, along N SBO bytes on; d's n8 block j in d[4 j..4 j + 3] as mma's C) and ds4_wgmma_f16_64x64x16 (the
-  same for 64 columns of B, 32 floats of d), ds4_wgmma_fence() (before a
+  same for 64 columns of B, 32 floats of d), ds4_wgmma_split<N, LBO, SBO>(d, a, hi, lo_words, accumulate) (A times
+  x split in two planes, the lo plane lo_words on from the hi plane: lo first, then hi into the same sums; N 128 or
+  64 columns), ds4_wgmma_fence() (before a
   wgmma whose registers other instructions touched), ds4_wgmma_commit() (the wgmma issued since become one group),
   ds4_wgmma_wait<N>(float* d) (all but the N newest groups done; naming the 64 accumulators keeps the compiler from
   reading them before), ds4_wgmma_hold(unsigned int* a) (after the wait that covers a wgmma, its four A registers:
@@ -182,7 +184,18 @@ __device__ __forceinline__ void ds4_wgmma_f16_64x{n}x16(float* d, const unsigned
 """
 
 
-_WGMMA = _wgmma_product(128) + _wgmma_product(64) + """__device__ __forceinline__ void ds4_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+_WGMMA = _wgmma_product(128) + _wgmma_product(64) + """template <int N, int LBO, int SBO>
+__device__ __forceinline__ void ds4_wgmma_split(float* d, const unsigned int* a, const unsigned int* hi, int lo_words,
+                                                int accumulate) {
+  if constexpr (N == 128) {
+    ds4_wgmma_f16_64x128x16<LBO, SBO>(d, a, hi + lo_words, accumulate);
+    ds4_wgmma_f16_64x128x16<LBO, SBO>(d, a, hi, 1);
+  } else {
+    ds4_wgmma_f16_64x64x16<LBO, SBO>(d, a, hi + lo_words, accumulate);
+    ds4_wgmma_f16_64x64x16<LBO, SBO>(d, a, hi, 1);
+  }
+}
+__device__ __forceinline__ void ds4_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void ds4_wgmma_hold(unsigned int* a) {
   asm volatile("" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3]));
 }

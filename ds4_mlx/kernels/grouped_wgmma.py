@@ -219,14 +219,9 @@ auto multiply = [&](const SHARED_MEM unsigned int* st, unsigned int (&a)[U][2][4
     for (int u = 0; u < U; ++u) {
       #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        const SHARED_MEM unsigned int* b = st + u * SUB + kk * 2 * (LBO / 4) + half * 8 * (SBO / 4);
-        if (OVERLAP) {
-          ds4_wgmma_f16_64x64x16<LBO, SBO>(part + 32 * half, a[u][kk], b + PLANE_WORDS, u + kk);
-          ds4_wgmma_f16_64x64x16<LBO, SBO>(part + 32 * half, a[u][kk], b, 1);
-        } else {
-          ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[u][kk], b + PLANE_WORDS, u + kk);
-          ds4_wgmma_f16_64x128x16<LBO, SBO>(part, a[u][kk], b, 1);
-        }
+        ds4_wgmma_split<(128 >> OVERLAP), LBO, SBO>(part + 32 * half, a[u][kk],
+                                                    st + u * SUB + kk * 2 * (LBO / 4) + half * 8 * (SBO / 4),
+                                                    PLANE_WORDS, u + kk);
       }
     }
     ds4_wgmma_commit();
@@ -372,8 +367,7 @@ _Q2_K = {
       dmin[h] = w_ok[h] ? -ds4_half_to_float((unsigned short)(block[20] >> 16)) : 0.0f;
     }
     ds4_wgmma_fence();
-    ds4_wgmma_f16_64x128x16<LBO, 2 * LBO>(part, am, sums + TM * 8, 0);
-    ds4_wgmma_f16_64x128x16<LBO, 2 * LBO>(part, am, sums, 1);
+    ds4_wgmma_split<128, LBO, 2 * LBO>(part, am, sums, TM * 8, 0);
     ds4_wgmma_commit();
     ds4_wgmma_wait<0>(part);
     ds4_wgmma_hold(am);
