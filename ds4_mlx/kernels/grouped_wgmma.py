@@ -116,6 +116,7 @@ ds4_barrier();
 const int blocks = n_in / 256;
 const size_t row_bytes = (size_t)blocks * BLOCK_BYTES;
 const size_t bank_bytes = (size_t)n_expert * n_out * row_bytes;
+const size_t tile_bytes = ((size_t)expert * n_out + col0) * row_bytes;
 const int kc = tid & 3;
 const int token = tid >> 2;
 unsigned int x_at[2];
@@ -151,8 +152,7 @@ auto load_w = [&](int b) {
     for (int c = tid; c < W_AREA; c += THREADS) {
       const int r = c / W_WORDS;
       const bool ok = col0 + r < n_out;
-      const size_t word = ((((size_t)expert * n_out + (ok ? col0 + r : col0)) * row_bytes + (size_t)b * BLOCK_BYTES)
-                           >> 2) + c % W_WORDS;
+      const size_t word = ((tile_bytes + (ok ? r : 0) * row_bytes + (size_t)b * BLOCK_BYTES) >> 2) + c % W_WORDS;
       ds4_copy4_async(reinterpret_cast<SHARED_MEM float*>(slot + c),
                       reinterpret_cast<const GLOBAL_MEM float*>(w) + word, ok && 4 * word + 4 <= bank_bytes);
     }
@@ -173,7 +173,7 @@ auto load_w = [&](int b) {
 int w_shift[2];
 #pragma unroll
 for (int h = 0; h < 2; ++h) {
-  w_shift[h] = (int)((((size_t)expert * n_out + col0 + wrow + 8 * h) * row_bytes) & 3);
+  w_shift[h] = (int)((tile_bytes + (wrow + 8 * h) * row_bytes) & 3);
 }
 auto w_row = [&](int s, int h) {
   const int b = s / PER_BLOCK;
