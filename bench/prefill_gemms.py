@@ -6,11 +6,12 @@
     python bench/prefill_gemms.py --only raw      # the routed experts' rows only (dense, half: the others)
 
 Rows: the raw-bank expert GEMM for IQ2_XXS gate / up and Q2_K down by mma (kernels/grouped_raw.py) under each plan
-(RAW_PLANS: stage width, threadgroups an SM, stages of x in flight) and by warpgroup products (grouped_wgmma.py,
-gate / up reading the tokens' rows by index as the model does, at two and three warpgroups), the dense affine projections (Q8_0) by the
-float16 kernel (dense_f16.py) at each pipeline depth, by warpgroup products (dense_wgmma.py) under each of
-WGMMA_PLANS, and by their fallback (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is
-gone, bench/RESULTS.md), and F16 matrices by the same kernels and cuBLAS's float32 GEMM (what they took before).
+(RAW_PLANS: stage width, threadgroups an SM, stages of x in flight) and by warpgroup products (grouped_wgmma.py
+under each of GROUPED_PLANS; gate / up reading the tokens' rows by index as the model does, against grouped_raw.py
+doing the same), the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) at each pipeline depth,
+by warpgroup products (dense_wgmma.py) under each of WGMMA_PLANS and with OVERLAP, and by their fallback
+(dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone, bench/RESULTS.md), and F16
+matrices by the same kernels and cuBLAS's float32 GEMM (what they took before).
 Each line is checked against the first of its group (the outputs must agree within float32 reassociation), so a
 fast but wrong variant shows. `--calls` independent calls go into one evaluation; the median of `--repeats`
 evaluations is reported. CUDA only (the kernels are).

@@ -69,13 +69,13 @@ share, plus a few neutral words that each dialect spells its own way:
   bytes on, along N SBO bytes on; d's n8 block j in d[4 j..4 j + 3] as mma's C) and ds4_wgmma_f16_64x64x16 (the
   same for 64 columns of B, 32 floats of d), ds4_wgmma_split<N, LBO, SBO>(d, a, hi, lo_words, accumulate) (A times
   x split in two planes, the lo plane lo_words on from the hi plane: lo first, then hi into the same sums; N 128 or
-  64 columns), ds4_wgmma_fence() (before a
-  wgmma whose registers other instructions touched), ds4_wgmma_commit() (the wgmma issued since become one group),
-  ds4_wgmma_wait<N>(float* d) (all but the N newest groups done; naming the 64 accumulators keeps the compiler from
-  reading them before), ds4_wgmma_hold(unsigned int* a) (after the wait that covers a wgmma, its four A registers:
-  the compiler sees them read there, so it gives their registers to nothing else while the tensor cores may still
-  read them, which PTX leaves undefined) and ds4_fence_async_shared() (threadgroup memory written by threads or cp.async made visible
-  to the tensor cores' reads).
+  64 columns), ds4_wgmma_fence() (before a wgmma whose registers other instructions touched), ds4_wgmma_commit()
+  (the wgmma issued since become one group), ds4_wgmma_wait<N>(float* d) (all but the N newest groups done; naming
+  the 64 accumulators keeps the compiler from reading them before), ds4_wgmma_hold(unsigned int* a) (after the wait
+  that covers a wgmma, its four A registers: the compiler sees them read there, so it gives their registers to
+  nothing else while the tensor cores may still read them, which PTX leaves undefined) and
+  ds4_fence_async_shared() (threadgroup memory written by threads or cp.async made visible to the tensor cores'
+  reads).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
