@@ -9,7 +9,7 @@ Rows: the raw-bank expert GEMM for IQ2_XXS gate / up and Q2_K down by mma (kerne
 (RAW_PLANS: stage width, threadgroups an SM, stages of x in flight) and by warpgroup products (grouped_wgmma.py
 under each of GROUPED_PLANS; gate / up reading the tokens' rows by index as the model does, against grouped_raw.py
 doing the same), the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) at each pipeline depth,
-by warpgroup products (dense_wgmma.py) under each of WGMMA_PLANS and with OVERLAP, and by their fallback
+by warpgroup products (dense_wgmma.py) under each of WGMMA_PLANS, and by their fallback
 (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone, bench/RESULTS.md), and F16
 matrices by the same kernels and cuBLAS's float32 GEMM (what they took before).
 Each line is checked against the first of its group (the outputs must agree within float32 reassociation), so a
@@ -47,11 +47,10 @@ RAW_PLANS = ((64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 1, 3), (64, 1,
 """(stage width TK, threadgroups an SM, stages of x in flight) of the raw-bank kernel (grouped_raw.py)."""
 STAGES = (2, 3, 4)
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
-GROUPED_PLANS = ((3, 64, 3, 0, 0), (3, 64, 3, 1, 0), (3, 64, 3, 0, 1), (3, 64, 3, 1, 1), (3, 64, 4, 1, 0),
-                 (3, 32, 3, 1, 0), (2, 64, 3, 1, 0))
-"""grouped_wgmma.py's (warpgroups a threadgroup, stage width TK, stages of x, OVERLAP, MINS): its defaults first."""
-WGMMA_PLANS = ((0, 3, 3), (1, 2, 2), (0, 3, 2), (0, 2, 3))
-"""dense_wgmma.py's (PIPELINE, AHEAD, WARPGROUPS): its PLAN first, then its NARROW_PLAN."""
+GROUPED_PLANS = ((3, 64, 3, 1), (3, 64, 3, 0), (3, 64, 4, 1), (3, 32, 3, 1), (2, 64, 3, 1))
+"""grouped_wgmma.py's (warpgroups a threadgroup, stage width TK, stages of x, MINS): its defaults first."""
+WGMMA_PLANS = ((0, 3, 3, 1), (0, 3, 3, 0), (1, 2, 2, 0), (0, 3, 2, 1), (0, 2, 3, 1))
+"""dense_wgmma.py's (PIPELINE, AHEAD, WARPGROUPS, OVERLAP): its PLAN first."""
 
 
 def dense_float32(x: mx.array, weight) -> mx.array:
@@ -118,15 +117,15 @@ def main() -> int:
             report(f"{name} mma gathered", 2.0 * ids.size * n_out * n_in, per_call_ms(
                 lambda: raw_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows),
                 args.calls, args.repeats), 0.0)
-        for warpgroups, tk, stages, overlap, mins in GROUPED_PLANS:
-            if mins and ggml_type != GGMLType.Q2_K:
-                continue  # MINS is Q2_K's
+        for warpgroups, tk, stages, mins in GROUPED_PLANS:
+            if not mins and ggml_type != GGMLType.Q2_K:
+                continue  # MINS is Q2_K's: IQ2_XXS has no mins
 
             def call() -> mx.array:
                 return wgmma_grouped_gemm(tokens, blocks, counts, ggml_type, (EXPERTS, n_out, n_in), rows,
-                                          warpgroups=warpgroups, tk=tk, stages=stages, overlap=overlap, mins=mins)
+                                          warpgroups=warpgroups, tk=tk, stages=stages, mins=mins)
             error = (mx.abs(call() - first).max() / mx.abs(first).max()).item()
-            report(f"{name} wgmma {warpgroups} {tk} {stages} {overlap} {mins}{'' if rows is None else ' gathered'}",
+            report(f"{name} wgmma {warpgroups} {tk} {stages} {mins}{'' if rows is None else ' gathered'}",
                    2.0 * ids.size * n_out * n_in, per_call_ms(call, args.calls, args.repeats), error)
     for name, shape in DENSE.items() if args.only in (None, "dense") else ():
         weight = to_affine(random_blocks(GGMLType.Q8_0, *shape, seed=3), GGMLType.Q8_0, shape)
@@ -136,7 +135,6 @@ def main() -> int:
         for kind, matmul in (*((f"f16 stages={n}", partial(f16_affine_matmul, stages=n)) for n in STAGES),
                              *((f"wgmma plan={''.join(map(str, plan))}", partial(wgmma_affine_matmul, plan=plan))
                                for plan in WGMMA_PLANS),
-                             ("wgmma plan=033 overlap", partial(wgmma_affine_matmul, plan=(0, 3, 3), overlap=1)),
                              ("dequantize + cuBLAS float32", dense_float32)):
             y = matmul(x, weight)
             first = y if first is None else first
@@ -150,7 +148,6 @@ def main() -> int:
         for kind, matmul in (*((f"f16 stages={n}", partial(half_matmul, stages=n)) for n in STAGES),
                              *((f"wgmma plan={''.join(map(str, plan))}", partial(wgmma_half_matmul, plan=plan))
                                for plan in WGMMA_PLANS),
-                             ("wgmma plan=033 overlap", partial(wgmma_half_matmul, plan=(0, 3, 3), overlap=1)),
                              ("cublas f32", lambda x, w: x @ w.astype(mx.float32).T)):
             y = matmul(x, w)
             first = y if first is None else first

@@ -19,6 +19,7 @@ import pytest
 from ds4_mlx.kernels import dense_wgmma, halfsplit, registry
 from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
+from ds4_mlx.kernels.dense_f16 import DENSE_F16, HALF_BATCH
 from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, TM, WARPGROUPS
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.halfsplit import reference_split_rows, reference_split_transposed, transpose_groups
@@ -92,7 +93,7 @@ def test_hopper_only(on_cpu):
 
 
 CASES = {
-    "wide": ((600, 64), 130),  # OUT past NARROW_OUT: three warpgroups, a partial fourth column tile of 192
+    "wide": ((600, 64), 130),  # three warpgroups, a partial fourth column tile of 192
     "two_column_tiles": ((200, 96), 37),  # T below a token tile, OUT past one column tile
     "three_token_tiles": ((24, 64), 150),  # T past two token tiles, OUT below one warp's rows
     "one_group": ((8, 32), 17),  # IN of one group: a single stage
@@ -102,27 +103,18 @@ CASES = {
 """W shape, rows of x (Q8_0)."""
 
 
-def test_plans_by_width():
-    """Up to NARROW_OUT outputs two pipelined warpgroups (more threadgroups where a product is under one wave),
-    past it three; the first-use checks run both plans."""
-    assert dense_wgmma.plan_for(512) == dense_wgmma.NARROW_PLAN == (1, 2, 2)
-    assert dense_wgmma.plan_for(513) == dense_wgmma.PLAN == (0, 3, 3)
-    assert set(dense_wgmma.PLANS) == {dense_wgmma.PLAN, dense_wgmma.NARROW_PLAN}
-
-
 @pytest.mark.slow
 def test_emulated_first_use_checks_pass(on_cpu, monkeypatch, tmp_path):
     """The registry's probes (dense_f16.py's: two partial tiles and a batch of three; F16 with subnormal halves)
-    through the emulated kernels under both plans."""
+    through the emulated kernels under PLAN."""
     monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
     args = DENSE_WGMMA.probe(GGMLType.Q8_0)
-    got, want = dense_wgmma._fast(*args), dense_wgmma._reference(*args)
-    assert len(got) == len(want) == 4
+    got, want = dense_wgmma._fast(*args), DENSE_F16.reference(*args)
+    assert len(got) == len(want) == 2
     for g, w in zip(got, want, strict=True):
         assert registry.disagreement(g, w, TOLERANCE) is None
     args = HALF_WGMMA.probe((512, 256))
-    for g, w in zip(dense_wgmma._half_fast(*args), dense_wgmma._half_reference(*args), strict=True):
-        assert registry.disagreement(g, w, TOLERANCE) is None
+    assert registry.disagreement(dense_wgmma._half_fast(*args), HALF_BATCH.reference(*args), TOLERANCE) is None
 
 
 @pytest.mark.slow
@@ -141,13 +133,15 @@ def test_emulated_kernel_equals_the_product(on_cpu, name, monkeypatch, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("groups", [1, 2, 3, 8])
 def test_emulated_kernel_without_the_pipeline(on_cpu, groups, monkeypatch, tmp_path):
-    """PIPELINE = 0 (each group's wgmma waited for and drained at once) gives the pipelined kernel's values, bit for
-    bit, for K of one group, an even and an odd count, and more groups than stages."""
+    """PIPELINE = 1 (a group's wgmma issued before the previous group's are drained) gives PIPELINE 0's values (each
+    group's waited for and drained at once), bit for bit, for K of one group, an even and an odd count, and more
+    groups than stages; so do PLAN's overlapped halves."""
     monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
     x, blocks, want = case(GGMLType.Q8_0, (40, 32 * groups), 9, seed=6)
     weight = to_affine(blocks, GGMLType.Q8_0, (40, 32 * groups))
-    waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 3, 2)))
-    assert dense_wgmma.NARROW_PLAN == (1, 2, 2) and within(waited, want, TOLERANCE)
+    waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 3, 2, 0)))
+    assert within(waited, want, TOLERANCE)
+    assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(1, 2, 2, 0)))).all()
     assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight))).all()
 
 
@@ -164,9 +158,9 @@ def test_emulated_kernel_with_three_warpgroups(on_cpu, bits, monkeypatch, tmp_pa
     else:
         x, w, want = half_case(300, 96, 130, seed=8)
         product = partial(dense_wgmma.wgmma_half_matmul, x, w)
-    three = np.array(product(plan=(0, 3, 3)))
-    assert within(three, want, TOLERANCE) and (three == np.array(product(plan=(0, 3, 2)))).all()
-    assert (three == np.array(product(plan=(0, 3, 3), overlap=1))).all()  # two m64n64 halves: the same sums
+    three = np.array(product(plan=(0, 3, 3, 0)))
+    assert within(three, want, TOLERANCE) and (three == np.array(product(plan=(0, 3, 2, 0)))).all()
+    assert (three == np.array(product())).all()  # PLAN's two m64n64 halves: the same sums
 
 
 @pytest.mark.slow

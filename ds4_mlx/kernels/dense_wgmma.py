@@ -72,25 +72,16 @@ registers)."""
 AHEAD = STAGES - 1 - PIPELINE
 """Groups the copies run ahead of the products: at most STAGES - 1 - PIPELINE (a buffer is overwritten only
 after every warpgroup's wgmma that read it is done)."""
-OVERLAP = 0
+OVERLAP = 1
 """With PIPELINE 0, 1 issues a group's products as two halves of 64 tokens (m64n64k16, 32 of the partial sums
-each) and drains the first while the tensor cores multiply the second, as grouped_wgmma.py's OVERLAP; equal in
-emulation, not yet measured on a GPU (bench/prefill_gemms.py times it)."""
-PLAN = (PIPELINE, AHEAD, WARPGROUPS)
-"""(PIPELINE, AHEAD, WARPGROUPS) for most shapes. Measured on the H200 (4096 tokens, bench/prefill_gemms.py,
-session 17, ms; dense_f16.py / two warpgroups pipelined / two waited / three waited): q_b 2.84 / 2.89 / 2.85 /
-**2.43**, out_b 2.76 / 2.61 / 2.63 / **2.28**, shared gate 0.90 / 0.80 / 0.79 / **0.71**, F16 8192 x 1024 0.82 /
-0.87 / 0.91 / **0.70**; but F16 512 x 4096 0.38 / **0.355** / 0.38 / 0.43, whose 512 outputs make three column
-tiles of 192 (96 threadgroups for 132 SMs): `plan_for`."""
-NARROW_PLAN = (1, 2, 2)
-"""For OUT of at most NARROW_OUT: two warpgroups, pipelined (more, smaller threadgroups for a product under one
-wave)."""
-NARROW_OUT = 512
-
-
-def plan_for(n_out: int) -> tuple[int, int, int]:
-    """The plan for a W of n_out rows (outputs): NARROW_PLAN up to NARROW_OUT, else PLAN."""
-    return NARROW_PLAN if n_out <= NARROW_OUT else PLAN
+each) and drains the first while the tensor cores multiply the second, as grouped_wgmma.py once did; 0 waits for
+the whole m64n128k16 product, then drains it."""
+PLAN = (PIPELINE, AHEAD, WARPGROUPS, OVERLAP)
+"""(PIPELINE, AHEAD, WARPGROUPS, OVERLAP), for every shape. Measured on the H200 (4096 tokens,
+bench/prefill_gemms.py, session 19, ms; this plan / the same waited whole (0, 3, 3, 0) / two warpgroups pipelined
+(1, 2, 2, 0), the narrow plan of sessions 17-18): q_a 0.472 / 0.530 / 0.552, q_b 2.377 / 2.370 / 2.884, out_b
+2.232 / 2.268 / 2.547, shared gate 0.721 / 0.778 / 0.876, F16 512 x 4096 0.317 / 0.388 / 0.367, F16 8192 x 1024
+0.723 / 0.736 / 0.795."""
 
 
 def stage_words(bits: int, warpgroups: int = WARPGROUPS) -> int:
@@ -315,32 +306,29 @@ def kernel(bits: int, warpgroups: int = WARPGROUPS) -> Kernel:
                   launch_bounds=(128 * warpgroups, 1))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int] | None = None,
-                        overlap: int = OVERLAP) -> mx.array:
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
     """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
-    `plan`: (PIPELINE, AHEAD, WARPGROUPS), which bench/prefill_gemms.py compares (with `overlap`); `plan_for`'s
-    otherwise."""
+    `plan`: (PIPELINE, AHEAD, WARPGROUPS, OVERLAP), which bench/prefill_gemms.py compares."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
-    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan, overlap)
+    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int] | None = None,
-                      overlap: int = OVERLAP) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
-    return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan, overlap)
+    return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int, int] | None, overlap: int) -> mx.array:
+            plan: tuple[int, int, int, int]) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
     n_rows = x.size // n_in // n_batch
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
-    pipeline, ahead, warpgroups = plan or plan_for(n_out)
+    pipeline, ahead, warpgroups, overlap = plan
     if not 1 <= ahead <= STAGES - 1 - pipeline:
         raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
     if overlap and pipeline:
@@ -359,36 +347,22 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     return y.reshape(*lead, n_out)
 
 
-PLANS = (PLAN, NARROW_PLAN)
-"""Both plans `plan_for` chooses, each checked at first use."""
-
-
-def _reference(*args: object) -> tuple[mx.array, ...]:
-    return DENSE_F16.reference(*args) * len(PLANS)
-
-
 def _fast(ggml_type: GGMLType, blocks, x, bank, xb) -> tuple[mx.array, ...]:
     w, wb = to_affine(blocks, ggml_type, PROBE_SHAPE), to_affine(bank, ggml_type, PROBE_BANK)
-    return tuple(wgmma_affine_matmul(a, b, plan) for plan in PLANS for a, b in ((x, w), (xb, wb)))
+    return wgmma_affine_matmul(x, w), wgmma_affine_matmul(xb, wb)
 
 
-def _half_reference(x: mx.array, w: mx.array) -> tuple[mx.array, ...]:
-    return (HALF_BATCH.reference(x, w),) * len(PLANS)
+def _half_fast(x: mx.array, w: mx.array) -> mx.array:
+    return wgmma_half_matmul(x, w)
 
 
-def _half_fast(x: mx.array, w: mx.array) -> tuple[mx.array, ...]:
-    return tuple(wgmma_half_matmul(x, w, plan) for plan in PLANS)
-
-
-DENSE_WGMMA = FastPath("dense_affine_wgmma", _reference, _fast, DENSE_F16.probe, tolerance=TOLERANCE,
+DENSE_WGMMA = FastPath("dense_affine_wgmma", DENSE_F16.reference, _fast, DENSE_F16.probe, tolerance=TOLERANCE,
                        backends=("cuda",))
 """Q8_0 projections of a prefill batch by warpgroup products; key: the ggml type (Q8_0 only: `fits`). The probe
-and bound are dense_f16.py's (two partial column and row tiles, a batch of matrices; 1e-5 of the largest output),
-each plan's."""
-HALF_WGMMA = FastPath("half_batch_wgmma", _half_reference, _half_fast, HALF_BATCH.probe, tolerance=TOLERANCE,
+and bound are dense_f16.py's (two partial column and row tiles, a batch of matrices; 1e-5 of the largest output)."""
+HALF_WGMMA = FastPath("half_batch_wgmma", HALF_BATCH.reference, _half_fast, HALF_BATCH.probe, tolerance=TOLERANCE,
                       backends=("cuda",))
-"""F16 projections of a prefill batch by warpgroup products; key (OUT, IN). Probe and bound: dense_f16.py's, each
-plan's."""
+"""F16 projections of a prefill batch by warpgroup products; key (OUT, IN). Probe and bound: dense_f16.py's."""
 
 
 @cache

@@ -20,13 +20,14 @@ else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand 
   rows of other slices masked out. Bounded by SLICE_BYTES plus the dequantizer's temporaries; a bank that fits
   one slice (every test preset) costs nothing extra, a Flash bank costs 8 GEMMs over the chunk instead of one.
 
-Scratch bound on a GPU: one bank, E * OUT * IN values: 8 GiB in float32, 4 GiB in bfloat16 at Flash size (256 x
-2048 x 4096; an affine bank in bfloat16 also holds its float32 form while it is cast); none for raw banks on
+Scratch bound on a GPU: one bank a layer, E * OUT * IN values: 8 GiB in float32, 4 GiB in bfloat16 at Flash size
+(256 x 2048 x 4096; an affine bank in bfloat16 also holds its float32 form while it is cast); none for raw banks on
 CUDA. `ExpertBank.grouped` reads each bank only after the previous projection's GEMM (`mx.depends`), and a layer's
-first bank after its routing, so one scratch is alive at a time and MLX's stream-ordered allocator reuses it. At
-2048 tokens the other transients are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as
-loaded (84 GiB) + 8 GiB scratch (none on CUDA) + a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay
-far below the H200's 139 GiB.
+first bank after its routing, so one scratch of a layer is alive at a time and MLX's stream-ordered allocator
+reuses it; a chunk runs one layer ahead (`Model.hidden`), so two layers' are: 16 GiB in float32. At 2048 tokens
+the other transients are a few (12288, 4096) float32 arrays (~200 MB each). The q2 Flash model as loaded (84 GiB)
++ 16 GiB scratch (none on CUDA) + a 32k session (0.44 GiB, `session_bytes`) + chunk activations stay far below the
+H200's 139 GiB.
 
 Arithmetic: float32 by default, the reference's type; `DS4_PREFILL_DTYPE=bfloat16` keeps the scratch and the GEMM
 inputs in bfloat16 on GPU backends (batch.py says what that costs in accuracy; CUDA's kernel keeps x in float32;

@@ -28,8 +28,8 @@ Flash's 96 pairs an expert, these decode it once.
 Measured (H200, bench/prefill_gemms.py, a 4096-token chunk's 24,576 pairs, session 18; grouped_raw.py gathered:
 5.27 / 6.28 ms per IQ2_XXS / Q2_K projection): stages of 32 with W loaded into registers a stage ahead 4.22 /
 5.39 ms; with L2 prefetches of W two blocks ahead 4.10 / 5.28; stages of 64 3.84 / 5.07; W by cp.async as above,
-three x stages, **3.74 / 4.93** (110 / 84 TFLOP/s of useful work). An 11.5k-token prompt over 43 layers: 2,536 →
-2,688 t/s.
+three x stages, **3.74 / 4.93** (110 / 84 TFLOP/s of useful work); session 19, Q2_K's mins by MINS, **3.71 /
+3.88**. An 11.5k-token prompt over 43 layers: 2,536 → 2,688 t/s (session 18), 2,641 → 2,741 t/s (MINS, session 19).
 
 CUDA sm_90a only, checked at first use like every kernel; never run on Metal.
 """
@@ -58,16 +58,13 @@ together: 4 U wgmma deep."""
 STAGES = 3
 """x stages in flight (32 KB each): the copies of the next STAGES - 1 land while one is multiplied. Measured (H200,
 session 18, ms per IQ2_XXS / Q2_K projection): 3.74 / 4.93 at 3 stages, 3.87 / 5.13 at 4."""
-OVERLAP = 0
-"""1: a stage's products as two halves of 64 pairs (m64n64k16 into 32 of the partial sums each), the first half
-drained while the tensor cores multiply the second (the same 64 registers); 0: one m64n128k16 product a k-step,
-waited for, then drained. Nsight Compute found the stage's wgmma wait and the drains after it the largest stall
-(session 18); OVERLAP = 1 is equal in emulation and not yet measured on a GPU (bench/prefill_gemms.py times it)."""
-MINS = 0
+MINS = 1
 """Q2_K's mins: 0, a second product each stage of the same B by A = each lane's group's m (four more wgmma a slice
 and a drain); 1, one product a block by A = 16 m over the block's 16 groups and B = the tile's sums of x over each
 group of 16 / 16 (`group_sums`, as halves, copied with the block), drained with -dmin once a block. Equal within
-TOLERANCE in emulation; not yet measured on a GPU (bench/prefill_gemms.py times it)."""
+TOLERANCE in emulation. Measured (H200, session 19, ms per Q2_K projection): 4.85 with 0, **3.88** with 1. (Two
+halves of 64 pairs a k-step, the first drained while the second multiplied, were slower here: IQ2_XXS 3.71 → 3.79,
+Q2_K 4.85 → 6.41 ms; dense_wgmma.py's OVERLAP, where they win, is what remains of them.)"""
 W_SLOTS = 3
 """W blocks held: the one being multiplied and W_SLOTS - 1 landing (W_AHEAD = W_SLOTS - 1 blocks ahead)."""
 W_WORDS = {GGMLType.IQ2_XXS: 17, GGMLType.Q2_K: 21}
@@ -199,9 +196,9 @@ for (int h = 0; h < 2; ++h) {
 }
 float acc[16][2][2] = {};
 float part[64];
-auto drain = [&](const float (&sc)[2], int j0, int j1) {
+auto drain = [&](const float (&sc)[2]) {
   #pragma unroll
-  for (int j = j0; j < j1; ++j) {
+  for (int j = 0; j < 16; ++j) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       #pragma unroll
@@ -214,22 +211,13 @@ auto drain = [&](const float (&sc)[2], int j0, int j1) {
 auto multiply = [&](const SHARED_MEM unsigned int* st, unsigned int (&a)[U][2][4], const float (&sc)[2]) {
   ds4_wgmma_fence();
   #pragma unroll
-  for (int half = 0; half < 1 + OVERLAP; ++half) {
+  for (int u = 0; u < U; ++u) {
     #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        ds4_wgmma_split<(128 >> OVERLAP), LBO, SBO>(part + 32 * half, a[u][kk],
-                                                    st + u * SUB + kk * 2 * (LBO / 4) + half * 8 * (SBO / 4),
-                                                    PLANE_WORDS, u + kk);
-      }
+    for (int kk = 0; kk < 2; ++kk) {
+      ds4_wgmma_split<128, LBO, SBO>(part, a[u][kk], st + u * SUB + kk * 2 * (LBO / 4), PLANE_WORDS, u + kk);
     }
-    ds4_wgmma_commit();
   }
-  if (OVERLAP) {
-    ds4_wgmma_wait<1>(part);
-    drain(sc, 0, 8);
-  }
+  ds4_wgmma_commit();
   ds4_wgmma_wait<0>(part);
   #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -238,7 +226,7 @@ auto multiply = [&](const SHARED_MEM unsigned int* st, unsigned int (&a)[U][2][4
       ds4_wgmma_hold(a[u][kk]);
     }
   }
-  drain(sc, OVERLAP ? 8 : 0, 16);
+  drain(sc);
 };
 for (int s = 0; s < steps; ++s) {
   ds4_async_wait_keep<STAGES - 2>();
@@ -260,7 +248,7 @@ W_AFTER}
 """The kernel with its W parts left as W_SHARED (static threadgroup memory), W_SETUP (once, past the scan),
 W_DECODE (stage s's A fragments `a` and drain scales `sc` from the rows' blocks in their slot, `w_row(s, h)` the
 first byte of row h's block) and W_AFTER (more products of the stage: Q2_K's mins). `multiply` issues a stage's
-wgmma (whole, or as two halves of 64 pairs with OVERLAP), waits and drains, then names the A registers
+wgmma, waits and drains, then names the A registers
 (ds4_wgmma_hold) so that none is reused while a wgmma may read it. A stage waits for its copies,
 makes them visible to the tensor cores, passes one barrier (every warpgroup waited for the wgmma that read the
 buffer the next copies overwrite, and is past the W block the next block's copies overwrite), issues those copies
@@ -371,7 +359,7 @@ _Q2_K = {
     ds4_wgmma_commit();
     ds4_wgmma_wait<0>(part);
     ds4_wgmma_hold(am);
-    drain(dmin, 0, 16);
+    drain(dmin);
   }
 """,
 }
@@ -405,9 +393,9 @@ def kernel(ggml_type: GGMLType, warpgroups: int = WARPGROUPS, tk: int = TK, stag
 def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_type: GGMLType,
                        shape: tuple[int, int, int], rows: mx.array | None = None,
                        warpgroups: int = WARPGROUPS, tk: int = TK, stages: int = STAGES,
-                       overlap: int = OVERLAP, mins: int = MINS) -> mx.array:
+                       mins: int = MINS) -> mx.array:
     """grouped_raw.raw_grouped_gemm's product (its arguments, the same result within float32 reassociation) by
-    warpgroup products; `warpgroups`, `tk` (32 or 64), `stages`, `overlap` and `mins` (Q2_K) for
+    warpgroup products; `warpgroups`, `tk` (32 or 64), `stages` and `mins` (Q2_K) for
     bench/prefill_gemms.py. CUDA sm_90a only."""
     assert tk in (32, 64)
     hi, lo, scales = held_split(x, layout="transposed")
@@ -420,8 +408,7 @@ def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_typ
                           counts, shape,
                           [("TM", TM), ("TN", tn), ("TK", tk), ("THREADS", threads), ("STAGES", stages),
                            ("PLANE_WORDS", plane_words(tk)), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
-                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type]), ("OVERLAP", overlap),
-                           ("MINS", mins)],
+                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type]), ("MINS", mins)],
                           extra=[scales, index, *sums], pairs=x.shape[0] if rows is None else rows.size,
                           tile=(TM, tn, threads))
 
