@@ -23,8 +23,8 @@ from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import AFFINE_BATCH, BF16_TOLERANCE, DTYPE_ENV, TOLERANCE, dense_matmul, prefill_dtype
 from ds4_mlx.kernels.dequant import DEQUANT_TOLERANCE, KERNELS, dequantize_used
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, expert_counts, grouped_swiglu, pair_inputs,
-                                     sliced_reference, sort_by_expert)
+from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, SLOT_SUM, SLOT_SUM_KERNEL, expert_counts,
+                                     gather_slot_sums, grouped_swiglu, pair_inputs, sliced_reference, sort_by_expert)
 from ds4_mlx.kernels.matvec import gathered_reference
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import dequantize, reference_matmul
@@ -33,6 +33,8 @@ from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.linear import ExpertBank
 from ds4_mlx.model.moe import RoutedExperts
 from ds4_mlx.model.weights import open_weights
+from emulated_cuda import emulated_build
+from kernel_checks import assert_renders_cleanly, rendered
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 RAW_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K)
@@ -111,6 +113,38 @@ def test_sort_by_expert_keeps_every_pair_once():
     assert (np.array(ids).reshape(-1)[np.array(order)] == np.array(sorted_ids)).all()
     assert sorted_ids.dtype == mx.uint32
     assert np.array(expert_counts(sorted_ids, 5)).tolist() == [1, 3, 1, 3, 0]
+
+
+def slot_case(tokens: int, k: int, d: int, seed: int) -> tuple[mx.array, mx.array, np.ndarray]:
+    """Pair outputs (tokens k, d), a shuffled pair index, and the float64 sums over each token's slots."""
+    rng = np.random.default_rng(seed)
+    y = rng.standard_normal((tokens * k, d)).astype(np.float32)
+    pair = rng.permutation(tokens * k).astype(np.uint32)
+    return mx.array(y), mx.array(pair), y.astype(np.float64)[pair].reshape(tokens, k, d).sum(axis=1)
+
+
+def test_slot_sums_gather_each_tokens_slots(on_cpu):
+    """The reference path (the CPU's): token t sums the rows pair[t k ..]; the kernel is not tried on the CPU."""
+    y, pair, want = slot_case(7, 3, 40, seed=1)
+    got = np.array(gather_slot_sums(y, pair, 3))
+    assert got.shape == (7, 40) and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert not SLOT_SUM.enabled((3, 40))
+
+
+@pytest.mark.parametrize("target", [CUDA, METAL], ids=lambda t: t.name)
+def test_slot_sum_kernel_renders(target):
+    assert_renders_cleanly(rendered(SLOT_SUM_KERNEL, target))
+
+
+def test_emulated_slot_sum_kernel_equals_the_sums(on_cpu, monkeypatch, tmp_path):
+    """The CUDA text run on the CPU: Flash's six slots, a last threadgroup only partly inside (5 x 100 values),
+    and the first-use probe within its tolerance."""
+    monkeypatch.setattr(grouped, "build", emulated_build(tmp_path))
+    y, pair, want = slot_case(5, 6, 100, seed=2)
+    got = np.array(grouped._slot_sum_fast(y, pair, 6))
+    assert got.shape == (5, 100) and np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    args = SLOT_SUM.probe((6, 64))
+    assert registry.disagreement(grouped._slot_sum_fast(*args), SLOT_SUM.reference(*args), TOLERANCE) is None
 
 
 @pytest.mark.parametrize("ggml_type", RAW_TYPES, ids=lambda t: t.name)
@@ -243,6 +277,15 @@ def test_affine_fast_paths_pass_their_checks_on_the_gpu(on_gpu):
 @pytest.mark.parametrize("case", CASES)
 def test_grouped_equals_one_product_per_pair_on_the_gpu(on_gpu, model_files, kind, case):
     test_grouped_equals_one_product_per_pair(model_files, kind, case, "fast")
+
+
+@pytest.mark.gpu
+def test_slot_sum_kernel_is_used_at_flash_width(on_gpu):
+    """A 4096-token chunk's six slots at Flash's width: the kernel passes its check and equals the float64 sums."""
+    assert SLOT_SUM.enabled((6, 4096))
+    y, pair, want = slot_case(4096, 6, 4096, seed=3)
+    got = np.array(gather_slot_sums(y, pair, 6))
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 
 @pytest.mark.gpu

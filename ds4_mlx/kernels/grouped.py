@@ -55,7 +55,8 @@ from .matvec import gathered_reference
 from .probe import random_activations, random_blocks
 from .quants import dequantize
 from . import registry
-from .registry import FastPath
+from .dialect import Kernel, build
+from .registry import FastPath, current_backend
 
 SLICE_BYTES = 1 << 30
 """The reference path dequantizes at most this many bytes of float32 experts at a time."""
@@ -93,7 +94,59 @@ def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projecti
     g = gate(x, rows, sorted_ids, counts, counts)
     u = up(x, rows, sorted_ids, counts, g)
     y = down(activation(g, u) * weights.reshape(-1)[order][:, None], None, sorted_ids, counts, u)
-    return mx.sum(y[mx.argsort(order)].reshape(t, k, -1), axis=1)
+    return gather_slot_sums(y, mx.argsort(order).astype(mx.uint32), k)
+
+
+_SLOT_SUM = """
+const unsigned int at = GROUP_X * 256 + THREAD_IN_GROUP;
+if (at >= (unsigned int)dims[0] * D) {
+  return;
+}
+const unsigned int t = at / D, c = at % D;
+float sum = 0.0f;
+for (int j = 0; j < K; ++j) {
+  sum += y[(size_t)pair[t * K + j] * D + c];
+}
+out[at] = sum;
+"""
+SLOT_SUM_KERNEL = Kernel("ds4_slot_sum", ("y", "pair", "dims"), ("out",), _SLOT_SUM)
+"""out[t, c] = sum_j y[pair[t K + j], c]: each token's K slot rows gathered and summed, one output value a thread
+(neighbouring threads read neighbouring values of a row)."""
+
+
+def _slot_sum_reference(y: mx.array, pair: mx.array, k: int) -> mx.array:
+    return mx.sum(y[pair].reshape(-1, k, y.shape[-1]), axis=1)
+
+
+def _slot_sum_fast(y: mx.array, pair: mx.array, k: int) -> mx.array:
+    t, d = pair.size // k, y.shape[-1]
+    (out,) = build(SLOT_SUM_KERNEL, current_backend())(
+        inputs=[y, pair, mx.array([t], dtype=mx.int32)], template=[("K", k), ("D", d)],
+        grid=(256 * -(-t * d // 256), 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(t, d)], output_dtypes=[mx.float32])
+    return out
+
+
+def _slot_sum_probe(key: Hashable) -> tuple:
+    """Ten tokens' slots in a shuffled order, at the real width."""
+    k, d = key
+    pair = np.random.default_rng(29).permutation(10 * k).astype(np.uint32)
+    return random_activations((10 * k, d), seed=28), mx.array(pair), k
+
+
+SLOT_SUM = FastPath("slot_sum", _slot_sum_reference, _slot_sum_fast, _slot_sum_probe, tolerance=TOLERANCE,
+                    backends=("cuda", "metal"))
+"""The routed outputs back in token order, summed over each token's slots, in one launch; key (k, D). Within
+float32 reassociation of the reference's gather (a (T k, D) copy: 0.36 ms a 4096-token layer on the H200) and sum."""
+
+
+def gather_slot_sums(y: mx.array, pair: mx.array, k: int) -> mx.array:
+    """(T, D): sum_j y[pair[t k + j]] for float32 pair outputs y (T k, D) and pair (T k,) uint32 (the pair holding
+    token t's slot j)."""
+    key = (k, y.shape[-1])
+    if y.dtype == mx.float32 and SLOT_SUM.enabled(key):
+        return SLOT_SUM(y, pair, k, key=key)
+    return _slot_sum_reference(y, pair, k)
 
 
 def trusts_sorted_indices() -> bool:
