@@ -307,7 +307,8 @@ def moe_layer(dtype: mx.Dtype, args: argparse.Namespace) -> Timing:
 
     def layer(fast: bool) -> mx.array:
         return grouped_swiglu(x, ids, weights, *(projection(n, fast) for n in ("gate", "up", "down")),
-                              lambda g, u: mx.minimum(g, 10) * mx.sigmoid(mx.minimum(g, 10)) * mx.clip(u, -10, 10),
+                              lambda g, u, w: mx.minimum(g, 10) * mx.sigmoid(mx.minimum(g, 10)) * mx.clip(u, -10, 10)
+                              * w[:, None],
                               n_expert)
 
     mx.synchronize()

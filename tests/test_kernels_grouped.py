@@ -313,7 +313,8 @@ def test_one_flash_layer_makes_no_scratch_on_cuda(on_gpu):
 
     def layer(fast: bool) -> mx.array:
         return grouped_swiglu(x, ids, weights, *(projection(b, fast) for b in banks),
-                              lambda g, u: mx.minimum(g, 10) * mx.sigmoid(mx.minimum(g, 10)) * mx.clip(u, -10, 10),
+                              lambda g, u, w: mx.minimum(g, 10) * mx.sigmoid(mx.minimum(g, 10)) * mx.clip(u, -10, 10)
+                              * w[:, None],
                               n_expert)
 
     mx.synchronize()

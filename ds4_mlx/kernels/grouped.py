@@ -80,12 +80,14 @@ def pair_inputs(x: mx.array, rows: mx.array | None) -> mx.array:
 
 
 def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projection, up: Projection,
-                   down: Projection, activation: Callable[[mx.array, mx.array], mx.array], n_expert: int) -> mx.array:
-    """sum_i weights[:, i] * down(activation(gate(x), up(x))) over each token's experts ids (T, k), for x (T, D).
+                   down: Projection, activation: Callable[[mx.array, mx.array, mx.array], mx.array],
+                   n_expert: int) -> mx.array:
+    """sum_i down(activation(gate(x), up(x), weights[:, i])) over each token's experts ids (T, k), for x (T, D):
+    `activation` weighs each pair's hidden row (N, F) by its routing weight (N,), in the same launch.
 
     The pairs are sorted by expert on the device; each projection is one grouped GEMM over all of them, chained so
-    that a bank is read only after the previous projection's GEMM (gate after the routing). The weighted outputs
-    go back to (token, slot) order and are summed over the slots, as the decode path sums them.
+    that a bank is read only after the previous projection's GEMM (gate after the routing). The outputs go back to
+    (token, slot) order and are summed over the slots, as the decode path sums them (`gather_slot_sums`).
     """
     t, k = ids.shape
     order, sorted_ids = sort_by_expert(ids)
@@ -93,7 +95,7 @@ def grouped_swiglu(x: mx.array, ids: mx.array, weights: mx.array, gate: Projecti
     rows = (order // k).astype(mx.uint32)  # pair i's token
     g = gate(x, rows, sorted_ids, counts, counts)
     u = up(x, rows, sorted_ids, counts, g)
-    y = down(activation(g, u) * weights.reshape(-1)[order][:, None], None, sorted_ids, counts, u)
+    y = down(activation(g, u, weights.reshape(-1)[order]), None, sorted_ids, counts, u)
     return gather_slot_sums(y, mx.argsort(order).astype(mx.uint32), k)
 
 

@@ -195,7 +195,7 @@ class RoutedExperts:
         """All (token, slot) pairs sorted by expert on the device, then one grouped GEMM per projection; for
         prefill, with no host round-trip (kernels/grouped.py)."""
         return grouped_swiglu(x, ids, weights, self.gate.grouped, self.up.grouped, self.down.grouped,
-                              lambda gate, up: swiglu(gate, up, self.clamp), self.gate.n_expert)
+                              lambda gate, up, w: weighted_swiglu(gate, up, w, self.clamp), self.gate.n_expert)
 
 
 @dataclass
