@@ -18,8 +18,8 @@ import pytest
 
 from ds4_mlx.kernels import dense_wgmma, halfsplit, registry
 from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
-from ds4_mlx.kernels.dense_f16 import DENSE_F16, HALF_BATCH
+from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul, grouped_rows_matmul
+from ds4_mlx.kernels.dense_f16 import HALF_BATCH
 from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, TM, WARPGROUPS
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.halfsplit import reference_split_rows, reference_split_transposed, transpose_groups
@@ -109,8 +109,8 @@ def test_emulated_first_use_checks_pass(on_cpu, monkeypatch, tmp_path):
     through the emulated kernels under PLAN."""
     monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
     args = DENSE_WGMMA.probe(GGMLType.Q8_0)
-    got, want = dense_wgmma._fast(*args), DENSE_F16.reference(*args)
-    assert len(got) == len(want) == 2
+    got, want = dense_wgmma._fast(*args), dense_wgmma._reference(*args)
+    assert len(got) == len(want) == 3  # the batch's rows also interleaved
     for g, w in zip(got, want, strict=True):
         assert registry.disagreement(g, w, TOLERANCE) is None
     args = HALF_WGMMA.probe((512, 256))
@@ -128,6 +128,22 @@ def test_emulated_kernel_equals_the_product(on_cpu, name, monkeypatch, tmp_path)
     assert got.shape == want.shape and np.isfinite(got).all()  # every output was written
     assert within(got, want, TOLERANCE)
     assert within(got, np.array(reference_matmul(x, blocks, GGMLType.Q8_0, shape)), TOLERANCE)
+
+
+@pytest.mark.slow
+def test_emulated_kernel_reads_and_writes_interleaved_groups(on_cpu, monkeypatch, tmp_path):
+    """x (T, G, IN) with `interleaved` (the grouped output projection's rows where they lie): bit for bit the
+    (G, T, IN) batch's values, moved to (T, G, OUT), over a partial second row tile (T = 150)."""
+    monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(halfsplit, "build", emulated_build(tmp_path))
+    shape = (3, 40, 64)
+    x, blocks, want = case(GGMLType.Q8_0, shape, 150, seed=12)
+    weight = to_affine(blocks, GGMLType.Q8_0, shape)
+    batch = np.array(dense_wgmma.wgmma_affine_matmul(x, weight))
+    rows = mx.array(np.ascontiguousarray(np.swapaxes(np.array(x), 0, 1)))
+    got = np.array(dense_wgmma.wgmma_affine_matmul(rows, weight, interleaved=True))
+    assert got.shape == (150, 3, 40) and within(batch, want, TOLERANCE)
+    assert (got == np.swapaxes(batch, 0, 1)).all()
 
 
 @pytest.mark.slow
@@ -218,6 +234,9 @@ def test_wgmma_equals_the_reference_at_flash_size(on_cuda, name):
         assert got.shape == want.shape
         assert (mx.abs(got - want).max() <= TOLERANCE * mx.abs(want).max()).item()
     assert (batch_matmul(x, weight) == got).all().item()
+    if lead:  # the grouped output projection as the model runs it: each token's groups where they lie
+        rows = mx.contiguous(mx.swapaxes(x, 0, 1))
+        assert (grouped_rows_matmul(rows, weight) == mx.swapaxes(got, 0, 1)).all().item()
 
 
 @pytest.mark.gpu

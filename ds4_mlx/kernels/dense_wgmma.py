@@ -123,9 +123,9 @@ const int wrow = 64 * (warp >> 2) + 16 * (warp & 3) + gid;
 const int half_words = n_in / 2;
 const int words = n_in * BITS / 32;
 const int groups = n_in / TK;
-const size_t x_tile = (size_t)batch * n_rows + row0;
+auto x_row = [&](int r) -> size_t { return (size_t)(row0 + r) * dims[4] + (size_t)batch * dims[5]; };
 if (tid < TM) {
-  rsx[tid] = tid < rows ? xscale[x_tile + tid] : 0.0f;
+  rsx[tid] = tid < rows ? xscale[x_row(tid)] : 0.0f;
 }
 const int kc = tid & 3;
 const int token = tid >> 2;
@@ -134,7 +134,7 @@ const GLOBAL_MEM uint32_t* x_src[2][2];
 int x_dst[2];
 #pragma unroll
 for (int i = 0; i < 2; ++i) {
-  const size_t at = (x_tile + (x_ok[i] ? token + 64 * i : 0)) * half_words + 4 * kc;
+  const size_t at = x_row(x_ok[i] ? token + 64 * i : 0) * half_words + 4 * kc;
   x_src[0][i] = xhi + at;
   x_src[1][i] = xlo + at;
   const int n = token + 64 * i;
@@ -285,7 +285,7 @@ if (PIPELINE == 0) {
     drain(part[1], scale[1]);
   }
 }
-""" + STORE.replace("Y_ROW0", "x_tile")
+""" + STORE.replace("(Y_ROW0 + r)", "x_row(r)")
 """Stage s (group s of K) lands in buffer s % STAGES, AHEAD groups ahead: B's 16-byte runs (plane hi, then lo;
 column n a token, K run kc: words 4 kc .. of the token's group in the transposed layout) at core matrix (n / 8, kc),
 row n % 8, each of the first 256 threads copying its token's run kc for tokens t and t + 64, both planes; the
@@ -306,13 +306,16 @@ def kernel(bits: int, warpgroups: int = WARPGROUPS) -> Kernel:
                   launch_bounds=(128 * warpgroups, 1))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
-    """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN).
-    `plan`: (PIPELINE, AHEAD, WARPGROUPS, OVERLAP), which bench/prefill_gemms.py compares."""
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] = PLAN,
+                        interleaved: bool = False) -> mx.array:
+    """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN), or
+    with `interleaved` x (T, G, IN) -> (T, G, OUT): group g of each row by W's matrix g, read and written where
+    they lie (the grouped output projection's rows, which a (G, T, ...) batch would copy twice). `plan`:
+    (PIPELINE, AHEAD, WARPGROUPS, OVERLAP), which bench/prefill_gemms.py compares."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
-    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan)
+    return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan, interleaved)
 
 
 def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
@@ -321,8 +324,10 @@ def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] 
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int, int, int]) -> mx.array:
-    """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W)."""
+            plan: tuple[int, int, int, int], interleaved: bool = False) -> mx.array:
+    """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W), or
+    with `interleaved` rows of n_batch groups: token t's group g is row t n_batch + g of x and of y (dims[4:]:
+    x's rows from one token to the next, and from one batch to the next)."""
     n_in = x.shape[-1]
     lead = x.shape[:-1]
     n_rows = x.size // n_in // n_batch
@@ -335,9 +340,10 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
         raise ValueError("OVERLAP's halves are drained within a group: PIPELINE must be 0")
     tn, threads = 64 * warpgroups, 128 * warpgroups
     col_tiles = -(-n_out // tn)
+    steps = (n_batch, 1) if interleaved else (1, n_rows)
     hi, lo, row_scale = held_split(x, layout="transposed")
     (y,) = build(kernel(bits, warpgroups), current_backend())(
-        inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles], dtype=mx.int32), row_scale],
+        inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles, *steps], dtype=mx.int32), row_scale],
         template=[("TM", TM), ("TN", tn), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits, warpgroups)),
                   ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO),
                   ("PIPELINE", pipeline), ("AHEAD", ahead), ("OVERLAP", overlap)],
@@ -347,16 +353,23 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     return y.reshape(*lead, n_out)
 
 
+def _reference(*args) -> tuple[mx.array, ...]:
+    one, batch = DENSE_F16.reference(*args)
+    return one, batch, batch
+
+
 def _fast(ggml_type: GGMLType, blocks, x, bank, xb) -> tuple[mx.array, ...]:
+    """The probe's product, its batch, and the batch's rows interleaved (swapped there and back)."""
     w, wb = to_affine(blocks, ggml_type, PROBE_SHAPE), to_affine(bank, ggml_type, PROBE_BANK)
-    return wgmma_affine_matmul(x, w), wgmma_affine_matmul(xb, wb)
+    rows = wgmma_affine_matmul(mx.swapaxes(xb, 0, 1), wb, interleaved=True)
+    return wgmma_affine_matmul(x, w), wgmma_affine_matmul(xb, wb), mx.swapaxes(rows, 0, 1)
 
 
 def _half_fast(x: mx.array, w: mx.array) -> mx.array:
     return wgmma_half_matmul(x, w)
 
 
-DENSE_WGMMA = FastPath("dense_affine_wgmma", DENSE_F16.reference, _fast, DENSE_F16.probe, tolerance=TOLERANCE,
+DENSE_WGMMA = FastPath("dense_affine_wgmma", _reference, _fast, DENSE_F16.probe, tolerance=TOLERANCE,
                        backends=("cuda",))
 """Q8_0 projections of a prefill batch by warpgroup products; key: the ggml type (Q8_0 only: `fits`). The probe
 and bound are dense_f16.py's (two partial column and row tiles, a batch of matrices; 1e-5 of the largest output)."""

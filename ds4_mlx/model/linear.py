@@ -50,7 +50,7 @@ from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWei
 from ds4_mlx.kernels.affine_matvec import MAX_TOKENS as AFFINE_MATVEC_TOKENS
 from ds4_mlx.kernels.affine_matvec import SwigluMatvec, affine_matvec
 from ds4_mlx.kernels.affine_matvec import folds as affine_folds
-from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul
+from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul, grouped_rows_matmul
 from ds4_mlx.kernels.fused_norm import Norm, apply
 from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, pair_inputs, sliced_grouped
 from ds4_mlx.kernels.half import MAX_TOKENS as HALF_MATVEC_TOKENS
@@ -261,9 +261,9 @@ class Linear:
                 ids = mx.array(np.arange(groups, dtype=np.uint32))  # a constant: no op of its own in the step
                 ids = ids if t == 1 else mx.tile(ids, t)
                 return affine_matvec(x, split, ids, shape=(t, self.shape[0]))
-            xg = mx.swapaxes(x.reshape(t, groups, -1), 0, 1)
-            y = batch_matmul(xg, split) if t >= BATCH_TOKENS else split.matmul(xg)
-            return mx.swapaxes(y, 0, 1).reshape(t, -1)
+            if t >= BATCH_TOKENS:
+                return grouped_rows_matmul(x.reshape(t, groups, -1), split).reshape(t, -1)
+            return mx.swapaxes(split.matmul(mx.swapaxes(x.reshape(t, groups, -1), 0, 1)), 0, 1).reshape(t, -1)
         return mx.einsum("tgi,goi->tgo", x.reshape(t, groups, -1),
                          self.weight.reshape(groups, -1, self.shape[1])).reshape(t, -1)
 
