@@ -103,6 +103,19 @@ def test_emulated_plans_agree(on_cpu, emulated, ggml_type):
                   TOLERANCE)
 
 
+def test_emulated_group_sums_are_each_groups_sum(on_cpu, emulated):
+    """`group_sums` (four lanes a group of 16, a warp 512 contiguous bytes): word p of a row holds groups 2 p (low
+    halves) and 2 p + 1 (high) of the scaled row, / 16, as hi + lo halves to ~2^-22 of the sum; three rows of 256
+    (24 words: a partial threadgroup), scales powers of two."""
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    scales = np.array([2.0**10, 1.0, 2.0**-3], np.float32)
+    hi, lo = (np.array(a).view(np.float16).astype(np.float64).reshape(3, 8, 2)
+              for a in grouped_wgmma.group_sums(mx.array(x), mx.array(scales)))
+    want = (x.astype(np.float64) * scales[:, None]).reshape(3, 8, 2, 16).sum(axis=-1) / 16
+    assert np.abs(hi + lo - want).max() <= 2.0**-20 * np.abs(want).max()
+
+
 @pytest.mark.slow
 def test_emulated_q2_k_mins_from_group_sums(on_cpu, emulated):
     """MINS = 1 (Q2_K's mins as one product a block over the tile's group sums of x): within TOLERANCE / 10 of the
