@@ -23,8 +23,9 @@ from ds4_mlx.kernels.affine import to_affine
 from ds4_mlx.kernels.batch import AFFINE_BATCH, BF16_TOLERANCE, DTYPE_ENV, TOLERANCE, dense_matmul, prefill_dtype
 from ds4_mlx.kernels.dequant import DEQUANT_TOLERANCE, KERNELS, dequantize_used
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, SLOT_SUM, SLOT_SUM_KERNEL, expert_counts,
-                                     gather_slot_sums, grouped_swiglu, pair_inputs, sliced_reference, sort_by_expert)
+from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, INVERT, INVERT_KERNEL, RAW_GROUPED, SLOT_SUM, SLOT_SUM_KERNEL,
+                                     expert_counts, gather_slot_sums, grouped_swiglu, invert_permutation, pair_inputs,
+                                     sliced_reference, sort_by_expert)
 from ds4_mlx.kernels.matvec import gathered_reference
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import dequantize, reference_matmul
@@ -132,8 +133,26 @@ def test_slot_sums_gather_each_tokens_slots(on_cpu):
 
 
 @pytest.mark.parametrize("target", [CUDA, METAL], ids=lambda t: t.name)
-def test_slot_sum_kernel_renders(target):
-    assert_renders_cleanly(rendered(SLOT_SUM_KERNEL, target))
+@pytest.mark.parametrize("kernel", [SLOT_SUM_KERNEL, INVERT_KERNEL], ids=lambda k: k.name)
+def test_slot_kernels_render(target, kernel):
+    assert_renders_cleanly(rendered(kernel, target))
+
+
+def test_inverse_permutation_takes_each_pair_back(on_cpu):
+    """The reference (the CPU's; the kernel is not tried there): inverse[perm[i]] = i, as uint32."""
+    perm = np.random.default_rng(4).permutation(300).astype(np.uint32)
+    inverse = invert_permutation(mx.array(perm))
+    assert inverse.dtype == mx.uint32 and (np.array(inverse)[perm] == np.arange(300)).all()
+    assert not INVERT.enabled(None)
+
+
+def test_emulated_inverse_permutation_equals_the_reference(on_cpu, monkeypatch, tmp_path):
+    """The CUDA text run on the CPU over a partial last threadgroup (300 entries), and the first-use probe, exactly."""
+    monkeypatch.setattr(grouped, "build", emulated_build(tmp_path))
+    perm = mx.array(np.random.default_rng(5).permutation(300).astype(np.uint32))
+    assert (np.array(grouped._invert_fast(perm)) == np.array(grouped._invert_reference(perm))).all()
+    (probe,) = INVERT.probe(None)
+    assert registry.disagreement(grouped._invert_fast(probe), INVERT.reference(probe), 0.0) is None
 
 
 def test_emulated_slot_sum_kernel_equals_the_sums(on_cpu, monkeypatch, tmp_path):
@@ -281,8 +300,11 @@ def test_grouped_equals_one_product_per_pair_on_the_gpu(on_gpu, model_files, kin
 
 @pytest.mark.gpu
 def test_slot_sum_kernel_is_used_at_flash_width(on_gpu):
-    """A 4096-token chunk's six slots at Flash's width: the kernel passes its check and equals the float64 sums."""
-    assert SLOT_SUM.enabled((6, 4096))
+    """A 4096-token chunk's six slots at Flash's width: the kernel passes its check and equals the float64 sums;
+    the pairs' inverse order is the kernel's, equal to the sort's."""
+    assert SLOT_SUM.enabled((6, 4096)) and INVERT.enabled(None)
+    order = mx.array(np.random.default_rng(6).permutation(4096 * 6).astype(np.uint32))
+    assert mx.array_equal(invert_permutation(order), mx.argsort(order)).item()
     y, pair, want = slot_case(4096, 6, 4096, seed=3)
     got = np.array(gather_slot_sums(y, pair, 6))
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
