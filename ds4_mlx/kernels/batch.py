@@ -26,7 +26,7 @@ from ..errors import Ds4Error
 from ..model.gguf import GGMLType
 from .affine import AffineWeight, to_affine
 from .dense_f16 import DENSE_F16, f16_affine_matmul, fits
-from .dense_wgmma import DENSE_WGMMA, hopper, wgmma_affine_matmul
+from .dense_wgmma import DENSE_WGMMA, wgmma_affine_matmul
 from .dense_wgmma import fits as wgmma_fits
 from .probe import random_activations, random_blocks
 from .quants import reference_matmul
@@ -64,7 +64,7 @@ def batch_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
     dequantize + GEMM where that check passed, else the quantized matmul."""
     dtype = prefill_dtype()
     ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
-    if dtype == mx.float32 and wgmma_fits(x, weight) and DENSE_WGMMA.enabled(ggml_type):
+    if _takes_wgmma(x, weight):
         return wgmma_affine_matmul(x, weight)
     if dtype == mx.float32 and fits(x, weight) and DENSE_F16.enabled(ggml_type):
         return f16_affine_matmul(x, weight)
@@ -77,10 +77,16 @@ def grouped_rows_matmul(x: mx.array, weight: AffineWeight) -> mx.array:
     """(T, G, OUT): group g of each row of x (T, G, IN), T at least BATCH_TOKENS, by matrix g of W (G, OUT, IN). The
     wgmma kernel reads and writes the rows where they lie; the other paths take the groups as a batch of (T, IN)
     rows (a copy of x and one of the output)."""
-    ggml_type = {4: GGMLType.Q4_K, 8: GGMLType.Q8_0}[weight.bits]
-    if prefill_dtype() == mx.float32 and hopper() and weight.bits == 8 and DENSE_WGMMA.enabled(ggml_type):
+    batch = mx.swapaxes(x, 0, 1)  # a view: the (G, T, IN) batch the other paths take
+    if _takes_wgmma(batch, weight):
         return wgmma_affine_matmul(x, weight, interleaved=True)
-    return mx.swapaxes(batch_matmul(mx.swapaxes(x, 0, 1), weight), 0, 1)
+    return mx.swapaxes(batch_matmul(batch, weight), 0, 1)
+
+
+def _takes_wgmma(x: mx.array, weight: AffineWeight) -> bool:
+    """Whether dense_wgmma.py's kernel takes x @ W.T (x as batch_matmul takes it): float32 prefill, on Hopper, Q8_0,
+    its check passed."""
+    return prefill_dtype() == mx.float32 and wgmma_fits(x, weight) and DENSE_WGMMA.enabled(GGMLType.Q8_0)
 
 
 def _probe(ggml_type: GGMLType) -> tuple:

@@ -180,9 +180,8 @@ float32 reassociation of the reference's gather (a (T k, D) copy: 0.36 ms a 4096
 def gather_slot_sums(y: mx.array, pair: mx.array, k: int) -> mx.array:
     """(T, D): sum_j y[pair[t k + j]] for float32 pair outputs y (T k, D) and pair (T k,) uint32 (the pair holding
     token t's slot j)."""
-    key = (k, y.shape[-1])
-    if y.dtype == mx.float32 and SLOT_SUM.enabled(key):
-        return SLOT_SUM(y, pair, k, key=key)
+    if y.dtype == mx.float32:
+        return SLOT_SUM(y, pair, k, key=(k, y.shape[-1]))
     return _slot_sum_reference(y, pair, k)
 
 
