@@ -57,7 +57,7 @@
 #   ncu[:REGEX]    Nsight Compute (/usr/local/cuda/bin/ncu, --set full) on each GEMM of `gemms` run once, the kernels
 #                  whose names match REGEX (default the tensor-core GEMMs): time, issue rate, stall
 #                  reasons, executed SASS by opcode per HMMA (bench/ncu_summary.py; with the most stalled
-#                  instructions in $OUT/ncu_summary.txt)
+#                  instructions in $OUT/ncu_summary.txt; each kernel's whole SASS with its stall samples in $OUT/sass/)
 #   ncuattn[:R1,R2] the same on bench/chunk_attention.py, the first launch whose name matches each regex (default
 #                  the chunk attention's "picked" kernel at 32 heads, then the indexer's tensor-core scores)
 #   ablate         those GEMMs timed again with one part of the kernel taken out at a time: drain, barrier, loads,
@@ -231,7 +231,7 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       regex=${step#ncu}; regex=${regex#:}; regex=${regex:-ds4_(dense|grouped_(raw|wgmma))}
       timeout "$(left 30)" /usr/local/cuda/bin/ncu --set full -k "regex:$regex" -o /tmp/gemms -f \
         python3 bench/prefill_gemms.py --once > "$out/ncu.log" 2>&1; tail -2 "$out/ncu.log"
-      timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep > "$out/ncu_summary.txt" 2>&1
+      timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/gemms.ncu-rep --listings "$out/sass" > "$out/ncu_summary.txt" 2>&1
       grep -v "^    " "$out/ncu_summary.txt" | tail -40 ;;
     ablate)
       timeout "$(left 10)" python3 bench/gemm_ablate.py 2>&1 | grep -v "warnings.warn" | tail -40 ;;

@@ -3,7 +3,10 @@ SASS by opcode (how many instructions of each kind a tensor-core instruction cos
 tensor pipe's busy shares, and the instructions where warps waited most.
 
     ncu --set full -k regex:ds4_ -o /tmp/rep python3 bench/prefill_gemms.py --once
-    python bench/ncu_summary.py /tmp/rep.ncu-rep [--ncu /usr/local/cuda/bin/ncu]
+    python bench/ncu_summary.py /tmp/rep.ncu-rep [--ncu /usr/local/cuda/bin/ncu] [--listings DIR]
+
+With --listings, each kernel's first launch is also written out whole, one SASS line a row with its executed count,
+stall samples and their main reason (DIR/NAME.sass.txt): the loop around the hot instructions, to read at leisure.
 
 The GPU machine has Nsight Compute (/usr/local/cuda/bin/ncu; bench/h200_cycle.sh's `ncu` step runs both). Under
 ncu the SM clock is locked to its base (1.36 GHz on the H200), so durations are longer than the benchmarks'.
@@ -16,6 +19,7 @@ import csv
 import io
 import subprocess
 from collections import Counter
+from pathlib import Path
 
 
 TOP = 6
@@ -88,13 +92,36 @@ def summary(metrics: dict[str, str], lines: list[dict[str, str]]) -> None:
           + ", ".join(f"{k} {v / mma:.2f}" for k, v in ops.most_common(12)))
 
 
+def listing(metrics: dict[str, str], lines: list[dict[str, str]], folder: Path) -> None:
+    """The launch's whole SASS, each line with its executed count, stall samples and their most frequent reason."""
+    name = metrics.get("Kernel Name", "?").split("(")[0].removeprefix("custom_kernel_")[:90]
+    path = folder / f"{name}.sass.txt"
+    if path.exists():
+        return
+    rows = []
+    for line in lines:
+        reasons = {k.removeprefix("stall_"): number(v) for k, v in line.items()
+                   if k.startswith("stall_") and "Not Issued" not in k and k != "stall_selected"}
+        samples = number(line.get("Warp Stall Sampling (All Samples)", "0"))
+        reason = max(reasons, key=reasons.get) if samples and reasons else ""
+        rows.append(f"{line.get('Address', ''):>8} {int(number(line.get('Instructions Executed', '0'))):>10} "
+                    f"{int(samples):>6} {reason:<14} {line.get('Source', '').strip()}")
+    path.write_text("\n".join(rows) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("report")
     p.add_argument("--ncu", default="/usr/local/cuda/bin/ncu")
+    p.add_argument("--listings", type=Path, help="write each kernel's first launch's whole SASS here")
     args = p.parse_args()
+    if args.listings:
+        args.listings.mkdir(parents=True, exist_ok=True)
     for index, metrics in enumerate(launches(args.ncu, args.report)):
-        summary(metrics, sass(args.ncu, args.report, index))
+        lines = sass(args.ncu, args.report, index)
+        summary(metrics, lines)
+        if args.listings:
+            listing(metrics, lines, args.listings)
     return 0
 
 

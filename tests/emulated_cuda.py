@@ -170,6 +170,20 @@ inline void ds4_async_commit() {}
 template <int N> inline void ds4_async_wait_keep() {}
 inline void ds4_async_wait_all() {}
 inline void ds4_async_wait_prior() {}
+// bulk copies and their transaction barriers: a barrier word holds its completed phases (high 32 bits) and the
+// bytes still to land this phase (low); a copy lands at once, and the one that lands a phase's last bytes ends it
+inline void ds4_bar_init(unsigned long long* bar, unsigned int) { *bar = 0; }
+inline void ds4_bar_expect(unsigned long long* bar, unsigned int bytes) {
+  std::atomic_ref<unsigned long long>(*bar).fetch_add(bytes);
+}
+inline void ds4_bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+  std::memcpy(dst, src, bytes);
+  std::atomic_ref<unsigned long long> word(*bar);
+  if ((word.fetch_sub(bytes) & 0xFFFFFFFFull) == bytes) word.fetch_add(1ull << 32);
+}
+inline void ds4_bar_wait(unsigned long long* bar, unsigned int parity) {
+  while (((std::atomic_ref<unsigned long long>(*bar).load() >> 32) & 1) == parity) std::this_thread::yield();
+}
 
 inline unsigned int half_bits(float v) {
   const _Float16 h = (_Float16)v;  // IEEE conversion: round to nearest, ties to even, as __floats2half2_rn

@@ -22,7 +22,8 @@ from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul, grouped_rows_matmul
 from ds4_mlx.kernels.dense_f16 import HALF_BATCH
 from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, TM, WARPGROUPS
 from ds4_mlx.kernels.dialect import CUDA, METAL
-from ds4_mlx.kernels.halfsplit import reference_split_rows, reference_split_transposed, transpose_groups
+from ds4_mlx.kernels.halfsplit import (TILE_ROWS, TILE_WORDS, reference_split_rows, reference_split_tiles, to_tiles,
+                                      transpose_groups)
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.quants import reference_matmul
 from ds4_mlx.model.gguf import GGMLType
@@ -48,19 +49,41 @@ def test_transposed_groups_hold_each_core_matrix_row_as_one_run():
                         for e in range(2):
                             value = (got[r, s, 2 * kk + c, t] >> (16 * e)) & 0xFFFF
                             assert value == 64 * r + 32 * s + 8 * t + 4 * kk + 2 * c + e
-    hi, lo, scale = reference_split_transposed(random_activations((5, 96), seed=1))
-    rows = reference_split_rows(random_activations((5, 96), seed=1))
-    assert mx.array_equal(transpose_groups(hi), rows[0]) and mx.array_equal(transpose_groups(lo), rows[1])
-    assert mx.array_equal(scale, rows[2])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_tiles_hold_each_stage_plane_as_threadgroup_memory_holds_it(interleaved):
+    """`to_tiles`: batch b's tile i, group s is one block of TILE_WORDS words in which row n's run kc (of the
+    transposed layout) lies at ((n / 8) 4 + kc) 32 + (n % 8) 4, core matrix (n / 8, kc) of the kernel's B plane;
+    rows past a batch's T are zeros; with `interleaved` batch b's row r is x's row r n_batch + b."""
+    n_batch, rows, groups = 2, 150, 2  # two tiles a batch, the second partial
+    words = mx.arange(n_batch * rows * 16 * groups, dtype=mx.uint32).reshape(n_batch * rows, 16 * groups) + 1
+    runs = np.array(transpose_groups(words)).reshape(n_batch * rows, groups, 4, 4)
+    tiles = np.array(to_tiles(words, n_batch, interleaved)).reshape(n_batch, 2, groups, 16, 4, 8, 4)
+    assert tiles.shape[0] * tiles.shape[1] * TILE_WORDS * groups == tiles.size
+    for b in range(n_batch):
+        for r in range(2 * TILE_ROWS):
+            i, n = divmod(r, TILE_ROWS)
+            block = tiles[b, i, :, n // 8, :, n % 8, :]  # (group, kc, word)
+            if r >= rows:
+                assert (block == 0).all()
+            else:
+                assert (block == runs[r * n_batch + b if interleaved else b * rows + r]).all()
 
 
 @pytest.mark.slow
-def test_emulated_split_transposed_equals_the_reference(on_cpu, monkeypatch, tmp_path):
-    """The split kernel writing the transposed layout is the reference's bit for bit (rows from 1e-30 to 1e30)."""
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_emulated_split_tiles_equals_the_reference(on_cpu, interleaved, monkeypatch, tmp_path):
+    """The split kernel writing the tiles layout is the reference's bit for bit (rows from 1e-30 to 1e30, two
+    batches each a partial tile, the padding zeros), the scales in x's row order."""
     monkeypatch.setattr(halfsplit, "build", emulated_build(tmp_path))
     (x,) = halfsplit._split_probe(96)
-    for got, want in zip(halfsplit._kernel_split_transposed(x), reference_split_transposed(x), strict=True):
-        assert registry.disagreement(got, want, 0.0) is None
+    got = halfsplit._kernel_split_tiles(x, 2, interleaved)
+    want = reference_split_tiles(x, 2, interleaved)
+    assert got[0].shape == (2 * TILE_ROWS, 48)
+    for g, w in zip(got, want, strict=True):
+        assert registry.disagreement(g, w, 0.0) is None
+    assert mx.array_equal(want[2], reference_split_rows(x)[2])
 
 
 @pytest.mark.parametrize("bits", [8, 16])

@@ -10,19 +10,25 @@ operand read from threadgroup memory by the tensor cores themselves. The same ar
   dense_f16.py's W fragments take (lane t reads one 8-byte word of a Q8_0 row: its values 8 t .. 8 t + 7);
 - B = x: 128 tokens as columns, in two planes, the tokens' hi and lo halves (halfsplit's rule: each row scaled by
   a power of two, then split). A plane is K-major without swizzling: core matrices of 8 columns x 8 K (16-byte
-  rows), copied by cp.async from x's rows in `halfsplit.transpose_groups`'s layout, where each 16-byte run is the
-  8 K of one core-matrix row in that same permutation;
+  rows), each 16-byte run the 8 K of one core-matrix row in that same permutation (`halfsplit.transpose_groups`);
+  x is split into halfsplit's tiles layout, where a stage's plane lies as it lies in threadgroup memory, 8 KB that
+  one bulk copy (the TMA unit's) moves;
 - each group of 32 K (one affine scale) is four wgmma, each k-step's A by the lo plane and then the hi plane, into
   the same zeroed partial sums (the tensor cores truncate what they accumulate), then drained into float32
   accumulators with the group's scale (F16: none), one FMA an output, as dense_f16.py drains its mma. The store
   undoes x's row scale exactly.
 
 A threadgroup is WARPGROUPS warpgroups over 64 WARPGROUPS W rows x 128 tokens, warpgroup g the 64 rows 64 g..; stage
-s (group s of K) lands in buffer s % STAGES by cp.async, AHEAD groups ahead: the B planes (2 x 8 KB), the tile's
-quant rows, the group's scales. A step waits for its stage, makes the copies visible to the tensor cores
-(fence.proxy.async), passes one barrier (every warpgroup is done with the buffer the next copies overwrite: each
-waited for the wgmma that read it), issues the copies, reads its A fragments and scales, and issues its wgmma.
-Threadgroups take token tiles fastest, so the ones running together share a W tile.
+s (group s of K) lands in buffer s % STAGES, AHEAD groups ahead: the B planes (2 x 8 KB, two bulk copies counted on
+the stage's transaction barrier), the tile's quant rows and the group's scales (cp.async). A step waits for its
+stage, passes one barrier (every warpgroup is done with the buffer the next copies overwrite: each waited for the
+wgmma that read it), issues the copies, reads its A fragments and scales, and issues its wgmma. Threadgroups take
+token tiles fastest, so the ones running together share a W tile.
+
+Nsight Compute's stall sampling (session 20) found B's cp.async copies (four 16-byte copies a thread a stage) the
+holdup: the memory instruction queue full, so the copies' own address registers and the A fragments' shared loads
+waited behind them (stalls on rewriting the copies' address registers and on the fragments' loads: 38% of the
+samples in q_b's loop, against 8% waiting for the tensor cores). The bulk copies take that queue off B.
 
 Measured (H200, 4096 tokens, bench/prefill_gemms.py, session 17): the first form (64 tokens as hi and lo columns,
 a drain of an add and an FMA a token) was slower than dense_f16.py (q_b 4.08 against 2.82 ms): 312 instructions a
@@ -46,11 +52,11 @@ from .affine import GROUP_SIZE, AffineWeight, to_affine
 from .dense_f16 import DENSE_F16, HALF_BATCH, PROBE_BANK, PROBE_SHAPE, TILE, TOLERANCE, half_matmul
 from .dense_f16 import fits as dense_fits
 from .dialect import Kernel, build
-from .halfsplit import held_split
+from .halfsplit import TILE_ROWS, held_split, tile_count
 from .registry import FastPath, current_backend, planned
 
-TM = 128
-"""Tokens (rows of x) per threadgroup: the 128 columns of B."""
+TM = TILE_ROWS
+"""Tokens (rows of x) per threadgroup: the 128 columns of B, one tile of halfsplit's tiles layout."""
 WARPGROUPS = 3
 """Warpgroups a threadgroup, each 64 W rows (outputs) of the TN = 64 WARPGROUPS the threadgroup takes: all of them
 read one B tile, so that more of them read less of x a product (three: 168 registers x 384 threads, the most an SM
@@ -121,26 +127,22 @@ constexpr int WW = TN * TK * BITS / 32;
 constexpr int WC = TK * BITS / 128;
 constexpr int B_WORDS = 2 * PLANE_WORDS;
 const int wrow = 64 * (warp >> 2) + 16 * (warp & 3) + gid;
-const int half_words = n_in / 2;
 const int words = n_in * BITS / 32;
 const int groups = n_in / TK;
 auto x_row = [&](int r) -> size_t { return (size_t)(row0 + r) * dims[4] + (size_t)batch * dims[5]; };
 if (tid < TM) {
   rsx[tid] = tid < rows ? xscale[x_row(tid)] : 0.0f;
 }
-const int kc = tid & 3;
-const int token = tid >> 2;
-const bool x_ok[2] = {token < rows, token + 64 < rows};
-const GLOBAL_MEM uint32_t* x_src[2][2];
-int x_dst[2];
-#pragma unroll
-for (int i = 0; i < 2; ++i) {
-  const size_t at = x_row(x_ok[i] ? token + 64 * i : 0) * half_words + 4 * kc;
-  x_src[0][i] = xhi + at;
-  x_src[1][i] = xlo + at;
-  const int n = token + 64 * i;
-  x_dst[i] = ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4;
+SHARED unsigned long long landed[STAGES];
+if (tid == 0) {
+  #pragma unroll
+  for (int b = 0; b < STAGES; ++b) {
+    ds4_bar_init(&landed[b], 1);
+  }
 }
+ds4_barrier();
+const size_t tile_at = ((size_t)batch * dims[6] + GROUP_X) * groups * PLANE_WORDS;
+const GLOBAL_MEM uint32_t* x_src[2] = {xhi + tile_at, xlo + tile_at};
 const GLOBAL_MEM uint32_t* w_src[WC * TN / THREADS];
 bool w_ok[WC * TN / THREADS];
 #pragma unroll
@@ -153,14 +155,12 @@ const bool s_ok = BITS == 8 && tid < TN && col0 + tid < n_out;
 const GLOBAL_MEM float* s_src = scales + (BITS == 8 ? ((size_t)batch * n_out + col0 + (s_ok ? tid : 0)) * groups : 0);
 auto load_stage = [&](int s) {
   SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
-  if (tid < 256) {
+  if (tid == 0) {
+    ds4_bar_expect(&landed[s % STAGES], 8 * PLANE_WORDS);
     #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
-      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + x_dst[i]),
-                         reinterpret_cast<const GLOBAL_MEM float*>(x_src[plane][i] + s * 16), x_ok[i]);
-      }
+      ds4_bulk_copy(st + plane * PLANE_WORDS, x_src[plane] + (size_t)s * PLANE_WORDS, 4 * PLANE_WORDS,
+                    &landed[s % STAGES]);
     }
   }
   #pragma unroll
@@ -186,7 +186,7 @@ float scale[2][2];
 unsigned int frag[2][2][4];
 auto issue = [&](int s, float (&p)[64], float (&sc)[2], unsigned int (&a)[2][4]) {
   ds4_async_wait_keep<AHEAD - 1>();
-  ds4_fence_async_shared();
+  ds4_bar_wait(&landed[s % STAGES], (s / STAGES) & 1);
   ds4_barrier();
   if (s + AHEAD < groups) {
     load_stage(s + AHEAD);
@@ -287,11 +287,12 @@ if (PIPELINE == 0) {
   }
 }
 """ + STORE.replace("(Y_ROW0 + r)", "x_row(r)")
-"""Stage s (group s of K) lands in buffer s % STAGES, AHEAD groups ahead: B's 16-byte runs (plane hi, then lo;
-column n a token, K run kc: words 4 kc .. of the token's group in the transposed layout) at core matrix (n / 8, kc),
-row n % 8, each of the first 256 threads copying its token's run kc for tokens t and t + 64, both planes; the
-quant words as they are
-(TN rows); the group's TN scales (Q8_0). Tokens past T read as zeros, W rows past OUT as zero quants with scale 0.
+"""Stage s (group s of K) lands in buffer s % STAGES, AHEAD groups ahead: B's two planes (hi, then lo) as two bulk
+copies of the tile's group s in halfsplit's tiles layout (8 KB each, thread 0's, counted on the stage's barrier
+`landed`: tokens past T are the layout's zero rows), the quant words as they are (TN rows, cp.async), the group's TN
+scales (Q8_0). W rows past OUT read as zero quants with scale 0. A step waits for its own cp.async copies and the
+stage's barrier (phase s / STAGES), then passes one barrier: every thread's copies landed, and every warpgroup has
+waited for the wgmma that read the buffer the next copies overwrite.
 Lane 4 g + t of warp w holds W rows wrow = 64 (w / 4) + 16 (w % 4) + g and wrow + 8 (mma's A fragment rows g,
 g + 8); each k-step multiplies its fragment by the lo plane, then the hi plane, into the same partial sums, whose
 n8 block j holds tokens 8 j + 2 t and 8 j + 2 t + 1 of those rows (part[4 j ..]). STAGE, a stage's words, is
@@ -342,9 +343,10 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     tn, threads = 64 * warpgroups, 128 * warpgroups
     col_tiles = -(-n_out // tn)
     steps = (n_batch, 1) if interleaved else (1, n_rows)
-    hi, lo, row_scale = held_split(x, layout="transposed")
+    hi, lo, row_scale = held_split(x, n_batch, layout="tiles", interleaved=interleaved)
     (y,) = build(kernel(bits, warpgroups), current_backend())(
-        inputs=[hi, lo, wq, scales, mx.array([n_rows, n_out, n_in, col_tiles, *steps], dtype=mx.int32), row_scale],
+        inputs=[hi, lo, wq, scales,
+                mx.array([n_rows, n_out, n_in, col_tiles, *steps, tile_count(n_rows)], dtype=mx.int32), row_scale],
         template=[("TM", TM), ("TN", tn), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits, warpgroups)),
                   ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO),
                   ("PIPELINE", pipeline), ("AHEAD", ahead), ("OVERLAP", overlap)],

@@ -75,7 +75,12 @@ share, plus a few neutral words that each dialect spells its own way:
   that covers a wgmma, its four A registers: the compiler sees them read there, so it gives their registers to
   nothing else while the tensor cores may still read them, which PTX leaves undefined) and
   ds4_fence_async_shared() (threadgroup memory written by threads or cp.async made visible to the tensor cores'
-  reads).
+  reads); and the bulk copies (the TMA unit's, one instruction a whole block where cp.async takes one a thread
+  and 16 bytes): ds4_bar_init(bar, count) (a transaction barrier in threadgroup memory, `count` arrivals a phase;
+  barriers made before a ds4_barrier()), ds4_bar_expect(bar, bytes) (one arrival, and `bytes` more to land this
+  phase), ds4_bulk_copy(dst, src, bytes, bar) (bytes, a multiple of 16, from global to threadgroup memory, both
+  16-byte aligned; their landing counted on bar) and ds4_bar_wait(bar, parity) (until the phase of that parity
+  is done: its copies landed, visible to this thread and to the tensor cores).
 
 Both backends run 32-thread SIMD groups (NVIDIA warps, Apple SIMD groups), which the kernels rely on.
 """
@@ -207,6 +212,29 @@ template <int N> __device__ __forceinline__ void ds4_wgmma_wait(float* d) {
 }
 __device__ __forceinline__ void ds4_fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void ds4_bar_init(unsigned long long* bar, unsigned int count) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(bar);
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(at), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void ds4_bar_expect(unsigned long long* bar, unsigned int bytes) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(bar);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(at), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void ds4_bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(dst);
+  const unsigned int b = (unsigned int)__cvta_generic_to_shared(bar);
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(at), "l"(src), "r"(bytes), "r"(b) : "memory");
+}
+__device__ __forceinline__ void ds4_bar_wait(unsigned long long* bar, unsigned int parity) {
+  const unsigned int at = (unsigned int)__cvta_generic_to_shared(bar);
+  unsigned int done = 0;
+  while (!done) {
+    asm volatile("{\\n.reg .pred p;\\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\\nselp.u32 %0, 1, 0, p;\\n}"
+                 : "=r"(done) : "r"(at), "r"(parity) : "memory");
+  }
 }
 """
 """The CUDA prelude's warpgroup products (sm_90a, Hopper's wgmma), written out here for their 64 accumulators."""

@@ -9,8 +9,9 @@ two halves give float32 accuracy), arranged as dense_wgmma.py arranges the Q8_0 
   its group t): the signed magnitudes times the sub-block's odd k, exact halves, the block's d / 8 to the drain.
   For Q2_K they are one byte run of the qs bytes: sc q as exact halves (sc the 4-bit scale of the lane's group of
   16, t / 2), the block's d to the drain;
-- B = x: TM = 128 pairs of the tile as columns, their hi and lo planes (halfsplit's transposed layout, gathered by
-  row index for gate and up) copied by cp.async STAGES deep;
+- B = x: TM = 128 pairs of the tile as columns, their hi and lo planes (halfsplit's tiles layout, each row's
+  16-byte runs gathered by row index for gate and up: the split the shared expert's dense_wgmma.py reads of the
+  same rows) copied by cp.async STAGES deep;
 - Q2_K's mins: the term -dmin m sum(x) of a group is one more product of the same B by an A that holds the lane's
   group's m in all four of its values (exact halves), drained with -dmin; or (MINS) one product a block of the
   tile's group sums of x by A = 16 m.
@@ -45,7 +46,7 @@ from .dense_wgmma import LBO, SBO, STORE, hopper
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .grouped_gemm import TILE_HEAD, TILE_SCAN, launch_grouped
 from .grouped_raw import GRID_HEADER
-from .halfsplit import held_split
+from .halfsplit import TILE_ROWS, TILE_WORDS, held_split
 from .registry import current_backend
 
 TM = 128
@@ -123,7 +124,9 @@ int x_dst[2];
 for (int i = 0; i < 2; ++i) {
   const int n = token + 64 * i;
   x_ok[i] = n < rows;
-  x_at[i] = xr[x_ok[i] ? n : 0] * (unsigned int)(n_in / 2) + 4 * kc;
+  const unsigned int t = xr[x_ok[i] ? n : 0];
+  x_at[i] = (t / TILE_ROWS) * (unsigned int)(n_in / 32) * TILE_WORDS + ((t % TILE_ROWS) >> 3) * 128 + (t & 7) * 4
+            + 32 * kc;
   x_dst[i] = ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4;
 }
 auto load_stage = [&](int s) {
@@ -135,7 +138,7 @@ auto load_stage = [&](int s) {
       for (int u = 0; u < U; ++u) {
         #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const GLOBAL_MEM uint32_t* src = (plane ? xlo : xhi) + x_at[i] + s * (TK / 2) + 16 * u;
+          const GLOBAL_MEM uint32_t* src = (plane ? xlo : xhi) + x_at[i] + (s * (TK / 32) + u) * TILE_WORDS;
           ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + u * SUB + x_dst[i]),
                            reinterpret_cast<const GLOBAL_MEM float*>(src), x_ok[i]);
         }
@@ -398,7 +401,7 @@ def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_typ
     warpgroup products; `warpgroups`, `tk` (32 or 64), `stages` and `mins` (Q2_K) for
     bench/prefill_gemms.py. CUDA sm_90a only."""
     assert tk in (32, 64)
-    hi, lo, scales = held_split(x, layout="transposed")
+    hi, lo, scales = held_split(x, layout="tiles")
     mins = int(mins and ggml_type == GGMLType.Q2_K)
     sums = group_sums(x, scales) if mins else (mx.zeros((1,), dtype=mx.uint32),) * 2
     gather = rows is not None
@@ -408,7 +411,8 @@ def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_typ
                           counts, shape,
                           [("TM", TM), ("TN", tn), ("TK", tk), ("THREADS", threads), ("STAGES", stages),
                            ("PLANE_WORDS", plane_words(tk)), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
-                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type]), ("MINS", mins)],
+                           ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type]), ("MINS", mins),
+                           ("TILE_ROWS", TILE_ROWS), ("TILE_WORDS", TILE_WORDS)],
                           extra=[scales, index, *sums], pairs=x.shape[0] if rows is None else rows.size,
                           tile=(TM, tn, threads))
 

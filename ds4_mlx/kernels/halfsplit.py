@@ -16,10 +16,13 @@ An array several kernels read is split once within a prefill chunk's forward (`h
 layer's projections of one input, the routed gate and up of the chunk's tokens, the indexer's query blocks of its
 rows; the last two of each layout held).
 
-Two layouts: row-major words (`split_rows`, for grouped_raw.py, whose tiles gather any rows by index and take their
-fragments by ldmatrix) and the fragment layout (`split_blocks`, for dense_f16.py, whose tiles are whole 16-row
+Three layouts: row-major words (`split_rows`, for grouped_raw.py, whose tiles gather any rows by index and take
+their fragments by ldmatrix), the fragment layout (`split_blocks`, for dense_f16.py, whose tiles are whole 16-row
 blocks: each 16-byte word is one lane's A fragment as mma takes it, so the kernel neither gathers nor moves it;
-the row-major reading cost 4.3 register moves per mma, Nsight Compute on the H200, session 15).
+the row-major reading cost 4.3 register moves per mma, Nsight Compute on the H200, session 15), and the tiles
+layout (`split_tiles`, for the wgmma kernels: each 128-row tile's group of 32 values one 8 KB block a plane, laid
+out as a stage's B plane lies in threadgroup memory, so that dense_wgmma.py moves it by one bulk copy where
+cp.async took 512 instructions of 16 bytes, and grouped_wgmma.py gathers any row's 16-byte runs from it).
 """
 
 from __future__ import annotations
@@ -83,11 +86,7 @@ queries and keys, whose products both need float32 accuracy): one row of 64 N fl
 at 2 lane + 64 j) scaled by the row's power of two, as `reference_row_scales` picks it, and split into half planes
 (word lane + 32 j of hi and lo); the scale's inverse returned, to be applied to the products. CUDA only."""
 
-_SPLIT = """
-const int tid = THREAD_IN_GROUP;
-const int row = GROUP_X;
-const int n_in = dims[0];
-const GLOBAL_MEM float* r = x + (size_t)row * n_in;
+_ROW_MAX = """
 SHARED float part[THREADS / 32];
 float m = 0.0f;
 for (int k = tid; k < n_in; k += THREADS) {
@@ -105,18 +104,25 @@ const float sc = ds4_row_scale(m, X_TOP);
 if (tid == 0) {
   scale[row] = sc;
 }
+"""
+"""The scale of row `row` of x (r, n_in floats), as one threadgroup finds it: each thread the largest magnitude of
+its strided values, then the SIMD groups' and the row's (a maximum is exact in any order; every thread takes it),
+the scale from its exponent bits as the reference builds it, written to scale[row]. A NaN is dropped by the
+comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays
+a NaN through the products anyway."""
+
+_SPLIT = """
+const int tid = THREAD_IN_GROUP;
+const int row = GROUP_X;
+const int n_in = dims[0];
+const GLOBAL_MEM float* r = x + (size_t)row * n_in;
+""" + _ROW_MAX + """
 for (int p = tid; p < n_in / 2; p += THREADS) {
-  const int at = TRANSPOSED ? (p & ~15) | ((p & 3) << 2) | ((p >> 2) & 3) : p;
-  const size_t word = (size_t)row * (n_in / 2) + at;
+  const size_t word = (size_t)row * (n_in / 2) + p;
   ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[word], lo[word]);
 }
 """
-"""One threadgroup per row: each thread the largest magnitude of its strided values, then the SIMD groups' and the
-row's (a maximum is exact in any order; every thread takes it), the scale from its exponent bits as the reference
-builds it, then each pair of the scaled row split into its hi and lo half pairs (word p written at p, or with
-TRANSPOSED at `transpose_groups`'s place for it). A NaN is dropped by the
-comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays
-a NaN through the products anyway."""
+"""One threadgroup per row: its scale, then each pair of the scaled row split into its hi and lo half pairs."""
 
 SPLIT_KERNEL = Kernel("ds4_split_rows", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT, ROW_SCALE)
 
@@ -138,11 +144,10 @@ def reference_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     return hi.view(mx.uint32), lo.view(mx.uint32), scale
 
 
-def _kernel_split_rows(x: mx.array, transposed: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+def _kernel_split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     n, n_in = x.shape
     return tuple(build(SPLIT_KERNEL, current_backend())(
-        inputs=[x, mx.array([n_in], dtype=mx.int32)],
-        template=[("THREADS", THREADS), ("X_TOP", X_TOP), ("TRANSPOSED", int(transposed))],
+        inputs=[x, mx.array([n_in], dtype=mx.int32)], template=[("THREADS", THREADS), ("X_TOP", X_TOP)],
         grid=(n * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), output_shapes=[(n, n_in // 2)] * 2 + [(n,)],
         output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
 
@@ -167,33 +172,112 @@ def split_rows(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
 
 def transpose_groups(words: mx.array) -> mx.array:
     """Half-pair words (N, IN / 2), IN a multiple of 32, with each group of 16 words (32 values) read as a 4 x 4
-    matrix and transposed: word 4 t + a of a group goes to 4 a + t. dense_wgmma.py's B tiles are these rows' 16-byte
-    runs as they are (each the 8 K of one row of a wgmma core matrix): the run a = 2 kk + c holds words a, 4 + a, 8 +
-    a, 12 + a, the values that mma fragment c of k-step kk takes in the permutation of K the W fragments share (lane
-    t's values 8 t + 4 kk .. + 3, one 8-byte word of a Q8_0 row)."""
+    matrix and transposed: word 4 t + a of a group goes to 4 a + t. The wgmma kernels' B tiles are these rows'
+    16-byte runs as they are (each the 8 K of one row of a wgmma core matrix): the run a = 2 kk + c holds words a,
+    4 + a, 8 + a, 12 + a, the values that mma fragment c of k-step kk takes in the permutation of K the W fragments
+    share (lane t's values 8 t + 4 kk .. + 3, one 8-byte word of a Q8_0 row)."""
     n, w = words.shape
     return words.reshape(n, w // 16, 4, 4).swapaxes(-1, -2).reshape(n, w)
 
 
-def reference_split_transposed(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """`reference_split_rows` with hi and lo in `transpose_groups`'s layout."""
+TILE_ROWS = 128
+"""Rows (tokens) of a tile of the tiles layout: the 128 columns of the wgmma kernels' B."""
+TILE_WORDS = TILE_ROWS * 16
+"""Words of one plane of a tile's group of 32 values: 8 KB, one wgmma kernel stage's B plane as it lies in
+threadgroup memory."""
+
+
+def tile_count(rows: int) -> int:
+    return -(-rows // TILE_ROWS)
+
+
+def to_tiles(words: mx.array, n_batch: int = 1, interleaved: bool = False) -> mx.array:
+    """Half-pair words (N, IN / 2) of n_batch batches of rows (batch b's row r at b T + r, or with `interleaved`
+    at r n_batch + b), IN a multiple of 32, laid out as the wgmma kernels' B planes lie in threadgroup memory, so
+    that one bulk copy moves a stage's plane: each batch's rows padded with zero rows to tiles of TILE_ROWS, then
+    tile by tile and group by group of 32 values, TILE_WORDS words: `transpose_groups`'s 16-byte run kc of row n at
+    word ((n / 8) 4 + kc) 32 + (n % 8) 4 (core matrix (n / 8, kc) of a K-major tile without swizzling, the 8 rows
+    of a core matrix 16 bytes apart). Returns (n_batch * tiles * TILE_ROWS, IN / 2)."""
+    n, w = words.shape
+    rows = n // n_batch
+    tiles = tile_count(rows)
+    words = transpose_groups(words)
+    if interleaved:
+        words = words.reshape(rows, n_batch, w).swapaxes(0, 1)
+    words = mx.pad(words.reshape(n_batch, rows, w), [(0, 0), (0, tiles * TILE_ROWS - rows), (0, 0)])
+    words = words.reshape(n_batch, tiles, TILE_ROWS // 8, 8, w // 16, 4, 4).transpose(0, 1, 4, 2, 5, 3, 6)
+    return words.reshape(n_batch * tiles * TILE_ROWS, w)
+
+
+def reference_split_tiles(x: mx.array, n_batch: int = 1, interleaved: bool = False
+                          ) -> tuple[mx.array, mx.array, mx.array]:
+    """`reference_split_rows` with hi and lo in `to_tiles`'s layout (the scales in x's row order)."""
     hi, lo, scale = reference_split_rows(x)
-    return transpose_groups(hi), transpose_groups(lo), scale
+    return to_tiles(hi, n_batch, interleaved), to_tiles(lo, n_batch, interleaved), scale
 
 
-def _kernel_split_transposed(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    return _kernel_split_rows(x, transposed=True)
+_SPLIT_TILES = """
+const int tid = THREAD_IN_GROUP;
+const int n_in = dims[0];
+const int t_rows = dims[1];
+const int tiles = dims[2];
+const int n_batch = dims[3];
+const int batch = GROUP_X / (tiles * TILE_ROWS);
+const int slot = GROUP_X - batch * tiles * TILE_ROWS;
+const size_t at = ((size_t)batch * tiles + slot / TILE_ROWS) * (n_in / 32) * TILE_WORDS
+                  + ((slot % TILE_ROWS) >> 3) * 128 + (slot & 7) * 4;
+GLOBAL_MEM unsigned int* h = hi + at;
+GLOBAL_MEM unsigned int* l = lo + at;
+auto place = [&](int p) { return (p >> 4) * TILE_WORDS + (p & 3) * 32 + ((p >> 2) & 3); };
+if (slot >= t_rows) {
+  for (int p = tid; p < n_in / 2; p += THREADS) {
+    h[place(p)] = 0u;
+    l[place(p)] = 0u;
+  }
+} else {
+  const int row = INTERLEAVED ? slot * n_batch + batch : batch * t_rows + slot;
+  const GLOBAL_MEM float* r = x + (size_t)row * n_in;
+""" + _ROW_MAX + """
+  for (int p = tid; p < n_in / 2; p += THREADS) {
+    ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, h[place(p)], l[place(p)]);
+  }
+}
+"""
+"""One threadgroup per row slot of the tiles (batch, slot): a padding slot's words zero, a row's scale and its pairs
+split as `_SPLIT` splits them, pair p (group p / 16, word p % 16 = 4 w + kc of the group, run kc of the transposed
+layout holding it as its word w) written at its place in the slot's tile."""
+
+TILES_KERNEL = Kernel("ds4_split_tiles", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT_TILES, ROW_SCALE)
 
 
-SPLIT_TRANSPOSED = FastPath("split_transposed", reference_split_transposed, _kernel_split_transposed, _split_probe,
-                            tolerance=0.0, backends=("cuda",))
-"""The split kernel writing `transpose_groups`'s layout, bit for bit the reference's; key: the row length."""
+def _kernel_split_tiles(x: mx.array, n_batch: int = 1, interleaved: bool = False
+                        ) -> tuple[mx.array, mx.array, mx.array]:
+    n, n_in = x.shape
+    rows = n // n_batch
+    tiles = tile_count(rows)
+    return tuple(build(TILES_KERNEL, current_backend())(
+        inputs=[x, mx.array([n_in, rows, tiles, n_batch], dtype=mx.int32)],
+        template=[("THREADS", THREADS), ("X_TOP", X_TOP), ("TILE_ROWS", TILE_ROWS), ("TILE_WORDS", TILE_WORDS),
+                  ("INTERLEAVED", int(interleaved))],
+        grid=(n_batch * tiles * TILE_ROWS * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n_batch * tiles * TILE_ROWS, n_in // 2)] * 2 + [(n,)],
+        output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
 
 
-def split_transposed(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """`reference_split_transposed` of x (N, IN) float32, IN a multiple of 32, by the kernel where its check
-    passed."""
-    return SPLIT_TRANSPOSED(x.astype(mx.float32), key=x.shape[-1])
+def _tiles_probe(key: int) -> tuple:
+    """`_split_probe`'s eight rows as two batches of four, interleaved: each padded to a tile."""
+    (x,) = _split_probe(key)
+    return x, 2, True
+
+
+SPLIT_TILES = FastPath("split_tiles", reference_split_tiles, _kernel_split_tiles, _tiles_probe, tolerance=0.0,
+                       backends=("cuda",))
+"""The split kernel writing `to_tiles`'s layout, bit for bit the reference's (padding zero); key: the row length."""
+
+
+def split_tiles(x: mx.array, n_batch: int = 1, interleaved: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+    """`reference_split_tiles` of x (N, IN) float32, IN a multiple of 32, by the kernel where its check passed."""
+    return SPLIT_TILES(x.astype(mx.float32), n_batch, interleaved, key=x.shape[-1])
 
 
 BLOCK_ROWS = 16
@@ -324,9 +408,9 @@ SPLITS_HELD = 2
 (q_a, kv, the compressors' and the indexer's projections its normed input; q_b and the indexer's q_b its query
 latent; the router and the shared expert the FFN's input; the routed gate and up the chunk's tokens; the indexer's
 query blocks its rows), at most two inputs of a layout interleaved."""
-LAYOUTS = ("rows", "blocks", "transposed")
-"""`held_split`'s layouts: `split_rows`, `split_blocks`, `split_transposed`."""
-_held: dict[str, list[tuple[mx.array, int | None, tuple[mx.array, mx.array, mx.array]]]] | None = None
+LAYOUTS = ("rows", "blocks", "tiles")
+"""`held_split`'s layouts: `split_rows`, `split_blocks`, `split_tiles`."""
+_held: dict[str, list[tuple[mx.array, tuple, tuple[mx.array, mx.array, mx.array]]]] | None = None
 
 
 @contextmanager
@@ -342,22 +426,26 @@ def splits_held() -> Iterator[None]:
         _held = None
 
 
-def held_split(x: mx.array, n_batch: int | None = None, layout: str = "rows") -> tuple[mx.array, mx.array, mx.array]:
-    """`split_rows` of x (N, IN), `split_transposed` of x (..., IN) (layout "transposed"), or with n_batch
-    `split_blocks` of x (..., IN) as n_batch batches of rows; within `splits_held`, made once for an array that
-    several kernels read (the same array object) and the last SPLITS_HELD of each layout held."""
-    layout = "blocks" if n_batch is not None else layout
+def held_split(x: mx.array, n_batch: int | None = None, layout: str = "rows",
+               interleaved: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+    """`split_rows` of x (N, IN); with n_batch `split_blocks` of x (..., IN) as n_batch batches of rows; or with
+    layout "tiles" `split_tiles` of x (..., IN) as n_batch (default one) batches, `interleaved` or not. Within
+    `splits_held`, made once for an array that several kernels read (the same array object) and the last SPLITS_HELD
+    of each layout held."""
+    if n_batch is not None and layout == "rows":
+        layout = "blocks"
+    key = (n_batch, interleaved)
     held = None if _held is None else _held[layout]
-    for array, batches, parts in held or ():
-        if array is x and batches == n_batch:
+    for array, made, parts in held or ():
+        if array is x and made == key:
             return parts
     if layout == "rows":
         parts = split_rows(x)
-    elif layout == "transposed":
-        parts = split_transposed(x.reshape(-1, x.shape[-1]))
+    elif layout == "tiles":
+        parts = split_tiles(x.reshape(-1, x.shape[-1]), n_batch or 1, interleaved)
     else:
         parts = split_blocks(x.astype(mx.float32).reshape(-1, x.shape[-1]), n_batch)
     if held is not None:
-        held.insert(0, (x, n_batch, parts))
+        held.insert(0, (x, key, parts))
         del held[SPLITS_HELD:]
     return parts
