@@ -19,7 +19,8 @@ from ds4_mlx.kernels import grouped_wgmma, halfsplit, registry
 from ds4_mlx.kernels.batch import TOLERANCE
 from ds4_mlx.kernels.dialect import CUDA, METAL
 from ds4_mlx.kernels.grouped import RAW_GROUPED
-from ds4_mlx.kernels.grouped_wgmma import STAGES, TM, W_SLOTS, kernel, wgmma_grouped_gemm
+from ds4_mlx.kernels.grouped_gemm import row_tiles
+from ds4_mlx.kernels.grouped_wgmma import STAGES, TM, W_SLOTS, kernel, slot_rows, wgmma_grouped_gemm
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
 from kernel_checks import assert_renders_cleanly, rendered
@@ -101,6 +102,36 @@ def test_emulated_plans_agree(on_cpu, emulated, ggml_type):
                       TOLERANCE)
     assert within(run(ggml_type, x, blocks, counts, n_out, n_in, rows, tk=32), products(x[rows], weights, ids),
                   TOLERANCE)
+
+
+def test_slot_rows_lay_each_experts_pairs_in_whole_tiles():
+    """`slot_rows`: the experts in order, each one's pairs in tiles of TM of their own (the GEMMs' row-tile scan),
+    pair p reading rows[p] (or row p); slots past an expert's last pair, and tiles past the last expert's, hold no
+    row (N)."""
+    counts, n_rows = [3, 0, 140, 9], 40
+    rows = np.random.default_rng(5).integers(0, n_rows, sum(counts))
+    n_tiles = row_tiles(sum(counts), len(counts), TM)
+    want, pair = [], 0
+    for c in counts:
+        for start in range(0, c, TM):
+            want += [rows[pair + start + n] if start + n < c else n_rows for n in range(TM)]
+        pair += c
+    want += [n_rows] * (n_tiles * TM - len(want))
+    got = slot_rows(mx.array(np.array(counts, np.uint32)), mx.array(rows.astype(np.uint32)), n_tiles, n_rows)
+    assert np.array(got).tolist() == [int(v) for v in want]
+    plain = slot_rows(mx.array(np.array(counts, np.uint32)), None, n_tiles, sum(counts))
+    assert np.array(plain)[:TM].tolist() == [0, 1, 2] + [sum(counts)] * (TM - 3)
+
+
+@pytest.mark.slow
+def test_emulated_slot_split_equals_the_reference(on_cpu, emulated):
+    """The pairs' split into their tiles (`split_slots`'s kernel) is the reference's bit for bit in every tile the
+    GEMMs read, gathered (rows of sizes 1e-4 to 1e4, each read by three or four pairs) or not."""
+    x, counts, rows, n_tiles = grouped_wgmma._slots_probe(64)
+    for args in ((x, counts, rows, n_tiles), (x[:30], mx.array([0, 17, 13], dtype=mx.uint32), None, 4)):
+        got, want = grouped_wgmma._slots_checked(*args), grouped_wgmma.reference_split_slots(*args)
+        for g, w in zip(got, want, strict=True):
+            assert registry.disagreement(g, w, 0.0) is None
 
 
 def test_emulated_group_sums_are_each_groups_sum(on_cpu, emulated):

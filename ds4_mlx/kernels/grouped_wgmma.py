@@ -40,17 +40,19 @@ from __future__ import annotations
 from functools import cache
 
 import mlx.core as mx
+import numpy as np
 
 from ..model.gguf import GGMLType
 from .dense_wgmma import LBO, SBO, STORE, hopper
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
-from .grouped_gemm import TILE_HEAD, TILE_SCAN, launch_grouped
+from .grouped_gemm import TILE_HEAD, TILE_SCAN, launch_grouped, row_tiles
 from .grouped_raw import GRID_HEADER
-from .halfsplit import TILE_ROWS, TILE_WORDS, held_split
-from .registry import current_backend
+from .halfsplit import ROW_SCALE, TILE_BLOCK, TILE_ROWS, TILE_WORDS, X_TOP, held, reference_split_rows, to_tiles
+from .probe import random_activations
+from .registry import FastPath, current_backend
 
-TM = 128
-"""Pairs (rows of x) a tile: the 128 columns of B."""
+TM = TILE_ROWS
+"""Pairs (rows of x) a tile: the 128 columns of B, one tile of halfsplit's tiles layout."""
 WARPGROUPS = 3
 """Warpgroups a threadgroup, 64 W rows each (dense_wgmma.py's PLAN: the most an SM holds)."""
 TK = 64
@@ -109,40 +111,29 @@ if (tid < TM) {
   xr[tid] = at;
   rsx[tid] = tid < rows ? xscale[at] : 0.0f;
 }
+SHARED unsigned long long landed[STAGES];
+if (tid == 0) {
+  #pragma unroll
+  for (int b = 0; b < STAGES; ++b) {
+    ds4_bar_init(&landed[b], 1);
+  }
+}
 W_SETUP
 ds4_barrier();
 const int blocks = n_in / 256;
 const size_t row_bytes = (size_t)blocks * BLOCK_BYTES;
 const size_t bank_bytes = (size_t)n_expert * n_out * row_bytes;
 const size_t tile_bytes = ((size_t)expert * n_out + col0) * row_bytes;
-const int kc = tid & 3;
-const int token = tid >> 2;
-unsigned int x_at[2];
-bool x_ok[2];
-int x_dst[2];
-#pragma unroll
-for (int i = 0; i < 2; ++i) {
-  const int n = token + 64 * i;
-  x_ok[i] = n < rows;
-  const unsigned int t = xr[x_ok[i] ? n : 0];
-  x_at[i] = (t / TILE_ROWS) * (unsigned int)(n_in / 32) * TILE_WORDS + ((t % TILE_ROWS) >> 3) * 128 + (t & 7) * 4
-            + 32 * kc;
-  x_dst[i] = ((n >> 3) * 4 + kc) * 32 + (n & 7) * 4;
-}
+const size_t tile_at = (size_t)tile * (n_in / 32) * TILE_WORDS;
+const GLOBAL_MEM uint32_t* x_src[2] = {xhi + tile_at, xlo + tile_at};
 auto load_stage = [&](int s) {
-  SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
-  if (tid < 256) {
+  if (tid == 0) {
+    SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
+    ds4_bar_expect(&landed[s % STAGES], 8 * PLANE_WORDS);
     #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
-      #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const GLOBAL_MEM uint32_t* src = (plane ? xlo : xhi) + x_at[i] + (s * (TK / 32) + u) * TILE_WORDS;
-          ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + plane * PLANE_WORDS + u * SUB + x_dst[i]),
-                           reinterpret_cast<const GLOBAL_MEM float*>(src), x_ok[i]);
-        }
-      }
+      ds4_bulk_copy(st + plane * PLANE_WORDS, x_src[plane] + (size_t)s * PLANE_WORDS, 4 * PLANE_WORDS,
+                    &landed[s % STAGES]);
     }
   }
 };
@@ -233,7 +224,10 @@ auto multiply = [&](const SHARED_MEM unsigned int* st, unsigned int (&a)[U][2][4
 };
 for (int s = 0; s < steps; ++s) {
   ds4_async_wait_keep<STAGES - 2>();
-  ds4_fence_async_shared();
+  ds4_bar_wait(&landed[s % STAGES], (s / STAGES) & 1);
+  if (MINS) {
+    ds4_fence_async_shared();
+  }
   ds4_barrier();
   if (s % PER_BLOCK == 0) {
     load_w(s / PER_BLOCK + W_SLOTS - 1);
@@ -253,11 +247,12 @@ W_DECODE (stage s's A fragments `a` and drain scales `sc` from the rows' blocks 
 first byte of row h's block) and W_AFTER (more products of the stage: Q2_K's mins). `multiply` issues a stage's
 wgmma, waits and drains, then names the A registers
 (ds4_wgmma_hold) so that none is reused while a wgmma may read it. A stage waits for its copies,
-makes them visible to the tensor cores, passes one barrier (every warpgroup waited for the wgmma that read the
-buffer the next copies overwrite, and is past the W block the next block's copies overwrite), issues those copies
-(at a block's first stage, the W block W_SLOTS - 1 on too), decodes its A, multiplies and drains. Stage s's B in
-buffer s % STAGES as dense_wgmma.py lays it out: column n a pair (its token's row xr[n]), the first 256 threads
-copying pairs n and n + 64; pairs past the tile read as zeros and are not stored. A W row's block lands as the
+and for its B's transaction barrier (MINS: the sums' copies made visible to the tensor cores), passes one barrier
+(every warpgroup waited for the wgmma that read the buffer the next copies overwrite, and is past the W block the
+next block's copies overwrite), issues those copies (at a block's first stage, the W block W_SLOTS - 1 on too),
+decodes its A, multiplies and drains. Stage s's B in buffer s % STAGES as dense_wgmma.py lays it out, column n the
+tile's pair n: two bulk copies (hi, lo) of 16 KB from the pairs' tiles (`split_slots`: the tile's slots past its
+pairs are zeros and are not stored). A W row's block lands as the
 W_WORDS words from the one holding its first byte (past the bank's end, and for rows past OUT, zeros; those rows
 get scale 0). dense_wgmma.py's STORE ends it."""
 
@@ -401,7 +396,8 @@ def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_typ
     warpgroup products; `warpgroups`, `tk` (32 or 64), `stages` and `mins` (Q2_K) for
     bench/prefill_gemms.py. CUDA sm_90a only."""
     assert tk in (32, 64)
-    hi, lo, scales = held_split(x, layout="tiles")
+    n_tiles = row_tiles(x.shape[0] if rows is None else rows.size, shape[0], TM)
+    hi, lo, scales = held("slots", (x, counts, rows), n_tiles, lambda: split_slots(x, counts, rows, n_tiles))
     mins = int(mins and ggml_type == GGMLType.Q2_K)
     sums = group_sums(x, scales) if mins else (mx.zeros((1,), dtype=mx.uint32),) * 2
     gather = rows is not None
@@ -412,9 +408,102 @@ def wgmma_grouped_gemm(x: mx.array, blocks: mx.array, counts: mx.array, ggml_typ
                           [("TM", TM), ("TN", tn), ("TK", tk), ("THREADS", threads), ("STAGES", stages),
                            ("PLANE_WORDS", plane_words(tk)), ("LBO", LBO), ("SBO", SBO), ("GATHER", gather),
                            ("W_SLOTS", W_SLOTS), ("W_WORDS", W_WORDS[ggml_type]), ("MINS", mins),
-                           ("TILE_ROWS", TILE_ROWS), ("TILE_WORDS", TILE_WORDS)],
+                           ("TILE_WORDS", TILE_WORDS)],
                           extra=[scales, index, *sums], pairs=x.shape[0] if rows is None else rows.size,
                           tile=(TM, tn, threads))
+
+
+_SPLIT_SLOTS = """
+const int tid = THREAD_IN_GROUP;
+const int n_expert = dims[0];
+const int n_in = dims[1];
+const int tile = GROUP_X / (TM / 8);
+SHARED int where[3];
+""" + TILE_SCAN + """
+const int tile_index = tile;
+const int n0 = (GROUP_X % (TM / 8)) * 8;
+auto real = [&](int n) { return n < rows; };
+auto x_row = [&](int n) { return GATHER ? (int)xrow[row0 + n] : row0 + n; };
+""" + TILE_BLOCK
+"""halfsplit's TILE_BLOCK over the pairs' tiles: the threadgroups of tile i find its pairs by the GEMMs' own row-tile
+scan (TILE_SCAN over the counts), and slot n of the tile is its pair n's row of x (its token's with GATHER); tiles
+past the last pair's are not written (the GEMMs return before reading them)."""
+SLOTS_KERNEL = Kernel("ds4_split_slots", ("x", "counts", "xrow", "dims"), ("hi", "lo", "scale"), _SPLIT_SLOTS,
+                      SIMD_EXCLUSIVE_SUM + ROW_SCALE)
+
+
+def slot_rows(counts: mx.array, rows: mx.array | None, n_tiles: int, n_rows: int) -> mx.array:
+    """Row of x (N rows) each of the n_tiles TM slots holds, N where none: the slots of the kernels' row tiles
+    (TILE_SCAN: each expert's pairs in whole tiles of TM, the experts in order; pair p reads row p, or rows[p])."""
+    c = counts.astype(mx.int32)
+    tiles = (c + TM - 1) // TM
+    tile_end = mx.cumsum(tiles)
+    slot = mx.arange(n_tiles * TM)
+    tile, n = slot // TM, slot % TM
+    e = mx.sum(tile[:, None] >= tile_end[None, :], axis=1)
+    used = e < c.size
+    e = mx.minimum(e, c.size - 1)
+    at = (tile - (tile_end - tiles)[e]) * TM + n
+    used = used & (at < c[e])
+    pair = mx.where(used, mx.cumsum(c)[e] - c[e] + at, 0)
+    return mx.where(used, pair if rows is None else rows.astype(mx.int32)[pair], n_rows)
+
+
+def reference_split_slots(x: mx.array, counts: mx.array, rows: mx.array | None, n_tiles: int
+                          ) -> tuple[mx.array, mx.array, mx.array]:
+    """halfsplit's split of x (N, IN) float32 with each tile's slots holding its pairs' rows (`slot_rows`; no row:
+    zeros) in the tiles layout, n_tiles tiles; the scales in x's row order."""
+    hi, lo, scale = reference_split_rows(x)
+    at = slot_rows(counts, rows, n_tiles, x.shape[0])
+    zero = mx.zeros((1, hi.shape[1]), dtype=hi.dtype)
+    return (to_tiles(mx.concatenate([hi, zero])[at], n_tiles), to_tiles(mx.concatenate([lo, zero])[at], n_tiles),
+            scale)
+
+
+def _kernel_split_slots(x: mx.array, counts: mx.array, rows: mx.array | None, n_tiles: int
+                        ) -> tuple[mx.array, mx.array, mx.array]:
+    n, n_in = x.shape
+    return tuple(build(SLOTS_KERNEL, current_backend())(
+        inputs=[x, counts.astype(mx.uint32), mx.zeros((1,), dtype=mx.uint32) if rows is None else rows.astype(mx.uint32),
+                mx.array([counts.size, n_in], dtype=mx.int32)],
+        template=[("TM", TM), ("X_TOP", X_TOP), ("TILE_WORDS", TILE_WORDS), ("GATHER", int(rows is not None))],
+        grid=(n_tiles * (TM // 8) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(n_tiles * TM, n_in // 2)] * 2 + [(n,)], output_dtypes=[mx.uint32, mx.uint32, mx.float32]))
+
+
+def _slots_probe(key: int) -> tuple:
+    """Four experts (one unused, one over two tiles) of 152 pairs reading 40 rows of very different sizes, each by
+    three or four pairs, in a shuffled order."""
+    x = random_activations((40, key), seed=27) * mx.power(10.0, mx.arange(40) % 9 - 4.0)[:, None]
+    counts = mx.array([3, 0, 140, 9], dtype=mx.uint32)
+    rows = mx.array((np.random.default_rng(28).permutation(160) % 40)[:152], dtype=mx.uint32)
+    return x, counts, rows, row_tiles(152, 4, TM)
+
+
+def _slots_checked(x: mx.array, counts: mx.array, rows: mx.array | None, n_tiles: int
+                   ) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel's split with the tiles it leaves unwritten (past the last pair's) zeroed, as the reference has
+    them."""
+    hi, lo, scale = _kernel_split_slots(x, counts, rows, n_tiles)
+    used = (mx.arange(n_tiles * TM) // TM < mx.sum((counts.astype(mx.int32) + TM - 1) // TM))[:, None]
+    return mx.where(used, hi, 0), mx.where(used, lo, 0), scale
+
+
+SPLIT_SLOTS = FastPath("split_slots", reference_split_slots, _slots_checked, _slots_probe, tolerance=0.0,
+                       backends=("cuda",))
+"""The pairs' split into their tiles by one kernel (gathering their rows), bit for bit the reference's in every
+tile the GEMMs read; key: the row length."""
+
+
+def split_slots(x: mx.array, counts: mx.array, rows: mx.array | None, n_tiles: int
+                ) -> tuple[mx.array, mx.array, mx.array]:
+    """`reference_split_slots`, by the kernel where its check passed (its unused tiles left unwritten). Transient
+    memory: n_tiles * TM * IN * 4 bytes (two planes of half pairs), n_tiles = row_tiles(N, E) <= N / TM + E: 1.34 GB
+    for the gate and up of an 8192-token chunk's 49,152 pairs (Flash: IN 4096), 0.67 GB for its down (IN 2048)."""
+    x = x.astype(mx.float32)
+    if SPLIT_SLOTS.enabled(x.shape[-1]):
+        return _kernel_split_slots(x, counts, rows, n_tiles)
+    return reference_split_slots(x, counts, rows, n_tiles)
 
 
 _SUMS = """

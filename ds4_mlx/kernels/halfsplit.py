@@ -27,7 +27,7 @@ cp.async took 512 instructions of 16 bytes, and grouped_wgmma.py gathers any row
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -216,23 +216,16 @@ def reference_split_tiles(x: mx.array, n_batch: int = 1, interleaved: bool = Fal
     return to_tiles(hi, n_batch, interleaved), to_tiles(lo, n_batch, interleaved), scale
 
 
-_SPLIT_TILES = """
-const int n_in = dims[0];
-const int t_rows = dims[1];
-const int tiles = dims[2];
-const int n_batch = dims[3];
+TILE_BLOCK = """
 const int lane = SIMD_LANE;
 const int warp = SIMD_INDEX;
-const int blocks = tiles * (TILE_ROWS / 8);
-const int batch = GROUP_X / blocks;
-const int slot0 = (GROUP_X - batch * blocks) * 8;
-auto x_row = [&](int slot) { return INTERLEAVED ? slot * n_batch + batch : batch * t_rows + slot; };
 SHARED float row_scale[8];
 float sc = 0.0f;
-if (slot0 + warp < t_rows) {
-  const int row = x_row(slot0 + warp);
+if (real(n0 + warp)) {
+  const int row = x_row(n0 + warp);
   const GLOBAL_MEM float4* r4 = reinterpret_cast<const GLOBAL_MEM float4*>(x + (size_t)row * n_in);
   float m = 0.0f;
+  #pragma unroll 4
   for (int k = lane; k < n_in / 4; k += 32) {
     const float4 v = r4[k];
     m = ds4_abs_max(ds4_abs_max(ds4_abs_max(ds4_abs_max(m, v.x), v.y), v.z), v.w);
@@ -247,16 +240,16 @@ if (lane == 0) {
 }
 ds4_barrier();
 const int j = lane >> 2;
-const bool real = slot0 + j < t_rows;
-const GLOBAL_MEM float* r = x + (size_t)x_row(real ? slot0 + j : 0) * n_in + 8 * (lane & 3);
+const bool ok = real(n0 + j);
+const GLOBAL_MEM float* r = x + (ok ? (size_t)x_row(n0 + j) * n_in : 0) + 8 * (lane & 3);
 sc = row_scale[j];
 const int groups = n_in / 32;
-const size_t at = ((size_t)batch * tiles + slot0 / TILE_ROWS) * groups * TILE_WORDS + ((slot0 % TILE_ROWS) >> 3) * 128
-                  + lane;
+const size_t at = (size_t)tile_index * groups * TILE_WORDS + (n0 >> 3) * 128 + lane;
+#pragma unroll 2
 for (int s = warp; s < groups; s += 8) {
   float4 a = {0.0f, 0.0f, 0.0f, 0.0f};
   float4 b = a;
-  if (real) {
+  if (ok) {
     a = *reinterpret_cast<const GLOBAL_MEM float4*>(r + 32 * s);
     b = *reinterpret_cast<const GLOBAL_MEM float4*>(r + 32 * s + 4);
   }
@@ -268,13 +261,29 @@ for (int s = warp; s < groups; s += 8) {
   }
 }
 """
-"""One threadgroup (8 SIMD groups) per 8 row slots of a tile, the rows of one core-matrix block: SIMD group j finds
-row j's scale (its largest magnitude from 16-byte loads; a NaN is dropped as `_SPLIT` drops it), then each SIMD
-group splits whole groups of 32 values of all 8 rows, lane 4 j + w reading values 8 w .. 8 w + 7 of row j's group
-(two 16-byte loads: pairs 4 w + kc, word w of run kc) and writing word w of row j's run kc for each kc, so that a
-SIMD group writes each run's 128 bytes (core matrix (slot / 8, kc)) whole. Padding slots are zeros. (One threadgroup
-a row, each writing its own 16-byte runs, took 180 us a 4096 x 4096 split on the H200, 1.0 ms for out_a's 32768
-rows: session 20.)"""
+"""One threadgroup (8 SIMD groups) per 8 row slots n0 .. n0 + 7 of tile `tile_index` (the rows of one core-matrix
+block; `real(n)` whether slot n holds a row, `x_row(n)` which row of x, `n_in` the row length): SIMD group j finds
+slot j's row scale (its largest magnitude from 16-byte loads; a NaN is dropped as `_SPLIT` drops it), then each
+SIMD group splits whole groups of 32 values of all 8 rows, lane 4 j + w reading values 8 w .. 8 w + 7 of slot j's
+group (two 16-byte loads: pairs 4 w + kc, word w of run kc) and writing word w of slot j's run kc for each kc, so
+that a SIMD group writes each run's 128 bytes (core matrix (n0 / 8, kc)) whole. Slots without a row are zeros. (One
+threadgroup a row, each writing its own 16-byte runs, took 180 us a 4096 x 4096 split on the H200, 1.0 ms for
+out_a's 32768 rows: session 20.) Shared with grouped_wgmma.py's split of a chunk's pairs into their tiles."""
+
+_SPLIT_TILES = """
+const int n_in = dims[0];
+const int t_rows = dims[1];
+const int tiles = dims[2];
+const int n_batch = dims[3];
+const int blocks = tiles * (TILE_ROWS / 8);
+const int batch = GROUP_X / blocks;
+const int slot0 = (GROUP_X - batch * blocks) * 8;
+const int tile_index = batch * tiles + slot0 / TILE_ROWS;
+const int n0 = slot0 % TILE_ROWS;
+auto real = [&](int n) { return slot0 - n0 + n < t_rows; };
+auto x_row = [&](int n) { return INTERLEAVED ? (slot0 - n0 + n) * n_batch + batch : batch * t_rows + slot0 - n0 + n; };
+""" + TILE_BLOCK
+"""`TILE_BLOCK` over batch b's rows, tiles of TILE_ROWS: slot n of its tile i is the batch's row 128 i + n."""
 
 TILES_KERNEL = Kernel("ds4_split_tiles", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT_TILES, ROW_SCALE)
 
@@ -437,9 +446,10 @@ SPLITS_HELD = 2
 (q_a, kv, the compressors' and the indexer's projections its normed input; q_b and the indexer's q_b its query
 latent; the router and the shared expert the FFN's input; the routed gate and up the chunk's tokens; the indexer's
 query blocks its rows), at most two inputs of a layout interleaved."""
-LAYOUTS = ("rows", "blocks", "tiles")
-"""`held_split`'s layouts: `split_rows`, `split_blocks`, `split_tiles`."""
-_held: dict[str, list[tuple[mx.array, tuple, tuple[mx.array, mx.array, mx.array]]]] | None = None
+LAYOUTS = ("rows", "blocks", "tiles", "slots")
+"""`held_split`'s layouts (`split_rows`, `split_blocks`, `split_tiles`) and grouped_wgmma.py's pairs split into
+their tiles (`held`)."""
+_held: dict[str, list[tuple[tuple, Hashable, tuple[mx.array, ...]]]] | None = None
 
 
 @contextmanager
@@ -455,26 +465,32 @@ def splits_held() -> Iterator[None]:
         _held = None
 
 
+def held(layout: str, arrays: tuple, key: Hashable, make: Callable[[], tuple[mx.array, ...]]
+         ) -> tuple[mx.array, ...]:
+    """`make()`, or within `splits_held` what it made before for the same arrays (the same objects, None alike)
+    and key; the last SPLITS_HELD of each layout held."""
+    kept = None if _held is None else _held[layout]
+    for made_of, made_key, parts in kept or ():
+        if made_key == key and len(made_of) == len(arrays) and all(a is b for a, b in zip(made_of, arrays)):
+            return parts
+    parts = make()
+    if kept is not None:
+        kept.insert(0, (arrays, key, parts))
+        del kept[SPLITS_HELD:]
+    return parts
+
+
 def held_split(x: mx.array, n_batch: int | None = None, layout: str = "rows",
                interleaved: bool = False) -> tuple[mx.array, mx.array, mx.array]:
     """`split_rows` of x (N, IN); with n_batch `split_blocks` of x (..., IN) as n_batch batches of rows; or with
     layout "tiles" `split_tiles` of x (..., IN) as n_batch (default one) batches, `interleaved` or not. Within
-    `splits_held`, made once for an array that several kernels read (the same array object) and the last SPLITS_HELD
-    of each layout held."""
+    `splits_held`, made once for an array that several kernels read (the same array object)."""
     if n_batch is not None and layout == "rows":
         layout = "blocks"
-    key = (n_batch, interleaved)
-    held = None if _held is None else _held[layout]
-    for array, made, parts in held or ():
-        if array is x and made == key:
-            return parts
     if layout == "rows":
-        parts = split_rows(x)
-    elif layout == "tiles":
-        parts = split_tiles(x.reshape(-1, x.shape[-1]), n_batch or 1, interleaved)
-    else:
-        parts = split_blocks(x.astype(mx.float32).reshape(-1, x.shape[-1]), n_batch)
-    if held is not None:
-        held.insert(0, (x, key, parts))
-        del held[SPLITS_HELD:]
-    return parts
+        return held(layout, (x,), None, lambda: split_rows(x))
+    if layout == "tiles":
+        return held(layout, (x,), (n_batch, interleaved),
+                    lambda: split_tiles(x.reshape(-1, x.shape[-1]), n_batch or 1, interleaved))
+    return held(layout, (x,), n_batch,
+                lambda: split_blocks(x.astype(mx.float32).reshape(-1, x.shape[-1]), n_batch))
