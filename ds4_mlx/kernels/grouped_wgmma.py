@@ -31,6 +31,10 @@ Measured (H200, bench/prefill_gemms.py, a 4096-token chunk's 24,576 pairs, sessi
 5.39 ms; with L2 prefetches of W two blocks ahead 4.10 / 5.28; stages of 64 3.84 / 5.07; W by cp.async as above,
 three x stages, **3.74 / 4.93** (110 / 84 TFLOP/s of useful work); session 19, Q2_K's mins by MINS, **3.71 /
 3.88**. An 11.5k-token prompt over 43 layers: 2,536 → 2,688 t/s (session 18), 2,641 → 2,741 t/s (MINS, session 19).
+Session 20: B by two bulk copies a stage from the pairs split into their own tiles (`split_slots`), where the first
+256 threads' 16-byte cp.async copies filled the memory instruction queue (Nsight Compute's stall samples: the copies'
+address registers and the thread id re-read behind them): a 4-layer chunk's IQ2_XXS 30.8 → 23.0 ms, Q2_K 13.9 →
+12.5, for 2.1 ms of slot splits; 3,416 → 3,708 t/s over the 11.5k prompt.
 
 CUDA sm_90a only, checked at first use like every kernel; never run on Metal.
 """
