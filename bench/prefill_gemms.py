@@ -49,8 +49,8 @@ STAGES = (2, 3, 4)
 """Pipeline depths of the float16 dense kernel (dense_f16.py): groups of K in flight while one is multiplied."""
 GROUPED_PLANS = ((3, 64, 3, 1), (3, 64, 3, 0), (3, 64, 4, 1), (3, 32, 3, 1), (2, 64, 3, 1))
 """grouped_wgmma.py's (warpgroups a threadgroup, stage width TK, stages of x, MINS): its defaults first."""
-WGMMA_PLANS = ((0, 3, 3, 1), (0, 3, 3, 0), (1, 2, 2, 0), (0, 3, 2, 1), (0, 2, 3, 1))
-"""dense_wgmma.py's (PIPELINE, AHEAD, WARPGROUPS, OVERLAP): its PLAN first."""
+WGMMA_PLANS = ((0, 3, 3, 1, 4), (0, 4, 3, 1, 5), (0, 5, 3, 1, 6), (0, 3, 3, 0, 4), (1, 2, 2, 0, 4), (0, 2, 3, 1, 4))
+"""dense_wgmma.py's (PIPELINE, AHEAD, WARPGROUPS, OVERLAP, STAGES): its PLAN first."""
 
 
 def dense_float32(x: mx.array, weight) -> mx.array:

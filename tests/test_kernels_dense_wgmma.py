@@ -102,6 +102,7 @@ def test_kernel_renders_for_cuda_only(bits):
     # two warpgroups; a B plane's 16 core matrices along N of 4 along K: LBO and SBO 16-byte multiples
     assert WARPGROUPS in (2, 3) and TM == 128 and LBO % 16 == 0 and SBO == 4 * LBO
     assert kernel.shared_memory == 4 * STAGES * dense_wgmma.stage_words(bits) <= 227 * 1024
+    assert dense_wgmma.kernel(bits, stages=6).shared_memory <= 227 * 1024  # the deepest plan bench/ compares
 
 
 def test_hopper_only(on_cpu):
@@ -178,13 +179,14 @@ def test_emulated_kernel_reads_and_writes_interleaved_groups(on_cpu, monkeypatch
 def test_emulated_kernel_without_the_pipeline(on_cpu, groups, monkeypatch, tmp_path):
     """PIPELINE = 1 (a group's wgmma issued before the previous group's are drained) gives PIPELINE 0's values (each
     group's waited for and drained at once), bit for bit, for K of one group, an even and an odd count, and more
-    groups than stages; so do PLAN's overlapped halves."""
+    groups than stages; so do PLAN's overlapped halves and six stages copied five ahead."""
     monkeypatch.setattr(dense_wgmma, "build", emulated_build(tmp_path))
     x, blocks, want = case(GGMLType.Q8_0, (40, 32 * groups), 9, seed=6)
     weight = to_affine(blocks, GGMLType.Q8_0, (40, 32 * groups))
-    waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 3, 2, 0)))
+    waited = np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 3, 2, 0, 4)))
     assert within(waited, want, TOLERANCE)
-    assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(1, 2, 2, 0)))).all()
+    assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(1, 2, 2, 0, 4)))).all()
+    assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight, plan=(0, 5, 2, 0, 6)))).all()
     assert (waited == np.array(dense_wgmma.wgmma_affine_matmul(x, weight))).all()
 
 
@@ -201,8 +203,8 @@ def test_emulated_kernel_with_three_warpgroups(on_cpu, bits, monkeypatch, tmp_pa
     else:
         x, w, want = half_case(300, 96, 130, seed=8)
         product = partial(dense_wgmma.wgmma_half_matmul, x, w)
-    three = np.array(product(plan=(0, 3, 3, 0)))
-    assert within(three, want, TOLERANCE) and (three == np.array(product(plan=(0, 3, 2, 0)))).all()
+    three = np.array(product(plan=(0, 3, 3, 0, 4)))
+    assert within(three, want, TOLERANCE) and (three == np.array(product(plan=(0, 3, 2, 0, 4)))).all()
     assert (three == np.array(product())).all()  # PLAN's two m64n64 halves: the same sums
 
 

@@ -83,8 +83,8 @@ OVERLAP = 1
 """With PIPELINE 0, 1 issues a group's products as two halves of 64 tokens (m64n64k16, 32 of the partial sums
 each) and drains the first while the tensor cores multiply the second, as grouped_wgmma.py once did; 0 waits for
 the whole m64n128k16 product, then drains it."""
-PLAN = (PIPELINE, AHEAD, WARPGROUPS, OVERLAP)
-"""(PIPELINE, AHEAD, WARPGROUPS, OVERLAP), for every shape. Measured on the H200 (4096 tokens,
+PLAN = (PIPELINE, AHEAD, WARPGROUPS, OVERLAP, STAGES)
+"""(PIPELINE, AHEAD, WARPGROUPS, OVERLAP, STAGES), for every shape. Measured on the H200 (4096 tokens,
 bench/prefill_gemms.py, session 19, ms; this plan / the same waited whole (0, 3, 3, 0) / two warpgroups pipelined
 (1, 2, 2, 0), the narrow plan of sessions 17-18): q_a 0.472 / 0.530 / 0.552, q_b 2.377 / 2.370 / 2.884, out_b
 2.232 / 2.268 / 2.547, shared gate 0.721 / 0.778 / 0.876, F16 512 x 4096 0.317 / 0.388 / 0.367, F16 8192 x 1024
@@ -303,33 +303,33 @@ n8 block j holds tokens 8 j + 2 t and 8 j + 2 t + 1 of those rows (part[4 j ..])
 
 
 @cache
-def kernel(bits: int, warpgroups: int = WARPGROUPS) -> Kernel:
-    """The kernel for Q8_0 (bits 8) or F16 (16) weights. CUDA sm_90a only. Its threadgroup memory, STAGES x
-    `stage_words`, is dynamic: 82 KB for Q8_0, 96 KB for F16 at two warpgroups."""
-    return Kernel(f"ds4_dense_wgmma_{bits}_{warpgroups}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"),
-                  ("y",), _SOURCE, shared_memory=4 * STAGES * stage_words(bits, warpgroups),
+def kernel(bits: int, warpgroups: int = WARPGROUPS, stages: int = STAGES) -> Kernel:
+    """The kernel for Q8_0 (bits 8) or F16 (16) weights. CUDA sm_90a only. Its threadgroup memory, `stages` x
+    `stage_words`, is dynamic: 91 KB for Q8_0, 112 KB for F16 at three warpgroups and four stages."""
+    return Kernel(f"ds4_dense_wgmma_{bits}_{warpgroups}_{stages}", ("xhi", "xlo", "wq", "scales", "dims", "xscale"),
+                  ("y",), _SOURCE, shared_memory=4 * stages * stage_words(bits, warpgroups),
                   launch_bounds=(128 * warpgroups, 1))
 
 
-def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int] = PLAN,
+def wgmma_affine_matmul(x: mx.array, weight: AffineWeight, plan: tuple[int, int, int, int, int] = PLAN,
                         interleaved: bool = False) -> mx.array:
     """x @ W.T as float32 for a Q8_0 affine W (OUT, IN) and x (..., IN), or W (G, OUT, IN) and x (G, T, IN), or
     with `interleaved` x (T, G, IN) -> (T, G, OUT): group g of each row by W's matrix g, read and written where
     they lie (the grouped output projection's rows, which a (G, T, ...) batch would copy twice). `plan`:
-    (PIPELINE, AHEAD, WARPGROUPS, OVERLAP), which bench/prefill_gemms.py compares."""
+    (PIPELINE, AHEAD, WARPGROUPS, OVERLAP, STAGES), which bench/prefill_gemms.py compares."""
     if weight.bits != 8:
         raise ValueError(f"the wgmma kernel takes Q8_0 weights (8 bits), not {weight.bits}")
     n_batch = 1 if weight.wq.ndim == 2 else weight.wq.shape[0]
     return _launch(x, n_batch, weight.shape[-2], weight.wq, weight.scales.astype(mx.float32), 8, plan, interleaved)
 
 
-def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int] = PLAN) -> mx.array:
+def wgmma_half_matmul(x: mx.array, w: mx.array, plan: tuple[int, int, int, int, int] = PLAN) -> mx.array:
     """x @ W.T as float32 for a float16 W (OUT, IN), IN a multiple of 32, and float32 x (..., IN)."""
     return _launch(x, 1, w.shape[0], w.view(mx.uint32), mx.zeros((1,), dtype=mx.float32), 16, plan)
 
 
 def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.array, bits: int,
-            plan: tuple[int, int, int, int], interleaved: bool = False) -> mx.array:
+            plan: tuple[int, int, int, int, int], interleaved: bool = False) -> mx.array:
     """One launch over x (..., IN), its leading axes n_batch batches of rows (one, or one per matrix of W), or
     with `interleaved` rows of n_batch groups: token t's group g is row t n_batch + g of x and of y (dims[4:]:
     x's rows from one token to the next, and from one batch to the next)."""
@@ -338,19 +338,19 @@ def _launch(x: mx.array, n_batch: int, n_out: int, wq: mx.array, scales: mx.arra
     n_rows = x.size // n_in // n_batch
     if n_rows == 0:
         return mx.zeros((*lead, n_out), dtype=mx.float32)
-    pipeline, ahead, warpgroups, overlap = plan
-    if not 1 <= ahead <= STAGES - 1 - pipeline:
-        raise ValueError(f"copies {ahead} groups ahead do not fit {STAGES} stages with PIPELINE {pipeline}")
+    pipeline, ahead, warpgroups, overlap, stages = plan
+    if not 1 <= ahead <= stages - 1 - pipeline:
+        raise ValueError(f"copies {ahead} groups ahead do not fit {stages} stages with PIPELINE {pipeline}")
     if overlap and pipeline:
         raise ValueError("OVERLAP's halves are drained within a group: PIPELINE must be 0")
     tn, threads = 64 * warpgroups, 128 * warpgroups
     col_tiles = -(-n_out // tn)
     steps = (n_batch, 1) if interleaved else (1, n_rows)
     hi, lo, row_scale = held_split(x, n_batch, layout="tiles", interleaved=interleaved)
-    (y,) = build(kernel(bits, warpgroups), current_backend())(
+    (y,) = build(kernel(bits, warpgroups, stages), current_backend())(
         inputs=[hi, lo, wq, scales,
                 mx.array([n_rows, n_out, n_in, col_tiles, *steps, tile_count(n_rows)], dtype=mx.int32), row_scale],
-        template=[("TM", TM), ("TN", tn), ("TK", TK), ("STAGES", STAGES), ("STAGE", stage_words(bits, warpgroups)),
+        template=[("TM", TM), ("TN", tn), ("TK", TK), ("STAGES", stages), ("STAGE", stage_words(bits, warpgroups)),
                   ("THREADS", threads), ("BITS", bits), ("PLANE_WORDS", PLANE_WORDS), ("LBO", LBO), ("SBO", SBO),
                   ("PIPELINE", pipeline), ("AHEAD", ahead), ("OVERLAP", overlap)],
         grid=(-(-n_rows // TM) * threads, col_tiles * n_batch, 1), threadgroup=(threads, 1, 1),
