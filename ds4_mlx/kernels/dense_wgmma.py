@@ -91,7 +91,8 @@ bench/prefill_gemms.py, session 19, ms; this plan / the same waited whole (0, 3,
 0.723 / 0.736 / 0.795. In the model (a 4-layer chunk's projections, one machine) the three were within the runs'
 spread of each other (40.6-42.8 ms), so the one plan serves every shape. With B by bulk copies (session 20; this
 plan / (0, 3, 3, 0) / (1, 2, 2, 0) / (0, 2, 3, 1)): q_b 1.821 / 1.886 / 1.938 / 1.846, out_b 1.911 / 1.870 / 1.875 /
-1.848, shared gate 0.639 / 0.641 / 0.654 / 0.653: still the one plan; a chunk's projections 40.1 → 26.8 ms."""
+1.848, shared gate 0.639 / 0.641 / 0.654 / 0.653: still the one plan; a chunk's projections 40.1 → 26.8 ms. Deeper
+pipelines (5 stages copied 4 ahead, 6 copied 5 ahead) were 5-15% slower at every shape (another machine)."""
 
 
 def stage_words(bits: int, warpgroups: int = WARPGROUPS) -> int:

@@ -64,7 +64,8 @@ TK = 64
 together: 4 U wgmma deep."""
 STAGES = 3
 """x stages in flight (32 KB each): the copies of the next STAGES - 1 land while one is multiplied. Measured (H200,
-session 18, ms per IQ2_XXS / Q2_K projection): 3.74 / 4.93 at 3 stages, 3.87 / 5.13 at 4."""
+session 18, ms per IQ2_XXS / Q2_K projection): 3.74 / 4.93 at 3 stages, 3.87 / 5.13 at 4; with B by bulk copies
+(session 20) 3.111 / 3.364 at 3, 3.066 / 3.487 at 4."""
 MINS = 1
 """Q2_K's mins: 0, a second product each stage of the same B by A = each lane's group's m (four more wgmma a slice
 and a drain); 1, one product a block by A = 16 m over the block's 16 groups and B = the tile's sums of x over each
