@@ -123,6 +123,31 @@ def test_an_input_several_projections_read_is_split_once(on_cpu):
     assert halfsplit._held is None and halfsplit.held_split(xs[0]) is not halfsplit.held_split(xs[0])
 
 
+def test_the_pairs_split_is_held_for_the_same_rows_and_counts(on_cpu):
+    """`held` (grouped_wgmma.py's split of a layer's pairs: gate and up read one, down another) hands back what it
+    made only for the same objects, every one of them (x, the counts, the rows, None alike) and the same key; the
+    tiles layout keys on the batching and interleaving too."""
+    x, counts, rows = random_activations((20, 64), seed=6), mx.array([3, 17]), mx.arange(20)
+    made = []
+
+    def make():
+        made.append(object())
+        return (made[-1],)
+
+    with halfsplit.splits_held():
+        first = halfsplit.held("slots", (x, counts, rows), 4, make)
+        assert halfsplit.held("slots", (x, counts, rows), 4, make) is first
+        assert halfsplit.held("slots", (x, mx.array([3, 17]), rows), 4, make) is not first  # equal, not the same
+        assert halfsplit.held("slots", (x, counts, None), 4, make) is not first
+        assert halfsplit.held("slots", (x, counts, rows), 5, make) is not first
+        assert len(made) == 4
+        tiles = halfsplit.held_split(x, layout="tiles")
+        assert halfsplit.held_split(x, layout="tiles") is tiles
+        assert halfsplit.held_split(x, 2, layout="tiles") is not tiles
+        batch = halfsplit.held_split(x, 2, layout="tiles")
+        assert halfsplit.held_split(x, 2, layout="tiles", interleaved=True) is not batch
+
+
 @pytest.mark.slow
 def test_emulated_split_into_blocks_equals_the_reference(on_cpu, monkeypatch, tmp_path):
     """The split kernel writing the fragment layout is the reference's bit for bit: rows from 1e-30 to 1e30 and a

@@ -469,7 +469,8 @@ def _kernel_split_slots(x: mx.array, counts: mx.array, rows: mx.array | None, n_
                         ) -> tuple[mx.array, mx.array, mx.array]:
     n, n_in = x.shape
     return tuple(build(SLOTS_KERNEL, current_backend())(
-        inputs=[x, counts.astype(mx.uint32), mx.zeros((1,), dtype=mx.uint32) if rows is None else rows.astype(mx.uint32),
+        inputs=[x, counts.astype(mx.uint32),
+                mx.zeros((1,), dtype=mx.uint32) if rows is None else rows.astype(mx.uint32),
                 mx.array([counts.size, n_in], dtype=mx.int32)],
         template=[("TM", TM), ("X_TOP", X_TOP), ("TILE_WORDS", TILE_WORDS), ("GATHER", int(rows is not None))],
         grid=(n_tiles * (TM // 8) * 256, 1, 1), threadgroup=(256, 1, 1),

@@ -86,7 +86,11 @@ queries and keys, whose products both need float32 accuracy): one row of 64 N fl
 at 2 lane + 64 j) scaled by the row's power of two, as `reference_row_scales` picks it, and split into half planes
 (word lane + 32 j of hi and lo); the scale's inverse returned, to be applied to the products. CUDA only."""
 
-_ROW_MAX = """
+_SPLIT = """
+const int tid = THREAD_IN_GROUP;
+const int row = GROUP_X;
+const int n_in = dims[0];
+const GLOBAL_MEM float* r = x + (size_t)row * n_in;
 SHARED float part[THREADS / 32];
 float m = 0.0f;
 for (int k = tid; k < n_in; k += THREADS) {
@@ -104,25 +108,16 @@ const float sc = ds4_row_scale(m, X_TOP);
 if (tid == 0) {
   scale[row] = sc;
 }
-"""
-"""The scale of row `row` of x (r, n_in floats), as one threadgroup finds it: each thread the largest magnitude of
-its strided values, then the SIMD groups' and the row's (a maximum is exact in any order; every thread takes it),
-the scale from its exponent bits as the reference builds it, written to scale[row]. A NaN is dropped by the
-comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and its NaN stays
-a NaN through the products anyway."""
-
-_SPLIT = """
-const int tid = THREAD_IN_GROUP;
-const int row = GROUP_X;
-const int n_in = dims[0];
-const GLOBAL_MEM float* r = x + (size_t)row * n_in;
-""" + _ROW_MAX + """
 for (int p = tid; p < n_in / 2; p += THREADS) {
   const size_t word = (size_t)row * (n_in / 2) + p;
   ds4_half2_split(r[2 * p] * sc, r[2 * p + 1] * sc, hi[word], lo[word]);
 }
 """
-"""One threadgroup per row: its scale, then each pair of the scaled row split into its hi and lo half pairs."""
+"""One threadgroup per row: each thread the largest magnitude of its strided values, then the SIMD groups' and the
+row's (a maximum is exact in any order; every thread takes it), the scale from its exponent bits as the reference
+builds it, then each pair of the scaled row split into its hi and lo half pairs (word p written at p). A NaN is
+dropped by the comparisons where the reference's max keeps it: such a row gets the scale of its finite values, and
+its NaN stays a NaN through the products anyway."""
 
 SPLIT_KERNEL = Kernel("ds4_split_rows", ("x", "dims"), ("hi", "lo", "scale"), _SPLIT, ROW_SCALE)
 
@@ -188,6 +183,7 @@ threadgroup memory."""
 
 
 def tile_count(rows: int) -> int:
+    """Tiles of TILE_ROWS that hold `rows` rows (the last one padded)."""
     return -(-rows // TILE_ROWS)
 
 
