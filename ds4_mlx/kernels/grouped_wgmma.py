@@ -9,9 +9,9 @@ two halves give float32 accuracy), arranged as dense_wgmma.py arranges the Q8_0 
   its group t): the signed magnitudes times the sub-block's odd k, exact halves, the block's d / 8 to the drain.
   For Q2_K they are one byte run of the qs bytes: sc q as exact halves (sc the 4-bit scale of the lane's group of
   16, t / 2), the block's d to the drain;
-- B = x: TM = 128 pairs of the tile as columns, their hi and lo planes (halfsplit's tiles layout, each row's
-  16-byte runs gathered by row index for gate and up: the split the shared expert's dense_wgmma.py reads of the
-  same rows) copied by cp.async STAGES deep;
+- B = x: TM = 128 pairs of the tile as columns, their hi and lo planes, from the pairs split into tiles of their
+  own (`split_slots`: each pair's row, its token's for gate and up, in its slot of halfsplit's tiles layout, so
+  that a stage's plane is one block), two bulk copies a stage, STAGES deep;
 - Q2_K's mins: the term -dmin m sum(x) of a group is one more product of the same B by an A that holds the lane's
   group's m in all four of its values (exact halves), drained with -dmin; or (MINS) one product a block of the
   tile's group sums of x by A = 16 m.
