@@ -224,7 +224,7 @@ with open(sys.argv[1], 'wb') as f: [f.write(b) for _ in range(256)]" $src; }
       for regex in ${regexes//,/ }; do
         timeout "$(left 30)" /usr/local/cuda/bin/ncu --set full -k "regex:$regex" -c 1 -o /tmp/attn -f \
           python3 bench/chunk_attention.py --calls 1 --repeats 1 > "$out/ncuattn.log" 2>&1; tail -1 "$out/ncuattn.log"
-        timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/attn.ncu-rep >> "$out/ncuattn_summary.txt" 2>&1
+        timeout "$(left 5)" python3 bench/ncu_summary.py /tmp/attn.ncu-rep --listings "$out/sass" >> "$out/ncuattn_summary.txt" 2>&1
       done
       grep -v "^    " "$out/ncuattn_summary.txt" | tail -40 ;;
     ncu*)
