@@ -84,10 +84,12 @@ def test_emulated_split_tiles_equals_the_reference(on_cpu, interleaved, monkeypa
     for g, w in zip(got, want, strict=True):
         assert registry.disagreement(g, w, 0.0) is None
     assert mx.array_equal(want[2], reference_split_rows(x)[2])
-    x = random_activations((2 * 150, 64), seed=5)  # a whole tile and a partial one a batch
-    for g, w in zip(halfsplit._kernel_split_tiles(x, 2, interleaved), reference_split_tiles(x, 2, interleaved),
-                    strict=True):
-        assert registry.disagreement(g, w, 0.0) is None
+    # a whole tile and a partial one a batch; rows of 33 groups (each SIMD group splits several, one more than the
+    # rest)
+    for x in (random_activations((2 * 150, 64), seed=5), random_activations((20, 1056), seed=6)):
+        for g, w in zip(halfsplit._kernel_split_tiles(x, 2, interleaved), reference_split_tiles(x, 2, interleaved),
+                        strict=True):
+            assert registry.disagreement(g, w, 0.0) is None
 
 
 @pytest.mark.parametrize("bits", [8, 16])

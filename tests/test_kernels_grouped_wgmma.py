@@ -128,7 +128,9 @@ def test_emulated_slot_split_equals_the_reference(on_cpu, emulated):
     """The pairs' split into their tiles (`split_slots`'s kernel) is the reference's bit for bit in every tile the
     GEMMs read, gathered (rows of sizes 1e-4 to 1e4, each read by three or four pairs) or not."""
     x, counts, rows, n_tiles = grouped_wgmma._slots_probe(64)
-    for args in ((x, counts, rows, n_tiles), (x[:30], mx.array([0, 17, 13], dtype=mx.uint32), None, 4)):
+    wide = mx.array(np.random.default_rng(9).standard_normal((30, 1056)).astype(np.float32))  # 33 groups a row
+    for args in ((x, counts, rows, n_tiles), (x[:30], mx.array([0, 17, 13], dtype=mx.uint32), None, 4),
+                 (wide, mx.array([17, 13], dtype=mx.uint32), None, 3)):
         got, want = grouped_wgmma._slots_checked(*args), grouped_wgmma.reference_split_slots(*args)
         for g, w in zip(got, want, strict=True):
             assert registry.disagreement(g, w, 0.0) is None
