@@ -126,6 +126,34 @@ accumulators acc[j][e][h] (W row wrow + 8 h of the tile, token 8 j + 2 t + e) st
 the row's scale undone; rows past the tile's and outputs past OUT are not written."""
 
 
+BULK_B = """
+SHARED unsigned long long landed[STAGES];
+if (tid == 0) {
+  #pragma unroll
+  for (int b = 0; b < STAGES; ++b) {
+    ds4_bar_init(&landed[b], 1);
+  }
+}
+const GLOBAL_MEM uint32_t* x_src[2] = {xhi + B_TILE, xlo + B_TILE};
+auto load_b = [&](int s) {
+  if (tid == 0) {
+    SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
+    ds4_bar_expect(&landed[s % STAGES], 8 * PLANE_WORDS);
+    #pragma unroll
+    for (int plane = 0; plane < 2; ++plane) {
+      ds4_bulk_copy(st + plane * PLANE_WORDS, x_src[plane] + (size_t)s * PLANE_WORDS, 4 * PLANE_WORDS,
+                    &landed[s % STAGES]);
+    }
+  }
+};
+auto wait_b = [&](int s) { ds4_bar_wait(&landed[s % STAGES], (s / STAGES) & 1); };
+"""
+"""Both wgmma kernels' B (this one's and grouped_wgmma.py's): a transaction barrier a stage buffer (`landed`, made
+by thread 0; a ds4_barrier() must follow before any wait), `load_b(s)` (thread 0: stage s's hi and lo planes, one
+bulk copy of PLANE_WORDS words each from the tile's blocks at word B_TILE of xhi and xlo, into buffer s % STAGES)
+and `wait_b(s)` (until they landed: the barrier's phase s / STAGES)."""
+
+
 _SOURCE = TILE + """
 constexpr int WW = TN * TK * BITS / 32;
 constexpr int WC = TK * BITS / 128;
@@ -137,16 +165,8 @@ auto x_row = [&](int r) -> size_t { return (size_t)(row0 + r) * dims[4] + (size_
 if (tid < TM) {
   rsx[tid] = tid < rows ? xscale[x_row(tid)] : 0.0f;
 }
-SHARED unsigned long long landed[STAGES];
-if (tid == 0) {
-  #pragma unroll
-  for (int b = 0; b < STAGES; ++b) {
-    ds4_bar_init(&landed[b], 1);
-  }
-}
+""" + BULK_B.replace("B_TILE", "((size_t)batch * dims[6] + GROUP_X) * groups * PLANE_WORDS") + """
 ds4_barrier();
-const size_t tile_at = ((size_t)batch * dims[6] + GROUP_X) * groups * PLANE_WORDS;
-const GLOBAL_MEM uint32_t* x_src[2] = {xhi + tile_at, xlo + tile_at};
 const GLOBAL_MEM uint32_t* w_src[WC * TN / THREADS];
 bool w_ok[WC * TN / THREADS];
 #pragma unroll
@@ -159,14 +179,7 @@ const bool s_ok = BITS == 8 && tid < TN && col0 + tid < n_out;
 const GLOBAL_MEM float* s_src = scales + (BITS == 8 ? ((size_t)batch * n_out + col0 + (s_ok ? tid : 0)) * groups : 0);
 auto load_stage = [&](int s) {
   SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
-  if (tid == 0) {
-    ds4_bar_expect(&landed[s % STAGES], 8 * PLANE_WORDS);
-    #pragma unroll
-    for (int plane = 0; plane < 2; ++plane) {
-      ds4_bulk_copy(st + plane * PLANE_WORDS, x_src[plane] + (size_t)s * PLANE_WORDS, 4 * PLANE_WORDS,
-                    &landed[s % STAGES]);
-    }
-  }
+  load_b(s);
   #pragma unroll
   for (int i = 0; i < WC * TN / THREADS; ++i) {
     ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(st + B_WORDS + 4 * (tid + THREADS * i)),
@@ -190,7 +203,7 @@ float scale[2][2];
 unsigned int frag[2][2][4];
 auto issue = [&](int s, float (&p)[64], float (&sc)[2], unsigned int (&a)[2][4]) {
   ds4_async_wait_keep<AHEAD - 1>();
-  ds4_bar_wait(&landed[s % STAGES], (s / STAGES) & 1);
+  wait_b(s);
   ds4_barrier();
   if (s + AHEAD < groups) {
     load_stage(s + AHEAD);

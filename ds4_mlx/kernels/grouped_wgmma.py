@@ -47,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..model.gguf import GGMLType
-from .dense_wgmma import LBO, SBO, STORE, hopper
+from .dense_wgmma import BULK_B, LBO, SBO, STORE, hopper
 from .dialect import SIMD_EXCLUSIVE_SUM, Kernel, build
 from .grouped_gemm import TILE_HEAD, TILE_SCAN, launch_grouped, row_tiles
 from .grouped_raw import GRID_HEADER
@@ -116,32 +116,12 @@ if (tid < TM) {
   xr[tid] = at;
   rsx[tid] = tid < rows ? xscale[at] : 0.0f;
 }
-SHARED unsigned long long landed[STAGES];
-if (tid == 0) {
-  #pragma unroll
-  for (int b = 0; b < STAGES; ++b) {
-    ds4_bar_init(&landed[b], 1);
-  }
-}
-W_SETUP
+""" + BULK_B.replace("B_TILE", "(size_t)tile * (n_in / 32) * TILE_WORDS") + """W_SETUP
 ds4_barrier();
 const int blocks = n_in / 256;
 const size_t row_bytes = (size_t)blocks * BLOCK_BYTES;
 const size_t bank_bytes = (size_t)n_expert * n_out * row_bytes;
 const size_t tile_bytes = ((size_t)expert * n_out + col0) * row_bytes;
-const size_t tile_at = (size_t)tile * (n_in / 32) * TILE_WORDS;
-const GLOBAL_MEM uint32_t* x_src[2] = {xhi + tile_at, xlo + tile_at};
-auto load_stage = [&](int s) {
-  if (tid == 0) {
-    SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
-    ds4_bar_expect(&landed[s % STAGES], 8 * PLANE_WORDS);
-    #pragma unroll
-    for (int plane = 0; plane < 2; ++plane) {
-      ds4_bulk_copy(st + plane * PLANE_WORDS, x_src[plane] + (size_t)s * PLANE_WORDS, 4 * PLANE_WORDS,
-                    &landed[s % STAGES]);
-    }
-  }
-};
 auto load_w = [&](int b) {
   if (b < blocks) {
     SHARED_MEM unsigned int* slot = wbuf + (b % W_SLOTS) * SLOT;
@@ -184,7 +164,7 @@ const int steps = n_in / TK;
 #pragma unroll
 for (int s = 0; s < STAGES - 1; ++s) {
   if (s < steps) {
-    load_stage(s);
+    load_b(s);
   }
   ds4_async_commit();
 }
@@ -229,7 +209,7 @@ auto multiply = [&](const SHARED_MEM unsigned int* st, unsigned int (&a)[U][2][4
 };
 for (int s = 0; s < steps; ++s) {
   ds4_async_wait_keep<STAGES - 2>();
-  ds4_bar_wait(&landed[s % STAGES], (s / STAGES) & 1);
+  wait_b(s);
   if (MINS) {
     ds4_fence_async_shared();
   }
@@ -238,7 +218,7 @@ for (int s = 0; s < steps; ++s) {
     load_w(s / PER_BLOCK + W_SLOTS - 1);
   }
   if (s + STAGES - 1 < steps) {
-    load_stage(s + STAGES - 1);
+    load_b(s + STAGES - 1);
   }
   ds4_async_commit();
   const SHARED_MEM unsigned int* st = buffer + (s % STAGES) * STAGE;
