@@ -276,8 +276,9 @@ const int batch = GROUP_X / blocks;
 const int slot0 = (GROUP_X - batch * blocks) * 8;
 const int tile_index = batch * tiles + slot0 / TILE_ROWS;
 const int n0 = slot0 % TILE_ROWS;
-auto real = [&](int n) { return slot0 - n0 + n < t_rows; };
-auto x_row = [&](int n) { return INTERLEAVED ? (slot0 - n0 + n) * n_batch + batch : batch * t_rows + slot0 - n0 + n; };
+const int first = slot0 - n0;
+auto real = [&](int n) { return first + n < t_rows; };
+auto x_row = [&](int n) { return INTERLEAVED ? (first + n) * n_batch + batch : batch * t_rows + first + n; };
 """ + TILE_BLOCK
 """`TILE_BLOCK` over batch b's rows, tiles of TILE_ROWS: slot n of its tile i is the batch's row 128 i + n."""
 
