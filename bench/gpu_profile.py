@@ -90,10 +90,15 @@ def timeline(trace: dict, repeats: int, lines: bool) -> None:
     print(f"GPU timeline: kernels cover {union / repeats:.0f} us per run (union); the last run spans {span:.0f} us")
     if not lines:
         return
-    start, end = last[0][0], last[0][0]
+    start, end, previous, gaps = last[0][0], last[0][0], "", []
     for ts, dur, name in last:
         print(f"  {ts - start:8.1f} {dur:6.1f} us  gap {ts - end:6.1f}  {_short(name)}")
-        end = max(end, ts + dur)
+        gaps.append((ts - end, ts - start, previous, _short(name)))
+        end, previous = max(end, ts + dur), _short(name)
+    idle = [gap for gap in gaps if gap[0] > 0]
+    print(f"idle: {sum(gap[0] for gap in idle):.0f} us in {len(idle)} gaps; the largest (gap, at, after, before):")
+    for gap, at, before, after in sorted(idle, reverse=True)[:16]:
+        print(f"  {gap:8.1f} us at {at:9.1f}  {before} -> {after}")
 
 
 def api_table(trace: dict, repeats: int) -> None:
@@ -179,7 +184,8 @@ def main() -> int:
             t = time.perf_counter()
             mx.eval(model.prefill(tokens[i * chunk:(i + 1) * chunk], cache, chunk_size=chunk))
             print(f"chunk {i}: {time.perf_counter() - t:.3f} s ({chunk / (time.perf_counter() - t):.0f} t/s)")
-        kernel_table(lambda: mx.eval(model.prefill(tokens[3 * chunk:], cache, chunk_size=chunk)), 1, args.top)
+        kernel_table(lambda: mx.eval(model.prefill(tokens[3 * chunk:], cache, chunk_size=chunk)), 1, args.top,
+                     args.timeline)
         return 0
     session = Session(model, args.ctx)
     session.prefill([i % 1000 + 5 for i in range(args.at)])

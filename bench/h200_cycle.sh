@@ -12,7 +12,8 @@
 #   decoder[:N[:AT]] where a token's time goes through the decode graphs (bench/graph_decoder.py): the session's
 #                  loop part by part, each kind's graph alone, the GPU timeline of a few tokens (default 43 layers, 2k)
 #   diff[:N[:AT]]  where the decode graph first parts from MLX, launch by launch (bench/graph_diff.py)
-#   prefill        the same for one 4096-token prefill chunk (the session's chunk on CUDA)
+#   prefill[:C]    the same for one C-token prefill chunk (default 4096; the session's chunk on CUDA is 8192) at
+#                  position 3C, with the timeline's idle gaps: their sum and the largest, between which kernels
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
 #   plans[:FLAGS]  the decode matvec kernel at Flash's shapes under every launch plan (bench/matvec_plans.py);
@@ -104,10 +105,12 @@ for step in "$@"; do
       timeout "$(left 60)" python3 bench/gpu_profile.py --layers "$layers" --at "$at" --ctx $(( at + 128 )) --top 40 $lines \
         > "$out/profile$layers.txt" 2>&1
       grep -v "warnings.warn\|_warn_once\|UserWarning" "$out/profile$layers.txt" | cut -c1-120 | head -150 ;;
-    prefill)
-      timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill 4096 --ctx 16400 --top 30 \
-        > "$out/prefill.txt" 2>&1
-      grep -v "warnings.warn\|_warn_once\|UserWarning" "$out/prefill.txt" | cut -c1-170 | head -42 ;;
+    prefill*)
+      chunk=$(step_n 4096)
+      timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill "$chunk" --ctx $(( 4 * chunk + 16 )) \
+        --top 90 --timeline > "$out/prefill.txt" 2>&1
+      grep -v "warnings.warn\|_warn_once\|UserWarning\|^   *[0-9.]* *[0-9.]* us  gap" "$out/prefill.txt" | cut -c1-170 \
+        | head -60 ;;
     bench*)
       IFS=: read -r _ layers max <<< "$step:"; layers=${layers:-43}; max=${max:-2048}
       timeout "$(left 15)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start 512 \

@@ -34,7 +34,7 @@ from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
 from ds4_mlx.kernels.quants import dequantize
 from ds4_mlx.model.compressor import POOL_STEP, POOL_STEP_PAIR, Frontier, pool_step
 from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType
-from ds4_mlx.model.hyper_connection import post_pre, pre, split, update
+from ds4_mlx.model.hyper_connection import mix, post_pre, pre, split, update
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
 from ds4_mlx.model.quant_sim import kv_fp8
 from emulated_cuda import emulated, emulated_build
@@ -137,6 +137,19 @@ def test_emulated_hc_pre_equals_the_reference(shape, monkeypatch, tmp_path):
     want = pre(*args)
     through_emulation(monkeypatch, tmp_path)
     assert_close(hc.HCPre._kernel(*args), want)
+
+
+@pytest.mark.parametrize("shape", [(42, 4, 4096), (37, 2, 320)], ids=str)
+def test_emulated_hc_mix_equals_the_reference(shape, monkeypatch, tmp_path):
+    """A chunk's mix at Flash's width, the last threadgroup partly idle and its last SIMD group with two of four
+    tokens; a narrower one with 8 fn rows."""
+    tokens, n, d = shape
+    m = (2 + n) * n
+    args = (random_activations((tokens, n * d), seed=d), random_activations((m, n * d), seed=9) * (2 / (n * d) ** 0.5),
+            1e-6)
+    want = mix(*args)
+    through_emulation(monkeypatch, tmp_path)
+    assert_close((hc.HCMix._kernel(*args),), (want,))
 
 
 @pytest.mark.parametrize("n", [4, 2])

@@ -10,12 +10,12 @@ import pytest
 
 from ds4_mlx.kernels import hc, registry
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.hc import PRE_TOKENS, TOLERANCE, HCPostPre, HCPre
+from ds4_mlx.kernels.hc import MIX_TOKENS, PRE_TOKENS, TOLERANCE, HCMix, HCPostPre, HCPre
 from ds4_mlx.kernels.probe import random_activations
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.graph import STAND_IN, VIEWS, graph_nodes
-from ds4_mlx.model.hyper_connection import (POST_PRE, PRE, SPLIT, UPDATE, HyperConnection, PendingPost, post_pre, pre,
-                                            split, update)
+from ds4_mlx.model.hyper_connection import (MIX, POST_PRE, PRE, SPLIT, UPDATE, HyperConnection, PendingPost, mix,
+                                            post_pre, pre, split, update)
 
 N_HC, N_EMBD, ITERS, EPS, NORM_EPS = FLASH.n_hc, FLASH.n_embd, FLASH.sinkhorn_iters, FLASH.hc_eps, FLASH.rms_eps
 
@@ -49,7 +49,7 @@ def test_pre_kernels_are_used_and_equal_reference(kernels_unforced, tokens):
         assert mx.max(mx.abs(g - w)).item() <= TOLERANCE * mx.max(mx.abs(w)).item()
 
 
-@pytest.mark.parametrize("kernel", [hc.split_kernel(EPS), hc.PARTIALS_KERNEL, hc.collapse_kernel(EPS, NORM_EPS),
+@pytest.mark.parametrize("kernel", [hc.mix_kernel(NORM_EPS), hc.split_kernel(EPS), hc.PARTIALS_KERNEL, hc.collapse_kernel(EPS, NORM_EPS),
                                     hc.update_kernel(1), hc.update_kernel(2), hc.post_partials_kernel(1),
                                     hc.post_partials_kernel(2)], ids=lambda k: k.name)
 def test_kernels_render_for_cuda_and_metal(kernel):
@@ -71,6 +71,39 @@ def test_fused_pre_takes_decode_sized_float32_inputs():
     assert not HCPre.fits(mx.zeros((PRE_TOKENS + 1, N_HC, N_EMBD)), fn)
     assert not HCPre.fits(mx.zeros((1, N_HC, N_EMBD), dtype=mx.bfloat16), fn)
     assert not HCPre.fits(mx.zeros((1, 3, 4096)), mx.zeros((15, 3 * 4096)))
+
+
+def test_mix_kernel_takes_float32_chunks_of_mix_tokens():
+    """Shorter chunks keep the rms_norm and the matmul (a few threadgroups would leave the GPU idle)."""
+    fn = mx.zeros(((2 + N_HC) * N_HC, N_HC * N_EMBD))
+    assert HCMix.fits(mx.zeros((MIX_TOKENS, N_HC * N_EMBD)), fn)
+    assert not HCMix.fits(mx.zeros((MIX_TOKENS - 1, N_HC * N_EMBD)), fn)
+    assert not HCMix.fits(mx.zeros((MIX_TOKENS, N_HC * N_EMBD), dtype=mx.bfloat16), fn)
+    assert not HCMix.fits(mx.zeros((MIX_TOKENS, 1000)), mx.zeros((24, 1000)))  # not whole 128-value slices
+    assert not HCMix.fits(mx.zeros((MIX_TOKENS, 1024)), mx.zeros((40, 1024)))  # more rows than a lane holds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [MIX_TOKENS, 8192 + 3])
+def test_mix_kernel_is_used_and_equals_reference(kernels_unforced, tokens):
+    """A chunk's mix in one launch against rms_norm + matmul; 8195 tokens leave the last threadgroup partly idle."""
+    m, k = (2 + N_HC) * N_HC, N_HC * N_EMBD
+    args = (scaled((tokens, k), 25), scaled((m, k), 26, 2 / k**0.5), NORM_EPS)
+    got = MIX(*args)
+    assert MIX.fast_path.decisions()[registry.current_backend(), ((m, k), NORM_EPS)].fast
+    want = mix(*args)
+    assert mx.max(mx.abs(got - want)).item() <= TOLERANCE * mx.max(mx.abs(want)).item()
+
+
+def test_a_chunk_pre_is_two_launches_on_gpu_backends(on_cpu):
+    """Planned for CUDA, a chunk of MIX_TOKENS tokens: the mix and the split, no rms_norm and no matmul."""
+    m, k = (2 + N_HC) * N_HC, N_HC * N_EMBD
+    args = (scaled((MIX_TOKENS, N_HC, N_EMBD), 27), scaled((m, k), 28, 2 / k**0.5), 1 + scaled((3,), 29, 0.2),
+            scaled((m,), 30, 0.5), ITERS, EPS, NORM_EPS)
+    mx.eval(*args[:4])
+    with registry.planning("cuda"):
+        nodes = graph_nodes(list(PRE(*args)))
+    assert Counter(n for n in nodes.values() if n not in VIEWS) == {STAND_IN: 2}
 
 
 @pytest.mark.gpu

@@ -8,9 +8,11 @@ a kernel launch on a GPU. Here:
 - `HCPre`, for decode-sized inputs: rms_norm, the mix projection fn (24 x n D) and the split in two
   launches (the first spreads the 16384-long dot products over many threadgroups, the second adds their partial
   sums and splits);
+- `HCMix`, for prefill chunks: the mix logits rms_norm(flat streams) @ fn.T in one launch that reads the streams
+  once (as ops: a normed copy of the streams written and read back by a narrow float32 matmul);
 - `HCSplit`: mix (T, (2+n)n) -> pre weights, post (T, n), comb (T, n, n) by the Sinkhorn projection (one SIMD
   group per token, one lane per comb entry), and the collapsed input sum_r pre_r H_r (T, D) by every thread of
-  the group; prefill chunks use it after the mix matmul;
+  the group; prefill chunks use it after the mix;
 - `HCUpdate`: new streams H'_c = post_c * out + sum_r comb[r, c] H_r (T, n, D), one thread per (token, dim); the
   output may come as two addends (the MoE's routed and shared parts), added here rather than in a launch of its own;
 - `HCPostPre`, for decode-sized inputs: a sublayer's update and the next sublayer's pre in two launches instead of
@@ -40,6 +42,13 @@ PRE_TOKENS = 8
 """Token counts up to this take HCPre's two launches (decode, drafts); longer chunks the mix matmul + HCSplit."""
 PRE_SLICE = 4 * SIMD_WIDTH
 """Inputs per threadgroup of the fused pre's first launch: one float4 per lane."""
+MIX_TOKENS = 512
+"""Chunks of at least this many tokens take HCMix for the mix; shorter ones past PRE_TOKENS the rms_norm and the
+matmul (HCMix's threadgroups take 32 tokens each: fewer than this leave most of a large GPU idle)."""
+MIX_WARPS = 8
+MIX_TOKENS_PER_WARP = 4
+MIX_ROWS = 32
+"""fn rows HCMix takes at most: a lane holds (rows + 1) x MIX_TOKENS_PER_WARP sums in registers (Flash: 24)."""
 
 _SINKHORN = """
 float top = c;
@@ -224,6 +233,65 @@ if (g == SLICES) {
 }
 """.replace("/*SINKHORN*/", _SINKHORN)
 
+_MIX = """
+const int lane = SIMD_LANE;
+const int tokens = count[0];
+const int first = (GROUP_X * WARPS + SIMD_INDEX) * TW;
+if (first < tokens) {
+  const GLOBAL_MEM float* row[TW];
+#pragma unroll
+  for (int j = 0; j < TW; ++j) {
+    row[j] = flat + (size_t)(first + j < tokens ? first + j : tokens - 1) * K;
+  }
+  float acc[TW][M + 1];  // [j][M]: token j's sum of squares
+#pragma unroll
+  for (int j = 0; j < TW; ++j) {
+#pragma unroll
+    for (int o = 0; o <= M; ++o) {
+      acc[j][o] = 0.0f;
+    }
+  }
+  float4 v[TW], next[TW];
+#pragma unroll
+  for (int j = 0; j < TW; ++j) {
+    next[j] = *reinterpret_cast<const GLOBAL_MEM float4*>(row[j] + lane * 4);
+  }
+  for (int at = lane * 4; at < K; at += 4 * 32) {
+#pragma unroll
+    for (int j = 0; j < TW; ++j) {
+      v[j] = next[j];
+      if (at + 4 * 32 < K) {  // the next slice's loads in flight while this one is multiplied
+        next[j] = *reinterpret_cast<const GLOBAL_MEM float4*>(row[j] + at + 4 * 32);
+      }
+      acc[j][M] += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    }
+#pragma unroll
+    for (int o = 0; o < M; ++o) {
+      const float4 f = *reinterpret_cast<const GLOBAL_MEM float4*>(fn + (size_t)o * K + at);
+#pragma unroll
+      for (int j = 0; j < TW; ++j) {
+        acc[j][o] += v[j].x * f.x + v[j].y * f.y + v[j].z * f.z + v[j].w * f.w;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < TW; ++j) {
+    const float rms_scale = 1.0f / sqrt(ds4_simd_sum(acc[j][M]) / (float)K + NORM_EPS);
+#pragma unroll
+    for (int o = 0; o < M; ++o) {
+      const float dot = ds4_simd_sum(acc[j][o]);
+      if (lane == 0 && first + j < tokens) {
+        mix[(size_t)(first + j) * M + o] = dot * rms_scale;
+      }
+    }
+  }
+}
+"""
+"""The mix of TW tokens a SIMD group (rows past the count repeat the last token's and write nothing): each lane adds
+its float4 slices' squares and dot products with every fn row (fn's slice read once for TW tokens), then the lanes'
+sums are added and scaled by the rms factor. The early exit is whole SIMD groups: no barrier, no shuffle skipped
+by part of a group."""
+
 _UPDATE = """
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
 if (i < (size_t)count[0] * D) {
@@ -275,6 +343,13 @@ PARTIALS_KERNEL = Kernel("ds4_hc_pre_partials", ("streams", "fn"), ("partials",)
 
 
 @cache
+def mix_kernel(norm_eps: float) -> Kernel:
+    """HCMix's kernel with the rms_norm's epsilon written in; the token count is an input (`count`)."""
+    return Kernel("ds4_hc_mix", ("flat", "fn", "count"), ("mix",), _MIX,
+                  f"CONSTANT float NORM_EPS = {norm_eps!r}f;\n")
+
+
+@cache
 def collapse_kernel(eps: float, norm_eps: float) -> Kernel:
     """The second launch of the fused pre, with both epsilons written in."""
     header = f"CONSTANT float EPS = {eps!r}f;\nCONSTANT float NORM_EPS = {norm_eps!r}f;\n"
@@ -319,6 +394,53 @@ class HCSplit:
                 random_activations((m,), seed=23), random_activations((3, n, d), seed=24), iters, eps)
 
 
+class HCMix:
+    """A prefill chunk's mix logits rms_norm(flat streams) @ fn.T (T, M), by one kernel where it passed its check.
+
+    In ops this is an rms_norm that writes the normed streams (T, n D) and a float32 matmul with 24 columns that
+    reads them back: on the H200 at 8192 tokens ~280 µs, then 270-520 µs (cuBLAS's SIMT GEMM, made for wide
+    outputs), two per layer. The kernel reads the streams once: MIX_WARPS SIMD groups a threadgroup, each adding
+    the squares and fn dot products of MIX_TOKENS_PER_WARP tokens (_MIX), the rms factor applied to the sums as
+    HCPre's collapse applies it. Float32 sums in another order: within TOLERANCE (HCPre's argument)."""
+
+    def __init__(self, reference: Callable[[mx.array, mx.array, float], mx.array]):
+        self.fast_path = FastPath("hc_mix", reference, self._kernel, self._probe, tolerance=TOLERANCE,
+                                  backends=("cuda", "metal"))
+
+    def __call__(self, flat: mx.array, fn: mx.array, norm_eps: float) -> mx.array:
+        """flat streams (T, n D), fn (M, n D) -> (T, M)."""
+        if not self.fits(flat, fn):
+            return self.fast_path.reference(flat, fn, norm_eps)
+        return self.fast_path(flat, fn, norm_eps, key=(tuple(fn.shape), norm_eps))
+
+    @staticmethod
+    def fits(flat: mx.array, fn: mx.array) -> bool:
+        """A chunk of at least MIX_TOKENS float32 tokens whose width splits into 128-value slices, at most
+        MIX_ROWS fn rows."""
+        t, k = flat.shape
+        return (t >= MIX_TOKENS and k % PRE_SLICE == 0 and fn.shape[1] == k and fn.shape[0] <= MIX_ROWS
+                and flat.dtype == fn.dtype == mx.float32)
+
+    @staticmethod
+    def _kernel(flat, fn, norm_eps) -> mx.array:
+        t, (m, k) = flat.shape[0], fn.shape
+        per_group = MIX_WARPS * MIX_TOKENS_PER_WARP
+        (mix,) = build(mix_kernel(norm_eps), current_backend())(
+            inputs=[flat, fn, mx.array([t], dtype=mx.int32)],
+            template=[("K", k), ("M", m), ("TW", MIX_TOKENS_PER_WARP), ("WARPS", MIX_WARPS)],
+            grid=(-(-t // per_group) * MIX_WARPS * SIMD_WIDTH, 1, 1), threadgroup=(MIX_WARPS * SIMD_WIDTH, 1, 1),
+            output_shapes=[(t, m)], output_dtypes=[mx.float32],
+        )
+        return mix
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """42 tokens (a last threadgroup partly idle, a last SIMD group with two of its four), inputs as HCPre's
+        probe makes them."""
+        (m, k), norm_eps = key
+        return random_activations((42, k), seed=45), random_activations((m, k), seed=46) * (2.0 / k**0.5), norm_eps
+
+
 class HCPre:
     """A hyper-connection's whole pre (rms_norm, the mix projection, split) in two launches, for a few tokens.
 
@@ -345,8 +467,8 @@ class HCPre:
 
     @staticmethod
     def fits(streams: mx.array, fn: mx.array) -> bool:
-        """A decode-sized float32 input whose width splits into whole 128-value slices (prefill chunks take
-        the mix matmul and HCSplit: their matmul is efficient, while this path reads fn once per token)."""
+        """A decode-sized float32 input whose width splits into whole 128-value slices (prefill chunks take the
+        mix (HCMix, or the matmul) and HCSplit: this path reads fn once per token)."""
         t, n, d = streams.shape
         return (t <= PRE_TOKENS and sinkhorn_fits(n) and (n * d) % PRE_SLICE == 0
                 and fn.shape == ((2 + n) * n, n * d) and streams.dtype == fn.dtype == mx.float32)

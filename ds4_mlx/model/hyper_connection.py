@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ds4_mlx.kernels.ends import HeadCollapse
-from ds4_mlx.kernels.hc import HCPostPre, HCPre, HCSplit, HCUpdate
+from ds4_mlx.kernels.hc import HCMix, HCPostPre, HCPre, HCSplit, HCUpdate
 from ds4_mlx.model.norm import rms_norm
 
 
@@ -60,12 +60,16 @@ def update(output: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
     return post[:, :, None] * output[:, None, :] + mx.swapaxes(comb, -1, -2) @ streams
 
 
+def mix(flat: mx.array, fn: mx.array, norm_eps: float) -> mx.array:
+    """The mix logits (T, (2+n)n) of flattened streams (T, n D): rms_norm(flat) @ fn.T."""
+    return rms_norm(flat, None, norm_eps) @ fn.T
+
+
 def pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, eps: float,
         norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
-    """`HyperConnection.pre` of streams (T, n, D): mix = rms_norm(flattened streams) @ fn.T, then `split`."""
+    """`HyperConnection.pre` of streams (T, n, D): the `mix` of the flattened streams, then `split`."""
     flat = streams.reshape(streams.shape[0], -1)
-    mix = rms_norm(flat, None, norm_eps) @ fn.T
-    return SPLIT(mix, scale, base, streams, iters, eps)
+    return SPLIT(MIX(flat, fn, norm_eps), scale, base, streams, iters, eps)
 
 
 def post_pre(output: mx.array, addend: mx.array | None, streams: mx.array, post: mx.array, comb: mx.array,
@@ -76,12 +80,13 @@ def post_pre(output: mx.array, addend: mx.array | None, streams: mx.array, post:
     return (new, *pre(new, fn, scale, base, iters, eps, norm_eps))
 
 
+MIX = HCMix(mix)
 SPLIT = HCSplit(split)
 UPDATE = HCUpdate(update)
 PRE = HCPre(pre)
 POST_PRE = HCPostPre(post_pre, UPDATE, PRE)
-"""Fused kernels where a GPU backend has passed the first-use check (kernels/hc.py): split and update one launch
-each, the whole pre of a few tokens two launches (longer chunks: `pre` itself, the mix matmul then SPLIT), and an
+"""Fused kernels where a GPU backend has passed the first-use check (kernels/hc.py): mix, split and update one
+launch each, the whole pre of a few tokens two launches (longer chunks: `pre` itself, MIX then SPLIT), and an
 update with the pre after it two launches too (elsewhere UPDATE, then PRE)."""
 
 
