@@ -141,8 +141,8 @@ def test_emulated_hc_pre_equals_the_reference(shape, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("shape", [(42, 4, 4096), (37, 2, 320)], ids=str)
 def test_emulated_hc_mix_equals_the_reference(shape, monkeypatch, tmp_path):
-    """A chunk's mix at Flash's width, the last threadgroup partly idle and its last SIMD group with two of four
-    tokens; a narrower one with 8 fn rows."""
+    """A chunk's mix at Flash's width, the last threadgroup partly idle (a group of tokens with two of its eight, two
+    with none); a narrower one with 8 fn rows and five slices."""
     tokens, n, d = shape
     m = (2 + n) * n
     args = (random_activations((tokens, n * d), seed=d), random_activations((m, n * d), seed=9) * (2 / (n * d) ** 0.5),

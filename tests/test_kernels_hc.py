@@ -81,6 +81,7 @@ def test_mix_kernel_takes_float32_chunks_of_mix_tokens():
     assert not HCMix.fits(mx.zeros((MIX_TOKENS, N_HC * N_EMBD), dtype=mx.bfloat16), fn)
     assert not HCMix.fits(mx.zeros((MIX_TOKENS, 1000)), mx.zeros((24, 1000)))  # not whole 128-value slices
     assert not HCMix.fits(mx.zeros((MIX_TOKENS, 1024)), mx.zeros((40, 1024)))  # more rows than a lane holds
+    assert not HCMix.fits(mx.zeros((MIX_TOKENS, 1024)), mx.zeros((23, 1024)))  # rows in two halves
 
 
 @pytest.mark.gpu

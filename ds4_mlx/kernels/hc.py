@@ -46,9 +46,10 @@ MIX_TOKENS = 512
 """Chunks of at least this many tokens take HCMix for the mix; shorter ones past PRE_TOKENS the rms_norm and the
 matmul (HCMix's threadgroups take 32 tokens each: fewer than this leave most of a large GPU idle)."""
 MIX_WARPS = 8
-MIX_TOKENS_PER_WARP = 4
+MIX_TOKENS_PER_WARP = 8
 MIX_ROWS = 32
-"""fn rows HCMix takes at most: a lane holds (rows + 1) x MIX_TOKENS_PER_WARP sums in registers (Flash: 24)."""
+"""fn rows HCMix takes at most: a lane holds rows / 2 x MIX_TOKENS_PER_WARP sums in registers (Flash: 24 rows),
+and two slices of them fill 32 KB of threadgroup memory."""
 
 _SINKHORN = """
 float top = c;
@@ -235,62 +236,90 @@ if (g == SLICES) {
 
 _MIX = """
 const int lane = SIMD_LANE;
+const int h = SIMD_INDEX & 1;  // the fn rows h * MH .. of this SIMD group
 const int tokens = count[0];
-const int first = (GROUP_X * WARPS + SIMD_INDEX) * TW;
-if (first < tokens) {
-  const GLOBAL_MEM float* row[TW];
+const int first = (GROUP_X * (WARPS / 2) + (SIMD_INDEX >> 1)) * TW;  // its TW tokens
+constexpr int SLICES = K / 128;
+constexpr int PER = (M * 32 + THREADS - 1) / THREADS;  // float4 of an fn slice a thread stages
+SHARED float4 stage[2][M * 32];  // fn[:, 128 s .. 128 s + 127]: row o's 32 float4 at [o * 32]
+const GLOBAL_MEM float4* fn4 = reinterpret_cast<const GLOBAL_MEM float4*>(fn);
+const GLOBAL_MEM float4* x4 = reinterpret_cast<const GLOBAL_MEM float4*>(flat);
+int row[TW];  // float4 index of each token's row (rows past the count repeat the last token's, written nowhere)
+float acc[TW][MH];
+float squares[TW];
+float4 v[TW], ahead[TW];
 #pragma unroll
-  for (int j = 0; j < TW; ++j) {
-    row[j] = flat + (size_t)(first + j < tokens ? first + j : tokens - 1) * K;
+for (int j = 0; j < TW; ++j) {
+  row[j] = (first + j < tokens ? first + j : tokens - 1) * (K / 4);
+  squares[j] = 0.0f;
+#pragma unroll
+  for (int o = 0; o < MH; ++o) {
+    acc[j][o] = 0.0f;
   }
-  float acc[TW][M + 1];  // [j][M]: token j's sum of squares
+  ahead[j] = x4[row[j] + lane];
+}
 #pragma unroll
-  for (int j = 0; j < TW; ++j) {
+for (int u = 0; u < PER; ++u) {
+  const int i = THREAD_IN_GROUP + u * THREADS;
+  if (i < M * 32) {
+    stage[0][i] = fn4[(i >> 5) * (K / 4) + (i & 31)];
+  }
+}
+ds4_barrier();
+for (int s = 0; s < SLICES; ++s) {
+  const bool more = s + 1 < SLICES;
+  float4 next[PER];
 #pragma unroll
-    for (int o = 0; o <= M; ++o) {
-      acc[j][o] = 0.0f;
+  for (int u = 0; u < PER; ++u) {
+    const int i = THREAD_IN_GROUP + u * THREADS;
+    if (more && i < M * 32) {
+      next[u] = fn4[(i >> 5) * (K / 4) + (s + 1) * 32 + (i & 31)];
     }
   }
-  float4 v[TW], next[TW];
 #pragma unroll
   for (int j = 0; j < TW; ++j) {
-    next[j] = *reinterpret_cast<const GLOBAL_MEM float4*>(row[j] + lane * 4);
+    v[j] = ahead[j];
+    if (more) {  // the next slice's loads in flight while this one is multiplied
+      ahead[j] = x4[row[j] + (s + 1) * 32 + lane];
+    }
+    squares[j] += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
   }
-  for (int at = lane * 4; at < K; at += 4 * 32) {
+#pragma unroll
+  for (int o = 0; o < MH; ++o) {
+    const float4 f = stage[s & 1][(h * MH + o) * 32 + lane];
 #pragma unroll
     for (int j = 0; j < TW; ++j) {
-      v[j] = next[j];
-      if (at + 4 * 32 < K) {  // the next slice's loads in flight while this one is multiplied
-        next[j] = *reinterpret_cast<const GLOBAL_MEM float4*>(row[j] + at + 4 * 32);
-      }
-      acc[j][M] += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-    }
-#pragma unroll
-    for (int o = 0; o < M; ++o) {
-      const float4 f = *reinterpret_cast<const GLOBAL_MEM float4*>(fn + (size_t)o * K + at);
-#pragma unroll
-      for (int j = 0; j < TW; ++j) {
-        acc[j][o] += v[j].x * f.x + v[j].y * f.y + v[j].z * f.z + v[j].w * f.w;
-      }
+      acc[j][o] += v[j].x * f.x + v[j].y * f.y + v[j].z * f.z + v[j].w * f.w;
     }
   }
 #pragma unroll
-  for (int j = 0; j < TW; ++j) {
-    const float rms_scale = 1.0f / sqrt(ds4_simd_sum(acc[j][M]) / (float)K + NORM_EPS);
+  for (int u = 0; u < PER; ++u) {
+    const int i = THREAD_IN_GROUP + u * THREADS;
+    if (more && i < M * 32) {
+      stage[(s + 1) & 1][i] = next[u];
+    }
+  }
+  ds4_barrier();
+}
 #pragma unroll
-    for (int o = 0; o < M; ++o) {
-      const float dot = ds4_simd_sum(acc[j][o]);
-      if (lane == 0 && first + j < tokens) {
-        mix[(size_t)(first + j) * M + o] = dot * rms_scale;
-      }
+for (int j = 0; j < TW; ++j) {
+  const float rms_scale = 1.0f / sqrt(ds4_simd_sum(squares[j]) / (float)K + NORM_EPS);
+#pragma unroll
+  for (int o = 0; o < MH; ++o) {
+    const float dot = ds4_simd_sum(acc[j][o]);
+    if (lane == o % 32 && first + j < tokens) {
+      mix[(size_t)(first + j) * M + h * MH + o] = dot * rms_scale;
     }
   }
 }
 """
-"""The mix of TW tokens a SIMD group (rows past the count repeat the last token's and write nothing): each lane adds
-its float4 slices' squares and dot products with every fn row (fn's slice read once for TW tokens), then the lanes'
-sums are added and scaled by the rms factor. The early exit is whole SIMD groups: no barrier, no shuffle skipped
-by part of a group."""
+"""The mix of TW tokens and half of fn's M rows a SIMD group, WARPS / 2 groups of tokens a threadgroup (rows past
+the count repeat the last token's and are written nowhere). fn is read in slices of 128 values staged in threadgroup
+memory (two buffers: the next slice is loaded while this one is multiplied, one barrier a slice), read there by the
+SIMD groups of every token group; each lane keeps its float4 of the TW tokens' slice in registers (the next slice's
+in flight) and adds its squares and dot products with the group's rows; the lanes' sums are then added and scaled
+by the rms factor. An fn slice thus feeds TW tokens from threadgroup memory and WARPS / 2 TW from global memory
+(read from L1 by every SIMD group, it was fetched from L2 once per group: 680 µs a launch at 8192 tokens)."""
 
 _UPDATE = """
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
@@ -399,9 +428,10 @@ class HCMix:
 
     In ops this is an rms_norm that writes the normed streams (T, n D) and a float32 matmul with 24 columns that
     reads them back: on the H200 at 8192 tokens ~280 µs, then 270-520 µs (cuBLAS's SIMT GEMM, made for wide
-    outputs), two per layer. The kernel reads the streams once: MIX_WARPS SIMD groups a threadgroup, each adding
-    the squares and fn dot products of MIX_TOKENS_PER_WARP tokens (_MIX), the rms factor applied to the sums as
-    HCPre's collapse applies it. Float32 sums in another order: within TOLERANCE (HCPre's argument)."""
+    outputs), two per layer. The kernel reads the streams once (_MIX): MIX_WARPS SIMD groups a threadgroup, each
+    adding the squares and fn dot products of MIX_TOKENS_PER_WARP tokens with half of fn's rows, fn staged in
+    threadgroup memory, the rms factor applied to the sums as HCPre's collapse applies it. Float32 sums in another
+    order: within TOLERANCE (HCPre's argument)."""
 
     def __init__(self, reference: Callable[[mx.array, mx.array, float], mx.array]):
         self.fast_path = FastPath("hc_mix", reference, self._kernel, self._probe, tolerance=TOLERANCE,
@@ -415,19 +445,20 @@ class HCMix:
 
     @staticmethod
     def fits(flat: mx.array, fn: mx.array) -> bool:
-        """A chunk of at least MIX_TOKENS float32 tokens whose width splits into 128-value slices, at most
-        MIX_ROWS fn rows."""
+        """A chunk of at least MIX_TOKENS float32 tokens whose width splits into 128-value slices (int32 offsets
+        into it), an even number of fn rows up to MIX_ROWS."""
         t, k = flat.shape
         return (t >= MIX_TOKENS and k % PRE_SLICE == 0 and fn.shape[1] == k and fn.shape[0] <= MIX_ROWS
-                and flat.dtype == fn.dtype == mx.float32)
+                and fn.shape[0] % 2 == 0 and t * k < 2**31 and flat.dtype == fn.dtype == mx.float32)
 
     @staticmethod
     def _kernel(flat, fn, norm_eps) -> mx.array:
         t, (m, k) = flat.shape[0], fn.shape
-        per_group = MIX_WARPS * MIX_TOKENS_PER_WARP
+        per_group = MIX_WARPS // 2 * MIX_TOKENS_PER_WARP
         (mix,) = build(mix_kernel(norm_eps), current_backend())(
             inputs=[flat, fn, mx.array([t], dtype=mx.int32)],
-            template=[("K", k), ("M", m), ("TW", MIX_TOKENS_PER_WARP), ("WARPS", MIX_WARPS)],
+            template=[("K", k), ("M", m), ("MH", m // 2), ("TW", MIX_TOKENS_PER_WARP), ("WARPS", MIX_WARPS),
+                      ("THREADS", MIX_WARPS * SIMD_WIDTH)],
             grid=(-(-t // per_group) * MIX_WARPS * SIMD_WIDTH, 1, 1), threadgroup=(MIX_WARPS * SIMD_WIDTH, 1, 1),
             output_shapes=[(t, m)], output_dtypes=[mx.float32],
         )
@@ -435,8 +466,8 @@ class HCMix:
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
-        """42 tokens (a last threadgroup partly idle, a last SIMD group with two of its four), inputs as HCPre's
-        probe makes them."""
+        """42 tokens (the last threadgroup's second group of tokens with two of its eight, its last two groups
+        with none), inputs as HCPre's probe makes them."""
         (m, k), norm_eps = key
         return random_activations((42, k), seed=45), random_activations((m, k), seed=46) * (2.0 / k**0.5), norm_eps
 
