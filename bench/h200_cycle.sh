@@ -31,8 +31,10 @@
 #                  the MTP verify costs (`--mtp-draft 3`)
 #   chunks[:N[:SIZES]] prefill t/s of a 16k prompt over N layers (default 12) in chunks of each size (default
 #                  1024,2048,4096; issue 9: the chunk size chosen for speed)
-#   ttft[:N[:CTX]] time to first token of a CTX-token prompt (default 11520: Claude Code's system prompt and tools,
-#                  issue 9's <= 3 s): `ds4-mlx bench` prefilling 0 -> CTX over N layers (default 43), then 16 tokens
+#   ttft[:N[:CTX[:CHUNK]]] time to first token of a CTX-token prompt (default 11520: Claude Code's system prompt
+#                  and tools, issue 9's <= 3 s): `ds4-mlx bench` prefilling 0 -> CTX over N layers (default 43) in
+#                  the session's chunks (or CHUNK tokens), then 16 tokens; DS4_REFERENCE_PATHS=name,... before the
+#                  command keeps those fast paths on their references (one measured against the rest in one call)
 #   startup[:N]    load and warm-up seconds of `ds4-mlx bench --synthetic q2 --layers N` (default 4) three times: with
 #                  an empty kernel cache (kernels/nvrtc.py compiles), again (it reads them back), and with
 #                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
@@ -153,9 +155,9 @@ for step in "$@"; do
     attnplans)
       timeout "$(left 10)" python3 bench/attention_plans.py 2>&1 | grep -v "warnings.warn\|_warn_once\|UserWarning" | tail -24 ;;
     ttft*)
-      IFS=: read -r _ layers ctx <<< "$step:"; layers=${layers:-43}; ctx=${ctx:-11520}
+      IFS=: read -r _ layers ctx chunk <<< "$step:"; layers=${layers:-43}; ctx=${ctx:-11520}
       timeout "$(left 10)" python3 -m ds4_mlx.cli bench --synthetic q2 --layers "$layers" --ctx-start "$ctx" \
-        --ctx-max "$ctx" --gen-tokens 16 --json > "$out/ttft.json" 2> "$out/ttft.err"
+        --ctx-max "$ctx" --gen-tokens 16 ${chunk:+--prefill-chunk "$chunk"} --json > "$out/ttft.json" 2> "$out/ttft.err"
       echo "$ctx tokens: $(figures "$out/ttft.json"); first token after $(python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['frontiers'][0]; print(round(f['prefill_tokens'] / f['prefill_tps'], 2))" "$out/ttft.json" 2>&1 | tail -1) s of prefill" ;;
     startup*)
       layers=$(step_n 4)

@@ -88,10 +88,12 @@ def on_cuda(on_gpu):
 
 @pytest.fixture
 def kernels_unforced(monkeypatch):
-    """Fast paths decided by the registry itself: no DS4_KERNELS override, no forced mode, before or after."""
+    """Fast paths decided by the registry itself: no DS4_KERNELS or DS4_REFERENCE_PATHS override, no forced mode,
+    before or after."""
     from ds4_mlx.kernels import registry
 
     monkeypatch.delenv(registry.ENV, raising=False)
+    monkeypatch.delenv(registry.PATHS_ENV, raising=False)
     registry.set_mode(None)
     yield
     registry.set_mode(None)

@@ -117,6 +117,21 @@ def test_reference_mode_skips_every_fast_path(monkeypatch, force):
     assert calls.probes == 0 and calls.fast_calls == 0
 
 
+def test_named_reference_paths_skip_only_those(monkeypatch):
+    """DS4_REFERENCE_PATHS keeps the fast paths it names on their references (unchecked) and no others; a name
+    that is no fast path is refused with the names that are."""
+    path, calls = make(lambda x: mx.sum(x * x, axis=-1))
+    named, named_calls = make(lambda x: mx.sum(x * x, axis=-1))
+    named.name = "square_sum_named"
+    registry._NAMES.add(named.name)
+    monkeypatch.setenv(registry.PATHS_ENV, " square_sum_named ")
+    assert path.enabled(8) and not named.enabled(8)
+    assert calls.probes == 1 and named_calls.probes == 0
+    monkeypatch.setenv(registry.PATHS_ENV, "square_sum_named,no_such_path")
+    with pytest.raises(Ds4Error, match="DS4_REFERENCE_PATHS names no fast path: no_such_path .*square_sum"):
+        named.enabled(8)
+
+
 def test_forced_mode_overrides_the_environment_and_restores(monkeypatch):
     monkeypatch.setenv(registry.ENV, "reference")
     with registry.forced_mode("fast"):

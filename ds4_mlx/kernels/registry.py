@@ -10,6 +10,7 @@ path and the reason (it failed to compile or run, or it disagreed). A backend th
 
 `DS4_KERNELS=reference` in the environment, or `set_mode("reference")` / `with forced_mode("reference"):` in
 Python, makes every fast path answer "no" without checking anything: for debugging, and for comparing the two.
+`DS4_REFERENCE_PATHS=name,...` does that for the named fast paths alone: one measured against the rest in one run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from ..errors import Ds4Error
 from . import dialect, nvrtc
 
 ENV = "DS4_KERNELS"
+PATHS_ENV = "DS4_REFERENCE_PATHS"
+_NAMES: set[str] = set()
+"""Every fast path's name, as registered."""
 MODES = ("fast", "reference")
 BACKENDS = ("cpu", "cuda", "metal")
 
@@ -50,6 +54,16 @@ def mode() -> str:
     if _forced is not None:
         return _forced
     return _checked_mode(os.environ.get(ENV, "fast") or "fast", ENV)
+
+
+def reference_paths() -> frozenset[str]:
+    """The fast paths DS4_REFERENCE_PATHS (comma-separated names) keeps on their references."""
+    names = frozenset(name.strip() for name in os.environ.get(PATHS_ENV, "").split(",") if name.strip())
+    unknown = names - _NAMES
+    if unknown:
+        raise Ds4Error(f"{PATHS_ENV} names no fast path: {', '.join(sorted(unknown))} (fast paths: "
+                       f"{', '.join(sorted(_NAMES))})")
+    return names
 
 
 def set_mode(value: str | None) -> None:
@@ -166,6 +180,7 @@ class FastPath:
         if unknown:
             raise ValueError(f"fast path {name}: unknown backends {sorted(unknown)}, expected some of {BACKENDS}")
         self.name = name
+        _NAMES.add(name)
         self.reference = reference
         self.fast = fast
         self.probe = probe
@@ -176,7 +191,7 @@ class FastPath:
 
     def enabled(self, key: Hashable) -> bool:
         """Whether to use the fast path for shape class `key` now (checking it first if this is its first use)."""
-        if mode() == "reference":
+        if mode() == "reference" or self.name in reference_paths():
             return False
         backend = current_backend()
         if backend not in self.backends:
