@@ -56,18 +56,25 @@ class GraphDecodeWarning(RuntimeWarning):
     """Decoding went back to MLX's compiled step: the decode graph could not be made, or disagreed."""
 
 
-CUDA_PREFILL_CHUNK = 8192
-"""On CUDA, chunks of 8192 tokens: on the H200 all 43 layers prefill a 16k prompt at 1,921 t/s against 1,717 in
-4096-token chunks (session 13; 4096 beat ds4's 2048 by 1,025 to 871 t/s at 8k in session 6), since the grouped
-expert GEMMs fill more of their tiles and each expert's weights are read for more pairs; the prefill's peak memory
-grows by ~9.4 GB (108.2 GB at 16k against 98.8; bench/RESULTS.md). Chunking does not change the result (spec
-§3.10: a chunk equals feeding its tokens one at a time)."""
+CUDA_PREFILL_CHUNK = 12288
+"""On CUDA, chunks of 12288 tokens: since the grouped expert GEMMs fill more of their tiles and each expert's weights
+are read for more pairs, bigger chunks prefill faster. On the H200 (43 layers, session 21) an 11,520-token prompt,
+Claude Code's system prompt and tools, takes 2.86 s as one chunk (4,026 t/s, peak 120.7 GB) against 3.04 s in
+chunks of 8192 (3,785 t/s, 112.3 GB); earlier, 8192 beat 4096 (session 13) and 4096 ds4's 2048 (session 6).
+Chunking does not change the result (spec §3.10: a chunk equals feeding its tokens one at a time)."""
+CUDA_DEEP_CHUNK = 8192
+DEEP_CONTEXT = 65536
+"""Sessions of more than this many tokens prefill in CUDA_DEEP_CHUNK-token chunks on CUDA: a chunk's transients
+grow with its position too (the indexer's (chunk, rows) scores: 12288 x 262,144 rows x 4 B = 12.9 GB at 1M tokens),
+and beside the q2 weights and a 1M-token session the bigger chunk would not fit the H200."""
 
 
 def prefill_chunk_for(ctx: int) -> int:
-    """The prefill chunk: ds4's 2048 tokens (spec §3.10), CUDA_PREFILL_CHUNK on CUDA, or the whole context when that
-    is smaller."""
-    return min(CUDA_PREFILL_CHUNK if on_cuda() else DEFAULT_PREFILL_CHUNK, ctx)
+    """The prefill chunk: ds4's 2048 tokens (spec §3.10); on CUDA CUDA_PREFILL_CHUNK, or CUDA_DEEP_CHUNK for a
+    context past DEEP_CONTEXT; or the whole context when that is smaller."""
+    if not on_cuda():
+        return min(DEFAULT_PREFILL_CHUNK, ctx)
+    return min(CUDA_PREFILL_CHUNK if ctx <= DEEP_CONTEXT else CUDA_DEEP_CHUNK, ctx)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Prefill in CUDA's chunk size on the device: the chunk changes no result (spec §3.10). On the CPU the chunked
 prefill is checked against token-by-token decoding on the tiny and small presets (test_model_cache.py); here the
-GPU's kernels at Flash's shapes take a chunk of CUDA_PREFILL_CHUNK tokens (8192), larger than any CPU test's."""
+GPU's kernels at Flash's shapes take a chunk of CUDA_PREFILL_CHUNK tokens (12288), larger than any CPU test's."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_cuda_chunks_equal_smaller_chunks_on_flash_layers(on_cuda, top_k: int | 
     """4 Flash layers (synthetic weights): a prompt of one CUDA chunk and a bit prefilled in CUDA's chunks and in
     2048-token chunks gives the same state in the layers before the first indexer (checked first: no indexer tie
     can move it, so a failure there is a chunk dependence of its own), and the same logits: within EVERY_ROW when
-    the indexer's top_k (4096) passes the prompt's 2,123 compressed rows, within TIED at Flash's 512."""
+    the indexer's top_k (4096) passes the prompt's 3,147 compressed rows, within TIED at Flash's 512."""
     from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 
     config = flash_config(4)
