@@ -175,9 +175,25 @@ def test_indexer_pick_kernels_take_a_chunks_finished_queries(kernels_unforced):
     q, w, rows, positions = exact_inputs(HEADS, DIM, n, list(range(8192 - 300, 8192)), seed=7)
     got = INDEXER_PICK(q, w, rows, positions, None, RowQuant.NONE, RATIO, TOP_K)
     assert INDEXER_PICK.fast_path.decisions()[registry.current_backend(),
-                                              (HEADS, DIM, n, RATIO, TOP_K, 0, RowQuant.NONE)].fast
+                                              (HEADS, DIM, TOP_K + 1, RATIO, TOP_K, 0, RowQuant.NONE)].fast
     want = pick_rows(q, w, rows, positions, RATIO, TOP_K)
     assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+
+
+def test_a_chunks_rows_past_top_k_share_one_check(on_cpu):
+    """Planned for CUDA, a prefill chunk's finished queries over any number of rows past top_k have one key (the
+    tensor-core kernels compile the same for all); up to top_k each count is its own (the select's width)."""
+    q, w, _, positions = exact_inputs(HEADS, DIM, 4, [4000, 4001, 4002], seed=8)
+
+    def key(n: int) -> tuple:
+        return INDEXER_PICK.key(q, w, mx.zeros((n, DIM)), positions, None, RowQuant.NONE, RATIO, TOP_K)
+
+    with registry.planning("cuda"):
+        assert {key(n) for n in (TOP_K + 1, 2050, 65536)} == {(HEADS, DIM, TOP_K + 1, RATIO, TOP_K, 0,
+                                                                  RowQuant.NONE)}
+        assert key(TOP_K)[2] == TOP_K and key(100)[2] == 100
+    with registry.planning("metal"):  # the SIMT score kernel holds the count as a constant
+        assert key(2050)[2] == 2050
 
 
 def zero_rows(n: int, top_k: int):

@@ -620,13 +620,19 @@ class IndexerPick:
     def key(q: mx.array, weights: mx.array, rows: mx.array, positions: mx.array, rope: RoPE | None,
             quant: RowQuant, ratio: int, top_k: int) -> tuple | None:
         """The fast path's key, or None where the kernels do not take the arguments: float4 rows; the queries fit
-        threadgroup memory; D threads finish a head, whole SIMD groups of one head."""
+        threadgroup memory; D threads finish a head, whole SIMD groups of one head. Past top_k rows the tensor-core
+        score kernel and the select are the same compiled code for any row count (a count input), so a prefill
+        chunk's rows count as top_k + 1: one check, not one at each new chunk position (each read its probe's
+        results back mid-chunk, ~4-9 ms of idle GPU on the H200, session 21)."""
         h, d = weights.shape[1], rows.shape[1]
         if (d % SIMD_WIDTH or (SCORE_SIMDS * SIMD_WIDTH) % d or heads_padded(h) * d * 4 > QUERY_BYTES
                 or quant == RowQuant.KV_FP8 or (rope is None and quant != RowQuant.NONE)
                 or (rope is not None and not fits(q.reshape(-1, h, d), positions, rope, None, quant))):
             return None  # (the reshape is a view for the check alone)
-        return h, d, rows.shape[0], ratio, top_k, 0 if rope is None else rope.n_rot, quant
+        n = rows.shape[0]
+        if n > top_k and tensor_fits(weights, rows, rope, quant):
+            n = top_k + 1
+        return h, d, n, ratio, top_k, 0 if rope is None else rope.n_rot, quant
 
     @staticmethod
     def _kernel(q, weights, rows, positions, rope, quant, ratio, top_k, scale=1.0) -> tuple[mx.array, mx.array]:
