@@ -1,7 +1,8 @@
 """Per-kernel GPU time of the compiled decode step, or of one prefill chunk, on MLX's CUDA backend.
 
     python bench/gpu_profile.py --layers 4                    # decode: 10 compiled steps after warm-up
-    python bench/gpu_profile.py --layers 4 --prefill 512      # one 512-token prefill chunk
+    python bench/gpu_profile.py --layers 4 --prefill 512      # one 512-token prefill chunk, 3 chunks in
+    python bench/gpu_profile.py --layers 43 --prefill 8192 --prefill-at 0 --timeline   # an 8k prompt's chunk
 
 The kernels are traced with CUPTI through torch.profiler (the GPU machine has torch; CUPTI sees every kernel of
 the process, MLX's included), and so are the host's CUDA runtime and driver calls (graph node adds, updates,
@@ -172,19 +173,31 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--at", type=int, default=40, help="decode after a prompt of this many tokens")
     p.add_argument("--prefill", type=int, metavar="TOKENS", help="profile one prefill chunk of this many tokens")
+    p.add_argument("--prefill-at", type=int, metavar="POSITION",
+                   help="the profiled chunk's first position (default 3 chunks in; 0: a prompt's first chunk)")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--timeline", action="store_true", help="list the last step's kernels in the order they ran")
     args = p.parse_args()
     model = Model(synthetic_weights(flash_config(args.layers)))
-    cache = model.new_cache(args.ctx)
     if args.prefill:
         chunk = args.prefill
-        tokens = mx.arange(4 * chunk, dtype=mx.int32) % 1000 + 5
-        for i in range(3):  # cold, then warm
+        at = 3 * chunk if args.prefill_at is None else args.prefill_at
+        tokens = mx.arange(at + chunk, dtype=mx.int32) % 1000 + 5
+
+        def filled():
+            """A new cache holding the tokens before the profiled chunk, prefilled in chunks of its size."""
+            cache = model.new_cache(at + chunk + 16)
+            if at:
+                mx.eval(model.prefill(tokens[:at], cache, chunk_size=chunk))
+            return cache
+
+        for i in range(2):  # cold, then warm
+            cache = filled()
             t = time.perf_counter()
-            mx.eval(model.prefill(tokens[i * chunk:(i + 1) * chunk], cache, chunk_size=chunk))
-            print(f"chunk {i}: {time.perf_counter() - t:.3f} s ({chunk / (time.perf_counter() - t):.0f} t/s)")
-        kernel_table(lambda: mx.eval(model.prefill(tokens[3 * chunk:], cache, chunk_size=chunk)), 1, args.top,
+            mx.eval(model.prefill(tokens[at:], cache, chunk_size=chunk))
+            print(f"chunk at {at}, run {i}: {time.perf_counter() - t:.3f} s ({chunk / (time.perf_counter() - t):.0f} t/s)")
+        cache = filled()
+        kernel_table(lambda: mx.eval(model.prefill(tokens[at:], cache, chunk_size=chunk)), 1, args.top,
                      args.timeline)
         return 0
     session = Session(model, args.ctx)

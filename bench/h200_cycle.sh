@@ -12,8 +12,9 @@
 #   decoder[:N[:AT]] where a token's time goes through the decode graphs (bench/graph_decoder.py): the session's
 #                  loop part by part, each kind's graph alone, the GPU timeline of a few tokens (default 43 layers, 2k)
 #   diff[:N[:AT]]  where the decode graph first parts from MLX, launch by launch (bench/graph_diff.py)
-#   prefill[:C]    the same for one C-token prefill chunk (default 4096; the session's chunk on CUDA is 8192) at
-#                  position 3C, with the timeline's idle gaps: their sum and the largest, between which kernels
+#   prefill[:C[:N[:AT]]] the same for one C-token prefill chunk (default 4096; the session's chunk on CUDA is
+#                  12288) over N layers (default 4) at position AT (default 3C; 0: a prompt's first chunk), with
+#                  the timeline's idle gaps: their sum and the largest, between which kernels
 #   bench[:N[:MAX]] `ds4-mlx bench --synthetic q2` over N layers (default 43): decode at 512, 2k and on to MAX
 #                  tokens (default 2048; 32768 adds 8k and 32k, ~70 s more of prefill), the real launch count (`--ops`: compare it with `--ops-for cuda`, bench/RESULTS.md)
 #   plans[:FLAGS]  the decode matvec kernel at Flash's shapes under every launch plan (bench/matvec_plans.py);
@@ -108,8 +109,8 @@ for step in "$@"; do
         > "$out/profile$layers.txt" 2>&1
       grep -v "warnings.warn\|_warn_once\|UserWarning" "$out/profile$layers.txt" | cut -c1-120 | head -150 ;;
     prefill*)
-      chunk=$(step_n 4096)
-      timeout "$(left 60)" python3 bench/gpu_profile.py --layers 4 --prefill "$chunk" --ctx $(( 4 * chunk + 16 )) \
+      IFS=: read -r _ chunk layers at <<< "$step:"; chunk=${chunk:-4096}; layers=${layers:-4}; at=${at:-$(( 3 * chunk ))}
+      timeout "$(left 60)" python3 bench/gpu_profile.py --layers "$layers" --prefill "$chunk" --prefill-at "$at" \
         --top 90 --timeline > "$out/prefill.txt" 2>&1
       grep -v "warnings.warn\|_warn_once\|UserWarning\|^   *[0-9.]* *[0-9.]* us  gap" "$out/prefill.txt" | cut -c1-170 \
         | head -60 ;;
