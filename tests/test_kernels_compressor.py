@@ -10,15 +10,17 @@ and Metal) and its CPU reference are checked without a GPU.
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import mlx.core as mx
 import pytest
 
 from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.compressor import PAIR_KERNEL, STEP_KERNEL, TOLERANCE, _STEP
+from ds4_mlx.kernels.compressor import CHUNK_KERNEL, PAIR_KERNEL, STEP_KERNEL, TOLERANCE, _STEP
 from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
 from ds4_mlx.kernels.probe import random_activations
-from ds4_mlx.model.compressor import POOL_STEP, POOL_STEP_PAIR, Frontier, pool_step
+from ds4_mlx.model.compressor import POOL_CHUNK, POOL_STEP, POOL_STEP_PAIR, Frontier, pool_chunk, pool_step
+from ds4_mlx.model.graph import STAND_IN, VIEWS, graph_nodes
 from kernel_checks import balanced, rendered
 
 SHAPES = [(4, 512), (4, 128), (128, 512)]
@@ -121,6 +123,56 @@ def test_step_kernels_render_for_cuda_and_metal(kernel):
     assert "const device float* frontier_kv = second ? frontier_kv_b : frontier_kv_a;" in metal
     assert "device float* pooled = second ? pooled_b : pooled_a;" in metal
     assert re.search(r"const\s+float\* kv = second \? kv_b : kv_a;", rendered(PAIR_KERNEL, CUDA)["source"])
+
+
+def test_chunk_kernel_renders_for_cuda_and_metal():
+    for target in (CUDA, METAL):
+        out = rendered(CHUNK_KERNEL, target)
+        assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", out["source"] + out["header"])
+        assert balanced(out["source"]) and balanced(out["header"])
+        for helper in set(re.findall(r"\bds4_\w+(?=\()", out["source"])):
+            assert re.search(rf"\b{helper}\(", out["header"]), f"{helper} is called but not defined"
+
+
+def chunk_sequence(ratio: int, width: int, lengths: tuple[int, ...]):
+    """Chunks of `lengths` tokens fed from position 0: each one's arguments on the frontier the reference left."""
+    coff = 2 if ratio == 4 else 1
+    ape = random_activations((ratio, coff * width), seed=9)
+    frontier, n_past = Frontier.empty(ratio, width), 0
+    fkv, fscore = frontier.kv, frontier.score
+    for t in lengths:
+        args = (*(random_activations((t, coff * width), seed=n_past + k) for k in range(2)), ape, fkv, fscore, n_past,
+                ratio, width)
+        yield args
+        _, fkv, fscore = pool_chunk(*args)
+        n_past += t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("ratio", "width", "lengths"), [(4, 512, (4096, 4093, 10)), (4, 128, (8192, 7)),
+                                                         (128, 512, (4096, 4000, 300))], ids=str)
+def test_chunk_kernel_is_used_and_equals_reference(on_gpu, kernels_unforced, ratio, width, lengths):
+    """Flash's compressors over prefill chunks meeting 0 and several waiting tokens: the pooled rows within the
+    tolerance, the frontier exactly."""
+    for args in chunk_sequence(ratio, width, lengths):
+        got = POOL_CHUNK(*args)
+        assert POOL_CHUNK.fast_path.decisions()[registry.current_backend(), (ratio, width)].fast
+        want = pool_chunk(*args)
+        assert mx.max(mx.abs(got[0] - want[0])).item() <= TOLERANCE * mx.max(mx.abs(want[0])).item()
+        assert mx.array_equal(got[1], want[1]).item() and mx.array_equal(got[2], want[2]).item()
+
+
+def test_a_chunks_pooling_is_one_launch_on_gpu_backends(on_cpu):
+    """Planned for CUDA: a ratio-4 chunk that finishes rows pools them in one kernel (no join, softmax or gather of
+    ops); one that finishes none takes the reference's few ops."""
+    args = next(chunk_sequence(4, 512, (64,)))
+    mx.eval(*args[:5])
+    with registry.planning("cuda"):
+        nodes = graph_nodes(list(POOL_CHUNK(*args)))
+    assert Counter(n for n in nodes.values() if n not in VIEWS) == {STAND_IN: 1}
+    short = (*(a[:2] for a in args[:2]), *args[2:])  # two tokens: no window finished
+    with registry.planning("cuda"):
+        assert POOL_CHUNK(*short)[0].shape == (0, 512)
 
 
 def test_pair_on_the_cpu_is_the_two_steps(on_cpu, kernels_unforced):

@@ -32,7 +32,7 @@ from ds4_mlx.kernels.matvec import TOLERANCE, QuantMatvec, gathered_reference, l
 from ds4_mlx.kernels.probe import random_activations, random_blocks
 from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
 from ds4_mlx.kernels.quants import dequantize
-from ds4_mlx.model.compressor import POOL_STEP, POOL_STEP_PAIR, Frontier, pool_step
+from ds4_mlx.model.compressor import POOL_CHUNK, POOL_STEP, POOL_STEP_PAIR, Frontier, pool_chunk, pool_step
 from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType
 from ds4_mlx.model.hyper_connection import mix, post_pre, pre, split, update
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
@@ -313,6 +313,32 @@ def test_emulated_compressor_step_pair_equals_the_two_steps(ratio, widths, posit
             assert np.array_equal(new_kv, np.array(want[1])) and np.array_equal(new_score, np.array(want[2]))
             assert all(np.array_equal(np.array(g), np.array(s)) for g, s in zip(got[3 * k : 3 * k + 3], single))
             step[3:] = want[1:]
+
+
+@pytest.mark.parametrize(("ratio", "width", "lengths"), [
+    (4, 512, (13, 6, 9, 4)),  # Flash's attention rows: chunks meeting 0, 1, 3 and 0 waiting tokens
+    (4, 128, (5, 3, 8)),  # the indexer's
+    (128, 64, (130, 300, 126)),  # 2 and 46 waiting; one chunk finishing two windows
+], ids=str)
+def test_emulated_compressor_chunk_equals_the_reference(ratio, width, lengths, monkeypatch, tmp_path):
+    """Chunks fed one after another as POOL_CHUNK launches them, each on the frontier the reference left: pooled rows
+    within the step's tolerance, the new frontier exactly (its empty rows 0 and -inf)."""
+    monkeypatch.setattr(compressor, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(compressor, "current_backend", lambda: "cuda")
+    coff = 2 if ratio == 4 else 1
+    ape = random_activations((ratio, coff * width), seed=7)
+    frontier = Frontier.empty(ratio, width)
+    frontier_kv, frontier_score = frontier.kv, frontier.score
+    n_past = 0
+    for t in lengths:
+        kv, score = (random_activations((t, coff * width), seed=n_past + k) for k in range(2))
+        args = (kv, score, ape, frontier_kv, frontier_score, n_past, ratio, width)
+        want = [np.array(w) for w in pool_chunk(*args)]
+        pooled, new_kv, new_score = (np.array(g) for g in POOL_CHUNK.fast_path.fast(*args))
+        assert pooled.shape == want[0].shape and want[0].shape[0] >= 1 and np.isfinite(pooled).all()
+        assert np.abs(pooled - want[0]).max() <= STEP_TOLERANCE * np.abs(want[0]).max()
+        assert np.array_equal(new_kv, want[1]) and np.array_equal(new_score, want[2])
+        frontier_kv, frontier_score, n_past = mx.array(want[1]), mx.array(want[2]), n_past + t
 
 
 @pytest.mark.parametrize(("rows", "width", "n_rot"), [(1, 512, 64), (7, 512, 64), (3, 192, 64), (2, 512, 0)])

@@ -1,5 +1,5 @@
 """The compressor's decode step (spec §3.6) as one kernel: insert the token into the frontier, pool its window,
-and shift the frontier when the window is complete.
+and shift the frontier when the window is complete; and a prefill chunk's pooling as one kernel (`CompressorChunk`).
 
 In MLX ops this is ~17 launches (the row insert, the lane split of ratio 4, a softmax, a product and a sum, the
 shift and two selects), twice per ratio-4 layer (attention and indexer rows) and once per ratio-128 layer.
@@ -151,6 +151,122 @@ runs the one compressor's text on them under the names it uses."""
 PAIR_KERNEL = Kernel("ds4_compressor_step_pair",
                      (*(f"{name}_{x}" for x in "ab" for name in _INPUTS), "position"),
                      tuple(f"{name}_{x}" for x in "ab" for name in _OUTPUTS), _LAYOUT + _TWO + _STEP)
+
+
+_CHUNK = """
+const int waiting = info[0] % R;              // tokens of the current window already in the frontier
+const int n_rows = (waiting + info[1]) / R;   // windows the chunk finishes
+const int done = n_rows * R;
+const int left = waiting + info[1] - done;    // tokens of the window it leaves open
+constexpr int W = COFF * D;
+constexpr int CURRENT = COFF == 2 ? R : 0;    // the frontier's first row of the current window
+const float empty_score = -ds4_float(0x7f800000u);
+const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
+if (i < (size_t)n_rows * D) {  // pooled row w, dim j over its candidates k: the previous window's lane 0, then its own
+  const int w = (int)(i / D);
+  const int j = (int)(i % D);
+  float top = empty_score;
+  for (int k = 0; k < COFF * R; ++k) {
+    const bool first = COFF == 2 && k < R;
+    const float c = first && w == 0 ? frontier_score[k * W + j]
+        : ds4_chunk_score(score, frontier_score, ape, first ? (w - 1) * R + k : w * R + k % R,
+                          first ? j : (COFF - 1) * D + j, waiting, CURRENT, R, W);
+    top = c > top ? c : top;
+  }
+  float total = 0.0f;
+  float acc = 0.0f;
+  for (int k = 0; k < COFF * R; ++k) {
+    const bool first = COFF == 2 && k < R;
+    const int e = first ? (w - 1) * R + k : w * R + k % R;
+    const int col = first ? j : (COFF - 1) * D + j;
+    const float c = first && w == 0 ? frontier_score[k * W + j]
+        : ds4_chunk_score(score, frontier_score, ape, e, col, waiting, CURRENT, R, W);
+    const float v = first && w == 0 ? frontier_kv[k * W + j] : ds4_chunk_kv(kv, frontier_kv, e, col, waiting, CURRENT, W);
+    const float x = ds4_exp(c - top);
+    total += x;
+    acc += x * v;
+  }
+  pooled[i] = acc / total;
+} else if (i < (size_t)n_rows * D + COFF * R * W) {  // the new frontier's row f at column col
+  const int at = (int)(i - (size_t)n_rows * D);
+  const int f = at / W;
+  const int col = at % W;
+  const int e = f < CURRENT ? done - R + f : done + f - CURRENT;  // the last finished window's rows, then the open one
+  const bool held = f < CURRENT || f - CURRENT < left;
+  new_kv[at] = held ? ds4_chunk_kv(kv, frontier_kv, e, col, waiting, CURRENT, W) : 0.0f;
+  new_score[at] = held ? ds4_chunk_score(score, frontier_score, ape, e, col, waiting, CURRENT, R, W) : empty_score;
+}
+"""
+"""A chunk's pooling (`pool_chunk`): thread i < n_rows D pools row i / D at dim i % D over its window's candidates
+(ratio 4: the previous window's lane 0, the frontier's rows 0..R-1 for the first row, and this one's lane 1), the
+maximum first, then sum(e kv) / sum(e); the threads after those copy the new frontier's rows out of the extended
+sequence (the frontier's waiting tokens, then the chunk's; zeros and -inf past the open window's tokens)."""
+
+_EXT = """
+DEVICE_FN float ds4_chunk_kv(const GLOBAL_MEM float* kv, const GLOBAL_MEM float* held, int e, int col, int waiting,
+                             int current, int w) {
+  return e < waiting ? held[(current + e) * w + col] : kv[(size_t)(e - waiting) * w + col];
+}
+DEVICE_FN float ds4_chunk_score(const GLOBAL_MEM float* score, const GLOBAL_MEM float* held,
+                                const GLOBAL_MEM float* ape, int e, int col, int waiting, int current, int r, int w) {
+  return e < waiting ? held[(current + e) * w + col] : score[(size_t)(e - waiting) * w + col] + ape[(e % r) * w + col];
+}
+"""
+"""Entry e of a chunk's extended sequence at a column: the frontier's waiting tokens (its current window's rows),
+then the chunk's rows, whose scores get their slot's ape (slot e % r: the extended sequence starts a window)."""
+
+CHUNK_KERNEL = Kernel("ds4_compressor_chunk", (*_INPUTS, "info"), _OUTPUTS, _CHUNK, _EXT)
+CHUNK_THREADS = 256
+
+
+class CompressorChunk:
+    """A prefill chunk's compressor pooling (rows it finishes, before their finish, and the new frontier) in one
+    launch where the kernel passed its check. In MLX ops it is ~25 launches a compressor (the ape gather and add,
+    the frontier's waiting rows joined to the chunk's, the previous window's lane joined to each window, a
+    softmax, a product and a sum, the new frontier's four joins), the joins copying the chunk's (T, coff D) kv and
+    scores several times: twice per ratio-4 layer (attention and indexer rows), once per ratio-128 layer."""
+
+    def __init__(self, reference: Callable[..., tuple[mx.array, mx.array, mx.array]]):
+        self.fast_path = FastPath("compressor_chunk", reference, self._kernel, self._probe,
+                                  tolerance=(TOLERANCE, 0.0, 0.0), backends=("cuda", "metal"))
+
+    def __call__(self, kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.array,
+                 frontier_score: mx.array, n_past: int, ratio: int, width: int
+                 ) -> tuple[mx.array, mx.array, mx.array]:
+        """kv, score (T, coff*width) of a chunk at positions n_past.. (score without ape), ape (ratio,
+        coff*width), the frontier (coff*ratio, coff*width) twice -> the pooled rows it finishes (n, width) and the
+        new frontier."""
+        args = (kv, score, ape, frontier_kv, frontier_score, n_past, ratio, width)
+        if (n_past % ratio + kv.shape[0]) // ratio == 0 or ratio not in LAYOUTS:
+            return self.fast_path.reference(*args)  # no row finished: a few ops on at most a window of rows
+        return self.fast_path(*args, key=(ratio, width))
+
+    @staticmethod
+    def _kernel(kv, score, ape, frontier_kv, frontier_score, n_past, ratio, width):
+        coff = 2 if ratio == 4 else 1
+        n_rows = (n_past % ratio + kv.shape[0]) // ratio
+        threads = n_rows * width + frontier_kv.size
+        return tuple(build(CHUNK_KERNEL, current_backend())(
+            inputs=[kv, score, ape, frontier_kv, frontier_score, mx.array([n_past, kv.shape[0]], dtype=mx.int32)],
+            template=[("R", ratio), ("D", width), ("COFF", coff), ("THREADS", CHUNK_THREADS)],
+            grid=(-(-threads // CHUNK_THREADS) * CHUNK_THREADS, 1, 1), threadgroup=(CHUNK_THREADS, 1, 1),
+            output_shapes=[(n_rows, width), frontier_kv.shape, frontier_kv.shape],
+            output_dtypes=[mx.float32] * 3,
+        ))
+
+    @staticmethod
+    def _probe(key: Hashable) -> tuple:
+        """A chunk of 3 windows and a token meeting a frontier with 2 (ratio 4) or 5 (ratio 128) tokens waiting
+        and, at ratio 4, the previous window's rows; the open window's rows past them empty (-inf)."""
+        ratio, width = key
+        coff = 2 if ratio == 4 else 1
+        waiting = 2 if ratio == 4 else 5
+        rows, cols = coff * ratio, coff * width
+        live = (mx.arange(rows) < (coff - 1) * ratio + waiting)[:, None]
+        return (random_activations((3 * ratio + 1, cols), seed=66), random_activations((3 * ratio + 1, cols), seed=67),
+                random_activations((ratio, cols), seed=68), mx.where(live, random_activations((rows, cols), seed=69), 0),
+                mx.where(live, 3 * random_activations((rows, cols), seed=70), -mx.inf), 7 * ratio + waiting, ratio,
+                width)
 
 
 class CompressorStep:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.compressor import CompressorStep, CompressorStepPair
+from ds4_mlx.kernels.compressor import CompressorChunk, CompressorStep, CompressorStepPair
 from ds4_mlx.model.linear import Linear
 from ds4_mlx.model.quant_sim import FINISH_ROWS, RowQuant
 from ds4_mlx.model.rope import RoPE
@@ -66,43 +66,15 @@ class Compressor:
 
     def __call__(self, x: mx.array, n_past: int, frontier: Frontier) -> tuple[mx.array, Frontier]:
         """Feed normed inputs x (T, D) at positions n_past.. ; return the rows they finish and the new frontier."""
-        r, d = self.ratio, self.width
-        t = x.shape[0]
-        positions = mx.arange(n_past, n_past + t)
-        kv = self.kv(x)
-        score = self.gate(x) + self.ape[positions % r]
-
-        waiting = n_past % r  # tokens of the current window already in the frontier
-        current = r if self.overlap else 0  # first frontier row of the current window
-        kv = mx.concatenate([frontier.kv[current : current + waiting], kv])
-        score = mx.concatenate([frontier.score[current : current + waiting], score])
-        n_rows = (waiting + t) // r
-        done = n_rows * r
-
-        if n_rows:
-            windows_kv = kv[:done].reshape(n_rows, r, -1)
-            windows_score = score[:done].reshape(n_rows, r, -1)
-            if self.overlap:
-                prev_kv = mx.concatenate([frontier.kv[None, :r, :d], windows_kv[:-1, :, :d]])
-                prev_score = mx.concatenate([frontier.score[None, :r, :d], windows_score[:-1, :, :d]])
-                windows_kv = mx.concatenate([prev_kv, windows_kv[:, :, d:]], axis=1)
-                windows_score = mx.concatenate([prev_score, windows_score[:, :, d:]], axis=1)
-            pooled = mx.sum(mx.softmax(windows_score, axis=1) * windows_kv, axis=1)
-            first_row = (n_past - waiting) // r
-            row_positions = (mx.arange(first_row, first_row + n_rows) * r).astype(mx.int32)
-            rows = self._finish(pooled, row_positions)
-        else:
-            rows = mx.zeros((0, d))
-
-        left = waiting + t - done
-        pad = r - left
-        new_kv = [kv[done:], mx.zeros((pad, kv.shape[1]))]
-        new_score = [score[done:], mx.full((pad, kv.shape[1]), -mx.inf)]
-        if self.overlap:
-            last = (kv[done - r : done], score[done - r : done]) if n_rows else (frontier.kv[:r], frontier.score[:r])
-            new_kv.insert(0, last[0])
-            new_score.insert(0, last[1])
-        return rows, Frontier(mx.concatenate(new_kv), mx.concatenate(new_score))
+        r = self.ratio
+        pooled, kv, score = POOL_CHUNK(self.kv(x), self.gate(x), self.ape, frontier.kv, frontier.score, n_past, r,
+                                       self.width)
+        n_rows = pooled.shape[0]
+        if n_rows == 0:
+            return pooled, Frontier(kv, score)
+        first_row = n_past // r
+        row_positions = (mx.arange(first_row, first_row + n_rows) * r).astype(mx.int32)
+        return self._finish(pooled, row_positions), Frontier(kv, score)
 
     def step(self, kv: mx.array, gate: mx.array, position: mx.array, frontier: Frontier
              ) -> tuple[mx.array, Frontier]:
@@ -135,6 +107,44 @@ class Compressor:
         return FINISH_ROWS(pooled, positions, self.rope, (self.norm, self.eps), self.quant, False, align=align)
 
 
+def pool_chunk(kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.array, frontier_score: mx.array,
+               n_past: int, ratio: int, width: int) -> tuple[mx.array, mx.array, mx.array]:
+    """A chunk's kv and gate scores (T, coff*width) at positions n_past.. into the frontier: the pooled rows of
+    the windows it finishes (n, width), before their finish, and the new frontier's kv and score."""
+    r, d = ratio, width
+    t = kv.shape[0]
+    overlap = ratio == 4
+    score = score + ape[mx.arange(n_past, n_past + t) % r]
+    waiting = n_past % r  # tokens of the current window already in the frontier
+    current = r if overlap else 0  # first frontier row of the current window
+    kv = mx.concatenate([frontier_kv[current : current + waiting], kv])
+    score = mx.concatenate([frontier_score[current : current + waiting], score])
+    n_rows = (waiting + t) // r
+    done = n_rows * r
+
+    if n_rows:
+        windows_kv = kv[:done].reshape(n_rows, r, -1)
+        windows_score = score[:done].reshape(n_rows, r, -1)
+        if overlap:
+            prev_kv = mx.concatenate([frontier_kv[None, :r, :d], windows_kv[:-1, :, :d]])
+            prev_score = mx.concatenate([frontier_score[None, :r, :d], windows_score[:-1, :, :d]])
+            windows_kv = mx.concatenate([prev_kv, windows_kv[:, :, d:]], axis=1)
+            windows_score = mx.concatenate([prev_score, windows_score[:, :, d:]], axis=1)
+        pooled = mx.sum(mx.softmax(windows_score, axis=1) * windows_kv, axis=1)
+    else:
+        pooled = mx.zeros((0, d))
+
+    left = waiting + t - done
+    pad = r - left
+    new_kv = [kv[done:], mx.zeros((pad, kv.shape[1]))]
+    new_score = [score[done:], mx.full((pad, kv.shape[1]), -mx.inf)]
+    if overlap:
+        last = (kv[done - r : done], score[done - r : done]) if n_rows else (frontier_kv[:r], frontier_score[:r])
+        new_kv.insert(0, last[0])
+        new_score.insert(0, last[1])
+    return pooled, mx.concatenate(new_kv), mx.concatenate(new_score)
+
+
 def pool_step(kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.array, frontier_score: mx.array,
               position: mx.array, ratio: int, width: int) -> tuple[mx.array, mx.array, mx.array]:
     """One token's kv and gate score (1, coff*width) into the frontier at `position`: its window pooled so far
@@ -158,6 +168,9 @@ def pool_step(kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.arra
         empty = Frontier(mx.concatenate([fkv[r:], empty.kv[r:]]), mx.concatenate([fscore[r:], empty.score[r:]]))
     return pooled, mx.where(done, empty.kv, fkv), mx.where(done, empty.score, fscore)
 
+
+POOL_CHUNK = CompressorChunk(pool_chunk)
+"""`pool_chunk` as one kernel where a GPU backend has passed the first-use check (kernels/compressor.py)."""
 
 POOL_STEP = CompressorStep(pool_step)
 """`pool_step` as one kernel where a GPU backend has passed the first-use check (kernels/compressor.py)."""
