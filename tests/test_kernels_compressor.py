@@ -164,15 +164,18 @@ def test_chunk_kernel_is_used_and_equals_reference(on_gpu, kernels_unforced, rat
 
 def test_a_chunks_pooling_is_one_launch_on_gpu_backends(on_cpu):
     """Planned for CUDA: a ratio-4 chunk that finishes rows pools them in one kernel (no join, softmax or gather of
-    ops); one that finishes none takes the reference's few ops."""
+    ops); one that finishes none, or a float16 one, takes the reference's ops."""
     args = next(chunk_sequence(4, 512, (64,)))
     mx.eval(*args[:5])
     with registry.planning("cuda"):
         nodes = graph_nodes(list(POOL_CHUNK(*args)))
     assert Counter(n for n in nodes.values() if n not in VIEWS) == {STAND_IN: 1}
     short = (*(a[:2] for a in args[:2]), *args[2:])  # two tokens: no window finished
+    half = (args[0].astype(mx.float16), *args[1:])  # the kernel reads float32 alone
+    mx.eval(half[0])
     with registry.planning("cuda"):
         assert POOL_CHUNK(*short)[0].shape == (0, 512)
+        assert STAND_IN not in graph_nodes(list(POOL_CHUNK(*half))).values()
 
 
 def test_pair_on_the_cpu_is_the_two_steps(on_cpu, kernels_unforced):

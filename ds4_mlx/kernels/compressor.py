@@ -237,7 +237,8 @@ class CompressorChunk:
         coff*width), the frontier (coff*ratio, coff*width) twice -> the pooled rows it finishes (n, width) and the
         new frontier."""
         args = (kv, score, ape, frontier_kv, frontier_score, n_past, ratio, width)
-        if (n_past % ratio + kv.shape[0]) // ratio == 0 or ratio not in LAYOUTS:
+        if ((n_past % ratio + kv.shape[0]) // ratio == 0 or ratio not in LAYOUTS
+                or any(a.dtype != mx.float32 for a in args[:5])):
             return self.fast_path.reference(*args)  # no row finished: a few ops on at most a window of rows
         return self.fast_path(*args, key=(ratio, width))
 
