@@ -162,29 +162,20 @@ constexpr int W = COFF * D;
 constexpr int CURRENT = COFF == 2 ? R : 0;    // the frontier's first row of the current window
 const float empty_score = -ds4_float(0x7f800000u);
 const size_t i = (size_t)GROUP_X * THREADS + THREAD_IN_GROUP;
-if (i < (size_t)n_rows * D) {  // pooled row w, dim j over its candidates k: the previous window's lane 0, then its own
+if (i < (size_t)n_rows * D) {  // pooled row w, dim j: the maximum of its candidates' scores, then sum(e kv) / sum(e)
   const int w = (int)(i / D);
   const int j = (int)(i % D);
   float top = empty_score;
   for (int k = 0; k < COFF * R; ++k) {
-    const bool first = COFF == 2 && k < R;
-    const float c = first && w == 0 ? frontier_score[k * W + j]
-        : ds4_chunk_score(score, frontier_score, ape, first ? (w - 1) * R + k : w * R + k % R,
-                          first ? j : (COFF - 1) * D + j, waiting, CURRENT, R, W);
+    const float c = ds4_candidate(score, frontier_score, ape, true, k, w, j, waiting, R, D, COFF);
     top = c > top ? c : top;
   }
   float total = 0.0f;
   float acc = 0.0f;
   for (int k = 0; k < COFF * R; ++k) {
-    const bool first = COFF == 2 && k < R;
-    const int e = first ? (w - 1) * R + k : w * R + k % R;
-    const int col = first ? j : (COFF - 1) * D + j;
-    const float c = first && w == 0 ? frontier_score[k * W + j]
-        : ds4_chunk_score(score, frontier_score, ape, e, col, waiting, CURRENT, R, W);
-    const float v = first && w == 0 ? frontier_kv[k * W + j] : ds4_chunk_kv(kv, frontier_kv, e, col, waiting, CURRENT, W);
-    const float x = ds4_exp(c - top);
+    const float x = ds4_exp(ds4_candidate(score, frontier_score, ape, true, k, w, j, waiting, R, D, COFF) - top);
     total += x;
-    acc += x * v;
+    acc += x * ds4_candidate(kv, frontier_kv, ape, false, k, w, j, waiting, R, D, COFF);
   }
   pooled[i] = acc / total;
 } else if (i < (size_t)n_rows * D + COFF * R * W) {  // the new frontier's row f at column col
@@ -193,27 +184,38 @@ if (i < (size_t)n_rows * D) {  // pooled row w, dim j over its candidates k: the
   const int col = at % W;
   const int e = f < CURRENT ? done - R + f : done + f - CURRENT;  // the last finished window's rows, then the open one
   const bool held = f < CURRENT || f - CURRENT < left;
-  new_kv[at] = held ? ds4_chunk_kv(kv, frontier_kv, e, col, waiting, CURRENT, W) : 0.0f;
-  new_score[at] = held ? ds4_chunk_score(score, frontier_score, ape, e, col, waiting, CURRENT, R, W) : empty_score;
+  new_kv[at] = held ? ds4_entry(kv, frontier_kv, ape, false, e, col, waiting, CURRENT, R, W) : 0.0f;
+  new_score[at] = held ? ds4_entry(score, frontier_score, ape, true, e, col, waiting, CURRENT, R, W) : empty_score;
 }
 """
-"""A chunk's pooling (`pool_chunk`): thread i < n_rows D pools row i / D at dim i % D over its window's candidates
-(ratio 4: the previous window's lane 0, the frontier's rows 0..R-1 for the first row, and this one's lane 1), the
-maximum first, then sum(e kv) / sum(e); the threads after those copy the new frontier's rows out of the extended
+"""A chunk's pooling (`pool_chunk`): thread i < n_rows D pools row i / D at dim i % D over its window's candidates,
+the maximum first, then sum(e kv) / sum(e); the threads after those copy the new frontier's rows out of the extended
 sequence (the frontier's waiting tokens, then the chunk's; zeros and -inf past the open window's tokens)."""
 
 _EXT = """
-DEVICE_FN float ds4_chunk_kv(const GLOBAL_MEM float* kv, const GLOBAL_MEM float* held, int e, int col, int waiting,
-                             int current, int w) {
-  return e < waiting ? held[(current + e) * w + col] : kv[(size_t)(e - waiting) * w + col];
+DEVICE_FN float ds4_entry(const GLOBAL_MEM float* chunk, const GLOBAL_MEM float* held, const GLOBAL_MEM float* ape,
+                          bool with_ape, int e, int col, int waiting, int current, int r, int w) {
+  if (e < waiting) {
+    return held[(current + e) * w + col];
+  }
+  const float value = chunk[(size_t)(e - waiting) * w + col];
+  return with_ape ? value + ape[(e % r) * w + col] : value;
 }
-DEVICE_FN float ds4_chunk_score(const GLOBAL_MEM float* score, const GLOBAL_MEM float* held,
-                                const GLOBAL_MEM float* ape, int e, int col, int waiting, int current, int r, int w) {
-  return e < waiting ? held[(current + e) * w + col] : score[(size_t)(e - waiting) * w + col] + ape[(e % r) * w + col];
+DEVICE_FN float ds4_candidate(const GLOBAL_MEM float* chunk, const GLOBAL_MEM float* held,
+                              const GLOBAL_MEM float* ape, bool with_ape, int k, int row, int j, int waiting, int r,
+                              int d, int coff) {
+  const bool previous = coff == 2 && k < r;  // ratio 4: lane 0 of the previous window (the frontier's before row 0)
+  if (previous && row == 0) {
+    return held[k * coff * d + j];
+  }
+  return ds4_entry(chunk, held, ape, with_ape, previous ? (row - 1) * r + k : row * r + k % r,
+                   previous ? j : (coff - 1) * d + j, waiting, coff == 2 ? r : 0, r, coff * d);
 }
 """
-"""Entry e of a chunk's extended sequence at a column: the frontier's waiting tokens (its current window's rows),
-then the chunk's rows, whose scores get their slot's ape (slot e % r: the extended sequence starts a window)."""
+"""`ds4_entry`: entry e of a chunk's extended sequence at a column, the frontier's waiting tokens (its current
+window's rows) then the chunk's rows, whose scores get their slot's ape (slot e % r: the extended sequence starts a
+window). `ds4_candidate`: candidate k of pooled row `row` at dim j, ratio 4's 2r (the previous window's lane 0,
+then this one's lane 1), ratio 128's r."""
 
 CHUNK_KERNEL = Kernel("ds4_compressor_chunk", (*_INPUTS, "info"), _OUTPUTS, _CHUNK, _EXT)
 CHUNK_THREADS = 256
