@@ -212,15 +212,20 @@ constexpr int PSTRIDE = TILE + 4;  // floats a score row
 constexpr int NT = D / (8 * WARPS);  // n-tiles of 8 dims a warp owns in P V
 constexpr int HEADS_PER_WARP = HG / WARPS;  // in the softmax and the queries' split
 constexpr int DRAIN = 64;  // dims of a score summed on the tensor cores before the sum is added in float32
+constexpr int KQ = D / 4;  // in the scores: the dims of a warp's quarter
+constexpr int KSTEPS = KQ / 16;
+constexpr int QWORDS = 2 * HG * LDW > 4 * HG * PSTRIDE ? 2 * HG * LDW : 4 * HG * PSTRIDE;
 const int h0 = GROUP_X * HG;
 QUERY_KEYS
 SHARED_MEM unsigned int* qh = reinterpret_cast<SHARED_MEM unsigned int*>(ds4_shared);  // HG x LDW, then lo
 SHARED_MEM unsigned int* ql = qh + HG * LDW;
-SHARED_MEM unsigned int* kbuf = ql + HG * LDW;  // two rounds' keys (this one, the next landing): TILE x LDW hi, lo
+// once the queries' fragments are in registers, their planes' words hold each quarter's partial scores, HG x PSTRIDE
+SHARED_MEM float* p_s = reinterpret_cast<SHARED_MEM float*>(ds4_shared);
+SHARED_MEM unsigned int* kbuf = qh + QWORDS;  // two rounds' keys (this one, the next landing): TILE x LDW hi, lo
 SHARED_MEM unsigned int* ph = kbuf + 4 * TILE * LDW;  // HG x PW: this round's probabilities, hi then lo
 SHARED_MEM unsigned int* pl = ph + HG * PW;
-SHARED_MEM float* p_s = reinterpret_cast<SHARED_MEM float*>(pl + HG * PW);  // HG x PSTRIDE: scores
-SHARED_MEM float* alpha_s = p_s + HG * PSTRIDE;  // HG: each head's rescaling this round, then its output factor
+SHARED_MEM float* alpha_s = reinterpret_cast<SHARED_MEM float*>(pl + HG * PW);  // HG: each head's rescaling this
+                                                                               // round, then its output factor
 SHARED_MEM float* qinv_s = alpha_s + HG;  // HG: each head's query scale undone
 SHARED_MEM float* kscale_s = qinv_s + HG;  // 2 x TILE: each key's row scale, this round's and the next's
 STAGE_FIRST
@@ -278,8 +283,18 @@ for (int mi = 0; mi < M_TILES; ++mi) {
     }
   }
 }
-const int mw = warp >> 2;  // in the scores: the warp's 16 heads and 8 keys
-const int nw = warp & 3;
+const int mw = warp >> 2;  // in the scores: the warp's 16 heads, all TILE keys, a quarter of the dims
+const int kq = warp & 3;
+ds4_barrier();  // every query is split
+unsigned int qfh[KSTEPS][4];  // the warp's query fragments, loaded once and held for every round
+unsigned int qfl[KSTEPS][4];
+{
+  const SHARED_MEM unsigned int* qa = qh + (16 * mw + (lane & 15)) * LDW + 4 * (lane >> 4) + kq * (KQ / 2);
+  for (int k = 0; k < KSTEPS; ++k) {
+    ds4_ldmatrix_x4(qfh[k], qa + 8 * k);
+    ds4_ldmatrix_x4(qfl[k], qa + (ql - qh) + 8 * k);
+  }
+}
 for (int t0 = 0; t0 < n_keys; t0 += TILE) {
   const int parity = (t0 / TILE) & 1;
   const SHARED_MEM unsigned int* kh = kbuf + parity * 2 * TILE * LDW;  // this round's keys
@@ -290,38 +305,35 @@ for (int t0 = 0; t0 < n_keys; t0 += TILE) {
   if (t0 + TILE < n_keys) {
 STAGE_NEXT
   }
-  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const SHARED_MEM unsigned int* qa = qh + (16 * mw + (lane & 15)) * LDW + 4 * (lane >> 4);
-  const SHARED_MEM unsigned int* kb = kh + (8 * nw + (lane & 7)) * LDW + 4 * (lane >> 3);
-  for (int k1 = 0; k1 < D / 2; k1 += DRAIN / 2) {  // the tensor cores truncate their sums: drained every DRAIN dims
-    float large[2][4] = {};  // independent chains (even and odd k-steps, large and small products)
-    float small[2][4] = {};
-    for (int kw = k1; kw < k1 + DRAIN / 2; kw += 16) {  // two k-steps of 16 dims
-      unsigned int bh[4], bl[4];
-      ds4_ldmatrix_x4(bh, kb + kw);
-      ds4_ldmatrix_x4(bl, kb + (kl - kh) + kw);
-      for (int kk = 0; kk < 2; ++kk) {
-        unsigned int ah[4], al[4];
-        ds4_ldmatrix_x4(ah, qa + kw + 8 * kk);
-        ds4_ldmatrix_x4(al, qa + (ql - qh) + kw + 8 * kk);
-        ds4_mma_f16_16x8x16(small[kk], al, bh + 2 * kk);
-        ds4_mma_f16_16x8x16(small[kk], ah, bl + 2 * kk);
-        ds4_mma_f16_16x8x16(large[kk], ah, bh + 2 * kk);
+  float s[4][4] = {};  // n-tile n: keys 8 n.. of the round (mma's C layout)
+  const SHARED_MEM unsigned int* kb = kh + (lane & 7) * LDW + 4 * (lane >> 3) + kq * (KQ / 2);
+  for (int k1 = 0; k1 < KSTEPS; k1 += DRAIN / 16) {  // the tensor cores truncate their sums: drained every DRAIN dims
+    float part[4][4] = {};  // an n-tile's products, the small ones first (independent chains: the n-tiles)
+    for (int k = k1; k < k1 + DRAIN / 16 && k < KSTEPS; k += 2) {  // two k-steps of 16 dims: one ldmatrix.x4 a plane
+      for (int n = 0; n < 4; ++n) {
+        unsigned int bh[4], bl[4];
+        ds4_ldmatrix_x4(bh, kb + 8 * n * LDW + 8 * k);
+        ds4_ldmatrix_x4(bl, kb + (kl - kh) + 8 * n * LDW + 8 * k);
+        for (int kk = 0; kk < 2 && k + kk < KSTEPS; ++kk) {
+          ds4_mma_f16_16x8x16(part[n], qfl[k + kk], bh + 2 * kk);
+          ds4_mma_f16_16x8x16(part[n], qfh[k + kk], bl + 2 * kk);
+          ds4_mma_f16_16x8x16(part[n], qfh[k + kk], bh + 2 * kk);
+        }
       }
     }
-    for (int c = 0; c < 4; ++c) {
-      s[c] += (small[0][c] + small[1][c]) + (large[0][c] + large[1][c]);  // the small products first
+    for (int n = 0; n < 4; ++n) {
+      for (int c = 0; c < 4; ++c) {
+        s[n][c] += part[n][c];
+      }
     }
   }
-  const float upper_q = scale * qinv_s[16 * mw + g];
-  const float lower_q = scale * qinv_s[16 * mw + g + 8];
-  const float key0 = ds4_div(1.0f, kscale_r[8 * nw + 2 * t]);  // past the last key: not finite, never read
-  const float key1 = ds4_div(1.0f, kscale_r[8 * nw + 2 * t + 1]);
-  SHARED_MEM float* srow = p_s + (16 * mw + g) * PSTRIDE + 8 * nw + 2 * t;
-  srow[0] = s[0] * upper_q * key0;
-  srow[1] = s[1] * upper_q * key1;
-  srow[8 * PSTRIDE] = s[2] * lower_q * key0;
-  srow[8 * PSTRIDE + 1] = s[3] * lower_q * key1;
+  SHARED_MEM float* srow = p_s + kq * HG * PSTRIDE + (16 * mw + g) * PSTRIDE + 2 * t;  // the quarter's partial sums
+  for (int n = 0; n < 4; ++n) {
+    srow[8 * n] = s[n][0];
+    srow[8 * n + 1] = s[n][1];
+    srow[8 * PSTRIDE + 8 * n] = s[n][2];
+    srow[8 * PSTRIDE + 8 * n + 1] = s[n][3];
+  }
   ds4_barrier();
   const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
   // P V takes the keys as split (each times its row scale): each probability times its key's inverse scale over R,
@@ -331,7 +343,9 @@ STAGE_NEXT
   const float rel = ds4_div(kinv, big);
   for (int i = 0; i < HEADS_PER_WARP; ++i) {  // lane: key
     const int h = warp * HEADS_PER_WARP + i;
-    const float score = lane < count ? p_s[h * PSTRIDE + lane] : -3.0e38f;
+    const SHARED_MEM float* parts = p_s + h * PSTRIDE + lane;  // the four quarters' sums, each row's scales undone
+    const float score = lane < count ? (((parts[0] + parts[HG * PSTRIDE]) + parts[2 * HG * PSTRIDE])
+                                        + parts[3 * HG * PSTRIDE]) * (scale * qinv_s[h]) * kinv : -3.0e38f;
     const float tile_top = ds4_simd_max(score);
     const float top = tile_top > m_run[i] ? tile_top : m_run[i];
     const float alpha = ds4_exp(m_run[i] - top);
@@ -363,27 +377,26 @@ STAGE_NEXT
   for (int j = 0; j < NT; j += 2) {  // n-tiles j and j + 1 (the same tile twice where NT is odd)
     const int j1 = j + 1 < NT ? j + 1 : j;
     const int vat = (8 * ((lane >> 3) & 1) + (lane & 7)) * LDW + d0 / 2 + 4 * ((lane >> 4) ? j1 : j);
-    float large[M_TILES][2][4] = {};  // the round's P V in fresh sums (truncated over TILE keys only), then merged
-    float small[M_TILES][2][4] = {};
+    float pv[M_TILES][2][4] = {};  // the round's P V in fresh sums (truncated over TILE keys only), then merged
     for (int kk = 0; kk < TILE / 16; ++kk) {
       unsigned int vh[4], vl[4];
       ds4_ldmatrix_x4_trans(vh, kh + 16 * kk * LDW + vat);
       ds4_ldmatrix_x4_trans(vl, kl + 16 * kk * LDW + vat);
       for (int mi = 0; mi < M_TILES; ++mi) {
         for (int jj = 0; jj < 2; ++jj) {
-          ds4_mma_f16_16x8x16(small[mi][jj], pal[mi][kk], vh + 2 * jj);
-          ds4_mma_f16_16x8x16(small[mi][jj], pah[mi][kk], vl + 2 * jj);
-          ds4_mma_f16_16x8x16(large[mi][jj], pah[mi][kk], vh + 2 * jj);
+          ds4_mma_f16_16x8x16(pv[mi][jj], pal[mi][kk], vh + 2 * jj);  // the small products first
+          ds4_mma_f16_16x8x16(pv[mi][jj], pah[mi][kk], vl + 2 * jj);
+          ds4_mma_f16_16x8x16(pv[mi][jj], pah[mi][kk], vh + 2 * jj);
         }
       }
     }
     for (int mi = 0; mi < M_TILES; ++mi) {
       for (int jj = 0; jj < 2 && j + jj < NT; ++jj) {
         float* acc = o[mi][j + jj];
-        acc[0] = acc[0] * upper[mi] + big * (small[mi][jj][0] + large[mi][jj][0]);
-        acc[1] = acc[1] * upper[mi] + big * (small[mi][jj][1] + large[mi][jj][1]);
-        acc[2] = acc[2] * lower[mi] + big * (small[mi][jj][2] + large[mi][jj][2]);
-        acc[3] = acc[3] * lower[mi] + big * (small[mi][jj][3] + large[mi][jj][3]);
+        acc[0] = acc[0] * upper[mi] + big * pv[mi][jj][0];
+        acc[1] = acc[1] * upper[mi] + big * pv[mi][jj][1];
+        acc[2] = acc[2] * lower[mi] + big * pv[mi][jj][2];
+        acc[3] = acc[3] * lower[mi] + big * pv[mi][jj][3];
       }
     }
   }
@@ -475,12 +488,12 @@ def _planes(name: str) -> tuple[str, ...]:
 
 
 def tensor_shared_bytes(m_tiles: int, d: int = 512) -> int:
-    """Dynamic threadgroup memory of the tensor-core kernel: the queries' and two rounds of keys' half planes (D / 2
-    + 4 words a row, hi and lo), the probabilities' (TILE / 2 + 4), the scores (TILE + 4 a row) and a factor per
-    head and key."""
+    """Dynamic threadgroup memory of the tensor-core kernel: the queries' half planes (D / 2 + 4 words a row, hi and
+    lo; then the four quarters' partial scores, TILE + 4 a row), two rounds of keys' planes, the probabilities'
+    (TILE / 2 + 4) and a factor per head and key."""
     heads = 16 * m_tiles
-    words = (2 * heads * (d // 2 + 4) + 4 * TENSOR_TILE * (d // 2 + 4) + 2 * heads * (TENSOR_TILE // 2 + 4)
-             + heads * (TENSOR_TILE + 4) + 2 * heads + 2 * TENSOR_TILE)
+    words = (max(2 * heads * (d // 2 + 4), 4 * heads * (TENSOR_TILE + 4)) + 4 * TENSOR_TILE * (d // 2 + 4)
+             + 2 * heads * (TENSOR_TILE // 2 + 4) + 2 * heads + 2 * TENSOR_TILE)
     return 4 * words
 
 
