@@ -26,8 +26,9 @@ are not real are never loaded), read where they are stored. Online softmax with 
   then (1) each warp scores 16 heads x all 32 keys over a quarter of the D dims, its queries' fragments held in
   registers from the start (loaded once, where reloading them from threadgroup memory every round took two of
   every three ldmatrix), the four quarters' partial scores left in the queries' planes' words, (2) each warp sums
-  4 heads' quarters and turns them into probabilities (the online softmax's maximum and sum per head, kept in its
-  lanes), split into half planes, (3) each warp adds P V for its D / WARPS dims of every head (the keys' B
+  4 heads' quarters and turns them into probabilities (8 lanes a head, 4 keys a lane: its maximum and sum over
+  3 shuffles, where a lane a key took 5 for each of the 4 heads; the online softmax's maximum and sum kept in the
+  head's lanes), split into half planes, (3) each warp adds P V for its D / WARPS dims of every head (the keys' B
   fragments by ldmatrix.trans), its accumulators in registers. Keys are read from L2 once per TENSOR_HEADS heads.
   Each mma chain (an n-tile's scores over 64 dims, a round's P V) takes the small products before the large.
   255 registers, no spill, at Flash's shapes (bench/nvcc_check.py).
@@ -40,7 +41,10 @@ are not real are never loaded), read where they are stored. Online softmax with 
   every fragment load) 14.3 / 5.2 / 3.2; with half planes split in the kernel 10.3 / 4.1 / 2.5; with the keys
   split before the launch 8.9 / 3.5 / 2.6. Nsight Compute (session 16): one threadgroup of 8 warps an SM (its
   210 KB of planes), issue slots 29% busy, 9.1 instructions a mma. With the queries' fragments in registers
-  (session 22): 6.85 / 2.93 / 1.95, and an 8k prompt's prefill 3,998 -> 4,109 t/s (same machine).
+  (session 22): 6.85 / 2.93 / 1.95, and an 8k prompt's prefill 3,998 -> 4,109 t/s (same machine); Nsight Compute
+  then put 29% of the kernel's stall samples in the softmax (a lane a key) and found 30-odd integer instructions
+  a 16-byte copy in the staging: with 8 lanes a head and PER_KEY threads a key (its source found once) 5.61 /
+  2.59 / 1.76, and 8k 3,965 -> 4,053 t/s against the session's start (another machine).
 """
 
 from __future__ import annotations
@@ -274,12 +278,11 @@ for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
     qinv_s[hl] = inv;
   }
 }
-float m_run[HEADS_PER_WARP];  // heads warp * HEADS_PER_WARP + i: running maximum and sum, the same in every lane
-float l_run[HEADS_PER_WARP];
-for (int i = 0; i < HEADS_PER_WARP; ++i) {
-  m_run[i] = -3.0e38f;  // below every score: exp(m - top) is 0
-  l_run[i] = 0.0f;
-}
+static_assert(HEADS_PER_WARP * 8 == 32, "the softmax gives each head of a warp 8 lanes");
+const int kg = lane & 7;  // in the softmax: head warp * HEADS_PER_WARP + (lane >> 3), keys 4 kg .. 4 kg + 3
+const int hs = warp * HEADS_PER_WARP + (lane >> 3);
+float m_run = -3.0e38f;  // head hs's running maximum (below every score: exp(m - top) is 0) and sum, the same in
+float l_run = 0.0f;      // its 8 lanes
 float o[M_TILES][NT][4];
 for (int mi = 0; mi < M_TILES; ++mi) {
   for (int j = 0; j < NT; ++j) {
@@ -343,28 +346,55 @@ STAGE_NEXT
   const int count = n_keys - t0 < TILE ? n_keys - t0 : TILE;
   // P V takes the keys as split (each times its row scale): each probability times its key's inverse scale over R,
   // the round's largest inverse scale (so at most 1: no half overflows), and the round's P V times R
-  const float kinv = lane < count ? ds4_div(1.0f, kscale_r[lane]) : 0.0f;
-  const float big = ds4_simd_max(kinv);
-  const float rel = ds4_div(kinv, big);
-  for (int i = 0; i < HEADS_PER_WARP; ++i) {  // lane: key
-    const int h = warp * HEADS_PER_WARP + i;
-    const SHARED_MEM float* parts = p_s + h * PSTRIDE + lane;  // the four quarters' sums, each row's scales undone
-    const float score = lane < count ? (((parts[0] + parts[HG * PSTRIDE]) + parts[2 * HG * PSTRIDE])
-                                        + parts[3 * HG * PSTRIDE]) * (scale * qinv_s[h]) * kinv : -3.0e38f;
-    const float tile_top = ds4_simd_max(score);
-    const float top = tile_top > m_run[i] ? tile_top : m_run[i];
-    const float alpha = ds4_exp(m_run[i] - top);
-    const float p = lane < count ? ds4_exp(score - top) : 0.0f;
-    l_run[i] = l_run[i] * alpha + ds4_simd_sum(p);
-    m_run[i] = top;
-    const float scaled = p * rel;
-    const float next = ds4_simd_xor(scaled, 1);
-    if ((lane & 1) == 0) {
-      ds4_half2_split(scaled, next, ph[h * PW + lane / 2], pl[h * PW + lane / 2]);
-    }
-    if (lane == 0) {
-      alpha_s[h] = alpha;
-    }
+  const float4 ks = *reinterpret_cast<const SHARED_MEM float4*>(kscale_r + 4 * kg);
+  const float kscale4[4] = {ks.x, ks.y, ks.z, ks.w};
+  float kinv[4];
+  float big = 0.0f;
+  for (int e = 0; e < 4; ++e) {
+    kinv[e] = 4 * kg + e < count ? ds4_div(1.0f, kscale4[e]) : 0.0f;
+    big = kinv[e] > big ? kinv[e] : big;
+  }
+  for (int offset = 1; offset < 8; offset <<= 1) {  // over the 8 lanes of a head: every key of the round
+    const float other = ds4_simd_xor(big, offset);
+    big = other > big ? other : big;
+  }
+  // the four quarters' sums, then each row's scales undone
+  const SHARED_MEM float* parts = p_s + hs * PSTRIDE + 4 * kg;
+  const float4 q0 = *reinterpret_cast<const SHARED_MEM float4*>(parts);
+  const float4 q1 = *reinterpret_cast<const SHARED_MEM float4*>(parts + HG * PSTRIDE);
+  const float4 q2 = *reinterpret_cast<const SHARED_MEM float4*>(parts + 2 * HG * PSTRIDE);
+  const float4 q3 = *reinterpret_cast<const SHARED_MEM float4*>(parts + 3 * HG * PSTRIDE);
+  const float sums[4] = {((q0.x + q1.x) + q2.x) + q3.x, ((q0.y + q1.y) + q2.y) + q3.y,
+                         ((q0.z + q1.z) + q2.z) + q3.z, ((q0.w + q1.w) + q2.w) + q3.w};
+  const float factor = scale * qinv_s[hs];
+  float score[4];
+  float tile_top = -3.0e38f;
+  for (int e = 0; e < 4; ++e) {
+    score[e] = 4 * kg + e < count ? sums[e] * factor * kinv[e] : -3.0e38f;
+    tile_top = score[e] > tile_top ? score[e] : tile_top;
+  }
+  for (int offset = 1; offset < 8; offset <<= 1) {
+    const float other = ds4_simd_xor(tile_top, offset);
+    tile_top = other > tile_top ? other : tile_top;
+  }
+  const float top = tile_top > m_run ? tile_top : m_run;
+  const float alpha = ds4_exp(m_run - top);
+  float p[4];
+  for (int e = 0; e < 4; ++e) {
+    p[e] = 4 * kg + e < count ? ds4_exp(score[e] - top) : 0.0f;
+  }
+  float total = (p[0] + p[1]) + (p[2] + p[3]);
+  for (int offset = 1; offset < 8; offset <<= 1) {
+    total += ds4_simd_xor(total, offset);
+  }
+  l_run = l_run * alpha + total;
+  m_run = top;
+  for (int e = 0; e < 4; e += 2) {  // each probability times its key's inverse scale over the round's largest
+    ds4_half2_split(p[e] * ds4_div(kinv[e], big), p[e + 1] * ds4_div(kinv[e + 1], big), ph[hs * PW + 2 * kg + e / 2],
+                    pl[hs * PW + 2 * kg + e / 2]);
+  }
+  if (kg == 0) {
+    alpha_s[hs] = alpha;
   }
   ds4_barrier();
   unsigned int pah[M_TILES][TILE / 16][4], pal[M_TILES][TILE / 16][4];  // P's fragments
@@ -407,14 +437,13 @@ STAGE_NEXT
   }
 }
 ds4_barrier();  // every warp is done reading this round's factors
-for (int i = 0; i < HEADS_PER_WARP; ++i) {
-  const int h = warp * HEADS_PER_WARP + i;
-  const float sink = h0 + h < H ? sinks[h0 + h] : 0.0f;
-  const float top = m_run[i] > sink ? m_run[i] : sink;
-  const float weight = ds4_exp(m_run[i] - top);
-  const float total = l_run[i] * weight + ds4_exp(sink - top);  // no key seen: 0 + 1, and the output is 0
-  if (lane == 0) {
-    alpha_s[h] = weight / total;
+{
+  const float sink = h0 + hs < H ? sinks[h0 + hs] : 0.0f;
+  const float top = m_run > sink ? m_run : sink;
+  const float weight = ds4_exp(m_run - top);
+  const float total = l_run * weight + ds4_exp(sink - top);  // no key seen: 0 + 1, and the output is 0
+  if (kg == 0) {
+    alpha_s[hs] = weight / total;
   }
 }
 ds4_barrier();
@@ -443,25 +472,27 @@ for (int mi = 0; mi < M_TILES; ++mi) {
 }
 """
 _STAGE = """
-  for (int e = THREAD_IN_GROUP; e < TILE * D / 8; e += WARPS * 32) {  // keys ROUND.., 16 bytes of a plane a copy
-    const int key = e / (D / 8);
-    const int c = 4 * (e - key * (D / 8));
+  {  // keys ROUND..: PER_KEY threads a key, its source found once, each copying every PER_KEY-th 16-byte run
+    constexpr int PER_KEY = WARPS * 32 / TILE;
+    const int key = THREAD_IN_GROUP / PER_KEY;
     const int n = ROUND + key;
     const GLOBAL_MEM unsigned int* hi_src = raw_hi;  // past the last key: zeros, masked in the softmax
     const GLOBAL_MEM unsigned int* lo_src = raw_lo;
     const GLOBAL_MEM float* scale_src = raw_scale;
     if (n < n_keys) {
 KEY_SOURCE
-      hi_src = (from_raw ? raw_hi : ROWS_hi) + (size_t)at * (D / 2) + c;
-      lo_src = (from_raw ? raw_lo : ROWS_lo) + (size_t)at * (D / 2) + c;
+      hi_src = (from_raw ? raw_hi : ROWS_hi) + (size_t)at * (D / 2);
+      lo_src = (from_raw ? raw_lo : ROWS_lo) + (size_t)at * (D / 2);
       scale_src = (from_raw ? raw_scale : ROWS_scale) + at;
     }
-    SHARED_MEM unsigned int* dst = kbuf + PARITY * 2 * TILE * LDW + key * LDW + c;
-    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(dst), reinterpret_cast<const GLOBAL_MEM float*>(hi_src),
-                     n < n_keys);
-    ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(dst + TILE * LDW),
-                     reinterpret_cast<const GLOBAL_MEM float*>(lo_src), n < n_keys);
-    if (c == 0) {
+    SHARED_MEM unsigned int* dst = kbuf + PARITY * 2 * TILE * LDW + key * LDW;
+    for (int c = 4 * (THREAD_IN_GROUP % PER_KEY); c < D / 2; c += 4 * PER_KEY) {
+      ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(dst + c),
+                       reinterpret_cast<const GLOBAL_MEM float*>(hi_src + c), n < n_keys);
+      ds4_copy16_async(reinterpret_cast<SHARED_MEM float*>(dst + TILE * LDW + c),
+                       reinterpret_cast<const GLOBAL_MEM float*>(lo_src + c), n < n_keys);
+    }
+    if (THREAD_IN_GROUP % PER_KEY == 0) {
       ds4_copy4_async(kscale_s + PARITY * TILE + key, scale_src, n < n_keys);
     }
   }
