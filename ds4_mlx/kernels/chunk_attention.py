@@ -238,6 +238,15 @@ SHARED_MEM float* alpha_s = reinterpret_cast<SHARED_MEM float*>(pl + HG * PW);  
 SHARED_MEM float* qinv_s = alpha_s + HG;  // HG: each head's query scale undone
 SHARED_MEM float* kscale_s = qinv_s + HG;  // 2 x TILE: each key's row scale, this round's and the next's
 STAGE_FIRST
+float2 qv[HEADS_PER_WARP][D / 64];  // the warp's heads' queries: every load issued before the first is used
+for (int i = 0; i < HEADS_PER_WARP; ++i) {
+  const int hl = warp * HEADS_PER_WARP + i;
+  const GLOBAL_MEM float* src = q + ((size_t)b * H + h0 + hl) * D;
+  for (int j = 0; j < D / 64; ++j) {
+    qv[i][j] = h0 + hl < H ? *reinterpret_cast<const GLOBAL_MEM float2*>(src + 2 * lane + 64 * j)
+                           : make_float2(0.0f, 0.0f);
+  }
+}
 SHARED float rot_cos[NROT > 0 ? NROT / 2 : 1];  // with NROT, the query position's angles: every head's, both ways
 SHARED float rot_sin[NROT > 0 ? NROT / 2 : 1];
 if (NROT > 0) {
@@ -250,11 +259,7 @@ if (NROT > 0) {
 }
 for (int i = 0; i < HEADS_PER_WARP; ++i) {  // the queries, split once
   const int hl = warp * HEADS_PER_WARP + i;
-  const GLOBAL_MEM float* src = q + ((size_t)b * H + h0 + hl) * D;
-  float2 v[D / 64];
-  for (int j = 0; j < D / 64; ++j) {
-    v[j] = h0 + hl < H ? *reinterpret_cast<const GLOBAL_MEM float2*>(src + 2 * lane + 64 * j) : make_float2(0.0f, 0.0f);
-  }
+  float2 (&v)[D / 64] = qv[i];
   if (NROT > 0) {  // q_b's output: the head's RMSNorm, then the RoPE of its trailing NROT dims (rows.py's formulas)
     float squares = 0.0f;
     for (int j = 0; j < D / 64; ++j) {
@@ -350,8 +355,10 @@ STAGE_NEXT
   const float kscale4[4] = {ks.x, ks.y, ks.z, ks.w};
   float kinv[4];
   float big = 0.0f;
-  for (int e = 0; e < 4; ++e) {
-    kinv[e] = 4 * kg + e < count ? ds4_div(1.0f, kscale4[e]) : 0.0f;
+  for (int e = 0; e < 4; ++e) {  // a row scale is a power of two in [2^-126, 2^127]: its inverse exact from its bits
+    const unsigned int bits = ds4_bits(kscale4[e]);
+    const float inverse = ds4_float(bits < 0x7F000000u ? 0x7F000000u - bits : 0x00400000u);
+    kinv[e] = 4 * kg + e < count ? inverse : 0.0f;
     big = kinv[e] > big ? kinv[e] : big;
   }
   for (int offset = 1; offset < 8; offset <<= 1) {  // over the 8 lanes of a head: every key of the round
@@ -389,8 +396,9 @@ STAGE_NEXT
   }
   l_run = l_run * alpha + total;
   m_run = top;
+  const float inv_big = ds4_div(1.0f, big);  // a power of two: kinv * inv_big is kinv / big exactly
   for (int e = 0; e < 4; e += 2) {  // each probability times its key's inverse scale over the round's largest
-    ds4_half2_split(p[e] * ds4_div(kinv[e], big), p[e + 1] * ds4_div(kinv[e + 1], big), ph[hs * PW + 2 * kg + e / 2],
+    ds4_half2_split(p[e] * (kinv[e] * inv_big), p[e + 1] * (kinv[e + 1] * inv_big), ph[hs * PW + 2 * kg + e / 2],
                     pl[hs * PW + 2 * kg + e / 2]);
   }
   if (kg == 0) {
