@@ -44,7 +44,10 @@ are not real are never loaded), read where they are stored. Online softmax with 
   (session 22): 6.85 / 2.93 / 1.95, and an 8k prompt's prefill 3,998 -> 4,109 t/s (same machine); Nsight Compute
   then put 29% of the kernel's stall samples in the softmax (a lane a key) and found 30-odd integer instructions
   a 16-byte copy in the staging: with 8 lanes a head and PER_KEY threads a key (its source found once) 5.61 /
-  2.59 / 1.76, and 8k 3,965 -> 4,053 t/s against the session's start (another machine).
+  2.59 / 1.76, and 8k 3,965 -> 4,053 t/s against the session's start (another machine); with the keys' inverse
+  scales from their bits (one division a round) 5.32 / 2.30 / 1.62. A threadgroup's fixed cost (the picks'
+  compaction, the queries' split, the output) is ~11 us by a fit over the three kinds, ~3 rounds' worth: one
+  205 KB threadgroup an SM leaves nothing to overlap it.
 """
 
 from __future__ import annotations
@@ -518,7 +521,7 @@ TENSOR_KEY_SOURCES: dict[str, tuple[str, str]] = {
 rows' planes and the key's source and index."""
 TENSOR_HEADS = 32
 """Heads a tensor-core threadgroup serves (16 or 32: 4 warps per 16); its keys are read from L2 and split once per
-this many heads. Threadgroup memory at D = 512: 210 KB with 32, 172 KB with 16 (one threadgroup an SM either way).
+this many heads. Threadgroup memory at D = 512: 205 KB with 32, 169 KB with 16 (one threadgroup an SM either way).
 Measured for the TF32 kernel before its keys were double-buffered (137 and 101 KB, two threadgroups an SM at 16):
 32 heads 18.5 ms, 16 heads 23.8 for a ratio-4 layer's 4096 queries (bench/chunk_attention.py)."""
 TENSOR_TILE = 32
