@@ -364,10 +364,7 @@ STAGE_NEXT
     kinv[e] = 4 * kg + e < count ? inverse : 0.0f;
     big = kinv[e] > big ? kinv[e] : big;
   }
-  for (int offset = 1; offset < 8; offset <<= 1) {  // over the 8 lanes of a head: every key of the round
-    const float other = ds4_simd_xor(big, offset);
-    big = other > big ? other : big;
-  }
+  big = ds4_max8(big);  // over the 8 lanes of a head: every key of the round
   // the four quarters' sums, then each row's scales undone
   const SHARED_MEM float* parts = p_s + hs * PSTRIDE + 4 * kg;
   const float4 q0 = *reinterpret_cast<const SHARED_MEM float4*>(parts);
@@ -383,10 +380,7 @@ STAGE_NEXT
     score[e] = 4 * kg + e < count ? sums[e] * factor * kinv[e] : -3.0e38f;
     tile_top = score[e] > tile_top ? score[e] : tile_top;
   }
-  for (int offset = 1; offset < 8; offset <<= 1) {
-    const float other = ds4_simd_xor(tile_top, offset);
-    tile_top = other > tile_top ? other : tile_top;
-  }
+  tile_top = ds4_max8(tile_top);
   const float top = tile_top > m_run ? tile_top : m_run;
   const float alpha = ds4_exp(m_run - top);
   float p[4];
@@ -482,6 +476,16 @@ for (int mi = 0; mi < M_TILES; ++mi) {
   }
 }
 """
+_MAX8 = """
+DEVICE_FN float ds4_max8(float v) {
+  for (int offset = 1; offset < 8; offset <<= 1) {
+    const float other = ds4_simd_xor(v, offset);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+"""
+"""The largest v of 8 aligned lanes (the softmax's lanes of one head), in each of them."""
 _STAGE = """
   {  // keys ROUND..: PER_KEY threads a key, its source found once, each copying every PER_KEY-th 16-byte run
     constexpr int PER_KEY = WARPS * 32 / TILE;
@@ -561,7 +565,7 @@ TENSOR_KERNELS = {
                             ("q", *_planes("raw"), *[n for i in inputs for n in _planes(i)], "sinks", "inv_freq",
                              "info", "params"),
                             ("out",), _tensor_source(kind, extra),
-                            header=SIMD_EXCLUSIVE_SUM + SPLIT_ROW, shared_memory=tensor_shared_bytes(m_tiles))
+                            header=SIMD_EXCLUSIVE_SUM + SPLIT_ROW + _MAX8, shared_memory=tensor_shared_bytes(m_tiles))
     for kind, (inputs, extra, _) in CHUNK_KEY_SETS.items() for m_tiles in (1, 2)
 }
 """By (kind, m-tiles of 16 heads): their threadgroup memory is sized for D up to 512."""
