@@ -16,6 +16,7 @@ Python, makes every fast path answer "no" without checking anything: for debuggi
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import threading
 import warnings
@@ -58,7 +59,14 @@ def mode() -> str:
 
 def reference_paths() -> frozenset[str]:
     """The fast paths DS4_REFERENCE_PATHS (comma-separated names) keeps on their references."""
-    names = frozenset(name.strip() for name in os.environ.get(PATHS_ENV, "").split(",") if name.strip())
+    return _parsed_paths(os.environ.get(PATHS_ENV, ""), len(_NAMES))
+
+
+@functools.cache
+def _parsed_paths(value: str, registered: int) -> frozenset[str]:
+    """DS4_REFERENCE_PATHS's names, checked against the `registered` fast paths so far: parsed once per value
+    (FastPath.enabled asks at every call), again once more paths are registered."""
+    names = frozenset(name.strip() for name in value.split(",") if name.strip())
     unknown = names - _NAMES
     if unknown:
         raise Ds4Error(f"{PATHS_ENV} names no fast path: {', '.join(sorted(unknown))} (fast paths: "
