@@ -9,8 +9,9 @@ them by tokens (ids given by the caller) or by text (a rendered prompt whose ids
 longest match wins, its state is restored and only the rest is prefilled.
 
 Snapshots cost no copy when taken (MLX arrays are immutable), but every array a snapshot holds stays alive, so
-they are kept within a byte budget, least recently used first out. The budget counts each array once however many
-snapshots share it (a state's arrays are shared until the layer they belong to is updated).
+they are kept within a byte budget (by default what the device memory budget leaves, memory.py), least recently
+used first out; a prefill chunk short of device memory drops the oldest first. The budget counts each array once
+however many snapshots share it (a state's arrays are shared until the layer they belong to is updated).
 """
 
 from __future__ import annotations
@@ -24,12 +25,6 @@ import mlx.core as mx
 from .session import Snapshot
 
 log = logging.getLogger("ds4_mlx.checkpoints")
-
-
-def default_ram_budget(available: int, used: int) -> int:
-    """Half of what is left of the 90% of device memory a model may use once its weights and live session are in
-    (`used`); the other half stays free for prefill activations."""
-    return max(0, int(available * 0.9) - used) // 2
 
 
 def snapshot_arrays(snapshot: Snapshot) -> list[mx.array]:
@@ -114,6 +109,16 @@ class CheckpointStore:
             key = min(self._items, key=lambda k: self._items[k].used)
             log.debug("checkpoint of %d tokens evicted (budget %d bytes)", len(key), self.budget_bytes)
             del self._items[key]
+
+    def drop_oldest(self) -> bool:
+        """Drops the least recently used checkpoint (a prefill short of device memory asks); False when none is
+        kept."""
+        if not self._items:
+            return False
+        key = min(self._items, key=lambda k: self._items[k].used)
+        log.info("checkpoint of %d tokens dropped: a prefill chunk needs its memory", len(key))
+        del self._items[key]
+        return True
 
     def find(self, tokens: Sequence[int], text: bytes | None, longer_than: int = 0) -> Match | None:
         """The longest checkpoint of more than `longer_than` tokens that starts the prompt: its ids start `tokens`,

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import dsml
+from . import dsml, memory
 from .chat import ToolMemory
-from .checkpoints import CheckpointStore, Match, default_ram_budget
+from .checkpoints import CheckpointStore, Match
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError, UsageError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
 from .kvfiles import check_directory
@@ -30,7 +30,6 @@ from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
 from .model.mtp import MTP, open_mtp
-from .model.stream import device_memory_bytes
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .sampling import Sampler, SamplingParams, argmax
@@ -108,30 +107,34 @@ def check_context(config: ModelConfig, ctx: int) -> None:
         raise UsageError(f"context size must be from 1 to {limit} tokens (the model's trained context), got {ctx}")
 
 
-def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, available: int) -> None:
-    """Stops with a clear message, before anything big is allocated, when weights + state at ctx do not fit."""
+def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, limit: int) -> None:
+    """Stops with a clear message, before anything big is allocated, when the weights, the session state at `ctx`
+    (and the decode graphs' copy of it) and the shortest prefill chunk at the context's end do not fit under the
+    device memory `limit` (memory.py)."""
     from .model.cache import session_bytes
 
-    def need(c: int) -> int:
-        return model_bytes + session_bytes(weights.config, c)
+    config = weights.config
 
-    budget = int(available * 0.9)
-    if need(ctx) <= budget:
+    def need(c: int) -> int:
+        chunk = memory.chunk_transient_bytes(config, min(memory.MIN_CHUNK, c), max(0, c - memory.MIN_CHUNK))
+        return model_bytes + state_copies() * session_bytes(config, c) + chunk
+
+    if need(ctx) <= limit:
         return
     gib = 1024**3
-    if need(1) > budget:
+    if need(1) > limit:
         raise ResourceError(
-            f"the model needs {model_bytes / gib:.1f} GiB for its weights but this device has "
-            f"{available / gib:.1f} GiB; no context size fits"
+            f"the model needs {model_bytes / gib:.1f} GiB for its weights but this device can hold "
+            f"{limit / gib:.1f} GiB; no context size fits"
         )
     lo, hi = 1, ctx
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid - 1)
     raise ResourceError(
         f"--ctx {ctx} needs {need(ctx) / gib:.1f} GiB (weights {model_bytes / gib:.1f} GiB + session state "
-        f"{session_bytes(weights.config, ctx) / gib:.1f} GiB) but this device has {available / gib:.1f} GiB; "
-        f"a context of {lo} tokens would fit"
+        f"{state_copies() * session_bytes(config, ctx) / gib:.1f} GiB + prefill working memory) but this device "
+        f"can hold {limit / gib:.1f} GiB; a context of {lo} tokens would fit"
     )
 
 
@@ -157,7 +160,8 @@ class Engine:
         guessed tokens are verified per model call (ds4's --mtp-draft; 1 = off), where it can pay
         (`speculation_pays`; `speculate_anyway` for the bench, which measures it everywhere). `mtp_margin` is ds4's
         --mtp-margin: a lone guess whose top-1/top-2 logit gap is below it is not verified. `kv_ram_budget` is
-        the bytes in-memory checkpoints may hold (0 = none; None = what the device has left, see checkpoints.py)."""
+        the bytes in-memory checkpoints may hold (0 = none; None = what the device memory budget leaves once the
+        weights, the session's state and one prefill chunk at the context's end are counted, memory.py)."""
         if not 1 <= mtp_draft <= MAX_MTP_DRAFT:
             raise ValueError(f"mtp_draft must be between 1 and {MAX_MTP_DRAFT}, got {mtp_draft}")
         if drafts_unused(mtp_draft, speculate_anyway):
@@ -178,12 +182,15 @@ class Engine:
         self.kv_store = kv_store
         self.mtp_draft = mtp_draft
         self.mtp_margin = mtp_margin
-        self.session = Session(model, ctx, mtp if mtp_draft > 1 else None)
+        self.session = self._new_session(ctx, mtp if mtp_draft > 1 else None)
         self._on_disk = 0  # the furthest position of the live session already checkpointed to disk
+        state = sum(a.nbytes for a in self.session.cache.arrays())
+        self.budget = memory.plan(model.config, mx.get_active_memory() - state, state_copies() * state,
+                                  self.session.chunk_size, ctx)
         if kv_ram_budget is None:
-            decoder = self.session.cache.nbytes if state_copies() > 1 else 0  # the decode graphs' copy
-            kv_ram_budget = default_ram_budget(device_memory_bytes(), mx.get_active_memory() + decoder)
+            kv_ram_budget = self.budget.spare
         self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
+        log.info("%s", self.budget.describe(kv_ram_budget))
         self.load_phases: dict[str, float] = {}
         """Seconds of each part of `load` (open and check the file, weights, mtp, tokenizer, engine)."""
 
@@ -222,12 +229,7 @@ class Engine:
         if drafts_unused(opts.get("mtp_draft", 1), opts.get("speculate_anyway", False)):
             mtp_weights = None  # checked, not loaded: the engine would not use it
         model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
-        check_memory(weights, model_bytes, ctx, device_memory_bytes())
-        if opts.get("kv_ram_budget") is None:
-            from .model.cache import session_bytes
-
-            used = model_bytes + state_copies() * session_bytes(weights.config, ctx)
-            opts["kv_ram_budget"] = default_ram_budget(device_memory_bytes(), used)
+        check_memory(weights, model_bytes, ctx, memory.apply_limit())
         phase("open")
         with ThreadPoolExecutor(1, thread_name_prefix="ds4-mlx-tokenizer") as pool:
             # built beside the weights' load, which mostly waits on its reader threads (~0.5 s of Python)
@@ -274,8 +276,8 @@ class Engine:
         from .model.cache import session_bytes
 
         check_context(self.model.config, ctx)
-        need = session_bytes(self.model.config, ctx)
-        room = int(device_memory_bytes() * 0.9) - (mx.get_active_memory() - self.session.cache.nbytes)
+        need = state_copies() * session_bytes(self.model.config, ctx)
+        room = memory.free_bytes() + state_copies() * self.session.cache.nbytes
         if need > room:
             gib = 1024**3
             raise ResourceError(
@@ -283,7 +285,7 @@ class Engine:
                 f"free next to the model; the context stays at {self.ctx}"
             )
         self.session.close()
-        self.session = Session(self.model, ctx, self.session.mtp)
+        self.session = self._new_session(ctx, self.session.mtp)
         self.ctx = ctx
         self._on_disk = 0
         self.checkpoints.clear()  # states of the old context size
@@ -353,6 +355,12 @@ class Engine:
         if self.kv_store is not None and len(self.session.tokens) >= self.kv_store.options.min_tokens:
             self._checkpoint(SaveReason.EVICT)
         self._drop_session()
+
+    def _new_session(self, ctx: int, mtp: MTP | None) -> Session:
+        """A session whose prefill, short of device memory, drops the oldest RAM checkpoints first."""
+        session = Session(self.model, ctx, mtp)
+        session.release = lambda: self.checkpoints.drop_oldest()
+        return session
 
     def _drop_session(self) -> None:
         self.session.reset()

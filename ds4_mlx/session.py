@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import memory
 from .errors import RequestError
 from .kernels import registry
 from .kernels.cudagraph import DriverError
@@ -109,6 +110,9 @@ class Session:
         self.ctx = ctx
         self.mtp = mtp
         self.chunk_size = prefill_chunk_for(ctx)
+        self.release: Callable[[], bool] | None = None
+        """Gives device memory back when a prefill chunk would not fit (the engine drops its oldest RAM checkpoint);
+        False when it has nothing left to give."""
         self._graph: GraphDecoder | None = None  # greedy decoding's CUDA graphs (model/graphstep.py), once made
         self._graph_on = False  # the decoder holds the state: `cache` and `logits` are handed back on access
         self._graph_token: int | None = None  # the token the decoder chose, not yet fed
@@ -184,12 +188,29 @@ class Session:
                 f"{len(tokens)} more tokens do not fit: the session holds {len(self.tokens)} of a "
                 f"{self.ctx}-token context"
             )
-        for start in range(0, len(tokens), self.chunk_size):
-            chunk = tokens[start : start + self.chunk_size]
+        start = 0
+        while start < len(tokens):
+            chunk = tokens[start : start + self._next_chunk(len(tokens) - start)]
             self.logits = self._feed(chunk)
             self.tokens.extend(chunk)
             self._eval()
-            yield start + len(chunk), len(tokens)
+            start += len(chunk)
+            yield start, len(tokens)
+
+    def _next_chunk(self, remaining: int) -> int:
+        """The next prefill chunk's length: `chunk_size` (or what remains), shortened to what the device memory
+        budget has room for at this position (memory.py), after `release` gave back what it could. Raises
+        MemoryShortage, before anything is allocated, when not even memory.MIN_CHUNK tokens fit."""
+        preferred, position, config = min(self.chunk_size, remaining), len(self.tokens), self.model.config
+        free = memory.free_bytes()
+        while memory.chunk_transient_bytes(config, preferred, position) > free:
+            if self.release is None or not self.release():
+                break
+            free = memory.free_bytes()
+        size = memory.fit_chunk(config, preferred, position, free)
+        if size == 0:
+            raise memory.MemoryShortage(memory.need_message(config, min(preferred, memory.MIN_CHUNK), position, free))
+        return size
 
     def decode(self, token: int) -> mx.array:
         """Feed one token; returns the logits for the next one. On CUDA, without an MTP block, through the

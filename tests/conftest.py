@@ -44,6 +44,15 @@ def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _memory_limit() -> Iterator[None]:
+    """The device memory limit measured anew after each test (a CLI test's --memory-limit holds for the process)."""
+    from ds4_mlx import memory
+
+    yield
+    memory.set_limit(None)
+
+
 @pytest.fixture(scope="session")
 def demo_model(cache_home: Path) -> Path:
     """The demo model's file (tiny preset, q2 experts, real vocabulary, seed 0), built once per session."""

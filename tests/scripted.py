@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ds4_mlx.engine import Engine
+from ds4_mlx.model.factory import preset_config
 from ds4_mlx.tokenizer import Tokenizer
 
 
@@ -60,6 +61,7 @@ class ScriptedModel:
     """
 
     def __init__(self, vocab: int, script: list[int]) -> None:
+        self.config = preset_config("tiny")  # what the memory budget sizes prefill chunks by (memory.py)
         self.vocab = vocab
         self.script = script
         self.step = 0

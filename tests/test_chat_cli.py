@@ -14,6 +14,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 from rich.console import Console
 
@@ -184,11 +185,11 @@ def test_ctx_rejects_a_bad_size(chat, arg):
     assert chat.engine.ctx == CTX
 
 
-def test_ctx_too_large_for_the_device_is_refused(chat, monkeypatch):
-    import ds4_mlx.engine
+def test_ctx_too_large_for_the_device_is_refused(chat):
+    from ds4_mlx import memory
 
-    monkeypatch.setattr(ds4_mlx.engine, "device_memory_bytes", lambda: 2**28)  # 256 MiB
-    chat.handle("/ctx 1048576")
+    with memory.limited(mx.get_active_memory() + 2**28):  # 256 MiB free
+        chat.handle("/ctx 1048576")
     assert err(chat).startswith("ds4-mlx: error: ctx 1048576 needs ")
     assert f"the context stays at {CTX}" in err(chat)
     assert chat.engine.ctx == CTX

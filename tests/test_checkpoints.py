@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from ds4_mlx.chat import Message, ThinkMode, render_chat
-from ds4_mlx.checkpoints import CheckpointStore, default_ram_budget, snapshot_arrays
+from ds4_mlx.checkpoints import CheckpointStore, snapshot_arrays
 from ds4_mlx.commands.options import byte_size
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.events import Done
@@ -178,12 +178,10 @@ def test_the_budget_flag_takes_sizes():
             byte_size(bad)
 
 
-def test_no_budget_keeps_nothing_and_the_default_leaves_room():
+def test_no_budget_keeps_nothing():
     store = CheckpointStore(0, lambda ids: b"")
     store.add(_snapshot((1,), mx.zeros((4,))))
     assert len(store) == 0
-    assert default_ram_budget(100 << 30, 50 << 30) == 20 << 30
-    assert default_ram_budget(10 << 30, 50 << 30) == 0
     with pytest.raises(ValueError):
         CheckpointStore(-1, lambda ids: b"")
 

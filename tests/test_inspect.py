@@ -68,13 +68,10 @@ def test_weights_breakdown_explains_the_difference_from_the_file(flash_path, cap
     assert converted == q8_values + q8_values // 32 * 8
 
 
-def test_run_checks_memory_with_the_figure_inspect_shows(flash_path, capsys, monkeypatch, on_cpu):
+def test_run_checks_memory_with_the_figure_inspect_shows(flash_path, capsys, on_cpu):
     """`run`'s memory check counts the weights exactly as `inspect` does (82.9 GiB, not the file's 80.76)."""
-    import ds4_mlx.engine
-
-    monkeypatch.setattr(ds4_mlx.engine, "device_memory_bytes", lambda: 64 * 2**30)
     loaded = loaded_nbytes(open_weights(flash_path))
-    assert main(["run", "-m", str(flash_path), "-p", "hi"]) == 1
+    assert main(["run", "-m", str(flash_path), "--memory-limit", "64G", "-p", "hi"]) == 1
     err = capsys.readouterr().err
     assert f"the model needs {loaded / 2**30:.1f} GiB for its weights" in err
     _, out, _ = _inspect(capsys, flash_path)

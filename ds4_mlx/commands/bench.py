@@ -517,7 +517,8 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
 
 
 def _synthetic(args: argparse.Namespace, ctx: int) -> tuple[str, Session, Tokenizer, int]:
-    from ..engine import check_memory, device_memory_bytes
+    from .. import memory
+    from ..engine import check_memory
     from ..model.factory import build_vocab
     from ..model.linear import loaded_nbytes
     from ..model.model import Model
@@ -529,7 +530,7 @@ def _synthetic(args: argparse.Namespace, ctx: int) -> tuple[str, Session, Tokeni
     select_backend(args)
     config = flash_config(args.layers if args.layers is not None else 43)
     weights = synthetic_weights(config, args.synthetic)
-    check_memory(weights, loaded_nbytes(weights), ctx, device_memory_bytes())
+    check_memory(weights, loaded_nbytes(weights), ctx, memory.apply_limit())
     vocab = build_vocab("real")
     with Progress(quiet=args.quiet).bar("building", unit="bytes") as bar:
         model = Model(weights, simulate_quant=not args.no_quant_sim, progress=bar.update)

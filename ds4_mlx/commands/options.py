@@ -59,6 +59,9 @@ def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 3276
                    + (f" {default_ctx})" if default_ctx else ": what the command needs)"))
     p.add_argument("--backend", choices=("cpu", "gpu"), help="MLX device (default: MLX's default device)")
     p.add_argument("--no-quant-sim", action="store_true", help="turn off the FP8 KV / FP4 indexer simulation")
+    p.add_argument("--memory-limit", type=byte_size, metavar="SIZE",
+                   help="device memory the process may hold, e.g. 70G (default: the GPU's memory less a reserve "
+                        "for what MLX does not count; on the CPU 90%% of RAM); prefill chunks shrink to stay under it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
@@ -85,7 +88,8 @@ def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-ram-budget", type=byte_size, metavar="SIZE",
                    help="memory for in-memory session checkpoints (the end of each prompt, the start of its last "
                         "message, prefill chunk boundaries), e.g. 16G or 512M; least recently used go first; 0 = "
-                        "none (default: half of what the device has left after the model and the live session)")
+                        "none (default: what --memory-limit leaves after the weights, the live session and one "
+                        "prefill chunk)")
     g.add_argument("--kv-disk-dir", type=Path, metavar="DIR",
                    help="keep session checkpoints in DIR (created 0700) and reuse them across conversations and "
                         "restarts (default: off)")
@@ -235,6 +239,10 @@ def select_backend(args: argparse.Namespace) -> None:
     """Makes --backend MLX's default device; a backend this MLX build lacks is an error naming those it has."""
     import mlx.core as mx
 
+    from .. import memory
+
+    if getattr(args, "memory_limit", None) is not None:
+        memory.set_limit(args.memory_limit)
     if args.backend is None:
         return
     devices = {"cpu": mx.cpu, "gpu": mx.gpu}

@@ -1,0 +1,178 @@
+"""The device memory budget: one limit for everything the process holds on the device, and prefill chunks sized to
+stay under it.
+
+Why: on CUDA nothing stops MLX from asking the card for more than it has. Its allocations come from the device's
+memory pool, but the arrays whose addresses the decode graphs and the loader take live in managed memory
+(kernels/cudagraph.py `address`), and when the pool grows past what is left the driver evicts managed pages to
+host RAM: the weights are faulted back page by page, and on a host without that much free memory the kernel's OOM
+killer ends the process (an H100 with 28 layers of q2 prefilling 12,288 tokens: 81.1 GB asked of a 79.6 GiB card,
+the host's available memory falling by 55 GB, or the process killed when a tmpfs file held the host's memory;
+bench/RESULTS.md). So the limit is kept here, by the engine:
+
+- `device_limit()` is what the process may hold on the device: the card's memory less a reserve for what MLX does
+  not count (the CUDA context, cuBLAS workspaces, the decode graphs' driver memory, NVRTC modules), and never more
+  than what was free when it was first asked (other processes on the card). On Metal, the working set the device
+  recommends; on the CPU, 90% of RAM. `--memory-limit SIZE` (`set_limit`) sets it.
+- `apply_limit()` makes MLX keep its buffer cache under it (`mx.set_memory_limit`, `mx.set_cache_limit`: MLX
+  returns cached buffers before an allocation would pass it).
+- `chunk_transient_bytes` is what one prefill chunk of C tokens at position P holds beside the resident state, at
+  most: a part per token (activations, the expert scratch, tensor-core splits, two layers in flight) and a part per
+  token and compressed row (the indexer's scores over every ratio-4 row), measured on the GPU at Flash's widths
+  (`bench/chunk_memory.py`) with a margin.
+- `fit_chunk` picks the longest chunk, at most the session's preferred one, whose transients fit what is free; the
+  session (session.py) asks it before every chunk, and when not even MIN_CHUNK tokens fit, the request is refused
+  (`MemoryShortage`: the CLI's one line, the server's 503) before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .errors import RequestError
+from .model.config import ModelConfig
+from .model.stream import device_memory_bytes, on_cuda
+
+GIB = 1 << 30
+
+CUDA_RESERVE_BYTES = 2 * GIB
+"""Device memory MLX does not count and the limit leaves free on CUDA, beside CUDA_RESERVE_SHARE of the card: the
+context and its module images, cuBLAS workspaces, the decode graphs' driver memory, the memory pool's rounding."""
+CUDA_RESERVE_SHARE = 0.03
+CPU_SHARE = 0.9
+"""Of RAM, on the CPU backend (the weights are host arrays there)."""
+
+TOKEN_FLOATS_FACTOR = 9.0
+"""A chunk's transients per token, in floats per float of `token_width`. Measured at Flash's widths on the H100
+(bench/chunk_memory.py, bench/RESULTS.md): see TOKEN_FLOATS_FACTOR's row there; a margin is included."""
+ROW_BYTES = 8
+"""A chunk's transients per token and ratio-4 compressed row: the indexer's float32 scores of a query over every
+row, and the selection's copy of them (bench/chunk_memory.py at growing positions)."""
+
+MIN_CHUNK = 16
+"""The shortest chunk a prefill is split into; a position where not even this fits is refused."""
+CHUNK_LADDER = (12288, 8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 384, 256, 128, 64, 32, MIN_CHUNK)
+"""The chunk sizes a shortened prefill takes, so that a tight budget makes few new shapes (each new shape runs its
+kernels' first-use checks)."""
+
+
+class MemoryShortage(RequestError):
+    """The device has no room for a prefill chunk next to what it holds (weights, sessions, checkpoints)."""
+
+
+_limit: int | None = None
+
+
+def set_limit(nbytes: int | None) -> None:
+    """Sets the limit (`--memory-limit`); None measures it again at the next `device_limit`."""
+    global _limit
+    _limit = nbytes
+
+
+def device_limit() -> int:
+    """Bytes the process may hold on the device (see the module docstring); measured once."""
+    global _limit
+    if _limit is None:
+        _limit = _measured_limit()
+    return _limit
+
+
+def _measured_limit() -> int:
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    if on_cuda():
+        total = int(info.get("total_memory", device_memory_bytes()))
+        held = mx.get_active_memory() + mx.get_cache_memory()
+        free = int(info.get("free_memory", total)) + held
+        reserve = CUDA_RESERVE_BYTES + int(total * CUDA_RESERVE_SHARE)
+        return max(0, min(total, free) - reserve)
+    if "max_recommended_working_set_size" in info:
+        return int(info["max_recommended_working_set_size"])
+    return int(device_memory_bytes() * CPU_SHARE)
+
+
+def apply_limit() -> int:
+    """Makes MLX keep its cached buffers within the limit; returns the limit."""
+    limit = device_limit()
+    mx.set_memory_limit(limit)
+    mx.set_cache_limit(limit)
+    return limit
+
+
+@contextmanager
+def limited(nbytes: int) -> Iterator[None]:
+    """The limit set to `nbytes` within, then back to what it was."""
+    global _limit
+    saved = _limit
+    set_limit(nbytes)
+    try:
+        yield
+    finally:
+        set_limit(saved)
+
+
+def free_bytes() -> int:
+    """What the limit leaves beside MLX's live arrays (the buffer cache is given back as allocations need it)."""
+    return device_limit() - mx.get_active_memory()
+
+
+def token_width(config: ModelConfig) -> int:
+    """Floats of a token's widest activations in one layer: the hyper-connection streams, the attention heads, the
+    routed experts' hidden rows and the indexer's heads."""
+    return (config.n_hc * config.n_embd + config.n_head * config.head_dim
+            + config.n_expert_used * config.n_ff_exp + config.indexer_n_head * config.indexer_head_dim)
+
+
+def chunk_transient_bytes(config: ModelConfig, chunk: int, position: int) -> int:
+    """At most what a prefill chunk of `chunk` tokens starting at `position` holds beside the resident state."""
+    per_token = TOKEN_FLOATS_FACTOR * 4 * token_width(config)
+    rows = (position + chunk) // 4 + 2 if any(config.compress_ratio(i) == 4 for i in range(config.n_layer)) else 0
+    return int(chunk * (per_token + ROW_BYTES * rows))
+
+
+def fit_chunk(config: ModelConfig, preferred: int, position: int, free: int) -> int:
+    """The longest chunk of at most `preferred` tokens (the preferred one, else a CHUNK_LADDER size) whose
+    transients at `position` fit in `free` bytes; 0 when not even MIN_CHUNK (or `preferred`, if shorter) fits."""
+    for size in (preferred, *(s for s in CHUNK_LADDER if s < preferred)):
+        if chunk_transient_bytes(config, size, position) <= free:
+            return size
+    return 0
+
+
+def need_message(config: ModelConfig, chunk: int, position: int, free: int) -> str:
+    """Why a chunk was refused: what it needs, what is free, and what the limit is."""
+    need = chunk_transient_bytes(config, chunk, position)
+    return (f"the device has no room to prefill at position {position}: {chunk} tokens need "
+            f"{need / GIB:.2f} GiB of working memory, {max(free, 0) / GIB:.2f} GiB is free under the "
+            f"{device_limit() / GIB:.1f} GiB limit next to the weights and sessions")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How the limit is spent: the parts a loaded engine holds, and what is left for RAM checkpoints."""
+
+    limit: int
+    weights: int
+    sessions: int
+    chunk: int
+    chunk_tokens: int
+
+    @property
+    def spare(self) -> int:
+        """What the weights, the sessions' state and one full chunk at the deepest position leave."""
+        return max(0, self.limit - self.weights - self.sessions - self.chunk)
+
+    def describe(self, checkpoints: int) -> str:
+        """The one log line a loaded engine writes."""
+        parts = (f"weights {self.weights / GIB:.1f}", f"sessions {self.sessions / GIB:.2f}",
+                 f"prefill chunk {self.chunk / GIB:.1f} ({self.chunk_tokens} tokens)",
+                 f"RAM checkpoints {checkpoints / GIB:.1f}")
+        return f"device memory budget {self.limit / GIB:.1f} GiB: " + " + ".join(parts) + " GiB"
+
+
+def plan(config: ModelConfig, weights: int, sessions: int, chunk: int, ctx: int) -> Budget:
+    """The budget of an engine holding `weights` and `sessions` bytes, prefilling `chunk`-token chunks up to `ctx`."""
+    chunk = min(chunk, ctx)
+    return Budget(device_limit(), weights, sessions, chunk_transient_bytes(config, chunk, max(0, ctx - chunk)), chunk)
