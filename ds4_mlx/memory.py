@@ -16,9 +16,10 @@ bench/RESULTS.md). So the limit is kept here, by the engine:
 - `apply_limit()` makes MLX keep its buffer cache under it (`mx.set_memory_limit`, `mx.set_cache_limit`: MLX
   returns cached buffers before an allocation would pass it).
 - `chunk_transient_bytes` is what one prefill chunk of C tokens at position P holds beside the resident state, at
-  most: a part per token (activations, the expert scratch, tensor-core splits, two layers in flight) and a part per
-  token and compressed row (the indexer's scores over every ratio-4 row), measured on the GPU at Flash's widths
-  (`bench/chunk_memory.py`) with a margin.
+  most: a fixed part (first-use checks), a part per token (activations, the expert scratch, tensor-core splits,
+  two layers in flight) and a part per token and compressed row (the indexer's scores over every ratio-4 row),
+  measured on CUDA at Flash's widths (`bench/chunk_memory.py`) with a margin of ~15%. Metal's kernels were not
+  measured: the same figures stand for them.
 - `fit_chunk` picks the longest chunk, at most the session's preferred one, whose transients fit what is free; the
   session (session.py) asks it before every chunk, and when not even MIN_CHUNK tokens fit, the request is refused
   (`MemoryShortage`: the CLI's one line, the server's 503) before anything is allocated.
@@ -45,12 +46,18 @@ CUDA_RESERVE_SHARE = 0.03
 CPU_SHARE = 0.9
 """Of RAM, on the CPU backend (the weights are host arrays there)."""
 
-TOKEN_FLOATS_FACTOR = 9.0
-"""A chunk's transients per token, in floats per float of `token_width`. Measured at Flash's widths on the H100
-(bench/chunk_memory.py, bench/RESULTS.md): see TOKEN_FLOATS_FACTOR's row there; a margin is included."""
+TOKEN_FLOATS_FACTOR = 10.0
+"""A chunk's transients per token, in floats per float of `token_width`: the activations, the routed experts'
+float scratch, the tensor-core GEMMs' half splits, two layers in flight. Measured on an H100 at Flash's widths
+(bench/chunk_memory.py, bench/RESULTS.md): 2.3-2.9 MB a token from 2,048 to 12,288 tokens, at 4 and at 12 layers
+alike (a chunk is evaluated a layer at a time); 10 floats a float is 2.79 MB."""
 ROW_BYTES = 8
 """A chunk's transients per token and ratio-4 compressed row: the indexer's float32 scores of a query over every
-row, and the selection's copy of them (bench/chunk_memory.py at growing positions)."""
+row, and their selection's copy (measured: ~5 bytes, 12,288 tokens from 0 to 65,536)."""
+FIXED_HEADS = 1.0
+"""A chunk's transients beside its tokens', in copies of the LM head as float32 (2 GiB at Flash's widths): a new
+shape's first-use checks run the reference path (kernels/registry.py), which holds more than the kernels do
+(measured: up to 1.6 GiB more at 2,048 tokens)."""
 
 MIN_CHUNK = 16
 """The shortest chunk a prefill is split into; a position where not even this fits is refused."""
@@ -129,7 +136,7 @@ def chunk_transient_bytes(config: ModelConfig, chunk: int, position: int) -> int
     """At most what a prefill chunk of `chunk` tokens starting at `position` holds beside the resident state."""
     per_token = TOKEN_FLOATS_FACTOR * 4 * token_width(config)
     rows = (position + chunk) // 4 + 2 if any(config.compress_ratio(i) == 4 for i in range(config.n_layer)) else 0
-    return int(chunk * (per_token + ROW_BYTES * rows))
+    return int(FIXED_HEADS * 4 * config.n_vocab * config.n_embd + chunk * (per_token + ROW_BYTES * rows))
 
 
 def fit_chunk(config: ModelConfig, preferred: int, position: int, free: int) -> int:
