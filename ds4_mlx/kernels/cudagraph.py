@@ -71,16 +71,61 @@ class _Spans:
         return {index for s, e, index in self.items[lo:hi] if s < end and start < e}
 
 
+ADDRESS_SOURCE = """
+out[0] = (unsigned long long)(const void*)a;
+bool contiguous = true;
+long long expected = 1;
+for (int i = a_ndim - 1; i >= 0; --i) {
+  if (a_shape[i] != 1) {
+    contiguous = contiguous && a_strides[i] == expected;
+    expected *= a_shape[i];
+  }
+}
+out[1] = contiguous;
+"""
+"""One thread writes the device address its input `a` was given (the buffer's, plus the array's offset) and
+whether `a` is row-contiguous (MLX's own test of its shape and strides): what MLX passes a kernel, read without
+touching the array on the host."""
+
+
+def _layout(array: mx.array) -> tuple[int, bool]:
+    """The device address of an evaluated array's first element and whether it is row-contiguous.
+
+    On CUDA a kernel reads them (ADDRESS_SOURCE), so the array stays where MLX put it: in the device's memory pool.
+    numpy's view of it would move it into managed memory first (MLX's `Buffer::raw_ptr` copies a device buffer
+    into a new managed one), and the decode graphs name every weight: the whole model copied into managed memory
+    while its device buffers were still held, which the driver made room for by evicting pages to the host (the
+    weights' size in host RAM, or the process killed on a host without it; bench/RESULTS.md). Managed pages can be
+    evicted, pool allocations cannot. An array whose address a graph holds must therefore never be read on the
+    host (that would move it): the graphs copy out what the host reads (GraphDecoder.logits). Elsewhere (the CPU,
+    Metal's unified memory) numpy's view is the array's own memory."""
+    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+        view = _numpy(array)
+        return view.ctypes.data, bool(view.flags.c_contiguous)
+    (out,) = _address_kernel()(inputs=[array.reshape(1) if array.ndim == 0 else array], grid=(1, 1, 1),
+                               threadgroup=(1, 1, 1), output_shapes=[(2,)], output_dtypes=[mx.uint64])
+    at, contiguous = (int(v) for v in out.tolist())
+    return at, bool(contiguous)
+
+
+_kernel = None
+
+
+def _address_kernel():  # made on first use: mx.fast.cuda_kernel exists only in MLX's CUDA build
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(name="ds4_address", input_names=["a"], output_names=["out"],
+                                      source=ADDRESS_SOURCE, ensure_row_contiguous=False)
+    return _kernel
+
+
 def address(array: mx.array) -> int:
-    """The device address of an evaluated array's first element, through numpy's view of it. On CUDA that view
-    moves the array to managed memory first, if it is not there (MLX's `Buffer::raw_ptr` copies a device buffer
-    into a new managed one): the array's address changes once, and its pages may be evicted to the host when the
-    GPU's memory runs short (see GraphDecoder._keep_resident)."""
-    return _numpy(array).ctypes.data
+    """The device address of an evaluated array's first element, read without moving it (see `_layout`)."""
+    return _layout(array)[0]
 
 
 def is_row_contiguous(array: mx.array) -> bool:
-    return bool(_numpy(array).flags.c_contiguous)
+    return _layout(array)[1]
 
 
 def _numpy(array: mx.array) -> np.ndarray:

@@ -27,8 +27,9 @@ reference, say) is refused before any graph is made: only kernels are replayed.
 Status (session 13, bench/RESULTS.md): the default on CUDA (session.py, DS4_GRAPH_DECODE=off leaves it). 43 Flash
 layers decode at 121.7 tokens/s at 2k and 116.7 at 32k through the graphs against ~70 through MLX's step (`ds4-mlx
 bench`, same machine), 8.2 ms a token. The graphs are made in ~14 s at the first entry; a later one takes ~0.2 s.
-Their arrays' addresses move the weights into managed memory (cudagraph.address), which must be kept on the GPU
-(`_keep_resident`: the 6.8 tokens/s of session 11 was that memory faulted back from the host).
+Their arrays' addresses are read by a kernel (cudagraph.address), so the weights stay in the device's memory pool:
+taken through numpy they moved into managed memory, which the driver evicted to the host under pressure (decoding
+at 6.8 tokens/s from faulted-back pages, and host RAM the size of the weights taken while the graphs were made).
 """
 
 from __future__ import annotations
@@ -200,15 +201,13 @@ class GraphDecoder:
         self._keep_resident()
 
     def _keep_resident(self) -> None:
-        """Every managed buffer the graphs read or write moved to the GPU and advised to stay, after MLX's buffer
-        cache and the device's memory pool give back what they hold unused.
+        """MLX's buffer cache and the device's memory pool give back what they hold unused, and any managed buffer
+        the graphs read or write (an array made from host bytes) is moved to the GPU and advised to stay.
 
-        Why: the graphs take their arrays' addresses through numpy (cudagraph.address), which makes MLX move each
-        one, the weights among them, into managed memory; the device buffers they leave go back to the memory pool,
-        which then held 56 GB of the H200's 150, so the driver evicted managed weights to the host and the graphs
-        faulted them back page by page: 7-15 tokens/s. With the reserve given back and the weights prefetched the
-        same graphs decode at 122 (bench/RESULTS.md, session 12). Every entry does it, since a prefill between two
-        can grow the pool again: a later entry takes 0.16-0.20 s on the full model, its pages already there."""
+        Why: making the graphs runs every kind of step and its check, whose transients the pool would otherwise keep
+        reserved beside a prefill's; and a managed page the driver evicted to the host is faulted back a page at a
+        time by every launch that reads it. Every entry does it, since a prefill between two can grow the pool
+        again (a later entry takes 0.16-0.20 s on the full model)."""
         mx.clear_cache()
         self.driver.trim_memory_pool()
         self.driver.keep_on_device(self._managed, self.stream)
