@@ -313,8 +313,10 @@ def test_slot_sum_kernel_is_used_at_flash_width(on_gpu):
 @pytest.mark.gpu
 def test_one_flash_layer_makes_no_scratch_on_cuda(on_gpu, monkeypatch):
     """A 2048-token chunk through one q2 MoE layer at Flash size (256 experts, top-6), by the path CUDA takes (the
-    raw-bank kernels, grouped_raw.py): the memory above the inputs stays below 2 GiB of chunk transients (no float32
-    bank of 8 GiB is ever made), and the result equals the sliced reference."""
+    raw-bank kernels, grouped_raw.py): the memory above the inputs stays below 3 GiB of chunk transients (no float32
+    bank of 8 GiB, nor a bfloat16 one of 4 GiB, is ever made), and the result equals the sliced reference. Measured
+    on an H100: 1.66 GiB for a process's first such layer, 2.32 GiB for every later one (the steady state, measured
+    here after a first call; the first alone passed a 2 GiB bound that the same test failed after others)."""
     n_expert, embd, ff, tokens, k = 256, 4096, 2048, 2048, 6
     specs = ((GGMLType.IQ2_XXS, ff, embd), (GGMLType.IQ2_XXS, ff, embd), (GGMLType.Q2_K, embd, ff))
     banks = [(t, (n_expert, n_out, n_in), random_blocks(t, n_expert * n_out, n_in, seed=30 + i).reshape(n_expert, -1))
@@ -352,7 +354,7 @@ def test_one_flash_layer_makes_no_scratch_on_cuda(on_gpu, monkeypatch):
     mx.reset_peak_memory()
     got = layer(True)
     mx.eval(got)
-    assert mx.get_peak_memory() - before <= 2 << 30
+    assert mx.get_peak_memory() - before <= 3 << 30
     assert relative_error(got, layer(False)) <= TOLERANCE
 
 
