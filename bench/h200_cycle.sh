@@ -30,6 +30,12 @@
 #   file           issue 10's file path: the full q2 file and its MTP file written into a tmpfs (make-model
 #                  --repeat, 16 jobs), then `ds4-mlx bench -m` on it: load time and GB/s, host peak RSS, decode at 2k with
 #                  the MTP verify costs (`--mtp-draft 3`)
+#   pressure[:FILL[:N]] the device memory budget under a full host (bench/host_pressure.py): `ds4-mlx bench --synthetic
+#                  q2` over N layers (default 28, the H100's case) at 12k with the host free, with FILL GB (default 80)
+#                  of it taken by a tmpfs file, the same in 4096-token chunks, and a 2k..8k walk; each passes when it
+#                  finishes and the host's available memory falls by no more than the process's own RSS (+4 GB)
+#   pressurefile[:FILL] the same for the full q2 file in a tmpfs (the H200): `run` on a ~10k-token prompt (the
+#                  README three times) and `bench -m` 2k..32k on it, FILL GB more of the host taken (default 0)
 #   chunks[:N[:SIZES]] prefill t/s of a 16k prompt over N layers (default 12) in chunks of each size (default
 #                  1024,2048,4096; issue 9: the chunk size chosen for speed)
 #   ttft[:N[:CTX[:CHUNK]]] time to first token of a CTX-token prompt (default 11520: Claude Code's system prompt
@@ -146,6 +152,32 @@ for step in "$@"; do
       echo "rc $?"
       grep -iv "warnings.warn\|it/s\]" "$out/file.err" | cut -c1-250 | tail -12
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d)[:2500])" "$out/file.json" 2>&1 | tail -3 ;;
+    pressure*)
+      IFS=: read -r _ fill layers <<< "$step:"; fill=${fill:-80}; layers=${layers:-28}
+      b="python3 -m ds4_mlx.cli bench --synthetic q2 --layers $layers --quiet"
+      for case in "free::--ctx-start 12288 --ctx-max 12288 --gen-tokens 16" \
+                  "fill:$fill:--ctx-start 12288 --ctx-max 12288 --gen-tokens 16" \
+                  "fill-chunk4096:$fill:--ctx-start 12288 --ctx-max 12288 --gen-tokens 16 --prefill-chunk 4096" \
+                  "walk-chunk4096::--ctx-start 2048 --ctx-max 8192 --step-mul 2 --gen-tokens 16 --prefill-chunk 4096"; do
+        IFS=: read -r label gb flags <<< "$case"
+        timeout "$(left 10)" python3 bench/host_pressure.py --fill-gb "${gb:-0}" --label "$label" \
+          --json "$out/pressure_$label.json" -- $b $flags > "$out/pressure_$label.txt" 2>&1
+        grep -v "warn" "$out/pressure_$label.txt" | grep "│ \|host_pressure" | tail -4
+      done ;;
+    pressurefile*)
+      fill=$(step_n 0)
+      mkdir -p /mnt/ram && (mountpoint -q /mnt/ram || mount -t tmpfs -o size=100g tmpfs /mnt/ram)
+      [ -f /mnt/ram/flash.gguf ] || timeout "$(left 200)" python3 -m ds4_mlx.cli make-model --preset flash --repeat \
+        --jobs 16 /mnt/ram/flash.gguf > "$out/make.txt" 2>&1
+      python3 -c "print(open('README.md').read() * 3)" > /tmp/prompt10k.txt
+      timeout "$(left 10)" python3 bench/host_pressure.py --fill-gb "$fill" --label run10k --json "$out/pressure_run.json" \
+        -- python3 -m ds4_mlx.cli run -m /mnt/ram/flash.gguf --nothink --temp 0 -c 16384 --prompt-file /tmp/prompt10k.txt \
+        -n 12 > "$out/pressure_run.txt" 2>&1
+      tail -2 "$out/pressure_run.txt"
+      timeout "$(left 10)" python3 bench/host_pressure.py --fill-gb "$fill" --label walk --json "$out/pressure_walk.json" \
+        -- python3 -m ds4_mlx.cli bench -m /mnt/ram/flash.gguf --prompt-file /tmp/prompt10k.txt --ctx-start 2048 \
+        --ctx-max 32768 --step-mul 2 --gen-tokens 64 --quiet > "$out/pressure_walk.txt" 2>&1
+      grep -v "warn" "$out/pressure_walk.txt" | grep "│ \|host_pressure" | tail -9 ;;
     chunks*)
       IFS=: read -r _ layers sizes <<< "$step:"; layers=${layers:-12}; sizes=${sizes:-1024,2048,4096}
       for c in $(echo "$sizes" | tr ',' ' '); do

@@ -111,7 +111,6 @@ def apply_limit() -> int:
 @contextmanager
 def limited(nbytes: int) -> Iterator[None]:
     """The limit set to `nbytes` within, then back to what it was."""
-    global _limit
     saved = _limit
     set_limit(nbytes)
     try:

@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 
 from ds4_mlx.chat import Message, ThinkMode, render_chat
-from ds4_mlx.engine import Engine, GenerationRequest, check_memory
-from ds4_mlx.errors import ContextOverflow, RequestError, ResourceError
+from ds4_mlx.engine import Engine, GenerationRequest
+from ds4_mlx.errors import ContextOverflow, RequestError
 from ds4_mlx.events import (
     Done,
     PrefillProgress,
@@ -164,17 +164,6 @@ def test_prompt_that_fills_the_context_is_rejected(tokenizer):
     assert e.value.n_ctx == 8 and e.value.n_prompt_tokens >= 8
     with pytest.raises(RequestError):
         run(engine, prompt="")
-
-
-def test_memory_check_says_what_would_fit(tiny_path):
-    from ds4_mlx.model.weights import open_weights
-
-    weights = open_weights(tiny_path)
-    check_memory(weights, weights.nbytes, 1024, 1 << 40)
-    with pytest.raises(ResourceError, match="would fit"):
-        check_memory(weights, weights.nbytes, 10**7, int(weights.nbytes * 1.5))
-    with pytest.raises(ResourceError, match="no context size fits"):
-        check_memory(weights, weights.nbytes, 1024, weights.nbytes // 2)
 
 
 def test_memory_needed_is_known_before_loading(tiny_path, tiny):
