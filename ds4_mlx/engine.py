@@ -649,7 +649,7 @@ def _rest_after(prompt: bytes, prefix: bytes) -> str | None:
 
 def _plain_greedy(sampling: SamplingParams) -> bool:
     """Greedy decoding with no penalty: each token is the argmax of the model's logits alone."""
-    return sampling.temperature <= 0 and sampling.presence_penalty == 0 and sampling.frequency_penalty == 0
+    return sampling.greedy and sampling.presence_penalty == 0 and sampling.frequency_penalty == 0
 
 
 def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:

@@ -394,6 +394,27 @@ def test_generation_request_carries_the_normalized_request(client, engine):
     assert engine.requests[-1].prompt.endswith("<｜User｜>p<｜Assistant｜><think>")
 
 
+@pytest.mark.parametrize("temperature", [1e-46, 1e-300])
+def test_a_tiny_temperature_is_greedy_on_every_endpoint(client, engine, temperature):
+    """Issue 41: a temperature that is 0 in float32 divided by zero in the draw, and every endpoint answered
+    token 0 (`<｜begin▁of▁sentence｜>`) over and over instead of the model's most likely text."""
+    knobs = {"temperature": temperature, "max_tokens": 9}
+    cases = [
+        ("/v1/chat/completions", {"messages": USER, "think": False, **knobs},
+         lambda b: b["choices"][0]["message"]["content"]),
+        ("/v1/completions", {"prompt": "p", "model": "deepseek-chat", **knobs}, lambda b: b["choices"][0]["text"]),
+        ("/v1/responses", {"input": "hi", "reasoning": {"effort": "none"}, "temperature": temperature,
+                           "max_output_tokens": 9}, lambda b: b["output"][-1]["content"][0]["text"]),
+        ("/v1/messages", {"messages": USER, "thinking": {"type": "disabled"}, **knobs},
+         lambda b: b["content"][0]["text"]),
+    ]
+    for path, body, text in cases:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        assert engine.requests[-1].sampling.temperature == temperature, path  # the knob reached the sampler
+        assert text(r.json()) == "Hello there.", path
+
+
 def test_completion_returns_the_raw_text(client, engine):
     engine.reply = lambda req: "hmm</think>answer"
     body = client.post("/v1/completions", json={"prompt": "p"}).json()
