@@ -174,6 +174,19 @@ def test_api_key():
         assert c.options("/v1/messages").status_code == 204
 
 
+@pytest.mark.parametrize("header", ["authorization", "x-api-key"])
+def test_a_non_ascii_api_key_matches_its_utf8_bytes(header):
+    """Issue 41: with --api-key clé only the latin-1 byte é was accepted, which no UTF-8 client sends."""
+    def offer(key: bytes) -> dict[str, bytes]:
+        return {header: b"Bearer " + key if header == "authorization" else key}
+
+    with live_server(ScriptedEngine(), ServerOptions(api_key="clé")) as live, httpx.Client(base_url=live.url) as c:
+        assert c.get("/v1/models", headers=offer("clé".encode("utf-8"))).status_code == 200
+        assert c.get("/v1/models", headers=offer("clé".encode("latin-1"))).status_code == 401
+        assert c.get("/v1/models", headers=offer(b"cle")).status_code == 401
+        assert c.post("/v1/messages", json={"messages": USER}, headers=offer("clé".encode())).status_code == 200
+
+
 # ---------------------------------------------------------------------------------------------------------
 # errors
 

@@ -169,12 +169,15 @@ class Server:
     # -- plumbing -------------------------------------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
+        """Whether the request carries the API key, compared as bytes: the header's bytes as sent (Starlette
+        decodes headers as latin-1, which gives them back exactly) against the key's UTF-8 bytes (the bytes of the
+        command line as given, `surrogateescape`), so a non-ASCII key matches what UTF-8 clients send."""
         key = self.options.api_key
         if not key:
             return True
         bearer = request.headers.get("authorization", "")
         offered = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        return secrets.compare_digest(offered.encode(), key.encode())
+        return secrets.compare_digest(offered.encode("latin-1"), key.encode("utf-8", "surrogateescape"))
 
     def _failed(self, exc: Exception, api: Api, rid: str, body: bytes | None = None) -> ApiError:
         """The error a failed request reports: the client's mistake as it is (one log line), anything else as a
