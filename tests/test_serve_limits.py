@@ -52,8 +52,8 @@ def flood(url: str, path: str, n: int, results: list[int], size: int = BODY_BYTE
 @pytest.mark.parametrize("path, max_queue", [("/v1/messages/count_tokens", 64), ("/v1/chat/completions", 16)])
 def test_many_bodies_just_under_a_mib_do_not_freeze_health(path, max_queue):
     """48 concurrent 1,000,000-byte bodies made /health wait 7-10 s (every one of them parsed, rendered and
-    tokenized at once, holding the GIL in turns); now /health answers within 1 s all along (0.2 s at the 99.5th
-    percentile here; the bound leaves room for a shared CPU). Chat requests beyond --max-queue are refused before
+    tokenized at once, holding the GIL in turns); now 95% of /health calls answer within 0.25 s (0.2 s at the 99.5th
+    percentile here) and none waits 2 s (the old code's worst: 3-12 s). Chat requests beyond --max-queue are refused before
     their bodies are read (before, all 48 passed the check while none was queued yet)."""
     engine = ScriptedEngine(ctx=1_000_000)
     with live_server(engine, max_queue=max_queue) as live:
@@ -70,7 +70,9 @@ def test_many_bodies_just_under_a_mib_do_not_freeze_health(path, max_queue):
             t.join()
     assert len(results) == 48 and set(results) <= {200, 429}, results
     assert results.count(200) >= min(max_queue, 8)  # the bodies are served, a bounded number at a time
-    assert len(latencies) >= 5 and max(latencies) < 1.0, sorted(latencies)[-5:]
+    latencies.sort()
+    assert len(latencies) >= 20 and latencies[int(len(latencies) * 0.95)] < 0.25, latencies[-20:]
+    assert latencies[-1] < 2.0, latencies[-5:]  # room for a scheduling hiccup of the shared CPU, not for a freeze
 
 
 def blocked_preparation(engine: ScriptedEngine) -> tuple[threading.Event, threading.Event]:
