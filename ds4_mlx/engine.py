@@ -35,6 +35,7 @@ from .progress import Progress
 from .sampling import Sampler, SamplingParams, argmax
 from .session import Session, Snapshot, graphs_wanted, state_copies
 from .stop import StopStrings
+from .tensordigest import tensor_digests
 from .tokenizer import StreamDecoder, Tokenizer, utf8
 
 log = logging.getLogger("ds4_mlx.engine")
@@ -231,9 +232,11 @@ class Engine:
         model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
         check_memory(weights, model_bytes, ctx, memory.apply_limit())
         phase("open")
-        with ThreadPoolExecutor(1, thread_name_prefix="ds4-mlx-tokenizer") as pool:
-            # built beside the weights' load, which mostly waits on its reader threads (~0.5 s of Python)
+        with ThreadPoolExecutor(2, thread_name_prefix="ds4-mlx-beside-load") as pool:
+            # built beside the weights' load, which mostly waits on its reader threads (~0.5 s of Python); the
+            # tensor digests of the model identity too (read from their cache, or hashed while the load reads)
             tokenizer = pool.submit(Tokenizer.from_gguf, weights.file.metadata)
+            digests = pool.submit(tensor_digests, weights.file) if kv_cache is not None else None
             with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
                 model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
             phase("weights")
@@ -242,9 +245,11 @@ class Engine:
                     opts["mtp"] = MTP(mtp_weights, model, progress=bar.update)
                 phase("mtp")
             tokenizer = tokenizer.result()
+            digests = digests.result() if digests is not None else None
         phase("tokenizer")
         if kv_cache is not None:
-            opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights), model_identity(weights, simulate_quant))
+            opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights),
+                                       model_identity(weights, simulate_quant, digests))
         engine = cls(model, tokenizer, ctx, **opts)
         phase("engine")
         engine.load_phases = {name: round(b - a, 3) for name, a, b in zip(names, marks, marks[1:])}
@@ -657,7 +662,7 @@ def _rest_after(prompt: bytes, prefix: bytes) -> str | None:
 
 def _plain_greedy(sampling: SamplingParams) -> bool:
     """Greedy decoding with no penalty: each token is the argmax of the model's logits alone."""
-    return sampling.temperature <= 0 and sampling.presence_penalty == 0 and sampling.frequency_penalty == 0
+    return sampling.greedy and sampling.presence_penalty == 0 and sampling.frequency_penalty == 0
 
 
 def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:

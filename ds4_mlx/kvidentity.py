@@ -8,11 +8,13 @@ of the file (after ds4's optional KTM trailer, which ds4 expects right after the
 
 The core digest covers what makes the model the model apart from the quantization of its routed experts: every
 metadata key outside `general.*` and `quantize.*` (so hyperparameters and tokenizer; those two hold names, file
-types and imatrix notes that differ between the q2 and q4 files of one model), the directory (name, shape, type) of every other tensor, and sampled
-bytes (start, middle, end) of each of them, plus the activation simulation setting (`--no-quant-sim`), which changes
-every KV row. The experts digest covers the routed-expert tensors likewise. A checkpoint is loaded only with the same
-core digest; the experts digest must also match with `--kv-cache-reject-different-quant`, else a checkpoint of the
-same model with other routed-expert quantization is shared, as ds4 shares 2-bit and 4-bit checkpoints.
+types and imatrix notes that differ between the q2 and q4 files of one model), the directory (name, shape, type) of
+every other tensor and the SHA-256 of all of its bytes (tensordigest.py: computed once per file and cached, so a
+fine-tune or requantization that changes a single value is another model), plus the activation simulation setting
+(`--no-quant-sim`), which changes every KV row. The experts digest covers the routed-expert tensors likewise. A
+checkpoint is loaded only with the same core digest; the experts digest must also match with
+`--kv-cache-reject-different-quant`, else a checkpoint of the same model with other routed-expert quantization is
+shared, as ds4 shares 2-bit and 4-bit checkpoints.
 """
 
 from __future__ import annotations
@@ -26,16 +28,14 @@ import numpy as np
 
 from .errors import CacheFileError
 from .model.weights import ModelWeights
+from .tensordigest import tensor_digests
 
 FOOTER_MAGIC = b"KID"
 FOOTER_VERSION = 1
 FOOTER = struct.Struct("<3sB16s16sII")
-SAMPLE_BYTES = 512
-"""Bytes hashed at each of three places of every tensor: enough that two trained (or randomly built) models never
-agree, little enough that a cold 80 GB file costs a few thousand page reads."""
 _ROUTED = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _NOT_THE_MODEL = ("general.", "quantize.")
-"""Metadata about the file and how it was quantized; the quantized bytes themselves are sampled."""
+"""Metadata about the file and how it was quantized; the quantized bytes themselves are hashed."""
 _DIGEST = 16
 
 
@@ -69,9 +69,13 @@ class Footer:
         return cls(ModelIdentity(core, experts), ktm_bytes, ktm_crc)
 
 
-def model_identity(weights: ModelWeights, simulate_quant: bool) -> ModelIdentity:
-    """The fingerprint of a loaded model file and its state-changing settings (see the module docstring)."""
+def model_identity(weights: ModelWeights, simulate_quant: bool,
+                   digests: dict[str, bytes] | None = None) -> ModelIdentity:
+    """The fingerprint of a loaded model file and its state-changing settings (see the module docstring).
+    `digests`: the file's `tensor_digests`, when the caller computed them already (beside the load)."""
     file = weights.file
+    if digests is None:
+        digests = tensor_digests(file)
     core = hashlib.blake2b(digest_size=_DIGEST, person=b"ds4-mlx kv core")
     experts = hashlib.blake2b(digest_size=_DIGEST, person=b"ds4-mlx kv exps")
     core.update(b"simulate_quant=%d\0" % bool(simulate_quant))
@@ -80,17 +84,8 @@ def model_identity(weights: ModelWeights, simulate_quant: bool) -> ModelIdentity
             _feed_value(core, key, file.metadata[key])
     for name, info in sorted(file.tensors.items()):
         h = experts if name.endswith(_ROUTED) else core
-        h.update(f"{name}\0{info.shape}\0{info.ggml_type.name}\0".encode())
-        data = file.tensor_bytes(name)
-        for start in _sample_starts(len(data)):
-            h.update(data[start : start + SAMPLE_BYTES].tobytes())
+        h.update(f"{name}\0{info.shape}\0{info.ggml_type.name}\0".encode() + digests[name])
     return ModelIdentity(core.digest(), experts.digest())
-
-
-def _sample_starts(n: int) -> list[int]:
-    if n <= 3 * SAMPLE_BYTES:
-        return [0] if n else []
-    return [0, (n - SAMPLE_BYTES) // 2, n - SAMPLE_BYTES]
 
 
 def _feed_value(h: Any, key: str, value: Any) -> None:

@@ -1,7 +1,8 @@
 """Token sampling: ds4's temperature / top-k / top-p / min-p sampler, its RNG, OpenAI penalties and top logprobs.
 
 The selection rules follow ds4.c `sample_top_p_min_p` (spec/gguf-and-forward.md §7, behavior.md §3.5):
-- temperature <= 0: argmax, ties to the lowest id;
+- temperature <= 0: argmax, ties to the lowest id; so is any temperature below MIN_TEMPERATURE, which the float32
+  draw cannot divide by (`SamplingParams.greedy`, the one place this rule is written);
 - top_k = 0 and top_p = 1: p_i = exp((l_i - l_max) / T) over the whole vocabulary, tokens with p_i < min_p are
   dropped (min_p is relative to the top token, whose p is 1), and a token is drawn in proportion to p_i by walking
   the cumulative sum in id order;
@@ -32,6 +33,10 @@ import numpy as np
 from .errors import RequestError
 
 TOP_K_CAP = 1024
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+"""The smallest normal float32 (1.2e-38). Below it a temperature is 0 or subnormal in float32: 1e-46 rounds to 0
+and the draw's `(l - l_max) / T` is 0 / 0 = NaN (every token dropped, token 0 chosen), and a subnormal T makes the
+gaps overflow on the way. Such a temperature asks for the most likely token, so it is greedy."""
 _U64 = (1 << 64) - 1
 
 
@@ -62,6 +67,11 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether each token is the argmax: temperature 0, or one too small to sample with (MIN_TEMPERATURE)."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def _is_int(value: object) -> bool:
@@ -138,7 +148,7 @@ class Sampler:
             return self.greedy(logits)
         p = self.params
         logits = self.apply_penalties(logits.reshape(-1))
-        if p.temperature <= 0:
+        if p.greedy:
             return argmax(logits)
         host = np.array(logits.astype(mx.float32))
         if p.top_k == 0 and p.top_p >= 1:

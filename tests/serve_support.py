@@ -81,16 +81,21 @@ class Live:
 
 
 @contextlib.contextmanager
-def live_server(engine, options: ServerOptions = ServerOptions(), max_queue: int = 64) -> Iterator[Live]:
+def live_server(engine, options: ServerOptions = ServerOptions(), max_queue: int = 64,
+                send_buffer: int | None = None) -> Iterator[Live]:
     """Serve `engine` (or the engine a zero-argument loader returns, loaded on the worker thread) on
-    127.0.0.1 at a free port, from a background thread."""
+    127.0.0.1 at a free port, from a background thread. `send_buffer`: SO_SNDBUF of the accepted connections
+    (they inherit the listening socket's), so that a client that stops reading fills it soon."""
     worker = Worker(engine if callable(engine) else lambda: engine, max_queue)
     worker.start()
     app = create_app(worker, options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
-    server = HttpServer(app, worker, read_timeout=options.read_timeout_seconds, log_level="warning",
+    server = HttpServer(app, worker, read_timeout=options.read_timeout_seconds,
+                        write_timeout=options.write_timeout_seconds, log_level="warning",
                         timeout_graceful_shutdown=5)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

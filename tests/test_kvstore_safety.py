@@ -48,10 +48,25 @@ def kv_files(directory: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Two models of the same shape (other weights), and the first one with 4-bit routed experts."""
+    """Two models of the same shape (other weights), the first one with 4-bit routed experts, and a "fine-tune" of
+    the first: float32 values 128-255 of blk.0.attn_norm.weight doubled, every other byte the same."""
     d = tmp_path_factory.mktemp("models")
-    return {"a": write_model(d / "a.gguf", preset="tiny"), "b": write_model(d / "b.gguf", preset="tiny", seed=1),
-            "a4": write_model(d / "a4.gguf", preset="tiny", experts="q4")}
+    models = {"a": write_model(d / "a.gguf", preset="tiny"), "b": write_model(d / "b.gguf", preset="tiny", seed=1),
+              "a4": write_model(d / "a4.gguf", preset="tiny", experts="q4")}
+    models["tuned"] = tuned_copy(models["a"], d / "tuned.gguf", "blk.0.attn_norm.weight", 128, 256)
+    return models
+
+
+def tuned_copy(source: Path, target: Path, tensor: str, start: int, stop: int) -> Path:
+    """A copy of `source` whose float32 values [start, stop) of `tensor` are doubled."""
+    with open_weights(source).file as f:
+        info = f.tensors[tensor]
+    data = bytearray(source.read_bytes())
+    lo, hi = info.offset + 4 * start, info.offset + 4 * stop
+    values = struct.unpack(f"<{stop - start}f", data[lo:hi])
+    data[lo:hi] = struct.pack(f"<{stop - start}f", *(2 * v for v in values))
+    target.write_bytes(bytes(data))
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -137,19 +152,23 @@ def test_the_fingerprint_tells_models_and_settings_apart(models):
     assert model_identity(open_weights(models["a"]), False).core != a.core  # no activation simulation
     a4 = model_identity(open_weights(models["a4"]), True)
     assert a4.core == a.core and a4.experts != a.experts  # same model, other routed-expert quantization
+    # issue 41: only 512 bytes of small tensors were hashed; a change past them is another model too
+    tuned = model_identity(open_weights(models["tuned"]), True)
+    assert tuned.core != a.core and not a.accepts(tuned, same_experts=False)
     assert a.accepts(a4, same_experts=False) and not a.accepts(a4, same_experts=True) and not a.accepts(b, False)
 
 
+@pytest.mark.parametrize("other", ["b", "tuned"])
 def test_a_second_model_sharing_the_directory_never_loads_the_first_ones_checkpoints(models, engine_a, tmp_path,
-                                                                                    caplog):
-    """Model b has the shape of model a: a's payload would load into it, and its saved logits would give b's first
-    token. b must prefill its own state, and answer exactly as it does without a disk cache."""
+                                                                                    caplog, other):
+    """Model b (or a's fine-tune) has the shape of model a: a's payload would load into it, and its saved logits
+    would give b's first token. b must prefill its own state, and answer exactly as it does without a disk cache."""
     d = tmp_path / "kv"
     path, prompt, n = one_checkpoint(engine_a, d)
-    b_plain = Engine.load(models["b"], CTX)
+    b_plain = Engine.load(models[other], CTX)
     expected = run(b_plain, prompt)
     with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
-        b = Engine.load(models["b"], CTX, kv_cache=options(d, cold_max_tokens=0))
+        b = Engine.load(models[other], CTX, kv_cache=options(d, cold_max_tokens=0))
         done = run(b, prompt)
         again = run(Engine(b.model, b.tokenizer, CTX, kv_store=b.kv_store), prompt)
     assert done.usage.cached_tokens == again.usage.cached_tokens == 0

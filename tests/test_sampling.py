@@ -285,3 +285,26 @@ def test_choices_equal_a_literal_port_of_ds4(temperature, top_k, top_p, min_p, t
         assert max(chosen) >= 3  # the tail below the floor is reachable
     else:
         assert chosen == expected
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-300, 5e-324, 1e-40, 1e-39])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.9), (40, 1.0)])
+def test_a_temperature_too_small_for_float32_is_greedy(temperature, top_k, top_p) -> None:
+    """Issue 41: 1e-46 rounds to 0 in float32 and a subnormal overflows the logit gaps; the draw chose token 0.
+    Every such temperature picks the argmax, on every sampling path."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=0.05, seed=3)
+    assert params.greedy
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        logits = rng.normal(size=300).astype(np.float32) * 5
+        logits[0] = logits.min() - 1  # token 0 is the least likely: the old draw's answer is plainly wrong
+        sampler = Sampler(params)
+        assert sampler.sample(mx.array(logits)) == int(np.argmax(logits))
+
+
+def test_the_smallest_normal_float32_temperature_still_samples() -> None:
+    params = SamplingParams(temperature=float(np.finfo(np.float32).tiny), min_p=0.0, seed=1)
+    assert not params.greedy and not SamplingParams(temperature=1e-30).greedy
+    logits = mx.array([0.0, 0.0, 0.0, -1.0])  # three tied best tokens: a sampler draws among them
+    sampler = Sampler(params)
+    assert set(sampler.sample(logits) for _ in range(60)) == {0, 1, 2}

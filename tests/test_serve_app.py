@@ -174,6 +174,19 @@ def test_api_key():
         assert c.options("/v1/messages").status_code == 204
 
 
+@pytest.mark.parametrize("header", ["authorization", "x-api-key"])
+def test_a_non_ascii_api_key_matches_its_utf8_bytes(header):
+    """Issue 41: with --api-key clé only the latin-1 byte é was accepted, which no UTF-8 client sends."""
+    def offer(key: bytes) -> dict[str, bytes]:
+        return {header: b"Bearer " + key if header == "authorization" else key}
+
+    with live_server(ScriptedEngine(), ServerOptions(api_key="clé")) as live, httpx.Client(base_url=live.url) as c:
+        assert c.get("/v1/models", headers=offer("clé".encode("utf-8"))).status_code == 200
+        assert c.get("/v1/models", headers=offer("clé".encode("latin-1"))).status_code == 401
+        assert c.get("/v1/models", headers=offer(b"cle")).status_code == 401
+        assert c.post("/v1/messages", json={"messages": USER}, headers=offer("clé".encode())).status_code == 200
+
+
 # ---------------------------------------------------------------------------------------------------------
 # errors
 
@@ -392,6 +405,27 @@ def test_generation_request_carries_the_normalized_request(client, engine):
     client.post("/v1/completions", json={"prompt": "p"})
     assert engine.requests[-1].thinking is False  # raw text: no reasoning split for legacy completions
     assert engine.requests[-1].prompt.endswith("<｜User｜>p<｜Assistant｜><think>")
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-300])
+def test_a_tiny_temperature_is_greedy_on_every_endpoint(client, engine, temperature):
+    """Issue 41: a temperature that is 0 in float32 divided by zero in the draw, and every endpoint answered
+    token 0 (`<｜begin▁of▁sentence｜>`) over and over instead of the model's most likely text."""
+    knobs = {"temperature": temperature, "max_tokens": 9}
+    cases = [
+        ("/v1/chat/completions", {"messages": USER, "think": False, **knobs},
+         lambda b: b["choices"][0]["message"]["content"]),
+        ("/v1/completions", {"prompt": "p", "model": "deepseek-chat", **knobs}, lambda b: b["choices"][0]["text"]),
+        ("/v1/responses", {"input": "hi", "reasoning": {"effort": "none"}, "temperature": temperature,
+                           "max_output_tokens": 9}, lambda b: b["output"][-1]["content"][0]["text"]),
+        ("/v1/messages", {"messages": USER, "thinking": {"type": "disabled"}, **knobs},
+         lambda b: b["content"][0]["text"]),
+    ]
+    for path, body, text in cases:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        assert engine.requests[-1].sampling.temperature == temperature, path  # the knob reached the sampler
+        assert text(r.json()) == "Hello there.", path
 
 
 def test_completion_returns_the_raw_text(client, engine):

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from ..engine import Engine
 
 DEFAULT_MAX_QUEUE = 64
+WRITE_TIMEOUT_SECONDS = 30
+"""--write-timeout's default (serve/guard.py's, kept here so that `--help` does not import the server)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="append rendered prompts, cache decisions, generated text and tool-parser events to FILE")
     p.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait behind the running one; more get 429 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--write-timeout", type=positive_int, default=WRITE_TIMEOUT_SECONDS, metavar="SECONDS",
+                   help="a client that takes no byte of its answer for this long (once the buffers on the way are "
+                        "full) is treated as disconnected: its generation stops and the worker moves on "
+                        f"(default {WRITE_TIMEOUT_SECONDS})")
     add_kv_cache_arguments(p)
     add_mtp_options(p)
 
@@ -74,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
     engine = worker.start()
     warn_if_exposed(args.host, args.api_key)
     app = create_app(worker, ServerOptions(cors=args.cors, api_key=args.api_key or None, trace=args.trace,
-                                           bind_host=args.host, allowed_hosts=tuple(args.allow_host)))
-    server = HttpServer(app, worker, host=args.host, port=args.port)
+                                           bind_host=args.host, allowed_hosts=tuple(args.allow_host),
+                                           write_timeout_seconds=args.write_timeout))
+    server = HttpServer(app, worker, write_timeout=args.write_timeout, host=args.host, port=args.port)
     logging.getLogger("ds4_mlx.serve").info("model %s loaded, ctx %d", engine.model_name, engine.ctx)
     server.run()
     return 0

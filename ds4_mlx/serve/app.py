@@ -43,8 +43,10 @@ from .common import (
     new_id,
 )
 from .guard import (
+    PREPARE_SLOTS,
     READ_TIMEOUT_SECONDS,
-    HeavySlots,
+    WRITE_TIMEOUT_SECONDS,
+    PrepareGate,
     RequestGuard,
     check_prompt_size,
     header_timeout_protocol,
@@ -81,6 +83,8 @@ class ServerOptions:
     allowed_hosts: tuple[str, ...] = ()
     """`--allow-host`: other names a `Host` header may carry ("*": any)."""
     read_timeout_seconds: float = READ_TIMEOUT_SECONDS
+    write_timeout_seconds: float = WRITE_TIMEOUT_SECONDS
+    """`--write-timeout`: a client that takes no byte of its answer for this long is treated as disconnected."""
 
 
 @dataclass(frozen=True)
@@ -164,17 +168,20 @@ class Server:
         self.engine = worker.engine
         self.options = options
         self.trace = Trace(options.trace) if options.trace else None
-        self.heavy = HeavySlots()
+        self.gate = PrepareGate(worker.max_queue + PREPARE_SLOTS)
 
     # -- plumbing -------------------------------------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
+        """Whether the request carries the API key, compared as bytes: the header's bytes as sent (Starlette
+        decodes headers as latin-1, which gives them back exactly) against the key's UTF-8 bytes (the bytes of the
+        command line as given, `surrogateescape`), so a non-ASCII key matches what UTF-8 clients send."""
         key = self.options.api_key
         if not key:
             return True
         bearer = request.headers.get("authorization", "")
         offered = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        return secrets.compare_digest(offered.encode(), key.encode())
+        return secrets.compare_digest(offered.encode("latin-1"), key.encode("utf-8", "surrogateescape"))
 
     def _failed(self, exc: Exception, api: Api, rid: str, body: bytes | None = None) -> ApiError:
         """The error a failed request reports: the client's mistake as it is (one log line), anything else as a
@@ -285,29 +292,15 @@ class Server:
 
     def generation(self, api: Api) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request, rid: str) -> Response:
-            self.worker.check_room()
-            data = await self._read(request)
-            async with self.heavy.admit(len(data)):
-                norm, prompt, n_prompt = await run_in_threadpool(self._prepare, data, api)
-            if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt (§3.7)
-                raise api.overflow(n_prompt, self.engine.ctx, api.param)
-            options = norm.options
-            tools = norm.tools if isinstance(norm, ChatRequest) else ()
-            job = Job(
-                GenerationRequest(prompt=prompt, max_tokens=options.max_tokens, sampling=options.sampling,
-                                  stop=options.stop, thinking=api.split_reasoning and options.think.thinking,
-                                  tools_active=bool(tools)),
-                rid,
-            )
-            if self.trace:
-                params = {"model": options.model, "think": options.think.value, "tools": len(tools),
-                          "stream": options.stream, "max_tokens": options.max_tokens,
-                          "sampling": options.sampling, "stop": list(options.stop)}
-                self.trace.request(rid, request.url.path, data.decode("utf-8"), params, prompt, n_prompt)
-                request.state.body = None  # traced: an error record need not repeat it
-            self.worker.submit(job)
+            with self.worker.reserve() as submit:  # counts against --max-queue from before its body is read
+                data, (norm, prompt, n_prompt) = await self._read_and_prepare(request, api)
+                if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt (§3.7)
+                    raise api.overflow(n_prompt, self.engine.ctx, api.param)
+                job = self._job(request, rid, api, data, norm, prompt, n_prompt)
+                submit(job)
             ids = CallIds(api.call_prefix)
             created = int(time.time())
+            options = norm.options
             if options.stream:
                 stream = api.stream(rid, created, norm, ids)
                 return await self._stream(request, job, api, rid, stream, ids)
@@ -326,6 +319,32 @@ class Server:
             return json_response(api.response(rid, created, norm, done, ids, "".join(text)))
 
         return self.endpoint(api, handle)
+
+    async def _read_and_prepare(self, request: Request, api: Api) -> tuple[bytes, tuple[Any, str, int]]:
+        """The body, read and prepared within the gate's bounds (guard.py)."""
+        async with self.gate.enter():
+            data = await self._read(request)
+            async with self.gate.slot():
+                return data, await run_in_threadpool(self._prepare, data, api)
+
+    def _job(self, request: Request, rid: str, api: Api, data: bytes, norm: ChatRequest | CompletionRequest,
+             prompt: str, n_prompt: int) -> Job:
+        """The worker's job for a prepared request (traced when the trace is on)."""
+        options = norm.options
+        tools = norm.tools if isinstance(norm, ChatRequest) else ()
+        job = Job(
+            GenerationRequest(prompt=prompt, max_tokens=options.max_tokens, sampling=options.sampling,
+                              stop=options.stop, thinking=api.split_reasoning and options.think.thinking,
+                              tools_active=bool(tools)),
+            rid,
+        )
+        if self.trace:
+            params = {"model": options.model, "think": options.think.value, "tools": len(tools),
+                      "stream": options.stream, "max_tokens": options.max_tokens,
+                      "sampling": options.sampling, "stop": list(options.stop)}
+            self.trace.request(rid, request.url.path, data.decode("utf-8"), params, prompt, n_prompt)
+            request.state.body = None  # traced: an error record need not repeat it
+        return job
 
     async def _stream(self, request: Request, job: Job, api: Api, rid: str, stream: Any, ids: CallIds) -> Response:
         """SSE. The headers go out with the first event after the engine accepted the prompt (the first prefill
@@ -377,9 +396,7 @@ class Server:
     async def count_tokens(self, request: Request, rid: str) -> Response:
         """Anthropic's `/v1/messages/count_tokens`: the rendered prompt's length, without generating, also when it
         does not fit the context (clients ask exactly to find out whether to compact)."""
-        data = await self._read(request)
-        async with self.heavy.admit(len(data)):
-            _, _, n_prompt = await run_in_threadpool(self._prepare, data, MESSAGES)
+        _, (_, _, n_prompt) = await self._read_and_prepare(request, MESSAGES)
         return json_response({"input_tokens": n_prompt})
 
     def _model_ids(self) -> tuple[str, ...]:
@@ -467,9 +484,10 @@ class HttpServer(uvicorn.Server):
     a long answer. A second signal exits immediately (uvicorn's force exit)."""
 
     def __init__(self, app: ASGIApp, worker: Worker, read_timeout: float = READ_TIMEOUT_SECONDS,
-                 **config: Any) -> None:
-        """`read_timeout`: how long a request's headers may take (guard.py)."""
-        config.setdefault("http", header_timeout_protocol(read_timeout))
+                 write_timeout: float = WRITE_TIMEOUT_SECONDS, **config: Any) -> None:
+        """`read_timeout`: how long a request's headers may take; `write_timeout`: how long an answer may wait for
+        a client that reads nothing (guard.py)."""
+        config.setdefault("http", header_timeout_protocol(read_timeout, write_timeout))
         super().__init__(uvicorn.Config(app, lifespan="on", **config))
         self.worker = worker
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -8,11 +8,16 @@
   given with `--allow-host` are served.
 * Slow clients. uvicorn times out idle keep-alive connections but not a request whose headers or body never
   finish; `header_timeout_protocol` closes a connection whose request headers do not arrive in time, and
-  `read_body` answers 408 when the body stalls.
+  `read_body` answers 408 when the body stalls. A client that stops reading an answer (its socket and the
+  transport's buffer full) is a disconnect once `write_timeout` seconds pass without it taking a byte: the
+  protocol aborts the connection, and the app cancels the generation as for any disconnect, freeing the worker.
 * Big prompts. A prompt that cannot fit the context is refused before it is tokenized, from its size alone: no
   token spells more than `Tokenizer.max_token_bytes` bytes (128 in V4's vocabulary), so a prompt of B bytes has
-  at least B / 128 tokens. Prompts that pass are tokenized on a pool thread, with the GIL released (tokenizer.py),
-  and at most `HEAVY_SLOTS` large ones at a time, so their memory stays bounded.
+  at least B / 128 tokens. Prompts that pass are tokenized on a pool thread, with the GIL released (tokenizer.py).
+* Many bodies. Every request body, whatever its size, passes `PrepareGate`: at most `limit` requests between the
+  start of their body and the end of its preparation (more get 429 before their body is read), and at most
+  PREPARE_SLOTS of them parsed, rendered and tokenized at a time. Parsing and rendering hold the GIL: 48 bodies
+  of 1 MB prepared at once on pool threads left the event loop a 49th of it, and `/health` waited 8-10 s.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
@@ -30,15 +36,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from . import anthropic, openai
 from .common import ApiError, dumps
 
+log = logging.getLogger("ds4_mlx.serve")
+
 LOOPBACK_NAMES = ("localhost",)
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 READ_TIMEOUT_SECONDS = 30.0
 """How long request headers, and each part of a body, may take to arrive."""
+WRITE_TIMEOUT_SECONDS = 30.0
+"""How long an answer may wait for a client that reads nothing once the buffers on the way are full."""
 BODY_DEADLINE_SECONDS = 300.0
 """The longest a request body may take in all (64 MiB at 220 KiB/s)."""
-HEAVY_BYTES = 1 << 20
-HEAVY_SLOTS = 2
-"""Request bodies of HEAVY_BYTES or more are parsed, rendered and tokenized at most HEAVY_SLOTS at a time."""
+PREPARE_SLOTS = 2
+"""Request bodies parsed, rendered and tokenized at a time (the event loop keeps a third of the GIL at worst)."""
 
 
 def host_allowed(host_header: str | None, bind_host: str, allowed: tuple[str, ...]) -> bool:
@@ -147,32 +156,66 @@ def check_prompt_size(prompt: str, ctx: int, max_token_bytes: int, param: str) -
                        code="context_length_exceeded", extra={"n_prompt_tokens": at_least, "n_ctx": ctx})
 
 
-class HeavySlots:
-    """Admits at most HEAVY_SLOTS large request bodies into parsing, rendering and tokenizing at a time."""
+class PrepareGate:
+    """Bounds the request bodies in the server's hands (see the module docstring): `enter` before a body is read,
+    429 when `limit` requests are already between reading and prepared; `slot` around the preparation itself."""
 
-    def __init__(self) -> None:
-        self._slots: asyncio.Semaphore | None = None
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._pending = 0
+        self._slots: asyncio.Semaphore | None = None  # made on first use, inside the event loop
 
     @contextlib.asynccontextmanager
-    async def admit(self, n_bytes: int) -> AsyncIterator[None]:
-        if n_bytes < HEAVY_BYTES:
+    async def enter(self) -> AsyncIterator[None]:
+        if self._pending >= self.limit:
+            raise ApiError(f"too many request bodies being read and prepared (at most {self.limit}); retry later",
+                           429)
+        self._pending += 1
+        try:
             yield
-            return
+        finally:
+            self._pending -= 1
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
         if self._slots is None:
-            self._slots = asyncio.Semaphore(HEAVY_SLOTS)
+            self._slots = asyncio.Semaphore(PREPARE_SLOTS)
         async with self._slots:
             yield
 
 
-def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+def header_timeout_protocol(seconds: float, write_timeout: float = WRITE_TIMEOUT_SECONDS) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose next request's headers are not complete `seconds` after
-    it opened or after its last response (uvicorn itself only times out idle keep-alive connections)."""
+    it opened or after its last response (uvicorn itself only times out idle keep-alive connections), and aborting
+    one whose client has taken no byte for `write_timeout` seconds while the transport's write buffer is full
+    (asyncio's `pause_writing` without `resume_writing`): a disconnect, which cancels the request's generation."""
 
     class HeaderTimeoutH11(H11Protocol):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._header_timer: asyncio.TimerHandle | None = None
+            self._write_timer: asyncio.TimerHandle | None = None
             self._arm()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._stalled)
+
+        def resume_writing(self) -> None:
+            self._stop_write_timer()
+            super().resume_writing()
+
+        def _stop_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _stalled(self) -> None:
+            self._write_timer = None
+            if not self.transport.is_closing():
+                log.info("a client took no data for %g s: treated as disconnected", write_timeout)
+            self.transport.abort()  # unsent data is dropped; connection_lost follows, as for a disconnect
 
         def on_response_complete(self) -> None:
             self._arm()  # before uvicorn starts on a pipelined request, which then is the newer cycle
@@ -181,6 +224,7 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
+            self._stop_write_timer()
             super().connection_lost(exc)
 
         def _arm(self) -> None:

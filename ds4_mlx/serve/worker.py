@@ -3,16 +3,18 @@
 MLX evaluation happens only on this thread (the engine is even loaded here, so its arrays and streams belong
 to it). The asyncio event loop submits jobs and receives their events through `loop.call_soon_threadsafe`; it
 never waits on MLX. Jobs run one at a time in arrival order: there is one live session, and a different
-conversation replaces it.
+conversation replaces it. A request holds its place from before its body is read (`reserve`), so that requests
+still being read, parsed or tokenized count against the queue's bound as queued jobs do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..events import Done, Event
@@ -58,7 +60,8 @@ class Job:
 
 
 class Worker:
-    """Runs jobs on one thread, in arrival order, with at most `max_queue` jobs waiting behind the running one."""
+    """Runs jobs on one thread, in arrival order, with at most `max_queue` requests waiting behind the running one
+    (queued jobs and reserved requests still being prepared alike)."""
 
     def __init__(self, load: Callable[[], Engine], max_queue: int = 64) -> None:
         if max_queue < 0:
@@ -70,6 +73,7 @@ class Worker:
         self._cond = threading.Condition()
         self._stopping = False
         self._running: Job | None = None
+        self._reserved = 0
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="ds4-mlx-worker", daemon=True)
@@ -92,27 +96,45 @@ class Worker:
     def busy(self) -> bool:
         return self._running is not None
 
-    def check_room(self) -> None:
-        """Refuse early (before a request is tokenized): 503 while shutting down, 429 when the queue is full."""
-        with self._cond:
-            self._check_room()
-
     def _check_room(self) -> None:
+        """503 while shutting down, 429 when the queue (running, queued and reserved requests) is full."""
         if self._stopping:
             raise ApiError("server shutting down", 503)
-        if self._running is not None and len(self._queue) >= self.max_queue:
+        occupied = (self._running is not None) + len(self._queue) + self._reserved
+        if occupied > self.max_queue:
             raise ApiError(
                 f"too many requests waiting: the queue holds at most {self.max_queue} behind the running one; "
                 "retry later",
                 429,
             )
 
-    def submit(self, job: Job) -> None:
-        """Queue a job, or refuse it as `check_room` does."""
+    @contextlib.contextmanager
+    def reserve(self) -> Iterator[Callable[[Job], None]]:
+        """A place in the queue for a request about to be read and prepared (refused with 503 or 429 at once);
+        yields the function that queues its job in that place. Leaving without queueing frees the place."""
         with self._cond:
             self._check_room()
-            self._queue.append(job)
-            self._cond.notify()
+            self._reserved += 1
+        held = True
+
+        def submit(job: Job) -> None:
+            nonlocal held
+            with self._cond:
+                if not held:
+                    raise RuntimeError("a reservation queues one job")
+                self._reserved -= 1
+                held = False
+                if self._stopping:
+                    raise ApiError("server shutting down", 503)
+                self._queue.append(job)
+                self._cond.notify()
+
+        try:
+            yield submit
+        finally:
+            if held:
+                with self._cond:
+                    self._reserved -= 1
 
     def shutdown(self) -> None:
         """Refuse new jobs, end the queued ones with 503 and make the running one stop at its next token."""
