@@ -21,6 +21,7 @@ import mlx.core as mx
 from . import dsml
 from .chat import ToolMemory
 from .checkpoints import CheckpointStore, Match, default_ram_budget
+from .constrain import OutputFormat
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError, UsageError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
 from .kvfiles import check_directory
@@ -79,6 +80,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     thinking: bool | None = None
     tools_active: bool = False
+    output: OutputFormat | None = None
+    """The format the answer (after the reasoning) is held to by a token mask (constrain.py); None: free."""
 
 
 def demo_model_path() -> Path:
@@ -488,6 +491,7 @@ class Engine:
         parser = dsml.StreamParser(thinking=thinking, tools_active=req.tools_active)
         greedy = dsml.GreedyTracker(thinking=thinking) if req.tools_active else None
         stops = StopStrings(req.stop)
+        mask = req.output.start(self.tokenizer, thinking, req.tools_active) if req.output is not None else None
         limit = self.default_max_tokens if req.max_tokens is None else max(0, req.max_tokens)
         limit = min(limit, self.session.room)
         generated: list[int] = []
@@ -495,7 +499,7 @@ class Engine:
         text_parts: list[str] = []
         finish = "length"
         speculate = self._speculates(req.sampling)
-        pipelined = self._pipelines(req.sampling)
+        pipelined = self._pipelines(req.sampling) and mask is None  # a masked choice needs the host first
         ahead: list[tuple[int, mx.array]] = []  # fed by a speculative step before the stream chose them, with logits
         drafted = accepted = 0  # MTP guesses checked against the model, and those it agreed with
 
@@ -514,11 +518,18 @@ class Engine:
                     token = int(self.session.feed_chosen().item())
                 else:
                     use_greedy = greedy is not None and greedy.greedy
+                    if mask is not None:
+                        logits = mask.apply(logits)
                     token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
+                if mask is not None and ahead and ahead[0][0] != token:  # the mask refused a draft: drop it on
+                    self.session.rewind(len(self.session.tokens) - len(ahead))
+                    ahead = []
                 if token == self.tokenizer.eos_id:
                     finish = "stop"
                     break
                 generated.append(token)
+                if mask is not None:
+                    mask.advance(token)  # the next mask is computed while the model runs the step
                 reasoning_tokens += 0 if parser.reasoning_closed else 1
                 sampler.record(token)
                 piece = decoder.feed(token)

@@ -34,6 +34,7 @@ from .common import (
     dumps,
     max_tokens,
     message_list,
+    output_format,
     sampling_params,
     sse,
     stop_strings,
@@ -168,6 +169,8 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
         stop=stop_strings(f, "stop_sequences"),
         max_tokens=max_tokens(f, "max_tokens"),
         stream=f.boolean("stream", False, nullable=True),
+        output=(output_format(f, "output_format", nested=False) if "output_format" in f or output_config is None
+                else output_format(output_config, "format", nested=False)),
     )
     tool_choice = f.object("tool_choice", nullable=True)
     enabled = tool_choice is None or tool_choice.raw("type") != "none"

@@ -296,7 +296,7 @@ class Server:
             job = Job(
                 GenerationRequest(prompt=prompt, max_tokens=options.max_tokens, sampling=options.sampling,
                                   stop=options.stop, thinking=api.split_reasoning and options.think.thinking,
-                                  tools_active=bool(tools)),
+                                  tools_active=bool(tools), output=options.output),
                 rid,
             )
             if self.trace:

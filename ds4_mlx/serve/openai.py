@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..chat import Message, ToolCallSpec
+from ..constrain import OutputFormat
 from ..events import (
     Done,
     Event,
@@ -30,6 +31,7 @@ from .common import (
     invalid_value,
     max_tokens,
     message_list,
+    output_format,
     sampling_params,
     sse,
     stop_strings,
@@ -64,7 +66,8 @@ def stream_error(message: str) -> str:
     return sse({"error": {"message": message, "type": "server_error"}}, event="error")
 
 
-def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop") -> Options:
+def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop",
+             output: OutputFormat | None = None) -> Options:
     """What a chat or legacy completion asks for besides the prompt; fields sent as null are not set."""
     if f.integer("n", 1, nullable=True) != 1:
         raise ApiError("invalid request: n must be 1: this server generates one choice per request", param="n",
@@ -83,6 +86,7 @@ def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop")
         max_tokens=max_tokens(f, "max_completion_tokens", "max_tokens"),
         stream=f.boolean("stream", False, nullable=True),
         include_usage=bool(stream_options and stream_options.boolean("include_usage", False, nullable=True)),
+        output=output,
     )
 
 
@@ -141,7 +145,8 @@ def parse_chat(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     f = Fields(body.value)
     messages = message_list(f)
     return ChatRequest(
-        options=_options(f, ctx=ctx, default_model=default_model),
+        options=_options(f, ctx=ctx, default_model=default_model,
+                         output=output_format(f, "response_format", nested=True)),
         messages=tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages)),
         tools=active_tools(f, body.tool_texts, enabled=f.raw("tool_choice") != "none"),
     )
