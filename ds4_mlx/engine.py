@@ -34,6 +34,7 @@ from .model.mtp import MTP, open_mtp
 from .model.stream import device_memory_bytes
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
+from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
 from .session import Session, Snapshot, graphs_wanted, state_copies
 from .stop import StopStrings
@@ -187,6 +188,8 @@ class Engine:
             decoder = self.session.cache.nbytes if state_copies() > 1 else 0  # the decode graphs' copy
             kv_ram_budget = default_ram_budget(device_memory_bytes(), mx.get_active_memory() + decoder)
         self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
+        self.reuse = Reuse("none", 0)
+        """Where the last prompt's reused tokens came from, and why it did not extend the live session."""
         self.load_phases: dict[str, float] = {}
         """Seconds of each part of `load` (open and check the file, weights, mtp, tokenizer, engine)."""
 
@@ -311,15 +314,21 @@ class Engine:
         kept = self.checkpoints.find(tokens, None if exact else prompt.encode("utf-8"),
                                      longer_than=live[1] if live is not None else 0)
         if live is not None and kept is None:
+            self.reuse = Reuse("live", live[1])
             return live
+        miss = first_difference(self.session.tokens, tokens, self.tokenizer) if live is None else None
         self.checkpoints.add(self.session.snapshot())
         self._replace_session()
         if self.kv_store is not None:
             loaded = self._load_from_disk(prompt, tokens, exact, kept.checkpoint.n_tokens if kept else 0)
             if loaded is not None:
+                self.reuse = Reuse("disk", loaded[1], miss)
                 return loaded
         if kept is not None:
-            return self._restore(kept, prompt, tokens)
+            restored = self._restore(kept, prompt, tokens)
+            self.reuse = Reuse("ram", restored[1], miss)
+            return restored
+        self.reuse = Reuse("none", 0, miss)
         return tokens, 0
 
     def _restore(self, match: Match, prompt: str, tokens: list[int]) -> tuple[list[int], int]:
@@ -471,7 +480,8 @@ class Engine:
     def generate(self, req: GenerationRequest, cancel: Callable[[], bool] | None = None) -> Iterator[Event]:
         """Prefills what the live session lacks, then samples until a stop rule fires. Yields events; Done last."""
         tokens, cached, cold_target = self._accept(req)
-        yield PromptAccepted(len(tokens), cached)
+        reuse = self.reuse
+        yield PromptAccepted(len(tokens), cached, reuse)
         t0 = time.perf_counter()
         for done, total in self._prefill(tokens, cached, cold_target):
             if total > self.session.chunk_size:
@@ -479,7 +489,7 @@ class Engine:
             if done < total and cancel is not None and cancel():
                 self._replace_session()
                 yield Done("error", ParsedMessage("", ""), Usage(len(tokens), cached, 0),
-                           prefill_seconds=time.perf_counter() - t0, error="cancelled")
+                           prefill_seconds=time.perf_counter() - t0, error="cancelled", reuse=reuse)
                 return
         self.checkpoints.add(self.session.snapshot())  # the end of the prompt: resends and regenerations land here
         logits = self.session.logits
@@ -593,6 +603,7 @@ class Engine:
             token_ids=tuple(generated),
             mtp_drafted=drafted,
             mtp_accepted=accepted,
+            reuse=reuse,
         )
 
     def _accept(self, req: GenerationRequest) -> tuple[list[int], int, int | None]:
@@ -615,6 +626,7 @@ class Engine:
         if len(tokens) >= self.ctx:
             self._replace_session()
             tokens, cached = canonical, 0
+            self.reuse = Reuse("none", 0, self.reuse.miss)
         cold_target = None
         if self.kv_store is not None and cached == 0:
             cold_target = self.kv_store.options.cold_target(tokens, self.tokenizer.user_id,

@@ -465,7 +465,8 @@ def test_every_request_ends_with_one_summary_line(client, engine, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "ds4_mlx.serve"]
     assert len(lines) == 3
     assert re.fullmatch(r"chatcmpl-\w+ chat prompt=\d+ cached=0 completion=\d+ reasoning=\d+ finish=stop "
-                        r"prefill \d+ tok [\d.]+s \(([\d.]+ t/s|-)\) decode \d+ tok [\d.]+s \(([\d.]+ t/s|-)\)",
+                        r"prefill \d+ tok [\d.]+s \(([\d.]+ t/s|-)\) decode \d+ tok [\d.]+s \(([\d.]+ t/s|-)\) "
+                        r"reuse=none 0",
                         lines[0]), lines[0]
     assert lines[1].startswith("msg_") and " messages prompt=" in lines[1] and "finish=stop" in lines[1]
     assert re.search(r" cached=[1-9]", lines[1])  # the resend reused the first request's prompt

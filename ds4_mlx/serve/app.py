@@ -31,6 +31,7 @@ from ..chat import render_chat, render_completion_prompt
 from ..engine import GenerationRequest
 from ..errors import ContextOverflow, RequestError
 from ..events import Done, Event, PrefillProgress, PromptAccepted, TextDelta
+from ..reuse import Reuse
 from . import anthropic, openai, responses
 from .common import (
     KEEPALIVE,
@@ -272,11 +273,12 @@ class Server:
         usage = done.usage
         log.info(
             "%s %s prompt=%d cached=%d completion=%d reasoning=%d finish=%s%s prefill %d tok %.2fs (%s) "
-            "decode %d tok %.2fs (%s)",
+            "decode %d tok %.2fs (%s) reuse=%s",
             rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, usage.reasoning_tokens,
             done.finish_reason, f" ({done.error})" if done.error else "", usage.cache_write_tokens,
             done.prefill_seconds, _rate(usage.cache_write_tokens, done.prefill_seconds), usage.completion_tokens,
             done.decode_seconds, _rate(usage.completion_tokens, done.decode_seconds),
+            done.reuse.describe() if done.reuse is not None else "-",
         )
         if self.trace:
             self.trace.done(rid, done, calls)
@@ -323,7 +325,8 @@ class Server:
             if done is None:
                 raise ApiError("the request was cancelled before it ran", 499)
             self._finished(rid, api, done, self._remember(ids, done))
-            return json_response(api.response(rid, created, norm, done, ids, "".join(text)))
+            return json_response(api.response(rid, created, norm, done, ids, "".join(text)),
+                                 headers=self._reuse_header(done.reuse))
 
         return self.endpoint(api, handle)
 
@@ -370,7 +373,13 @@ class Server:
                     log.info("%s %s prompt=%d cached=%d finish=cancelled (the client disconnected)", rid, api.name,
                              accepted.prompt_tokens if accepted else 0, accepted.cached_tokens if accepted else 0)
 
-        return StreamingResponse(frames(), headers=SSE_HEADERS)
+        return StreamingResponse(frames(), headers={**SSE_HEADERS,
+                                                    **self._reuse_header(accepted.reuse if accepted else None)})
+
+    def _reuse_header(self, reuse: Reuse | None) -> dict[str, str]:
+        """With --trace, `x-ds4-reuse` tells the client how much of its prompt was reused, from where, and where it
+        first differs from the live session (prompt text: only where the operator asked for traces)."""
+        return {"x-ds4-reuse": reuse.describe()} if self.trace and reuse is not None else {}
 
     # -- other endpoints ------------------------------------------------------------------------------------
 
