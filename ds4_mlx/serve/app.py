@@ -52,6 +52,8 @@ from .guard import (
     read_body,
 )
 from .rawjson import parse_body
+from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .metrics import Metrics
 from .trace import Trace
 from .worker import Job, Worker
 
@@ -166,6 +168,7 @@ class Server:
         self.options = options
         self.trace = Trace(options.trace) if options.trace else None
         self.heavy = HeavySlots()
+        self.metrics = Metrics(worker)
 
     # -- plumbing -------------------------------------------------------------------------------------------
 
@@ -195,9 +198,11 @@ class Server:
             self.trace.error(rid, error.status, error.message, text)
         return error
 
-    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]], shared: bool = False):
-        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies. A `shared`
-        endpoint (the model list, which both APIs have) answers Anthropic's clients in Anthropic's error shape."""
+    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]], shared: bool = False,
+                 label: str | None = None):
+        """Wraps a handler with the request id, the API-key check, the mapping of errors to bodies and the request
+        count of /metrics (by `label`, else the API's name). A `shared` endpoint (the model list, which both APIs
+        have) answers Anthropic's clients in Anthropic's error shape."""
 
         async def run(request: Request) -> Response:
             rid = new_id(api.id_prefix, 12)
@@ -211,6 +216,7 @@ class Server:
                 headers = {"retry-after": "1"} if error.status == 429 else None
                 response = json_response(errors.error_json(error), error.status, headers)
             response.headers["x-request-id"] = rid
+            self.metrics.answered(label or api.name, response.status_code)
             return response
 
         return run
@@ -287,6 +293,7 @@ class Server:
 
     def generation(self, api: Api) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request, rid: str) -> Response:
+            request.state.arrived = time.monotonic()  # the start of its time to first token
             self.worker.check_room()
             data = await self._read(request)
             async with self.heavy.admit(len(data)):
@@ -315,7 +322,7 @@ class Server:
                 return await self._stream(request, job, api, rid, stream, ids)
             done, text = None, []
             async with self._cancel_on_disconnect(request, job):
-                async for event in job.events():
+                async for event in self.metrics.watch(api.name, request.state.arrived, job.events()):
                     if self.trace:
                         self.trace.event(rid, event)
                     if isinstance(event, TextDelta):
@@ -335,7 +342,7 @@ class Server:
         chunk's progress, or the first output), so that a prompt refused or failing in a single-chunk prefill
         still gets a proper status code, as in ds4 (§3.7). A failure after that is an SSE error frame; decode
         failures are not failures here: the engine ends them with finish reason "error"."""
-        events = job.events()
+        events = self.metrics.watch(api.name, request.state.arrived, job.events())
         async with self._cancel_on_disconnect(request, job):
             head = [await anext(events, None)]
             if isinstance(head[0], PromptAccepted):
@@ -410,6 +417,10 @@ class Server:
             return json_response(anthropic.model_json(model_id))
         return json_response(self._model(model_id))
 
+    async def metrics_text(self, request: Request, rid: str) -> Response:
+        """Prometheus' text format (metrics.py)."""
+        return Response(self.metrics.render(), media_type=METRICS_TYPE)
+
     async def health(self, request: Request) -> Response:
         return json_response({"status": "ok", "model": self.engine.model_name, "ctx": self.engine.ctx,
                               "busy": self.worker.busy, "queued": self.worker.queued})
@@ -445,12 +456,14 @@ def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Star
     server = Server(worker, options)
     routes = [
         _get("/health", server.health),
-        _get("/v1/models", server.endpoint(CHAT, server.models, shared=True)),
-        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model, shared=True)),
+        _get("/metrics", server.endpoint(CHAT, server.metrics_text, label="metrics")),
+        _get("/v1/models", server.endpoint(CHAT, server.models, shared=True, label="models")),
+        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model, shared=True, label="models")),
         Route("/v1/chat/completions", server.generation(CHAT), methods=["POST"]),
         Route("/v1/completions", server.generation(COMPLETIONS), methods=["POST"]),
         Route("/v1/messages", server.generation(MESSAGES), methods=["POST"]),
-        Route("/v1/messages/count_tokens", server.endpoint(MESSAGES, server.count_tokens), methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.endpoint(MESSAGES, server.count_tokens, label="count_tokens"),
+              methods=["POST"]),
         Route("/v1/responses", server.generation(RESPONSES), methods=["POST"]),
     ]
 
