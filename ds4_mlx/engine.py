@@ -42,6 +42,8 @@ from .tokenizer import StreamDecoder, Tokenizer, utf8
 
 log = logging.getLogger("ds4_mlx.engine")
 
+FILE_FACTS = ("general.name", "quantize.imatrix.file", "quantize.imatrix.chunks_count")
+"""GGUF keys kept after loading: what tells the preview checkpoint from 0731 (serve/modelcard.py)."""
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
 MAX_MTP_DRAFT = 16  # ds4's cap on --mtp-draft
@@ -192,6 +194,8 @@ class Engine:
         """Where the last prompt's reused tokens came from, and why it did not extend the live session."""
         self.load_phases: dict[str, float] = {}
         """Seconds of each part of `load` (open and check the file, weights, mtp, tokenizer, engine)."""
+        self.file_facts: dict[str, object] = {}
+        """The GGUF metadata that names the file and its checkpoint (FILE_FACTS), for the model card."""
 
     @classmethod
     def load(
@@ -252,6 +256,8 @@ class Engine:
         engine = cls(model, tokenizer, ctx, **opts)
         phase("engine")
         engine.load_phases = {name: round(b - a, 3) for name, a, b in zip(names, marks, marks[1:])}
+        metadata = weights.file.metadata
+        engine.file_facts = {key: metadata[key] for key in FILE_FACTS if key in metadata}
         return engine
 
     @classmethod

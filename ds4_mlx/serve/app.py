@@ -54,6 +54,7 @@ from .guard import (
 from .rawjson import parse_body
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import Metrics
+from .modelcard import model_card
 from .trace import Trace
 from .worker import Job, Worker
 
@@ -402,11 +403,11 @@ class Server:
         return (self.engine.model_name, *MODEL_ALIASES)
 
     def _model(self, model_id: str) -> dict[str, Any]:
-        return openai.model_json(model_id, self.engine.ctx, self.engine.default_max_tokens)
+        return openai.model_json(model_id, model_card(self.engine))
 
     async def models(self, request: Request, rid: str) -> Response:
         if _anthropic_client(request):
-            return json_response(anthropic.models_json(self._model_ids()))
+            return json_response(anthropic.models_json(self._model_ids(), model_card(self.engine)))
         return json_response({"object": "list", "data": [self._model(m) for m in self._model_ids()]})
 
     async def model(self, request: Request, rid: str) -> Response:
@@ -414,7 +415,7 @@ class Server:
         if model_id not in self._model_ids():
             raise ApiError(f"model {model_id!r} not found; this server serves {', '.join(self._model_ids())}", 404)
         if _anthropic_client(request):
-            return json_response(anthropic.model_json(model_id))
+            return json_response(anthropic.model_json(model_id, model_card(self.engine)))
         return json_response(self._model(model_id))
 
     async def metrics_text(self, request: Request, rid: str) -> Response:

@@ -39,6 +39,7 @@ from .common import (
     think_mode,
     thinking_flag,
 )
+from .modelcard import EFFORTS, THINKING_BY_ALIAS, ModelCard
 from .rawjson import Body
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "latest_reminder")
@@ -302,17 +303,32 @@ class CompletionStream:
         return frames
 
 
-def model_json(model_id: str, ctx: int, max_output: int) -> dict[str, Any]:
-    """One `/v1/models` entry, keys in ds4's order (behavior.md §3.2)."""
+def model_json(model_id: str, card: ModelCard) -> dict[str, Any]:
+    """One `/v1/models` entry: ds4's keys in ds4's order (behavior.md §3.2), then the limits under the other names
+    clients read them by (`max_model_len`: vLLM's; `context_window`, `max_context_length`; `max_output_tokens`),
+    thinking, the capabilities and the checkpoint (docs/server.md, "The model card")."""
+    thinks = THINKING_BY_ALIAS.get(model_id, True)
     return {
         "id": model_id,
         "object": "model",
         "created": 1767225600,
         "owned_by": "ds4-mlx",
         "name": "DeepSeek V4 Flash",
-        "context_length": ctx,
-        "top_provider": {"context_length": ctx, "max_completion_tokens": min(max_output, ctx),
+        "context_length": card.ctx,
+        "top_provider": {"context_length": card.ctx, "max_completion_tokens": card.max_completion_tokens,
                          "is_moderated": False},
         "supported_parameters": ["tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                 "stop", "seed", "stream", "reasoning_effort"],
+                                 "stop", "seed", "stream", "reasoning_effort", "reasoning", "include_reasoning",
+                                 "response_format", "structured_outputs", "presence_penalty", "frequency_penalty"],
+        "max_model_len": card.ctx,
+        "context_window": card.ctx,
+        "max_context_length": card.trained_context,
+        "max_output_tokens": card.max_completion_tokens,
+        "architecture": {"modality": "text->text", "input_modalities": ["text"], "output_modalities": ["text"],
+                         "tokenizer": "DeepSeek"},
+        "thinking": {"supported": True, "default": thinks, "efforts": list(EFFORTS)},
+        "capabilities": {"reasoning": True, "tool_calls": True, "structured_outputs": True, "vision": False},
+        "checkpoint": card.checkpoint,
+        "checkpoint_basis": card.checkpoint_basis,
+        "gguf_name": card.name,
     }
