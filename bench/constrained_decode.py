@@ -32,10 +32,10 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine.load(args.model or ensure_demo_model(), 4096)
     prompt = render_chat([Message("user", "Write notes.")], think=ThinkMode.NONE, ctx=engine.ctx)
-    fmt = constrain.OutputFormat.build("json_schema", SCHEMA, "notes", "schema")
+    fmt = constrain.Constraint.make(constrain.OutputFormat.build("json_schema", SCHEMA, "notes", "schema"), ())
     masks: list[constrain.TokenMask] = []
     waits: list[float] = []
-    start, apply = constrain.OutputFormat.start, constrain.TokenMask.apply
+    start, apply = constrain.Constraint.start, constrain.TokenMask.apply
 
     def recording_start(self, *a, **k):
         masks.append(start(self, *a, **k))
@@ -51,7 +51,7 @@ def main() -> None:
         finally:
             del self.allowed
 
-    constrain.OutputFormat.start = recording_start
+    constrain.Constraint.start = recording_start
     constrain.TokenMask.apply = timed_apply
     for name, sampling in (("greedy", SamplingParams(temperature=0)), ("sampled", SamplingParams(temperature=1,
                                                                                                  seed=7))):

@@ -15,8 +15,9 @@ nothing (outlines-core builds an index per schema: ~0.4 s); it has no dependenci
 x86_64 / aarch64 and macOS arm64 (xgrammar, with the lowest mask cost, ~3 µs, requires torch, triton and
 transformers); and it names what it cannot take in a schema, which becomes the 400's message.
 
-With tools offered, the answer is either the formatted answer or a tool-call block: the grammar allows a DSML block
-start as the other branch, and holds nothing inside it.
+With tools offered, the answer is either the formatted answer or a tool-call block (the model chooses). Inside the
+block, the calls of tools declared strict are held to their parameters' schemas (toolgrammar.py); without strict
+tools the block is not held. Strict tools without a format leave the text before a block free.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import llguidance
@@ -35,13 +37,11 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import RequestError
-from .tokenizer import BOS, EOS, THINK, THINK_END, USER, ASSISTANT, Tokenizer
+from .tokenizer import ASSISTANT, BOS, EOS, THINK, THINK_END, USER, Tokenizer
+from .toolgrammar import BLOCK_START, ToolSpec, lit, regex, tool_rules
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON is written as Python's json.dumps writes it: no free whitespace, which a model could repeat without end."""
-
-TOOL_BLOCK_START = "\n\n<｜DSML｜tool_calls>"
-"""How the model opens a tool-call block (dsml.py); with tools offered, the grammar's other branch."""
 
 _BARE_SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END)
 """Specials llguidance must never let text spell. The DSML marker is not among them: the tool branch spells it."""
@@ -58,13 +58,12 @@ class SchemaError(RequestError):
 @dataclass(frozen=True)
 class OutputFormat:
     """What an answer must be: `kind` "json_object" (any JSON object) or "json_schema" (`schema`), `name` as the
-    client named it. `grammar` is the llguidance grammar; `with_tools` the same with the tool-call branch."""
+    client named it; `rule` is its Lark rule body (`%json {...}`), checked by llguidance when built."""
 
     kind: str
     schema: dict[str, Any]
     name: str
-    grammar: str
-    with_tools: str
+    rule: str
 
     @classmethod
     def json_object(cls) -> OutputFormat:
@@ -79,30 +78,76 @@ class OutputFormat:
         answer = copy.deepcopy(schema)
         answer["x-guidance"] = {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}
         try:
-            body = json.dumps(answer, ensure_ascii=False, allow_nan=False)
+            rule = f"%json {json.dumps(answer, ensure_ascii=False, allow_nan=False)}"
         except ValueError as exc:
             raise SchemaError(f"invalid request: {param}: {exc}", param) from exc
-        lark = f"start: answer\nanswer: %json {body}\n"
-        tools = f"start: answer | tools\nanswer: %json {body}\ntools: {_lark_regex(TOOL_BLOCK_START)}\n"
         checked = llguidance.LLMatcher.grammar_from_json_schema(answer)  # its messages quote the schema alone
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(checked)
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        if not failed:
-            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-        if failed:
-            message = messages[0] if messages else "the schema was refused"
-            raise SchemaError(f"invalid request: {param}{_where(schema, message)}: the schema is not supported "
-                              f"for constrained decoding: {message}", param)
-        return cls(kind, schema, name, grammar, llguidance.LLMatcher.grammar_from_lark(tools))
+        _check(checked, schema, param)
+        _check(llguidance.LLMatcher.grammar_from_lark(f"start: answer\nanswer: {rule}\n"), schema, param)
+        return cls(kind, schema, name, rule)
 
-    def start(self, tokenizer: Tokenizer, thinking: bool, tools_active: bool = False) -> TokenMask:
-        """The per-generation state; free until `</think>` when `thinking`."""
-        return TokenMask(self.with_tools if tools_active else self.grammar, tokenizer, thinking)
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output is held to: the answer's format, the calls of strict tools, or both. `grammar` is
+    for a generation with the tools offered, `answer_only` for one without (tool_choice "none" drops them)."""
+
+    answer: OutputFormat | None
+    tools: tuple[ToolSpec, ...]
+    grammar: str
+    answer_only: str | None
+
+    @classmethod
+    def make(cls, answer: OutputFormat | None, tools: Sequence[ToolSpec], params: Sequence[str] = ()
+             ) -> Constraint | None:
+        """None when nothing is held (no format, no strict tool). A strict tool's schema the library cannot take
+        raises SchemaError naming the tool and `params[i]` (its field in the request)."""
+        tools = tuple(tools)
+        strict = [i for i, t in enumerate(tools) if t.parameters is not None]
+        if answer is None and not strict:
+            return None
+        for i in strict:
+            where = params[i] if i < len(params) else f"tools[{i}]"
+            what = f"the strict tool {tools[i].name!r}"
+            schema = {**tools[i].parameters, "x-guidance": JSON_OPTIONS}  # the clean messages of the schema alone
+            _check(llguidance.LLMatcher.grammar_from_json_schema(schema), tools[i].parameters, where, what)
+            lark = f"start: calls\n{tool_rules([tools[i]])}"
+            _check(llguidance.LLMatcher.grammar_from_lark(lark), tools[i].parameters, where, what)
+        rules = tool_rules(tools) if strict else ""
+        if answer is None:
+            lark = f"start: free_text calls | plain\nplain: {_lark_regex('')}\n{rules}"
+        elif strict:
+            lark = f"start: answer | block\nanswer: {answer.rule}\nblock: {lit(BLOCK_START)} calls\n{rules}"
+        elif tools:
+            lark = f"start: answer | block\nanswer: {answer.rule}\nblock: {_lark_regex(BLOCK_START)}\n"
+        else:
+            lark = f"start: answer\nanswer: {answer.rule}\n"
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        _check(grammar, answer.schema if answer else {}, "tools")
+        only = None
+        if answer is not None:
+            only = llguidance.LLMatcher.grammar_from_lark(f"start: answer\nanswer: {answer.rule}\n")
+        return cls(answer, tools, grammar, only)
+
+    def start(self, tokenizer: Tokenizer, thinking: bool, tools_active: bool = False) -> TokenMask | None:
+        """The per-generation state, free until `</think>` when `thinking`; None when nothing is held (strict tools
+        whose offer was withdrawn)."""
+        grammar = self.grammar if tools_active else self.answer_only
+        return TokenMask(grammar, tokenizer, thinking) if grammar is not None else None
+
+
+def _check(grammar: str, schema: Any, param: str, what: str = "the schema") -> None:
+    """Raises SchemaError when llguidance refuses `grammar`, naming `param`, the part of `schema` and the reason."""
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        message = messages[0] if messages else "refused"
+        raise SchemaError(f"invalid request: {param}{_where(schema, message)}: {what} is not supported for "
+                          f"constrained decoding: {message}", param)
 
 
 def _lark_regex(literal: str) -> str:
-    """A Lark regex that matches `literal` and then anything (the tool block is not held)."""
-    return "/" + re.escape(literal).replace("/", "\\/").replace("\n", "\\n") + "(?s:.*)/"
+    """A Lark regex that matches `literal` and then anything (held no further)."""
+    return regex(re.escape(literal).replace("\\\n", "\\n") + "(?s:.*)")
 
 
 def _where(schema: Any, message: str) -> str:
@@ -143,7 +188,8 @@ _TOKENIZERS_LOCK = threading.Lock()
 def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     """llguidance's view of `tokenizer` (the bytes of every id; ~0.25 s at 129,280 ids), built once per tokenizer.
 
-    Its encoder is the model's own, which llguidance uses to tokenize text the grammar forces."""
+    Its encoder is the model's own, which llguidance uses to tokenize text the grammar forces: a forced string is
+    then written in the tokens the model itself would use."""
     with _TOKENIZERS_LOCK:
         known = _TOKENIZERS.get(id(tokenizer))
         if known is not None and known[0] is tokenizer:
@@ -156,7 +202,8 @@ def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
             special_token_ids = [tokenizer.token_id(s) for s in _BARE_SPECIALS]
 
             def __call__(self, text: bytes) -> list[int]:
-                return tokenizer.encode(text.decode("utf-8", "replace"), specials=False)
+                # specials on: forced DSML tags are spelled with the DSML token, as the model writes them
+                return tokenizer.encode(text.decode("utf-8", "replace"), specials=True)
 
         built = llguidance.LLTokenizer(llguidance.TokenizerWrapper(View()))
         _TOKENIZERS[id(tokenizer)] = (tokenizer, built)

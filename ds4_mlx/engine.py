@@ -21,7 +21,7 @@ import mlx.core as mx
 from . import dsml
 from .chat import ToolMemory
 from .checkpoints import CheckpointStore, Match, default_ram_budget
-from .constrain import OutputFormat
+from .constrain import Constraint
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError, UsageError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
 from .kvfiles import check_directory
@@ -83,8 +83,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     thinking: bool | None = None
     tools_active: bool = False
-    output: OutputFormat | None = None
-    """The format the answer (after the reasoning) is held to by a token mask (constrain.py); None: free."""
+    output: Constraint | None = None
+    """What the answer (after the reasoning) is held to by a token mask: a format, strict tools' calls
+    (constrain.py); None: free."""
 
 
 def demo_model_path() -> Path:

@@ -19,7 +19,7 @@ import pydantic
 import pytest
 
 from ds4_mlx.chat import Message, ThinkMode, render_chat
-from ds4_mlx.constrain import OutputFormat, SchemaError
+from ds4_mlx.constrain import Constraint, OutputFormat, SchemaError
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.events import Done
 from ds4_mlx.sampling import SamplingParams
@@ -60,10 +60,17 @@ def demo(demo_model) -> Engine:
     return Engine.load(demo_model, 2048)
 
 
+def with_format(fmt: OutputFormat) -> Constraint:
+    """The constraint of a request with this format and no tools."""
+    return Constraint.make(fmt, ())
+
+
 def answer(engine: Engine, fmt: OutputFormat | None, sampling: SamplingParams, max_tokens: int = 300,
            think: ThinkMode = ThinkMode.NONE) -> Done:
     prompt = render_chat([Message("user", "Describe a shape as JSON.")], think=think, ctx=engine.ctx)
-    events = list(engine.generate(GenerationRequest(prompt, max_tokens=max_tokens, sampling=sampling, output=fmt)))
+    output = with_format(fmt) if fmt is not None else None
+    events = list(engine.generate(GenerationRequest(prompt, max_tokens=max_tokens, sampling=sampling,
+                                                    output=output)))
     assert isinstance(events[-1], Done)
     return events[-1]
 
@@ -101,7 +108,7 @@ def test_reasoning_is_free_and_the_answer_after_it_is_held():
     engine, _ = scripted_engine(tok, "Free { reasoning [</think>not json at all")
     prompt = render_chat([Message("user", "q")], think=ThinkMode.HIGH, ctx=512)
     done = [*engine.generate(GenerationRequest(prompt, max_tokens=60, sampling=SamplingParams(temperature=0),
-                                               output=fmt))][-1]
+                                               output=with_format(fmt)))][-1]
     assert done.message.reasoning == "Free { reasoning ["
     jsonschema.validate(json.loads(done.message.content), schema)
 
@@ -109,7 +116,7 @@ def test_reasoning_is_free_and_the_answer_after_it_is_held():
     engine, _ = scripted_engine(tok, valid)
     prompt = render_chat([Message("user", "q")], think=ThinkMode.NONE, ctx=512)
     done = [*engine.generate(GenerationRequest(prompt, sampling=SamplingParams(temperature=1.0, seed=3),
-                                               output=fmt))][-1]
+                                               output=with_format(fmt)))][-1]
     assert (done.message.content, done.finish_reason) == (valid, "stop")  # a valid answer passes unchanged
 
 
@@ -255,7 +262,7 @@ def test_mtp_drafts_the_mask_refuses_are_not_accepted(monkeypatch, tmp_path):
     greedy = SamplingParams(temperature=0)
 
     def run(engine: Engine) -> Done:
-        return [*engine.generate(GenerationRequest(prompt, max_tokens=40, sampling=greedy, output=fmt))][-1]
+        return [*engine.generate(GenerationRequest(prompt, max_tokens=40, sampling=greedy, output=with_format(fmt)))][-1]
 
     unmasked: list[int] = []  # the model's own choice at each step of the held answer
     real_apply = TokenMask.apply

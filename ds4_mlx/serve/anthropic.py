@@ -31,6 +31,7 @@ from .common import (
     Fields,
     Options,
     compact_arguments,
+    constraint,
     dumps,
     max_tokens,
     message_list,
@@ -171,6 +172,9 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     if effort is None and output_config is not None:
         effort = output_config.raw("effort")
     think = think_mode(model, ctx, effort=effort, thinking=thinking_flag(f.raw("thinking"), "thinking"))
+    tool_choice = f.object("tool_choice", nullable=True)
+    enabled = tool_choice is None or tool_choice.raw("type") != "none"
+    tools = active_tools(f, body.tool_texts, enabled=enabled)
     options = Options(
         model=model,
         think=think,
@@ -178,12 +182,9 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
         stop=stop_strings(f, "stop_sequences"),
         max_tokens=max_tokens(f, "max_tokens"),
         stream=f.boolean("stream", False, nullable=True),
-        output=(output_format(f, "output_format", nested=False) if "output_format" in f or output_config is None
-                else output_format(output_config, "format", nested=False)),
+        output=constraint(output_format(f, "output_format", nested=False) if "output_format" in f
+                          or output_config is None else output_format(output_config, "format", nested=False), tools),
     )
-    tool_choice = f.object("tool_choice", nullable=True)
-    enabled = tool_choice is None or tool_choice.raw("type") != "none"
-    tools = active_tools(f, body.tool_texts, enabled=enabled)
     return ChatRequest(options=options, messages=tuple(messages), tools=tools)
 
 

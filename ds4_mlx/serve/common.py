@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chat import Message, ThinkMode, request_think_mode, think_mode_from_effort
-from ..constrain import OutputFormat, SchemaError
+from ..constrain import Constraint, OutputFormat, SchemaError
+from ..toolgrammar import ToolSpec
 from ..errors import RequestError
 from ..sampling import SamplingParams
 
@@ -310,6 +311,31 @@ def output_format(fields: Fields, key: str, *, nested: bool) -> OutputFormat | N
         raise ApiError(str(exc), param=exc.param, code="invalid_json_schema") from exc
 
 
+def constraint(answer: OutputFormat | None, tool_texts: tuple[str, ...], where: str = "tools"
+               ) -> Constraint | None:
+    """The request's constraint from its answer format and its offered tools (the raw schema texts the model is
+    shown), where a tool with `strict: true` (OpenAI's `function.strict`, Responses' and Anthropic's `strict`) has its
+    calls held to its `parameters` / `input_schema`. A schema the grammar library cannot take is a 400 naming the
+    tool (`where[i]`) and the part."""
+    specs, params = [], []
+    for i, text in enumerate(tool_texts):
+        try:
+            tool = json.loads(text)
+        except ValueError:
+            tool = {}
+        tool = tool if isinstance(tool, dict) else {}
+        fn = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        schema = fn.get("parameters", fn.get("input_schema"))
+        strict = fn.get("strict") is True or tool.get("strict") is True
+        specs.append(ToolSpec(str(fn.get("name", "")), (schema if isinstance(schema, dict) else {}) if strict
+                              else None))
+        params.append(f"{where}[{i}]")
+    try:
+        return Constraint.make(answer, specs, params)
+    except SchemaError as exc:
+        raise ApiError(str(exc), param=exc.param, code="invalid_json_schema") from exc
+
+
 @dataclass(frozen=True)
 class Options:
     """What every generation endpoint decides besides the prompt."""
@@ -321,8 +347,9 @@ class Options:
     max_tokens: int | None = None
     stream: bool = False
     include_usage: bool = False
-    output: OutputFormat | None = None
-    """The format the answer is held to (`response_format`, Responses `text.format`, Anthropic `output_format`)."""
+    output: Constraint | None = None
+    """What the answer is held to: its format (`response_format`, Responses `text.format`, Anthropic
+    `output_format`) and the calls of tools declared `strict`."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..chat import Message, ToolCallSpec
-from ..constrain import OutputFormat
+from ..constrain import Constraint
 from ..events import (
     Done,
     Event,
@@ -28,6 +28,7 @@ from .common import (
     Fields,
     Options,
     compact_arguments,
+    constraint,
     invalid_value,
     max_tokens,
     message_list,
@@ -68,7 +69,7 @@ def stream_error(message: str) -> str:
 
 
 def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop",
-             output: OutputFormat | None = None) -> Options:
+             output: Constraint | None = None) -> Options:
     """What a chat or legacy completion asks for besides the prompt; fields sent as null are not set."""
     if f.integer("n", 1, nullable=True) != 1:
         raise ApiError("invalid request: n must be 1: this server generates one choice per request", param="n",
@@ -145,11 +146,12 @@ def parse_chat(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     """`/v1/chat/completions` request → normalized chat request."""
     f = Fields(body.value)
     messages = message_list(f)
+    tools = active_tools(f, body.tool_texts, enabled=f.raw("tool_choice") != "none")
     return ChatRequest(
         options=_options(f, ctx=ctx, default_model=default_model,
-                         output=output_format(f, "response_format", nested=True)),
+                         output=constraint(output_format(f, "response_format", nested=True), tools)),
         messages=tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages)),
-        tools=active_tools(f, body.tool_texts, enabled=f.raw("tool_choice") != "none"),
+        tools=tools,
     )
 
 

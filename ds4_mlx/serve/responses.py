@@ -24,6 +24,7 @@ from .common import (
     Fields,
     Options,
     compact_arguments,
+    constraint,
     dumps,
     invalid_value,
     max_tokens,
@@ -214,7 +215,7 @@ def parse_responses(body: Body, *, ctx: int, default_model: str) -> ResponsesReq
         sampling=sampling_params(f, think, ("temperature", "top_p")),
         max_tokens=max_tokens(f, "max_output_tokens", "max_tokens"),
         stream=f.boolean("stream", False, nullable=True),
-        output=_text_format(f),
+        output=constraint(_text_format(f), tuple(tools.lines)),
     )
     return ResponsesRequest(options=options, messages=tuple(messages), tools=tuple(tools.lines),
                             summary=summary in SUMMARY_OPT_IN, namespaces=tools.namespaces,
