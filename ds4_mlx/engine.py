@@ -516,7 +516,8 @@ class Engine:
         text_parts: list[str] = []
         finish = "length"
         speculate = self._speculates(req.sampling)
-        pipelined = self._pipelines(req.sampling) and mask is None  # a masked choice needs the host first
+        # a masked greedy choice is fed ahead too (the mask is ready before it), on MLX's step, not the decode graphs
+        pipelined = self._pipelines(req.sampling) and (mask is None or not graphs_wanted())
         ahead: list[tuple[int, mx.array]] = []  # fed by a speculative step before the stream chose them, with logits
         drafted = accepted = 0  # MTP guesses checked against the model, and those it agreed with
 
@@ -532,7 +533,7 @@ class Engine:
                     finish = "error"
                     break
                 if pipelined and len(generated) + 1 < limit:  # fed before it is read: not the last token
-                    token = int(self.session.feed_chosen().item())
+                    token = int(self.session.feed_chosen(adjust=mask.apply if mask is not None else None).item())
                 else:
                     use_greedy = greedy is not None and greedy.greedy
                     if mask is not None:

@@ -307,3 +307,25 @@ def test_mtp_drafts_the_mask_refuses_are_not_accepted(monkeypatch, tmp_path):
     speculated = run(engine)
     assert speculated.token_ids == held.token_ids
     assert speculated.mtp_accepted > 0 and len(rewinds) > 0  # drafts were verified, then refused by the mask
+
+
+def test_masked_greedy_fed_ahead_equals_read_first(demo, monkeypatch):
+    """Greedy decoding with a mask feeds each token before reading it back (the mask is applied on the device);
+    the answer equals the one chosen after reading each token back."""
+    from ds4_mlx.session import Session
+
+    fmt = OutputFormat.build("json_schema", SCHEMAS["nested_ref_array_enum"], "s", "schema")
+    fed = []
+    real = Session.feed_chosen
+
+    def counting(self, *args, **kwargs):
+        fed.append(kwargs.get("adjust"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "feed_chosen", counting)
+    ahead = answer(demo, fmt, SamplingParams(temperature=0.0))
+    assert len(fed) >= len(ahead.token_ids) - 1 and all(adjust is not None for adjust in fed)
+    monkeypatch.setattr(Engine, "_pipelines", lambda self, sampling: False)
+    read_first = answer(demo, fmt, SamplingParams(temperature=0.0))
+    assert ahead.token_ids == read_first.token_ids
+    jsonschema.validate(json.loads(ahead.message.content), SCHEMAS["nested_ref_array_enum"])
