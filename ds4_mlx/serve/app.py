@@ -51,10 +51,10 @@ from .guard import (
     header_timeout_protocol,
     read_body,
 )
-from .rawjson import parse_body
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import Metrics
 from .modelcard import model_card
+from .rawjson import parse_body
 from .trace import Trace
 from .worker import Job, Worker
 
