@@ -71,6 +71,10 @@ class CheckpointStore:
         self._spell = spell
         self._items: dict[tuple[int, ...], Checkpoint] = {}
         self._clock = 0
+        self.evictions = 0
+        """Checkpoints dropped to stay within the budget (for /metrics)."""
+        self.held_bytes = 0
+        """`nbytes` as of the last change, readable from another thread (for /metrics)."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -109,6 +113,8 @@ class CheckpointStore:
             key = min(self._items, key=lambda k: self._items[k].used)
             log.debug("checkpoint of %d tokens evicted (budget %d bytes)", len(key), self.budget_bytes)
             del self._items[key]
+            self.evictions += 1
+        self.held_bytes = self.nbytes
 
     def drop_oldest(self) -> bool:
         """Drops the least recently used checkpoint (a prefill short of device memory asks); False when none is
@@ -144,6 +150,7 @@ class CheckpointStore:
 
     def clear(self) -> None:
         self._items.clear()
+        self.held_bytes = 0
 
 
 def _starts_character(data: bytes, offset: int) -> bool:

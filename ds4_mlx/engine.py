@@ -21,6 +21,7 @@ import mlx.core as mx
 from . import dsml, memory
 from .chat import ToolMemory
 from .checkpoints import CheckpointStore, Match
+from .constrain import Constraint
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError, UsageError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
 from .kvfiles import check_directory
@@ -32,6 +33,7 @@ from .model.model import Model
 from .model.mtp import MTP, open_mtp
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
+from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
 from .session import Session, Snapshot, graphs_wanted, state_copies
 from .stop import StopStrings
@@ -40,6 +42,8 @@ from .tokenizer import StreamDecoder, Tokenizer, utf8
 
 log = logging.getLogger("ds4_mlx.engine")
 
+FILE_FACTS = ("general.name", "quantize.imatrix.file", "quantize.imatrix.chunks_count")
+"""GGUF keys kept after loading: what tells the preview checkpoint from 0731 (serve/modelcard.py)."""
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
 MAX_MTP_DRAFT = 16  # ds4's cap on --mtp-draft
@@ -79,6 +83,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     thinking: bool | None = None
     tools_active: bool = False
+    output: Constraint | None = None
+    """What the answer (after the reasoning) is held to by a token mask: a format, strict tools' calls
+    (constrain.py); None: free."""
 
 
 def demo_model_path() -> Path:
@@ -192,8 +199,12 @@ class Engine:
             kv_ram_budget = self.budget.spare
         self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
         log.info("%s", self.budget.describe(kv_ram_budget))
+        self.reuse = Reuse("none", 0)
+        """Where the last prompt's reused tokens came from, and why it did not extend the live session."""
         self.load_phases: dict[str, float] = {}
         """Seconds of each part of `load` (open and check the file, weights, mtp, tokenizer, engine)."""
+        self.file_facts: dict[str, object] = {}
+        """The GGUF metadata that names the file and its checkpoint (FILE_FACTS), for the model card."""
 
     @classmethod
     def load(
@@ -253,6 +264,8 @@ class Engine:
         engine = cls(model, tokenizer, ctx, **opts)
         phase("engine")
         engine.load_phases = {name: round(b - a, 3) for name, a, b in zip(names, marks, marks[1:])}
+        metadata = weights.file.metadata
+        engine.file_facts = {key: metadata[key] for key in FILE_FACTS if key in metadata}
         return engine
 
     @classmethod
@@ -315,15 +328,21 @@ class Engine:
         kept = self.checkpoints.find(tokens, None if exact else prompt.encode("utf-8"),
                                      longer_than=live[1] if live is not None else 0)
         if live is not None and kept is None:
+            self.reuse = Reuse("live", live[1])
             return live
+        miss = first_difference(self.session.tokens, tokens, self.tokenizer) if live is None else None
         self.checkpoints.add(self.session.snapshot())
         self._replace_session()
         if self.kv_store is not None:
             loaded = self._load_from_disk(prompt, tokens, exact, kept.checkpoint.n_tokens if kept else 0)
             if loaded is not None:
+                self.reuse = Reuse("disk", loaded[1], miss)
                 return loaded
         if kept is not None:
-            return self._restore(kept, prompt, tokens)
+            restored = self._restore(kept, prompt, tokens)
+            self.reuse = Reuse("ram", restored[1], miss)
+            return restored
+        self.reuse = Reuse("none", 0, miss)
         return tokens, 0
 
     def _restore(self, match: Match, prompt: str, tokens: list[int]) -> tuple[list[int], int]:
@@ -481,7 +500,8 @@ class Engine:
     def generate(self, req: GenerationRequest, cancel: Callable[[], bool] | None = None) -> Iterator[Event]:
         """Prefills what the live session lacks, then samples until a stop rule fires. Yields events; Done last."""
         tokens, cached, cold_target = self._accept(req)
-        yield PromptAccepted(len(tokens), cached)
+        reuse = self.reuse
+        yield PromptAccepted(len(tokens), cached, reuse)
         t0 = time.perf_counter()
         for done, total in self._prefill(tokens, cached, cold_target):
             if total > self.session.chunk_size:
@@ -489,7 +509,7 @@ class Engine:
             if done < total and cancel is not None and cancel():
                 self._replace_session()
                 yield Done("error", ParsedMessage("", ""), Usage(len(tokens), cached, 0),
-                           prefill_seconds=time.perf_counter() - t0, error="cancelled")
+                           prefill_seconds=time.perf_counter() - t0, error="cancelled", reuse=reuse)
                 return
         self.checkpoints.add(self.session.snapshot())  # the end of the prompt: resends and regenerations land here
         logits = self.session.logits
@@ -501,6 +521,7 @@ class Engine:
         parser = dsml.StreamParser(thinking=thinking, tools_active=req.tools_active)
         greedy = dsml.GreedyTracker(thinking=thinking) if req.tools_active else None
         stops = StopStrings(req.stop)
+        mask = req.output.start(self.tokenizer, thinking, req.tools_active) if req.output is not None else None
         limit = self.default_max_tokens if req.max_tokens is None else max(0, req.max_tokens)
         limit = min(limit, self.session.room)
         generated: list[int] = []
@@ -508,7 +529,8 @@ class Engine:
         text_parts: list[str] = []
         finish = "length"
         speculate = self._speculates(req.sampling)
-        pipelined = self._pipelines(req.sampling)
+        # a masked greedy choice is fed ahead too (the mask is ready before it), on MLX's step, not the decode graphs
+        pipelined = self._pipelines(req.sampling) and (mask is None or not graphs_wanted())
         ahead: list[tuple[int, mx.array]] = []  # fed by a speculative step before the stream chose them, with logits
         drafted = accepted = 0  # MTP guesses checked against the model, and those it agreed with
 
@@ -524,14 +546,21 @@ class Engine:
                     finish = "error"
                     break
                 if pipelined and len(generated) + 1 < limit:  # fed before it is read: not the last token
-                    token = int(self.session.feed_chosen().item())
+                    token = int(self.session.feed_chosen(adjust=mask.apply if mask is not None else None).item())
                 else:
                     use_greedy = greedy is not None and greedy.greedy
+                    if mask is not None:
+                        logits = mask.apply(logits)
                     token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
+                if mask is not None and ahead and ahead[0][0] != token:  # the mask refused a draft: drop it on
+                    self.session.rewind(len(self.session.tokens) - len(ahead))
+                    ahead = []
                 if token == self.tokenizer.eos_id:
                     finish = "stop"
                     break
                 generated.append(token)
+                if mask is not None:
+                    mask.advance(token)  # the next mask is computed while the model runs the step
                 reasoning_tokens += 0 if parser.reasoning_closed else 1
                 sampler.record(token)
                 piece = decoder.feed(token)
@@ -595,6 +624,7 @@ class Engine:
             token_ids=tuple(generated),
             mtp_drafted=drafted,
             mtp_accepted=accepted,
+            reuse=reuse,
         )
 
     def _accept(self, req: GenerationRequest) -> tuple[list[int], int, int | None]:
@@ -617,6 +647,7 @@ class Engine:
         if len(tokens) >= self.ctx:
             self._replace_session()
             tokens, cached = canonical, 0
+            self.reuse = Reuse("none", 0, self.reuse.miss)
         cold_target = None
         if self.kv_store is not None and cached == 0:
             cold_target = self.kv_store.options.cold_target(tokens, self.tokenizer.user_id,

@@ -7,6 +7,10 @@ parser; the `serve/` translators only reshape them into wire formats.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .reuse import Reuse
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,12 @@ class ToolCallEnd:
 
 @dataclass(frozen=True)
 class PromptAccepted:
-    """The first event: the prompt fits, and `cached_tokens` of it are reused from the live session."""
+    """The first event: the prompt fits, and `cached_tokens` of it are reused (`reuse` says from where, and where
+    the prompt first differs from the live session when it did not extend it)."""
 
     prompt_tokens: int
     cached_tokens: int
+    reuse: Reuse | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,8 @@ class Done:
     """MTP guesses compared with the model's own greedy choice (speculative decoding, --mtp-draft >= 2)."""
     mtp_accepted: int = 0
     """Of those, the ones it agreed with."""
+    reuse: Reuse | None = field(default=None, repr=False, compare=False)
+    """The prompt's reuse decision, as in PromptAccepted."""
 
 
 Event = PromptAccepted | ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | PrefillProgress | Done

@@ -358,6 +358,10 @@ class KvStore:
         """Files logged once as unusable, by name, with the (inode, size, mtime) they had: skipped while unchanged."""
         self._foreign: set[str] = set()
         """Checkpoints of other models already logged (they stay listed: they count against the budget)."""
+        self.evictions = 0
+        """Files deleted to stay within the budget (for /metrics)."""
+        self.disk_bytes = 0
+        """Bytes of the valid files in the directory as of the last eviction pass, which follows every save."""
         check_directory(self.directory)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -462,8 +466,10 @@ class KvStore:
                 log.warning("kv cache: cannot delete %s (%s)", victim.path, e.strerror or e)
                 return
             total -= victim.size
+            self.evictions += 1
             log.info("kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s",
                      victim.header.tokens, victim.header.hits, victim.size / 2**20, victim.path)
+        self.disk_bytes = total
 
     # -- lookup and load ----------------------------------------------------------------------------------------
 

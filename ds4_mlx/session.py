@@ -220,7 +220,7 @@ class Session:
             return self.logits
         return self.prefill([token])
 
-    def feed_chosen(self, never: int | None = None) -> mx.array:
+    def feed_chosen(self, never: int | None = None, adjust: Callable[[mx.array], mx.array] | None = None) -> mx.array:
         """Chooses the next token on the device from the current logits (the greedy choice; never `never`) and
         feeds it at once, waiting for neither: returns the token as an int32 array of shape (1,) still being
         computed.
@@ -230,18 +230,23 @@ class Session:
         after reading its token back. Read the token (`.item()`), then `confirm` it, or `take_back` the step if
         the stream stops there. Without an MTP block. On CUDA (unless DS4_GRAPH_DECODE=off) the step is one launch
         of a graph of our own (model/graphstep.py): the token comes back chosen, and `confirm` launches its step.
+        `adjust` changes the logits before the choice (a token mask, constrain.py); such a choice is made on MLX's
+        step, not through the decode graph.
         """
         if self.mtp is not None:
             raise ValueError("feed_chosen runs without an MTP block (speculate feeds ahead with one)")
         self._check_none_fed()
         if self._logits is None:
             raise RequestError("nothing to choose from: the session has no logits yet")
-        if self._graph_ready(never):
+        if adjust is not None:
+            self._leave_graph()
+        elif self._graph_ready(never):
             if self._graph_token is None:
                 self._graph_token = self._graph.chosen()
             self._fed = GRAPH_FED
             return mx.array([self._graph_token], dtype=mx.int32)
-        token = device_argmax(self._logits, never).astype(mx.int32).reshape(1)
+        logits = self._logits if adjust is None else adjust(self._logits)
+        token = device_argmax(logits, never).astype(mx.int32).reshape(1)
         mx.async_eval(token)  # its own event: reading it waits for the previous step only
         undo, before = self.cache.undo_point(), self.logits
         _, self.logits = self.model.decode(token, self.cache)

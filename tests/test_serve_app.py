@@ -74,8 +74,8 @@ def test_models_and_health(client):
     assert [m["id"] for m in models["data"]] == [MODEL, "deepseek-chat", "deepseek-reasoner"]
     model = client.get(f"/v1/models/{MODEL}")
     assert model.status_code == 200 and model.text.endswith("}\n")
-    assert list(model.json()) == ["id", "object", "created", "owned_by", "name", "context_length", "top_provider",
-                                  "supported_parameters"]
+    assert list(model.json())[:8] == ["id", "object", "created", "owned_by", "name", "context_length",
+                                      "top_provider", "supported_parameters"]  # ds4's keys first, in its order
     assert model.json()["top_provider"] == {"context_length": 4096, "max_completion_tokens": 4096,
                                             "is_moderated": False}
     missing = client.get("/v1/models/gpt-4")
@@ -87,10 +87,11 @@ def test_models_answer_anthropic_clients_in_anthropics_shape(client):
     """Claude Code and the anthropic SDK send `anthropic-version`; they read Anthropic's model list."""
     headers = {"anthropic-version": "2023-06-01"}
     models = client.get("/v1/models", headers=headers).json()
-    assert models == {"data": [{"type": "model", "id": m, "display_name": "DeepSeek V4 Flash",
-                                "created_at": "2026-01-01T00:00:00Z"} for m in (MODEL, "deepseek-chat",
-                                                                               "deepseek-reasoner")],
-                      "has_more": False, "first_id": MODEL, "last_id": "deepseek-reasoner"}
+    entries = [{k: e[k] for k in ("type", "id", "display_name", "created_at")} for e in models["data"]]
+    assert entries == [{"type": "model", "id": m, "display_name": "DeepSeek V4 Flash",
+                        "created_at": "2026-01-01T00:00:00Z"} for m in (MODEL, "deepseek-chat", "deepseek-reasoner")]
+    assert {k: models[k] for k in ("has_more", "first_id", "last_id")} == {"has_more": False, "first_id": MODEL,
+                                                                           "last_id": "deepseek-reasoner"}
     assert client.get(f"/v1/models/{MODEL}", headers=headers).json() == models["data"][0]
     missing = client.get("/v1/models/claude-x", headers=headers)
     assert missing.status_code == 404 and missing.json()["type"] == "error"
@@ -499,7 +500,8 @@ def test_every_request_ends_with_one_summary_line(client, engine, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "ds4_mlx.serve"]
     assert len(lines) == 3
     assert re.fullmatch(r"chatcmpl-\w+ chat prompt=\d+ cached=0 completion=\d+ reasoning=\d+ finish=stop "
-                        r"prefill \d+ tok [\d.]+s \(([\d.]+ t/s|-)\) decode \d+ tok [\d.]+s \(([\d.]+ t/s|-)\)",
+                        r"prefill \d+ tok [\d.]+s \(([\d.]+ t/s|-)\) decode \d+ tok [\d.]+s \(([\d.]+ t/s|-)\) "
+                        r"reuse=none 0",
                         lines[0]), lines[0]
     assert lines[1].startswith("msg_") and " messages prompt=" in lines[1] and "finish=stop" in lines[1]
     assert re.search(r" cached=[1-9]", lines[1])  # the resend reused the first request's prompt

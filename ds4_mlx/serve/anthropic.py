@@ -31,9 +31,11 @@ from .common import (
     Fields,
     Options,
     compact_arguments,
+    constraint,
     dumps,
     max_tokens,
     message_list,
+    output_format,
     sampling_params,
     sse,
     stop_strings,
@@ -42,6 +44,7 @@ from .common import (
     thinking_flag,
 )
 from .openai import active_tools
+from .modelcard import ModelCard
 from .rawjson import Body
 
 ROLES = ("user", "assistant", "system")
@@ -71,14 +74,22 @@ MODELS_CREATED_AT = "2026-01-01T00:00:00Z"
 """The release date every model entry reports (the OpenAI entries' `created`, as RFC 3339)."""
 
 
-def model_json(model_id: str) -> dict[str, Any]:
-    """One model as Anthropic's `/v1/models` describes it."""
-    return {"type": "model", "id": model_id, "display_name": "DeepSeek V4 Flash", "created_at": MODELS_CREATED_AT}
+def model_json(model_id: str, card: ModelCard) -> dict[str, Any]:
+    """One model as Anthropic's `/v1/models` describes it, with its limits (`max_input_tokens`: the longest prompt
+    that leaves a token of answer) and the capabilities this server has."""
+    yes, no = {"supported": True}, {"supported": False}
+    return {"type": "model", "id": model_id, "display_name": "DeepSeek V4 Flash", "created_at": MODELS_CREATED_AT,
+            "lifecycle": "active", "max_input_tokens": card.ctx - 1, "max_tokens": card.max_completion_tokens,
+            "capabilities": {
+                "thinking": {"supported": True, "types": {"enabled": yes, "disabled": yes, "adaptive": yes,
+                                                          "between_tools": yes}},
+                "effort": {"supported": True, "low": yes, "medium": yes, "high": yes, "max": yes, "xhigh": yes},
+                "structured_outputs": yes, "image_input": no, "pdf_input": no, "citations": no, "batch": no}}
 
 
-def models_json(model_ids: Sequence[str]) -> dict[str, Any]:
+def models_json(model_ids: Sequence[str], card: ModelCard) -> dict[str, Any]:
     """Anthropic's model list: one page holding every model."""
-    return {"data": [model_json(m) for m in model_ids], "has_more": False, "first_id": model_ids[0],
+    return {"data": [model_json(m, card) for m in model_ids], "has_more": False, "first_id": model_ids[0],
             "last_id": model_ids[-1]}
 
 
@@ -161,6 +172,9 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     if effort is None and output_config is not None:
         effort = output_config.raw("effort")
     think = think_mode(model, ctx, effort=effort, thinking=thinking_flag(f.raw("thinking"), "thinking"))
+    tool_choice = f.object("tool_choice", nullable=True)
+    enabled = tool_choice is None or tool_choice.raw("type") != "none"
+    tools = active_tools(f, body.tool_texts, enabled=enabled)
     options = Options(
         model=model,
         think=think,
@@ -168,10 +182,9 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
         stop=stop_strings(f, "stop_sequences"),
         max_tokens=max_tokens(f, "max_tokens"),
         stream=f.boolean("stream", False, nullable=True),
+        output=constraint(output_format(f, "output_format", nested=False) if "output_format" in f
+                          or output_config is None else output_format(output_config, "format", nested=False), tools),
     )
-    tool_choice = f.object("tool_choice", nullable=True)
-    enabled = tool_choice is None or tool_choice.raw("type") != "none"
-    tools = active_tools(f, body.tool_texts, enabled=enabled)
     return ChatRequest(options=options, messages=tuple(messages), tools=tools)
 
 

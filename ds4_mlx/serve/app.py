@@ -31,6 +31,7 @@ from ..chat import render_chat, render_completion_prompt
 from ..engine import GenerationRequest
 from ..errors import ContextOverflow, RequestError
 from ..events import Done, Event, PrefillProgress, PromptAccepted, TextDelta
+from ..reuse import Reuse
 from . import anthropic, openai, responses
 from .common import (
     KEEPALIVE,
@@ -52,6 +53,9 @@ from .guard import (
     header_timeout_protocol,
     read_body,
 )
+from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .metrics import Metrics
+from .modelcard import model_card
 from .rawjson import parse_body
 from .trace import Trace
 from .worker import Job, Worker
@@ -169,6 +173,7 @@ class Server:
         self.options = options
         self.trace = Trace(options.trace) if options.trace else None
         self.gate = PrepareGate(worker.max_queue + PREPARE_SLOTS)
+        self.metrics = Metrics(worker)
 
     # -- plumbing -------------------------------------------------------------------------------------------
 
@@ -201,9 +206,11 @@ class Server:
             self.trace.error(rid, error.status, error.message, text)
         return error
 
-    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]], shared: bool = False):
-        """Wraps a handler with the request id, the API-key check and the mapping of errors to bodies. A `shared`
-        endpoint (the model list, which both APIs have) answers Anthropic's clients in Anthropic's error shape."""
+    def endpoint(self, api: Api, handler: Callable[[Request, str], Awaitable[Response]], shared: bool = False,
+                 label: str | None = None):
+        """Wraps a handler with the request id, the API-key check, the mapping of errors to bodies and the request
+        count of /metrics (by `label`, else the API's name). A `shared` endpoint (the model list, which both APIs
+        have) answers Anthropic's clients in Anthropic's error shape."""
 
         async def run(request: Request) -> Response:
             rid = new_id(api.id_prefix, 12)
@@ -217,6 +224,7 @@ class Server:
                 headers = {"retry-after": "1"} if error.status == 429 else None
                 response = json_response(errors.error_json(error), error.status, headers)
             response.headers["x-request-id"] = rid
+            self.metrics.answered(label or api.name, response.status_code)
             return response
 
         return run
@@ -279,11 +287,12 @@ class Server:
         usage = done.usage
         log.info(
             "%s %s prompt=%d cached=%d completion=%d reasoning=%d finish=%s%s prefill %d tok %.2fs (%s) "
-            "decode %d tok %.2fs (%s)",
+            "decode %d tok %.2fs (%s) reuse=%s",
             rid, api.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, usage.reasoning_tokens,
             done.finish_reason, f" ({done.error})" if done.error else "", usage.cache_write_tokens,
             done.prefill_seconds, _rate(usage.cache_write_tokens, done.prefill_seconds), usage.completion_tokens,
             done.decode_seconds, _rate(usage.completion_tokens, done.decode_seconds),
+            done.reuse.describe() if done.reuse is not None else "-",
         )
         if self.trace:
             self.trace.done(rid, done, calls)
@@ -292,6 +301,7 @@ class Server:
 
     def generation(self, api: Api) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request, rid: str) -> Response:
+            request.state.arrived = time.monotonic()  # the start of its time to first token
             with self.worker.reserve() as submit:  # counts against --max-queue from before its body is read
                 data, (norm, prompt, n_prompt) = await self._read_and_prepare(request, api)
                 if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt (§3.7)
@@ -306,7 +316,7 @@ class Server:
                 return await self._stream(request, job, api, rid, stream, ids)
             done, text = None, []
             async with self._cancel_on_disconnect(request, job):
-                async for event in job.events():
+                async for event in self.metrics.watch(api.name, request.state.arrived, job.events()):
                     if self.trace:
                         self.trace.event(rid, event)
                     if isinstance(event, TextDelta):
@@ -316,7 +326,8 @@ class Server:
             if done is None:
                 raise ApiError("the request was cancelled before it ran", 499)
             self._finished(rid, api, done, self._remember(ids, done))
-            return json_response(api.response(rid, created, norm, done, ids, "".join(text)))
+            return json_response(api.response(rid, created, norm, done, ids, "".join(text)),
+                                 headers=self._reuse_header(done.reuse))
 
         return self.endpoint(api, handle)
 
@@ -335,7 +346,7 @@ class Server:
         job = Job(
             GenerationRequest(prompt=prompt, max_tokens=options.max_tokens, sampling=options.sampling,
                               stop=options.stop, thinking=api.split_reasoning and options.think.thinking,
-                              tools_active=bool(tools)),
+                              tools_active=bool(tools), output=options.output),
             rid,
         )
         if self.trace:
@@ -351,7 +362,7 @@ class Server:
         chunk's progress, or the first output), so that a prompt refused or failing in a single-chunk prefill
         still gets a proper status code, as in ds4 (§3.7). A failure after that is an SSE error frame; decode
         failures are not failures here: the engine ends them with finish reason "error"."""
-        events = job.events()
+        events = self.metrics.watch(api.name, request.state.arrived, job.events())
         async with self._cancel_on_disconnect(request, job):
             head = [await anext(events, None)]
             if isinstance(head[0], PromptAccepted):
@@ -389,7 +400,13 @@ class Server:
                     log.info("%s %s prompt=%d cached=%d finish=cancelled (the client disconnected)", rid, api.name,
                              accepted.prompt_tokens if accepted else 0, accepted.cached_tokens if accepted else 0)
 
-        return StreamingResponse(frames(), headers=SSE_HEADERS)
+        return StreamingResponse(frames(), headers={**SSE_HEADERS,
+                                                    **self._reuse_header(accepted.reuse if accepted else None)})
+
+    def _reuse_header(self, reuse: Reuse | None) -> dict[str, str]:
+        """With --trace, `x-ds4-reuse` tells the client how much of its prompt was reused, from where, and where it
+        first differs from the live session (prompt text: only where the operator asked for traces)."""
+        return {"x-ds4-reuse": reuse.describe()} if self.trace and reuse is not None else {}
 
     # -- other endpoints ------------------------------------------------------------------------------------
 
@@ -403,11 +420,11 @@ class Server:
         return (self.engine.model_name, *MODEL_ALIASES)
 
     def _model(self, model_id: str) -> dict[str, Any]:
-        return openai.model_json(model_id, self.engine.ctx, self.engine.default_max_tokens)
+        return openai.model_json(model_id, model_card(self.engine))
 
     async def models(self, request: Request, rid: str) -> Response:
         if _anthropic_client(request):
-            return json_response(anthropic.models_json(self._model_ids()))
+            return json_response(anthropic.models_json(self._model_ids(), model_card(self.engine)))
         return json_response({"object": "list", "data": [self._model(m) for m in self._model_ids()]})
 
     async def model(self, request: Request, rid: str) -> Response:
@@ -415,8 +432,12 @@ class Server:
         if model_id not in self._model_ids():
             raise ApiError(f"model {model_id!r} not found; this server serves {', '.join(self._model_ids())}", 404)
         if _anthropic_client(request):
-            return json_response(anthropic.model_json(model_id))
+            return json_response(anthropic.model_json(model_id, model_card(self.engine)))
         return json_response(self._model(model_id))
+
+    async def metrics_text(self, request: Request, rid: str) -> Response:
+        """Prometheus' text format (metrics.py)."""
+        return Response(self.metrics.render(), media_type=METRICS_TYPE)
 
     async def health(self, request: Request) -> Response:
         return json_response({"status": "ok", "model": self.engine.model_name, "ctx": self.engine.ctx,
@@ -453,12 +474,14 @@ def create_app(worker: Worker, options: ServerOptions = ServerOptions()) -> Star
     server = Server(worker, options)
     routes = [
         _get("/health", server.health),
-        _get("/v1/models", server.endpoint(CHAT, server.models, shared=True)),
-        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model, shared=True)),
+        _get("/metrics", server.endpoint(CHAT, server.metrics_text, label="metrics")),
+        _get("/v1/models", server.endpoint(CHAT, server.models, shared=True, label="models")),
+        _get("/v1/models/{model_id:path}", server.endpoint(CHAT, server.model, shared=True, label="models")),
         Route("/v1/chat/completions", server.generation(CHAT), methods=["POST"]),
         Route("/v1/completions", server.generation(COMPLETIONS), methods=["POST"]),
         Route("/v1/messages", server.generation(MESSAGES), methods=["POST"]),
-        Route("/v1/messages/count_tokens", server.endpoint(MESSAGES, server.count_tokens), methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.endpoint(MESSAGES, server.count_tokens, label="count_tokens"),
+              methods=["POST"]),
         Route("/v1/responses", server.generation(RESPONSES), methods=["POST"]),
     ]
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chat import Message, ThinkMode, request_think_mode, think_mode_from_effort
+from ..constrain import Constraint, OutputFormat, SchemaError
+from ..toolgrammar import ToolSpec
 from ..errors import RequestError
 from ..sampling import SamplingParams
 
@@ -274,6 +276,66 @@ def max_tokens(fields: Fields, *keys: str) -> int | None:
     return None
 
 
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def output_format(fields: Fields, key: str, *, nested: bool) -> OutputFormat | None:
+    """The answer format a request asks for; None for free text.
+
+    `{"type":"json_object"}` holds the answer to a JSON object; `{"type":"json_schema", ...}` to the schema, which
+    chat nests as `json_schema: {name, schema, strict}` (`nested`) and Responses / Anthropic give flat
+    (`name`, `schema`, `strict`). The schema is enforced whatever `strict` says. A schema the grammar library cannot
+    take is a 400 naming the field and the part of the schema."""
+    f = fields.object(key, nullable=True)
+    if f is None:
+        return None
+    kind = f.string("type", nullable=True)
+    if kind not in FORMAT_TYPES:
+        raise invalid_value(f.where("type"), kind, FORMAT_TYPES)
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return OutputFormat.json_object()
+        spec = f.object("json_schema") if nested else f
+        if spec is None:
+            raise ApiError(f"invalid request: {f.where('json_schema')} is required for type json_schema",
+                           param=f.where("json_schema"))
+        spec.boolean("strict", nullable=True)
+        if "schema" not in spec:
+            raise ApiError(f"invalid request: {spec.where('schema')} is required for type json_schema",
+                           param=spec.where("schema"))
+        return OutputFormat.build("json_schema", spec.raw("schema"), spec.string("name", "", nullable=True) or "",
+                                  spec.where("schema"))
+    except SchemaError as exc:
+        raise ApiError(str(exc), param=exc.param, code="invalid_json_schema") from exc
+
+
+def constraint(answer: OutputFormat | None, tool_texts: tuple[str, ...], where: str = "tools"
+               ) -> Constraint | None:
+    """The request's constraint from its answer format and its offered tools (the raw schema texts the model is
+    shown), where a tool with `strict: true` (OpenAI's `function.strict`, Responses' and Anthropic's `strict`) has its
+    calls held to its `parameters` / `input_schema`. A schema the grammar library cannot take is a 400 naming the
+    tool (`where[i]`) and the part."""
+    specs, params = [], []
+    for i, text in enumerate(tool_texts):
+        try:
+            tool = json.loads(text)
+        except ValueError:
+            tool = {}
+        tool = tool if isinstance(tool, dict) else {}
+        fn = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        schema = fn.get("parameters", fn.get("input_schema"))
+        strict = fn.get("strict") is True or tool.get("strict") is True
+        specs.append(ToolSpec(str(fn.get("name", "")), (schema if isinstance(schema, dict) else {}) if strict
+                              else None))
+        params.append(f"{where}[{i}]")
+    try:
+        return Constraint.make(answer, specs, params)
+    except SchemaError as exc:
+        raise ApiError(str(exc), param=exc.param, code="invalid_json_schema") from exc
+
+
 @dataclass(frozen=True)
 class Options:
     """What every generation endpoint decides besides the prompt."""
@@ -285,6 +347,9 @@ class Options:
     max_tokens: int | None = None
     stream: bool = False
     include_usage: bool = False
+    output: Constraint | None = None
+    """What the answer is held to: its format (`response_format`, Responses `text.format`, Anthropic
+    `output_format`) and the calls of tools declared `strict`."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..chat import Message, ToolCallSpec
+from ..constrain import Constraint
 from ..events import (
     Done,
     Event,
@@ -27,9 +28,11 @@ from .common import (
     Fields,
     Options,
     compact_arguments,
+    constraint,
     invalid_value,
     max_tokens,
     message_list,
+    output_format,
     sampling_params,
     sse,
     stop_strings,
@@ -37,6 +40,7 @@ from .common import (
     think_mode,
     thinking_flag,
 )
+from .modelcard import EFFORTS, THINKING_BY_ALIAS, ModelCard
 from .rawjson import Body
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "latest_reminder")
@@ -64,7 +68,8 @@ def stream_error(message: str) -> str:
     return sse({"error": {"message": message, "type": "server_error"}}, event="error")
 
 
-def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop") -> Options:
+def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop",
+             output: Constraint | None = None) -> Options:
     """What a chat or legacy completion asks for besides the prompt; fields sent as null are not set."""
     if f.integer("n", 1, nullable=True) != 1:
         raise ApiError("invalid request: n must be 1: this server generates one choice per request", param="n",
@@ -83,6 +88,7 @@ def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop")
         max_tokens=max_tokens(f, "max_completion_tokens", "max_tokens"),
         stream=f.boolean("stream", False, nullable=True),
         include_usage=bool(stream_options and stream_options.boolean("include_usage", False, nullable=True)),
+        output=output,
     )
 
 
@@ -140,10 +146,12 @@ def parse_chat(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     """`/v1/chat/completions` request → normalized chat request."""
     f = Fields(body.value)
     messages = message_list(f)
+    tools = active_tools(f, body.tool_texts, enabled=f.raw("tool_choice") != "none")
     return ChatRequest(
-        options=_options(f, ctx=ctx, default_model=default_model),
+        options=_options(f, ctx=ctx, default_model=default_model,
+                         output=constraint(output_format(f, "response_format", nested=True), tools)),
         messages=tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages)),
-        tools=active_tools(f, body.tool_texts, enabled=f.raw("tool_choice") != "none"),
+        tools=tools,
     )
 
 
@@ -297,17 +305,32 @@ class CompletionStream:
         return frames
 
 
-def model_json(model_id: str, ctx: int, max_output: int) -> dict[str, Any]:
-    """One `/v1/models` entry, keys in ds4's order (behavior.md §3.2)."""
+def model_json(model_id: str, card: ModelCard) -> dict[str, Any]:
+    """One `/v1/models` entry: ds4's keys in ds4's order (behavior.md §3.2), then the limits under the other names
+    clients read them by (`max_model_len`: vLLM's; `context_window`, `max_context_length`; `max_output_tokens`),
+    thinking, the capabilities and the checkpoint (docs/server.md, "The model card")."""
+    thinks = THINKING_BY_ALIAS.get(model_id, True)
     return {
         "id": model_id,
         "object": "model",
         "created": 1767225600,
         "owned_by": "ds4-mlx",
         "name": "DeepSeek V4 Flash",
-        "context_length": ctx,
-        "top_provider": {"context_length": ctx, "max_completion_tokens": min(max_output, ctx),
+        "context_length": card.ctx,
+        "top_provider": {"context_length": card.ctx, "max_completion_tokens": card.max_completion_tokens,
                          "is_moderated": False},
         "supported_parameters": ["tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                 "stop", "seed", "stream", "reasoning_effort"],
+                                 "stop", "seed", "stream", "reasoning_effort", "reasoning", "include_reasoning",
+                                 "response_format", "structured_outputs", "presence_penalty", "frequency_penalty"],
+        "max_model_len": card.ctx,
+        "context_window": card.ctx,
+        "max_context_length": card.trained_context,
+        "max_output_tokens": card.max_completion_tokens,
+        "architecture": {"modality": "text->text", "input_modalities": ["text"], "output_modalities": ["text"],
+                         "tokenizer": "DeepSeek"},
+        "thinking": {"supported": True, "default": thinks, "efforts": list(EFFORTS)},
+        "capabilities": {"reasoning": True, "tool_calls": True, "structured_outputs": True, "vision": False},
+        "checkpoint": card.checkpoint,
+        "checkpoint_basis": card.checkpoint_basis,
+        "gguf_name": card.name,
     }

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..chat import Message, ToolCallSpec
+from ..constrain import OutputFormat
 from ..events import Done, Event, PromptAccepted, ReasoningDelta, TextDelta, Usage
 from .common import (
     ApiError,
@@ -23,10 +24,12 @@ from .common import (
     Fields,
     Options,
     compact_arguments,
+    constraint,
     dumps,
     invalid_value,
     max_tokens,
     new_id,
+    output_format,
     sampling_params,
     sse,
     think_mode,
@@ -212,10 +215,17 @@ def parse_responses(body: Body, *, ctx: int, default_model: str) -> ResponsesReq
         sampling=sampling_params(f, think, ("temperature", "top_p")),
         max_tokens=max_tokens(f, "max_output_tokens", "max_tokens"),
         stream=f.boolean("stream", False, nullable=True),
+        output=constraint(_text_format(f), tuple(tools.lines)),
     )
     return ResponsesRequest(options=options, messages=tuple(messages), tools=tuple(tools.lines),
                             summary=summary in SUMMARY_OPT_IN, namespaces=tools.namespaces,
                             tool_search=tools.tool_search, echo=_echo(f, instructions, effort, summary))
+
+
+def _text_format(f: Fields) -> OutputFormat | None:
+    """`text.format`: the Responses API's answer format (flat `name`, `schema`, `strict`)."""
+    text = f.object("text", nullable=True)
+    return output_format(text, "format", nested=False) if text is not None else None
 
 
 def _echo(f: Fields, instructions: str | None, effort: Any, summary: str | None) -> dict[str, Any]:

@@ -61,6 +61,8 @@ class Trace:
             if usage.cached_tokens
             else f"cache miss, prefilled all {usage.prompt_tokens} tokens"
         )
+        if done.reuse is not None:
+            reused += f" (from: {done.reuse.describe()})"
         message = done.message
         calls = [f"{i} {c.name} {c.arguments}" for i, c in zip(call_ids, message.tool_calls)]
         self._write(
