@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..chat import render_chat, render_completion_prompt
 from ..engine import GenerationRequest
 from ..errors import ContextOverflow, RequestError
+from ..memory import MemoryShortage
 from ..events import Done, Event, PrefillProgress, PromptAccepted, TextDelta
 from ..reuse import Reuse
 from . import anthropic, openai, responses
@@ -194,6 +195,8 @@ class Server:
         when it was read and not traced yet, so that a refused request can be replayed."""
         if isinstance(exc, ContextOverflow):
             error = api.overflow(exc.n_prompt_tokens, exc.n_ctx, api.param)
+        elif isinstance(exc, MemoryShortage):  # no room on the device now: the request itself is fine
+            error = ApiError(str(exc), 503)
         elif isinstance(exc, RequestError):
             error = exc if isinstance(exc, ApiError) else ApiError(str(exc))
         else:
