@@ -29,6 +29,7 @@ import pytest
 from ds4_mlx import dsml
 from ds4_mlx.chat import Message, ThinkMode, render_chat
 from ds4_mlx.engine import Engine, GenerationRequest
+from ds4_mlx.model.factory import preset_config
 from ds4_mlx.errors import Ds4Error
 from ds4_mlx.events import Done
 from ds4_mlx.kvidentity import FOOTER, Footer, ModelIdentity
@@ -591,6 +592,7 @@ class PositionModel:
 
     def __init__(self, vocab: int, prompt_len: int, script: list[int]) -> None:
         self.vocab, self.prompt_len, self.script = vocab, prompt_len, script
+        self.config = preset_config("tiny")  # what the memory budget sizes prefill chunks by (memory.py)
 
     def new_cache(self, ctx: int) -> ScriptedCache:
         return ScriptedCache(self)
