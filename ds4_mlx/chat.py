@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ds4_mlx.errors import RequestError
+from ds4_mlx.model.checkpoint import Checkpoint
 from ds4_mlx.tokenizer import ASSISTANT, BOS, DSML, EOS, THINK, THINK_END, USER
 
 
@@ -31,11 +32,11 @@ DSML_INVOKE_END = f"</{DSML}invoke>"
 DSML_PARAMETER_END = f"</{DSML}parameter>"
 
 THINK_MAX_MIN_CONTEXT = 393216
-"""Think Max needs a 384K context (ds4.c DS4_THINK_MAX_MIN_CONTEXT); below it the request runs as HIGH."""
+"""Think Max needs a 384K context (the C engine's DS4_THINK_MAX_MIN_CONTEXT); below it the request runs as HIGH."""
 
 DEFAULT_SYSTEM = "You are a helpful assistant"
 
-THINK_MAX_PREFIX = (
+ABSOLUTE_MAXIMUM_PREFIX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
     "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
@@ -44,6 +45,18 @@ THINK_MAX_PREFIX = (
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n"
     "\n"
 )
+"""The preview's Think Max prefix (476 bytes), which is 0731's `high` tier."""
+
+BEYOND_MAXIMUM_PREFIX = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively decompose "
+    "the problem into its most fundamental components, trace every causal chain to its root, and resolve the "
+    "underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are certain "
+    "that no assumption remains unchecked and no error remains undiscovered.\n"
+    "\n"
+)
+"""0731's `max` tier prefix (528 bytes; the dash is U+2014), from DeepSeek's 0731 encoding notes."""
 
 TOOLS_PREAMBLE = (
     "## Tools\n\n"
@@ -85,9 +98,11 @@ CONVERSATION_ROLES = USER_ROLES | {"assistant"}
 
 
 class ThinkMode(enum.Enum):
-    """How much the model reasons before answering; MAX adds the Think-Max prefix after BOS."""
+    """How much the model reasons before answering: off, or one of the reasoning-effort tiers, whose prefix after
+    BOS depends on the checkpoint (`effort_prefix`). LOW is the default."""
 
     NONE = "none"
+    LOW = "low"
     HIGH = "high"
     MAX = "max"
 
@@ -100,11 +115,22 @@ _EFFORTS = {
     "max": ThinkMode.MAX,
     "xhigh": ThinkMode.HIGH,
     "high": ThinkMode.HIGH,
-    "medium": ThinkMode.HIGH,
-    "low": ThinkMode.HIGH,
-    "minimal": ThinkMode.HIGH,
+    "medium": ThinkMode.LOW,
+    "low": ThinkMode.LOW,
+    "minimal": ThinkMode.LOW,
     "none": ThinkMode.NONE,
 }
+"""Request efforts by name: the three tiers by their own names, `xhigh` as high, `medium` and `minimal` as low
+(clients that send `medium` by default get the default tier)."""
+
+
+def effort_prefix(mode: ThinkMode, checkpoint: Checkpoint) -> str:
+    """What follows BOS for a tier. 0731: low nothing, high the "Absolute maximum" text, max the "Beyond maximum"
+    one (DeepSeek's 0731 encoding). The preview had two tiers, its default (no prefix) and max ("Absolute
+    maximum"): low and high both render as its default."""
+    if checkpoint is Checkpoint.V0731:
+        return {ThinkMode.HIGH: ABSOLUTE_MAXIMUM_PREFIX, ThinkMode.MAX: BEYOND_MAXIMUM_PREFIX}.get(mode, "")
+    return ABSOLUTE_MAXIMUM_PREFIX if mode is ThinkMode.MAX else ""
 
 
 def effective_think_mode(mode: ThinkMode, ctx: int) -> ThinkMode:
@@ -114,12 +140,9 @@ def effective_think_mode(mode: ThinkMode, ctx: int) -> ThinkMode:
     return mode
 
 
-def think_mode_from_effort(effort: str | None, current: ThinkMode = ThinkMode.HIGH) -> ThinkMode:
-    """Map a `reasoning_effort` / `output_config.effort` / `reasoning.effort` value; null keeps `current`.
-
-    Only DS4's two non-zero levels exist, so every named level below max collapses to HIGH; only "none"
-    turns thinking off (behavior.md §3.5).
-    """
+def think_mode_from_effort(effort: str | None, current: ThinkMode = ThinkMode.LOW) -> ThinkMode:
+    """Map a `reasoning_effort` / `output_config.effort` / `reasoning.effort` value (`_EFFORTS`); null keeps
+    `current`; "none" turns thinking off."""
     if effort is None:
         return current
     if not isinstance(effort, str) or effort not in _EFFORTS:
@@ -281,11 +304,13 @@ def render_chat(
     think: ThinkMode,
     ctx: int,
     tool_memory: ToolMemory | None = None,
+    checkpoint: Checkpoint = Checkpoint.PREVIEW,
 ) -> str:
     """The full prompt text of a chat request (ds4's `render_chat_prompt_text`, behavior.md §1.2).
 
     `tools` are the active tool schemas as raw JSON text (pass none for tool_choice "none"). Tool calls
-    whose ids all map to one block in `tool_memory` are replayed verbatim; others render canonically.
+    whose ids all map to one block in `tool_memory` are replayed verbatim; others render canonically. The
+    effort's prefix is the `checkpoint`'s (`effort_prefix`).
     """
     mode = effective_think_mode(think, ctx)
     schemas = _join_schemas(tools)
@@ -300,7 +325,7 @@ def render_chat(
         if message.role in SYSTEM_ROLES:
             system += ("\n\n" if system else "") + message.content
 
-    head = BOS + (THINK_MAX_PREFIX if mode is ThinkMode.MAX else "") + system
+    head = BOS + effort_prefix(mode, checkpoint) + system
     keep_reasoning = (lambda i: True) if tool_context else (lambda i: i > last_user)
     return head + _render_turns(messages[opening:], mode.thinking, lambda i: keep_reasoning(i + opening), tool_memory)
 
@@ -323,12 +348,13 @@ def render_live_tail(
     return EOS + _render_turns(messages, think.thinking, lambda i: True, tool_memory)
 
 
-def render_completion_prompt(prompt: str, think: ThinkMode, ctx: int) -> str:
+def render_completion_prompt(prompt: str, think: ThinkMode, ctx: int,
+                             checkpoint: Checkpoint = Checkpoint.PREVIEW) -> str:
     """/v1/completions: the raw prompt wrapped in a one-turn chat with the default system text (§1.11)."""
     mode = effective_think_mode(think, ctx)
     return (
         BOS
-        + (THINK_MAX_PREFIX if mode is ThinkMode.MAX else "")
+        + effort_prefix(mode, checkpoint)
         + DEFAULT_SYSTEM
         + USER
         + prompt
@@ -337,12 +363,14 @@ def render_completion_prompt(prompt: str, think: ThinkMode, ctx: int) -> str:
     )
 
 
-def render_cli_preamble(system: str = DEFAULT_SYSTEM, *, think: ThinkMode, ctx: int) -> list[PromptPiece]:
-    """Start of a CLI transcript: BOS, the Think-Max prefix when it applies, the system text (plain BPE)."""
+def render_cli_preamble(system: str = DEFAULT_SYSTEM, *, think: ThinkMode, ctx: int,
+                        checkpoint: Checkpoint = Checkpoint.PREVIEW) -> list[PromptPiece]:
+    """Start of a CLI transcript: BOS, the effort's prefix where it has one, the system text (plain BPE)."""
     mode = effective_think_mode(think, ctx)
     pieces = [PromptPiece(BOS, True)]
-    if mode is ThinkMode.MAX:
-        pieces.append(PromptPiece(THINK_MAX_PREFIX, False))
+    prefix = effort_prefix(mode, checkpoint)
+    if prefix:
+        pieces.append(PromptPiece(prefix, False))
     if system:
         pieces.append(PromptPiece(system, False))
     return pieces
@@ -357,7 +385,7 @@ def render_cli_turn(prompt: str, *, think: ThinkMode) -> list[PromptPiece]:
 
 
 def render_cli_prompt(
-    prompt: str, system: str = DEFAULT_SYSTEM, *, think: ThinkMode, ctx: int
+    prompt: str, system: str = DEFAULT_SYSTEM, *, think: ThinkMode, ctx: int, checkpoint: Checkpoint = Checkpoint.PREVIEW
 ) -> list[PromptPiece]:
     """The CLI one-shot prompt (ds4.c `encode_chat_prompt`, §1.11).
 
@@ -365,7 +393,7 @@ def render_cli_prompt(
     """
     if prompt.startswith(BOS):
         return [PromptPiece(prompt, True)]
-    return render_cli_preamble(system, think=think, ctx=ctx) + render_cli_turn(prompt, think=think)
+    return render_cli_preamble(system, think=think, ctx=ctx, checkpoint=checkpoint) + render_cli_turn(prompt, think=think)
 
 
 def render_tool_calls(calls: Sequence[ToolCallSpec], tool_memory: ToolMemory | None = None) -> str:

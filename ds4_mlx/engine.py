@@ -27,6 +27,8 @@ from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted,
 from .kvfiles import check_directory
 from .kvidentity import model_identity
 from .kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
+from .model.checkpoint import FACT_KEYS, Checkpoint
+from .model.checkpoint import detect as detect_checkpoint
 from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
@@ -42,8 +44,6 @@ from .tokenizer import StreamDecoder, Tokenizer, utf8
 
 log = logging.getLogger("ds4_mlx.engine")
 
-FILE_FACTS = ("general.name", "quantize.imatrix.file", "quantize.imatrix.chunks_count")
-"""GGUF keys kept after loading: what tells the preview checkpoint from 0731 (serve/modelcard.py)."""
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
 MAX_MTP_DRAFT = 16  # ds4's cap on --mtp-draft
@@ -204,7 +204,11 @@ class Engine:
         self.load_phases: dict[str, float] = {}
         """Seconds of each part of `load` (open and check the file, weights, mtp, tokenizer, engine)."""
         self.file_facts: dict[str, object] = {}
-        """The GGUF metadata that names the file and its checkpoint (FILE_FACTS), for the model card."""
+        """The GGUF metadata that names the file and tells its checkpoint (model/checkpoint.py), for the model
+        card."""
+        self.checkpoint = Checkpoint.PREVIEW
+        """Which checkpoint the weights are (model/checkpoint.py): it picks the reasoning-effort prefixes."""
+        self.checkpoint_basis = "not loaded from a file; assumed the preview"
 
     @classmethod
     def load(
@@ -216,13 +220,15 @@ class Engine:
         quiet: bool = True,
         kv_cache: KvCacheOptions | None = None,
         mtp: str | os.PathLike | None = None,
+        checkpoint: Checkpoint | None = None,
         **opts,
     ) -> Engine:
         """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model.
 
         Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal). `kv_cache` turns on
         the disk KV cache (checkpoints carry the model's fingerprint and routed-expert quant bits). `mtp` is an MTP
-        draft file (spec §2.6) to load with it; pass `mtp_draft` >= 2 to speculate with it.
+        draft file (spec §2.6) to load with it; pass `mtp_draft` >= 2 to speculate with it. `checkpoint` says which
+        checkpoint the file is (`--checkpoint`); None tells it from the file (model/checkpoint.py).
         """
         path = Path(path)
         if not path.exists():
@@ -265,7 +271,13 @@ class Engine:
         phase("engine")
         engine.load_phases = {name: round(b - a, 3) for name, a, b in zip(names, marks, marks[1:])}
         metadata = weights.file.metadata
-        engine.file_facts = {key: metadata[key] for key in FILE_FACTS if key in metadata}
+        engine.file_facts = {key: metadata[key] for key in FACT_KEYS if key in metadata}
+        if checkpoint is not None:
+            engine.checkpoint, engine.checkpoint_basis = checkpoint, "--checkpoint"
+        else:
+            types = tuple(t for pair in weights.expert_types for t in pair)
+            engine.checkpoint, engine.checkpoint_basis = detect_checkpoint(metadata, path, types)
+        log.info("checkpoint %s (%s)", engine.checkpoint.value, engine.checkpoint_basis)
         return engine
 
     @classmethod

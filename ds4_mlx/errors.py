@@ -32,7 +32,7 @@ class ModelFileMissing(Ds4Error):
     @classmethod
     def at(cls, path: object) -> ModelFileMissing:
         """The error for an absent model file, saying where to get one (every command says the same)."""
-        return cls(f"no model file at {path}: download one with ./download_model.sh q2 (or q4), "
+        return cls(f"no model file at {path}: download one with ./download_model.sh ds4f-q2 (or ds4f-q4), "
                    f"or try the built-in tiny model with --demo")
 
 

@@ -71,7 +71,9 @@ _HEADER = struct.Struct("<3sBBBBBIIIIQQQ")
 _U32 = struct.Struct("<I")
 _PREFIX = _HEADER.size + _U32.size  # header + text length: what precedes the text
 _NAME = re.compile(r"[0-9a-fA-F]{40}\.kv")
-_QUANT_BITS = {GGMLType.IQ2_XXS: 2, GGMLType.Q2_K: 2, GGMLType.Q4_K: 4}
+_QUANT_BITS = {GGMLType.IQ2_XXS: 2, GGMLType.Q2_K: 2, GGMLType.Q4_K: 4, GGMLType.MXFP4: 4}
+"""Routed-expert bits by layer 0's gate type. MXFP4 counts as 4-bit: its checkpoints are shared with the q4 files'
+unless --kv-cache-reject-different-quant (what the C engine writes for an MXFP4 file is not known)."""
 
 
 class SaveReason(IntEnum):
@@ -256,10 +258,11 @@ def text_key(text: bytes) -> str:
 
 
 def routed_quant_bits(weights: ModelWeights) -> int:
-    """The header's quant bits: from layer 0's routed gate type (IQ2_XXS or Q2_K: 2, Q4_K: 4), as ds4 does."""
+    """The header's quant bits: from layer 0's routed gate type (IQ2_XXS or Q2_K: 2, Q4_K or MXFP4: 4), as ds4
+    does."""
     gate = weights.expert_types[0][0]
     if gate not in _QUANT_BITS:
-        raise Ds4Error(f"layer 0's routed experts are {gate.name}; the disk KV cache knows IQ2_XXS, Q2_K and Q4_K")
+        raise Ds4Error(f"layer 0's routed experts are {gate.name}; the disk KV cache knows IQ2_XXS, Q2_K, Q4_K and MXFP4")
     return _QUANT_BITS[gate]
 
 

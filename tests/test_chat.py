@@ -262,8 +262,8 @@ def test_effective_think_mode():
 
 @pytest.mark.parametrize(
     "effort, expected",
-    [("max", MAX), ("xhigh", HIGH), ("high", HIGH), ("medium", HIGH), ("low", HIGH), ("minimal", HIGH),
-     ("none", NONE)],
+    [("max", MAX), ("xhigh", HIGH), ("high", HIGH), ("medium", ThinkMode.LOW), ("low", ThinkMode.LOW),
+     ("minimal", ThinkMode.LOW), ("none", NONE)],
 )
 def test_think_mode_from_effort(effort, expected):
     assert think_mode_from_effort(effort) is expected
@@ -272,7 +272,7 @@ def test_think_mode_from_effort(effort, expected):
 def test_think_mode_from_null_effort_is_unchanged():
     assert think_mode_from_effort(None, NONE) is NONE
     assert think_mode_from_effort(None, MAX) is MAX
-    assert think_mode_from_effort(None) is HIGH
+    assert think_mode_from_effort(None) is ThinkMode.LOW  # the default tier
 
 
 @pytest.mark.parametrize("effort", ["banana", "MAX", "", 3])

@@ -18,7 +18,8 @@ import mlx.core as mx
 import pytest
 from rich.console import Console
 
-from ds4_mlx.chat import ASSISTANT, EOS, THINK_MAX_PREFIX, ThinkMode
+from ds4_mlx.chat import ABSOLUTE_MAXIMUM_PREFIX, ASSISTANT, EOS, ThinkMode
+from ds4_mlx.model.checkpoint import Checkpoint
 from ds4_mlx.commands.chat import Chat, Transcript, interrupts_for_the_main_thread, piped_lines
 from ds4_mlx.commands.terminal import AnswerPrinter
 from ds4_mlx.engine import Engine
@@ -79,7 +80,7 @@ def test_first_turn_transcript_is_ds4s_token_layout(chat):
     assert 1 <= len(done.token_ids) <= MAX_TOKENS
     preamble = [tok.bos_id, *plain(tok, SYSTEM)]
     expected = preamble + turn_tokens(tok, "Hello <｜User｜> there", tok.think_id) + [*done.token_ids, tok.eos_id]
-    assert chat.transcript.tokens(tok, chat.think, chat.engine.ctx) == expected
+    assert chat.transcript.tokens(tok, chat.think, chat.engine.ctx, chat.engine.checkpoint) == expected
     assert done.usage.prompt_tokens == len(expected) - len(done.token_ids) - 1
 
 
@@ -87,7 +88,7 @@ def test_second_turn_reuses_the_live_session(chat):
     tok = chat.engine.tokenizer
     first = chat.send("hello")
     live = list(chat.engine.session.tokens)
-    transcript = chat.transcript.tokens(tok, chat.think, chat.engine.ctx)
+    transcript = chat.transcript.tokens(tok, chat.think, chat.engine.ctx, chat.engine.checkpoint)
     assert live == transcript[: len(live)] and len(live) >= first.usage.prompt_tokens
     second = chat.send("and again")
     # Only the new turn (and the transcript's tail the session had not fed yet) is prefilled.
@@ -112,21 +113,25 @@ def test_think_commands_switch_the_opener(chat):
     assert chat.handle("/nothink") and out(chat) == "Thinking mode: none.\n"
     turn, answer = new_turn("no thinking")
     assert turn == turn_tokens(tok, "no thinking", tok.think_end_id) + answer
-    assert chat.handle("  /think ") and out(chat).endswith("Thinking mode: high.\n")
+    assert chat.handle("  /think ") and out(chat).endswith("Thinking mode: low (the default tier).\n")
+    assert chat.think is ThinkMode.LOW
     turn, answer = new_turn("think now")
     assert turn == turn_tokens(tok, "think now", tok.think_id) + answer
+    assert chat.handle("/think-high") and out(chat).endswith("Thinking mode: high.\n")
+    assert chat.think is ThinkMode.HIGH
 
 
 def test_think_max_below_its_context_runs_as_high(chat):
     tok = chat.engine.tokenizer
-    before = chat.transcript.tokens(tok, ThinkMode.HIGH, chat.engine.ctx)
+    before = chat.transcript.tokens(tok, ThinkMode.HIGH, chat.engine.ctx, Checkpoint.PREVIEW)
     assert chat.handle("/think-max")
     assert out(chat) == "Thinking mode: high (ctx below 393216).\n"
     assert err(chat) == (
         f"ds4-mlx: warning: /think-max needs --ctx >= 393216; ctx={CTX} uses normal thinking instead\n"
     )
     assert chat.think is ThinkMode.MAX
-    assert chat.transcript.tokens(tok, chat.think, chat.engine.ctx) == before  # no Think-Max prefix
+    # no Think-Max prefix
+    assert chat.transcript.tokens(tok, chat.think, chat.engine.ctx, chat.engine.checkpoint) == before
 
 
 def test_think_max_reply_with_a_large_context():
@@ -142,10 +147,10 @@ def test_think_max_reply_with_a_large_context():
 def test_think_max_prefix_follows_bos_and_goes_away_again(engine):
     tok = engine.tokenizer
     transcript = Transcript(SYSTEM, turns=[tok.user_id, 7, tok.assistant_id, tok.think_id, 9, tok.eos_id])
-    high = transcript.tokens(tok, ThinkMode.HIGH, 393216)
-    maxed = transcript.tokens(tok, ThinkMode.MAX, 393216)
-    assert maxed == [tok.bos_id, *plain(tok, THINK_MAX_PREFIX), *high[1:]]
-    assert transcript.tokens(tok, ThinkMode.MAX, 393215) == high
+    high = transcript.tokens(tok, ThinkMode.HIGH, 393216, Checkpoint.PREVIEW)
+    maxed = transcript.tokens(tok, ThinkMode.MAX, 393216, Checkpoint.PREVIEW)
+    assert maxed == [tok.bos_id, *plain(tok, ABSOLUTE_MAXIMUM_PREFIX), *high[1:]]
+    assert transcript.tokens(tok, ThinkMode.MAX, 393215, Checkpoint.PREVIEW) == high
 
 
 def test_unknown_command_prints_ds4s_two_lines(chat):
@@ -263,7 +268,7 @@ def test_system_replaces_the_system_text(chat):
     assert chat.handle("/system  You answer in French. ")
     assert out(chat).endswith("\nSystem text set.\n") and chat.transcript.system == "You answer in French."
     assert chat.transcript.turns == kept
-    assert chat.transcript.tokens(tok, chat.think, CTX)[: 1 + len(plain(tok, "You answer in French."))] == [
+    assert chat.transcript.tokens(tok, chat.think, CTX, chat.engine.checkpoint)[: 1 + len(plain(tok, "You answer in French."))] == [
         tok.bos_id, *plain(tok, "You answer in French.")]
     done = chat.send("after")
     assert done.usage.cached_tokens == 0  # the preamble changed: everything is prefilled again
@@ -298,7 +303,7 @@ def test_save_and_load_restore_the_conversation(chat, tmp_path):
     ('{"format": "ds4-mlx chat", "version": 1, "system": "", "think": "high", "turns": [1, -2]}',
      "cannot load {path}: 'turns' must be a list of token ids from 0 to"),
     ('{"format": "ds4-mlx chat", "version": 1, "system": "", "think": "hard", "turns": []}',
-     "cannot load {path}: 'think' must be one of none, high, max, got 'hard'"),
+     "cannot load {path}: 'think' must be one of none, low, high, max, got 'hard'"),
 ])
 def test_load_refuses_what_save_did_not_write(chat, tmp_path, content, message):
     chat.send("kept")

@@ -21,7 +21,15 @@ PUBLISHED = {
     "q2-imatrix": Q2_FILE.removesuffix(".gguf") + "-imatrix.gguf",
     "q4-imatrix": Q4_FILE.removesuffix(".gguf") + "-imatrix.gguf",
     "mtp": "DeepSeek-V4-Flash-MTP-Q4K-Q8_0-F32.gguf",
+    "ds4f-q2": "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2-imatrix-0731.gguf",
+    "ds4f-q2-q4": "DeepSeek-V4-Flash-Layers37-42Q4KExperts-OtherExpertLayersIQ2XXSGateUp-Q2KDown-AProjQ8-SExpQ8-OutQ8-"
+                  "chat-v2-imatrix-fixed-0731.gguf",
+    "ds4f-q4": "DeepSeek-V4-Flash-Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2-imatrix-0731.gguf",
+    "ds4f-mxfp4": "DeepSeek-V4-Flash-MXFP4Experts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out-chat-v2-mxfp4-"
+                  "0731.gguf",
+    "ds4f-dspark": "DeepSeek-V4-Flash-DSpark-support-0731.gguf",
 }
+"""The published file names (antirez/deepseek-v4-gguf; the 0731 ones as the C engine's download script names them)."""
 
 
 @dataclass
@@ -84,7 +92,7 @@ def run_script(cwd: Path, hub: FakeHub, *args: str, **env: str) -> subprocess.Co
     )
 
 
-@pytest.mark.parametrize("target", ["q2", "q4-imatrix"])
+@pytest.mark.parametrize("target", ["q2", "q4-imatrix", "ds4f-q2", "ds4f-q2-q4", "ds4f-q4", "ds4f-mxfp4"])
 def test_full_download_links_ds4flash(tmp_path: Path, hub: FakeHub, target: str) -> None:
     result = run_script(tmp_path, hub, target)
     assert result.returncode == 0, result.stderr
@@ -108,10 +116,11 @@ def test_resumes_a_partial_download(tmp_path: Path, hub: FakeHub) -> None:
     assert (tmp_path / "gguf" / name).read_bytes() == hub.files[name]
 
 
-def test_mtp_does_not_touch_the_model_link(tmp_path: Path, hub: FakeHub) -> None:
-    result = run_script(tmp_path, hub, "mtp")
+@pytest.mark.parametrize("target", ["mtp", "ds4f-dspark"])
+def test_drafters_do_not_touch_the_model_link(tmp_path: Path, hub: FakeHub, target: str) -> None:
+    result = run_script(tmp_path, hub, target)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "gguf" / PUBLISHED["mtp"]).read_bytes() == hub.files[PUBLISHED["mtp"]]
+    assert (tmp_path / "gguf" / PUBLISHED[target]).read_bytes() == hub.files[PUBLISHED[target]]
     assert not (tmp_path / "ds4flash.gguf").exists()
 
 
@@ -149,7 +158,8 @@ def test_token_cache_sends_authorization(tmp_path: Path, hub: FakeHub) -> None:
 def test_unknown_target_is_a_usage_error(tmp_path: Path, hub: FakeHub) -> None:
     result = run_script(tmp_path, hub, "q3")
     assert result.returncode == 2
-    assert "unknown target 'q3'; expected one of: q2 q4 q2-imatrix q4-imatrix mtp" in result.stderr
+    assert ("unknown target 'q3'; expected one of: ds4f-q2 ds4f-q2-q4 ds4f-q4 ds4f-mxfp4 ds4f-dspark q2 q4 "
+            "q2-imatrix q4-imatrix mtp") in result.stderr
     assert hub.requests == [] and not (tmp_path / "gguf").exists()
 
 

@@ -128,7 +128,7 @@ def run_chunks(model: Model, tokens: np.ndarray, size: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("experts", ["q4", "q2", "mixed"])
+@pytest.mark.parametrize("experts", ["q4", "q2", "mixed", "mxfp4"])
 def test_logits_equal_transformers(files, experts):
     gguf, ref_dir = files(experts)
     weights = open_weights(gguf)

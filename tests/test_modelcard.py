@@ -8,22 +8,7 @@ import openai
 import pytest
 
 from ds4_mlx.engine import Engine
-from ds4_mlx.serve.modelcard import checkpoint
 from serve_support import MODEL, ScriptedEngine, live_server
-
-
-@pytest.mark.parametrize("metadata, expected", [
-    ({"quantize.imatrix.file": "gguf/DeepSeek-V4-Flash-0731-chat-v2-routed-moe-ds4.dat",
-      "quantize.imatrix.chunks_count": 202100}, "0731"),
-    ({"quantize.imatrix.file": "gguf/DeepSeek-V4-Flash-chat-routed-moe-ds4.dat",
-      "quantize.imatrix.chunks_count": 90042}, "preview"),
-    ({"general.name": "DeepSeek V4 Flash 0731 MXFP4"}, "0731"),
-    ({"general.name": "DeepSeek V4 Flash"}, "unknown"),  # the MXFP4 files have no imatrix record
-    ({"quantize.imatrix.chunks_count": 12345}, "unknown"),
-])
-def test_checkpoint_from_metadata(metadata, expected):
-    which, basis = checkpoint(metadata)
-    assert which == expected and basis
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +24,7 @@ def test_openai_card_fields(live):
     assert card["context_length"] == card["max_model_len"] == card["context_window"] == 4096
     assert card["top_provider"] == {"context_length": 4096, "max_completion_tokens": 4096, "is_moderated": False}
     assert card["max_output_tokens"] == 4096 and card["max_context_length"] == 1048576  # trained context
-    assert card["thinking"]["supported"] and card["checkpoint"] == "unknown" and card["checkpoint_basis"]
+    assert card["thinking"]["supported"] and card["checkpoint"] == "preview" and "assumed" in card["checkpoint_basis"]
     assert "response_format" in card["supported_parameters"] and "reasoning" in card["supported_parameters"]
     thinks = {m["id"]: m["thinking"]["default"] for m in listed}
     assert thinks == {MODEL: True, "deepseek-chat": False, "deepseek-reasoner": True}
@@ -60,4 +45,4 @@ def test_the_demo_models_card(demo_model):
     with live_server(engine) as live, httpx.Client(base_url=live.url) as client:
         card = client.get("/v1/models/deepseek-reasoner").json()
     assert card["max_output_tokens"] == 300 and card["context_length"] == 1024
-    assert card["checkpoint"] == "unknown" and card["gguf_name"].startswith("DeepSeek V4 Flash tiny")
+    assert card["checkpoint"] == "preview" and card["gguf_name"].startswith("DeepSeek V4 Flash tiny")

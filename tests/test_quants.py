@@ -24,7 +24,9 @@ F16_FIELDS = {
     T.IQ2_XXS: (0,),
     T.F16: (0,),
 }
-FLOAT_TYPES = (T.F32, T.F16, T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS)
+FLOAT_TYPES = (T.F32, T.F16, T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS, T.MXFP4)
+E8M0_FIELDS = {T.MXFP4: 0}
+"""Byte offsets of the E8M0 scale inside one block: 255 is an infinite scale (NaN times a zero code), kept out."""
 
 # Raw f16 bit patterns except NaN and Inf (exponent all ones): every sign, zero, subnormal and normal value.
 finite_f16_bits = st.integers(0, 0xFFFF).filter(lambda h: (h >> 10) & 0x1F != 0x1F)
@@ -46,6 +48,8 @@ def raw_tensors(draw: st.DrawFn, ggml_type: T) -> np.ndarray:
     for offset in F16_FIELDS.get(ggml_type, ()):
         scales = draw(st.lists(finite_f16_bits, min_size=n_blocks, max_size=n_blocks))
         blocks[:, offset : offset + 2] = np.array(scales, dtype="<u2").view(np.uint8).reshape(n_blocks, 2)
+    if ggml_type in E8M0_FIELDS:
+        blocks[:, E8M0_FIELDS[ggml_type]] = np.minimum(blocks[:, E8M0_FIELDS[ggml_type]], 254)
     return blocks.reshape(rows, blocks_per_row * block_bytes)
 
 
@@ -65,6 +69,8 @@ def _block_with_scales(ggml_type: T, f16_bits: int) -> np.ndarray:
     block = np.random.default_rng(int(ggml_type)).integers(0, 256, size=(1, block_bytes), dtype=np.uint8)
     for offset in F16_FIELDS.get(ggml_type, ()):
         block[0, offset : offset + 2] = np.array([f16_bits], dtype="<u2").view(np.uint8)
+    if ggml_type in E8M0_FIELDS:
+        block[0, E8M0_FIELDS[ggml_type]] = f16_bits & 0xFE  # an even scale below 255 from the f16 pattern
     return block
 
 
@@ -87,6 +93,23 @@ def test_bit_exact_against_gguf_reference(ggml_type: T) -> None:
         _check_against_gguf(raw, ggml_type)
 
     check()
+
+
+def test_mxfp4_scales_and_nibble_order() -> None:
+    """E8M0 scales at the edges (e = 0 is 2^-127, a subnormal built from bits 0x00400000), the E2M1 codes, and
+    value j in qs[j]'s low nibble, j + 16 in its high one: qs all 0xF6 at e = 127 sums to 16·(−6 + 4) = −32 (the C
+    engine's own check)."""
+    codes = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    for e in (0, 1, 2, 126, 127, 128, 254):
+        block = np.zeros((1, 17), np.uint8)
+        block[0, 0] = e
+        block[0, 1:17] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+        got = np.array(dequantize(mx.array(block.reshape(-1)), T.MXFP4, (1, 32)))[0]
+        scale = np.float32(2.0) ** (e - 127) if e else np.uint32(0x00400000).view(np.float32)
+        np.testing.assert_array_equal(got, np.concatenate([codes, codes[::-1]]) * scale)
+    block = np.full((1, 17), 0xF6, np.uint8)
+    block[0, 0] = 127
+    assert np.array(dequantize(mx.array(block.reshape(-1)), T.MXFP4, (1, 32))).sum() == -32
 
 
 def test_i32_passes_through() -> None:
@@ -216,3 +239,26 @@ def test_iq2_xxs_hand_computed_block_and_tables() -> None:
     expected[32:] = 0.5 * 0.25 * 8  # other sub-blocks: aux = 0, so db = d*0.5*0.25, all signs +
     np.testing.assert_array_equal(gguf_dequantize(block[None], T.IQ2_XXS)[0], expected)
     np.testing.assert_array_equal(np.array(dequantize(mx.array(block), T.IQ2_XXS, (256,))), expected)
+
+
+def test_an_mxfp4_file_is_written_loaded_and_named(tmp_path) -> None:
+    """`make-model --experts mxfp4`: every routed bank MXFP4 (17-byte blocks of 32), the rest as in the q4 file; the
+    loader takes it, and the disk cache counts it as 4-bit."""
+    from ds4_mlx.kvstore import routed_quant_bits
+    from ds4_mlx.model.factory import write_model
+    from ds4_mlx.model.synthetic import SYNTHETIC_KINDS
+    from ds4_mlx.model.weights import open_weights
+
+    path = tmp_path / "mxfp4.gguf"
+    write_model(path, preset="tiny", experts="mxfp4", seed=2)
+    q4 = tmp_path / "q4.gguf"
+    write_model(q4, preset="tiny", experts="q4", seed=2)
+    weights, reference = open_weights(path), open_weights(q4)
+    assert all(types == (T.MXFP4, T.MXFP4) for types in weights.expert_types)
+    for name in reference.file.tensors:
+        if "_exps." not in name:
+            assert weights.info(name).ggml_type == reference.info(name).ggml_type, name
+    info = weights.info("blk.0.ffn_down_exps.weight")  # ne (IN, OUT, E): 17 bytes for every 32 inputs
+    assert info.nbytes == info.shape[0] // 32 * 17 * info.shape[1] * info.shape[2]
+    assert routed_quant_bits(weights) == 4
+    assert "mxfp4" in SYNTHETIC_KINDS

@@ -48,7 +48,7 @@ def test_codex_style_history_becomes_chat_messages():
         Message("assistant", "Two files.", "Done."),
         Message("assistant", reasoning="trailing"),
     )
-    assert req.options.think is ThinkMode.HIGH and req.summary is False
+    assert req.options.think is ThinkMode.LOW and req.summary is False
 
 
 def test_function_call_after_an_assistant_message_joins_it():

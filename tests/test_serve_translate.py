@@ -160,19 +160,19 @@ def test_worked_example_renders_byte_for_byte():
 @pytest.mark.parametrize(
     "fields, ctx, mode",
     [
-        ({}, CTX, ThinkMode.HIGH),
+        ({}, CTX, ThinkMode.LOW),
         ({"model": "deepseek-chat"}, CTX, ThinkMode.NONE),
-        ({"model": "deepseek-reasoner"}, CTX, ThinkMode.HIGH),
-        ({"model": "deepseek-chat", "thinking": {"type": "enabled"}}, CTX, ThinkMode.HIGH),
+        ({"model": "deepseek-reasoner"}, CTX, ThinkMode.LOW),
+        ({"model": "deepseek-chat", "thinking": {"type": "enabled"}}, CTX, ThinkMode.LOW),
         ({"model": "deepseek-reasoner", "think": False}, CTX, ThinkMode.NONE),
         ({"think": False, "thinking": True}, CTX, ThinkMode.NONE),  # `think` is read first
         ({"thinking": True, "reasoning_effort": "none"}, CTX, ThinkMode.NONE),  # effort none always turns it off
         ({"thinking": {"type": "disabled", "budget_tokens": 1024}}, CTX, ThinkMode.NONE),
-        ({"thinking": True}, CTX, ThinkMode.HIGH),
-        ({"thinking": {"type": "adaptive"}}, CTX, ThinkMode.HIGH),
-        ({"thinking": None, "reasoning_effort": None}, CTX, ThinkMode.HIGH),
+        ({"thinking": True}, CTX, ThinkMode.LOW),
+        ({"thinking": {"type": "adaptive"}}, CTX, ThinkMode.LOW),
+        ({"thinking": None, "reasoning_effort": None}, CTX, ThinkMode.LOW),
         ({"reasoning_effort": "none"}, CTX, ThinkMode.NONE),
-        ({"reasoning_effort": "low"}, CTX, ThinkMode.HIGH),
+        ({"reasoning_effort": "low"}, CTX, ThinkMode.LOW),
         ({"reasoning_effort": "xhigh"}, 393216, ThinkMode.HIGH),
         ({"reasoning_effort": "max"}, 393215, ThinkMode.HIGH),
         ({"reasoning_effort": "max"}, 393216, ThinkMode.MAX),
@@ -281,7 +281,7 @@ def test_numbers_beyond_the_float_range_are_refused(member, message):
 def test_completion_prompt():
     body = parse_body(b'{"prompt":["first","second"],"max_tokens":3}')
     req = openai.parse_completion(body, ctx=CTX, default_model=MODEL)
-    assert req.prompt == "first" and req.options.max_tokens == 3 and req.options.think is ThinkMode.HIGH
+    assert req.prompt == "first" and req.options.max_tokens == 3 and req.options.think is ThinkMode.LOW
     for bad, message in [(b"{}", "missing prompt"), (b'{"prompt":5}', "prompt must be"),
                          (b'{"prompt":[1,2]}', "first element is a string")]:
         with pytest.raises(ApiError, match=message):
@@ -345,9 +345,9 @@ def test_anthropic_system_turns_inside_messages_render_in_place():
 @pytest.mark.parametrize(
     "fields, mode",
     [
-        ({}, ThinkMode.HIGH),
+        ({}, ThinkMode.LOW),
         ({"thinking": {"type": "disabled"}}, ThinkMode.NONE),
-        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, ThinkMode.HIGH),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, ThinkMode.LOW),
         ({"model": "deepseek-chat"}, ThinkMode.NONE),
         ({"output_config": {"effort": "max"}}, ThinkMode.HIGH),  # ctx 32768 < 393216
         ({"output_config": {"effort": "none"}}, ThinkMode.NONE),

@@ -11,7 +11,7 @@ then a few decode steps: kernel compilation, first-use checks) comes first; it i
 reported. The walk runs `--repeats` times; each figure is the median with the min and max beside it. Peak memory
 is MLX's high-water mark during the frontier's interval and probe, weights included.
 
-`--synthetic q2|q4` measures the full published layout built in memory (model/synthetic.py) instead of a file.
+`--synthetic q2|q4|mxfp4` measures the full published layout built in memory (model/synthetic.py) instead of a file.
 
 `--mtp FILE --mtp-draft N` also measures what speculative greedy decoding costs at each frontier (the draft block
 then follows the stream through every prefill, as the engine runs it): one plain decode step (the compiled step),
@@ -81,8 +81,8 @@ letters: when the numbers surprise you, go and look again before you believe the
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p, default_ctx=None)
     g = p.add_argument_group("what to measure")
-    g.add_argument("--synthetic", choices=("q2", "q4"),
-                   help="the full published layout with q2 or q4 experts, built in memory (no file, no -m)")
+    g.add_argument("--synthetic", choices=("q2", "q4", "mxfp4"),  # model/synthetic.py's SYNTHETIC_KINDS
+                   help="the full published layout with q2, q4 or MXFP4 experts, built in memory (no file, no -m)")
     g.add_argument("--layers", type=int, metavar="N", help="with --synthetic: build only the first N layers (default all 43)")
     g.add_argument("--ctx-start", type=int, default=2048, metavar="N", help="first frontier, tokens (default 2048)")
     g.add_argument("--ctx-max", type=int, default=32768, metavar="N", help="last frontier, tokens (default 32768)")

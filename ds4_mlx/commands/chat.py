@@ -34,6 +34,7 @@ from ..chat import (
     render_cli_turn,
 )
 from ..errors import Ds4Error, RequestError
+from ..model.checkpoint import Checkpoint
 from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
 from ..progress import Progress
 from .options import (
@@ -67,8 +68,9 @@ HISTORY_LENGTH = 512
 
 COMMANDS = (
     ("/help", "this list"),
-    ("/think", "think before answering (the default)"),
+    ("/think", "think before answering, at the default effort tier (low)"),
     ("/nothink", "answer without thinking"),
+    ("/think-high", "the high tier (0731: the \"Absolute maximum\" prefix; the preview: as /think)"),
     ("/think-max", f"Think Max (needs --ctx >= {THINK_MAX_MIN_CONTEXT}, else normal thinking)"),
     ("/ctx N", "new context of N tokens; the conversation is kept and prefilled again"),
     ("/read FILE", "send the file's contents as your next message"),
@@ -99,8 +101,9 @@ class Transcript:
     system: str
     turns: list[int] = field(default_factory=list)
 
-    def tokens(self, tokenizer: Tokenizer, think: ThinkMode, ctx: int) -> list[int]:
-        return encode_cli_prompt(tokenizer, render_cli_preamble(self.system, think=think, ctx=ctx)) + self.turns
+    def tokens(self, tokenizer: Tokenizer, think: ThinkMode, ctx: int, checkpoint: Checkpoint) -> list[int]:
+        preamble = render_cli_preamble(self.system, think=think, ctx=ctx, checkpoint=checkpoint)
+        return encode_cli_prompt(tokenizer, preamble) + self.turns
 
     def to_json(self, tokenizer: Tokenizer, think: ThinkMode) -> dict:
         """What /save writes: the turns as the exact token ids (reasoning included), and their text for reading."""
@@ -209,6 +212,9 @@ class Chat:
         if text == "/help":
             self.print_help()
         elif text == "/think":
+            self.think = ThinkMode.LOW
+            self.out.print("Thinking mode: low (the default tier).")
+        elif text == "/think-high":
             self.think = ThinkMode.HIGH
             self.out.print("Thinking mode: high.")
         elif text == "/nothink":
@@ -358,7 +364,7 @@ class Chat:
         tokenizer = engine.tokenizer
         turn = encode_cli_prompt(tokenizer, render_cli_turn(text, think=self.think))
         request = GenerationRequest(
-            prompt=self.transcript.tokens(tokenizer, self.think, engine.ctx) + turn,
+            prompt=self.transcript.tokens(tokenizer, self.think, engine.ctx, engine.checkpoint) + turn,
             max_tokens=self.max_tokens,
             sampling=self.sampling,
             thinking=self.think.thinking,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..model.checkpoint import detect as detect_checkpoint
 from ..model.config import ModelConfig, memory_estimate
 from ..model.weights import ModelWeights, MTPWeights, open_mtp_weights, open_weights
 from .options import context_size
@@ -68,9 +69,11 @@ def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> 
     c, f = weights.config, weights.file
     name = f.metadata.get("general.name", "?")
     trained = f"{c.context_length}" if c.context_length else "not stated"
+    checkpoint, basis = detect_checkpoint(f.metadata, f.path, tuple(t for pair in weights.expert_types for t in pair))
     lines = [
         f"file        {f.path} ({format_bytes(f.size)}, GGUF v{f.version}, {len(f.tensors)} tensors)",
         f"model       {name}, variant {weights.variant}",
+        f"checkpoint  {checkpoint.value} ({basis})",
         f"context     trained {trained}",
     ]
     lines += [f"{'dims' if i == 0 else '':<12}{line}" for i, line in enumerate(_dims(c))]

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
                         help="tiny: reference tests; small: CPU demo; flash: the published shapes (default tiny)")
     parser.add_argument("--experts", choices=EXPERT_KINDS, default="q2",
-                        help="routed expert types: q2 (IQ2_XXS/Q2_K), q4 (Q4_K), mixed (q2, last third q4)")
+                        help="routed expert types: q2 (IQ2_XXS/Q2_K), q4 (Q4_K), mxfp4 (0731's MXFP4, the rest as q4), "
+                             "mixed (q2, last third q4)")
     parser.add_argument("--vocab", choices=VOCAB_KINDS, default=None,
                         help="small (512 ids) or real (the V4 tokenizer, 129280 ids); default: small for tiny, "
                              "real otherwise")

@@ -59,6 +59,9 @@ def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 3276
                    + (f" {default_ctx})" if default_ctx else ": what the command needs)"))
     p.add_argument("--backend", choices=("cpu", "gpu"), help="MLX device (default: MLX's default device)")
     p.add_argument("--no-quant-sim", action="store_true", help="turn off the FP8 KV / FP4 indexer simulation")
+    p.add_argument("--checkpoint", choices=("preview", "0731"),
+                   help="which checkpoint the file holds, for its reasoning-effort prompts (default: told from the "
+                        "file; see `inspect`)")
     p.add_argument("--memory-limit", type=byte_size, metavar="SIZE",
                    help="device memory the process may hold, e.g. 70G (default: the GPU's memory less a reserve "
                         "for what MLX does not count; on the CPU 90%% of RAM); prefill chunks shrink to stay under it")
@@ -67,8 +70,12 @@ def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 3276
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     think = p.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_const", const="high", help="thinking (the default)")
-    think.add_argument("--think-max", dest="think", action="store_const", const="max", help="Think Max (ctx >= 393216)")
+    think.add_argument("--think", dest="think", action="store_const", const="low",
+                       help="thinking at the default effort tier, low (the default)")
+    think.add_argument("--think-high", dest="think", action="store_const", const="high",
+                       help="the high tier (0731: the \"Absolute maximum\" prefix; the preview: as --think)")
+    think.add_argument("--think-max", dest="think", action="store_const", const="max",
+                       help="the max tier (ctx >= 393216; 0731: \"Beyond maximum\", the preview: \"Absolute maximum\")")
     think.add_argument("--nothink", dest="think", action="store_const", const="none", help="no thinking")
     p.set_defaults(think=None)  # None: not given (--think's behaviour, but --raw can tell that nothing was asked)
     p.add_argument("--temp", type=float, default=1.0, help="temperature; 0 = greedy (default 1)")
@@ -214,7 +221,7 @@ def writable_file(path: Path, flag: str) -> None:
 def think_mode_from_args(args: argparse.Namespace):
     from ..chat import ThinkMode
 
-    return {"high": ThinkMode.HIGH, "max": ThinkMode.MAX, "none": ThinkMode.NONE}[args.think or "high"]
+    return ThinkMode(args.think or "low")
 
 
 def sampling_from_args(args: argparse.Namespace):
@@ -293,6 +300,10 @@ def open_engine(args: argparse.Namespace, **opts):
         path = ensure_demo_model()
     if getattr(args, "kv_ram_budget", None) is not None:
         opts.setdefault("kv_ram_budget", args.kv_ram_budget)
+    if getattr(args, "checkpoint", None) is not None:
+        from ..model.checkpoint import Checkpoint
+
+        opts.setdefault("checkpoint", Checkpoint(args.checkpoint))
     if getattr(args, "mtp", None) is not None:
         opts.update(mtp=args.mtp, mtp_draft=args.mtp_draft, mtp_margin=args.mtp_margin)
     return Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet, **opts)

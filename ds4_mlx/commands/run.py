@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"alternatives per step with --dump-logprobs, 1 to {MAX_TOP_K} (default {DEFAULT_TOP_K})")
 
 
-def _prompt_pieces(args: argparse.Namespace, prompt: str, ctx: int):
+def _prompt_pieces(args: argparse.Namespace, prompt: str, ctx: int, checkpoint):
     """The prompt as pieces to tokenize: ds4's CLI chat prompt, or with --raw the text as written after BOS."""
     from ..chat import BOS, DEFAULT_SYSTEM, PromptPiece, effective_think_mode, render_cli_prompt
 
@@ -65,7 +65,7 @@ def _prompt_pieces(args: argparse.Namespace, prompt: str, ctx: int):
         return [PromptPiece(prompt if prompt.startswith(BOS) else BOS + prompt, True)]
     think = effective_think_mode(think_mode_from_args(args), ctx)
     system = DEFAULT_SYSTEM if args.system is None else args.system
-    return render_cli_prompt(prompt, system=system, think=think, ctx=ctx)
+    return render_cli_prompt(prompt, system=system, think=think, ctx=ctx, checkpoint=checkpoint)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if prompt is None:
         raise UsageError("give a prompt with -p TEXT or --prompt-file FILE (- reads standard input)")
     engine = open_engine(args)
-    tokens = encode_cli_prompt(engine.tokenizer, _prompt_pieces(args, prompt, engine.ctx))
+    tokens = encode_cli_prompt(engine.tokenizer, _prompt_pieces(args, prompt, engine.ctx, engine.checkpoint))
     if args.dump_logprobs is not None:
         return _dump_logprobs(engine, tokens, args)
 

@@ -120,11 +120,29 @@ def dequantize_iq2_xxs(blocks: mx.array) -> mx.array:
     return (db[..., None, None] * magnitudes * signs).reshape(n, 256)
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The FP4 (E2M1) code values of MXFP4, by 4-bit code. Code 8 (E2M1's −0) decodes to +0, as ggml's table of
+halved integers gives it."""
+
+
+def dequantize_mxfp4(blocks: mx.array) -> mx.array:
+    """MXFP4, 32 values in 17 bytes: an E8M0 scale byte e, then 16 bytes of 4-bit E2M1 codes (the OCP
+    microscaling format, ggml type 39). y = 2^(e - 127) · E2M1[q]: value j is the low nibble of qs[j], value j + 16
+    its high nibble. The scale is built as float32 bits e << 23, so e = 0 is the subnormal 2^-127 (and 255 is
+    infinity), as ggml and the C engine build it."""
+    e = blocks[:, 0].astype(mx.uint32)
+    d = mx.view(mx.where(e == 0, mx.array(0x00400000, mx.uint32), e << 23), mx.float32)
+    qs = blocks[:, 1:17]
+    codes = mx.concatenate([qs & 15, qs >> 4], axis=1)
+    return d[:, None] * mx.array(E2M1)[codes]
+
+
 _BLOCK_DEQUANTIZERS = {
     GGMLType.Q8_0: dequantize_q8_0,
     GGMLType.Q2_K: dequantize_q2_k,
     GGMLType.Q4_K: dequantize_q4_k,
     GGMLType.IQ2_XXS: dequantize_iq2_xxs,
+    GGMLType.MXFP4: dequantize_mxfp4,
 }
 
 

@@ -39,7 +39,7 @@ from .weights import MTP_PREFIX
 T = GGMLQuantizationType
 V = GGUFValueType
 
-EXPERT_KINDS = ("q2", "q4", "mixed")
+EXPERT_KINDS = ("q2", "q4", "mixed", "mxfp4")
 MTP_EXPERT_KINDS = ("q2", "q4")
 VOCAB_KINDS = ("small", "real")
 DATA_MODES = ("random", "repeated", "sparse")
@@ -89,10 +89,13 @@ def routed_expert_types(config: ModelConfig, experts: str, layer: int) -> tuple[
                                                                                  GGMLQuantizationType]:
     """(gate/up type, down type) of a layer's routed experts.
 
-    `q2` is the published q2 file (IQ2_XXS gate/up, Q2_K down), `q4` the q4 file (Q4_K), and `mixed` a spliced
-    file: q2 with the last third of the layers taken from q4, so loaders must read the type per tensor.
+    `q2` is the published q2 file (IQ2_XXS gate/up, Q2_K down), `q4` the q4 file (Q4_K), `mxfp4` the 0731 MXFP4
+    file (every routed bank MXFP4, the rest as in the q4 file), and `mixed` a spliced file: q2 with the last third
+    of the layers taken from q4, so loaders must read the type per tensor.
     """
     _check_choice("experts", experts, EXPERT_KINDS)
+    if experts == "mxfp4":
+        return T.MXFP4, T.MXFP4
     q4 = experts == "q4" or (experts == "mixed" and layer >= config.n_layer - config.n_layer // 3)
     return (T.Q4_K, T.Q4_K) if q4 else (T.IQ2_XXS, T.Q2_K)
 
@@ -514,10 +517,21 @@ def _iq2_xxs_blocks(rng: np.random.Generator, n: int, std: float) -> np.ndarray:
     return blocks
 
 
+def _mxfp4_blocks(rng: np.random.Generator, n: int, std: float) -> np.ndarray:
+    """MXFP4: y = 2^(e−127)·E2M1[q]. Uniform codes give E2M1's mean square 8.5625; e is the power of two nearest
+    std / sqrt(8.5625), one per block, so the values' std is within a factor of sqrt(2) of `std`."""
+    e = np.uint8(127 + round(np.log2(std / np.sqrt(8.5625))))
+    blocks = np.empty((n, 17), np.uint8)
+    blocks[:, 0] = e
+    blocks[:, 1:17] = rng.integers(0, 256, size=(n, 16), dtype=np.uint8)
+    return blocks
+
+
 _BLOCK_BUILDERS: dict[GGMLQuantizationType, Callable[[np.random.Generator, int, float], np.ndarray]] = {
     T.Q2_K: _q2_k_blocks,
     T.Q4_K: _q4_k_blocks,
     T.IQ2_XXS: _iq2_xxs_blocks,
+    T.MXFP4: _mxfp4_blocks,
 }
 
 

@@ -41,6 +41,7 @@ class GGMLType(IntEnum):
     Q4_K = 12
     IQ2_XXS = 16
     I32 = 26
+    MXFP4 = 39
 
 
 # (elements, bytes) per block; plain types are blocks of one element.
@@ -52,6 +53,7 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_K: (256, 144),
     GGMLType.IQ2_XXS: (256, 66),
     GGMLType.I32: (1, 4),
+    GGMLType.MXFP4: (32, 17),
 }
 
 # Names of other ggml types, only so that an unsupported tensor is reported by name.

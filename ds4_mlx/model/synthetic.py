@@ -25,8 +25,9 @@ from .factory import TensorSpec, model_tensors, routed_expert_types, tensor_data
 from .gguf import GGMLType, TensorInfo
 from .weights import ModelWeights
 
-SYNTHETIC_KINDS = ("q2", "q4")
-"""The published variants: q2 (IQ2_XXS/Q2_K experts, ~81 GB) and q4 (Q4_K experts, ~150 GB)."""
+SYNTHETIC_KINDS = ("q2", "q4", "mxfp4")
+"""The published variants: q2 (IQ2_XXS/Q2_K experts, ~81 GB), q4 (Q4_K experts, ~150 GB) and mxfp4 (0731's MXFP4
+experts, ~145 GiB)."""
 
 _LAYER = re.compile(r"^blk\.\d+\.")
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
 F16, F32, Q8_0, I32 = GGMLType.F16, GGMLType.F32, GGMLType.Q8_0, GGMLType.I32
-ROUTED_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K)
+ROUTED_TYPES = (GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.MXFP4)
 Q2_EXPERTS = (GGMLType.IQ2_XXS, GGMLType.Q2_K)  # (gate/up, down) of the published q2 files
 Q4_EXPERTS = (GGMLType.Q4_K, GGMLType.Q4_K)
 MTP_PREFIX = "mtp.0."

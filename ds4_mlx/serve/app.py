@@ -239,9 +239,9 @@ class Server:
     def _render(self, request: ChatRequest | CompletionRequest) -> str:
         think = request.options.think
         if isinstance(request, CompletionRequest):
-            return render_completion_prompt(request.prompt, think, self.engine.ctx)
+            return render_completion_prompt(request.prompt, think, self.engine.ctx, self.engine.checkpoint)
         return render_chat(request.messages, tools=request.tools, think=think, ctx=self.engine.ctx,
-                           tool_memory=self.engine.tool_memory)
+                           tool_memory=self.engine.tool_memory, checkpoint=self.engine.checkpoint)
 
     def _recall_tool_ids(self, request: ChatRequest | CompletionRequest) -> dict[str, str]:
         """With the disk KV cache on, tool-call ids this process does not know (e.g. from before a restart) are
