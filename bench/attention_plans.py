@@ -1,4 +1,4 @@
-"""The decode attention kernel (kernels/attention.py) at Flash's shapes with each head's keys shared by 1, 2, 4
+"""The decode attention kernel (kernels/decode/attention.py) at Flash's shapes with each head's keys shared by 1, 2, 4
 or 8 threadgroups: GPU µs a call, and the output against the one-threadgroup kernel's.
 
     python bench/attention_plans.py      # on the GPU machine (torch for CUPTI); ~1 min
@@ -17,7 +17,7 @@ import json
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.attention import GROUPS, TOLERANCE, DecodeAttention, StepShape
+from ds4_mlx.kernels.decode.attention import GROUPS, TOLERANCE, DecodeAttention, StepShape
 from ds4_mlx.model.config import FLASH
 from matvec_plans import gpu_us
 

@@ -1,4 +1,5 @@
-"""The decode expert kernels (kernels/experts.py) at Flash's shapes under other threadgroup counts: GPU µs a call.
+"""The decode expert kernels (kernels/decode/experts.py) at Flash's shapes under other threadgroup counts: GPU µs a
+call.
 
     python bench/expert_plans.py            # on the GPU machine (torch for CUPTI); ~1 min
 
@@ -15,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 from matvec_plans import CALLS, gpu_us
 
-from ds4_mlx.kernels import experts
-from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.decode import experts
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 
 EXPERTS = 32

@@ -23,7 +23,7 @@ import time
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.cudagraph import Driver
+from ds4_mlx.kernels.machinery.cudagraph import Driver
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 from ds4_mlx.session import Session

@@ -21,7 +21,7 @@
 #                  FLAGS its options without dashes, comma-separated (cold,chosen or cold-gb=16,chosen): cold, each
 #                  call reads its weights from memory, not the L2, as in a decode step
 #   attnplans      the decode attention kernel with each head's keys shared by 1, 2, 4, 8 threadgroups at Flash's
-#                  shapes (bench/attention_plans.py): what kernels/attention.py's splits_for should choose
+#                  shapes (bench/attention_plans.py): what kernels/decode/attention.py's splits_for should choose
 #   experts        the decode expert kernels under other threadgroup counts (bench/expert_plans.py)
 #   kinds[:N]      decode t/s over N layers (default 12) with the step's kinds (rows written only when a window
 #                  ends) against one step that always writes, in one process (bench/step_kinds.py)
@@ -43,7 +43,7 @@
 #                  the session's chunks (or CHUNK tokens), then 16 tokens; DS4_REFERENCE_PATHS=name,... before the
 #                  command keeps those fast paths on their references (one measured against the rest in one call)
 #   startup[:N]    load and warm-up seconds of `ds4-mlx bench --synthetic q2 --layers N` (default 4) three times: with
-#                  an empty kernel cache (kernels/nvrtc.py compiles), again (it reads them back), and with
+#                  an empty kernel cache (kernels/machinery/nvrtc.py compiles), again (it reads them back), and with
 #                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
 #   loadpaths      host bytes to device arrays, 16 GB of a tmpfs file (the file step's, else random bytes), by
 #                  bench/load_paths.py's pinned path (the loader's on CUDA), memcpy path (3.7 GB/s in session 6) and
@@ -76,7 +76,7 @@
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
-# the custom kernels' cubins, kernels/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
+# the custom kernels' cubins, kernels/machinery/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
 # .device/cache/ for the next machine. Kernels are compiled
 # per session context (their templates hold it), so every step here uses the bench's: 2048 + 32 tokens.
 # Full outputs are written under $OUT; the tail of each is printed.

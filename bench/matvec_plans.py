@@ -1,4 +1,5 @@
-"""The decode matvec kernel (kernels/affine_matvec.py) at Flash's shapes under every launch plan: GPU µs a call, GB/s.
+"""The decode matvec kernel (kernels/decode/affine_matvec.py) at Flash's shapes under every launch plan: GPU µs a call,
+GB/s.
 
     python bench/matvec_plans.py            # on the GPU machine (torch for CUPTI); ~1 min
     python bench/matvec_plans.py --json
@@ -22,9 +23,9 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels.affine import AffineWeight, to_affine
-from ds4_mlx.kernels.affine_matvec import TOLERANCE, SwigluMatvec, _kernel, launch_plan
-from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.affine import AffineWeight, to_affine
+from ds4_mlx.kernels.decode.affine_matvec import TOLERANCE, SwigluMatvec, _kernel, launch_plan
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 
 SHAPES = [("q_a + kv", 4096, 1536, "norm"), ("shared gate / up", 4096, 4096, "norm"), ("q_b", 1024, 32768, "norm"),

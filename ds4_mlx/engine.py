@@ -20,13 +20,13 @@ import mlx.core as mx
 
 from . import dsml, memory
 from .chat import ToolMemory
-from .checkpoints import CheckpointStore, Match
+from .cache.checkpoints import CheckpointStore, Match
 from .constrain import Constraint
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError, UsageError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
-from .kvfiles import check_directory
-from .kvidentity import model_identity
-from .kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
+from .cache.kvfiles import check_directory
+from .cache.kvidentity import model_identity
+from .cache.kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
 from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
@@ -37,7 +37,7 @@ from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
 from .session import Session, Snapshot, graphs_wanted, state_copies
 from .stop import StopStrings
-from .tensordigest import tensor_digests
+from .cache.tensordigest import tensor_digests
 from .tokenizer import StreamDecoder, Tokenizer, utf8
 
 log = logging.getLogger("ds4_mlx.engine")

@@ -3,7 +3,7 @@ stay under it.
 
 Why: on CUDA nothing stops MLX from asking the card for more than it has. Its allocations come from the device's
 memory pool, but the arrays whose addresses the decode graphs and the loader take live in managed memory
-(kernels/cudagraph.py `address`), and when the pool grows past what is left the driver evicts managed pages to
+(kernels/machinery/cudagraph.py `address`), and when the pool grows past what is left the driver evicts managed pages to
 host RAM: the weights are faulted back page by page, and on a host without that much free memory the kernel's OOM
 killer ends the process (an H100 with 28 layers of q2 prefilling 12,288 tokens: 81.1 GB asked of a 79.6 GiB card,
 the host's available memory falling by 55 GB, or the process killed when a tmpfs file held the host's memory;
@@ -56,7 +56,7 @@ ROW_BYTES = 8
 row, and their selection's copy (measured: ~5 bytes, 12,288 tokens from 0 to 65,536)."""
 FIXED_HEADS = 1.0
 """A chunk's transients beside its tokens', in copies of the LM head as float32 (2 GiB at Flash's widths): a new
-shape's first-use checks run the reference path (kernels/registry.py), which holds more than the kernels do
+shape's first-use checks run the reference path (kernels/machinery/registry.py), which holds more than the kernels do
 (measured: up to 1.6 GiB more at 2,048 tokens)."""
 
 MIN_CHUNK = 16

@@ -22,9 +22,9 @@ import mlx.core as mx
 
 from . import memory
 from .errors import RequestError
-from .kernels import registry
-from .kernels.cudagraph import DriverError
-from .kernels.nvrtc import CompileError
+from .kernels.machinery import registry
+from .kernels.machinery.cudagraph import DriverError
+from .kernels.machinery.nvrtc import CompileError
 from .model.cache import SessionCache, StepUndo
 from .model.graphstep import GraphCheckError, GraphDecoder, spare_device_bytes
 from .model.model import DEFAULT_PREFILL_CHUNK, Model

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels.dialect import CUDA, Kernel
+from ds4_mlx.kernels.machinery.dialect import CUDA, Kernel
 
 HOST = r"""
 #include <atomic>

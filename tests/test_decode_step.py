@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.machinery import registry
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights

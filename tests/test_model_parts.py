@@ -17,7 +17,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from ds4_mlx.kernels.fused_norm import Norm, apply
+from ds4_mlx.kernels.decode.fused_norm import Norm, apply
 from ds4_mlx.model.compressor import Compressor, Frontier
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.factory import preset_config, reference_config

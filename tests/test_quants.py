@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.kernels.quants import dequantize, reference_matmul
+from ds4_mlx.kernels.formats.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import BLOCK_SIZES
 
 # Byte offsets of the f16 scale fields inside one block (spec §4); F16 tensors are all f16 values.

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from ds4_mlx.engine import Engine, GenerationRequest
-from ds4_mlx.kvstore import KvEntry, KvHeader, KvStore, eviction_victim
+from ds4_mlx.cache.kvstore import KvEntry, KvHeader, KvStore, eviction_victim
 from ds4_mlx.sampling import SamplingParams
 from test_kvstore import CTX, ID, chat_prompt, kv_files, options, read_header
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ds4_mlx import tensordigest
+from ds4_mlx.cache import tensordigest
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import GGUFFile
-from ds4_mlx.tensordigest import compute_digests, tensor_digests
+from ds4_mlx.cache.tensordigest import compute_digests, tensor_digests
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> 
     lines.append("bytes by type")
     lines += [f"  {name:<10}{format_bytes(n):>12}" for name, n in weights.bytes_by_type().items()]
 
-    from ..kernels.registry import current_backend
+    from ..kernels.machinery.registry import current_backend
     from ..model.linear import loaded_forms
 
     state = memory_estimate(c, ctx)

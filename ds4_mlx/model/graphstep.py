@@ -3,7 +3,7 @@
 MLX spends ~20 µs of host time per node of the compiled decode step on the H200, so its ~900 nodes take longer
 on the host than the GPU takes to run them (bench/RESULTS.md, session 10). Every node of the step that does work
 is one of our custom kernels, so the step can be recorded once per kind (`Model.ends`: which windows the token
-completes) and replayed as one CUDA graph (kernels/cudagraph.py): the launches as MLX made them, with the
+completes) and replayed as one CUDA graph (kernels/machinery/cudagraph.py): the launches as MLX made them, with the
 dependencies their address ranges give. The graph of a kind:
 
 1. LOAD_KERNEL reads the token and its position from page-locked host memory the host wrote before the launch;
@@ -40,9 +40,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from ..kernels import nvrtc
-from ..kernels.cudagraph import Driver, ReplayGraph
-from ..kernels.dialect import Kernel, build
+from ..kernels.machinery import nvrtc
+from ..kernels.machinery.cudagraph import Driver, ReplayGraph
+from ..kernels.machinery.dialect import Kernel, build
 from ..sampling import device_argmax
 from .cache import SessionCache, unflatten_layers
 from .graph import ops_after_kernels

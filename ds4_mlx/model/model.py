@@ -21,10 +21,10 @@ from functools import partial
 import mlx.core as mx
 
 from ds4_mlx.errors import RequestError
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.ends import EMBED_STREAMS
-from ds4_mlx.kernels.halfsplit import splits_held
-from ds4_mlx.kernels.quants import dequantize
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.decode.ends import EMBED_STREAMS
+from ds4_mlx.kernels.tensor_cores.halfsplit import splits_held
+from ds4_mlx.kernels.formats.quants import dequantize
 from ds4_mlx.model.attention import Attention, Indexer
 from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
 from ds4_mlx.model.compressor import Compressor
@@ -249,7 +249,7 @@ class Model:
         A chunk past GATHER_LIMIT pairs is evaluated layer by layer, one layer ahead: layer i is queued
         (`mx.async_eval`) before layer i - 1 is waited for, so that the host builds and encodes a layer while the
         GPU runs the one before (waiting for each layer left the H200 idle ~4.6 ms a layer, 13% of a 4096-token
-        chunk, session 19), and at most two layers' transients (a float expert scratch, kernels/grouped.py) are
+        chunk, session 19), and at most two layers' transients (a float expert scratch, kernels/prefill/grouped.py) are
         alive at once."""
         tokens = self._check(tokens, cache)
         n_past = cache.n_tokens
@@ -259,7 +259,8 @@ class Model:
         grouped = tokens.size * self.config.n_expert_used > GATHER_LIMIT
         residual: mx.array | PendingPost = streams
         running: list[mx.array] = []
-        with splits_held():  # an input several kernels read is split into halves once (kernels/halfsplit.py)
+        # an input several kernels read is split into halves once (kernels/tensor_cores/halfsplit.py)
+        with splits_held():
             for layer, block in enumerate(self.blocks):
                 residual, layers[layer] = block(residual, tokens, n_past, layers[layer])
                 if grouped:  # one layer ahead: this layer is queued, then the previous one waited for
@@ -289,7 +290,7 @@ class Model:
 
     def embed_streams(self, token: mx.array) -> mx.array:
         """The streams (1, n_hc, n_embd) a decode token starts as: its embedding row in every stream (one launch
-        on GPU backends where the table's rows read as they are held, kernels/ends.py)."""
+        on GPU backends where the table's rows read as they are held, kernels/decode/ends.py)."""
         table = self.embedding.table
         if table is None:
             row = self.embedding.rows(token)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels.attention import Rope
+from ds4_mlx.kernels.decode.attention import Rope
 
 
 @dataclass(frozen=True)
@@ -89,4 +89,4 @@ def rotate(x: mx.array, cos: mx.array, sin: mx.array, n_rot: int, inverse: bool)
 
 
 ROTATE = Rope(rotate)
-"""`rotate` as one kernel where a GPU backend has passed the first-use check (kernels/attention.py)."""
+"""`rotate` as one kernel where a GPU backend has passed the first-use check (kernels/decode/attention.py)."""

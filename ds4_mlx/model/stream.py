@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
-from ..kernels.cudagraph import address
+from ..kernels.machinery.cudagraph import address
 from .gguf import GGUFFile, TensorInfo
 from .pinned import CudaRuntime, PinnedReader
 

@@ -180,7 +180,7 @@ class ModelWeights:
         """The tensor dequantized to float32 (I32 stays int32), in row-major order: ne [IN, OUT] -> (OUT, IN)."""
         import mlx.core as mx
 
-        from ..kernels.quants import dequantize
+        from ..kernels.formats.quants import dequantize
 
         info = self.info(name)
         return dequantize(mx.array(self.tensor_bytes(name)), info.ggml_type, tuple(reversed(info.shape)))
