@@ -4,7 +4,7 @@ or 8 threadgroups: GPU µs a call, and the output against the one-threadgroup ke
     python bench/attention_plans.py      # on the GPU machine (torch for CUPTI); ~1 min
 
 Why: one threadgroup a head puts Flash's 64 heads on 64 of the H200's 132 SMs, and the call over the window and
-512 picked rows took 47 µs (0.98 ms of a 2k token's 8.2, bench/RESULTS.md session 13). The split kernels
+512 picked rows took 47 µs (0.98 ms of a 2k token's 8.2, bench/RESULTS.md, 2026-12-03). The split kernels
 (SPLIT_HEAD) run SPLITS threadgroups a head and merge their shares in the last one; `splits_for` chooses from
 these figures. The shapes are a ratio-4 layer's picks and a ratio-128 layer's visible rows at 2k and at 32k, and
 the window alone. Timing as bench/matvec_plans.py: CUPTI over a chain of calls, each waiting for the one before.

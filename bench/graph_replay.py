@@ -2,7 +2,7 @@
 
     python bench/graph_replay.py --layers 43 --at 2048
 
-MLX spends ~20 µs of host time per node of the compiled step (bench/RESULTS.md, session 10): the step's ~900 nodes
+MLX spends ~20 µs of host time per node of the compiled step (bench/RESULTS.md, 2026-12-02): the step's ~900 nodes
 take 18 ms of host work a token against ~12.7 ms on the GPU. Here the step's launches are recorded
 (`nvrtc.recording`, one eager step after a prompt of `--at` tokens) and built into one CUDA graph of our own
 (kernels/machinery/cudagraph.py), with the dependencies their address ranges give (and, for comparison, as one chain).

@@ -46,15 +46,15 @@
 #                  an empty kernel cache (kernels/machinery/nvrtc.py compiles), again (it reads them back), and with
 #                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
 #   loadpaths      host bytes to device arrays, 16 GB of a tmpfs file (the file step's, else random bytes), by
-#                  bench/load_paths.py's pinned path (the loader's on CUDA), memcpy path (3.7 GB/s in session 6) and
+#                  bench/load_paths.py's pinned path (the loader's on CUDA), memcpy path (3.7 GB/s on 2026-12-02) and
 #                  mx.load path (3.5 GB/s), 8 threads each: issue 10's 15 s
 #   knobs[:N[:C]]  decode at 2k over N layers (default 12) under the first C (default 3) of MLX's CUDA graph
 #                  settings: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB: a decode
 #                  step's expert kernels take the whole 1.1 GB banks as inputs, so most MoE layers end a graph),
 #                  then the MB limit lifted, then that with 1000-node graphs. Measured before: the MB limit lifted
-#                  29% slower (session 5, before decoding fed tokens ahead); no CUDA graphs, 25-node graphs and a
-#                  4000-graph cache within the spread of the defaults (session 6)
+#                  29% slower (2026-12-02, before decoding fed tokens ahead); no CUDA graphs, 25-node graphs and a
+#                  4000-graph cache within the spread of the defaults (2026-12-02)
 #   ab:DIR[:N[:CTX]] prefill from 0 to CTX tokens (default 2048) then decode there (128 tokens) over N layers
 #                  (default 43) with the tree in DIR (another commit's `git archive`: untracked and not ignored,
 #                  or named in the call's carry, so that it travels), then with this one, on the same machine

@@ -6,7 +6,7 @@ GB/s.
     python bench/matvec_plans.py --cold --chosen   # weights read from memory (as in a decode step), chosen plans
 
 Why: a decode token is ~12 ms of GPU work on the H200, and its 8-bit matvecs take 15-18 µs a call where the
-weights alone would take 2-7 µs at the GPU's bandwidth (bench/RESULTS.md, session 6 trace). `launch_plan` picks
+weights alone would take 2-7 µs at the GPU's bandwidth (bench/RESULTS.md, 2026-12-02 trace). `launch_plan` picks
 rows per threadgroup and SIMD groups per threadgroup by a rule (at least MIN_THREADGROUPS threadgroups); this
 times every plan as the model calls it (input norm folded in, the grouped output projection over its bank, the
 shared expert's down with its SwiGLU), so the rule can follow measurements. Times are the kernels' own on the GPU
@@ -32,7 +32,7 @@ SHAPES = [("q_a + kv", 4096, 1536, "norm"), ("shared gate / up", 4096, 4096, "no
           ("o_a (8 groups)", 4096, 1024, "bank"), ("o_b", 8192, 4096, ""), ("shared down", 2048, 4096, "swiglu"),
           ("LM head", 4096, 129280, "norm")]
 """(name, IN, OUT, form): the model's 8-bit decode matvecs, as the compiled step launches them (bench/RESULTS.md,
-session 9 profile): normed, plain, over the output projection's bank of 8 groups, or with the SwiGLU input."""
+the 2026-12-02 profile): normed, plain, over the output projection's bank of 8 groups, or with the SwiGLU input."""
 PLANS = [(rows, simds) for rows in (1, 2, 4, 8) for simds in (1, 2, 4, 8)]
 CALLS = 32
 GROUPS = 8

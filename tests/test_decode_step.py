@@ -49,8 +49,8 @@ def greedy(model: Model, prompt: list[int], mode: str) -> tuple[list[int], list[
 COMBINATIONS = [("tiny", "q2", True), ("tiny", "q2", False), ("tiny", "q4", True), ("tiny", "q4", False),
                 pytest.param("small", "q2", True, marks=pytest.mark.slow),
                 pytest.param("small", "q4", False, marks=pytest.mark.slow)]
-"""Every expert type and simulation setting on tiny; on small (8 layers, ~10x the CPU time: 79 and 47 s on the
-2-core VM, a sixth of the suite) each of them once, among the slow checks."""
+"""Every expert type and simulation setting on tiny; on small (8 layers, ~10x the CPU time: 79 and 47 s on a
+2-core CPU, a sixth of the suite) each of them once, among the slow checks."""
 
 
 @pytest.mark.parametrize(("preset", "experts", "simulate"), COMBINATIONS, ids=lambda v: str(v))

@@ -154,7 +154,7 @@ def test_post_pre_apart_equals_the_reference_composition(on_cpu):
 
 
 def test_references_are_the_hyper_connection_formulas(on_cpu):
-    """split/update are what §3.2 says: pre-weighted collapse, post-weighted spread plus comb-mixed streams."""
+    """split/update are what ds4.c computes: pre-weighted collapse, post-weighted spread plus comb-mixed streams."""
     n, d = 3, 8
     m = (2 + n) * n
     mix, scale, base = scaled((2, m), 9), mx.array([0.5, 1.5, 2.0]), scaled((m,), 10)

@@ -1,7 +1,7 @@
 """The IQ2_XXS and Q2_K dequant-matvec kernels: one definition rendered for CUDA and Metal, the reference on CPU.
 
 The kernels themselves only run on a GPU: the `gpu`-marked tests compare them with the reference dequantizer
-there (`pytest -m gpu` on the device machine). On the CPU the tests check what can be checked without one: the
+there (`pytest -m gpu` on a machine with a GPU). On the CPU the tests check what can be checked without one: the
 two renderings of each definition, the lattice table, the launch plan, and that the registry quietly uses the
 reference.
 """

@@ -1,4 +1,4 @@
-"""The disk KV cache (behavior.md §5.3-5.7, §4.4): checkpoint positions, the file format byte for byte, lookup,
+"""The disk KV cache (ds4_kvstore.c): checkpoint positions, the file format byte for byte, lookup,
 load, hit bookkeeping, eviction, failures that must not fail a request, the tool-id map, and the engine and server
 around it (save moments, reuse order, a restarted server).
 

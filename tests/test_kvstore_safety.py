@@ -1,4 +1,4 @@
-"""The disk KV cache never gives a wrong answer and never hangs (issue 13): checksums catch bit rot in the KV rows and
+"""The disk KV cache never gives a wrong answer and never hangs: checksums catch bit rot in the KV rows and
 logits, checkpoints of another model sharing the directory are never loaded, only regular files are opened (a FIFO
 or a symlink named like a checkpoint changes nothing), temporary files are private and exclusive, and reuse, live or
 from disk, needs the exact bytes of the prompt."""
@@ -152,7 +152,7 @@ def test_the_fingerprint_tells_models_and_settings_apart(models):
     assert model_identity(open_weights(models["a"]), False).core != a.core  # no activation simulation
     a4 = model_identity(open_weights(models["a4"]), True)
     assert a4.core == a.core and a4.experts != a.experts  # same model, other routed-expert quantization
-    # issue 41: only 512 bytes of small tensors were hashed; a change past them is another model too
+    # every byte of a small tensor is hashed, not its first 512: a change past them is another model too
     tuned = model_identity(open_weights(models["tuned"]), True)
     assert tuned.core != a.core and not a.accepts(tuned, same_experts=False)
     assert a.accepts(a4, same_experts=False) and not a.accepts(a4, same_experts=True) and not a.accepts(b, False)

@@ -1,4 +1,4 @@
-"""The MTP draft file and block, and speculative greedy decoding with it (spec §2.6, §3.10 "MTP draft", §7).
+"""The MTP draft file and block, and speculative greedy decoding with it (ds4.c).
 
 A random MTP block almost never guesses what a random model writes, so most tests replace its guesses with an
 oracle that knows the plain greedy continuation (and is wrong on purpose at chosen positions): the block still

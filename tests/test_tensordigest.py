@@ -1,4 +1,4 @@
-"""The digests of every tensor's bytes behind the model identity (issue 41): computed once per file, cached under
+"""The digests of every tensor's bytes behind the model identity: computed once per file, cached under
 the cache directory, used again only while the file is the same, and never in the way when the cache cannot be
 written or is damaged."""
 

@@ -1,4 +1,4 @@
-"""The disk KV cache (`--kv-disk-dir`, behavior.md §5.3-5.7): session checkpoints on disk, keyed by the text they
+"""The disk KV cache (`--kv-disk-dir`, ds4_kvstore.c): session checkpoints on disk, keyed by the text they
 cover, so that a returning conversation, another agent session with the same system prompt, or a restarted server
 finds its prefix already computed.
 
@@ -8,8 +8,8 @@ One file per checkpoint, named `<sha1 of the cached text>.kv`, in ds4's format (
                      u32 tokens, u32 hits, u32 ctx, u32 CRC-32 of text + payload (ds4: reserved, 0),
                      u64 created, u64 last used, u64 payload bytes
     u32 text length, the text (the UTF-8 bytes of the cached tokens: what a later prompt must start with)
-    the session payload (model/cache.py, spec gguf-and-forward.md §5.2)
-    optional "KTM" trailer: tool-call id -> the exact DSML block, for ids whose block is in the text (§4.4)
+    the session payload (model/cache.py; ds4.c's format)
+    optional "KTM" trailer: tool-call id -> the exact DSML block, for ids whose block is in the text
     the model identity footer (kvidentity.py; not in ds4's files)
 
 Lookup is by bytes, not tokens: BPE may spell the same text differently once more text follows, so a cached
@@ -88,7 +88,7 @@ class SaveReason(IntEnum):
 
 @dataclass(frozen=True)
 class KvCacheOptions:
-    """The `--kv-*` flags, with ds4's defaults (behavior.md §5.6)."""
+    """The `--kv-*` flags, with ds4's defaults (ds4_kvstore.c)."""
 
     directory: Path
     space_mb: int = 4096
@@ -295,7 +295,7 @@ def eviction_score(entry: KvEntry, now: float, protected: str | None = None) -> 
 
 
 def eviction_victim(entries: Sequence[KvEntry], now: float, protected: str | None = None) -> KvEntry:
-    """The lowest score goes first; on a tie, the one used longest ago (never used: its creation time, §5.7)."""
+    """The lowest score goes first; on a tie, the one used longest ago (never used: its creation time)."""
     return min(entries, key=lambda e: (eviction_score(e, now, protected), e.header.last_used or e.header.created))
 
 

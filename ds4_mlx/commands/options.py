@@ -160,7 +160,7 @@ def _non_negative(text: str) -> float:
 
 
 def add_mtp_options(p: argparse.ArgumentParser) -> None:
-    """ds4's MTP flags (spec §7): speculative greedy decoding with the optional MTP draft file."""
+    """ds4's MTP flags (ds4_cli.c): speculative greedy decoding with the optional MTP draft file."""
     g = p.add_argument_group("MTP speculative decoding (greedy only: --temp 0)")
     g.add_argument("--mtp", type=Path, metavar="FILE",
                    help="MTP draft file (./download_model.sh mtp) to guess tokens ahead with (default: off)")

@@ -1,4 +1,4 @@
-"""The attention sublayer (spec §3.3, §3.7, §3.8).
+"""The attention sublayer (ds4.c).
 
 Queries come through a low-rank path (q_a, norm, q_b) and get a per-head RMSNorm without weight. One shared
 head serves as both key and value (K = V). A query at position p attends to

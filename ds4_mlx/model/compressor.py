@@ -1,4 +1,4 @@
-"""KV compressors (spec §3.6): pool every `ratio` tokens into one compressed row.
+"""KV compressors (ds4.c): pool every `ratio` tokens into one compressed row.
 
 Every token t contributes a_t = W_kv x_t and a score s_t = W_gate x_t + ape[t mod ratio]; a row pools its
 tokens with a softmax over tokens taken separately for every dim.

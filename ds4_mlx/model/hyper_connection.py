@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, spec §3.2 and the final collapse of §3.10).
+"""Manifold-constrained hyper-connections (mHC, as ds4.c computes them, and the final collapse).
 
 The residual is `n_hc` parallel streams H (T, n_hc, D). Before each sublayer a learned, input-dependent
 mix collapses them into one input (`pre`); afterwards the sublayer output is spread back with `post` while the

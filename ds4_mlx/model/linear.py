@@ -1,6 +1,6 @@
 """How the forward pass reads its weights: the one place that turns GGUF tensors into matrix products.
 
-Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF ne = [IN, OUT], spec §2.1).
+Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF ne = [IN, OUT], ds4.c).
 A matrix is held in one of four forms:
 
 - affine: Q8_0 and Q4_K tensors converted at load to MLX's affine quantized layout (kernels/formats/affine.py) and

@@ -1,4 +1,4 @@
-"""The FFN sublayer: routed mixture of experts plus one shared expert (spec §3.9).
+"""The FFN sublayer: routed mixture of experts plus one shared expert (ds4.c).
 
 The router scores experts with sqrt(softplus(logit)) (no softmax). The first `n_hash_layer` layers take their
 experts from a fixed token-id table instead; every layer weights its experts by the normalised, unbiased router

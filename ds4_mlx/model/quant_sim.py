@@ -1,4 +1,4 @@
-"""Activation quantisation simulation (spec §3.5).
+"""Activation quantisation simulation (ds4.c).
 
 DeepSeek V4 was trained with quantisation-aware activations: the KV cache rows are stored as FP8 E4M3 and
 the indexer's queries and keys as FP4 E2M1 after a Hadamard rotation. ds4 reproduces those round trips in

@@ -1,4 +1,4 @@
-"""Partial, adjacent-pair RoPE (spec §3.4).
+"""Partial, adjacent-pair RoPE (ds4.c).
 
 Only the last `n_rot` dims of a head rotate, as pairs (v[2k], v[2k+1]) (GPT-J style), with no permutation of the
 file's rows. Layers without compression use plain RoPE (base 10000); compressed layers, their compressor rows and

@@ -58,7 +58,7 @@ With the norm folded in, up to ~3e-6 against MLX's CPU rms_norm, whose own 1 / r
 (the kernel is within ~1e-7 of a float64 evaluation); the same bound holds."""
 MIN_THREADGROUPS = 128
 """Rows per threadgroup shrink until a matrix spreads over at least this many (about one per SM of an H200).
-Measured on the H200 (bench/matvec_plans.py, session 9): every Flash shape is fastest at 4 or 8 rows; one row a
+Measured on the H200 (bench/matvec_plans.py, 2026-12-02): every Flash shape is fastest at 4 or 8 rows; one row a
 threadgroup (which a floor of 1024 gave the joined q_a / kv and the output projection's groups) took 1.6-2x as
 long, each threadgroup reading all of x (and the norm weight) for its one row."""
 

@@ -1,4 +1,4 @@
-"""Kernels of the attention sublayer (spec §3.4, §3.8): RoPE and one query token's attention (a chunk's queries:
+"""Kernels of the attention sublayer (ds4.c): RoPE and one query token's attention (a chunk's queries:
 chunk_attention.py).
 
 - `ROPE`: rotates the trailing n_rot dims of rows (R, D) in adjacent pairs by the angles whose cos and sin it is
@@ -205,7 +205,7 @@ KEYS = 4
 """Keys a SIMD group takes a step: their row loads in flight together, where one key at a time made its load, SIMD
 sum and exponentials a serial round trip each (16-21 µs a call on the H200 over a window of ~40-128 keys). With
 4, at 2k: 18-20 µs over the 128-key window, 21-25 over the window and 512 compressed rows, 55-58 over the window
-and 512 picked rows (bench/RESULTS.md, session 10; no same-context figure of the one-key form to set against
+and 512 picked rows (bench/RESULTS.md, 2026-12-02; no same-context figure of the one-key form to set against
 these: not shown to be faster)."""
 
 KEY_SETS: dict[str, tuple[tuple[str, ...], str, str]] = {

@@ -1,5 +1,5 @@
-"""The decode step's two ends as one launch each: the token's embedding row as the n_hc streams (spec §3.1), and
-the final hyper-connection collapse before the output norm (§3.10, model/hyper_connection.py `HyperHead`).
+"""The decode step's two ends as one launch each: the token's embedding row as the n_hc streams (ds4.c), and
+the final hyper-connection collapse before the output norm (model/hyper_connection.py `HyperHead`).
 
 Done with MLX ops they are a gather, a dtype view, a cast and a broadcast that every kernel reading it copies, and
 a norm, a matmul, a sigmoid, a product and a sum: a dozen nodes a token, each with the host cost of a node; and a

@@ -1,4 +1,4 @@
-"""The learned router's selection (spec §3.9) as one kernel: sqrt(softplus(logit)), the biased top-k with ds4's
+"""The learned router's selection (ds4.c) as one kernel: sqrt(softplus(logit)), the biased top-k with ds4's
 tie rule, and the normalised weights.
 
 In MLX ops the selection alone is ~12 launches (a partition for the k-th value, comparisons, a cumulative sum, an

@@ -1,8 +1,8 @@
 """Reference dequantizers for the GGML tensor types in DeepSeek V4 Flash GGUF files.
 
 These are written in plain MLX ops so they run on every backend. They are the source of truth that the fused
-dequant-matmul kernels are checked against, so each one follows ggml's `dequantize_row_*` operation by operation
-(spec/gguf-and-forward.md §4): the results are bit-exact in float32 with ggml and with `gguf.quants`.
+dequant-matmul kernels are checked against, so each one follows ggml's `dequantize_row_*` operation by operation:
+the results are bit-exact in float32 with ggml and with `gguf.quants`.
 
 A quantized tensor is a run of fixed-size blocks; each block holds `block_elements` values in `block_bytes` bytes,
 and a row of the tensor is a whole number of blocks. Every dequantizer takes blocks as uint8 `[n_blocks,

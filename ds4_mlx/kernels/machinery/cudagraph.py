@@ -1,6 +1,6 @@
 """A recorded decode step replayed as one CUDA graph of our own, through the CUDA driver (CUDA only).
 
-MLX evaluates a decode step node by node: ~20 µs of host work a node on the H200 (bench/RESULTS.md, session 10),
+MLX evaluates a decode step node by node: ~20 µs of host work a node on the H200 (bench/RESULTS.md, 2026-12-02),
 18 ms a token for the ~900 nodes of Flash's step against ~12.7 ms of GPU work, so the host sets the pace. Every
 node of that step that does work is one of our custom kernels, launched from a cubin we compiled (nvrtc.py), so
 its launches can be recorded (`nvrtc.recording`) and given to the driver as one graph: one launch a token, whatever

@@ -3,7 +3,7 @@
 MLX compiles each `mx.fast.cuda_kernel` instance with NVRTC at its first launch in every process and keeps no copy:
 custom kernels skip the disk cache MLX's own kernels use (`use_disk_cache` is false in MLX 0.32.4's
 custom_kernel.cpp). A Flash session launches ~100 kernel instances (kernel x template constants), and the H200 spent
-~140 s compiling them before each process's first token (bench/RESULTS.md, session 5).
+~140 s compiling them before each process's first token (bench/RESULTS.md, 2026-12-02).
 
 Here the text MLX would build (`kernel_text`: MLX's layout, with the standard CUDA headers in place of MLX's
 utils.cuh, which these kernels never use) is compiled by the NVRTC library MLX itself loaded, through ctypes, to a

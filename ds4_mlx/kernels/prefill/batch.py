@@ -5,7 +5,7 @@ bfloat16 activations), so a Q8_0 projection of 512 tokens ran at 36 GB/s there (
 BATCH_TOKENS rows on, a GPU backend instead dequantizes the affine weight (one fused `mx.dequantize`, the
 reference's values exactly) and calls the dense GEMM (cuBLAS on CUDA). The transient copy is one matrix: at most
 OUT * IN * 4 bytes (128 MiB for Flash's largest per-token projection, attn_q_b 32768 x 1024). On the CPU MLX's
-quantized matmul is as fast as dequantize + GEMM at these sizes (measured on the 2-core VM, within its noise), so
+quantized matmul is as fast as dequantize + GEMM at these sizes (measured on a 2-core CPU, within its noise), so
 the CPU keeps it: no transient copy there. In float32 on CUDA, the tensor-core kernel of dense_f16.py reads the
 affine weight itself instead (no copy, float16 tensor cores at float32 accuracy); this path is its fallback and
 Metal's.

@@ -1,4 +1,4 @@
-"""A chunk's attention core (spec §3.4, §3.8): a block of prefill queries in one launch, the multi-query sibling of
+"""A chunk's attention core (ds4.c): a block of prefill queries in one launch, the multi-query sibling of
 attention.py's decode kernel. Its reference (`attend_block`, model/attention.py) builds masks, joins and gathers key
 sets (a (B, top_k, D) copy of the picked rows) and runs ~25 MLX ops per block. Queries arrive normed and rotated;
 each sees the raw rows of its window (from the positions), then by kind (CHUNK_KEY_SETS) nothing, the visible
@@ -39,9 +39,9 @@ are not real are never loaded), read where they are stored. Online softmax with 
   Measured (H200, 4096 queries from position 8192, bench/chunk_attention.py; ms for a ratio-4 layer / ratio 128 /
   window only): SIMT 32.0 / 10.8 / 4.9; the 3xTF32 kernel this replaced (mma.m16n8k8 on TF32 splits made again at
   every fragment load) 14.3 / 5.2 / 3.2; with half planes split in the kernel 10.3 / 4.1 / 2.5; with the keys
-  split before the launch 8.9 / 3.5 / 2.6. Nsight Compute (session 16): one threadgroup of 8 warps an SM (its
+  split before the launch 8.9 / 3.5 / 2.6. Nsight Compute (2026-12-03): one threadgroup of 8 warps an SM (its
   210 KB of planes), issue slots 29% busy, 9.1 instructions a mma. With the queries' fragments in registers
-  (session 22): 6.85 / 2.93 / 1.95, and an 8k prompt's prefill 3,998 -> 4,109 t/s (same machine); Nsight Compute
+  (2026-12-04): 6.85 / 2.93 / 1.95, and an 8k prompt's prefill 3,998 -> 4,109 t/s (same machine); Nsight Compute
   then put 29% of the kernel's stall samples in the softmax (a lane a key) and found 30-odd integer instructions
   a 16-byte copy in the staging: with 8 lanes a head and PER_KEY threads a key (its source found once) 5.61 /
   2.59 / 1.76, and 8k 3,965 -> 4,053 t/s against the session's start (another machine); with the keys' inverse

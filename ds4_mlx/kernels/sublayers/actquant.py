@@ -1,4 +1,4 @@
-"""Activation quantisation simulation kernels (spec §3.5): the FP8 KV round trip and the indexer's Hadamard + FP4.
+"""Activation quantisation simulation kernels (ds4.c): the FP8 KV round trip and the indexer's Hadamard + FP4.
 
 In MLX ops each is a chain of reductions, bit manipulations and, for the Hadamard, one stack per butterfly stage:
 ~10 launches for FP8 and ~25 for Hadamard + FP4, on every KV row, compressed row and indexer query of a decode

@@ -1,4 +1,4 @@
-"""The compressor's decode step (spec §3.6) as one kernel: insert the token into the frontier, pool its window,
+"""The compressor's decode step (ds4.c) as one kernel: insert the token into the frontier, pool its window,
 and shift the frontier when the window is complete; and a prefill chunk's pooling as one kernel (`CompressorChunk`).
 
 In MLX ops this is ~17 launches (the row insert, the lane split of ratio 4, a softmax, a product and a sum, the

@@ -1,4 +1,4 @@
-"""Hyper-connection kernels (spec §3.2): the pre (mix projection and split with its Sinkhorn projection), the
+"""Hyper-connection kernels (ds4.c): the pre (mix projection and split with its Sinkhorn projection), the
 stream update, and the update fused with the pre that follows it.
 
 All are tiny in arithmetic (4 streams, a 4x4 matrix) but many in operations: written in MLX ops, the Sinkhorn
@@ -432,7 +432,7 @@ class HCMix:
     outputs), two per layer. The kernel reads the streams once (_MIX): MIX_WARPS SIMD groups a threadgroup, each
     adding the squares and fn dot products of MIX_TOKENS_PER_WARP tokens with half of fn's rows, fn staged in
     threadgroup memory, the rms factor applied to the sums as HCPre's collapse applies it: 409 µs a launch at 8192
-    tokens (session 21; 239 registers, one threadgroup an SM, ~3.5x the streams' read at full bandwidth). Float32
+    tokens (2026-12-04; 239 registers, one threadgroup an SM, ~3.5x the streams' read at full bandwidth). Float32
     sums in another order: within TOLERANCE (HCPre's argument)."""
 
     def __init__(self, reference: Callable[[mx.array, mx.array, float], mx.array]):

@@ -1,4 +1,4 @@
-"""The lightning indexer's choice (spec §3.7) in two launches: the scores, then the top k. For decode queries, and
+"""The lightning indexer's choice (ds4.c) in two launches: the scores, then the top k. For decode queries, and
 for a prefill chunk's (finished by then: rope None), where the composition below held a (B, H, N) float32 product
 and ~10 launches per block of queries.
 
@@ -15,7 +15,7 @@ indexer rows (N, D), of which the first (p + 1) // ratio are visible to a query 
   time with shuffles and no barrier: RoPE at the position, then, simulating, Hadamard + FP4), with the arithmetic
   of kernels/sublayers/rows.py's finish kernel: the decode step's query finish is no launch of its own. (Finished
   through threadgroup memory, 256 threads a pass with a barrier a butterfly, the finish took most of the launch's 77 µs
-  at 2k: session 10.)
+  at 2k: 2026-12-02.)
 - `SELECT_KERNEL`: one threadgroup of 1024 threads per query. With at most top_k visible rows the answer is fixed:
   indices 0..top_k-1, valid below the visible count (what `mask_to_indices` pads with). Otherwise it finds the
   top_k-th largest score by a radix select over order-preserving uint32 keys (4 passes of 8 bits, a 256-bin
@@ -623,7 +623,7 @@ class IndexerPick:
         threadgroup memory; D threads finish a head, whole SIMD groups of one head. Past top_k rows the tensor-core
         score kernel and the select are the same compiled code for any row count (a count input), so a prefill
         chunk's rows count as top_k + 1: one check, not one at each new chunk position (each read its probe's
-        results back mid-chunk, ~4-9 ms of idle GPU on the H200, session 21)."""
+        results back mid-chunk, ~4-9 ms of idle GPU on the H200, 2026-12-04)."""
         h, d = weights.shape[1], rows.shape[1]
         if (d % SIMD_WIDTH or (SCORE_SIMDS * SIMD_WIDTH) % d or heads_padded(h) * d * 4 > QUERY_BYTES
                 or quant == RowQuant.KV_FP8 or (rope is None and quant != RowQuant.NONE)

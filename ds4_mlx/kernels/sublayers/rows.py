@@ -1,4 +1,4 @@
-"""Finishing rows (spec §3.4, §3.5): RMSNorm, RoPE of the trailing dims, then quantisation simulation, one launch.
+"""Finishing rows (ds4.c): RMSNorm, RoPE of the trailing dims, then quantisation simulation, one launch.
 
 A decode step finishes a row right after its projection: the KV row (norm with kv_norm, RoPE, FP8, float16
 round), each compressed row (norm, RoPE at its window's first position, FP8 or Hadamard + FP4) and the indexer's

@@ -28,8 +28,8 @@ reads the packed quants, scales and biases themselves, one launch: y = x @ W.T f
 
 Measured (H200, 4096 rows, bench/prefill_gemms.py), against the 3xTF32 kernel this replaced (TF32 mma.m16n8k8, x
 split at every fragment read): q_a 0.66 / 0.88 ms, q_b 3.84 / 5.80, out_b 3.47 / 5.72 (79 TFLOP/s), the shared
-expert's gate 1.12 / 1.57. With x split before the GEMM (session 8, another machine): q_a 0.74, q_b 3.63 (was 4.01
-there), out_b 3.52 (3.63), shared gate 1.10 (1.32). Staged through registers one group ahead (session 14): q_a
+expert's gate 1.12 / 1.57. With x split before the GEMM (2026-12-02, another machine): q_a 0.74, q_b 3.63 (was 4.01
+there), out_b 3.52 (3.63), shared gate 1.10 (1.32). Staged through registers one group ahead (2026-12-03): q_a
 0.64, q_b 3.50, out_b 3.38, shared gate 1.05; by cp.async 2 / 3 / 4 stages deep, mma in the order written then:
 q_b 3.51 / 3.62 / 3.56, out_b 3.39 / 3.54 / 3.41, so the loads were never what held it. Nsight Compute (session
 15) showed what did: 10.5 instructions issued per mma, 4.3 of them register moves gathering each A fragment from
@@ -67,7 +67,7 @@ TK = GROUP_SIZE
 """K slice per stage: one affine group (two mma k-steps of 16), so that one scale and one c apply to it."""
 STAGES = 2
 """Stages in flight: the copies of the next group land while one is multiplied. Deeper was no faster (H200,
-bench/prefill_gemms.py, session 14: q_b 3.48 / 3.53 / 3.54 ms at 2 / 3 / 4 stages, out_b 3.35 / 3.50 / 3.46)."""
+bench/prefill_gemms.py, 2026-12-03: q_b 3.48 / 3.53 / 3.54 ms at 2 / 3 / 4 stages, out_b 3.35 / 3.50 / 3.46)."""
 THREADS = 256
 """8 warps."""
 TOLERANCE = 1e-5

@@ -25,17 +25,17 @@ stage, passes one barrier (every warpgroup is done with the buffer the next copi
 wgmma that read it), issues the copies, reads its A fragments and scales, and issues its wgmma. Threadgroups take
 token tiles fastest, so the ones running together share a W tile.
 
-Nsight Compute's stall sampling (session 20) found B's cp.async copies (four 16-byte copies a thread a stage) the
+Nsight Compute's stall sampling (2026-12-04) found B's cp.async copies (four 16-byte copies a thread a stage) the
 holdup: the memory instruction queue full, so the copies' own address registers and the A fragments' shared loads
 waited behind them (stalls on rewriting the copies' address registers and on the fragments' loads: 38% of the
 samples in q_b's loop, against 8% waiting for the tensor cores). The bulk copies take that queue off B.
 
-Measured (H200, 4096 tokens, bench/prefill_gemms.py, session 17): the first form (64 tokens as hi and lo columns,
+Measured (H200, 4096 tokens, bench/prefill_gemms.py, 2026-12-03): the first form (64 tokens as hi and lo columns,
 a drain of an add and an FMA a token) was slower than dense_f16.py (q_b 4.08 against 2.82 ms): 312 instructions a
 warp a group, 8 warps an SM, issue slots 37% busy (Nsight Compute). This form at dense_f16.py's 128 x 128 tile (two
 warpgroups) was within 10% of it either way; with three warpgroups (192 W rows: 27% less of x copied a product)
 15-21% faster (PLAN). End to end, an 11.5k-token prompt over 43 layers: 2,444 t/s (two warpgroups, pipelined) and
-2,556 t/s (three), one machine; dense_f16.py's last figure 2,483 (session 16). B by bulk copies (session 20): q_b
+2,556 t/s (three), one machine; dense_f16.py's last figure 2,483 (2026-12-03). B by bulk copies (2026-12-04): q_b
 2.38 → 1.82 ms, the prompt 3,143 → 3,298 t/s (3,416 once the tiles split was made fast).
 
 Q4_K (whose nonzero offset needs x's row sums) keeps dense_f16.py's kernel; so does any device without wgmma (the
@@ -85,11 +85,11 @@ each) and drains the first while the tensor cores multiply the second, as groupe
 the whole m64n128k16 product, then drains it."""
 PLAN = (PIPELINE, AHEAD, WARPGROUPS, OVERLAP, STAGES)
 """(PIPELINE, AHEAD, WARPGROUPS, OVERLAP, STAGES), for every shape. Measured on the H200 (4096 tokens,
-bench/prefill_gemms.py, session 19, ms; this plan / the same waited whole (0, 3, 3, 0) / two warpgroups pipelined
-(1, 2, 2, 0), the narrow plan of sessions 17-18): q_a 0.472 / 0.530 / 0.552, q_b 2.377 / 2.370 / 2.884, out_b
+bench/prefill_gemms.py, 2026-12-03, ms; this plan / the same waited whole (0, 3, 3, 0) / two warpgroups pipelined
+(1, 2, 2, 0), the narrow plan of 2026-12-03): q_a 0.472 / 0.530 / 0.552, q_b 2.377 / 2.370 / 2.884, out_b
 2.232 / 2.268 / 2.547, shared gate 0.721 / 0.778 / 0.876, F16 512 x 4096 0.317 / 0.388 / 0.367, F16 8192 x 1024
 0.723 / 0.736 / 0.795. In the model (a 4-layer chunk's projections, one machine) the three were within the runs'
-spread of each other (40.6-42.8 ms), so the one plan serves every shape. With B by bulk copies (session 20; this
+spread of each other (40.6-42.8 ms), so the one plan serves every shape. With B by bulk copies (2026-12-04; this
 plan / (0, 3, 3, 0) / (1, 2, 2, 0) / (0, 2, 3, 1)): q_b 1.821 / 1.886 / 1.938 / 1.846, out_b 1.911 / 1.870 / 1.875 /
 1.848, shared gate 0.639 / 0.641 / 0.654 / 0.653: still the one plan; a chunk's projections 40.1 → 26.8 ms. Deeper
 pipelines (5 stages copied 4 ahead, 6 copied 5 ahead) were 5-15% slower at every shape (another machine)."""

@@ -46,8 +46,8 @@ bench/prefill_gemms.py): 12.0 / 14.3 ms per Flash IQ2_XXS / Q2_K projection for 
 at TK 32 and one threadgroup an SM; 7.2 / 8.6 at TK 64 and two (GROUPS); **6.5 / 8.7** with x split before the
 GEMM (63 / 48 TFLOP/s of useful work, ~13% of the float16 peak: each stage still decodes W in registers between two
 barriers, and a tile of 64 pairs decodes every expert's W about twice: 96 pairs an expert in a 4096-token chunk);
-**6.22 / 7.87** with x by cp.async and two W tiles, one barrier a stage (session 14, STAGES). Nsight Compute
-(session 15, bench/ncu_summary.py) then counted 12 instructions issued per mma in the Q2_K kernel, as often
+**6.22 / 7.87** with x by cp.async and two W tiles, one barrier a stage (2026-12-03, STAGES). Nsight Compute
+(2026-12-03, bench/ncu_summary.py) then counted 12 instructions issued per mma in the Q2_K kernel, as often
 waiting for an issue slot as for data: 3.2 FFMA (its drain every group of 16) and 1.7 fragment loads. The
 fragments now come by ldmatrix (a tenth of the loads) and Q2_K's group scales ride in the tile.
 """
@@ -389,7 +389,7 @@ sm_90: 169 / 182 registers without them, one threadgroup an SM; 128 with 28 / 36
 threadgroup's stage can run while the other waits on its loads."""
 STAGES = 2
 """Stages of x in flight: the copies of the next STAGES - 1 are landing while one is multiplied. Measured (H200,
-bench/prefill_gemms.py, session 14, TK 64, two threadgroups an SM): IQ2_XXS 6.22 / 6.16 ms at 2 / 3 stages, Q2_K
+bench/prefill_gemms.py, 2026-12-03, TK 64, two threadgroups an SM): IQ2_XXS 6.22 / 6.16 ms at 2 / 3 stages, Q2_K
 7.87 / 9.08 (3 stages spill registers there)."""
 
 

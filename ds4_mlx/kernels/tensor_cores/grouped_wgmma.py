@@ -18,7 +18,7 @@ two halves give float32 accuracy), arranged as dense_wgmma.py arranges the Q8_0 
 
 The W tile's raw blocks (a block is PER_BLOCK stages) are copied by cp.async too, W_SLOTS - 1 blocks ahead into
 W_SLOTS slots: an expert's W is read from HBM once per tile, and loads issued a stage ahead into registers left the
-decode waiting on them (Nsight Compute, session 18: the most stalled instructions were the decode's first uses of
+decode waiting on them (Nsight Compute, 2026-12-03: the most stalled instructions were the decode's first uses of
 the loaded words) and spilled registers. Per stage (TK = 64: two slices), each warpgroup decodes its A, issues the
 lo then the hi plane of each k-step into zeroed partial sums, waits, and drains them into float32 accumulators with
 one scale per W row (8 products deep, as grouped_raw.py drains a stage). A tile of 128 pairs and 64 WARPGROUPS W
@@ -26,12 +26,12 @@ rows never straddles experts (grouped_gemm.py's row-tile scan); column tiles run
 running together share one tile of x. Where grouped_raw.py's 64-pair tiles decoded an expert's W about twice at
 Flash's 96 pairs an expert, these decode it once.
 
-Measured (H200, bench/prefill_gemms.py, a 4096-token chunk's 24,576 pairs, session 18; grouped_raw.py gathered:
+Measured (H200, bench/prefill_gemms.py, a 4096-token chunk's 24,576 pairs, 2026-12-03; grouped_raw.py gathered:
 5.27 / 6.28 ms per IQ2_XXS / Q2_K projection): stages of 32 with W loaded into registers a stage ahead 4.22 /
 5.39 ms; with L2 prefetches of W two blocks ahead 4.10 / 5.28; stages of 64 3.84 / 5.07; W by cp.async as above,
-three x stages, **3.74 / 4.93** (110 / 84 TFLOP/s of useful work); session 19, Q2_K's mins by MINS, **3.71 /
-3.88**. An 11.5k-token prompt over 43 layers: 2,536 → 2,688 t/s (session 18), 2,641 → 2,741 t/s (MINS, session 19).
-Session 20: B by two bulk copies a stage from the pairs split into their own tiles (`split_slots`), where the first
+three x stages, **3.74 / 4.93** (110 / 84 TFLOP/s of useful work); 2026-12-03, Q2_K's mins by MINS, **3.71 /
+3.88**. An 11.5k-token prompt over 43 layers: 2,536 → 2,688 t/s (2026-12-03), 2,641 → 2,741 t/s (MINS, 2026-12-03).
+On 2026-12-04: B by two bulk copies a stage from the pairs split into their own tiles (`split_slots`), where the first
 256 threads' 16-byte cp.async copies filled the memory instruction queue (Nsight Compute's stall samples: the copies'
 address registers and the thread id re-read behind them): a 4-layer chunk's IQ2_XXS 30.8 → 23.0 ms, Q2_K 13.9 →
 12.5, for 2.1 ms of slot splits; 3,416 → 3,708 t/s over the 11.5k prompt.
@@ -64,13 +64,13 @@ TK = 64
 together: 4 U wgmma deep."""
 STAGES = 3
 """x stages in flight (32 KB each): the copies of the next STAGES - 1 land while one is multiplied. Measured (H200,
-session 18, ms per IQ2_XXS / Q2_K projection): 3.74 / 4.93 at 3 stages, 3.87 / 5.13 at 4; with B by bulk copies
-(session 20) 3.111 / 3.364 at 3, 3.066 / 3.487 at 4."""
+2026-12-03, ms per IQ2_XXS / Q2_K projection): 3.74 / 4.93 at 3 stages, 3.87 / 5.13 at 4; with B by bulk copies
+(2026-12-04) 3.111 / 3.364 at 3, 3.066 / 3.487 at 4."""
 MINS = 1
 """Q2_K's mins: 0, a second product each stage of the same B by A = each lane's group's m (four more wgmma a slice
 and a drain); 1, one product a block by A = 16 m over the block's 16 groups and B = the tile's sums of x over each
 group of 16 / 16 (`group_sums`, as halves, copied with the block), drained with -dmin once a block. Equal within
-TOLERANCE in emulation. Measured (H200, session 19, ms per Q2_K projection): 4.85 with 0, **3.88** with 1. (Two
+TOLERANCE in emulation. Measured (H200, 2026-12-03, ms per Q2_K projection): 4.85 with 0, **3.88** with 1. (Two
 halves of 64 pairs a k-step, the first drained while the second multiplied, were slower here: IQ2_XXS 3.71 → 3.79,
 Q2_K 4.85 → 6.41 ms; dense_wgmma.py's OVERLAP, where they win, is what remains of them.)"""
 W_SLOTS = 3
@@ -510,7 +510,7 @@ if (ok && (at & 7u) == 0u) {
 """Thread i: values 4 i .. 4 i + 3 of x (one float4 load: a warp reads 512 contiguous bytes), times its row's
 power of two (the split's); four lanes sum a group of 16 (16 values below 2^15: below 2^19), and the first of
 eight lanes writes word i / 8 of the rows' words: its group's and the next group's sum / 16 (exact: below 2^15, a
-half's range) as hi and lo halves. (One thread a word, 32 loads of its own, read x at ~780 GB/s: session 19.)"""
+half's range) as hi and lo halves. (One thread a word, 32 loads of its own, read x at ~780 GB/s: 2026-12-03.)"""
 SUMS_KERNEL = Kernel("ds4_group_sums", ("x", "xscale", "dims"), ("shi", "slo"), _SUMS)
 
 

@@ -19,7 +19,7 @@ rows; the last two of each layout held).
 Three layouts: row-major words (`split_rows`, for grouped_raw.py, whose tiles gather any rows by index and take
 their fragments by ldmatrix), the fragment layout (`split_blocks`, for dense_f16.py, whose tiles are whole 16-row
 blocks: each 16-byte word is one lane's A fragment as mma takes it, so the kernel neither gathers nor moves it;
-the row-major reading cost 4.3 register moves per mma, Nsight Compute on the H200, session 15), and the tiles
+the row-major reading cost 4.3 register moves per mma, Nsight Compute on the H200, 2026-12-03), and the tiles
 layout (`split_tiles`, for the wgmma kernels: each 128-row tile's group of 32 values one 8 KB block a plane, laid
 out as a stage's B plane lies in threadgroup memory, so that dense_wgmma.py moves it by one bulk copy where
 cp.async took 512 instructions of 16 bytes, and grouped_wgmma.py gathers any row's 16-byte runs from it).
@@ -264,7 +264,7 @@ SIMD group splits whole groups of 32 values of all 8 rows, lane 4 j + w reading 
 group (two 16-byte loads: pairs 4 w + kc, word w of run kc) and writing word w of slot j's run kc for each kc, so
 that a SIMD group writes each run's 128 bytes (core matrix (n0 / 8, kc)) whole. Slots without a row are zeros. (One
 threadgroup a row, each writing its own 16-byte runs, took 180 us a 4096 x 4096 split on the H200, 1.0 ms for
-out_a's 32768 rows: session 20.) Shared with grouped_wgmma.py's split of a chunk's pairs into their tiles."""
+out_a's 32768 rows: 2026-12-04.) Shared with grouped_wgmma.py's split of a chunk's pairs into their tiles."""
 
 _SPLIT_TILES = """
 const int n_in = dims[0];
