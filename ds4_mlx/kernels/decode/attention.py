@@ -300,9 +300,9 @@ SPLIT_KERNELS = {kind: _attend_kernel(kind, True) for kind in KEY_SETS}
 
 
 def splits_for(kind: str, heads: int) -> int:
-    """Threadgroups sharing a head's keys, from `bench/attention_plans.py` on the H200 (bench/RESULTS.md, session
-    14; Flash's 64 heads, 1 / 2 / 4 / 8 threadgroups a head): a ratio-4 layer's call over the window and 512
-    picked rows 42.1 / 29.6 / 27.3 / 41.7 µs, so four; the window alone 18.4 / 18.6 / 20.4 / 30.5 and a ratio-128
+    """Threadgroups sharing a head's keys, from `bench/attention_plans.py` on the H200 (bench/RESULTS.md,
+    2026-12-03; Flash's 64 heads, 1 / 2 / 4 / 8 threadgroups a head): a ratio-4 layer's call over the window and
+    512 picked rows 42.1 / 29.6 / 27.3 / 41.7 µs, so four; the window alone 18.4 / 18.6 / 20.4 / 30.5 and a ratio-128
     layer's rows 14.6 / 19.0 / 28.0 / 31.2 at 2k (22.6 / 32.6 / 27.4 / 38.3 at 32k), so one. Metal keeps one:
     its split text has never run."""
     return 4 if kind == "picked" and current_backend() == "cuda" else 1

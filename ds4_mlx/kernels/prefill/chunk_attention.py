@@ -9,10 +9,10 @@ are not real are never loaded), read where they are stored. Online softmax with 
   heads): 4 x B at Flash. Each SIMD group holds two heads' queries and accumulators (lane: dims lane, lane + 32,
   ...); the threadgroup stages CHUNK_TILE = 8 keys at a time in threadgroup memory, so each key is read from L2
   once per 16 heads and from threadgroup memory once per SIMD group (conflict-free). Threadgroup memory: 4 * 8 * D
-  = 16 KB at D = 512, plus 4 * top_k (2 KB) for "picked": within Apple GPUs' 32 KB. Measured on the H200 (session
-  8): 32-40 ms for a ratio-4 layer's 4096-token chunk deep in a context (640 keys a query), a quarter of a prefill
-  chunk's time over Flash's 43 layers: a key costs a SIMD group 16 threadgroup loads per lane, 64 FMAs and 6
-  shuffles for two heads. Metal's kernel, and CUDA's where the tensor-core one did not pass its check.
+  = 16 KB at D = 512, plus 4 * top_k (2 KB) for "picked": within Apple GPUs' 32 KB. Measured on the H200
+  (2026-12-02): 32-40 ms for a ratio-4 layer's 4096-token chunk deep in a context (640 keys a query), a quarter of
+  a prefill chunk's time over Flash's 43 layers: a key costs a SIMD group 16 threadgroup loads per lane, 64 FMAs
+  and 6 shuffles for two heads. Metal's kernel, and CUDA's where the tensor-core one did not pass its check.
 - `TENSOR_KERNELS` (CUDA): the same attention on float16 tensor cores at float32 accuracy (mma.m16n8k16, float32
   sums). Each query row and each key row is scaled by a power of two (halfsplit.py's rule: its largest magnitude
   in [2^14, 2^15)) and split into two halves, hi and lo, kept as half planes in threadgroup memory; a product
@@ -44,7 +44,7 @@ are not real are never loaded), read where they are stored. Online softmax with 
   (2026-12-04): 6.85 / 2.93 / 1.95, and an 8k prompt's prefill 3,998 -> 4,109 t/s (same machine); Nsight Compute
   then put 29% of the kernel's stall samples in the softmax (a lane a key) and found 30-odd integer instructions
   a 16-byte copy in the staging: with 8 lanes a head and PER_KEY threads a key (its source found once) 5.61 /
-  2.59 / 1.76, and 8k 3,965 -> 4,053 t/s against the session's start (another machine); with the keys' inverse
+  2.59 / 1.76, and 8k 3,965 -> 4,053 t/s against the kernel before (another machine); with the keys' inverse
   scales from their bits (one division a round) 5.32 / 2.30 / 1.62. A threadgroup's fixed cost (the picks'
   compaction, the queries' split, the output) is ~11 us by a fit over the three kinds, ~3 rounds' worth: one
   205 KB threadgroup an SM leaves nothing to overlap it.

@@ -31,9 +31,9 @@ split at every fragment read): q_a 0.66 / 0.88 ms, q_b 3.84 / 5.80, out_b 3.47 /
 expert's gate 1.12 / 1.57. With x split before the GEMM (2026-12-02, another machine): q_a 0.74, q_b 3.63 (was 4.01
 there), out_b 3.52 (3.63), shared gate 1.10 (1.32). Staged through registers one group ahead (2026-12-03): q_a
 0.64, q_b 3.50, out_b 3.38, shared gate 1.05; by cp.async 2 / 3 / 4 stages deep, mma in the order written then:
-q_b 3.51 / 3.62 / 3.56, out_b 3.39 / 3.54 / 3.41, so the loads were never what held it. Nsight Compute (session
-15) showed what did: 10.5 instructions issued per mma, 4.3 of them register moves gathering each A fragment from
-two row-major x rows; with x in the fragment layout 6.5, and q_b 2.77, out_b 2.83, q_a 0.555, shared gate 0.95.
+q_b 3.51 / 3.62 / 3.56, out_b 3.39 / 3.54 / 3.41, so the loads were never what held it. Nsight Compute (2026-12-03)
+showed what did: 10.5 instructions issued per mma, 4.3 of them register moves gathering each A fragment from two
+row-major x rows; with x in the fragment layout 6.5, and q_b 2.77, out_b 2.83, q_a 0.555, shared gate 0.95.
 
 BITS = 16 is the same kernel for an F16 matrix (`half_matmul`: the compressor, indexer and router projections of
 a chunk, which took cuBLAS's float32 SIMT GEMM, ~5% of a chunk's GPU time): its values are halves already, staged

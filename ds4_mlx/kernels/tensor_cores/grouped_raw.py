@@ -71,8 +71,8 @@ SLICE = 32
 TK = 64
 """K per stage (two slices: two mma k-steps of 16 each): the work between a stage's barriers, which has to cover
 the next stage's W loads in flight. Measured (H200, 4096-token chunk) at TK = 32: 9.05 ms per IQ2_XXS and 10.3 ms
-per Q2_K Flash projection, ~9% of the float16 tensor-core peak, when a stage passed two barriers; with one (session
-14) TK = 32 is still slower: 6.61 / 8.45 ms against 6.16 / 9.08 at 3 stages."""
+per Q2_K Flash projection, ~9% of the float16 tensor-core peak, when a stage passed two barriers; with one
+(2026-12-03) TK = 32 is still slower: 6.61 / 8.45 ms against 6.16 / 9.08 at 3 stages."""
 
 
 def template(tk: int = TK) -> list[tuple[str, int]]:
