@@ -1,10 +1,10 @@
-"""The decode attention kernel (kernels/attention.py) at Flash's shapes with each head's keys shared by 1, 2, 4
+"""The decode attention kernel (kernels/decode/attention.py) at Flash's shapes with each head's keys shared by 1, 2, 4
 or 8 threadgroups: GPU µs a call, and the output against the one-threadgroup kernel's.
 
     python bench/attention_plans.py      # on the GPU machine (torch for CUPTI); ~1 min
 
 Why: one threadgroup a head puts Flash's 64 heads on 64 of the H200's 132 SMs, and the call over the window and
-512 picked rows took 47 µs (0.98 ms of a 2k token's 8.2, bench/RESULTS.md session 13). The split kernels
+512 picked rows took 47 µs (0.98 ms of a 2k token's 8.2, bench/RESULTS.md, 2026-12-03). The split kernels
 (SPLIT_HEAD) run SPLITS threadgroups a head and merge their shares in the last one; `splits_for` chooses from
 these figures. The shapes are a ratio-4 layer's picks and a ratio-128 layer's visible rows at 2k and at 32k, and
 the window alone. Timing as bench/matvec_plans.py: CUPTI over a chain of calls, each waiting for the one before.
@@ -17,7 +17,7 @@ import json
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.attention import GROUPS, TOLERANCE, DecodeAttention, StepShape
+from ds4_mlx.kernels.decode.attention import GROUPS, TOLERANCE, DecodeAttention, StepShape
 from ds4_mlx.model.config import FLASH
 from matvec_plans import gpu_us
 

@@ -6,12 +6,12 @@
 Rows, per kind of layer: "picked" (a ratio-4 layer: the 128-row window and the indexer's 512 real picks among the
 visible compressed rows), "rows" (a ratio-128 layer: the window and every visible compressed row), "window" (the
 window alone). Each kind runs through the SIMT kernel and the tensor-core kernel at 16 and 32 heads a threadgroup
-(kernels/chunk_attention.py); every line is checked against the SIMT kernel's output (the same attention within
+(kernels/prefill/chunk_attention.py); every line is checked against the SIMT kernel's output (the same attention within
 TOLERANCE), so a fast but wrong variant shows. Then the indexer's choice for the same queries on a ratio-4 layer
 (scores over the visible compressed rows, then the top 512): the composed reference (`pick_rows`: a (B, 64, N)
 product, relu, weighting, head sum, mask and sorts), the SIMT score kernel and the tensor-core one, each followed by
-the select kernel (kernels/indexer.py); each line gives the share of picks equal to the reference's. CUDA only for
-the tensor-core lines.
+the select kernel (kernels/sublayers/indexer.py); each line gives the share of picks equal to the reference's. CUDA only
+for the tensor-core lines.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels import chunk_attention
-from ds4_mlx.kernels.chunk_attention import ChunkAttention
-from ds4_mlx.kernels.indexer import indexer_scores, select_rows, tensor_scores
-from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.kernels.prefill import chunk_attention
+from ds4_mlx.kernels.prefill.chunk_attention import ChunkAttention
+from ds4_mlx.kernels.sublayers.indexer import indexer_scores, select_rows, tensor_scores
+from ds4_mlx.kernels.machinery.probe import random_activations
 from ds4_mlx.model.attention import pick_rows
 from ds4_mlx.model.config import FLASH
 from prefill_gemms import per_call_ms  # bench/ is the script's directory

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.machinery import registry
 from ds4_mlx.model.hyper_connection import PendingPost
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.norm import rms_norm

@@ -1,9 +1,10 @@
-"""The decode expert kernels (kernels/experts.py) at Flash's shapes under other threadgroup counts: GPU µs a call.
+"""The decode expert kernels (kernels/decode/experts.py) at Flash's shapes under other threadgroup counts: GPU µs a
+call.
 
     python bench/expert_plans.py            # on the GPU machine (torch for CUPTI); ~1 min
 
 Why: the routed experts' gate / up (IQ2_XXS, SwiGLU and input norm folded in) and down + slot sum (Q2_K) took 34
-and 24 µs a layer in session 9's decode profile, ~0.8 TB/s, a fifth of a decode token's GPU time. Their plans
+and 24 µs a layer in the 2026-12-02 decode profile, ~0.8 TB/s, a fifth of a decode token's GPU time. Their plans
 spread one token over about GATE_UP_GROUPS and DOWN_GROUPS threadgroups (rows per threadgroup follow); this times
 other counts as bench/matvec_plans.py times the matvec's plans (CUPTI, chained calls), each output checked against
 the default count's.
@@ -15,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 from matvec_plans import CALLS, gpu_us
 
-from ds4_mlx.kernels import experts
-from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.decode import experts
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 
 EXPERTS = 32

@@ -17,10 +17,10 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels import dense_f16, grouped_raw
-from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.grouped_gemm import expert_counts
-from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.tensor_cores import dense_f16, grouped_raw
+from ds4_mlx.kernels.formats.affine import to_affine
+from ds4_mlx.kernels.tensor_cores.grouped_gemm import expert_counts
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 from prefill_gemms import EXPERTS, USED, per_call_ms
 

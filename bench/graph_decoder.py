@@ -2,8 +2,8 @@
 
     python bench/graph_decoder.py --layers 43 --at 2048
 
-A recorded step replayed on its own inputs ran at 11.4 ms (bench/graph_replay.py, session 11); driven by new tokens
-through the session it ran at 146 ms. This split that apart (session 12, bench/RESULTS.md): device memory and the
+A recorded step replayed on its own inputs ran at 11.4 ms (bench/graph_replay.py, 2026-12-02); driven by new tokens
+through the session it ran at 146 ms. This split that apart (2026-12-03, bench/RESULTS.md): device memory and the
 default memory pool's reserve after the model, the prefill and the graphs; the decoder driven four ways (one step
 relaunched or advancing, each with or without an MLX scalar made between steps: advancing alone was slow, so the
 cost followed the pages each token reads, not the host's work); the session's loop part by part (feed_chosen, which
@@ -23,7 +23,7 @@ import time
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.cudagraph import Driver
+from ds4_mlx.kernels.machinery.cudagraph import Driver
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 from ds4_mlx.session import Session

@@ -16,7 +16,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels import nvrtc
+from ds4_mlx.kernels.machinery import nvrtc
 from ds4_mlx.model.graphstep import GraphDecoder
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights

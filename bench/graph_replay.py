@@ -2,11 +2,11 @@
 
     python bench/graph_replay.py --layers 43 --at 2048
 
-MLX spends ~20 µs of host time per node of the compiled step (bench/RESULTS.md, session 10): the step's ~900 nodes
+MLX spends ~20 µs of host time per node of the compiled step (bench/RESULTS.md, 2026-12-02): the step's ~900 nodes
 take 18 ms of host work a token against ~12.7 ms on the GPU. Here the step's launches are recorded
 (`nvrtc.recording`, one eager step after a prompt of `--at` tokens) and built into one CUDA graph of our own
-(kernels/cudagraph.py), with the dependencies their address ranges give (and, for comparison, as one chain). The
-graph is launched again on the same inputs, so it must write the same outputs: they are zeroed first and compared
+(kernels/machinery/cudagraph.py), with the dependencies their address ranges give (and, for comparison, as one chain).
+The graph is launched again on the same inputs, so it must write the same outputs: they are zeroed first and compared
 with MLX's. Printed: the MLX step fed ahead in this process (bench/gpu_profile.py's medians), then per graph its
 node and edge count, its host launch time, the step launched and waited for, and back to back (the GPU's pace).
 Synthetic weights in the published layout (model/synthetic.py). CUDA only.
@@ -23,8 +23,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels import nvrtc
-from ds4_mlx.kernels.cudagraph import Driver, ReplayGraph, address, is_row_contiguous
+from ds4_mlx.kernels.machinery import nvrtc
+from ds4_mlx.kernels.machinery.cudagraph import Driver, ReplayGraph, address, is_row_contiguous
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.synthetic import flash_config, synthetic_weights
 from ds4_mlx.session import Session

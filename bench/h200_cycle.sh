@@ -21,7 +21,7 @@
 #                  FLAGS its options without dashes, comma-separated (cold,chosen or cold-gb=16,chosen): cold, each
 #                  call reads its weights from memory, not the L2, as in a decode step
 #   attnplans      the decode attention kernel with each head's keys shared by 1, 2, 4, 8 threadgroups at Flash's
-#                  shapes (bench/attention_plans.py): what kernels/attention.py's splits_for should choose
+#                  shapes (bench/attention_plans.py): what kernels/decode/attention.py's splits_for should choose
 #   experts        the decode expert kernels under other threadgroup counts (bench/expert_plans.py)
 #   kinds[:N]      decode t/s over N layers (default 12) with the step's kinds (rows written only when a window
 #                  ends) against one step that always writes, in one process (bench/step_kinds.py)
@@ -43,18 +43,18 @@
 #                  the session's chunks (or CHUNK tokens), then 16 tokens; DS4_REFERENCE_PATHS=name,... before the
 #                  command keeps those fast paths on their references (one measured against the rest in one call)
 #   startup[:N]    load and warm-up seconds of `ds4-mlx bench --synthetic q2 --layers N` (default 4) three times: with
-#                  an empty kernel cache (kernels/nvrtc.py compiles), again (it reads them back), and with
+#                  an empty kernel cache (kernels/machinery/nvrtc.py compiles), again (it reads them back), and with
 #                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
 #   loadpaths      host bytes to device arrays, 16 GB of a tmpfs file (the file step's, else random bytes), by
-#                  bench/load_paths.py's pinned path (the loader's on CUDA), memcpy path (3.7 GB/s in session 6) and
+#                  bench/load_paths.py's pinned path (the loader's on CUDA), memcpy path (3.7 GB/s on 2026-12-02) and
 #                  mx.load path (3.5 GB/s), 8 threads each: issue 10's 15 s
 #   knobs[:N[:C]]  decode at 2k over N layers (default 12) under the first C (default 3) of MLX's CUDA graph
 #                  settings: its defaults (on the
 #                  H200 a graph is committed after 100 nodes or once its nodes' inputs pass 1000 MB: a decode
 #                  step's expert kernels take the whole 1.1 GB banks as inputs, so most MoE layers end a graph),
 #                  then the MB limit lifted, then that with 1000-node graphs. Measured before: the MB limit lifted
-#                  29% slower (session 5, before decoding fed tokens ahead); no CUDA graphs, 25-node graphs and a
-#                  4000-graph cache within the spread of the defaults (session 6)
+#                  29% slower (2026-12-02, before decoding fed tokens ahead); no CUDA graphs, 25-node graphs and a
+#                  4000-graph cache within the spread of the defaults (2026-12-02)
 #   ab:DIR[:N[:CTX]] prefill from 0 to CTX tokens (default 2048) then decode there (128 tokens) over N layers
 #                  (default 43) with the tree in DIR (another commit's `git archive`: untracked and not ignored,
 #                  or named in the call's carry, so that it travels), then with this one, on the same machine
@@ -76,7 +76,7 @@
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
 # The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
-# the custom kernels' cubins, kernels/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
+# the custom kernels' cubins, kernels/machinery/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
 # .device/cache/ for the next machine. Kernels are compiled
 # per session context (their templates hold it), so every step here uses the bench's: 2048 + 32 tokens.
 # Full outputs are written under $OUT; the tail of each is printed.

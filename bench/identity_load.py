@@ -23,7 +23,10 @@ CHILD = """
 import json, sys, tempfile, time
 from pathlib import Path
 from ds4_mlx.engine import Engine
-from ds4_mlx.kvstore import KvCacheOptions
+try:
+    from ds4_mlx.cache.kvstore import KvCacheOptions
+except ImportError:  # a tree from before ds4_mlx/cache/ (the A/B against older commits)
+    from ds4_mlx.kvstore import KvCacheOptions
 with tempfile.TemporaryDirectory() as kv:
     t = time.perf_counter()
     Engine.load(Path(sys.argv[1]), 4096, kv_cache=KvCacheOptions(Path(kv)))
@@ -33,7 +36,10 @@ with tempfile.TemporaryDirectory() as kv:
 DIGEST_ONLY = """
 import json, sys, time
 from ds4_mlx.model.gguf import GGUFFile
-from ds4_mlx.tensordigest import compute_digests
+try:
+    from ds4_mlx.cache.tensordigest import compute_digests
+except ImportError:  # a tree from before ds4_mlx/cache/
+    from ds4_mlx.tensordigest import compute_digests
 f = GGUFFile.open(sys.argv[1])
 t = time.perf_counter()
 compute_digests(f)

@@ -13,13 +13,13 @@ and sync latency is spread over them; the median of `--repeats` evaluations is r
 path's first-use check runs: a fast path that fails it (it would fall back in the model) is reported as such
 and its kernel is still timed directly, so a wrong-but-fast kernel shows up as both.
 
-The affine matvec rows (GPU backends) time kernels/affine_matvec.py against the built-in quantized matmul it
+The affine matvec rows (GPU backends) time kernels/decode/affine_matvec.py against the built-in quantized matmul it
 replaces (`mx.quantized_matmul`, `mx.gather_qmm` for Q4_K experts) at every Q8_0 shape of a decode token, for one
 token and five.
 
 The prefill rows (GPU backends) time one chunk of `--tokens` tokens: a routed-expert projection over all its
-(token, slot) pairs sorted by expert (kernels/grouped.py: dequantize into a float32 or bfloat16 scratch, then one
-grouped GEMM) against the reference (slices of reference-dequantized experts), and a Q8_0 projection as dequantize
+(token, slot) pairs sorted by expert (kernels/prefill/grouped.py: dequantize into a float32 or bfloat16 scratch, then
+one grouped GEMM) against the reference (slices of reference-dequantized experts), and a Q8_0 projection as dequantize
 + dense GEMM against MLX's quantized matmul. They also report TFLOP/s (2 * rows * OUT * IN per call).
 """
 
@@ -37,17 +37,17 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, to_affine
-from ds4_mlx.kernels.affine_matvec import AFFINE_MATVEC, launch_plan
-from ds4_mlx.kernels.batch import AFFINE_BATCH, dense_matmul
-from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, RAW_GROUPED, SLICE_BYTES, affine_scratch, expert_counts,
+from ds4_mlx.kernels.formats.affine import AFFINE_GATHER, AFFINE_MATMUL, to_affine
+from ds4_mlx.kernels.decode.affine_matvec import AFFINE_MATVEC, launch_plan
+from ds4_mlx.kernels.prefill.batch import AFFINE_BATCH, dense_matmul
+from ds4_mlx.kernels.prefill.grouped import (AFFINE_GROUPED, RAW_GROUPED, SLICE_BYTES, affine_scratch, expert_counts,
                                      grouped_swiglu, pair_inputs, scratch_matmul, sliced_reference, sort_by_expert)
-from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
-from ds4_mlx.kernels.matvec import QuantMatvec, gathered_reference
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
-from ds4_mlx.kernels.quants import reference_matmul
-from ds4_mlx.kernels.registry import KernelFallbackWarning, current_backend
+from ds4_mlx.kernels.decode.iq2_xxs import IQ2_XXS_MATVEC
+from ds4_mlx.kernels.decode.matvec import QuantMatvec, gathered_reference
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.decode.q2_k import Q2_K_MATVEC
+from ds4_mlx.kernels.formats.quants import reference_matmul
+from ds4_mlx.kernels.machinery.registry import KernelFallbackWarning, current_backend
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.gguf import GGMLType
 

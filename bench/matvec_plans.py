@@ -1,11 +1,12 @@
-"""The decode matvec kernel (kernels/affine_matvec.py) at Flash's shapes under every launch plan: GPU µs a call, GB/s.
+"""The decode matvec kernel (kernels/decode/affine_matvec.py) at Flash's shapes under every launch plan: GPU µs a call,
+GB/s.
 
     python bench/matvec_plans.py            # on the GPU machine (torch for CUPTI); ~1 min
     python bench/matvec_plans.py --json
     python bench/matvec_plans.py --cold --chosen   # weights read from memory (as in a decode step), chosen plans
 
 Why: a decode token is ~12 ms of GPU work on the H200, and its 8-bit matvecs take 15-18 µs a call where the
-weights alone would take 2-7 µs at the GPU's bandwidth (bench/RESULTS.md, session 6 trace). `launch_plan` picks
+weights alone would take 2-7 µs at the GPU's bandwidth (bench/RESULTS.md, 2026-12-02 trace). `launch_plan` picks
 rows per threadgroup and SIMD groups per threadgroup by a rule (at least MIN_THREADGROUPS threadgroups); this
 times every plan as the model calls it (input norm folded in, the grouped output projection over its bank, the
 shared expert's down with its SwiGLU), so the rule can follow measurements. Times are the kernels' own on the GPU
@@ -22,16 +23,16 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels.affine import AffineWeight, to_affine
-from ds4_mlx.kernels.affine_matvec import TOLERANCE, SwigluMatvec, _kernel, launch_plan
-from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.affine import AffineWeight, to_affine
+from ds4_mlx.kernels.decode.affine_matvec import TOLERANCE, SwigluMatvec, _kernel, launch_plan
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 
 SHAPES = [("q_a + kv", 4096, 1536, "norm"), ("shared gate / up", 4096, 4096, "norm"), ("q_b", 1024, 32768, "norm"),
           ("o_a (8 groups)", 4096, 1024, "bank"), ("o_b", 8192, 4096, ""), ("shared down", 2048, 4096, "swiglu"),
           ("LM head", 4096, 129280, "norm")]
 """(name, IN, OUT, form): the model's 8-bit decode matvecs, as the compiled step launches them (bench/RESULTS.md,
-session 9 profile): normed, plain, over the output projection's bank of 8 groups, or with the SwiGLU input."""
+the 2026-12-02 profile): normed, plain, over the output projection's bank of 8 groups, or with the SwiGLU input."""
 PLANS = [(rows, simds) for rows in (1, 2, 4, 8) for simds in (1, 2, 4, 8)]
 CALLS = 32
 GROUPS = 8

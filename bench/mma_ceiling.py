@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.dialect import Kernel, build
+from ds4_mlx.kernels.machinery.dialect import Kernel, build
 from prefill_gemms import per_call_ms
 
 _SOURCE = """

@@ -1,10 +1,10 @@
 """Compiles every custom kernel a model's decode step and prefill chunks launch on CUDA, without a GPU: compile
 errors, registers, spills and shared memory per kernel with the machine's nvcc, or with `--nvrtc LIB` the runtime's
-own compile (kernels/nvrtc.py: that NVRTC library, its options, cubin size and seconds per kernel).
+own compile (kernels/machinery/nvrtc.py: that NVRTC library, its options, cubin size and seconds per kernel).
 
 The launches are recorded while the graphs are built for CUDA (`registry.planning`: every CUDA fast path taken,
 nothing computed): each kernel with the template constants and the input and output types it is launched with. The
-text is kernels/nvrtc.py's `kernel_text`, laid out as MLX 0.32's CUDA backend lays out a `cuda_kernel`
+text is kernels/machinery/nvrtc.py's `kernel_text`, laid out as MLX 0.32's CUDA backend lays out a `cuda_kernel`
 (custom_kernel.cpp `build_kernel`) with the standard CUDA headers in place of MLX's (which these kernels never use).
 A kernel that fails here fails on the GPU (where MLX's compile, then its first-use check, would take over); one
 that compiles here can still be wrong, which its tests check.
@@ -34,8 +34,8 @@ from pathlib import Path
 import mlx.core as mx
 
 import ds4_mlx.kernels
-from ds4_mlx.kernels import dialect, nvrtc, registry
-from ds4_mlx.kernels.dialect import CUDA, Kernel
+from ds4_mlx.kernels.machinery import dialect, nvrtc, registry
+from ds4_mlx.kernels.machinery.dialect import CUDA, Kernel
 
 
 def record_launches() -> dict[str, tuple[Kernel, dict]]:
@@ -50,15 +50,15 @@ def record_launches() -> dict[str, tuple[Kernel, dict]]:
             return dialect.stand_in(**kw)
         return launch
 
-    for info in pkgutil.iter_modules(ds4_mlx.kernels.__path__):
-        module = importlib.import_module(f"ds4_mlx.kernels.{info.name}")
+    for info in pkgutil.walk_packages(ds4_mlx.kernels.__path__, "ds4_mlx.kernels."):
+        module = importlib.import_module(info.name)
         if hasattr(module, "build"):
             module.build = build
     return seen
 
 
 def source(kernel: Kernel, launch: dict) -> str:
-    """The kernel's text as the runtime compiles it (kernels/nvrtc.py)."""
+    """The kernel's text as the runtime compiles it (kernels/machinery/nvrtc.py)."""
     template = launch.get("template", [])
     return nvrtc.kernel_text(
         nvrtc.function_name(kernel.name, template), CUDA.header(kernel), CUDA.render(kernel.source),
@@ -68,7 +68,7 @@ def source(kernel: Kernel, launch: dict) -> str:
 
 def nvrtc_one(compiler: nvrtc.Nvrtc, options: list[str], text: str, function: str) -> str:
     """One line: the cubin's size and the compile's seconds, or NVRTC's first error: the runtime's own compile
-    (kernels/nvrtc.py)."""
+    (kernels/machinery/nvrtc.py)."""
     start = time.perf_counter()
     try:
         cubin, _ = compiler.compile(text, function, options)
@@ -99,7 +99,7 @@ def main() -> int:
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk tokens (default 64)")
     parser.add_argument("--nvrtc", metavar="LIBNVRTC", help="compile with this libnvrtc.so as the runtime does "
-                        "(kernels/nvrtc.py: its options for --arch, its text) instead of nvcc")
+                        "(kernels/machinery/nvrtc.py: its options for --arch, its text) instead of nvcc")
     args = parser.parse_args()
     from ds4_mlx.model.model import Model
 

@@ -5,11 +5,11 @@
     python bench/prefill_gemms.py --once          # each kernel's default plan once, untimed: for a profiler
     python bench/prefill_gemms.py --only raw      # the routed experts' rows only (dense, half: the others)
 
-Rows: the raw-bank expert GEMM for IQ2_XXS gate / up and Q2_K down by mma (kernels/grouped_raw.py) under each plan
-(RAW_PLANS: stage width, threadgroups an SM, stages of x in flight) and by warpgroup products (grouped_wgmma.py
-under each of GROUPED_PLANS; gate / up reading the tokens' rows by index as the model does, against grouped_raw.py
-doing the same), the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) at each pipeline depth,
-by warpgroup products (dense_wgmma.py) under each of WGMMA_PLANS, and by their fallback
+Rows: the raw-bank expert GEMM for IQ2_XXS gate / up and Q2_K down by mma (kernels/tensor_cores/grouped_raw.py) under
+each plan (RAW_PLANS: stage width, threadgroups an SM, stages of x in flight) and by warpgroup products
+(grouped_wgmma.py under each of GROUPED_PLANS; gate / up reading the tokens' rows by index as the model does, against
+grouped_raw.py doing the same), the dense affine projections (Q8_0) by the float16 kernel (dense_f16.py) at each
+pipeline depth, by warpgroup products (dense_wgmma.py) under each of WGMMA_PLANS, and by their fallback
 (dequantize + cuBLAS's float32 GEMM; the 3xTF32 kernel measured in between is gone, bench/RESULTS.md), and F16
 matrices by the same kernels and cuBLAS's float32 GEMM (what they took before).
 Each line is checked against the first of its group (the outputs must agree within float32 reassociation), so a
@@ -28,14 +28,14 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.batch import dense_matmul
-from ds4_mlx.kernels.dense_f16 import f16_affine_matmul, half_matmul
-from ds4_mlx.kernels.dense_wgmma import wgmma_affine_matmul, wgmma_half_matmul
-from ds4_mlx.kernels.grouped_gemm import expert_counts
-from ds4_mlx.kernels.grouped_raw import raw_grouped_gemm
-from ds4_mlx.kernels.grouped_wgmma import wgmma_grouped_gemm
-from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.affine import to_affine
+from ds4_mlx.kernels.prefill.batch import dense_matmul
+from ds4_mlx.kernels.tensor_cores.dense_f16 import f16_affine_matmul, half_matmul
+from ds4_mlx.kernels.tensor_cores.dense_wgmma import wgmma_affine_matmul, wgmma_half_matmul
+from ds4_mlx.kernels.tensor_cores.grouped_gemm import expert_counts
+from ds4_mlx.kernels.tensor_cores.grouped_raw import raw_grouped_gemm
+from ds4_mlx.kernels.tensor_cores.grouped_wgmma import wgmma_grouped_gemm
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.model.gguf import GGMLType
 
 EXPERTS, USED = 256, 6

@@ -15,7 +15,7 @@ from collections import Counter
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.registry import planning
+from ds4_mlx.kernels.machinery.registry import planning
 from ds4_mlx.model.graph import VIEWS, graph_nodes
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights

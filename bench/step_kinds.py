@@ -5,7 +5,7 @@ process on one synthetic model: an A/B for the row-write skip, both ways of feed
 
 Why: a token that ends no compression window writes no compressed row, so the step has a kind per tuple of windows
 ended (Flash: 3), each its own compiled graph and CUDA graphs. Measured across machines the change was within the
-run-to-run spread (bench/RESULTS.md, session 6); this measures it without that spread: the same model, cache
+run-to-run spread (bench/RESULTS.md, 2026-12-02); this measures it without that spread: the same model, cache
 and prompt, `always` forcing every step to write (the step before the change) between two `skip` runs.
 """
 

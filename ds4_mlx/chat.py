@@ -1,6 +1,6 @@
 """Prompt rendering: chat messages to the exact text DeepSeek V4 Flash is prompted with.
 
-The rules are ds4's (behavior.md §1), not the official `encoding_dsv4.py`: real agent clients already work
+The rules are ds4's (ds4_server.c), not the official `encoding_dsv4.py`: real agent clients already work
 against ds4's prompts, and byte-identical prompts are what make prefix (KV) reuse work across requests.
 docs/chat-rendering.md lists where the two differ and why we follow ds4.
 
@@ -83,7 +83,7 @@ TOOLS_PREAMBLE = (
     "Otherwise, output directly after </think> with tool calls or final response.\n\n"
     "### Available Tool Schemas\n\n"
 )
-"""The tools preamble up to the schema lines (behavior.md §1.5)."""
+"""The tools preamble up to the schema lines (ds4_server.c)."""
 
 TOOLS_EPILOGUE = (
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls. "
@@ -134,7 +134,7 @@ def effort_prefix(mode: ThinkMode, checkpoint: Checkpoint) -> str:
 
 
 def effective_think_mode(mode: ThinkMode, ctx: int) -> ThinkMode:
-    """MAX silently becomes HIGH when the context is too small for it (behavior.md §1.4)."""
+    """MAX silently becomes HIGH when the context is too small for it (ds4_server.c)."""
     if mode is ThinkMode.MAX and ctx < THINK_MAX_MIN_CONTEXT:
         return ThinkMode.HIGH
     return mode
@@ -153,7 +153,7 @@ def think_mode_from_effort(effort: str | None, current: ThinkMode = ThinkMode.LO
 
 
 def model_alias_thinking(model: str | None) -> bool | None:
-    """Thinking on/off implied by a DeepSeek API model alias, None for any other name (behavior.md §3.3)."""
+    """Thinking on/off implied by a DeepSeek API model alias, None for any other name (ds4_server.c)."""
     if model == "deepseek-chat":
         return False
     if model == "deepseek-reasoner":
@@ -293,7 +293,7 @@ def tools_prompt(tools: Sequence[str]) -> str:
 
 
 def tool_result_block(content: str) -> str:
-    """One tool result as the model sees it; only the wrapper's own closing tag is escaped (§1.8)."""
+    """One tool result as the model sees it; only the wrapper's own closing tag is escaped."""
     return TOOL_RESULT + content.replace(TOOL_RESULT_END, "&lt;" + TOOL_RESULT_END[1:]) + TOOL_RESULT_END
 
 
@@ -306,7 +306,7 @@ def render_chat(
     tool_memory: ToolMemory | None = None,
     checkpoint: Checkpoint = Checkpoint.PREVIEW,
 ) -> str:
-    """The full prompt text of a chat request (ds4's `render_chat_prompt_text`, behavior.md §1.2).
+    """The full prompt text of a chat request (ds4's `render_chat_prompt_text`, ds4_server.c).
 
     `tools` are the active tool schemas as raw JSON text (pass none for tool_choice "none"). Tool calls
     whose ids all map to one block in `tool_memory` are replayed verbatim; others render canonically. The
@@ -339,7 +339,7 @@ def leading_system_count(messages: Sequence[Message]) -> int:
 def render_live_tail(
     messages: Sequence[Message], think: ThinkMode, *, tool_memory: ToolMemory | None = None
 ) -> str:
-    """The suffix appended to the live KV when tool results continue a live tool-call turn (§1.10).
+    """The suffix appended to the live KV when tool results continue a live tool-call turn.
 
     The live KV already holds the sampled call but not its EOS (generation stopped at the closing tag),
     so the tail starts with EOS, then the new messages, then the opener. Assistant messages inside the
@@ -350,7 +350,7 @@ def render_live_tail(
 
 def render_completion_prompt(prompt: str, think: ThinkMode, ctx: int,
                              checkpoint: Checkpoint = Checkpoint.PREVIEW) -> str:
-    """/v1/completions: the raw prompt wrapped in a one-turn chat with the default system text (§1.11)."""
+    """/v1/completions: the raw prompt wrapped in a one-turn chat with the default system text."""
     mode = effective_think_mode(think, ctx)
     return (
         BOS
@@ -384,16 +384,16 @@ def render_cli_turn(prompt: str, *, think: ThinkMode) -> list[PromptPiece]:
     return pieces + [PromptPiece(ASSISTANT, True), PromptPiece(_opener(think.thinking), True)]
 
 
-def render_cli_prompt(
-    prompt: str, system: str = DEFAULT_SYSTEM, *, think: ThinkMode, ctx: int, checkpoint: Checkpoint = Checkpoint.PREVIEW
-) -> list[PromptPiece]:
-    """The CLI one-shot prompt (ds4.c `encode_chat_prompt`, §1.11).
+def render_cli_prompt(prompt: str, system: str = DEFAULT_SYSTEM, *, think: ThinkMode, ctx: int,
+                      checkpoint: Checkpoint = Checkpoint.PREVIEW) -> list[PromptPiece]:
+    """The CLI one-shot prompt (ds4.c `encode_chat_prompt`).
 
     A prompt that already starts with BOS is taken as a rendered chat and tokenized with specials as is.
     """
     if prompt.startswith(BOS):
         return [PromptPiece(prompt, True)]
-    return render_cli_preamble(system, think=think, ctx=ctx, checkpoint=checkpoint) + render_cli_turn(prompt, think=think)
+    preamble = render_cli_preamble(system, think=think, ctx=ctx, checkpoint=checkpoint)
+    return preamble + render_cli_turn(prompt, think=think)
 
 
 def render_tool_calls(calls: Sequence[ToolCallSpec], tool_memory: ToolMemory | None = None) -> str:
@@ -406,7 +406,7 @@ def render_tool_calls(calls: Sequence[ToolCallSpec], tool_memory: ToolMemory | N
 
 
 def canonical_tool_calls(calls: Sequence[ToolCallSpec]) -> str:
-    """Tool calls rendered from their JSON arguments (ds4's `append_dsml_tool_calls_text`, §1.7).
+    """Tool calls rendered from their JSON arguments (ds4's `append_dsml_tool_calls_text`).
 
     Parameters keep the client's key order. String values are written raw and non-string values as
     minified JSON; only a literal closing parameter tag inside a value is escaped. Arguments that are

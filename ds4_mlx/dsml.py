@@ -1,7 +1,7 @@
 """DSML tool calls: the final parse of a generated message, its live projection into events, and the tracker
 that tells the sampler when it is writing tool-call syntax.
 
-DeepSeek V4 writes tool calls as an XML-like block after its reasoning (behavior.md §1.5, §4):
+DeepSeek V4 writes tool calls as an XML-like block after its reasoning (ds4_server.c):
 
     reasoning</think>content
 
@@ -117,9 +117,9 @@ def compact_json(text: str) -> str | None:
 
 
 def parse_message(text: str, *, thinking: bool, tools_active: bool) -> ParsedMessage:
-    """The final parse of a generated message (behavior.md §4.1).
+    """The final parse of a generated message (ds4_server.c).
 
-    In thinking mode without `</think>` everything is reasoning (the non-streaming quirk of §3.9, which
+    In thinking mode without `</think>` everything is reasoning (ds4's non-streaming quirk, which
     puts it into content, is the server's business). Otherwise the text is split at the first `</think>`
     and the first tool block is parsed; the content before it loses its trailing whitespace. A block that
     is not well formed returns the whole text as content, with an error when tools are active: "unterminated
@@ -397,7 +397,7 @@ class _Tool(Enum):
 
 
 class StreamParser:
-    """Turns generated text, fed as it is decoded, into reasoning, text and tool-call events (§3.10).
+    """Turns generated text, fed as it is decoded, into reasoning, text and tool-call events.
 
     It holds back only what the syntax needs: a partial `</think>`; with tools active, trailing
     whitespace and a trailing partial block start (the whitespace before a block is never emitted); in a
@@ -408,7 +408,7 @@ class StreamParser:
     (`parse_message`) stays authoritative.
 
     `reasoning_closed` stays False while a thinking-mode message has not written `</think>`: ds4's
-    non-streaming responses then report the reasoning as content (behavior.md §3.9).
+    non-streaming responses then report the reasoning as content (ds4_server.c).
     """
 
     def __init__(self, thinking: bool, tools_active: bool) -> None:
@@ -661,7 +661,7 @@ class _Track(Enum):
 
 
 class GreedyTracker:
-    """Tells the sampler to go greedy while the model writes tool-call syntax (behavior.md §3.5).
+    """Tells the sampler to go greedy while the model writes tool-call syntax (ds4_server.c).
 
     Inside a tool block everything is structure (greedy) except a `string="true"` body and the string
     literals of a JSON value, which are payload and keep the request's sampling. A partial closing tag of

@@ -20,13 +20,13 @@ import mlx.core as mx
 
 from . import dsml, memory
 from .chat import ToolMemory
-from .checkpoints import CheckpointStore, Match
+from .cache.checkpoints import CheckpointStore, Match
 from .constrain import Constraint
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError, UsageError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
-from .kvfiles import check_directory
-from .kvidentity import model_identity
-from .kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
+from .cache.kvfiles import check_directory
+from .cache.kvidentity import model_identity
+from .cache.kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
 from .model.checkpoint import FACT_KEYS, Checkpoint
 from .model.checkpoint import detect as detect_checkpoint
 from .model.config import FLASH, ModelConfig
@@ -39,7 +39,7 @@ from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
 from .session import Session, Snapshot, graphs_wanted, state_copies
 from .stop import StopStrings
-from .tensordigest import tensor_digests
+from .cache.tensordigest import tensor_digests
 from .tokenizer import StreamDecoder, Tokenizer, utf8
 
 log = logging.getLogger("ds4_mlx.engine")
@@ -54,8 +54,8 @@ SPECULATION_LOSES = ("on CUDA decoding goes through the decode graphs, 8.2 ms a 
 
 def speculation_pays() -> bool:
     """Whether MTP speculation can beat plain decoding here: not where the decode graphs run. A verify call goes
-    through MLX's chunk path, 87.8 ms over 1 token and 89.2 over 3 on the H200 (bench/RESULTS.md, session 6), so
-    even every guess right gives ~34 tokens/s against the graphs' ~120 (session 13)."""
+    through MLX's chunk path, 87.8 ms over 1 token and 89.2 over 3 on the H200 (bench/RESULTS.md, 2026-12-02), so
+    even every guess right gives ~34 tokens/s against the graphs' ~120 (2026-12-03)."""
     return not graphs_wanted()
 
 
@@ -227,7 +227,7 @@ class Engine:
 
         Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal). `kv_cache` turns on
         the disk KV cache (checkpoints carry the model's fingerprint and routed-expert quant bits). `mtp` is an MTP
-        draft file (spec §2.6) to load with it; pass `mtp_draft` >= 2 to speculate with it. `checkpoint` says which
+        draft file (ds4.c) to load with it; pass `mtp_draft` >= 2 to speculate with it. `checkpoint` says which
         checkpoint the file is (`--checkpoint`); None tells it from the file (model/checkpoint.py).
         """
         path = Path(path)
@@ -288,7 +288,7 @@ class Engine:
         """Feeds a short prompt and a few greedy tokens through the live session, then empties it; returns the
         seconds taken. Why: the first use of each kernel compiles or reads it back and checks it against its
         reference, and on CUDA the first decoded token makes and checks the decode graphs (~14 s on the full
-        model, bench/RESULTS.md session 13): a server does that before it takes requests, not inside the first."""
+        model, bench/RESULTS.md, 2026-12-03): a server does that before it takes requests, not inside the first."""
         t0 = time.perf_counter()
         tokens = self.tokenizer.encode("The kernels are compiled and checked here.")[: max(1, self.ctx // 2)]
         self.session.reset()
@@ -329,7 +329,7 @@ class Engine:
         return len(self.tokenizer.encode(prompt))
 
     def _reuse(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int]:
-        """Prefix reuse (behavior.md §5.2): returns the effective prompt tokens and how many are already computed.
+        """Prefix reuse (ds4_server.c): returns the effective prompt tokens and how many are already computed.
 
         The longest state that starts the prompt: the live session when it does (it wins ties: nothing to
         restore), else an in-memory checkpoint, else a longer disk checkpoint, else nothing (a cold prefill).
@@ -410,7 +410,7 @@ class Engine:
                         longer_than: int = 0) -> tuple[list[int], int] | None:
         """Loads the longest disk checkpoint whose text starts the prompt into the (empty) live session, when it
         holds more than `longer_than` tokens. Its token ids are kept as they are; only the prompt text after it
-        is tokenized (behavior.md §5.3)."""
+        is tokenized (ds4_kvstore.c)."""
         store = self.kv_store
         data = self._text_bytes(tokens) if exact else utf8(prompt)
         for entry in store.candidates(data, self.session.ctx):  # one that fails to load falls back to the next
@@ -610,7 +610,7 @@ class Engine:
                 self.session.take_back()
             if ahead and not stops.hit:  # the answer ended before tokens fed ahead of it: unfeed them
                 self.session.rewind(len(self.session.tokens) - len(ahead))
-        except Exception as exc:  # a decode failure ends the answer with finish "error" (behavior.md §3.6-3.7)
+        except Exception as exc:  # a decode failure ends the answer with finish "error" (ds4_server.c)
             log.exception("decode failed after %d tokens", len(generated))
             finish, failure = "error", f"decode failed: {exc}"
             self._drop_session()
@@ -717,7 +717,7 @@ def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:
 
 
 def _final_finish_reason(finish: str, message: ParsedMessage) -> str:
-    """behavior.md §3.6 and §4.1: parsed tool calls make `tool_calls`; an unterminated tool block makes `error`;
+    """ds4_server.c: parsed tool calls make `tool_calls`; an unterminated tool block makes `error`;
     a closed but malformed block is returned as text and finishes `stop`."""
     if message.error == dsml.UNTERMINATED_TOOL_CALL:
         return "error"

@@ -49,7 +49,7 @@ class RequestError(Ds4Error):
 
 
 class ContextOverflow(RequestError):
-    """The prompt does not fit: one free slot after the prompt is required (behavior.md §3.7)."""
+    """The prompt does not fit: one free slot after the prompt is required (ds4_server.c)."""
 
     def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
         super().__init__(

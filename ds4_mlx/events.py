@@ -29,7 +29,7 @@ class ParsedMessage:
     kept so that a later request can replay it byte for byte. `error` names a parse problem that did not
     stop the request (e.g. "invalid tool call", "unterminated tool call"). `reasoning_closed` is False when a
     thinking-mode message never wrote `</think>` (a non-streaming chat response then reports that text as
-    content, behavior.md §3.9).
+    content, ds4_server.c).
     """
 
     reasoning: str
@@ -110,7 +110,7 @@ class Usage:
 class Done:
     """The last event of a generation.
 
-    finish_reason is one of "stop", "length", "tool_calls", "error" (behavior.md §3.6).
+    finish_reason is one of "stop", "length", "tool_calls", "error" (ds4_server.c).
     """
 
     finish_reason: str

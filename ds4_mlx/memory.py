@@ -1,13 +1,12 @@
 """The device memory budget: one limit for everything the process holds on the device, and prefill chunks sized to
 stay under it.
 
-Why: on CUDA nothing stops MLX from asking the card for more than it has. Its allocations come from the device's
-memory pool, but the arrays whose addresses the decode graphs and the loader take live in managed memory
-(kernels/cudagraph.py `address`), and when the pool grows past what is left the driver evicts managed pages to
-host RAM: the weights are faulted back page by page, and on a host without that much free memory the kernel's OOM
-killer ends the process (an H100 with 28 layers of q2 prefilling 12,288 tokens: 81.1 GB asked of a 79.6 GiB card,
-the host's available memory falling by 55 GB, or the process killed when a tmpfs file held the host's memory;
-bench/RESULTS.md). So the limit is kept here, by the engine:
+Why: on CUDA nothing stops MLX from asking the card for more than it has. Its arrays come from the device's memory
+pool; past the card, an allocation fails, or, where managed memory shares the card (arrays read on the host), the
+driver evicts managed pages to host RAM, which on a host without that much free memory ends in the kernel's OOM
+killer. The decode graphs read their arrays' addresses by a kernel so that the weights stay pool allocations
+(kernels/machinery/cudagraph.py `address`; taken through numpy they became managed copies, evicted to the host:
+bench/RESULTS.md, 2026-12-07), and the limit is kept here, by the engine:
 
 - `device_limit()` is what the process may hold on the device: the card's memory less a reserve for what MLX does
   not count (the CUDA context, cuBLAS workspaces, the decode graphs' driver memory, NVRTC modules), and never more
@@ -56,7 +55,7 @@ ROW_BYTES = 8
 row, and their selection's copy (measured: ~5 bytes, 12,288 tokens from 0 to 65,536)."""
 FIXED_HEADS = 1.0
 """A chunk's transients beside its tokens', in copies of the LM head as float32 (2 GiB at Flash's widths): a new
-shape's first-use checks run the reference path (kernels/registry.py), which holds more than the kernels do
+shape's first-use checks run the reference path (kernels/machinery/registry.py), which holds more than the kernels do
 (measured: up to 1.6 GiB more at 2,048 tokens)."""
 
 MIN_CHUNK = 16

@@ -1,6 +1,6 @@
 """Token sampling: ds4's temperature / top-k / top-p / min-p sampler, its RNG, OpenAI penalties and top logprobs.
 
-The selection rules follow ds4.c `sample_top_p_min_p` (spec/gguf-and-forward.md §7, behavior.md §3.5):
+The selection rules follow ds4.c `sample_top_p_min_p` (github.com/antirez/ds4):
 - temperature <= 0: argmax, ties to the lowest id; so is any temperature below MIN_TEMPERATURE, which the float32
   draw cannot divide by (`SamplingParams.greedy`, the one place this rule is written);
 - top_k = 0 and top_p = 1: p_i = exp((l_i - l_max) / T) over the whole vocabulary, tokens with p_i < min_p are

@@ -3,7 +3,7 @@
 This is the notebook-facing handle on one stream of model state. The engine keeps one live Session and reuses it
 when a new prompt extends what it holds; the disk KV cache serialises its snapshots.
 
-With an MTP draft block (spec §3.10) the session also runs the block after the model on every token it feeds, so
+With an MTP draft block (ds4.c) the session also runs the block after the model on every token it feeds, so
 the block's window follows the stream and its guess for the next token is always at hand. `speculate` then feeds
 a token together with the block's guesses for the tokens after it in one model call, and keeps the guesses the
 model agrees with: greedy decoding that can take several tokens per call and gives the same tokens as plain
@@ -22,9 +22,9 @@ import mlx.core as mx
 
 from . import memory
 from .errors import RequestError
-from .kernels import registry
-from .kernels.cudagraph import DriverError
-from .kernels.nvrtc import CompileError
+from .kernels.machinery import registry
+from .kernels.machinery.cudagraph import DriverError
+from .kernels.machinery.nvrtc import CompileError
 from .model.cache import SessionCache, StepUndo
 from .model.graphstep import GraphCheckError, GraphDecoder, spare_device_bytes
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
@@ -35,7 +35,7 @@ from .sampling import argmax, device_argmax
 
 GRAPH_ENV = "DS4_GRAPH_DECODE"
 """`off` keeps decoding on CUDA in MLX's compiled step instead of the decode graphs (model/graphstep.py): 121.7 t/s
-at 2k and 116.7 at 32k through them against ~70 through MLX's step (session 13, bench/RESULTS.md)."""
+at 2k and 116.7 at 32k through them against ~70 through MLX's step (2026-12-03, bench/RESULTS.md)."""
 
 
 def graphs_wanted() -> bool:
@@ -59,10 +59,10 @@ class GraphDecodeWarning(RuntimeWarning):
 
 CUDA_PREFILL_CHUNK = 12288
 """On CUDA, chunks of 12288 tokens: since the grouped expert GEMMs fill more of their tiles and each expert's weights
-are read for more pairs, bigger chunks prefill faster. On the H200 (43 layers, session 21) an 11,520-token prompt,
+are read for more pairs, bigger chunks prefill faster. On the H200 (43 layers, 2026-12-04) an 11,520-token prompt,
 Claude Code's system prompt and tools, takes 2.86 s as one chunk (4,026 t/s, peak 120.7 GB) against 3.04 s in
-chunks of 8192 (3,785 t/s, 112.3 GB); earlier, 8192 beat 4096 (session 13) and 4096 ds4's 2048 (session 6).
-Chunking does not change the result (spec §3.10: a chunk equals feeding its tokens one at a time)."""
+chunks of 8192 (3,785 t/s, 112.3 GB); earlier, 8192 beat 4096 (2026-12-03) and 4096 ds4's 2048 (2026-12-02).
+Chunking does not change the result (ds4.c: a chunk equals feeding its tokens one at a time)."""
 CUDA_DEEP_CHUNK = 8192
 DEEP_CONTEXT = 65536
 """Sessions of more than this many tokens prefill in CUDA_DEEP_CHUNK-token chunks on CUDA: a chunk's transients
@@ -71,7 +71,7 @@ and beside the q2 weights and a 1M-token session the bigger chunk would not fit 
 
 
 def prefill_chunk_for(ctx: int) -> int:
-    """The prefill chunk: ds4's 2048 tokens (spec §3.10); on CUDA CUDA_PREFILL_CHUNK, or CUDA_DEEP_CHUNK for a
+    """The prefill chunk: ds4's 2048 tokens (ds4.c); on CUDA CUDA_PREFILL_CHUNK, or CUDA_DEEP_CHUNK for a
     context past DEEP_CONTEXT; or the whole context when that is smaller."""
     if not on_cuda():
         return min(DEFAULT_PREFILL_CHUNK, ctx)
@@ -384,7 +384,7 @@ class Session:
         """Feed `token`, and with it up to `max_drafts` tokens the MTP block guesses will follow, keeping the
         longest run of guesses that equal the model's own argmax (greedy decoding only).
 
-        ds4's scheme (spec §3.10): the block's guess for `token` itself, made when the previous token was fed, is
+        ds4's scheme (ds4.c): the block's guess for `token` itself, made when the previous token was fed, is
         checked for free; on a miss there is no drafting and `token` is fed alone. Otherwise the block drafts
         recursively from its own output streams, stopping before a `stop` token (never fed by a greedy stream),
         and one model call over [token, guesses...] verifies them. A single guess whose top-1/top-2 logit gap is

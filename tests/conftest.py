@@ -99,7 +99,7 @@ def on_cuda(on_gpu):
 def kernels_unforced(monkeypatch):
     """Fast paths decided by the registry itself: no DS4_KERNELS or DS4_REFERENCE_PATHS override, no forced mode,
     before or after."""
-    from ds4_mlx.kernels import registry
+    from ds4_mlx.kernels.machinery import registry
 
     monkeypatch.delenv(registry.ENV, raising=False)
     monkeypatch.delenv(registry.PATHS_ENV, raising=False)

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels.dialect import CUDA, Kernel
+from ds4_mlx.kernels.machinery.dialect import CUDA, Kernel
 
 HOST = r"""
 #include <atomic>
@@ -437,8 +437,8 @@ def numpy_dtype(dtype: mx.Dtype) -> np.dtype:
 
 
 def emulated_build(directory: Path) -> Callable:
-    """A stand-in for dialect.build(kernel, backend): the kernel's CUDA text run here, called as MLX's custom kernels
-    are (template as (name, value) pairs, `grid` in threads, whole threadgroups of one dimension)."""
+    """A stand-in for dialect.build(kernel, backend): the kernel's CUDA text run on the CPU, called as MLX's custom
+    kernels are (template as (name, value) pairs, `grid` in threads, whole threadgroups of one dimension)."""
 
     def build(kernel: Kernel, backend: str) -> Callable:
         def call(inputs, template, grid, threadgroup, output_shapes, output_dtypes) -> list[mx.array]:

@@ -113,7 +113,7 @@ TINY = replace(
 
 
 def metadata_for(c: ModelConfig) -> dict[str, tuple[Any, Any]]:
-    """Every key of spec §1.2 with the published GGUF types, plus the keys the published file only carries."""
+    """Every metadata key ds4.c reads, with the published GGUF types, plus the keys the published file only carries."""
     a = "deepseek4."
     md: dict[str, tuple[Any, Any]] = {
         "general.architecture": (STR, "deepseek4"),

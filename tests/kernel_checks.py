@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels import dialect, registry
+from ds4_mlx.kernels.machinery import dialect, registry
 
 
 def rendered(kernel: dialect.Kernel, target: dialect.Dialect) -> dict:

@@ -1,6 +1,7 @@
-"""Golden tests of the prompt renderer against ds4's exact bytes (behavior.md §1 and the renderer tests of §8).
+"""Golden tests of the prompt renderer against ds4's exact bytes (ds4_server.c's
+`render_chat_prompt_text` and its tests).
 
-Expected strings are written out here from the spec text, not built from ds4_mlx.chat's constants, so a
+Expected strings are written out here from ds4's rules, not built from ds4_mlx.chat's constants, so a
 changed byte in a constant fails a test.
 """
 
@@ -115,7 +116,7 @@ def param(name: str, value: str, is_string: bool) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# §1.9 worked example, byte for byte
+# a worked example, byte for byte
 
 WORKED_MESSAGES = [
     system("You are a coding agent."),
@@ -175,7 +176,7 @@ def test_worked_example_without_tools_field_keeps_reasoning_through_tool_context
 
 
 # ---------------------------------------------------------------------------------------------------
-# §1.9 more verified micro-cases
+# more verified micro-cases
 
 MICRO_MESSAGES = [
     system("S1"),
@@ -223,7 +224,7 @@ def test_micro_case_assistant_with_only_tool_calls_has_empty_think_block():
 
 
 # ---------------------------------------------------------------------------------------------------
-# openers, think modes (§1.3, §1.4, §3.5 and ds4's server tests)
+# openers, think modes (ds4's server tests)
 
 
 def test_non_thinking_opener():
@@ -303,7 +304,7 @@ def test_request_think_mode_combines_alias_switch_effort_and_context():
 
 
 # ---------------------------------------------------------------------------------------------------
-# system region (§1.2 rule 3)
+# system region
 
 
 def test_no_system_and_no_tools_gives_bos_then_user():
@@ -360,7 +361,7 @@ def test_tools_given_as_one_string_is_rejected():
 
 
 # ---------------------------------------------------------------------------------------------------
-# assistant turns: reasoning keep/drop, pending rule (§1.2 rule 4-5)
+# assistant turns: reasoning keep/drop, pending rule
 
 
 def test_old_reasoning_dropped_without_tool_context():
@@ -442,7 +443,7 @@ def test_message_fields_must_be_strings():
 
 
 # ---------------------------------------------------------------------------------------------------
-# tool results (§1.8)
+# tool results
 
 
 def test_tool_result_escapes_only_its_closing_tag():
@@ -469,7 +470,7 @@ def test_tool_result_after_an_assistant_turn_opens_a_new_user_turn():
 
 
 # ---------------------------------------------------------------------------------------------------
-# canonical DSML (§1.7)
+# canonical DSML
 
 
 def test_canonical_string_values_stay_literal():
@@ -565,7 +566,7 @@ def test_canonical_several_calls_in_one_block():
 
 
 # ---------------------------------------------------------------------------------------------------
-# exact replay through ToolMemory (§1.7 path 1, §4.4)
+# exact replay through ToolMemory
 
 SAMPLED = (
     "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"bash\">\n"
@@ -670,7 +671,7 @@ def test_tool_memory_rejects_non_positive_limits():
 
 
 # ---------------------------------------------------------------------------------------------------
-# live tail (§1.10)
+# live tail
 
 
 def test_live_tail_example():
@@ -693,7 +694,7 @@ def test_live_tail_assistant_keeps_reasoning_and_writes_system_in_place():
 
 
 # ---------------------------------------------------------------------------------------------------
-# /v1/completions and the CLI (§1.11)
+# /v1/completions and the CLI
 
 
 def test_completion_prompt():
@@ -746,7 +747,7 @@ def test_cli_transcript_is_preamble_plus_turns():
 
 
 # ---------------------------------------------------------------------------------------------------
-# prefix stability: what the server remembers after a turn is a byte prefix of the next prompt (§5.2, §8)
+# prefix stability: what the server remembers after a turn is a byte prefix of the next prompt
 
 
 @pytest.mark.parametrize("content", ["The answer.", ""])

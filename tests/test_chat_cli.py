@@ -1,4 +1,4 @@
-"""`ds4-mlx chat`: the token transcript, prefix reuse between turns, the REPL commands and Ctrl+C (behavior.md §6).
+"""`ds4-mlx chat`: the token transcript, prefix reuse between turns, the REPL commands and Ctrl+C (ds4_cli.c).
 
 The model is the tiny preset with the real V4 vocabulary: its text is meaningless, but its tokens, the transcript
 and the engine's reuse of the live session are exactly what the real model gets. Answers are capped at a few

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from ds4_mlx.chat import Message, ThinkMode, render_chat
-from ds4_mlx.checkpoints import CheckpointStore, snapshot_arrays
+from ds4_mlx.cache.checkpoints import CheckpointStore, snapshot_arrays
 from ds4_mlx.commands.options import byte_size
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.events import Done

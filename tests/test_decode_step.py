@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.machinery import registry
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights
@@ -49,8 +49,8 @@ def greedy(model: Model, prompt: list[int], mode: str) -> tuple[list[int], list[
 COMBINATIONS = [("tiny", "q2", True), ("tiny", "q2", False), ("tiny", "q4", True), ("tiny", "q4", False),
                 pytest.param("small", "q2", True, marks=pytest.mark.slow),
                 pytest.param("small", "q4", False, marks=pytest.mark.slow)]
-"""Every expert type and simulation setting on tiny; on small (8 layers, ~10x the CPU time: 79 and 47 s on the
-2-core VM, a sixth of the suite) each of them once, among the slow checks."""
+"""Every expert type and simulation setting on tiny; on small (8 layers, ~10x the CPU time: 79 and 47 s on a
+2-core CPU, a sixth of the suite) each of them once, among the slow checks."""
 
 
 @pytest.mark.parametrize(("preset", "experts", "simulate"), COMBINATIONS, ids=lambda v: str(v))

@@ -1,5 +1,5 @@
-"""DSML tool-call parsing: the final parse, the stream projection and the greedy tracker (behavior.md §4, §3.5,
-§3.10), with ds4's own server unit tests mirrored (§8).
+"""DSML tool-call parsing: the final parse, the stream projection and the greedy tracker (ds4_server.c),
+with ds4's own server unit tests mirrored.
 
 The central check is the split-everywhere invariant: however the generated text is chunked, the streamed
 reasoning, text and tool-call argument fragments reassemble into exactly what the final parse returns.
@@ -56,7 +56,7 @@ def block(*invokes: str, syntax: Syntax = DSML_SYNTAX) -> str:
     return f"{syntax.tool_calls_start}\n" + "".join(invokes) + syntax.tool_calls_end
 
 
-BASH_EXAMPLE = (  # §3.9/§3.10's captured call, as the model writes it (raw `&&` and quotes)
+BASH_EXAMPLE = (  # a captured call of ds4's server, as the model writes it (raw `&&` and quotes)
     "The user wants files.</think>Checking.\n\n"
     + block(
         invoke(
@@ -266,7 +266,7 @@ def test_stream_matches_final_parse_at_every_split(case):
     assert_stream_matches_parse(text, thinking=thinking, tools_active=tools_active)
 
 
-# --- final parse (§4.1, §8 "Parsing") -------------------------------------------------------------------
+# --- final parse -------------------------------------------------------------------
 
 
 def test_parse_captured_call_is_compact_and_in_generated_order():
@@ -478,7 +478,7 @@ def test_truncation_anywhere_never_raises_and_reports_unterminated():
         assert got.tool_block_closed == (END in prefix)
 
 
-# --- streaming (§3.10, §8 "Streaming") -----------------------------------------------------------------
+# --- streaming -----------------------------------------------------------------
 
 
 def test_stream_captured_fragments():
@@ -600,7 +600,7 @@ def test_stream_ignores_feeds_after_the_block_closed():
     assert parser.feed("anything") == [] and parser.finish() == []
 
 
-# --- greedy tracker (§3.5, §8 "DSML decode tracker states") --------------------------------------------
+# --- greedy tracker --------------------------------------------
 
 
 def tracker_state(text: str, *, thinking: bool = False) -> DecodeState:

@@ -20,7 +20,7 @@ import pytest
 
 import ds4_mlx.kernels
 import ds4_mlx.model
-from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.machinery import registry
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights
@@ -35,8 +35,8 @@ def emulating_cuda(on_cpu, monkeypatch, tmp_path):
     build = emulated_build(tmp_path)
     monkeypatch.setattr(registry, "current_backend", lambda: "cuda")
     for package in (ds4_mlx.kernels, ds4_mlx.model):
-        for info in pkgutil.iter_modules(package.__path__):
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            module = importlib.import_module(info.name)
             if hasattr(module, "current_backend"):
                 monkeypatch.setattr(module, "current_backend", lambda: "cuda")
             if package is ds4_mlx.kernels and hasattr(module, "build"):

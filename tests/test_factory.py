@@ -1,8 +1,8 @@
-"""The model-file factory: layout against the spec inventory, metadata, random values, vocabularies, the
+"""The model-file factory: layout against ds4's tensor inventory, metadata, random values, vocabularies, the
 transformers reference export, determinism and the make-model command.
 
 Files are read back with gguf-py's reader and dequantizers, not with this package's loader, and the expected
-inventory is rebuilt here from the spec tables (gguf-and-forward.md §0, §1.2, §2), independently of the factory.
+inventory is rebuilt here from the published tensor tables (names, shapes, types), independently of the factory.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ FLASH = dict(n_layer=43, ratios=[0, 0] + [4 if i % 2 == 0 else 128 for i in rang
 
 
 def expected_inventory(d: dict, routed: list[tuple[str, str]]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (type, ne) from the spec tables; `routed[L]` is layer L's (gate/up, down) type."""
+    """name -> (type, ne) from the published tensor tables; `routed[L]` is layer L's (gate/up, down) type."""
     E, V_, HC, D = d["n_embd"], d["n_vocab"], d["n_hc"], d["head_dim"]
     mix = 2 * HC + HC * HC
     inv = {
@@ -89,7 +89,7 @@ def expected_inventory(d: dict, routed: list[tuple[str, str]]) -> dict[str, tupl
 
 
 def expected_count(d: dict) -> int:
-    """Spec §2.5's count: 6 + 23L + 4·#compressed + 6·#ratio-4 + #exp_probs_b + #hash."""
+    """The tensor count: 6 + 23L + 4·#compressed + 6·#ratio-4 + #exp_probs_b + #hash."""
     ratios = d["ratios"]
     return (6 + 23 * d["n_layer"] + 4 * sum(r != 0 for r in ratios) + 6 * sum(r == 4 for r in ratios)
             + (d["n_layer"] - d["n_hash"]) + d["n_hash"])
@@ -321,7 +321,7 @@ def test_repeated_data_draws_the_first_rows_and_repeats_them(tmp_path, monkeypat
 
 
 def test_sparse_flash_has_the_published_inventory(tmp_path):
-    """The 1328 tensors of spec §2 with the published shapes and q2 types (small vocab keeps the read fast)."""
+    """The 1328 tensors of the published file with their shapes and q2 types (small vocab keeps the read fast)."""
     path = write_model(tmp_path / "flash.gguf", preset="flash", vocab="small", data="sparse")
     reader = GGUFReader(path)
     d = dict(FLASH, n_vocab=512)
@@ -333,7 +333,7 @@ def test_sparse_flash_has_the_published_inventory(tmp_path):
 
 
 def test_flash_q2_file_is_the_published_size(tmp_path):
-    """With the real vocabulary the q2 flash file has the published q2 size, 80.76 GiB (spec §2.7)."""
+    """With the real vocabulary the q2 flash file has the published q2 size, 80.76 GiB."""
     path = write_model(tmp_path / "flash.gguf", preset="flash", data="sparse")
     assert round(path.stat().st_size / 2**30, 2) == 80.76
     mixed = write_model(tmp_path / "mixed.gguf", preset="flash", experts="mixed", data="sparse")

@@ -17,13 +17,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.affine_matvec import AFFINE_MATVEC, launch_plan
-from ds4_mlx.kernels.affine_matvec import TOLERANCE as AFFINE_TOLERANCE
-from ds4_mlx.kernels.fused_norm import apply
-from ds4_mlx.kernels.half import HALF_MATVEC
-from ds4_mlx.kernels.half import TOLERANCE as HALF_TOLERANCE
-from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.decode.affine_matvec import AFFINE_MATVEC, launch_plan
+from ds4_mlx.kernels.decode.affine_matvec import TOLERANCE as AFFINE_TOLERANCE
+from ds4_mlx.kernels.decode.fused_norm import apply
+from ds4_mlx.kernels.decode.half import HALF_MATVEC
+from ds4_mlx.kernels.decode.half import TOLERANCE as HALF_TOLERANCE
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.model import linear
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.graph import decode_step_ops

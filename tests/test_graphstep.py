@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels.dialect import CUDA
+from ds4_mlx.kernels.machinery.dialect import CUDA
 from ds4_mlx.model import graphstep
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.graphstep import GREEDY_KERNEL, LOAD_KERNEL, GraphDecoder, copy_kernel
@@ -304,8 +304,8 @@ def test_leave_hands_back_the_rows_completed_since_the_entry_and_spares_snapshot
 def test_ops_after_kernels_are_the_mlx_ops_on_computed_values():
     """Counted: ops that take a kernel's output (directly or through others); not counted: views, kernels, ops on
     constants alone."""
-    from ds4_mlx.kernels import registry
-    from ds4_mlx.kernels.dialect import stand_in
+    from ds4_mlx.kernels.machinery import registry
+    from ds4_mlx.kernels.machinery.dialect import stand_in
     from ds4_mlx.model.graph import ops_after_kernels
 
     with registry.planning("cuda"):
@@ -320,7 +320,7 @@ def test_ops_after_kernels_are_the_mlx_ops_on_computed_values():
 def test_a_step_with_mlx_ops_on_its_values_is_refused_before_any_graph(tmp_path):
     """The small preset's learned router falls back to MLX ops (too few experts for the route kernel): its
     recorded step holds them, so no graph of it could be right."""
-    from ds4_mlx.kernels import nvrtc, registry
+    from ds4_mlx.kernels.machinery import nvrtc, registry
     from ds4_mlx.model.graph import ops_after_kernels
 
     path = tmp_path / "small.gguf"
@@ -341,7 +341,7 @@ def test_small_arrays_get_copies_off_the_scalar_pool():
     their values large enough to be allocated apart (MLX serves small arrays from shared managed pages)."""
     from types import SimpleNamespace
 
-    from ds4_mlx.kernels import nvrtc
+    from ds4_mlx.kernels.machinery import nvrtc
 
     position, eps, big, token = mx.array([7], dtype=mx.int32), mx.array([1e-6, 0.5]), mx.zeros((4, 4)), \
         mx.array([3], dtype=mx.int32)

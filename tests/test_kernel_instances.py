@@ -1,8 +1,8 @@
 """A prefill chunk of a new length, or at a new position, launches only kernel instances launched before.
 
 A kernel instance is a kernel's text with its template constants; on CUDA each is one NVRTC compile (~1 s on the
-H200, then kept on disk, kernels/nvrtc.py). With a chunk's row or token count among the constants, every prompt of
-a new length compiled ~8 instances inside the user's prefill. Planned for CUDA on the CPU (registry.planning):
+H200, then kept on disk, kernels/machinery/nvrtc.py). With a chunk's row or token count among the constants, every
+prompt of a new length compiled ~8 instances inside the user's prefill. Planned for CUDA on the CPU (registry.planning):
 every launch is recorded by kernel and template, and stands in for its work.
 """
 
@@ -14,7 +14,7 @@ import pkgutil
 import mlx.core as mx
 
 import ds4_mlx.kernels
-from ds4_mlx.kernels import dialect, registry
+from ds4_mlx.kernels.machinery import dialect, registry
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import open_weights
@@ -29,8 +29,8 @@ def test_chunks_of_new_lengths_and_positions_launch_no_new_kernel_instances(tmp_
             return dialect.stand_in(**kw)
         return launch
 
-    for info in pkgutil.iter_modules(ds4_mlx.kernels.__path__):
-        module = importlib.import_module(f"ds4_mlx.kernels.{info.name}")
+    for info in pkgutil.walk_packages(ds4_mlx.kernels.__path__, "ds4_mlx.kernels."):
+        module = importlib.import_module(info.name)
         if hasattr(module, "build"):
             monkeypatch.setattr(module, "build", build)
     path = write_model(tmp_path / "small.gguf", preset="small")

@@ -1,12 +1,12 @@
-"""The activation-quantisation kernels (kernels/actquant.py) against model/quant_sim.py, bit for bit (GPU)."""
+"""The activation-quantisation kernels (kernels/sublayers/actquant.py) against model/quant_sim.py, bit for bit (GPU)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.machinery.probe import random_activations
 from ds4_mlx.model.quant_sim import indexer_fp4, kv_fp8, simulate_indexer_fp4, simulate_kv_fp8
 
 

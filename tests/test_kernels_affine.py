@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, affine_nbytes, to_affine
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.quants import dequantize, reference_matmul
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.formats.affine import AFFINE_GATHER, AFFINE_MATMUL, affine_nbytes, to_affine
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.quants import dequantize, reference_matmul
 from ds4_mlx.model import linear
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType

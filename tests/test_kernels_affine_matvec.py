@@ -14,13 +14,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import dialect, registry
-from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.affine_matvec import (AFFINE_MATVEC, KERNEL, MAX_TOKENS, MIN_THREADGROUPS, TOLERANCE,
+from ds4_mlx.kernels.machinery import dialect, registry
+from ds4_mlx.kernels.formats.affine import to_affine
+from ds4_mlx.kernels.decode.affine_matvec import (AFFINE_MATVEC, KERNEL, MAX_TOKENS, MIN_THREADGROUPS, TOLERANCE,
                                            affine_matvec, launch_plan, norm_kernel)
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.quants import dequantize, reference_matmul
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import GGMLType
 from kernel_checks import tiny_decode_fast_and_reference
 
@@ -212,7 +212,7 @@ def test_q4_model_decode_with_the_kernel_equals_the_reference(on_gpu, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The input norm folded in (kernels/fused_norm.py)
+# The input norm folded in (kernels/decode/fused_norm.py)
 
 FLASH_NORMED = ("attn_q_a", "attn_kv", "attn_q_b", "shexp_gate_up", "output")
 """The Q8_0 matrices whose input is an rms_norm output: attn_norm, q_a_norm, ffn_norm, output_norm."""

@@ -1,4 +1,4 @@
-"""The decode-step attention kernels (kernels/attention.py) against the model's formulas.
+"""The decode-step attention kernels (kernels/decode/attention.py) against the model's formulas.
 
 RoPE and the decode attention core at Flash shapes on the GPU, and the tiny model's decode step taking the latter
 (gpu marker); the decode attention core's CUDA text run on the CPU by emulated_cuda.py at Flash shapes and small
@@ -15,10 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import attention, registry
-from ds4_mlx.kernels.attention import TOLERANCE, DecodeAttention
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.kernels.decode import attention
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.decode.attention import TOLERANCE, DecodeAttention
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.machinery.probe import random_activations
 from ds4_mlx.model.attention import DECODE_ATTENTION, attend, attend_step
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.factory import write_model

@@ -1,5 +1,5 @@
-"""The chunk attention kernels (kernels/chunk_attention.py, CHUNK_ATTENTION: SIMT and tensor cores) against their
-reference, `attend_block`.
+"""The chunk attention kernels (kernels/prefill/chunk_attention.py, CHUNK_ATTENTION: SIMT and tensor cores) against
+their reference, `attend_block`.
 
 At Flash shapes on the GPU, and a tiny model's prefill taking them (gpu marker); their CUDA text run on the CPU by
 emulated_cuda.py at small odd shapes covering each kind of key set, windows that cross the chunk's start, queries
@@ -15,11 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import chunk_attention, registry
-from ds4_mlx.kernels.attention import TOLERANCE
-from ds4_mlx.kernels.chunk_attention import ChunkAttention, ChunkShape
-from ds4_mlx.kernels.dialect import CUDA, METAL
-from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.kernels.prefill import chunk_attention
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.decode.attention import TOLERANCE
+from ds4_mlx.kernels.prefill.chunk_attention import ChunkAttention, ChunkShape
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL
+from ds4_mlx.kernels.machinery.probe import random_activations
 from ds4_mlx.model.attention import CHUNK_ATTENTION, attend, attend_block
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.factory import write_model

@@ -1,4 +1,4 @@
-"""The compressor's decode-step kernel (kernels/compressor.py) against `pool_step`, at Flash shapes (GPU).
+"""The compressor's decode-step kernel (kernels/sublayers/compressor.py) against `pool_step`, at Flash shapes (GPU).
 
 Flash runs it at ratio 4 with overlap for attention rows (width 512) and indexer rows (128), and at ratio 128
 (512). Positions cover the first token of a window, tokens inside it, its last token (the frontier shifts or
@@ -15,10 +15,10 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.compressor import CHUNK_KERNEL, PAIR_KERNEL, STEP_KERNEL, TOLERANCE, _STEP
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.sublayers.compressor import CHUNK_KERNEL, PAIR_KERNEL, STEP_KERNEL, TOLERANCE, _STEP
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.machinery.probe import random_activations
 from ds4_mlx.model.compressor import POOL_CHUNK, POOL_STEP, POOL_STEP_PAIR, Frontier, pool_chunk, pool_step
 from ds4_mlx.model.graph import STAND_IN, VIEWS, graph_nodes
 from kernel_checks import balanced, rendered

@@ -1,5 +1,5 @@
-"""The replay graph's dependencies (kernels/cudagraph.py): which earlier launches each launch waits for, from the
-address ranges they read and write. The driver itself needs a GPU (bench/graph_replay.py runs it there)."""
+"""The replay graph's dependencies (kernels/machinery/cudagraph.py): which earlier launches each launch waits for, from
+the address ranges they read and write. The driver itself needs a GPU (bench/graph_replay.py runs it there)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels.cudagraph import Moves, address, dependencies, is_row_contiguous
+from ds4_mlx.kernels.machinery.cudagraph import Moves, address, dependencies, is_row_contiguous
 
 
 def test_a_reader_waits_for_the_writer_of_what_it_reads():
@@ -93,8 +93,8 @@ class FakeDriver:
 def test_replay_graph_gives_each_launch_moved_addresses_and_its_dependencies():
     """A launch writing a bound array writes its target; a later reader of that array reads the target and waits
     for the writer; independent launches wait for nothing."""
-    from ds4_mlx.kernels.cudagraph import ReplayGraph
-    from ds4_mlx.kernels.nvrtc import Launch
+    from ds4_mlx.kernels.machinery.cudagraph import ReplayGraph
+    from ds4_mlx.kernels.machinery.nvrtc import Launch
 
     rows, out, x, y = mx.zeros((4, 8)), mx.zeros((4, 8)), mx.ones((8,)), mx.ones((8,))
     mx.eval(rows, out, x, y)

@@ -1,4 +1,4 @@
-"""The float16 tensor-core dense projection of affine weights (kernels/dense_f16.py).
+"""The float16 tensor-core dense projection of affine weights (kernels/tensor_cores/dense_f16.py).
 
 Without a GPU the kernel runs in emulation (emulated_cuda.py: its f16 mma truncates its sums as the tensor cores do;
 the fragment layout is what test_kernels_grouped_raw.py's one-hot decoding test pins down). The kernel must equal
@@ -15,16 +15,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import batch, dense_f16, dense_wgmma, half, halfsplit, registry
-from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul
-from ds4_mlx.kernels.dense_f16 import (DENSE_F16, HALF_BATCH, STAGES, THREADS, TK, TM, f16_affine_matmul,
+from ds4_mlx.kernels.prefill import batch
+from ds4_mlx.kernels.tensor_cores import dense_f16, dense_wgmma, halfsplit
+from ds4_mlx.kernels.decode import half
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.formats.affine import to_affine
+from ds4_mlx.kernels.prefill.batch import TOLERANCE, batch_matmul
+from ds4_mlx.kernels.tensor_cores.dense_f16 import (DENSE_F16, HALF_BATCH, STAGES, THREADS, TK, TM, f16_affine_matmul,
                                        half_matmul)
-from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA
-from ds4_mlx.kernels.dialect import CUDA, METAL
-from ds4_mlx.kernels.halfsplit import BLOCK_ROWS, reference_row_scales, reference_split_blocks, to_blocks
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.quants import dequantize, reference_matmul
+from ds4_mlx.kernels.tensor_cores.dense_wgmma import DENSE_WGMMA
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL
+from ds4_mlx.kernels.tensor_cores.halfsplit import BLOCK_ROWS, reference_row_scales, reference_split_blocks, to_blocks
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
 from kernel_checks import assert_renders_cleanly, rendered

@@ -1,4 +1,4 @@
-"""The Q8_0 and F16 projections by warpgroup products (kernels/dense_wgmma.py, Hopper's wgmma).
+"""The Q8_0 and F16 projections by warpgroup products (kernels/tensor_cores/dense_wgmma.py, Hopper's wgmma).
 
 Without a GPU the kernel runs in emulation (emulated_cuda.py: the wgmma gathers the warpgroup's A fragments and reads
 B from threadgroup memory as a K-major tile without swizzling lays it out, its sums truncated as the tensor cores
@@ -16,16 +16,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import dense_wgmma, halfsplit, registry
-from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.batch import TOLERANCE, batch_matmul, grouped_rows_matmul
-from ds4_mlx.kernels.dense_f16 import HALF_BATCH
-from ds4_mlx.kernels.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, TM, WARPGROUPS
-from ds4_mlx.kernels.dialect import CUDA, METAL
-from ds4_mlx.kernels.halfsplit import (TILE_ROWS, TILE_WORDS, reference_split_rows, reference_split_tiles, to_tiles,
-                                      transpose_groups)
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.quants import reference_matmul
+from ds4_mlx.kernels.tensor_cores import dense_wgmma, halfsplit
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.formats.affine import to_affine
+from ds4_mlx.kernels.prefill.batch import TOLERANCE, batch_matmul, grouped_rows_matmul
+from ds4_mlx.kernels.tensor_cores.dense_f16 import HALF_BATCH
+from ds4_mlx.kernels.tensor_cores.dense_wgmma import DENSE_WGMMA, HALF_WGMMA, LBO, SBO, STAGES, TM, WARPGROUPS
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL
+from ds4_mlx.kernels.tensor_cores.halfsplit import (TILE_ROWS, TILE_WORDS, reference_split_rows, reference_split_tiles,
+                                      to_tiles, transpose_groups)
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.quants import reference_matmul
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
 from kernel_checks import assert_renders_cleanly, rendered

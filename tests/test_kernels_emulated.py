@@ -18,20 +18,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import affine_matvec, compressor, experts, half, hc
-from ds4_mlx.kernels.actquant import FP8_KERNEL, FP8_THREADS
-from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.compressor import LAYOUTS, STEP_KERNEL
-from ds4_mlx.kernels.compressor import TOLERANCE as STEP_TOLERANCE
-from ds4_mlx.kernels.dialect import Kernel
-from ds4_mlx.kernels.fused_norm import Norm, apply, probe_norm
-from ds4_mlx.kernels.half import HALF_MATVEC_KERNEL, SIMDS, reference, split_plan
-from ds4_mlx.kernels.half import TOLERANCE as HALF_TOLERANCE
-from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
-from ds4_mlx.kernels.matvec import TOLERANCE, QuantMatvec, gathered_reference, launch_plan
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
-from ds4_mlx.kernels.quants import dequantize
+from ds4_mlx.kernels.decode import affine_matvec, experts, half
+from ds4_mlx.kernels.sublayers import compressor, hc
+from ds4_mlx.kernels.sublayers.actquant import FP8_KERNEL, FP8_THREADS
+from ds4_mlx.kernels.formats.affine import to_affine
+from ds4_mlx.kernels.sublayers.compressor import LAYOUTS, STEP_KERNEL
+from ds4_mlx.kernels.sublayers.compressor import TOLERANCE as STEP_TOLERANCE
+from ds4_mlx.kernels.machinery.dialect import Kernel
+from ds4_mlx.kernels.decode.fused_norm import Norm, apply, probe_norm
+from ds4_mlx.kernels.decode.half import HALF_MATVEC_KERNEL, SIMDS, reference, split_plan
+from ds4_mlx.kernels.decode.half import TOLERANCE as HALF_TOLERANCE
+from ds4_mlx.kernels.decode.iq2_xxs import IQ2_XXS_MATVEC
+from ds4_mlx.kernels.decode.matvec import TOLERANCE, QuantMatvec, gathered_reference, launch_plan
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.decode.q2_k import Q2_K_MATVEC
+from ds4_mlx.kernels.formats.quants import dequantize
 from ds4_mlx.model.compressor import POOL_CHUNK, POOL_STEP, POOL_STEP_PAIR, Frontier, pool_chunk, pool_step
 from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType
 from ds4_mlx.model.hyper_connection import mix, post_pre, pre, split, update
@@ -104,8 +105,8 @@ def test_emulated_half_matvec_equals_the_reference(n_out, n_in, tokens, tmp_path
 
 
 def through_emulation(monkeypatch, tmp_path) -> None:
-    """kernels/hc.py's `build` made to return the emulated kernel behind MLX's calling convention (float32 buffers
-    but an int32 token count, `grid` in threads), so the wrappers' own templates and grids are what runs."""
+    """kernels/sublayers/hc.py's `build` made to return the emulated kernel behind MLX's calling convention (float32
+    buffers but an int32 token count, `grid` in threads), so the wrappers' own templates and grids are what runs."""
     emulated_kernel = emulated_build(tmp_path)
 
     def build(kernel: Kernel, backend: str) -> Callable:
@@ -209,7 +210,7 @@ def test_emulated_hc_update_equals_the_reference(shape, addends, monkeypatch, tm
 ], ids=str)
 def test_emulated_affine_matvec_equals_the_reference(bits, size, tokens, plan, monkeypatch, tmp_path):
     """One matrix for several tokens, or (one token) a bank of three matrices with four slots picking them; through
-    kernels/affine_matvec.py's own wrapper (templates, grid), with `build` returning the emulated kernel."""
+    kernels/decode/affine_matvec.py's own wrapper (templates, grid), with `build` returning the emulated kernel."""
     check_affine_matvec(bits, size, tokens, plan, None, monkeypatch, tmp_path)
 
 

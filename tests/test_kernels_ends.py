@@ -1,4 +1,4 @@
-"""The decode step's two ends in one launch each (kernels/ends.py): the token's embedding row as the streams, and
+"""The decode step's two ends in one launch each (kernels/decode/ends.py): the token's embedding row as the streams, and
 HyperHead's collapse. The CUDA text runs on the CPU (emulated_cuda, slow) and through MLX on the device (gpu)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import ends, registry
-from ds4_mlx.kernels.dialect import CUDA, METAL
-from ds4_mlx.kernels.ends import EMBED_KERNEL, EMBED_STREAMS, HEAD_KERNEL, HEAD_TOLERANCE, embed_reference
+from ds4_mlx.kernels.decode import ends
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL
+from ds4_mlx.kernels.decode.ends import EMBED_KERNEL, EMBED_STREAMS, HEAD_KERNEL, HEAD_TOLERANCE, embed_reference
 from ds4_mlx.model.hyper_connection import HEAD_COLLAPSE, head_collapse
 from emulated_cuda import emulated_build
 from test_kernels_hc import NEUTRAL_WORDS

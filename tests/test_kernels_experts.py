@@ -1,4 +1,5 @@
-"""The fused routed-expert kernels (kernels/experts.py): gate + up + SwiGLU in one launch, down + slot sum in another.
+"""The fused routed-expert kernels (kernels/decode/experts.py): gate + up + SwiGLU in one launch, down + slot sum in
+another.
 
 On the CPU the tests check what can be checked without a GPU: the two renderings of each definition, the IQ2_XXS
 lookup tables and byte permutes against ggml's grid, the activation layouts, the launch plans, and that the CPU
@@ -17,13 +18,13 @@ import numpy as np
 import pytest
 from gguf.quants import IQ2_XXS
 
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.experts import (BIAS, DEFAULT_SHARED_BYTES, GATE_UP_TOLERANCE, SHARED_BYTES,
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.decode.experts import (BIAS, DEFAULT_SHARED_BYTES, GATE_UP_TOLERANCE, SHARED_BYTES,
                                      SIGNED_MAGNITUDES, TOLERANCE, UNITS, WORDS, Plan, down_plan, down_sum_kernel,
                                      gate_up_kernel, gate_up_plan, grid_nibbles, sign_nibbles)
-from ds4_mlx.kernels.fused_norm import probe_norm
-from ds4_mlx.kernels.matvec import gathered_reference
-from ds4_mlx.kernels.probe import random_activations, random_blocks
+from ds4_mlx.kernels.decode.fused_norm import probe_norm
+from ds4_mlx.kernels.decode.matvec import gathered_reference
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.linear import ExpertBank
@@ -273,7 +274,7 @@ def test_kernels_run_inside_a_compiled_function(on_gpu):
 @pytest.mark.gpu
 def test_gathered_experts_take_the_fused_kernels_on_the_gpu(on_gpu, q2_experts):
     """RoutedExperts._gathered of a q2 file: two launches on the GPU, equal to the reference mode's path."""
-    from ds4_mlx.kernels import registry
+    from ds4_mlx.kernels.machinery import registry
 
     ids = mx.array([[1, 5], [5, 5], [0, 7]], dtype=mx.int32)
     x = random_activations((3, 256), seed=7)
@@ -306,7 +307,7 @@ def test_flash_gate_up_kernel_with_the_input_norm_equals_the_reference(on_gpu, r
 def test_tiny_q2_decode_folds_ffn_norm_on_the_gpu(on_gpu, tmp_path, monkeypatch):
     """A tiny q2 model's decode step: the MoE's readers fold ffn_norm (the normed gate/up kernel used), one RMSNorm
     node fewer per layer than with the norm applied first, equal to the reference path within 1e-4."""
-    from ds4_mlx.kernels import registry
+    from ds4_mlx.kernels.machinery import registry
     from ds4_mlx.model.graph import decode_step_ops
     from ds4_mlx.model.model import Model
     from ds4_mlx.model.moe import MoE

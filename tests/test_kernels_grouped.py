@@ -18,17 +18,21 @@ import numpy as np
 import pytest
 
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.kernels import batch, dialect, grouped, grouped_gemm, registry
-from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.batch import AFFINE_BATCH, BF16_TOLERANCE, DTYPE_ENV, TOLERANCE, dense_matmul, prefill_dtype
-from ds4_mlx.kernels.dequant import DEQUANT_TOLERANCE, KERNELS, dequantize_used
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.grouped import (AFFINE_GROUPED, INVERT, INVERT_KERNEL, RAW_GROUPED, SLOT_SUM, SLOT_SUM_KERNEL,
+from ds4_mlx.kernels.prefill import batch, grouped
+from ds4_mlx.kernels.machinery import dialect, registry
+from ds4_mlx.kernels.tensor_cores import grouped_gemm
+from ds4_mlx.kernels.formats.affine import to_affine
+from ds4_mlx.kernels.prefill.batch import (AFFINE_BATCH, BF16_TOLERANCE, DTYPE_ENV, TOLERANCE, dense_matmul,
+    prefill_dtype)
+from ds4_mlx.kernels.prefill.dequant import DEQUANT_TOLERANCE, KERNELS, dequantize_used
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.prefill.grouped import (AFFINE_GROUPED, INVERT, INVERT_KERNEL, RAW_GROUPED, SLOT_SUM,
+    SLOT_SUM_KERNEL,
                                      expert_counts, gather_slot_sums, grouped_swiglu, invert_permutation, pair_inputs,
                                      sliced_reference, sort_by_expert)
-from ds4_mlx.kernels.matvec import gathered_reference
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.quants import dequantize, reference_matmul
+from ds4_mlx.kernels.decode.matvec import gathered_reference
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.quants import dequantize, reference_matmul
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.linear import ExpertBank
@@ -366,9 +370,9 @@ def test_bfloat16_prefill_stays_close_to_float32(on_gpu, model_files, kind, monk
     perturbation (on the CPU, bfloat16 batch projections alone move its logits by ~0.15 of the largest), so the
     bound is relative: no more than 3x what the float32 path moves by when rounded where the bfloat16 path rounds,
     and the argmax agreement within 0.1 of that perturbation's. Where it rounds: the batch projections' outputs,
-    and for q4 banks (a bfloat16 scratch, kernels/grouped.py) the dequantized expert weights and the pairs' inputs
-    too, not only the experts' outputs (rounding the outputs alone moved the q4 model's logits by 0.040 on an H100
-    where bfloat16 moved them by 0.335)."""
+    and for q4 banks (a bfloat16 scratch, kernels/prefill/grouped.py) the dequantized expert weights and the pairs'
+    inputs too, not only the experts' outputs (rounding the outputs alone moved the q4 model's logits by 0.040 on an
+    H100 where bfloat16 moved them by 0.335)."""
     from ds4_mlx.model import linear
     from ds4_mlx.model.model import Model
 

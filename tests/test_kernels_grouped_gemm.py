@@ -1,4 +1,4 @@
-"""The grouped GEMM kernel (kernels/grouped_gemm.py) against one product per (pair, expert).
+"""The grouped GEMM kernel (kernels/tensor_cores/grouped_gemm.py) against one product per (pair, expert).
 
 Each pair's row must be x[i] @ W[e(i)].T within float32 reassociation (TOLERANCE) for any per-expert counts: unused
 experts, single pairs, one expert with more than a tile of pairs or with all of them, N not a multiple of the tile
@@ -18,13 +18,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import dialect
-from ds4_mlx.kernels.batch import TOLERANCE
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.grouped import scratch_matmul
-from ds4_mlx.kernels.grouped_gemm import (GROUPED_GEMM, KERNEL, TK, TM, TN, THREADS, expert_counts, fallback_matmul,
-                                          grouped_gemm, row_tiles, untrusted_matmul)
-from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.kernels.machinery import dialect
+from ds4_mlx.kernels.prefill.batch import TOLERANCE
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.prefill.grouped import scratch_matmul
+from ds4_mlx.kernels.tensor_cores.grouped_gemm import (GROUPED_GEMM, KERNEL, TK, TM, TN, THREADS, expert_counts,
+                                          fallback_matmul, grouped_gemm, row_tiles, untrusted_matmul)
+from ds4_mlx.kernels.machinery.probe import random_activations
 from emulated_cuda import kernel_library
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")

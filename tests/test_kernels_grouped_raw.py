@@ -1,5 +1,5 @@
-"""The grouped GEMMs that read raw IQ2_XXS / Q2_K banks directly (kernels/grouped_raw.py: float16 tensor cores, x
-split into two halves; kernels/grouped_wgmma.py: the same by Hopper's warpgroup products).
+"""The grouped GEMMs that read raw IQ2_XXS / Q2_K banks directly (kernels/tensor_cores/grouped_raw.py: float16 tensor
+cores, x split into two halves; kernels/tensor_cores/grouped_wgmma.py: the same by Hopper's warpgroup products).
 
 Each kernel must equal one float64 product per pair over the reference dequantizer's weights (quants.py) within
 float32 reassociation (TOLERANCE) for odd shapes and routings: unused experts, a single pair, E = 1, several row and
@@ -17,14 +17,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import grouped_raw, grouped_wgmma, halfsplit, registry
-from ds4_mlx.kernels.batch import TOLERANCE
-from ds4_mlx.kernels.dialect import CUDA
-from ds4_mlx.kernels.grouped import RAW_GROUPED, sliced_reference
-from ds4_mlx.kernels.grouped_raw import STAGES, grid_words, kernel, raw_grouped_gemm, shared_bytes, template
-from ds4_mlx.kernels.halfsplit import reference_row_scales
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.quants import _iq2_xxs_tables, dequantize
+from ds4_mlx.kernels.tensor_cores import grouped_raw, grouped_wgmma, halfsplit
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.prefill.batch import TOLERANCE
+from ds4_mlx.kernels.machinery.dialect import CUDA
+from ds4_mlx.kernels.prefill.grouped import RAW_GROUPED, sliced_reference
+from ds4_mlx.kernels.tensor_cores.grouped_raw import (STAGES, grid_words, kernel, raw_grouped_gemm, shared_bytes,
+    template)
+from ds4_mlx.kernels.tensor_cores.halfsplit import reference_row_scales
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.quants import _iq2_xxs_tables, dequantize
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
 from kernel_checks import assert_renders_cleanly, rendered
@@ -283,8 +285,8 @@ def test_emulated_split_kernel_equals_the_reference(on_cpu, monkeypatch, tmp_pat
 def test_the_two_group_kernels_carry_launch_bounds_on_cuda_only():
     """GROUPS = 2 asks the compiler for 128 registers a thread (two threadgroups of 256 an SM) through the cached
     route's text; the one-group kernels have no bounds; Metal gets none."""
-    from ds4_mlx.kernels import nvrtc
-    from ds4_mlx.kernels.dialect import METAL
+    from ds4_mlx.kernels.machinery import nvrtc
+    from ds4_mlx.kernels.machinery.dialect import METAL
 
     for ggml_type in RAW_TYPES:
         two = rendered(kernel(ggml_type, 2), CUDA)

@@ -1,4 +1,4 @@
-"""The 3xTF32 grouped GEMM kernel (kernels/grouped_tf32.py) and its two tensor-core helpers.
+"""The 3xTF32 grouped GEMM kernel (kernels/tensor_cores/grouped_tf32.py) and its two tensor-core helpers.
 
 Without a GPU the mma is emulated (emulated_cuda.py): the warp's fragments are gathered and rebuilt into the 16 x 8
 and 8 x 8 matrices by PTX's mma.m16n8k8 .tf32 layout. A layout mistake shared by the emulation and the kernel would
@@ -18,11 +18,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import grouped_tf32, registry
-from ds4_mlx.kernels.batch import TOLERANCE
-from ds4_mlx.kernels.dialect import CUDA, METAL, Kernel, build
-from ds4_mlx.kernels.grouped import scratch_matmul
-from ds4_mlx.kernels.grouped_tf32 import GROUPED_GEMM_TF32, KERNEL, LD, TK, tensor_core_matmul, tf32_grouped_gemm
+from ds4_mlx.kernels.tensor_cores import grouped_tf32
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.prefill.batch import TOLERANCE
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, Kernel, build
+from ds4_mlx.kernels.prefill.grouped import scratch_matmul
+from ds4_mlx.kernels.tensor_cores.grouped_tf32 import (GROUPED_GEMM_TF32, KERNEL, LD, TK, tensor_core_matmul,
+    tf32_grouped_gemm)
 from emulated_cuda import emulated, emulated_build
 from kernel_checks import assert_renders_cleanly, rendered
 from test_kernels_grouped_gemm import FLASH_WIDTHS, assert_per_expert, flash_pairs, pairs, products, within

@@ -1,4 +1,5 @@
-"""Routed experts from raw IQ2_XXS / Q2_K banks by warpgroup products (kernels/grouped_wgmma.py, Hopper's wgmma).
+"""Routed experts from raw IQ2_XXS / Q2_K banks by warpgroup products (kernels/tensor_cores/grouped_wgmma.py, Hopper's
+wgmma).
 
 test_kernels_grouped_raw.py's emulated checks (one float64 product per pair within TOLERANCE for odd routings,
 gathered rows, rows of any size, Flash's K, every value decoded as the reference) run this kernel as well as
@@ -15,12 +16,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import grouped_wgmma, halfsplit, registry
-from ds4_mlx.kernels.batch import TOLERANCE
-from ds4_mlx.kernels.dialect import CUDA, METAL
-from ds4_mlx.kernels.grouped import RAW_GROUPED
-from ds4_mlx.kernels.grouped_gemm import row_tiles
-from ds4_mlx.kernels.grouped_wgmma import STAGES, TM, W_SLOTS, kernel, slot_rows, wgmma_grouped_gemm
+from ds4_mlx.kernels.tensor_cores import grouped_wgmma, halfsplit
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.prefill.batch import TOLERANCE
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL
+from ds4_mlx.kernels.prefill.grouped import RAW_GROUPED
+from ds4_mlx.kernels.tensor_cores.grouped_gemm import row_tiles
+from ds4_mlx.kernels.tensor_cores.grouped_wgmma import STAGES, TM, W_SLOTS, kernel, slot_rows, wgmma_grouped_gemm
 from ds4_mlx.model.gguf import GGMLType
 from emulated_cuda import emulated_build
 from kernel_checks import assert_renders_cleanly, rendered

@@ -1,4 +1,4 @@
-"""The half-precision matvec (kernels/half.py) and the float16 form of F16 matrices (model/linear.py).
+"""The half-precision matvec (kernels/decode/half.py) and the float16 form of F16 matrices (model/linear.py).
 
 On the CPU: the kernel's two renderings, its launch plan, and the model with the float16 form forced on (the
 kernel falls back to its reference there): the memory it predicts, and logits equal to the float32 form's bit for
@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS, Dialect
-from ds4_mlx.kernels.half import (HALF_MATVEC, HALF_MATVEC_KERNEL, MAX_STEPS, MAX_TOKENS, SIMDS, TARGET_SIMDS,
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS, Dialect
+from ds4_mlx.kernels.decode.half import (HALF_MATVEC, HALF_MATVEC_KERNEL, MAX_STEPS, MAX_TOKENS, SIMDS, TARGET_SIMDS,
                                   TOLERANCE, half_matvec, matvec_enabled, norm_kernel, reference, split_plan)
-from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.kernels.machinery.probe import random_activations
 from ds4_mlx.model import linear
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import GGMLType
@@ -213,7 +213,7 @@ def test_tiny_model_decode_with_the_kernel_equals_the_reference(on_gpu, tiny_wei
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The input norm folded in (kernels/fused_norm.py)
+# The input norm folded in (kernels/decode/fused_norm.py)
 
 
 def test_the_normed_kernel_renders_and_the_plain_one_is_unchanged():

@@ -1,4 +1,4 @@
-"""The hyper-connection kernels (kernels/hc.py) against their references, at Flash's shapes (GPU backends)."""
+"""The hyper-connection kernels (kernels/sublayers/hc.py) against their references, at Flash's shapes (GPU backends)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.kernels import hc, registry
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.hc import MIX_TOKENS, PRE_TOKENS, TOLERANCE, HCMix, HCPostPre, HCPre
-from ds4_mlx.kernels.probe import random_activations
+from ds4_mlx.kernels.sublayers import hc
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.sublayers.hc import MIX_TOKENS, PRE_TOKENS, TOLERANCE, HCMix, HCPostPre, HCPre
+from ds4_mlx.kernels.machinery.probe import random_activations
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.graph import STAND_IN, VIEWS, graph_nodes
 from ds4_mlx.model.hyper_connection import (MIX, POST_PRE, PRE, SPLIT, UPDATE, HyperConnection, PendingPost, mix,
@@ -153,7 +154,7 @@ def test_post_pre_apart_equals_the_reference_composition(on_cpu):
 
 
 def test_references_are_the_hyper_connection_formulas(on_cpu):
-    """split/update are what §3.2 says: pre-weighted collapse, post-weighted spread plus comb-mixed streams."""
+    """split/update are what ds4.c computes: pre-weighted collapse, post-weighted spread plus comb-mixed streams."""
     n, d = 3, 8
     m = (2 + n) * n
     mix, scale, base = scaled((2, m), 9), mx.array([0.5, 1.5, 2.0]), scaled((m,), 10)

@@ -1,4 +1,4 @@
-"""The indexer kernels (kernels/indexer.py) against `pick_rows` and `index_scores` in model/attention.py.
+"""The indexer kernels (kernels/sublayers/indexer.py) against `pick_rows` and `index_scores` in model/attention.py.
 
 Inputs with integer values (`exact_inputs`) give scores that are exact whatever the summation order, so the picked
 rows and their validity must be identical, ties at the top_k-th place included; float inputs check the scores to
@@ -14,9 +14,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.indexer import (
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.sublayers.indexer import (
     SCORE_SIMDS,
     SCORE_TOLERANCE,
     SCORES_KERNEL,
@@ -33,9 +33,9 @@ from ds4_mlx.kernels.indexer import (
     tensor_scores_bytes,
     tensor_template,
 )
-from ds4_mlx.kernels.halfsplit import reference_split_rows
-from ds4_mlx.kernels.probe import random_activations
-from ds4_mlx.kernels.rows import RowQuant, steady_rows
+from ds4_mlx.kernels.tensor_cores.halfsplit import reference_split_rows
+from ds4_mlx.kernels.machinery.probe import random_activations
+from ds4_mlx.kernels.sublayers.rows import RowQuant, steady_rows
 from ds4_mlx.model.attention import INDEXER_PICK, index_scores, pick_finished_rows, pick_rows
 from ds4_mlx.model.quant_sim import finish_rows
 from ds4_mlx.model.rope import RoPE
@@ -129,8 +129,8 @@ def test_finished_queries_pick_as_the_chunk_path_did(on_cpu, kernels_unforced):
 
 @pytest.mark.parametrize("kernel", [SCORES_KERNEL, SELECT_KERNEL, TENSOR_SCORES_KERNEL], ids=lambda k: k.name)
 def test_kernels_render_for_cuda_and_metal(kernel):
-    """Every neutral word spelled out and every helper called defined (the score kernel's finish is kernels/rows.py's
-    and kernels/actquant.py's), in both dialects."""
+    """Every neutral word spelled out and every helper called defined (the score kernel's finish is
+    kernels/sublayers/rows.py's and kernels/sublayers/actquant.py's), in both dialects."""
     for target in (CUDA, METAL) if not kernel.shared_memory else (CUDA,):  # dynamic threadgroup memory: CUDA's
         source, header = target.render(kernel.source), target.header(kernel)
         assert not re.search(r"\b(" + "|".join(NEUTRAL_WORDS) + r")\b", source + header)
@@ -169,7 +169,7 @@ def test_indexer_pick_kernels_are_used_and_equal_reference(kernels_unforced, n, 
 
 @pytest.mark.gpu
 def test_indexer_pick_kernels_take_a_chunks_finished_queries(kernels_unforced):
-    """A prefill chunk's choice (kernels/chunk_attention.py's callers): 300 finished queries at consecutive
+    """A prefill chunk's choice (kernels/prefill/chunk_attention.py's callers): 300 finished queries at consecutive
     positions over Flash's buffer at 8k tokens, picks equal to the reference's (exact inputs)."""
     n = 2050
     q, w, rows, positions = exact_inputs(HEADS, DIM, n, list(range(8192 - 300, 8192)), seed=7)
@@ -263,7 +263,7 @@ def test_emulated_cuda_kernels_tie_zero_scores(on_cpu, tmp_path):
 @pytest.mark.parametrize("rope", [None, ROPE], ids=["finished", "rotated"])
 def test_emulated_cuda_scores_within_tolerance(on_cpu, rope, tmp_path):
     """Float queries, finished beforehand or rotated in the kernel (unquantised: the FP4 round of a value a few
-    ulps from a boundary could go either way, see kernels/rows.py TOLERANCE)."""
+    ulps from a boundary could go either way, see kernels/sublayers/rows.py TOLERANCE)."""
     q, w, rows, positions = float_inputs(2050, TOP_K)
     scores, _, _ = emulated_pick(q, w, rows, positions, TOP_K, tmp_path, rope=rope)
     finished = q if rope is None else finish_rows(q, positions, rope, None, RowQuant.NONE, False)

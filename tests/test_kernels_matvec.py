@@ -1,7 +1,7 @@
 """The IQ2_XXS and Q2_K dequant-matvec kernels: one definition rendered for CUDA and Metal, the reference on CPU.
 
 The kernels themselves only run on a GPU: the `gpu`-marked tests compare them with the reference dequantizer
-there (`pytest -m gpu` on the device machine). On the CPU the tests check what can be checked without one: the
+there (`pytest -m gpu` on a machine with a GPU). On the CPU the tests check what can be checked without one: the
 two renderings of each definition, the lattice table, the launch plan, and that the registry quietly uses the
 reference.
 """
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from gguf.quants import IQ2_XXS
 
-from ds4_mlx.kernels import dialect
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS, build
-from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC, grid_codes
-from ds4_mlx.kernels.matvec import STAGE_BYTES, TOLERANCE, gathered_reference, launch_plan
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
+from ds4_mlx.kernels.machinery import dialect
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS, build
+from ds4_mlx.kernels.decode.iq2_xxs import IQ2_XXS_MATVEC, grid_codes
+from ds4_mlx.kernels.decode.matvec import STAGE_BYTES, TOLERANCE, gathered_reference, launch_plan
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.decode.q2_k import Q2_K_MATVEC
 from kernel_checks import balanced, rendered, tiny_decode_fast_and_reference
 
 MATVECS = [IQ2_XXS_MATVEC, Q2_K_MATVEC]
@@ -108,7 +108,7 @@ def test_the_cpu_uses_the_reference_without_a_warning(matvec, on_cpu):
 def test_gathered_reference_is_one_product_per_pair():
     shape = (3, 16, 256)
     blocks = random_blocks(Q2_K_MATVEC.ggml_type, 48, 256).reshape(3, -1)
-    from ds4_mlx.kernels.quants import dequantize
+    from ds4_mlx.kernels.formats.quants import dequantize
 
     w = np.array(dequantize(blocks, Q2_K_MATVEC.ggml_type, shape))
     x = np.array(random_activations((2, 256)))
@@ -172,9 +172,9 @@ def test_kernel_runs_inside_a_compiled_function(on_gpu, matvec):
 
 @pytest.mark.gpu
 def test_q2_model_decode_with_kernels_equals_the_reference(on_gpu, tmp_path):
-    """Decode steps of the tiny q2 model: routed experts through the kernels (the fused ones of kernels/experts.py,
-    which the decode path now prefers to these matvecs) against the forced reference path (activation simulation
-    off, so that no FP8/FP4 rounding step can amplify a reassociation difference)."""
+    """Decode steps of the tiny q2 model: routed experts through the kernels (the fused ones of
+    kernels/decode/experts.py, which the decode path now prefers to these matvecs) against the forced reference path
+    (activation simulation off, so that no FP8/FP4 rounding step can amplify a reassociation difference)."""
     from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
 
     fast, reference = tiny_decode_fast_and_reference(tmp_path, "q2")

@@ -1,6 +1,6 @@
 """The MoE sublayer's decode launches (model/moe.py): the shared expert in two, its gate and up read as one matrix
-(FusedLinear.joined) and its SwiGLU folded into down's launch (SwigluMatvec, kernels/affine_matvec.py), and a hash
-layer's router in one (HashRoute, kernels/router.py).
+(FusedLinear.joined) and its SwiGLU folded into down's launch (SwigluMatvec, kernels/decode/affine_matvec.py), and a
+hash layer's router in one (HashRoute, kernels/decode/router.py).
 
 On the CPU: the model's results unchanged bit for bit (the references are its formulas), the launch counts as a
 CUDA backend would build them, the kernels' renderings and (`slow`) their CUDA text run by the g++ emulation
@@ -18,15 +18,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import affine_matvec, registry, router
-from ds4_mlx.kernels.affine import to_affine
-from ds4_mlx.kernels.affine_matvec import AFFINE_MATVEC, KERNEL, TOLERANCE, launch_plan, norm_kernel, swiglu_kernel
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.fused_norm import apply, probe_norm
-from ds4_mlx.kernels.probe import random_activations, random_blocks
-from ds4_mlx.kernels.quants import dequantize
-from ds4_mlx.kernels.router import TOLERANCE as ROUTE_TOLERANCE
-from ds4_mlx.kernels.router import hash_route_kernel
+from ds4_mlx.kernels.decode import affine_matvec, router
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.formats.affine import to_affine
+from ds4_mlx.kernels.decode.affine_matvec import (AFFINE_MATVEC, KERNEL, TOLERANCE, launch_plan, norm_kernel,
+    swiglu_kernel)
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.decode.fused_norm import apply, probe_norm
+from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
+from ds4_mlx.kernels.formats.quants import dequantize
+from ds4_mlx.kernels.decode.router import TOLERANCE as ROUTE_TOLERANCE
+from ds4_mlx.kernels.decode.router import hash_route_kernel
 from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.graph import VIEWS, graph_nodes
 from ds4_mlx.model import linear

@@ -1,4 +1,5 @@
-"""CUDA kernels compiled once per machine (kernels/nvrtc.py): the text, the disk cache, the launch and the fallback.
+"""CUDA kernels compiled once per machine (kernels/machinery/nvrtc.py): the text, the disk cache, the launch and the
+fallback.
 
 On the CPU the compiler and MLX's two CUDA launch functions are stand-ins that record what they are given (this
 machine has neither NVRTC nor a CUDA device); the gpu tests compile and launch for real.
@@ -12,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import dialect, nvrtc
-from ds4_mlx.kernels.nvrtc import CachedKernel, CompileError, CudaCacheWarning, DiskCache, Route
+from ds4_mlx.kernels.machinery import dialect, nvrtc
+from ds4_mlx.kernels.machinery.nvrtc import CachedKernel, CompileError, CudaCacheWarning, DiskCache, Route
 
 
 class Compiler:

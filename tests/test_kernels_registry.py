@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from ds4_mlx.errors import Ds4Error
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.registry import FastPath, KernelFallbackWarning
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.machinery.registry import FastPath, KernelFallbackWarning
 
 
 def reference(x: mx.array) -> mx.array:
@@ -202,7 +202,7 @@ def test_a_fast_path_that_raises_on_real_inputs_falls_back_for_good():
 
 
 def test_planning_takes_gpu_fast_paths_unchecked_and_stands_in_for_kernels():
-    from ds4_mlx.kernels import dialect
+    from ds4_mlx.kernels.machinery import dialect
 
     def launches(x: mx.array) -> mx.array:
         (y,) = dialect.build(dialect.Kernel("k", ("x",), ("y",), "y[0] = x[0];"), registry.current_backend())(

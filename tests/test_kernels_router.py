@@ -1,13 +1,14 @@
-"""The router kernel (kernels/router.py) against `route`: the same experts, weights to a 6-term sum's rounding."""
+"""The router kernel (kernels/decode/router.py) against `route`: the same experts, weights to a 6-term sum's
+rounding."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.probe import random_activations
-from ds4_mlx.kernels.router import GATED_TOLERANCE, TOLERANCE, GatedRoute
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.machinery.probe import random_activations
+from ds4_mlx.kernels.decode.router import GATED_TOLERANCE, TOLERANCE, GatedRoute
 from ds4_mlx.model.moe import GATED_ROUTE, ROUTE, route
 from ds4_mlx.model.norm import rms_norm
 
@@ -38,7 +39,7 @@ def test_emulated_route_kernel_equals_reference(on_cpu, monkeypatch, tmp_path):
     """The kernel's CUDA text run on the CPU (emulated_cuda.py) at Flash's 256 experts, ties included."""
     from emulated_cuda import emulated_build
 
-    from ds4_mlx.kernels import router
+    from ds4_mlx.kernels.decode import router
 
     monkeypatch.setattr(router, "build", emulated_build(tmp_path))
     logits = random_activations((5, 256), seed=3) * 3.0
@@ -83,7 +84,7 @@ def test_emulated_gated_route_equals_reference(on_cpu, monkeypatch, tmp_path):
     matvec over 256 threadgroups, then the route by the last of them."""
     from emulated_cuda import emulated_build
 
-    from ds4_mlx.kernels import router
+    from ds4_mlx.kernels.decode import router
 
     monkeypatch.setattr(router, "build", emulated_build(tmp_path))
     x, gate, norm, bias = gated_args(9)

@@ -1,4 +1,5 @@
-"""The finish-rows kernel (kernels/rows.py) against `finish_rows` in model/quant_sim.py: norm, RoPE, FP8 / FP4, float16.
+"""The finish-rows kernel (kernels/sublayers/rows.py) against `finish_rows` in model/quant_sim.py: norm, RoPE, FP8 /
+FP4, float16.
 
 At Flash's shapes: the KV row (512 wide, 64 RoPE dims: kv_norm, RoPE, FP8, float16), the compressors' rows (512 wide
 with FP8, 128 wide with Hadamard + FP4, each normed) and the indexer's queries (64 heads of 128: RoPE, Hadamard +
@@ -16,10 +17,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.kernels import actquant, registry, rows
-from ds4_mlx.kernels.actquant import FP4_KERNEL, FP8_KERNEL
-from ds4_mlx.kernels.dialect import CUDA, METAL, NEUTRAL_WORDS
-from ds4_mlx.kernels.rows import FINISH_KERNEL, TOLERANCE, WINDOW_KERNEL, RowQuant, steady_rows
+from ds4_mlx.kernels.sublayers import actquant, rows
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.sublayers.actquant import FP4_KERNEL, FP8_KERNEL
+from ds4_mlx.kernels.machinery.dialect import CUDA, METAL, NEUTRAL_WORDS
+from ds4_mlx.kernels.sublayers.rows import FINISH_KERNEL, TOLERANCE, WINDOW_KERNEL, RowQuant, steady_rows
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import FINISH_INTO_WINDOW, FINISH_ROWS, indexer_fp4, round_to_f16, simulate_indexer_fp4, simulate_kv_fp8
 from ds4_mlx.model.rope import RoPE, Yarn

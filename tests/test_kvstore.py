@@ -1,4 +1,4 @@
-"""The disk KV cache (behavior.md §5.3-5.7, §4.4): checkpoint positions, the file format byte for byte, lookup,
+"""The disk KV cache (ds4_kvstore.c): checkpoint positions, the file format byte for byte, lookup,
 load, hit bookkeeping, eviction, failures that must not fail a request, the tool-id map, and the engine and server
 around it (save moments, reuse order, a restarted server).
 
@@ -32,8 +32,8 @@ from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.model.factory import preset_config
 from ds4_mlx.errors import Ds4Error
 from ds4_mlx.events import Done
-from ds4_mlx.kvidentity import FOOTER, Footer, ModelIdentity
-from ds4_mlx.kvstore import (
+from ds4_mlx.cache.kvidentity import FOOTER, Footer, ModelIdentity
+from ds4_mlx.cache.kvstore import (
     FLAG_TOOL_MAP,
     KvCacheOptions,
     KvEntry,
@@ -264,7 +264,7 @@ def test_open_evicts_down_to_the_budget_and_ignores_invalid_files(tmp_path, capl
     truncated.write_bytes(truncated.read_bytes()[:-100])  # the footer and the end of the payload are gone
     other = d / "notes.txt"
     other.write_bytes(b"x")
-    with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.INFO, "ds4_mlx.cache.kvstore"):
         store = KvStore(options(d, space_mb=1), 2, ID, clock=lambda: NOW)
     assert not useless.exists() and useful.exists() and small.exists()
     assert garbage.exists() and truncated.exists() and other.exists()
@@ -462,14 +462,14 @@ def test_corrupt_files_are_not_loaded_and_the_request_is_served(loaded, tmp_path
     for name, data in damaged.items():
         path.write_bytes(data)
         caplog.clear()
-        with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+        with caplog.at_level(logging.INFO, "ds4_mlx.cache.kvstore"):
             assert serve_once() == 0, name
         assert not path.exists(), name
         assert caplog.text.count("kv cache discarded damaged checkpoint") == 1, name
     for name, data in {"truncated": good[:-10], "header": b"KVX" + good[3:]}.items():
         path.write_bytes(data)
         caplog.clear()
-        with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+        with caplog.at_level(logging.INFO, "ds4_mlx.cache.kvstore"):
             store = KvStore(options(d, cold_max_tokens=0), 2, ID)
             assert serve_once(store) == 0 and serve_once(store) == 0, name
         assert path.read_bytes() == data, name
@@ -481,7 +481,7 @@ def test_corrupt_files_are_not_loaded_and_the_request_is_served(loaded, tmp_path
 def test_an_unwritable_directory_does_not_fail_the_request(loaded, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the directory should be")
-    with caplog.at_level(logging.WARNING, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.WARNING, "ds4_mlx.cache.kvstore"):
         engine = engine_with(loaded, KvStore(options(blocker / "kv"), 2, ID))
         done = run(engine, chat_prompt("Hello there"))
         engine.shutdown()
@@ -490,7 +490,7 @@ def test_an_unwritable_directory_does_not_fail_the_request(loaded, tmp_path, cap
 
 
 def test_a_full_disk_does_not_fail_the_request(loaded, tmp_path, caplog, monkeypatch):
-    import ds4_mlx.kvstore as kvstore
+    import ds4_mlx.cache.kvstore as kvstore
 
     real_create = kvstore.create_temp
 
@@ -515,7 +515,7 @@ def test_a_full_disk_does_not_fail_the_request(loaded, tmp_path, caplog, monkeyp
 
     monkeypatch.setattr(kvstore, "create_temp", full)
     d = tmp_path / "kv"
-    with caplog.at_level(logging.WARNING, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.WARNING, "ds4_mlx.cache.kvstore"):
         done = run(engine_with(loaded, KvStore(options(d), 2, ID)), chat_prompt("Hello there"))
     assert done.usage.completion_tokens == 3
     assert "kv cache store failed (cold): No space left on device" in caplog.text

@@ -1,4 +1,4 @@
-"""The disk KV cache never gives a wrong answer and never hangs (issue 13): checksums catch bit rot in the KV rows and
+"""The disk KV cache never gives a wrong answer and never hangs: checksums catch bit rot in the KV rows and
 logits, checkpoints of another model sharing the directory are never loaded, only regular files are opened (a FIFO
 or a symlink named like a checkpoint changes nothing), temporary files are private and exclusive, and reuse, live or
 from disk, needs the exact bytes of the prompt."""
@@ -16,9 +16,9 @@ import pytest
 
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.errors import CacheFileError, Ds4Error
-from ds4_mlx.kvfiles import open_regular
-from ds4_mlx.kvidentity import ModelIdentity, model_identity
-from ds4_mlx.kvstore import KvCacheOptions, KvHeader, KvStore, encode_tool_map, text_key
+from ds4_mlx.cache.kvfiles import open_regular
+from ds4_mlx.cache.kvidentity import ModelIdentity, model_identity
+from ds4_mlx.cache.kvstore import KvCacheOptions, KvHeader, KvStore, encode_tool_map, text_key
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.weights import open_weights
 from ds4_mlx.sampling import SamplingParams
@@ -120,7 +120,7 @@ def test_a_flipped_bit_is_caught_and_the_file_discarded(engine_a, tmp_path, capl
     cold = run(Engine(engine_a.model, engine_a.tokenizer, CTX), prompt)
     flip_bit(path, rows + 2 if where == "kv row" else logits + 4 * 7 + 3)
     caplog.clear()
-    with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.INFO, "ds4_mlx.cache.kvstore"):
         done = run(with_store(engine_a, d, cold_max_tokens=0), prompt)
     assert done.usage.cached_tokens == 0 and done.token_ids == cold.token_ids
     assert not path.exists()
@@ -152,7 +152,7 @@ def test_the_fingerprint_tells_models_and_settings_apart(models):
     assert model_identity(open_weights(models["a"]), False).core != a.core  # no activation simulation
     a4 = model_identity(open_weights(models["a4"]), True)
     assert a4.core == a.core and a4.experts != a.experts  # same model, other routed-expert quantization
-    # issue 41: only 512 bytes of small tensors were hashed; a change past them is another model too
+    # every byte of a small tensor is hashed, not its first 512: a change past them is another model too
     tuned = model_identity(open_weights(models["tuned"]), True)
     assert tuned.core != a.core and not a.accepts(tuned, same_experts=False)
     assert a.accepts(a4, same_experts=False) and not a.accepts(a4, same_experts=True) and not a.accepts(b, False)
@@ -167,7 +167,7 @@ def test_a_second_model_sharing_the_directory_never_loads_the_first_ones_checkpo
     path, prompt, n = one_checkpoint(engine_a, d)
     b_plain = Engine.load(models[other], CTX)
     expected = run(b_plain, prompt)
-    with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.INFO, "ds4_mlx.cache.kvstore"):
         b = Engine.load(models[other], CTX, kv_cache=options(d, cold_max_tokens=0))
         done = run(b, prompt)
         again = run(Engine(b.model, b.tokenizer, CTX, kv_store=b.kv_store), prompt)
@@ -219,7 +219,7 @@ def test_a_fifo_named_like_a_checkpoint_never_blocks(engine_a, tmp_path, caplog)
     data = prompt.encode()
     key = text_key(data[: len(SYSTEM.encode())])
     os.mkfifo(d / f"{'e' * 40}.kv")  # present at start-up
-    with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.INFO, "ds4_mlx.cache.kvstore"):
         engine = in_thread(lambda: with_store(engine_a, d, cold_max_tokens=0))
         os.mkfifo(d / f"{key}.kv")  # added at run time, named for the prompt's prefix
         done = in_thread(lambda: run(engine, prompt))
@@ -235,7 +235,7 @@ def test_a_symlink_named_like_a_checkpoint_is_not_followed(engine_a, tmp_path, c
     path, prompt, n = one_checkpoint(engine_a, elsewhere)
     d.mkdir(mode=0o700)
     (d / path.name).symlink_to(path)
-    with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.INFO, "ds4_mlx.cache.kvstore"):
         done = run(with_store(engine_a, d, cold_max_tokens=0), prompt + " More.")
     assert done.usage.cached_tokens == 0 and "not a regular file" in caplog.text
     with pytest.raises(CacheFileError, match="symlink"):
@@ -344,7 +344,7 @@ def test_an_intact_checkpoint_made_for_another_context_is_kept(engine_a, tmp_pat
     store = KvStore(options(d, min_tokens=4), 2, engine_a.kv_store.identity)
     run(Engine(engine_a.model, tok, 12, kv_store=store), prompt, max_tokens=1)
     (path,) = kv_files(d)
-    with caplog.at_level(logging.INFO, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.INFO, "ds4_mlx.cache.kvstore"):
         done = run(with_store(engine_a, d, min_tokens=4, cold_max_tokens=0), prompt + " deep")
     assert done.usage.cached_tokens == 0 and path.exists()
     assert "does not fit this session" in caplog.text and "discarded" not in caplog.text
@@ -361,6 +361,6 @@ def test_a_damaged_tool_map_is_not_replayed(tmp_path, caplog):
     data = bytearray(path.read_bytes())
     data[data.index(b"ls -la")] ^= 0x01  # "ls" -> "ms": still a well-formed map
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, "ds4_mlx.kvstore"):
+    with caplog.at_level(logging.WARNING, "ds4_mlx.cache.kvstore"):
         assert store.tool_map({"call_1"}) == {}
     assert "tool map checksum mismatch" in caplog.text

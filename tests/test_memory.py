@@ -80,7 +80,7 @@ def test_a_tight_limit_shortens_chunks_and_changes_no_logit(tiny):
     with memory.limited(mx.get_active_memory() + room):
         sizes, tight_logits = _prefill_chunks(tiny, tokens)
     assert max(sizes) == 128 and sum(sizes) == 600
-    # float32 reference path, chunking is exact up to summation order (spec §3.10): the same argmax, tiny gaps
+    # float32 reference path, chunking is exact up to summation order (ds4.c): the same argmax, tiny gaps
     assert mx.argmax(tight_logits).item() == mx.argmax(free_logits).item()
     assert mx.max(mx.abs(tight_logits - free_logits)).item() < 1e-3
 

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ds4_mlx.engine import Engine
-from ds4_mlx.kvstore import KvCacheOptions
+from ds4_mlx.cache.kvstore import KvCacheOptions
 from ds4_mlx.serve.app import ServerOptions
 from serve_support import ScriptedEngine, live_server
 

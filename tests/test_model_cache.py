@@ -1,4 +1,4 @@
-"""Session state: ds4's payload format (spec §5.2) round-trips, and bad payloads are refused with a reason."""
+"""Session state: ds4's payload format (ds4.c) round-trips, and bad payloads are refused with a reason."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The forward pass's building blocks, each against an independent definition.
 
 Quantisation simulation against ml_dtypes; the Hadamard transform against its matrix; RoPE, hyper-connections and
-routers against transformers 5.23.0's DeepSeek V4 modules; compressors against the pooling formula of spec §3.6
+routers against transformers 5.23.0's DeepSeek V4 modules; compressors against the pooling formula of ds4.c
 written out in numpy; top-k against ds4's tie rule. Everything in float32.
 """
 
@@ -17,7 +17,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from ds4_mlx.kernels.fused_norm import Norm, apply
+from ds4_mlx.kernels.decode.fused_norm import Norm, apply
 from ds4_mlx.model.compressor import Compressor, Frontier
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.factory import preset_config, reference_config
@@ -63,7 +63,7 @@ def np32(x: mx.array) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# FP8 / FP4 / Hadamard (spec §3.5)
+# FP8 / FP4 / Hadamard (ds4.c)
 
 
 def block_roundtrip_reference(x: np.ndarray, block: int, amax_floor: float, max_value: float, dtype) -> np.ndarray:
@@ -154,7 +154,7 @@ def test_kv_and_indexer_simulation_touch_the_right_dims():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# RoPE (spec §3.4)
+# RoPE (ds4.c)
 
 
 def test_inverse_frequencies_equal_transformers():
@@ -194,7 +194,7 @@ def test_rope_rotation_equals_transformers(kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hyper-connections (spec §3.2, §3.10)
+# Hyper-connections (ds4.c)
 
 
 def random_hc_module(config: DeepseekV4Config, seed: int) -> hf.DeepseekV4HyperConnection:
@@ -253,7 +253,7 @@ def test_hyper_head_equals_transformers():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Compressors (spec §3.6)
+# Compressors (ds4.c)
 
 
 def reference_rows(a: np.ndarray, s: np.ndarray, ratio: int, width: int, norm: np.ndarray, rope: RoPE) -> np.ndarray:
@@ -310,7 +310,7 @@ def test_compressor_rows_and_frontier_for_any_chunking(ratio, width, split_seed)
     assert got.shape == want.shape == (len(x) // ratio, width)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
 
-    # the frontier is ds4's streaming layout (spec §3.6/§3.10): for ratio 4, rows 0..3 = the last complete
+    # the frontier is ds4's streaming layout (ds4.c): for ratio 4, rows 0..3 = the last complete
     # window, rows 4.. = the leftover tokens; for ratio 128, rows 0.. = leftover; rows without a token are empty
     n, left = len(x), len(x) % ratio
     coff = 2 if ratio == 4 else 1
@@ -340,7 +340,7 @@ def test_first_ratio4_row_has_no_previous_window():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Top-k and routing (spec §3.7, §3.9)
+# Top-k and routing (ds4.c)
 
 
 def test_top_k_ties_go_to_the_lower_index():

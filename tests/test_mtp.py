@@ -1,4 +1,4 @@
-"""The MTP draft file and block, and speculative greedy decoding with it (spec §2.6, §3.10 "MTP draft", §7).
+"""The MTP draft file and block, and speculative greedy decoding with it (ds4.c).
 
 A random MTP block almost never guesses what a random model writes, so most tests replace its guesses with an
 oracle that knows the plain greedy continuation (and is wrong on purpose at chosen positions): the block still
@@ -15,13 +15,13 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from ds4_mlx.kernels import registry
+from ds4_mlx.kernels.machinery import registry
 from ds4_mlx.cli import main
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.errors import LayoutError, ModelFileMissing
 from ds4_mlx.events import Done
-from ds4_mlx.kvidentity import ModelIdentity
-from ds4_mlx.kvstore import KvCacheOptions, KvStore
+from ds4_mlx.cache.kvidentity import ModelIdentity
+from ds4_mlx.cache.kvstore import KvCacheOptions, KvStore
 from ds4_mlx.model.factory import model_tensors, mtp_tensors, tensor_data, write_gguf, write_model, write_mtp_model
 from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.model import Model

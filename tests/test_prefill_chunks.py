@@ -1,4 +1,4 @@
-"""Prefill in CUDA's chunk size on the device: the chunk changes no result (spec §3.10). On the CPU the chunked
+"""Prefill in CUDA's chunk size on the device: the chunk changes no result (ds4.c). On the CPU the chunked
 prefill is checked against token-by-token decoding on the tiny and small presets (test_model_cache.py); here the
 GPU's kernels at Flash's shapes take a chunk of CUDA_PREFILL_CHUNK tokens (12288), larger than any CPU test's."""
 
@@ -19,11 +19,11 @@ EVERY_ROW = 1e-3
 """Of the largest logit, when the indexer picks every row (its top_k past the rows the prompt makes, so that no tie
 can flip a pick): what is left is float32 summed in an order that depends on the chunk (EXACT bounds it in the
 early layers), carried through four layers of synthetic weights; where in the later layers it grows was not traced.
-Measured on the H200: 2.48e-4 (session 17)."""
+Measured on the H200: 2.48e-4 (2026-12-03)."""
 TIED = 1e-2
 """Of the largest logit, with Flash's top_k of 512: a pick near a tie at the top_k-th place can flip with that
-rounding, which moves everything downstream of it. Measured on the H200: 6.6e-4 (session 13), 2.37e-3 and 2.46e-3
-(session 15's and 16's trees, session 17). A chunk-boundary bug (a row missed or seen twice, a position off) would
+rounding, which moves everything downstream of it. Measured on the H200: 6.6e-4 (2026-12-03), 2.37e-3 and 2.46e-3
+(two later trees, 2026-12-03). A chunk-boundary bug (a row missed or seen twice, a position off) would
 move the logits by more than a flipped pick among 512."""
 
 

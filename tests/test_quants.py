@@ -1,4 +1,5 @@
-"""The MLX reference dequantizers against gguf-py's numpy ones (bit-exact), and gguf-py against spec §4 by hand."""
+"""The MLX reference dequantizers against gguf-py's numpy ones (bit-exact), and gguf-py against ggml's formulas
+by hand."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.kernels.quants import dequantize, reference_matmul
+from ds4_mlx.kernels.formats.quants import dequantize, reference_matmul
 from ds4_mlx.model.gguf import BLOCK_SIZES
 
-# Byte offsets of the f16 scale fields inside one block (spec §4); F16 tensors are all f16 values.
+# Byte offsets of the f16 scale fields inside one block (ggml's block layouts); F16 tensors are all f16 values.
 F16_FIELDS = {
     T.Q8_0: (0,),
     T.Q2_K: (80, 82),
@@ -170,7 +171,7 @@ def test_reference_matmul_is_x_times_w_transposed() -> None:
     np.testing.assert_allclose(got_2d, x[0] @ w[0].T, rtol=1e-5, atol=1e-5 * np.abs(w).max())
 
 
-# Hand-computed blocks: the numbers below come from spec §4's formulas worked by hand, so a misreading of the spec
+# Hand-computed blocks: the numbers below come from ggml's formulas worked by hand, so a misreading of them
 # by gguf-py (the bit-exact reference above) or by ds4_mlx would show. d = 0.5 (f16 0x3800), dmin = 0.25 (0x3400).
 
 
@@ -220,7 +221,7 @@ def test_q4_k_hand_computed_block() -> None:
 
 
 def test_iq2_xxs_hand_computed_block_and_tables() -> None:
-    """Spec §4: ksigns[i] = i | parity(i) << 7, grid bytes in {8, 25, 43}; one sub-block worked by hand."""
+    """ggml's IQ2_XXS: ksigns[i] = i | parity(i) << 7, grid bytes in {8, 25, 43}; one sub-block worked by hand."""
     ksigns = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)
     parity = np.array([bin(i).count("1") & 1 for i in range(128)], dtype=np.uint8)
     np.testing.assert_array_equal(ksigns, np.arange(128, dtype=np.uint8) | (parity << 7))
@@ -244,7 +245,7 @@ def test_iq2_xxs_hand_computed_block_and_tables() -> None:
 def test_an_mxfp4_file_is_written_loaded_and_named(tmp_path) -> None:
     """`make-model --experts mxfp4`: every routed bank MXFP4 (17-byte blocks of 32), the rest as in the q4 file; the
     loader takes it, and the disk cache counts it as 4-bit."""
-    from ds4_mlx.kvstore import routed_quant_bits
+    from ds4_mlx.cache.kvstore import routed_quant_bits
     from ds4_mlx.model.factory import write_model
     from ds4_mlx.model.synthetic import SYNTHETIC_KINDS
     from ds4_mlx.model.weights import open_weights

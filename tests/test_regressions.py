@@ -1,5 +1,5 @@
-"""Regression tests from an independent review against the specs: each test pins a bug that was found and fixed
-(its docstring cites the spec section). The fuzz tests at the end guard the robustness rules: a client mistake
+"""Regression tests from an independent review against ds4's behaviour: each test pins a bug that was found and
+fixed (its docstring says which rule). The fuzz tests at the end guard the robustness rules: a client mistake
 never gets a 500, every error body has its endpoint's shape, and every malformed file is a GGUFError/LayoutError.
 """
 
@@ -79,8 +79,8 @@ def tokenizer() -> Tokenizer:
 
 
 def test_malformed_tool_block_finishes_with_stop(tokenizer):
-    """behavior.md §4.1.8: a malformed block when tools are active is "not an error — the whole raw text is
-    returned as assistant content, no tool calls, finish `stop`". Today the parser's recovery closes the block,
+    """As in ds4 (ds4_server.c), a malformed block when tools are active is not an error: the whole raw text is
+    returned as assistant content, no tool calls, finish `stop`. Today the parser's recovery closes the block,
     the engine records "tool_calls", and Anthropic clients get stop_reason tool_use without a tool_use block."""
     malformed = CALL.replace('invoke name="bash"', 'invoke nam="bash"')
     engine, _ = scripted_engine(tokenizer, "Checking." + malformed)
@@ -90,9 +90,9 @@ def test_malformed_tool_block_finishes_with_stop(tokenizer):
 
 
 def test_stop_strings_do_not_delay_the_tool_block_stop(tokenizer):
-    """behavior.md §3.6: with tools active, generation stops "immediately after the closing
-    </｜DSML｜tool_calls>"; §5.1: the live KV never holds anything after a closing tool tag. The engine feeds the
-    parser (and the greedy-structure tracker of §3.5) the text *after* stop-string hold-back, so any stop string
+    """As in ds4 (ds4_server.c), with tools active generation stops immediately after the closing
+    </｜DSML｜tool_calls>, and the live KV never holds anything after a closing tool tag. The engine feeds the
+    parser (and the greedy-structure tracker) the text *after* stop-string hold-back, so any stop string
     of n characters delays both by up to n-1 characters."""
     engine, model = scripted_engine(tokenizer, "</think>Checking." + CALL + " and more text never meant to be sampled")
     request = GenerationRequest(prompt=PROMPT, tools_active=True, stop=("A-LONG-STOP-STRING-THAT-NEVER-MATCHES",))
@@ -123,8 +123,8 @@ def test_exact_token_prompt_is_never_retokenized(tokenizer):
 
 
 def test_responses_tool_search_call_is_a_tool_search_call_item(client, engine):
-    """behavior.md §3.9: "Hosted tool_search calls: {"id":"fc_…","type":"tool_search_call","status":…,
-    "call_id":…,"execution":"client","arguments":{…object…}}". The server advertises the hosted tool_search to
+    """ds4 (ds4_server.c) reports hosted tool_search calls as {"id":"fc_…","type":"tool_search_call","status":…,
+    "call_id":…,"execution":"client","arguments":{…object…}}. The server advertises the hosted tool_search to
     the model (a synthesized schema line) but reports its calls as ordinary function calls."""
     block = CALL.replace('name="bash"', 'name="tool_search"').replace('name="command"', 'name="query"')
     engine.reply = lambda req: "r</think>" + block
@@ -136,7 +136,7 @@ def test_responses_tool_search_call_is_a_tool_search_call_item(client, engine):
 
 
 def test_responses_accepts_tool_search_items(client, engine):
-    """behavior.md §3.4: input items include `tool_search_call` (→ tool `tool_search`) and its `*_output`
+    """ds4_server.c: input items include `tool_search_call` (→ tool `tool_search`) and its `*_output`
     (`tool_search_output.tools` loads more tool schemas); only other item types are a 400."""
     body = {
         "input": [
@@ -187,7 +187,7 @@ def test_trace_survives_lone_surrogates(tmp_path):
 
 
 def test_responses_tool_choice_with_lone_surrogate_gets_a_json_400(client):
-    """behavior.md §3.7: tool_choice other than auto/none → 400 `tool_choice=… not supported`. The value is
+    """ds4_server.c: tool_choice other than auto/none → 400 `tool_choice=… not supported`. The value is
     interpolated raw; with a lone surrogate the error body cannot be encoded, the handler raises, and
     Starlette answers a bare text/plain 500."""
     r = post_raw(client, "/v1/responses", b'{"input":"hi","tool_choice":"\\ud800"}')
@@ -208,8 +208,8 @@ def test_huge_integer_sampling_knob_is_a_400(client, path):
 
 
 def test_decode_failure_ends_the_stream_with_finish_error(client, engine):
-    """behavior.md §3.7: "Generation failures during decode do not produce an error event; they end the normal
-    stream with finish `error` (Responses: `response.failed`)". §3.6: `error` covers decode failures."""
+    """As in ds4 (ds4_server.c), a generation failure during decode produces no error event: it ends the normal
+    stream with finish `error` (Responses: `response.failed`)."""
     engine.model.fail_at = 2
     r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     frames = sse_frames(r.text)
@@ -219,7 +219,7 @@ def test_decode_failure_ends_the_stream_with_finish_error(client, engine):
 
 
 def test_negative_max_tokens_is_clamped_to_zero(client):
-    """behavior.md §3.5: "`max_tokens` ... negative → 0 (then `finish_reason:"length"` with empty output)"."""
+    """As in ds4 (ds4_server.c), a negative `max_tokens` is 0 (then `finish_reason:"length"` with empty output)."""
     r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": -1})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -227,7 +227,7 @@ def test_negative_max_tokens_is_clamped_to_zero(client):
 
 @pytest.mark.parametrize("knob", [{"temperature": -1}, {"top_p": 0}])
 def test_sampling_knobs_in_ds4_range_are_accepted(client, knob):
-    """behavior.md §3.5: "Sampler: `temperature<=0` → argmax"; ds4 accepts any number for these knobs, and
+    """In ds4 (ds4_server.c) a temperature <= 0 means argmax; ds4 accepts any number for these knobs, and
     OpenAI's own API takes top_p in [0, 1]. SamplingParams refuses temperature < 0 and top_p = 0, so the same
     request that works in thinking mode (knobs ignored) fails once thinking is off."""
     r = client.post("/v1/chat/completions", json={"model": "deepseek-chat", "messages": USER, **knob})
@@ -235,8 +235,8 @@ def test_sampling_knobs_in_ds4_range_are_accepted(client, knob):
 
 
 def test_anthropic_stream_ending_inside_thinking_has_no_text_block(client, engine):
-    """behavior.md §3.10 (Anthropic): "If the stream ends inside thinking, the thinking block is closed (with
-    signature) and nothing else is sent before message_delta"."""
+    """As in ds4 (ds4_server.c, Anthropic): if the stream ends inside thinking, the thinking block is closed (with
+    signature) and nothing else is sent before message_delta."""
     engine.reply = lambda req: "still thinking about it"
     r = client.post("/v1/messages", json={"messages": USER, "max_tokens": 6, "stream": True})
     events = [(e, json.loads(d)) for e, d in sse_frames(r.text)]
@@ -247,7 +247,7 @@ def test_anthropic_stream_ending_inside_thinking_has_no_text_block(client, engin
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/models/deepseek-v4-flash", "/health"])
 def test_head_is_an_unknown_endpoint(client, path):
-    """behavior.md §3.2: "anything else (incl. ... HEAD ...) | 404 `unknown endpoint`"; docs/server.md: "Anything
+    """ds4 (ds4_server.c) answers anything else, HEAD included, 404 `unknown endpoint`; docs/server.md: "Anything
     else, including a trailing slash or the wrong method, is 404"."""
     assert client.head(path).status_code == 404
 
@@ -311,9 +311,9 @@ def tiny_spec_with_vocab(tokens: list[str]) -> gguf_build.Spec:
 
 
 def test_out_of_range_hash_routing_id_is_a_layout_error(tmp_path):
-    """gguf-and-forward.md §2.3/§3.9: `ffn_gate_tid2eid` row t holds the expert ids of token t. MLX gathers do
+    """The hash layers' `ffn_gate_tid2eid` row t holds the expert ids of token t. MLX gathers do
     not bounds-check: with an id of 100000 in the table, Engine.load succeeds and the first generate() kills the
-    process with SIGSEGV (checked by hand; not run here). A corrupted file must fail at load with a LayoutError
+    process with SIGSEGV (checked by hand; not run by the suite). A corrupted file must fail at load with a LayoutError
     naming the tensor (the table is n_used x n_vocab int32: 3 MB for Flash, cheap to check once)."""
     c = gguf_build.TINY
     table = np.tile(np.arange(c.n_expert_used, dtype="<i4"), (c.n_vocab, 1))
@@ -325,7 +325,7 @@ def test_out_of_range_hash_routing_id_is_a_layout_error(tmp_path):
 
 
 def test_vocabulary_shorter_than_vocab_size_is_a_layout_error(tmp_path):
-    """gguf-and-forward.md §1.2/§6: `tokenizer.ggml.tokens` holds the vocabulary by id and the logits have
+    """`tokenizer.ggml.tokens` holds the vocabulary by id and the logits have
     `vocab_size` entries, so the two must agree. Nothing checks it: the model can sample an id the tokenizer
     does not have, and the request fails mid-generation ("token id 511 is outside the vocabulary")."""
     spec = tiny_spec_with_vocab(list(build_vocab("small").tokens[:-1]))
@@ -442,7 +442,7 @@ def _check_answer(r: httpx.Response, path: str, body) -> None:
         frames = sse_frames(r.text)
         assert all(event != "error" for event, _ in frames)
         last = frames[-1][1]
-        # an answer cut inside a tool block ends with finish "error": response.failed (behavior.md §3.6)
+        # an answer cut inside a tool block ends with finish "error": response.failed (ds4_server.c)
         assert last == "[DONE]" or json.loads(last)["type"] in ("message_stop", "response.completed",
                                                                "response.incomplete", "response.failed")
     else:
@@ -480,7 +480,7 @@ def test_truncated_or_corrupted_bodies_get_a_400(fuzz_client, path, cut, junk):
 @pytest.mark.parametrize("path", sorted(BASES))
 @pytest.mark.parametrize("depth", [255, 300, 5000])
 def test_deep_nesting_is_refused_cleanly(fuzz_client, path, depth):
-    """behavior.md §3.4: JSON nesting is limited to 256 levels; deeper is a 400, never a recursion error."""
+    """ds4_server.c: JSON nesting is limited to 256 levels; deeper is a 400, never a recursion error."""
     body = json.dumps(BASES[path])[:-1] + ',"extra":' + "[" * depth + "]" * depth + "}"
     r = post_raw(fuzz_client, path, body.encode())
     if depth + 1 > 256:

@@ -1,5 +1,5 @@
 """Second review (disk KV cache, MTP speculation, kernel registry): one regression test per fixed finding, asserting
-the behaviour the spec asks for: corrupt checkpoints, consumed checkpoints, eviction ties."""
+ds4's behaviour: corrupt checkpoints, consumed checkpoints, eviction ties."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from ds4_mlx.engine import Engine, GenerationRequest
-from ds4_mlx.kvstore import KvEntry, KvHeader, KvStore, eviction_victim
+from ds4_mlx.cache.kvstore import KvEntry, KvHeader, KvStore, eviction_victim
 from ds4_mlx.sampling import SamplingParams
 from test_kvstore import CTX, ID, chat_prompt, kv_files, options, read_header
 
@@ -32,7 +32,7 @@ def run(engine: Engine, prompt, max_tokens: int = 3, stop: tuple[str, ...] = ())
 
 
 def test_payload_token_ids_outside_the_vocabulary_are_not_loaded(loaded, tmp_path):
-    """behavior.md §5.3 "payload error → kv cache load failed …, file kept"; standard: a bad file never fails a
+    """As in ds4 (ds4_kvstore.c), a payload error fails the load and keeps the file; and a bad file never fails a
     request. A payload whose token ids are >= n_vocab is loaded as the live session today; the next request that
     does not extend it decodes the live ids (`_reuse_live`) and fails with RequestError — and so does every
     request after it, because the session is never replaced."""
@@ -52,8 +52,8 @@ def test_payload_token_ids_outside_the_vocabulary_are_not_loaded(loaded, tmp_pat
 
 
 def test_a_consumed_checkpoint_survives_a_stop_string_hit(loaded, tmp_path):
-    """behavior.md §5.3: a loaded checkpoint above cold_max is deleted, "consumed — it will be re-saved later by
-    continued/evict/shutdown". A stop-string hit drops the live session (§3.6), so it must be saved first (reason
+    """As in ds4 (ds4_kvstore.c), a loaded checkpoint above cold_max is deleted: consumed, to be saved again by
+    continued/evict/shutdown. A stop-string hit drops the live session, so it must be saved first (reason
     evict), or the conversation is gone from memory and disk."""
     d = tmp_path / "kv"
     run(fresh(loaded, KvStore(options(d), 2, ID)), chat_prompt("Hello there"))
@@ -66,7 +66,7 @@ def test_a_consumed_checkpoint_survives_a_stop_string_hit(loaded, tmp_path):
     engine = fresh(loaded, KvStore(options(d, cold_max_tokens=n - 1), 2, ID))
     done = run(engine, prompt, stop=(stop,))
     assert done.usage.cached_tokens == n and done.finish_reason == "stop"
-    assert not path.exists()  # consumed, as the spec says
+    assert not path.exists()  # consumed, as in ds4
     # ... and then it must still be on disk: the same conversation, in a new process, finds it again
     later = run(fresh(loaded, KvStore(options(d, cold_max_tokens=n - 1), 2, ID)), prompt)
     assert later.usage.cached_tokens >= n
@@ -74,7 +74,8 @@ def test_a_consumed_checkpoint_survives_a_stop_string_hit(loaded, tmp_path):
 
 
 def test_eviction_tie_break_uses_created_when_last_used_is_zero():
-    """behavior.md §5.7: "`last_used` falls back to creation time. Ties → older `last_used` goes first."
+    """As in ds4 (ds4_kvstore.c), `last_used` falls back to the creation time, and on a tie the older `last_used`
+    goes first.
     `eviction_victim` breaks ties on the raw `last_used`, so a file never used (last_used 0) but created now is
     evicted before an equally scored file last used long ago."""
     def entry(key: str, last_used: int, created: int) -> KvEntry:

@@ -11,7 +11,7 @@ import httpx
 from ds4_mlx.chat import Message, ThinkMode, render_chat
 from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.events import Done, PromptAccepted
-from ds4_mlx.kvstore import KvCacheOptions
+from ds4_mlx.cache.kvstore import KvCacheOptions
 from ds4_mlx.reuse import first_difference
 from ds4_mlx.sampling import SamplingParams
 from ds4_mlx.serve.app import ServerOptions

@@ -34,7 +34,7 @@ def ds4(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("temp", ["0", "1e-46"])  # issue 41: a temperature that is 0 in float32 is greedy too
+@pytest.mark.parametrize("temp", ["0", "1e-46"])  # a temperature that is 0 in float32 is greedy too
 def test_run_greedy_prints_what_the_engine_generates(tiny_path, temp):
     r = ds4("run", "-m", str(tiny_path), "-p", "Hello", "-n", "6", "--temp", temp, "--nothink", "--ctx", "256",
             "--backend", "cpu")

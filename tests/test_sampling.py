@@ -1,4 +1,4 @@
-"""The sampler against ds4's rules (spec §7, behavior §3.5), its RNG, OpenAI penalties and top logprobs."""
+"""The sampler against ds4's rules (ds4_cli.c, ds4_server.c), its RNG, OpenAI penalties and top logprobs."""
 
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ def test_boundary_params_are_accepted() -> None:
 
 
 def _ds4_walk(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
-    """A literal float64 port of ds4.c's sampler loops (spec §7), to check the vectorised one and its shortcuts."""
+    """A literal float64 port of ds4.c's sampler loops, to check the vectorised one and its shortcuts."""
     ids = [i for i in range(logits.size) if math.isfinite(logits[i])]
     if top_k == 0 and top_p >= 1:
         top = max(logits[i] for i in ids)
@@ -290,7 +290,7 @@ def test_choices_equal_a_literal_port_of_ds4(temperature, top_k, top_p, min_p, t
 @pytest.mark.parametrize("temperature", [1e-46, 1e-300, 5e-324, 1e-40, 1e-39])
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.9), (40, 1.0)])
 def test_a_temperature_too_small_for_float32_is_greedy(temperature, top_k, top_p) -> None:
-    """Issue 41: 1e-46 rounds to 0 in float32 and a subnormal overflows the logit gaps; the draw chose token 0.
+    """1e-46 rounds to 0 in float32 and a subnormal overflows the logit gaps (the draw once chose token 0).
     Every such temperature picks the argmax, on every sampling path."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=0.05, seed=3)
     assert params.greedy

@@ -177,7 +177,8 @@ def test_api_key():
 
 @pytest.mark.parametrize("header", ["authorization", "x-api-key"])
 def test_a_non_ascii_api_key_matches_its_utf8_bytes(header):
-    """Issue 41: with --api-key clé only the latin-1 byte é was accepted, which no UTF-8 client sends."""
+    """--api-key clé matches the key's UTF-8 bytes (a latin-1 comparison accepted only é, which no UTF-8
+    client sends)."""
     def offer(key: bytes) -> dict[str, bytes]:
         return {header: b"Bearer " + key if header == "authorization" else key}
 
@@ -253,7 +254,7 @@ def test_prompt_longer_than_the_context(client):
 
 
 def test_engine_errors_before_generation_get_a_status_code(client, engine):
-    """A refused prompt or a failed prefill, before any output: an error body, also for streams (§3.7)."""
+    """A refused prompt or a failed prefill, before any output: an error body, also for streams."""
     engine.refusal = ContextOverflow(4100, 4096)
     r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -284,7 +285,7 @@ def test_no_device_memory_for_the_prefill_is_a_503_that_loses_nothing(client, en
 
 
 def test_prefill_failure_after_the_stream_began_is_an_sse_error_event(client, engine):
-    """§3.7: a prefill that fails after keepalives started (the headers are out) ends with an `event: error`."""
+    """As in ds4: a prefill that fails after keepalives started (the headers are out) ends with an `event: error`."""
     engine.session.chunk_size = 2
     engine.model.fail_at = 1  # the second chunk
     r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
@@ -349,7 +350,7 @@ def replay(engine: ScriptedEngine) -> list:
 
 
 def test_anthropic_message_start_reports_the_cache_split(client, engine):
-    """message_start goes out after the engine accepted the prompt, so it carries the reused prefix (§3.10)."""
+    """message_start goes out after the engine accepted the prompt, so it carries the reused prefix."""
 
     def usages(messages: list) -> tuple[dict, dict]:
         r = client.post("/v1/messages", json={"model": "deepseek-chat", "messages": messages, "stream": True})
@@ -366,8 +367,8 @@ def test_anthropic_message_start_reports_the_cache_split(client, engine):
 
 
 def test_a_decode_failure_ends_every_stream_normally(client, engine):
-    """§3.7: "Generation failures during decode do not produce an error event; they end the normal stream with
-    finish `error` (Responses: `response.failed`)"."""
+    """As in ds4, a generation failure during decode produces no error event: it ends the normal stream with
+    finish `error` (Responses: `response.failed`)."""
     engine.model.fail_at = 3  # the prefill and two decoded tokens, then the device fails
 
     def frames(path: str, body: dict) -> list:
@@ -423,7 +424,7 @@ def test_generation_request_carries_the_normalized_request(client, engine):
 
 @pytest.mark.parametrize("temperature", [1e-46, 1e-300])
 def test_a_tiny_temperature_is_greedy_on_every_endpoint(client, engine, temperature):
-    """Issue 41: a temperature that is 0 in float32 divided by zero in the draw, and every endpoint answered
+    """A temperature that is 0 in float32 once divided by zero in the draw, and every endpoint answered
     token 0 (`<｜begin▁of▁sentence｜>`) over and over instead of the model's most likely text."""
     knobs = {"temperature": temperature, "max_tokens": 9}
     cases = [
@@ -451,7 +452,7 @@ def test_completion_returns_the_raw_text(client, engine):
 
 
 def test_tool_call_ids_replay_the_sampled_dsml(client, engine):
-    """behavior.md §4.4: the next request's history re-renders the exact sampled block, not canonical DSML."""
+    """ds4_server.c: the next request's history re-renders the exact sampled block, not canonical DSML."""
     block = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="timeout" '
              'string="false">  10 </｜DSML｜parameter>\n<｜DSML｜parameter name="command" string="true">ls'
              "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")

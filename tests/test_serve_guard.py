@@ -1,4 +1,4 @@
-"""One client cannot freeze the others, and a web page cannot drive the server (issue 13): JSON bodies only, the
+"""One client cannot freeze the others, and a web page cannot drive the server: JSON bodies only, the
 `Host` check, read timeouts on headers and bodies, prompts refused by size before tokenizing, and tokenizing that
 does not hold up the event loop, other requests or a running stream."""
 

@@ -1,4 +1,4 @@
-"""Many clients at once, and clients that stop reading, cannot freeze the server or hold its worker (issue 41):
+"""Many clients at once, and clients that stop reading, cannot freeze the server or hold its worker:
 bodies of any size and number are prepared a bounded number at a time and count against --max-queue before they
 are prepared, and a stream whose client reads nothing for --write-timeout seconds is cancelled as a disconnect is.
 """
@@ -154,7 +154,7 @@ def stalled_stream(url: str, body: dict) -> socket.socket:
 
 
 def test_a_client_that_stops_reading_a_stream_is_cancelled_and_frees_the_worker():
-    """Issue 41: a client that stopped reading held the worker until its whole answer was generated (a normal
+    """A client that stopped reading once held the worker until its whole answer was generated (a normal
     client waited 101 s behind 6 of them). Once the buffers are full and --write-timeout passes without a byte
     taken, the stream is cancelled as a disconnect is, and the next client is served."""
     total = 40_000

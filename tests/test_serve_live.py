@@ -91,7 +91,7 @@ def test_thinking_with_a_seed_equals_the_engine(oai, direct):
     message = oai.chat.completions.create(**request).choices[0].message
     if done.message.reasoning_closed:
         assert (message.reasoning_content, message.content) == (done.message.reasoning, done.message.content)
-    else:  # cut inside <think>: a non-streaming answer reports it as content (behavior.md §3.9)
+    else:  # cut inside <think>: a non-streaming answer reports it as content (ds4_server.c)
         assert message.content == done.message.reasoning and getattr(message, "reasoning_content", None) is None
 
 
@@ -109,7 +109,7 @@ def test_anthropic_equals_the_engine(claude, direct):
 
 
 def test_second_turn_prefills_only_its_new_tokens(oai, direct):
-    """Live prefix reuse (behavior.md §5.2): the second turn extends the first prompt and answer, so only the
+    """Live prefix reuse (ds4_server.c): the second turn extends the first prompt and answer, so only the
     text after what the session holds is tokenized and prefilled."""
     story = [{"role": "user", "content": "Tell me a story."}]
     first = oai.chat.completions.create(model="deepseek-chat", messages=story, max_tokens=4, **GREEDY)

@@ -114,7 +114,7 @@ def test_errors(body, message):
 
 
 def test_tool_search_items_call_the_hosted_tool_and_load_more_tools():
-    """behavior.md §3.4: `tool_search_call` → a call of tool `tool_search`; `tool_search_output.tools` adds schema
+    """ds4_server.c: `tool_search_call` → a call of tool `tool_search`; `tool_search_output.tools` adds schema
     lines (compact JSON: they are not in the body's tools array, whose raw bytes are kept)."""
     req = parse({"input": [
         {"role": "user", "content": "list files"},
@@ -196,7 +196,7 @@ def test_stream_event_sequence():
 
 
 def test_calls_of_the_hosted_tool_search_are_tool_search_call_items():
-    """behavior.md §3.9: {"id":"fc_…","type":"tool_search_call","status":…,"call_id":…,"execution":"client",
+    """ds4_server.c: {"id":"fc_…","type":"tool_search_call","status":…,"call_id":…,"execution":"client",
     "arguments":{…object…}}; its arguments are an object, so no function_call_arguments events are streamed."""
     done = Done("tool_calls", ParsedMessage("", "", (ToolCall("tool_search", '{"query": "files"}'),
                                                      ToolCall("ls", "{}"))), Usage(1, 0, 1))
@@ -244,7 +244,7 @@ def test_unfinished_responses(finish, status, terminal, extra):
 
 
 def test_text_recovered_at_the_end_is_flushed():
-    """A malformed tool block comes back as content that was held while streaming (behavior.md §3.10)."""
+    """A malformed tool block comes back as content that was held while streaming (ds4_server.c)."""
     stream = responses.ResponseStream("r", 1, request(), ids())
     frames = stream.event(TextDelta("Hi ")) + stream.done(Done("stop", ParsedMessage("", "Hi <broken"),
                                                                Usage(1, 0, 1)))

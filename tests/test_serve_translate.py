@@ -1,6 +1,6 @@
 """The pure wire translations: request bodies → normalized requests, events → JSON bodies and SSE frames.
 
-Expected bytes are written out from behavior.md §3.9-3.10 (ds4's captured shapes); where this server
+Expected bytes are written out from ds4_server.c (ds4's captured shapes); where this server
 deliberately differs (Anthropic error shape, usage in message_delta) the test says so.
 """
 
@@ -128,7 +128,7 @@ def test_chat_tools_keep_raw_bytes_and_tool_choice_none_drops_them():
 
 
 def test_worked_example_renders_byte_for_byte():
-    """behavior.md §1.9: the request normalized by the server and rendered gives the documented prompt."""
+    """ds4_server.c: the request normalized by the server and rendered gives the documented prompt."""
     tool = ('{"name":"bash","description":"Run a shell command","parameters":{"type":"object","properties":'
             '{"command":{"type":"string"},"timeout":{"type":"number"}},"required":["command"]}}')
     body = (
@@ -204,13 +204,13 @@ def test_sampling_knobs_apply_only_without_thinking():
     ],
 )
 def test_sampling_knobs_outside_the_sampler_range_mean_what_they_mean_in_ds4(knobs, sampling):
-    """behavior.md §3.5: ds4 takes any number; below 0 a temperature is greedy, a top_p of 0 or less keeps only
+    """ds4_server.c: ds4 takes any number; below 0 a temperature is greedy, a top_p of 0 or less keeps only
     the most likely token (its nucleus is complete at the first), above 1 keeps all; a negative min_p drops none."""
     assert chat({"messages": USER, "think": False, **knobs}).options.sampling == sampling
 
 
 def test_negative_max_tokens_means_zero():
-    """behavior.md §3.5: `max_tokens` negative → 0 (the answer is then empty, finish "length")."""
+    """ds4_server.c: `max_tokens` negative → 0 (the answer is then empty, finish "length")."""
     assert chat({"messages": USER, "max_tokens": -5}).options.max_tokens == 0
     assert messages({"messages": USER, "max_tokens": -1}).options.max_tokens == 0
 
@@ -319,7 +319,7 @@ def test_anthropic_messages_are_normalized():
         Message("user", "<tool_result>a.c\nb.c</tool_result>thanks<tool_result>x&lt;/tool_result>y</tool_result>"),
     )
     prompt = render_chat(req.messages, think=req.options.think, ctx=CTX)
-    assert "<｜User｜><tool_result>a.c\nb.c</tool_result>thanks<tool_result>" in prompt  # behavior.md §1.8
+    assert "<｜User｜><tool_result>a.c\nb.c</tool_result>thanks<tool_result>" in prompt  # ds4_server.c
 
 
 def test_anthropic_system_turns_inside_messages_render_in_place():
@@ -424,7 +424,7 @@ def test_error_shapes():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Responses: the captured example of behavior.md §3.9-3.10
+# Responses: a captured example of ds4's server
 
 ARGS = '{"command":"ls -la && echo \\"hi\\"","timeout":{"a":[1,2]}}'
 DONE = Done(
@@ -475,7 +475,7 @@ def test_chat_completion_without_reasoning_or_tools_omits_them():
 
 
 def test_unclosed_reasoning_is_content_in_a_non_streaming_chat_answer():
-    """behavior.md §3.9 quirk: output cut inside <think> is reported as content (streaming keeps it reasoning)."""
+    """ds4_server.c quirk: output cut inside <think> is reported as content (streaming keeps it reasoning)."""
     done = Done("length", ParsedMessage("still thinking", "", reasoning_closed=False), Usage(5, 0, 3))
     message = openai.chat_completion("c", 1, request(), done, CallIds("call_"))["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "still thinking"}
@@ -634,7 +634,7 @@ def test_anthropic_stream_endings():
 
 
 def test_streams_from_the_real_parser_keep_the_documented_order():
-    """Generated text → dsml.StreamParser events → frames: no DSML leaks and the §8 orders hold."""
+    """Generated text → dsml.StreamParser events → frames: no DSML leaks and ds4's event orders hold."""
     text = ("The user wants files.</think>I will inspect the files.\n\n<｜DSML｜tool_calls>\n"
             '<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" string="true">echo partial done'
             "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")

@@ -1,4 +1,4 @@
-"""The digests of every tensor's bytes behind the model identity (issue 41): computed once per file, cached under
+"""The digests of every tensor's bytes behind the model identity: computed once per file, cached under
 the cache directory, used again only while the file is the same, and never in the way when the cache cannot be
 written or is damaged."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ds4_mlx import tensordigest
+from ds4_mlx.cache import tensordigest
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import GGUFFile
-from ds4_mlx.tensordigest import compute_digests, tensor_digests
+from ds4_mlx.cache.tensordigest import compute_digests, tensor_digests
 
 
 @pytest.fixture(scope="module")

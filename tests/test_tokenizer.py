@@ -201,7 +201,7 @@ def test_specials_inside_user_text_are_not_escaped(tok):
 
 
 def test_dsml_marker_splits_as_in_ds4(tok):
-    """`<｜DSML｜tool_calls>` is `<` + ｜DSML｜ + BPE("tool_calls>") (behavior.md §2.2)."""
+    """`<｜DSML｜tool_calls>` is `<` + ｜DSML｜ + BPE("tool_calls>") (ds4.c)."""
     ids = tok.encode("<｜DSML｜tool_calls>")
     assert ids[0] == tok.encode("<")[0] and len(tok.encode("<")) == 1
     assert ids[1] == tok.dsml_id

@@ -184,10 +184,10 @@ def test_flash_inventory_is_the_published_one():
     n_compressed, n_ratio4 = 41, 21
     required = [name for name, spec in layout.items() if not spec.optional]
     optional = [name for name, spec in layout.items() if spec.optional]
-    # spec §2.5 count: 6 global + 23 per layer + compressor + indexer + 3 tid2eid (+ 40 exp_probs_b = 1328)
+    # the tensor count: 6 global + 23 per layer + compressor + indexer + 3 tid2eid (+ 40 exp_probs_b = 1328)
     assert len(required) == 6 + 23 * 43 + 4 * n_compressed + 6 * n_ratio4 + 3
     assert optional == [f"blk.{i}.exp_probs_b.bias" for i in range(43)]
-    expected = {  # spec §2.2-2.5, ne order
+    expected = {  # ds4.c, ne order
         "token_embd.weight": (GGMLType.F16, (4096, 129280)),
         "output_hc_fn.weight": (GGMLType.F16, (16384, 4)),
         "blk.0.hc_attn_fn.weight": (GGMLType.F16, (16384, 24)),
@@ -219,7 +219,7 @@ def test_published_shape_header_reports_variant(tmp_path, experts, variant):
         assert w.variant == variant and w.config.is_published_shape
         assert len(w.file.tensors) == 1328
         if variant == "q2":
-            assert w.nbytes / 2**30 == pytest.approx(80.76, abs=0.005)  # spec §1.3: 80.76 GiB
+            assert w.nbytes / 2**30 == pytest.approx(80.76, abs=0.005)  # the published q2 file: 80.76 GiB
             assert set(w.bytes_by_type()) == {"IQ2_XXS", "Q2_K", "Q8_0", "F16", "F32", "I32"}
         if variant == "mixed":
             assert w.expert_types[36] == (GGMLType.IQ2_XXS, GGMLType.Q2_K)
@@ -358,7 +358,7 @@ def test_mtp_for_other_dims_is_rejected(tmp_path):
         open_mtp_weights(path, FLASH)
 
 
-# ---- the factory's files (written independently from the spec) --------------------------------------------------
+# ---- the factory's files (written independently from the published layout) ----------------------------------------
 
 
 @pytest.mark.parametrize(("preset", "experts", "data", "variant"), [

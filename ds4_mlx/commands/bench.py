@@ -688,7 +688,7 @@ def run_planned(args: argparse.Namespace, walk: Walk, text: str) -> int:
     """--ops-for: the decode step's counts as the GPU backend builds it (registry.planning), for a session of the
     walk's context. The step is one fixed-shape graph whatever the position, so the first token's is counted and
     nothing is prefilled (a chunk's GPU paths would make float scratch the CPU has no room for)."""
-    from ..kernels.registry import planning
+    from ..kernels.machinery.registry import planning
     from ..model.graph import decode_step_ops
 
     with planning(args.ops_for):

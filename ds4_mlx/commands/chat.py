@@ -1,4 +1,4 @@
-"""`ds4-mlx chat`: ds4's interactive REPL (behavior.md §6) over one Engine, in the terminal with rich.
+"""`ds4-mlx chat`: ds4's interactive REPL (ds4_cli.c) over one Engine, in the terminal with rich.
 
 A message may span lines: a paste arrives whole in the terminal (bracketed paste), and the lines between two lines
 of three double quotes (BLOCK) are one message, in a terminal or a pipe. /clear, /system, /save and /load manage the
@@ -356,7 +356,7 @@ class Chat:
         """Runs one user turn and streams the answer. Returns the engine's Done, or None if the turn failed.
 
         The transcript gains the turn and every generated token + EOS. Ctrl+C stops decoding and keeps what was
-        generated; stopped before the first token, the turn is dropped and the session emptied (§6).
+        generated; stopped before the first token, the turn is dropped and the session emptied.
         """
         from ..engine import GenerationRequest
 

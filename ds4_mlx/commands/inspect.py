@@ -1,7 +1,7 @@
 """`ds4-mlx inspect`: validate a DeepSeek V4 Flash GGUF and describe it without loading any weight.
 
 Prints the variant, the dimensions, the routed-expert types per layer (runs of equal layers), tensor bytes per
-type, and the memory a session at `--ctx` would need (weights + session state of spec §5.1). The weights count as
+type, and the memory a session at `--ctx` would need (weights + session state). The weights count as
 `run` loads them on this backend, the figure its memory check uses: converted forms differ from the file's bytes,
 and the breakdown says by how much. Plain aligned text, so that it reads the same in a terminal and in a log.
 """
@@ -83,7 +83,7 @@ def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> 
     lines.append("bytes by type")
     lines += [f"  {name:<10}{format_bytes(n):>12}" for name, n in weights.bytes_by_type().items()]
 
-    from ..kernels.registry import current_backend
+    from ..kernels.machinery.registry import current_backend
     from ..model.linear import loaded_forms
 
     state = memory_estimate(c, ctx)
@@ -92,7 +92,7 @@ def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> 
         lines.append(f"mtp         {mtp.file.path} ({len(mtp.file.tensors)} tensors, {format_bytes(mtp.nbytes)}, "
                      f"{mtp.variant})")
         forms = {form: tuple(map(sum, zip(forms[form], extra))) for form, extra in loaded_forms(mtp).items()}
-        mtp_ring = c.sliding_window * c.head_dim * 4  # the draft block's own raw ring (spec §5.1)
+        mtp_ring = c.sliding_window * c.head_dim * 4  # the draft block's own raw ring (ds4.c)
     weight_bytes = sum(held for _, held in forms.values())
     note = f" (beyond the trained context {c.context_length})" if c.context_length and ctx > c.context_length else ""
     lines += [

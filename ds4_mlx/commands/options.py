@@ -89,7 +89,7 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
     """The disk KV cache flags (ds4's names and defaults); the tuning flags matter only with --kv-disk-dir."""
-    from ..kvstore import KvCacheOptions as defaults
+    from ..cache.kvstore import KvCacheOptions as defaults
 
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-ram-budget", type=byte_size, metavar="SIZE",
@@ -167,7 +167,7 @@ def _non_negative(text: str) -> float:
 
 
 def add_mtp_options(p: argparse.ArgumentParser) -> None:
-    """ds4's MTP flags (spec §7): speculative greedy decoding with the optional MTP draft file."""
+    """ds4's MTP flags (ds4_cli.c): speculative greedy decoding with the optional MTP draft file."""
     g = p.add_argument_group("MTP speculative decoding (greedy only: --temp 0)")
     g.add_argument("--mtp", type=Path, metavar="FILE",
                    help="MTP draft file (./download_model.sh mtp) to guess tokens ahead with (default: off)")
@@ -181,7 +181,7 @@ def add_mtp_options(p: argparse.ArgumentParser) -> None:
 def kv_cache_options(args: argparse.Namespace):
     """The KvCacheOptions the flags ask for (validated, the folder created and writable), or None without
     --kv-disk-dir."""
-    from ..kvstore import KvCacheOptions
+    from ..cache.kvstore import KvCacheOptions
 
     if args.kv_disk_dir is None:
         return None

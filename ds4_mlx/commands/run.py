@@ -130,7 +130,7 @@ def stats_line(done) -> str:
 
 
 def _dump_logprobs(engine, tokens: list[int], args: argparse.Namespace) -> int:
-    """ds4's --dump-logprobs: a greedy continuation with each step's choice and its top-K alternatives (spec §7)."""
+    """ds4's --dump-logprobs: a greedy continuation with each step's choice and its top-K alternatives (ds4_cli.c)."""
     from ..sampling import top_logprobs
 
     k = args.logprobs_top_k or DEFAULT_TOP_K

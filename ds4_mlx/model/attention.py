@@ -1,4 +1,4 @@
-"""The attention sublayer (spec §3.3, §3.7, §3.8).
+"""The attention sublayer (ds4.c).
 
 Queries come through a low-rank path (q_a, norm, q_b) and get a per-head RMSNorm without weight. One shared
 head serves as both key and value (K = V). A query at position p attends to
@@ -14,8 +14,8 @@ the model width.
 A chunk of T tokens is computed at once; masks give every query exactly the rows it would see if the tokens were
 fed one at a time. Queries run in blocks to bound the memory of scores and gathered rows; on GPU backends a
 block's attention core, `attend_block` (masks from the positions, the key sets read where they are stored, softmax
-with the sinks), is one kernel (kernels/chunk_attention.py) that needs neither, so there a layer's queries are one
-block unless the indexer's scores bound it. The block takes q_b's output and the RoPE, so that the queries' norm and
+with the sinks), is one kernel (kernels/prefill/chunk_attention.py) that needs neither, so there a layer's queries are
+one block unless the indexer's scores bound it. The block takes q_b's output and the RoPE, so that the queries' norm and
 RoPE and the output's inverse RoPE are part of that launch on CUDA (composed around it elsewhere, as the decode
 step's `attend_step` does).
 
@@ -25,8 +25,8 @@ compressed rows (with at most top_k visible, it chooses all of them, as the chun
 It multiplies the token's normed input by all the matrices that read it (q_a, kv, the compressors' kv and gate,
 the indexer's proj) through one FusedLinear: one launch per storage form rather than one per matrix. Its attention
 core, `attend_step` (the query's per-head norm and RoPE, the masks, attention over the window and the compressed
-rows as they are stored, the output's inverse RoPE), is one kernel on GPU backends (kernels/attention.py). Since only
-projections read them, the layer's input norm (attn_norm) and the query latents' (q_a_norm) are not computed on
+rows as they are stored, the output's inverse RoPE), is one kernel on GPU backends (kernels/decode/attention.py). Since
+only projections read them, the layer's input norm (attn_norm) and the query latents' (q_a_norm) are not computed on
 their own there: the projections take the raw input and the norm, and fold it into their matvec launches
 (model/linear.py).
 """
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.attention import DecodeAttention
-from ds4_mlx.kernels.chunk_attention import ChunkAttention
-from ds4_mlx.kernels.fused_norm import Norm
-from ds4_mlx.kernels.indexer import IndexerPick
-from ds4_mlx.kernels.rows import write_row
+from ds4_mlx.kernels.decode.attention import DecodeAttention
+from ds4_mlx.kernels.prefill.chunk_attention import ChunkAttention
+from ds4_mlx.kernels.decode.fused_norm import Norm
+from ds4_mlx.kernels.sublayers.indexer import IndexerPick
+from ds4_mlx.kernels.sublayers.rows import write_row
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import FusedLinear, Linear
@@ -142,7 +142,7 @@ def pick_finished_rows(q: mx.array, weights: mx.array, rows: mx.array, positions
 
 INDEXER_PICK = IndexerPick(pick_finished_rows)
 """`pick_finished_rows` as two kernels (the queries' finish and scores, then the top k) where a GPU backend has
-passed the first-use check (kernels/indexer.py)."""
+passed the first-use check (kernels/sublayers/indexer.py)."""
 
 
 @dataclass
@@ -324,7 +324,7 @@ def attend_step(q: mx.array, position: mx.array, inv_freq: mx.array, window: mx.
 
 
 DECODE_ATTENTION = DecodeAttention(attend_step)
-"""`attend_step` as one kernel where a GPU backend has passed the first-use check (kernels/attention.py)."""
+"""`attend_step` as one kernel where a GPU backend has passed the first-use check (kernels/decode/attention.py)."""
 
 
 def attend_block(q: mx.array, raw: mx.array, raw_first: int, first: int, window: int, rows: mx.array | None,
@@ -347,8 +347,8 @@ def attend_block(q: mx.array, raw: mx.array, raw_first: int, first: int, window:
 
 
 CHUNK_ATTENTION = ChunkAttention(attend_block)
-"""`attend_block` as one kernel per block where a GPU backend has passed the first-use check (kernels/attention.py);
-with it, a layer's queries run as one block unless the indexer's scores bound it."""
+"""`attend_block` as one kernel per block where a GPU backend has passed the first-use check
+(kernels/decode/attention.py); with it, a layer's queries run as one block unless the indexer's scores bound it."""
 
 
 def _append_rows(buffer: mx.array, n_rows: int, rows: mx.array) -> mx.array:

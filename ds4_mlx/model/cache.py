@@ -1,4 +1,4 @@
-"""Session state (spec §5.1): what the model remembers about the tokens it has seen.
+"""Session state (ds4.c): what the model remembers about the tokens it has seen.
 
 Per layer:
 * the raw window: the KV rows of the last `sliding_window` positions, oldest first, (window, head_dim);
@@ -9,7 +9,7 @@ Per layer:
 Row counts and positions are derived from the token count, not stored. Every update builds new arrays and
 MLX arrays are immutable, so a snapshot is a cheap copy of references and stays valid whatever happens next.
 
-`write_payload` / `read_payload` turn the state into ds4's disk payload (spec §5.2) and back.
+`write_payload` / `read_payload` turn the state into ds4's disk payload (ds4.c) and back.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def session_bytes(config: ModelConfig, ctx: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# ds4's session payload (spec §5.2): what the disk KV cache stores, byte-compatible with ds4's files.
+# ds4's session payload (ds4.c): what the disk KV cache stores, byte-compatible with ds4's files.
 
 PAYLOAD_MAGIC = 0x34565344  # "DSV4", little-endian
 PAYLOAD_VERSION = 1

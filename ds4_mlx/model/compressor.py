@@ -1,4 +1,4 @@
-"""KV compressors (spec §3.6): pool every `ratio` tokens into one compressed row.
+"""KV compressors (ds4.c): pool every `ratio` tokens into one compressed row.
 
 Every token t contributes a_t = W_kv x_t and a score s_t = W_gate x_t + ape[t mod ratio]; a row pools its
 tokens with a softmax over tokens taken separately for every dim.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.compressor import CompressorChunk, CompressorStep, CompressorStepPair
+from ds4_mlx.kernels.sublayers.compressor import CompressorChunk, CompressorStep, CompressorStepPair
 from ds4_mlx.model.linear import Linear
 from ds4_mlx.model.quant_sim import FINISH_ROWS, RowQuant
 from ds4_mlx.model.rope import RoPE
@@ -170,10 +170,10 @@ def pool_step(kv: mx.array, score: mx.array, ape: mx.array, frontier_kv: mx.arra
 
 
 POOL_CHUNK = CompressorChunk(pool_chunk)
-"""`pool_chunk` as one kernel where a GPU backend has passed the first-use check (kernels/compressor.py)."""
+"""`pool_chunk` as one kernel where a GPU backend has passed the first-use check (kernels/sublayers/compressor.py)."""
 
 POOL_STEP = CompressorStep(pool_step)
-"""`pool_step` as one kernel where a GPU backend has passed the first-use check (kernels/compressor.py)."""
+"""`pool_step` as one kernel where a GPU backend has passed the first-use check (kernels/sublayers/compressor.py)."""
 
 POOL_STEP_PAIR = CompressorStepPair(pool_step)
 """`pool_step` of two compressors of one ratio as one kernel where a GPU backend has passed the first-use check."""

@@ -1,14 +1,14 @@
 """DeepSeek V4 Flash hyperparameters, read from GGUF metadata and checked the way ds4 checks them.
 
-Every value comes from the file (spec §1.2), so a tiny model with the same structure loads the same way as the
+Every value comes from the file, as in ds4.c, so a tiny model with the same structure loads the same way as the
 published 43-layer one. The keys fall into three groups:
 
 * **Dimensions** scale freely (layer count, widths, heads, experts, vocabulary, window, indexer top-k, HC streams,
   Sinkhorn iterations). They only have to be consistent: positive, `n_head` divisible by `o_groups`, `n_rot` even
-  and within a head, expert counts in range, and the extra constraints the activation simulation of §3.5 puts
+  and within a head, expert counts in range, and the extra constraints the activation simulation puts
   on them (FP8 blocks of 64 over the non-RoPE dims, a power-of-two Hadamard over indexer heads).
 * **Structure** is fixed: one shared K=V head (`head_count_kv` 1, key length == value length), one shared expert,
-  no expert groups, and the compression schedule of §0 (layers 0,1 raw; even layers ≥ 2 ratio 4; odd ≥ 3 ratio 128).
+  no expert groups, and the compression schedule (layers 0,1 raw; even layers ≥ 2 ratio 4; odd ≥ 3 ratio 128).
 * **Numeric constants** must equal the published values even in a test model: the epsilons (1e-6), the routed
   scale 1.5, the SwiGLU clamp 10 on every layer, the RoPE bases 10000 / 160000, YaRN (factor 16, original context
   65536, betas 32 / 1) and `expert_weights_norm = true`. ds4 rejects any other value, and the forward pass has only
@@ -72,12 +72,12 @@ _FLOAT_CONSTANTS: tuple[tuple[str, str, float], ...] = (
 
 SWIGLU_CLAMP = 10.0
 ROPE_ORIG_CTX = 65536
-FP8_BLOCK = 64  # FP8 KV simulation works on blocks of 64 non-RoPE dims (§3.5)
-FP4_BLOCK = 32  # FP4 indexer simulation works on blocks of 32 (§3.5)
+FP8_BLOCK = 64  # FP8 KV simulation works on blocks of 64 non-RoPE dims
+FP4_BLOCK = 32  # FP4 indexer simulation works on blocks of 32
 
 
 def published_compress_ratio(layer: int) -> int:
-    """The compression schedule of §0: layers 0,1 keep only the raw window, then ratio 4 and 128 alternate."""
+    """The compression schedule: layers 0,1 keep only the raw window, then ratio 4 and 128 alternate."""
     if layer < 2:
         return 0
     return 4 if layer % 2 == 0 else 128
@@ -85,7 +85,7 @@ def published_compress_ratio(layer: int) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Every hyperparameter the forward pass needs, in the model's own terms (spec §0 names them)."""
+    """Every hyperparameter the forward pass needs, in the model's own terms (ds4.c names them)."""
 
     n_layer: int
     n_embd: int
@@ -231,12 +231,12 @@ FLASH = ModelConfig(
     compress_rope_freq_base=160000.0, rope_scaling_factor=16.0, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
     rope_orig_ctx=ROPE_ORIG_CTX, context_length=1048576,
 )
-"""The published DeepSeek V4 Flash (spec §0)."""
+"""The published DeepSeek V4 Flash (ds4.c)."""
 
 
 @dataclass(frozen=True)
 class SessionMemory:
-    """Bytes of live session state for one context size (spec §5.1), all f32."""
+    """Bytes of live session state for one context size (ds4.c), all f32."""
 
     raw: int
     compressed: int

@@ -1,7 +1,7 @@
 """Random-weight GGUF files in the DeepSeek V4 Flash layout, and their float32 export for transformers.
 
 The published model is 81 GB, so the loader, the dequantizers and the forward pass are tested on files made here:
-the same metadata keys and GGUF types, the same tensor names, shapes and types (spec §1.2, §2), with smaller
+the same metadata keys and GGUF types, the same tensor names, shapes and types (ds4.c), with smaller
 dimensions (`tiny`, `small`) or exactly the published ones (`flash`). Every parameter is random, including those a
 framework initialises to a constant (sinks, compressor `ape`, HC bases and scales, router bias, `tid2eid`): a
 constant there would hide a bug in the code that reads it.
@@ -234,7 +234,7 @@ _ROUTER_BIAS = Init(0.0, 0.1)
 
 
 def model_tensors(config: ModelConfig, experts: str = "q2") -> list[TensorSpec]:
-    """Every tensor of a model file, in file order, with the published names, shapes and types (spec §2)."""
+    """Every tensor of a model file, in file order, with the published names, shapes and types (ds4.c)."""
     c = config
     hc_width = c.n_hc * c.n_embd
     tensors = [TensorSpec("token_embd.weight", (c.n_embd, c.n_vocab), T.F16, _EMBED)]
@@ -251,7 +251,7 @@ def model_tensors(config: ModelConfig, experts: str = "q2") -> list[TensorSpec]:
 
 
 def _layer_tensors(c: ModelConfig, experts: str, layer: int) -> list[TensorSpec]:
-    """The tensors of block `layer`: §2.3, plus the compressor (§2.4) and indexer (§2.5) where the ratio asks."""
+    """The tensors of block `layer`, plus the compressor and indexer where the ratio asks."""
     return _block_tensors(c, f"blk.{layer}.", routed_expert_types(c, experts, layer), c.compress_ratio(layer),
                           hash_routing=c.is_hash_layer(layer), hc_type=T.F16)
 
@@ -307,7 +307,7 @@ def _block_tensors(c: ModelConfig, prefix: str, routed: tuple[GGMLQuantizationTy
 
 
 def mtp_tensors(config: ModelConfig, experts: str = "q4") -> list[TensorSpec]:
-    """Every tensor of an MTP file (spec §2.6) for a main model of this config: the embedding and hidden-state
+    """Every tensor of an MTP file (ds4.c) for a main model of this config: the embedding and hidden-state
     projections, their norms, the head collapse and norm, and one raw-window (ratio 0), bias-routed block.
 
     HC and router projections are F32, as the published file's name (`...-Q4K-Q8_0-F32.gguf`) suggests.
@@ -346,7 +346,7 @@ MetadataEntry = tuple[str, GGUFValueType, Any, Optional[GGUFValueType]]
 
 
 def model_metadata(config: ModelConfig, vocab: Vocab, name: str) -> list[MetadataEntry]:
-    """Every key of spec §1.2 and §1.3 with the published GGUF types, plus the tokenizer keys.
+    """Every metadata key ds4.c reads, with the published GGUF types, plus the tokenizer keys.
 
     The per-layer arrays carry one more entry than there are layers, for the MTP block (ratio 0), as the published
     config does.
@@ -458,7 +458,7 @@ def _random_rows(spec: TensorSpec, rng: np.random.Generator, n_rows: int) -> np.
 
 # Routed experts are built directly as random blocks (random quant bits, grid and sign indices, sub-block scales)
 # rather than by quantizing floats: quick enough for 81 GB, and every bit pattern of the format occurs. The fp16
-# super-block scale d is chosen so the dequantized values have the requested std (spec §4 gives the formulas).
+# super-block scale d is chosen so the dequantized values have the requested std (ggml's dequantizers).
 
 
 def _mean_square(values: np.ndarray) -> float:
@@ -565,7 +565,7 @@ def _align(offset: int) -> int:
 
 def write_gguf(f: BinaryIO, metadata: Sequence[MetadataEntry], tensors: Sequence[TensorSpec],
                chunks: Callable[[TensorSpec], Iterator[bytes]] | None, progress: Progress | None = None) -> int:
-    """Write a GGUF v3 file (spec §1.1): header, metadata, tensor directory, then each tensor's data at an offset
+    """Write a GGUF v3 file: header, metadata, tensor directory, then each tensor's data at an offset
     aligned to 32. `chunks` yields one tensor's bytes; None leaves all data as a hole (zeros). Returns the size."""
     offsets, end = [], 0
     for spec in tensors:
@@ -622,7 +622,7 @@ def write_model(path: str | os.PathLike[str], preset: str = "tiny", experts: str
 
 def write_mtp_model(path: str | os.PathLike[str], main_preset: str = "tiny", experts: str = "q4", seed: int = 0,
                     data: str = "random", progress: Progress | None = None) -> Path:
-    """Write a random MTP draft file (spec §2.6) for the main model of a preset and return its path.
+    """Write a random MTP draft file (ds4.c) for the main model of a preset and return its path.
 
     ds4 reads no metadata from this file, so it carries only the architecture and a name. Q4_K experts by default,
     as published. The same arguments give the same bytes; the file appears under its name only once complete.

@@ -1,4 +1,4 @@
-"""A small, lazy reader for GGUF v3 files (the container of spec §1.1).
+"""A small, lazy reader for GGUF v3 files (the container ds4 reads).
 
 Why our own and not `gguf.GGUFReader`: opening the 81 GB published file must cost milliseconds plus one pass over
 the metadata (the two 129k-string tokenizer arrays dominate), every malformed file must fail with a message that
@@ -32,7 +32,7 @@ MAX_DIMS = 8
 
 
 class GGMLType(IntEnum):
-    """The ggml tensor types that occur in DeepSeek V4 Flash GGUF files (spec §1.1)."""
+    """The ggml tensor types that occur in DeepSeek V4 Flash GGUF files (ds4.c)."""
 
     F32 = 0
     F16 = 1

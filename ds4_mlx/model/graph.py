@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from ..kernels import registry
+from ..kernels.machinery import registry
 
 if TYPE_CHECKING:
     from .cache import SessionCache
@@ -35,7 +35,8 @@ _NODE = re.compile(r'^\{ (\d+) \[label ="([^"]*)"', re.MULTILINE)
 
 
 STAND_IN = "CustomKernel"
-"""The name a custom kernel's stand-in node (a Depends, kernels/dialect.py) is counted under while planning."""
+"""The name a custom kernel's stand-in node (a Depends, kernels/machinery/dialect.py) is counted under while
+planning."""
 
 
 def graph_nodes(arrays: Sequence[mx.array]) -> dict[str, str]:

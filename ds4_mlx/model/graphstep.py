@@ -1,9 +1,9 @@
 """Decoding on CUDA through graphs of our own: one launch a token instead of ~900 MLX nodes.
 
 MLX spends ~20 µs of host time per node of the compiled decode step on the H200, so its ~900 nodes take longer
-on the host than the GPU takes to run them (bench/RESULTS.md, session 10). Every node of the step that does work
+on the host than the GPU takes to run them (bench/RESULTS.md, 2026-12-02). Every node of the step that does work
 is one of our custom kernels, so the step can be recorded once per kind (`Model.ends`: which windows the token
-completes) and replayed as one CUDA graph (kernels/cudagraph.py): the launches as MLX made them, with the
+completes) and replayed as one CUDA graph (kernels/machinery/cudagraph.py): the launches as MLX made them, with the
 dependencies their address ranges give. The graph of a kind:
 
 1. LOAD_KERNEL reads the token and its position from page-locked host memory the host wrote before the launch;
@@ -24,9 +24,10 @@ through MLX from the state it had.
 A step that holds MLX ops on the values it computes (`graph.ops_after_kernels`: a fast path that fell back to its
 reference, say) is refused before any graph is made: only kernels are replayed.
 
-Status (session 13, bench/RESULTS.md): the default on CUDA (session.py, DS4_GRAPH_DECODE=off leaves it). 43 Flash
-layers decode at 121.7 tokens/s at 2k and 116.7 at 32k through the graphs against ~70 through MLX's step (`ds4-mlx
-bench`, same machine), 8.2 ms a token. The graphs are made in ~14 s at the first entry; a later one takes ~0.2 s.
+The default on CUDA (session.py; DS4_GRAPH_DECODE=off turns it off). On the H200 (2026-12-03, bench/RESULTS.md)
+43 Flash layers decode at 121.7 tokens/s at 2k and 116.7 at 32k through the graphs against ~70 through MLX's step
+(`ds4-mlx bench`, same machine), 8.2 ms a token. The graphs are made in ~14 s at the first entry; a later one
+takes ~0.2 s.
 Their arrays' addresses are read by a kernel (cudagraph.address), so the weights stay in the device's memory pool:
 taken through numpy they moved into managed memory, which the driver evicted to the host under pressure (decoding
 at 6.8 tokens/s from faulted-back pages, and host RAM the size of the weights taken while the graphs were made).
@@ -40,9 +41,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from ..kernels import nvrtc
-from ..kernels.cudagraph import Driver, ReplayGraph
-from ..kernels.dialect import Kernel, build
+from ..kernels.machinery import nvrtc
+from ..kernels.machinery.cudagraph import Driver, ReplayGraph
+from ..kernels.machinery.dialect import Kernel, build
 from ..sampling import device_argmax
 from .cache import SessionCache, unflatten_layers
 from .graph import ops_after_kernels
@@ -320,9 +321,9 @@ class GraphDecoder:
         MLX keeps such arrays on shared pages of managed memory (its allocator's scalar pool), which the host
         touches whenever it makes a small array (a token, `.item()`): each touch moves the page to the host, and the
         GPU's next access to any value on it faults it back. That slowed MLX's step once (a router's counter,
-        bench/RESULTS.md, session 10); a graph reads the position, the token and small constants in hundreds of
-        launches. (Suspected of session 11's 6.8 tokens/s, which turned out to be evicted weights: not measured
-        without these copies.)"""
+        bench/RESULTS.md, 2026-12-02); a graph reads the position, the token and small constants in hundreds of
+        launches. (Suspected of the 6.8 tokens/s of 2026-12-02, which turned out to be evicted weights: not
+        measured without these copies.)"""
         bound = {id(a) for a, _ in recorded.bound}
         small = {id(a): a for launch in recorded.launches for a in (*launch.inputs, *launch.outputs)
                  if a.nbytes <= SCALAR_POOL_BYTES and id(a) not in bound}

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, spec §3.2 and the final collapse of §3.10).
+"""Manifold-constrained hyper-connections (mHC, as ds4.c computes them, and the final collapse).
 
 The residual is `n_hc` parallel streams H (T, n_hc, D). Before each sublayer a learned, input-dependent
 mix collapses them into one input (`pre`); afterwards the sublayer output is spread back with `post` while the
@@ -6,7 +6,7 @@ streams themselves are mixed by `comb`, a Sinkhorn-projected (near doubly-stocha
 residual from growing with depth.
 
 A post is not applied at once: it is handed on (`PendingPost`) to the next sublayer's pre, which applies it in
-the same launches as its own first step where a fused kernel is used (kernels/hc.py, HCPostPre).
+the same launches as its own first step where a fused kernel is used (kernels/sublayers/hc.py, HCPostPre).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.ends import HeadCollapse
-from ds4_mlx.kernels.hc import HCMix, HCPostPre, HCPre, HCSplit, HCUpdate
+from ds4_mlx.kernels.decode.ends import HeadCollapse
+from ds4_mlx.kernels.sublayers.hc import HCMix, HCPostPre, HCPre, HCSplit, HCUpdate
 from ds4_mlx.model.norm import rms_norm
 
 
@@ -85,7 +85,7 @@ SPLIT = HCSplit(split)
 UPDATE = HCUpdate(update)
 PRE = HCPre(pre)
 POST_PRE = HCPostPre(post_pre, UPDATE, PRE)
-"""Fused kernels where a GPU backend has passed the first-use check (kernels/hc.py): mix, split and update one
+"""Fused kernels where a GPU backend has passed the first-use check (kernels/sublayers/hc.py): mix, split and update one
 launch each, the whole pre of a few tokens two launches (longer chunks: `pre` itself, MIX then SPLIT), and an
 update with the pre after it two launches too (elsewhere UPDATE, then PRE)."""
 
@@ -149,7 +149,7 @@ class HyperHead:
     norm_eps: float
 
     def __call__(self, streams: mx.array) -> mx.array:
-        """streams (T, n_hc, D) -> (T, D); one launch for a decode token on GPU backends (kernels/ends.py)."""
+        """streams (T, n_hc, D) -> (T, D); one launch for a decode token on GPU backends (kernels/decode/ends.py)."""
         return HEAD_COLLAPSE(streams, self.fn, self.scale, self.base, self.hc_eps, self.norm_eps)
 
 

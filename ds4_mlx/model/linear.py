@@ -1,15 +1,15 @@
 """How the forward pass reads its weights: the one place that turns GGUF tensors into matrix products.
 
-Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF ne = [IN, OUT], spec §2.1).
+Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF ne = [IN, OUT], ds4.c).
 A matrix is held in one of four forms:
 
-- affine: Q8_0 and Q4_K tensors converted at load to MLX's affine quantized layout (kernels/affine.py) and
+- affine: Q8_0 and Q4_K tensors converted at load to MLX's affine quantized layout (kernels/formats/affine.py) and
   multiplied by MLX's quantized matmuls, or for up to 8 rows (decode) and selected experts by one custom kernel on
-  GPU backends (kernels/affine_matvec.py). Memory stays close to the file size, and dequantizing the converted
+  GPU backends (kernels/decode/affine_matvec.py). Memory stays close to the file size, and dequantizing the converted
   arrays gives the reference values bit for bit. This is a fast path: it is taken when the kernel mode is "fast"
-  and its first-use check passes on this backend (kernels/registry.py);
+  and its first-use check passes on this backend (kernels/machinery/registry.py);
 - float16: the F16 compressor, indexer and router projections (HALF_LINEARS), kept as the file's float16 values
-  where the half-precision matvec (kernels/half.py) has passed its first-use check on this backend for their
+  where the half-precision matvec (kernels/decode/half.py) has passed its first-use check on this backend for their
   shape: up to 8 rows (a decode token, a short chunk) go through that kernel, more through
   x @ W.astype(float32).T. F16 converts to float32 exactly, so both give the dense form's products up to float32
   summation order, from half its memory. Also a fast path: never taken in the reference mode at load;
@@ -18,9 +18,9 @@ A matrix is held in one of four forms:
 
 Routed experts (ExpertBank) are affine when their type allows it, else raw, and only the experts a token selects
 are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go through the fused expert kernels
-(kernels/experts.py, called by model/moe.py) or the dequant-matvec kernels (GPU only). A prefill chunk's pairs,
-sorted by expert, go through grouped GEMMs instead (`ExpertBank.grouped`, kernels/grouped.py), and projections of
-BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends (kernels/batch.py). With
+(kernels/decode/experts.py, called by model/moe.py) or the dequant-matvec kernels (GPU only). A prefill chunk's pairs,
+sorted by expert, go through grouped GEMMs instead (`ExpertBank.grouped`, kernels/prefill/grouped.py), and projections
+of BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends (kernels/prefill/batch.py). With
 DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path; after loading, the
 reference mode multiplies affine tensors by their dequantized values and float16 tensors by their float32 values,
 which are the reference's.
@@ -30,7 +30,7 @@ indexer's proj) are also read as one: `FusedLinear` concatenates those held in o
 one kernel launch per form instead of one per matrix, and each member keeps a view of its rows.
 
 Both take the RMSNorm of their input when every reader of the normed input is a projection (`norm=(weight, eps)`):
-the matvec kernels fold it into their launch (kernels/fused_norm.py), which takes an op and a graph node out of a
+the matvec kernels fold it into their launch (kernels/decode/fused_norm.py), which takes an op and a graph node out of a
 decode step; every other path (more rows, the reference mode, another backend, the dense and raw forms) applies
 rms_norm(x, weight, eps) first, as the caller would have, so its results are unchanged bit for bit.
 """
@@ -45,21 +45,21 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
-from ds4_mlx.kernels.affine_matvec import MAX_TOKENS as AFFINE_MATVEC_TOKENS
-from ds4_mlx.kernels.affine_matvec import SwigluMatvec, affine_matvec
-from ds4_mlx.kernels.affine_matvec import folds as affine_folds
-from ds4_mlx.kernels.batch import BATCH_TOKENS, batch_matmul, grouped_rows_matmul
-from ds4_mlx.kernels.fused_norm import Norm, apply
-from ds4_mlx.kernels.grouped import RAW_GROUPED, affine_grouped, pair_inputs, sliced_grouped
-from ds4_mlx.kernels.half import MAX_TOKENS as HALF_MATVEC_TOKENS
-from ds4_mlx.kernels.half import folds as half_folds
-from ds4_mlx.kernels.half import half_matvec, matvec_enabled
-from ds4_mlx.kernels.iq2_xxs import IQ2_XXS_MATVEC
-from ds4_mlx.kernels.matvec import QuantMatvec
-from ds4_mlx.kernels.q2_k import Q2_K_MATVEC
-from ds4_mlx.kernels.quants import dequantize
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.formats.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, AffineWeight, affine_nbytes, to_affine
+from ds4_mlx.kernels.decode.affine_matvec import MAX_TOKENS as AFFINE_MATVEC_TOKENS
+from ds4_mlx.kernels.decode.affine_matvec import SwigluMatvec, affine_matvec
+from ds4_mlx.kernels.decode.affine_matvec import folds as affine_folds
+from ds4_mlx.kernels.prefill.batch import BATCH_TOKENS, batch_matmul, grouped_rows_matmul
+from ds4_mlx.kernels.decode.fused_norm import Norm, apply
+from ds4_mlx.kernels.prefill.grouped import RAW_GROUPED, affine_grouped, pair_inputs, sliced_grouped
+from ds4_mlx.kernels.decode.half import MAX_TOKENS as HALF_MATVEC_TOKENS
+from ds4_mlx.kernels.decode.half import folds as half_folds
+from ds4_mlx.kernels.decode.half import half_matvec, matvec_enabled
+from ds4_mlx.kernels.decode.iq2_xxs import IQ2_XXS_MATVEC
+from ds4_mlx.kernels.decode.matvec import QuantMatvec
+from ds4_mlx.kernels.decode.q2_k import Q2_K_MATVEC
+from ds4_mlx.kernels.formats.quants import dequantize
 from ds4_mlx.model.gguf import GGMLType
 
 if TYPE_CHECKING:
@@ -288,7 +288,7 @@ class Linear:
 
     def after_swiglu(self, gate_up: mx.array, swiglu: SwigluMatvec, clamp: float) -> mx.array:
         """swiglu.activation(gate, up, clamp) @ W.T for gate_up (..., 2 IN) = [gate | up]: a few rows of an affine
-        matrix by one launch that applies the activation as it reads its input (kernels/affine_matvec.py), the
+        matrix by one launch that applies the activation as it reads its input (kernels/decode/affine_matvec.py), the
         other paths by the activation, then __call__."""
         if self._affine is not None and _fast() and gate_up.size < BATCH_TOKENS * gate_up.shape[-1]:
             return swiglu(gate_up, self._affine, clamp)
@@ -444,7 +444,7 @@ class ExpertBank:
     @property
     def raw(self) -> mx.array | None:
         """The GGUF blocks (E, bytes per expert) of a bank held raw, for kernels that read several banks in one
-        launch (kernels/experts.py); None for an affine bank."""
+        launch (kernels/decode/experts.py); None for an affine bank."""
         return self._raw
 
     def experts(self, ids: mx.array) -> mx.array:
@@ -472,7 +472,7 @@ class ExpertBank:
                 ) -> mx.array:
         """x_i @ W[ids[i]].T for N (input, expert) pairs sorted by expert: x_i = x[rows[i]] (x a chunk's tokens) or,
         with rows None, x[i] (x (N, IN)); ids (N,) uint32 ascending, counts (E,) pairs per expert -> (N, OUT).
-        Grouped GEMMs over all the pairs at once (kernels/grouped.py).
+        Grouped GEMMs over all the pairs at once (kernels/prefill/grouped.py).
 
         The bank is read (and its float scratch made) only once `after` is computed: chaining the projections
         of a layer this way keeps one scratch alive at a time, whatever order MLX would otherwise pick.

@@ -1,8 +1,8 @@
-"""DeepSeek V4 Flash forward pass (spec §3), from token ids to logits.
+"""DeepSeek V4 Flash forward pass (ds4.c), from token ids to logits.
 
-One token's path: its embedding row is copied into `n_hc` hyper-connection streams (§3.1); every layer runs
-HC-pre -> attention -> HC-post -> HC-pre -> MoE -> HC-post (§3.2, §3.3, §3.9); the final HC collapse, RMSNorm and
-LM head give the logits (§3.10). A chunk of tokens runs layer-major (all tokens through layer 0, then layer 1, ...)
+One token's path: its embedding row is copied into `n_hc` hyper-connection streams; every layer runs
+HC-pre -> attention -> HC-post -> HC-pre -> MoE -> HC-post; the final HC collapse, RMSNorm and
+LM head give the logits. A chunk of tokens runs layer-major (all tokens through layer 0, then layer 1, ...)
 and gives the same result as feeding them one at a time.
 
 `simulate_quant` (default on) applies the activation quantisation DeepSeek V4 was trained with, as ds4 does:
@@ -21,10 +21,10 @@ from functools import partial
 import mlx.core as mx
 
 from ds4_mlx.errors import RequestError
-from ds4_mlx.kernels import registry
-from ds4_mlx.kernels.ends import EMBED_STREAMS
-from ds4_mlx.kernels.halfsplit import splits_held
-from ds4_mlx.kernels.quants import dequantize
+from ds4_mlx.kernels.machinery import registry
+from ds4_mlx.kernels.decode.ends import EMBED_STREAMS
+from ds4_mlx.kernels.tensor_cores.halfsplit import splits_held
+from ds4_mlx.kernels.formats.quants import dequantize
 from ds4_mlx.model.attention import Attention, Indexer
 from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
 from ds4_mlx.model.compressor import Compressor
@@ -170,8 +170,8 @@ class Model:
         """The compression ratios of the layers (Flash: 4 and 128)."""
 
     def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
-        """The block whose tensors are named `prefix` + suffix (§2.3-2.5), at a compression ratio, with token-hash
-        or learned (top-k) routing. Public so that the MTP block (§2.6) is built the same way from its own file."""
+        """The block whose tensors are named `prefix` + suffix, at a compression ratio, with token-hash
+        or learned (top-k) routing. Public so that the MTP block is built the same way from its own file."""
         c = self.config
 
         def hc(kind: str) -> HyperConnection:
@@ -249,7 +249,7 @@ class Model:
         A chunk past GATHER_LIMIT pairs is evaluated layer by layer, one layer ahead: layer i is queued
         (`mx.async_eval`) before layer i - 1 is waited for, so that the host builds and encodes a layer while the
         GPU runs the one before (waiting for each layer left the H200 idle ~4.6 ms a layer, 13% of a 4096-token
-        chunk, session 19), and at most two layers' transients (a float expert scratch, kernels/grouped.py) are
+        chunk, 2026-12-03), and at most two layers' transients (a float expert scratch, kernels/prefill/grouped.py) are
         alive at once."""
         tokens = self._check(tokens, cache)
         n_past = cache.n_tokens
@@ -259,7 +259,8 @@ class Model:
         grouped = tokens.size * self.config.n_expert_used > GATHER_LIMIT
         residual: mx.array | PendingPost = streams
         running: list[mx.array] = []
-        with splits_held():  # an input several kernels read is split into halves once (kernels/halfsplit.py)
+        # an input several kernels read is split into halves once (kernels/tensor_cores/halfsplit.py)
+        with splits_held():
             for layer, block in enumerate(self.blocks):
                 residual, layers[layer] = block(residual, tokens, n_past, layers[layer])
                 if grouped:  # one layer ahead: this layer is queued, then the previous one waited for
@@ -289,7 +290,7 @@ class Model:
 
     def embed_streams(self, token: mx.array) -> mx.array:
         """The streams (1, n_hc, n_embd) a decode token starts as: its embedding row in every stream (one launch
-        on GPU backends where the table's rows read as they are held, kernels/ends.py)."""
+        on GPU backends where the table's rows read as they are held, kernels/decode/ends.py)."""
         table = self.embedding.table
         if table is None:
             row = self.embedding.rows(token)
@@ -343,7 +344,7 @@ class Model:
         return [streams, logits, *(a for state in layers for a in state.arrays())]
 
     def head(self, streams: mx.array) -> mx.array:
-        """Logits (T, n_vocab) of final streams (T, n_hc, n_embd): HC collapse, output norm, LM head (§3.10).
+        """Logits (T, n_vocab) of final streams (T, n_hc, n_embd): HC collapse, output norm, LM head.
         The LM head applies the output norm (folded into its matvec for a decode token on GPU backends)."""
         return self.output(self.head_hc(streams), norm=(self.output_norm, self.config.rms_eps))
 

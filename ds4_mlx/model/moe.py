@@ -1,4 +1,4 @@
-"""The FFN sublayer: routed mixture of experts plus one shared expert (spec §3.9).
+"""The FFN sublayer: routed mixture of experts plus one shared expert (ds4.c).
 
 The router scores experts with sqrt(softplus(logit)) (no softmax). The first `n_hash_layer` layers take their
 experts from a fixed token-id table instead; every layer weights its experts by the normalised, unbiased router
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.affine_matvec import SwigluMatvec
-from ds4_mlx.kernels.experts import DownSum, GateUpSwiglu
-from ds4_mlx.kernels.fused_norm import Norm, apply
-from ds4_mlx.kernels.grouped import grouped_swiglu
-from ds4_mlx.kernels.router import GatedRoute, HashRoute, Route
+from ds4_mlx.kernels.decode.affine_matvec import SwigluMatvec
+from ds4_mlx.kernels.decode.experts import DownSum, GateUpSwiglu
+from ds4_mlx.kernels.decode.fused_norm import Norm, apply
+from ds4_mlx.kernels.prefill.grouped import grouped_swiglu
+from ds4_mlx.kernels.decode.router import GatedRoute, HashRoute, Route
 from ds4_mlx.model.linear import ExpertBank, FusedLinear, Linear
 from ds4_mlx.model.topk import top_k_indices
 
@@ -62,7 +62,8 @@ def sum_slots(y: mx.array, k: int) -> mx.array:
 
 GATE_UP = GateUpSwiglu(weighted_swiglu)
 DOWN_SUM = DownSum(sum_slots)
-"""The decode path's two fused kernels over raw q2 banks (kernels/experts.py), checked against the formulas above."""
+"""The decode path's two fused kernels over raw q2 banks (kernels/decode/experts.py), checked against the formulas
+above."""
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Router:
     scale: float
 
     counter: mx.array = field(default_factory=GatedRoute.new_counter, repr=False)
-    """GATED_ROUTE's counter (kernels/router.py): each router owns one."""
+    """GATED_ROUTE's counter (kernels/decode/router.py): each router owns one."""
 
     def __call__(self, x: mx.array, tokens: mx.array, norm: Norm | None = None) -> tuple[mx.array, mx.array]:
         """Expert ids (T, n_used) int32 and weights (T, n_used) for normed inputs x (T, D) (or x and its norm)."""
@@ -112,10 +113,10 @@ ROUTE = Route(route, WEIGHT_SUM_FLOOR)
 HASH_ROUTE = HashRoute(hash_route, WEIGHT_SUM_FLOOR)
 GATED_ROUTE = GatedRoute(ROUTE)
 """`route` and `hash_route` as one kernel each where a GPU backend has passed the first-use check, and on CUDA the
-learned router's float16 gate matvec and `route` in one launch for a decode token (kernels/router.py)."""
+learned router's float16 gate matvec and `route` in one launch for a decode token (kernels/decode/router.py)."""
 SHARED_DOWN = SwigluMatvec(swiglu)
 """The shared expert's down projection of its joined gate and up products with `swiglu` in the same launch
-(kernels/affine_matvec.py), checked against the formula."""
+(kernels/decode/affine_matvec.py), checked against the formula."""
 
 
 @dataclass
@@ -193,7 +194,7 @@ class RoutedExperts:
 
     def _grouped(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
         """All (token, slot) pairs sorted by expert on the device, then one grouped GEMM per projection; for
-        prefill, with no host round-trip (kernels/grouped.py)."""
+        prefill, with no host round-trip (kernels/prefill/grouped.py)."""
         return grouped_swiglu(x, ids, weights, self.gate.grouped, self.up.grouped, self.down.grouped,
                               lambda gate, up, w: weighted_swiglu(gate, up, w, self.clamp), self.gate.n_expert)
 

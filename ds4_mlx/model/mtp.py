@@ -1,4 +1,4 @@
-"""The MTP draft block (spec §2.6, §3.10 "MTP draft"): DeepSeek V4's multi-token-prediction layer as a drafter.
+"""The MTP draft block (ds4.c): DeepSeek V4's multi-token-prediction layer as a drafter.
 
 The MTP file holds one extra transformer block that guesses the token after next from two inputs at a position
 p: the token x_p and the main model's final hyper-connection streams h_p (after the last layer, before the head).
@@ -40,7 +40,7 @@ from .weights import MTP_PREFIX, MTPWeights, open_mtp_weights
 
 
 def open_mtp(path: str | os.PathLike[str], config: ModelConfig) -> MTPWeights:
-    """Open an MTP file and validate its layout (spec §2.6) against the main model's dimensions."""
+    """Open an MTP file and validate its layout (ds4.c) against the main model's dimensions."""
     if not os.path.exists(path):
         raise ModelFileMissing(f"no MTP file at {path}: download it with ./download_model.sh mtp")
     return open_mtp_weights(path, config)

@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from ..kernels import cudalib
+from ..kernels.machinery import cudalib
 
 PIECE_BYTES = 16 << 20
 """One worker's read and copy: large enough that a copy's fixed cost is small, small enough that the workers share

@@ -1,4 +1,4 @@
-"""Activation quantisation simulation (spec §3.5).
+"""Activation quantisation simulation (ds4.c).
 
 DeepSeek V4 was trained with quantisation-aware activations: the KV cache rows are stored as FP8 E4M3 and
 the indexer's queries and keys as FP4 E2M1 after a Hadamard rotation. ds4 reproduces those round trips in
@@ -16,8 +16,8 @@ import math
 
 import mlx.core as mx
 
-from ds4_mlx.kernels.actquant import FP8KV, IndexerFP4
-from ds4_mlx.kernels.rows import FinishIntoWindow, FinishRows, Norm, RowQuant
+from ds4_mlx.kernels.sublayers.actquant import FP8KV, IndexerFP4
+from ds4_mlx.kernels.sublayers.rows import FinishIntoWindow, FinishRows, Norm, RowQuant
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.rope import RoPE
 
@@ -107,7 +107,7 @@ def indexer_fp4(x: mx.array) -> mx.array:
 
 
 simulate_kv_fp8 = FP8KV(kv_fp8)
-"""`kv_fp8`, as one exact kernel where a GPU backend has passed the first-use check (kernels/actquant.py)."""
+"""`kv_fp8`, as one exact kernel where a GPU backend has passed the first-use check (kernels/sublayers/actquant.py)."""
 simulate_indexer_fp4 = IndexerFP4(indexer_fp4)
 """`indexer_fp4`, likewise."""
 
@@ -132,7 +132,7 @@ def finish_rows(x: mx.array, positions: mx.array, rope: RoPE, norm: Norm | None,
 
 
 FINISH_ROWS = FinishRows(finish_rows)
-"""`finish_rows` as one kernel where a GPU backend has passed the first-use check (kernels/rows.py)."""
+"""`finish_rows` as one kernel where a GPU backend has passed the first-use check (kernels/sublayers/rows.py)."""
 FINISH_INTO_WINDOW = FinishIntoWindow(FINISH_ROWS)
 """A decode token's finished KV row appended to the raw window (its oldest row dropped), as one kernel where a GPU
 backend has passed the first-use check; otherwise FINISH_ROWS and a concatenation."""

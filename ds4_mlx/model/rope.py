@@ -1,4 +1,4 @@
-"""Partial, adjacent-pair RoPE (spec §3.4).
+"""Partial, adjacent-pair RoPE (ds4.c).
 
 Only the last `n_rot` dims of a head rotate, as pairs (v[2k], v[2k+1]) (GPT-J style), with no permutation of the
 file's rows. Layers without compression use plain RoPE (base 10000); compressed layers, their compressor rows and
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.kernels.attention import Rope
+from ds4_mlx.kernels.decode.attention import Rope
 
 
 @dataclass(frozen=True)
@@ -89,4 +89,4 @@ def rotate(x: mx.array, cos: mx.array, sin: mx.array, n_rot: int, inverse: bool)
 
 
 ROTATE = Rope(rotate)
-"""`rotate` as one kernel where a GPU backend has passed the first-use check (kernels/attention.py)."""
+"""`rotate` as one kernel where a GPU backend has passed the first-use check (kernels/decode/attention.py)."""

@@ -19,7 +19,7 @@ predicted to be read next (the one that followed this tensor's counterpart in th
 
 On CUDA, a GGUF file's larger staging arrays are made by a device op instead and filled by model/pinned.py
 (`pread` into page-locked buffers, DMA to the GPU): no host staging. (Taking a staging array's address through
-numpy moves it into managed memory first, MLX's `Buffer::raw_ptr`; found in session 12, the load's 14.1 s was
+numpy moves it into managed memory first, MLX's `Buffer::raw_ptr`; found on 2026-12-03, the load's 14.1 s was
 measured so.)
 `DS4_LOAD=mapped` keeps every tensor on the mapped-file path (to compare the two).
 """
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
-from ..kernels.cudagraph import address
+from ..kernels.machinery.cudagraph import address
 from .gguf import GGUFFile, TensorInfo
 from .pinned import CudaRuntime, PinnedReader
 

@@ -1,7 +1,7 @@
 """The full DeepSeek V4 Flash layout on synthetic weights, built in memory without a file (`ds4-mlx bench
 --synthetic`).
 
-Every tensor has the published name, ne shape and GGUF type (the factory's inventory, spec §2) and holds random
+Every tensor has the published name, ne shape and GGUF type (the factory's inventory, ds4.c) and holds random
 valid quant blocks drawn by the factory's block builders, so the forward pass does the work it does on the real
 file. Tensors with the same role, shape and type in several layers share one random draw: the whole model draws
 about one layer's worth of blocks (the routed experts once, the attention tensors once per compression ratio)

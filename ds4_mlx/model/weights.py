@@ -1,4 +1,4 @@
-"""The DeepSeek V4 Flash tensor layout (spec §2), validated against the config before any weight is touched.
+"""The DeepSeek V4 Flash tensor layout (ds4.c), validated against the config before any weight is touched.
 
 `open_weights` checks the whole inventory at open time, the way ds4's `weights_validate_layout` does, so that a
 wrong file fails in milliseconds with a message naming the tensor instead of deep inside the forward pass: every
@@ -45,7 +45,7 @@ class TensorSpec:
 
 
 def global_layout(c: ModelConfig) -> dict[str, TensorSpec]:
-    """Embedding, final HC collapse, final norm and LM head (§2.2)."""
+    """Embedding, final HC collapse, final norm and LM head."""
     return {
         "token_embd.weight": TensorSpec((c.n_embd, c.n_vocab), (F16,)),
         "output_hc_base.weight": TensorSpec((c.n_hc,), (F32,)),
@@ -57,7 +57,7 @@ def global_layout(c: ModelConfig) -> dict[str, TensorSpec]:
 
 
 def block_layout(c: ModelConfig, layer: int, mtp: bool = False) -> dict[str, TensorSpec]:
-    """Suffixes of one block (§2.3-2.5), or of the MTP block (§2.6) with `mtp=True`: no compressor, indexer or
+    """Suffixes of one block, or of the MTP block with `mtp=True`: no compressor, indexer or
     hash table, a required router bias, and F16 or F32 for its HC and router projections."""
     hc = (F16, F32) if mtp else (F16,)
     heads_per_group = c.n_head // c.o_groups
@@ -114,7 +114,7 @@ def block_layout(c: ModelConfig, layer: int, mtp: bool = False) -> dict[str, Ten
 
 
 def mtp_layout(c: ModelConfig) -> dict[str, TensorSpec]:
-    """The MTP file (§2.6): its own embedding/hidden projections and head collapse, plus one block."""
+    """The MTP file: its own embedding/hidden projections and head collapse, plus one block."""
     layout = {
         "hc_head_base.weight": TensorSpec((c.n_hc,), (F32,)),
         "hc_head_fn.weight": TensorSpec((c.n_hc * c.n_embd, c.n_hc), (F16, F32)),
@@ -180,7 +180,7 @@ class ModelWeights:
         """The tensor dequantized to float32 (I32 stays int32), in row-major order: ne [IN, OUT] -> (OUT, IN)."""
         import mlx.core as mx
 
-        from ..kernels.quants import dequantize
+        from ..kernels.formats.quants import dequantize
 
         info = self.info(name)
         return dequantize(mx.array(self.tensor_bytes(name)), info.ggml_type, tuple(reversed(info.shape)))
@@ -204,7 +204,7 @@ class ModelWeights:
 
 
 class MTPWeights(ModelWeights):
-    """The optional MTP draft block (§2.6); its shapes follow the main model's config."""
+    """The optional MTP draft block; its shapes follow the main model's config."""
 
 
 def open_weights(path: str | os.PathLike[str]) -> ModelWeights:

@@ -1,7 +1,7 @@
 """Anthropic Messages wire format: `/v1/messages`.
 
 Pure translations, like `openai.py`: the request body becomes a normalized `ChatRequest`; the engine's events
-become the message JSON or the SSE event sequence ds4 sends (behavior.md §3.9-3.10). Errors use Anthropic's
+become the message JSON or the SSE event sequence ds4 sends (ds4_server.c). Errors use Anthropic's
 own `{"type":"error","error":{...}}` shape (ds4 answers OpenAI-shaped errors here; SDKs expect this one).
 """
 
@@ -65,7 +65,7 @@ _ERROR_TYPES = {
 
 def context_overflow(n_prompt_tokens: int, n_ctx: int, param: str) -> ApiError:
     """Anthropic's wording, which Claude Code reads to compact its history: the maximum is the longest prompt
-    that fits (one slot stays free for the answer, behavior.md §3.7)."""
+    that fits (one slot stays free for the answer, ds4_server.c)."""
     return ApiError(f"prompt is too long: {n_prompt_tokens} tokens > {n_ctx - 1} maximum", param=param,
                     extra={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx})
 
@@ -118,10 +118,10 @@ def _system(value: Any, path: str = "system") -> str:
 
 def _message(value: Any, path: str, call_ids: set[str]) -> Message:
     """One message; blocks keep their order: user text and `<tool_result>` wrappers are concatenated
-    without separators (behavior.md §1.8), assistant thinking → reasoning, tool_use → tool calls.
+    without separators (ds4_server.c), assistant thinking → reasoning, tool_use → tool calls.
 
     `call_ids` holds the tool_use ids of the messages before this one (this message's are added): a tool_result
-    must answer one of them, since there is no continuation state to take a call from (behavior.md §3.7)."""
+    must answer one of them, since there is no continuation state to take a call from (ds4_server.c)."""
     f = Fields(value, path)
     role = f.string("role", "user")
     if role not in ROLES:  # Anthropic's (pydantic's) wording, with its dotted path
@@ -157,7 +157,7 @@ def _message(value: Any, path: str, call_ids: set[str]) -> Message:
 
 
 def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
-    """`/v1/messages` request → normalized chat request (behavior.md §3.4). `max_tokens` is optional here."""
+    """`/v1/messages` request → normalized chat request (ds4_server.c). `max_tokens` is optional here."""
     f = Fields(body.value)
     raw_messages = message_list(f)
     call_ids: set[str] = set()
@@ -189,7 +189,7 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    """Every prompt token is either read from the live cache or written to it, so `input_tokens` is 0 (§3.9)."""
+    """Every prompt token is either read from the live cache or written to it, so `input_tokens` is 0."""
     return {
         "input_tokens": 0,
         "output_tokens": usage.completion_tokens,
@@ -229,7 +229,7 @@ def message(message_id: str, created: int, request: ChatRequest, done: Done, ids
 
 
 class MessageStream:
-    """Events → Anthropic SSE events (behavior.md §3.10).
+    """Events → Anthropic SSE events (ds4_server.c).
 
     Content blocks open and close as the kind of output changes: thinking (closed with a signature delta),
     text, then one tool_use block per call with `input_json_delta` fragments. No `ping` events. The final
@@ -297,7 +297,7 @@ class MessageStream:
 
     def done(self, done: Done) -> list[str]:
         """Closes the open block; an empty text block when thinking ended without text or calls (not when the
-        stream ends inside thinking, behavior.md §3.10); calls not streamed live; message_delta; message_stop."""
+        stream ends inside thinking, ds4_server.c); calls not streamed live; message_delta; message_stop."""
         frames = self._close()
         calls = done.message.tool_calls
         if not self.wrote_text and not calls and done.message.reasoning_closed:

@@ -245,7 +245,7 @@ class Server:
 
     def _recall_tool_ids(self, request: ChatRequest | CompletionRequest) -> dict[str, str]:
         """With the disk KV cache on, tool-call ids this process does not know (e.g. from before a restart) are
-        looked up in the checkpoint files' tool maps, so that their sampled DSML is replayed (behavior.md §4.4)."""
+        looked up in the checkpoint files' tool maps, so that their sampled DSML is replayed (ds4_server.c)."""
         store = self.engine.kv_store
         if store is None or isinstance(request, CompletionRequest):
             return {}
@@ -265,7 +265,7 @@ class Server:
         return request, prompt, self.engine.count_tokens(prompt)
 
     def _remember(self, ids: CallIds, done: Done) -> list[str]:
-        """Map the wire ids of the calls just generated to the exact DSML sampled (behavior.md §4.4)."""
+        """Map the wire ids of the calls just generated to the exact DSML sampled (ds4_server.c)."""
         calls = ids.first(len(done.message.tool_calls))
         if calls and done.message.raw_dsml:
             with self.engine.tool_memory_lock:
@@ -307,7 +307,7 @@ class Server:
             request.state.arrived = time.monotonic()  # the start of its time to first token
             with self.worker.reserve() as submit:  # counts against --max-queue from before its body is read
                 data, (norm, prompt, n_prompt) = await self._read_and_prepare(request, api)
-                if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt (§3.7)
+                if n_prompt >= self.engine.ctx:  # one free slot is needed after the prompt
                     raise api.overflow(n_prompt, self.engine.ctx, api.param)
                 job = self._job(request, rid, api, data, norm, prompt, n_prompt)
                 submit(job)
@@ -363,7 +363,7 @@ class Server:
     async def _stream(self, request: Request, job: Job, api: Api, rid: str, stream: Any, ids: CallIds) -> Response:
         """SSE. The headers go out with the first event after the engine accepted the prompt (the first prefill
         chunk's progress, or the first output), so that a prompt refused or failing in a single-chunk prefill
-        still gets a proper status code, as in ds4 (§3.7). A failure after that is an SSE error frame; decode
+        still gets a proper status code, as in ds4. A failure after that is an SSE error frame; decode
         failures are not failures here: the engine ends them with finish reason "error"."""
         events = self.metrics.watch(api.name, request.state.arrived, job.events())
         async with self._cancel_on_disconnect(request, job):
@@ -466,7 +466,7 @@ def _anthropic_client(request: Request) -> bool:
 
 
 def _get(path: str, endpoint: Callable[[Request], Awaitable[Response]]) -> Route:
-    """A GET route. Starlette adds HEAD to every GET route; ds4 answers HEAD 404 like any unknown endpoint (§3.2)."""
+    """A GET route. Starlette adds HEAD to every GET route; ds4 answers HEAD 404 like any unknown endpoint."""
     route = Route(path, endpoint, methods=["GET"])
     route.methods.discard("HEAD")
     return route

@@ -46,7 +46,7 @@ class ApiError(RequestError):
 
 
 def context_overflow(n_prompt_tokens: int, n_ctx: int, param: str) -> ApiError:
-    """behavior.md §3.7: one free slot after the prompt is required, so `prompt >= ctx` fails."""
+    """ds4_server.c: one free slot after the prompt is required, so `prompt >= ctx` fails."""
     return ApiError(
         f"Prompt has {n_prompt_tokens} tokens, but the configured context size is {n_ctx} tokens",
         param=param,
@@ -167,7 +167,7 @@ def abbreviated(value: Any, limit: int = 40) -> str:
 
 def text_of(value: Any, path: str, *, separator: str = "") -> str:
     """Message text: a string, null (""), or an array of strings and `{"text": ...}` parts joined by
-    `separator`; parts without text (images, documents) contribute nothing (behavior.md §1.2)."""
+    `separator`; parts without text (images, documents) contribute nothing (ds4_server.c)."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -209,7 +209,7 @@ def thinking_flag(value: Any, path: str) -> bool | None:
 
 
 def think_mode(model: str, ctx: int, *, effort: Any, thinking: bool | None) -> ThinkMode:
-    """The think mode of a request: explicit controls first, then the model alias (behavior.md §3.3-3.5)."""
+    """The think mode of a request: explicit controls first, then the model alias (ds4_server.c)."""
     if effort is not None and not isinstance(effort, str):
         raise ApiError(f"invalid request: the reasoning effort must be a string or null, got {_kind_of(effort)}")
     return request_think_mode(model=model, thinking=thinking, effort=think_mode_from_effort(effort), ctx=ctx)
@@ -219,7 +219,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
 
 
 def sampling_params(fields: Fields, think: ThinkMode, names: tuple[str, ...] = SAMPLING_FIELDS) -> SamplingParams:
-    """Sampling from the request's knobs; in thinking mode every knob except `seed` is ignored (§3.5).
+    """Sampling from the request's knobs; in thinking mode every knob except `seed` is ignored.
 
     The knobs are still type-checked in thinking mode, so a malformed request fails the same way in both modes.
     A knob sent as null is not set, as OpenAI's API takes it. A seed of 0 or less means "random", as in ds4.
@@ -268,7 +268,7 @@ def stop_strings(fields: Fields, key: str) -> tuple[str, ...]:
 
 
 def max_tokens(fields: Fields, *keys: str) -> int | None:
-    """The first of `keys` present and not null: an integer, where a negative limit means 0 as in ds4 (§3.5)."""
+    """The first of `keys` present and not null: an integer, where a negative limit means 0 as in ds4."""
     for key in keys:
         value = fields.integer(key, nullable=True)
         if value is not None:
@@ -370,7 +370,7 @@ class CompletionRequest:
 
 
 def new_id(prefix: str, nbytes: int = 16) -> str:
-    """`prefix` + lowercase hex of `nbytes` random bytes (tool-call ids use 16, behavior.md §3.13)."""
+    """`prefix` + lowercase hex of `nbytes` random bytes (tool-call ids use 16, ds4_server.c)."""
     return prefix + secrets.token_hex(nbytes)
 
 
@@ -395,7 +395,7 @@ class CallIds:
 
 def compact_arguments(text: str) -> str:
     """Tool-call arguments as a compact JSON object text in generated key order; "{}" when they do not parse
-    (the parser already writes them compactly; this is the API's guarantee, behavior.md §4.1)."""
+    (the parser already writes them compactly; this is the API's guarantee, ds4_server.c)."""
     try:
         value = json.loads(text)
     except ValueError:
@@ -404,7 +404,7 @@ def compact_arguments(text: str) -> str:
 
 
 def dumps(value: Any) -> str:
-    """Compact JSON with raw UTF-8, as ds4 writes it (behavior.md §3.1)."""
+    """Compact JSON with raw UTF-8, as ds4 writes it (ds4_server.c)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 

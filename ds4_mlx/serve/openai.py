@@ -1,7 +1,7 @@
 """OpenAI wire format: `/v1/chat/completions`, `/v1/completions` and `/v1/models`.
 
 Pure translations. A request body becomes a normalized `ChatRequest` / `CompletionRequest`; the engine's events
-become the JSON body or the SSE frames ds4 sends (behavior.md §3.9-3.10), byte for byte.
+become the JSON body or the SSE frames ds4 sends (ds4_server.c), byte for byte.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ _ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: 
 
 
 def error_json(error: ApiError) -> dict[str, Any]:
-    """`{"error":{"message","type",...}}`, with `param`/`code` and extra members only when set (§3.7)."""
+    """`{"error":{"message","type",...}}`, with `param`/`code` and extra members only when set."""
     kind = "server_error" if error.status >= 500 else _ERROR_TYPES.get(error.status, "invalid_request_error")
     body: dict[str, Any] = {"message": error.message, "type": kind}
     if error.param is not None:
@@ -93,7 +93,7 @@ def _options(f: Fields, *, ctx: int, default_model: str, stop_key: str = "stop",
 
 
 def active_tools(f: Fields, tool_texts: tuple[str, ...], *, enabled: bool) -> tuple[str, ...]:
-    """The raw schema text of each tool; none when `tool_choice` turned tools off (behavior.md §1.6).
+    """The raw schema text of each tool; none when `tool_choice` turned tools off (ds4_server.c).
 
     Every tool must at least name itself; the schemas are otherwise shown to the model as the client wrote them.
     """
@@ -171,7 +171,7 @@ def parse_completion(body: Body, *, ctx: int, default_model: str) -> CompletionR
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    """OpenAI usage with ds4's `cache_write_tokens` extension (behavior.md §3.11) and the reasoning token count."""
+    """OpenAI usage with ds4's `cache_write_tokens` extension (ds4_server.c) and the reasoning token count."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -189,7 +189,7 @@ def chat_completion(response_id: str, created: int, request: ChatRequest, done: 
                     text: str = "") -> dict[str, Any]:
     """The non-streaming `chat.completion` object.
 
-    As in ds4 (behavior.md §3.9), reasoning that never reached `</think>` (e.g. cut by max_tokens) is reported
+    As in ds4 (ds4_server.c), reasoning that never reached `</think>` (e.g. cut by max_tokens) is reported
     as `content`, so that a client that ignores `reasoning_content` still sees what was generated.
     """
     message = done.message
@@ -214,7 +214,7 @@ def chat_completion(response_id: str, created: int, request: ChatRequest, done: 
 
 
 class ChatStream:
-    """Events → `chat.completion.chunk` SSE frames (behavior.md §3.10).
+    """Events → `chat.completion.chunk` SSE frames (ds4_server.c).
 
     Order: the role chunk, reasoning deltas, content deltas, tool-call deltas as the parser recognises them,
     the finish chunk, the usage chunk (only with `stream_options.include_usage`), then `[DONE]`.
@@ -279,7 +279,7 @@ def completion(response_id: str, created: int, request: CompletionRequest, done:
 class CompletionStream:
     """Events → `text_completion` SSE frames: text frames, a finish frame, the usage frame if asked, [DONE].
 
-    A legacy completion returns the raw generated text, reasoning and `</think>` included (behavior.md §3.9),
+    A legacy completion returns the raw generated text, reasoning and `</think>` included (ds4_server.c),
     so it is generated without the reasoning split: every piece arrives as a TextDelta.
     """
 
@@ -306,7 +306,7 @@ class CompletionStream:
 
 
 def model_json(model_id: str, card: ModelCard) -> dict[str, Any]:
-    """One `/v1/models` entry: ds4's keys in ds4's order (behavior.md §3.2), then the limits under the other names
+    """One `/v1/models` entry: ds4's keys in ds4's order (ds4_server.c), then the limits under the other names
     clients read them by (`max_model_len`: vLLM's; `context_window`, `max_context_length`; `max_output_tokens`),
     thinking, the capabilities and the checkpoint (docs/server.md, "The model card")."""
     thinks = THINKING_BY_ALIAS.get(model_id, True)

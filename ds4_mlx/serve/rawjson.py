@@ -1,6 +1,6 @@
 """Request bodies parsed once, keeping the exact text of every tool schema.
 
-The prompt shows the model each tool schema as the client wrote it (behavior.md §1.6): key order, spacing and
+The prompt shows the model each tool schema as the client wrote it (ds4_server.c): key order, spacing and
 newlines of pretty-printed JSON included. `json.loads` followed by `json.dumps` cannot reproduce those bytes, so
 the top-level object and its `tools` array are walked member by member with the C scanner of the `json` module,
 which reports where every value ends.

@@ -2,7 +2,7 @@
 
 Pure translations, like `openai.py`: input items become chat messages (reasoning items join the next assistant
 message, function calls join the assistant message they follow, outputs become tool results); the engine's events
-become the response object or its SSE event sequence (behavior.md §3.4, §3.9-3.10). State is never kept between
+become the response object or its SSE event sequence (ds4_server.c). State is never kept between
 requests: clients replay the full input, and the tool memory and live prefix reuse make that cheap.
 """
 
@@ -60,7 +60,7 @@ class ResponsesRequest(ChatRequest):
 
 @dataclass
 class _Tools:
-    """Schema lines (behavior.md §1.6) with what the answer needs to know about them."""
+    """Schema lines (ds4_server.c) with what the answer needs to know about them."""
 
     lines: list[str] = field(default_factory=list)
     namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -170,7 +170,7 @@ def _item(history: _History, value: Any, path: str) -> None:
 
 
 def parse_responses(body: Body, *, ctx: int, default_model: str) -> ResponsesRequest:
-    """`/v1/responses` request → normalized chat request (behavior.md §3.4)."""
+    """`/v1/responses` request → normalized chat request (ds4_server.c)."""
     f = Fields(body.value)
     if f.raw("previous_response_id") is not None or f.raw("conversation") is not None:
         raise ApiError("previous_response_id is not supported; replay full input instead")
@@ -292,7 +292,7 @@ class _Output:
 
     def call_item(self, index: int, name: str, arguments: str, status: str) -> dict[str, Any]:
         """A function_call item, or a tool_search_call item for a call to the hosted tool_search (its arguments
-        an object, run by the client, behavior.md §3.9)."""
+        an object, run by the client, ds4_server.c)."""
         while len(self.call_item_ids) <= index:
             self.call_item_ids.append(new_id("fc_", 12))
         item_id, call_id = self.call_item_ids[index], self.ids[index]
@@ -347,7 +347,7 @@ def response(rid: str, created: int, request: ResponsesRequest, done: Done, ids:
 
 class ResponseStream:
     """Events → Responses SSE events, each with an `event:` line naming its type and a `sequence_number` right
-    after its `type` (behavior.md §3.10), as OpenAI sends them.
+    after its `type` (ds4_server.c), as OpenAI sends them.
 
     Reasoning is streamed only when a summary was asked for; tool-call arguments are sent whole at the end.
     """
