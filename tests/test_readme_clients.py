@@ -11,13 +11,14 @@ import pytest
 from ds4_mlx.engine import Engine
 from serve_support import live_server
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-def sdk_snippets() -> dict[str, str]:
-    """The README's Python blocks that use an SDK, by the SDK they import."""
-    blocks = re.findall(r"^```python\n(.*?)^```", README, flags=re.S | re.M)
+def sdk_snippets(text: str = README) -> dict[str, str]:
+    """The Python blocks of a document that use an SDK, by the SDK they import."""
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
     found = {}
     for block in blocks:
         for sdk in ("openai", "anthropic"):
@@ -37,6 +38,11 @@ def test_the_readme_shows_both_sdks():
     assert set(snippets) == {"openai", "anthropic"}
     for block in snippets.values():
         assert DEFAULT_URL in block and "max_tokens=" in block  # the demo model never stops by itself
+
+
+def test_the_server_reference_shows_the_same_snippets():
+    """docs/server.md's client set-ups repeat the README's snippets: what is tested here is what both show."""
+    assert sdk_snippets((ROOT / "docs" / "server.md").read_text(encoding="utf-8")) == sdk_snippets()
 
 
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
