@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Measure steps on the GPU machine, for the device calls that follow the stage call (bench/README.md):
-#   source .device/bin/install.sh && bash bench/h200_cycle.sh STEP...
-# Steps (run in the order given, each under a timeout so that the output comes back within a call's 10 minutes):
+# Measurement steps on a machine with an NVIDIA GPU and MLX's CUDA build (`pip install -e '.[cuda]'`,
+# bench/README.md), from the repository's root:
+#   bash bench/h200_cycle.sh STEP...
+# Steps (run in the order given, each under a timeout: CYCLE_LIMIT seconds in all, default 570):
 #   tests[:A,B]    every gpu-marked test (each kernel used on the device and equal to its reference); with names,
 #                  only tests/test_kernels_A.py (or tests/test_A.py where that is none), ...
 #   profile[:N[:AT]] per-kernel CUPTI times of the compiled decode step, first N layers (default 4; at 4 or fewer
@@ -41,7 +42,7 @@
 #   ttft[:N[:CTX[:CHUNK]]] time to first token of a CTX-token prompt (default 11520: Claude Code's system prompt
 #                  and tools, issue 9's <= 3 s): `ds4-mlx bench` prefilling 0 -> CTX over N layers (default 43) in
 #                  the session's chunks (or CHUNK tokens), then 16 tokens; DS4_REFERENCE_PATHS=name,... before the
-#                  command keeps those fast paths on their references (one measured against the rest in one call)
+#                  command keeps those fast paths on their references (one measured against the rest in one run)
 #   startup[:N]    load and warm-up seconds of `ds4-mlx bench --synthetic q2 --layers N` (default 4) three times: with
 #                  an empty kernel cache (kernels/machinery/nvrtc.py compiles), again (it reads them back), and with
 #                  DS4_CUDA_CACHE=off (MLX compiles every kernel, as before the cache)
@@ -57,8 +58,8 @@
 #                  4000-graph cache within the spread of the defaults (2026-12-02)
 #   ab:DIR[:N[:CTX]] prefill from 0 to CTX tokens (default 2048) then decode there (128 tokens) over N layers
 #                  (default 43) with the tree in DIR (another commit's `git archive`: untracked and not ignored,
-#                  or named in the call's carry, so that it travels), then with this one, on the same machine
-#                  (both inherit the call's environment: DS4_GRAPH_DECODE=off compares MLX's steps)
+#                  or copied beside this one), then with this one, on the same machine (both inherit the
+#                  environment: DS4_GRAPH_DECODE=off compares MLX's steps)
 #   graph[:N[:CTX[:MODES]]] the same bench with this tree, greedy decoding through MLX's compiled step
 #                  (DS4_GRAPH_DECODE=off) and through the decode graphs (=on, the default on CUDA,
 #                  model/graphstep.py), on the same machine; MODES one of them (default off,on)
@@ -75,11 +76,11 @@
 #   mma            the mma.sync ceiling those GEMMs' instruction has at 8, 16 and 32 warps an SM (bench/mma_ceiling.py)
 #   attn           the chunk attention kernels (SIMT, tensor cores at 16 and 32 heads a threadgroup) at Flash's
 #                  shapes, 4096 queries from position 8192 (bench/chunk_attention.py)
-# The PTX cache a previous call left in .device/cache/ptx.tgz is unpacked first (MLX's own kernels, and under ds4/
-# the custom kernels' cubins, kernels/machinery/nvrtc.py) and packed again into $OUT/ptx.tgz at the end: copy it to
-# .device/cache/ for the next machine. Kernels are compiled
-# per session context (their templates hold it), so every step here uses the bench's: 2048 + 32 tokens.
-# Full outputs are written under $OUT; the tail of each is printed.
+# A kernel cache left by an earlier run in .device/cache/ptx.tgz (MLX's own kernels, and under ds4/ the custom
+# kernels' cubins, kernels/machinery/nvrtc.py) is unpacked first and packed again into $OUT/ptx.tgz at the end: copy
+# it to .device/cache/ to start the next machine warm. Kernels are compiled per session context (their templates
+# hold it), so every step here uses the bench's: 2048 + 32 tokens.
+# Full outputs are written under $OUT (default /tmp/out); the tail of each is printed.
 set -u
 out=${OUT:-/tmp/out}
 limit=${CYCLE_LIMIT:-570}
