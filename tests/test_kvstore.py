@@ -48,7 +48,7 @@ from ds4_mlx.kvstore import (
     text_key,
 )
 from ds4_mlx.model.cache import write_payload
-from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.factory import preset_config, write_model
 from ds4_mlx.model.weights import open_weights
 from ds4_mlx.sampling import SamplingParams
 from scripted import ScriptedCache
@@ -591,6 +591,7 @@ class PositionModel:
 
     def __init__(self, vocab: int, prompt_len: int, script: list[int]) -> None:
         self.vocab, self.prompt_len, self.script = vocab, prompt_len, script
+        self.config = preset_config("tiny")  # what the memory budget sizes prefill chunks by (memory.py)
 
     def new_cache(self, ctx: int) -> ScriptedCache:
         return ScriptedCache(self)
