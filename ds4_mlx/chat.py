@@ -161,13 +161,18 @@ def model_alias_thinking(model: str | None) -> bool | None:
     return None
 
 
-def request_think_mode(*, model: str | None, thinking: bool | None, effort: ThinkMode, ctx: int) -> ThinkMode:
+def request_think_mode(*, model: str | None, thinking: bool | None, effort: ThinkMode, ctx: int,
+                       unasked: bool = True) -> ThinkMode:
     """The think mode a chat request runs with, as ds4 combines its controls.
 
     `thinking` is an explicit `thinking`/`think` field (None when absent); only when it is absent does the
-    model alias decide. Thinking off, or effort none, gives NONE; otherwise the effort's level, gated by ctx.
+    model alias decide, and when neither does, `unasked`: True is ds4's rule (any other model name thinks), False
+    the Messages API's (no `thinking`, no thinking). Thinking off, or effort none, gives NONE; otherwise the
+    effort's level, gated by ctx. An effort alone never turns thinking on.
     """
     enabled = thinking if thinking is not None else model_alias_thinking(model)
+    if enabled is None:
+        enabled = unasked
     if enabled is False or effort is ThinkMode.NONE:
         return ThinkMode.NONE
     return effective_think_mode(effort, ctx)

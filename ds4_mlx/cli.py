@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import Ds4Error, UsageError
@@ -63,6 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """The reader of our output went away (`ds4-mlx run ... | head -c 20`): stop quietly, as `cat` does. The
+    standard streams are pointed at /dev/null so that Python's flush at exit meets no closed pipe either; the
+    exit status is a shell's for a process ended by SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a stream without a file descriptor (replaced by a caller)
+            pass
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":

@@ -284,6 +284,14 @@ class Engine:
     def demo(cls, ctx: int = 4096, **opts) -> Engine:
         return cls.load(ensure_demo_model(), ctx, **opts)
 
+    @property
+    def random_weights(self) -> bool:
+        """Whether the file is one of `make-model`'s random-weight files (the demo model too), by the name they all
+        carry: such a model practically never writes its end token, so its answers need a short default limit."""
+        from .model.factory import RANDOM_WEIGHTS
+
+        return RANDOM_WEIGHTS in str(self.file_facts.get("general.name", ""))
+
     def warm_up(self) -> float:
         """Feeds a short prompt and a few greedy tokens through the live session, then empties it; returns the
         seconds taken. Why: the first use of each kernel compiles or reads it back and checks it against its

@@ -35,6 +35,11 @@ class ModelFileMissing(Ds4Error):
         return cls(f"no model file at {path}: download one with ./download_model.sh ds4f-q2 (or ds4f-q4), "
                    f"or try the built-in tiny model with --demo")
 
+    @classmethod
+    def mtp_at(cls, path: object) -> ModelFileMissing:
+        """The error for an absent MTP draft file (checked before anything loads, and again by the loader)."""
+        return cls(f"no MTP file at {path}: download it with ./download_model.sh mtp")
+
 
 class ResourceError(Ds4Error):
     """The device does not have room for the weights plus the session state at the requested context."""

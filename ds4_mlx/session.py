@@ -71,8 +71,9 @@ and beside the q2 weights and a 1M-token session the bigger chunk would not fit 
 
 
 def prefill_chunk_for(ctx: int) -> int:
-    """The prefill chunk: ds4's 2048 tokens (ds4.c); on CUDA CUDA_PREFILL_CHUNK, or CUDA_DEEP_CHUNK for a
-    context past DEEP_CONTEXT; or the whole context when that is smaller."""
+    """The preferred prefill chunk: ds4's 2048 tokens (ds4.c); on CUDA CUDA_PREFILL_CHUNK, or CUDA_DEEP_CHUNK for a
+    context past DEEP_CONTEXT; or the whole context when that is smaller. Each chunk may still be shorter:
+    memory.fit_chunk shortens it to what free device memory holds (`bench --help` states these sizes)."""
     if not on_cuda():
         return min(DEFAULT_PREFILL_CHUNK, ctx)
     return min(CUDA_PREFILL_CHUNK if ctx <= DEEP_CONTEXT else CUDA_DEEP_CHUNK, ctx)

@@ -176,7 +176,6 @@ def test_walk_prefills_in_the_chunks_asked_for(model_path):
     run_walk(loaded, Walk((10, 32), gen_tokens=0, repeats=1, prefill_chunk=4), prompt)
     assert engine.session.chunk_size == 4
     assert max(fed) == 4 and sum(n for n in fed if n > 1) >= 32  # the walk's 32 tokens in chunks of at most 4
-    assert main(["bench", "--demo", "--prefill-chunk", "0"]) == 1
 
 
 def _args(**kw) -> Namespace:
@@ -200,24 +199,36 @@ def test_frontiers_step_by_increment_or_factor():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--ctx-start", "0"], "--ctx-start must be >= 1, got 0"),
+        (["--ctx-start", "0"], "argument --ctx-start: expected an integer >= 1, got '0'"),
         (["--ctx-start", "64", "--ctx-max", "32"], "--ctx-max 32 is below --ctx-start 64"),
-        (["--step-incr", "0"], "--step-incr must be >= 1, got 0"),
+        (["--ctx-max", "100"], "--ctx-max 100 is below --ctx-start 2048"),
+        (["--step-incr", "0"], "argument --step-incr: expected an integer >= 1, got '0'"),
         (["--step-mul", "1"], "--step-mul must be > 1, got 1.0"),
-        (["--gen-tokens", "-1"], "--gen-tokens must be >= 0, got -1"),
-        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--gen-tokens", "-1"], "argument --gen-tokens: expected an integer >= 0, got '-1'"),
+        (["--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
+        (["--prefill-chunk", "0"], "argument --prefill-chunk: expected an integer >= 1, got '0'"),
         (["--layers", "4"], "--layers needs --synthetic"),
         (["--synthetic", "q2", "--demo"], "--synthetic and --demo both choose the model; give one"),
         (["--ctx-max", "4096", "-c", "4000"], "--ctx 4000 is too small for the walk: the last frontier 4096 + "
                                               "--gen-tokens 128 need 4224"),
-        (["--prompt-file", "/nonexistent.txt"], "cannot read --prompt-file /nonexistent.txt: No such file or "
-                                                "directory"),
         (["--synthetic", "q2", "--layers", "44"], "--layers must be between 1 and 43, got 44"),
     ],
 )
-def test_bench_rejects_flags_before_loading(flags, message, capsys):
-    assert main(["bench", "-m", "/nonexistent.gguf", *flags]) == 1  # checked before the model is opened
-    assert capsys.readouterr().err == f"ds4-mlx bench: error: {message}\n"
+def test_bench_rejects_bad_flag_values_before_loading_with_status_2(flags, message, capsys):
+    """A flag value the walk cannot take is a usage mistake: one line, exit status 2, before the model is opened."""
+    try:
+        code = main(["bench", "-m", "/nonexistent.gguf", *flags])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ds4-mlx bench: error: {message}") and err.count("\n") == 1
+
+
+def test_bench_stops_before_loading_when_the_prompt_file_is_missing(capsys):
+    assert main(["bench", "-m", "/nonexistent.gguf", "--prompt-file", "/nonexistent.txt"]) == 1
+    assert capsys.readouterr().err == ("ds4-mlx bench: error: cannot read --prompt-file /nonexistent.txt: No such "
+                                       "file or directory\n")
 
 
 def test_prompt_is_the_text_repeated(model_path):
@@ -531,6 +542,18 @@ def test_speculative_probe_decodes_greedily_and_counts_guesses(mtp_engine, monke
     ],
 )
 def test_bench_refuses_mtp_flags_as_usage_errors(flags, message, capsys):
-    code = 1 if message.startswith("--ctx") else 2  # the flag checks of the walk itself stay errors (1)
-    assert main(["bench", "-m", "/nonexistent.gguf", *flags]) == code
+    assert main(["bench", "-m", "/nonexistent.gguf", *flags]) == 2
     assert capsys.readouterr().err == f"ds4-mlx bench: error: {message}\n"
+
+
+def test_help_states_the_prefill_chunks_the_session_takes(capsys):
+    """`--prefill-chunk`'s help gives the session's own sizes (session.prefill_chunk_for), not an older one."""
+    from ds4_mlx.model.model import DEFAULT_PREFILL_CHUNK
+    from ds4_mlx.session import CUDA_DEEP_CHUNK, CUDA_PREFILL_CHUNK, DEEP_CONTEXT
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"{CUDA_PREFILL_CHUNK} on CUDA, {CUDA_DEEP_CHUNK} there for a context past {DEEP_CONTEXT}, ds4's "
+            f"{DEFAULT_PREFILL_CHUNK} elsewhere") in text
+    assert "shortened where device memory is short" in text

@@ -282,7 +282,7 @@ def test_save_and_load_restore_the_conversation(chat, tmp_path):
     chat.handle("/system Be brief.")
     kept = list(chat.transcript.turns)
     path = tmp_path / "talk.json"
-    assert chat.handle(f"/save {path}") and out(chat).endswith(f"Saved 1 turns to {path}.\n")
+    assert chat.handle(f"/save {path}") and out(chat).endswith(f"Saved 1 turn to {path}.\n")
     saved = json.loads(path.read_text(encoding="utf-8"))
     assert saved["system"] == "Be brief." and saved["think"] == "none" and saved["turns"] == kept
     assert "remember this" in saved["text"]
@@ -290,15 +290,18 @@ def test_save_and_load_restore_the_conversation(chat, tmp_path):
     chat.handle("/think")
     chat.handle("/system Other.")
     assert chat.handle(f"/load {path}")
-    assert out(chat).endswith(f"Loaded 1 turns from {path} (thinking mode: none).\n")
+    assert out(chat).endswith(f"Loaded 1 turn from {path} (thinking mode: none).\n")
     assert chat.transcript.turns == kept and chat.transcript.system == "Be brief." and chat.think is ThinkMode.NONE
     done = chat.send("and now")
     assert user_texts(chat) == ["remember this", "and now"] and done.usage.prompt_tokens > len(kept)
+    assert chat.handle(f"/save {path}") and out(chat).endswith(f"Saved 2 turns to {path}.\n")
 
 
 @pytest.mark.parametrize(("content", "message"), [
     (None, "cannot read {path}: No such file or directory"),
     ("{not json", "cannot load {path}: Expecting property name"),
+    (b"\x89PNG\r\n\x1a\n\x00", "cannot load {path}: not a conversation saved by /save (not UTF-8 text: byte 0 is "
+                                "0x89)"),
     ('{"format": "other"}', "cannot load {path}: not a conversation saved by /save"),
     ('{"format": "ds4-mlx chat", "version": 1, "system": "", "think": "high", "turns": [1, -2]}',
      "cannot load {path}: 'turns' must be a list of token ids from 0 to"),
@@ -309,7 +312,9 @@ def test_load_refuses_what_save_did_not_write(chat, tmp_path, content, message):
     chat.send("kept")
     kept = list(chat.transcript.turns)
     path = tmp_path / "bad.json"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content, encoding="utf-8")
     assert chat.handle(f"/load {path}")
     assert err(chat).count("\n") == 2 and f"ds4-mlx: error: {message.format(path=path)}" in err(chat)

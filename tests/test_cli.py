@@ -45,6 +45,19 @@ USAGE = [
     *[(["serve", "--port", port], f"argument --port: expected a port number from 1 to 65535, got '{port}'")
       for port in ("99999", "0")],
     (["serve", "--max-queue", "-1"], "argument --max-queue: expected an integer >= 0, got '-1'"),
+    *[([cmd, "--kv-disk-space-mb", "0"], "argument --kv-disk-space-mb: expected an integer >= 1, got '0'")
+      for cmd in ("run", "chat", "serve")],
+    *[([cmd, "--kv-cache-min-tokens", "-4"], "argument --kv-cache-min-tokens: expected an integer >= 1, got '-4'")
+      for cmd in ("run", "chat", "serve")],
+    (["run", "--kv-cache-boundary-trim-tokens", "-1"],
+     "argument --kv-cache-boundary-trim-tokens: expected an integer >= 0, got '-1'"),
+    (["run", "-p", "x", "--kv-disk-dir", "kv", "--kv-cache-min-tokens", "600", "--kv-cache-cold-max-tokens", "500"],
+     "--kv-cache-cold-max-tokens must be 0 (no cold saves) or >= --kv-cache-min-tokens (600), got 500"),
+    (["bench", "--ctx-max", "100"], "--ctx-max 100 is below --ctx-start 2048"),
+    (["run", "-p", ""], "the prompt from -p is empty: there is nothing to answer"),
+    (["run", "-p", " \n"], "the prompt from -p is empty"),
+    (["run", "--prompt-file", "empty.txt"], "the prompt from --prompt-file empty.txt is empty"),
+    (["inspect", "-m", "a.gguf"], "two files given, missing.gguf and -m a.gguf: give one"),
     (["tokens"], "one of the arguments -p/--prompt --prompt-file is required"),
     (["make-model", "x.gguf", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["make-model", "x.gguf", "--sparse", "--repeat"], "argument --repeat: not allowed with argument --sparse"),
@@ -57,6 +70,8 @@ RUNTIME = [
     (["run", "-p", "x", "--dump-logprobs", "{tmp}/nowhere/lp.json"], "--dump-logprobs: no folder {tmp}/nowhere"),
     (["run", "-p", "x", "--dump-logprobs", "{tmp}"], "--dump-logprobs {tmp} is a folder"),
     (["run", "-p", "x"], f"no model file at {MISSING}: download one with ./download_model.sh"),
+    *[([cmd, "--mtp", "/nonexistent.gguf"], "no MTP file at /nonexistent.gguf: download it with ./download_model.sh "
+                                            "mtp") for cmd in ("run", "chat", "serve")],
     (["tokens", "-p", "x"], f"no model file at {MISSING}: download one with ./download_model.sh"),
     (["inspect", MISSING], f"no model file at {MISSING}: download one with ./download_model.sh"),
 ]
@@ -90,6 +105,7 @@ def no_gpu_backend(monkeypatch):
 @pytest.mark.parametrize(("argv", "message"), USAGE, ids=[" ".join(a) for a, _ in USAGE])
 def test_usage_mistakes_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
     extra = {"inspect": [MISSING], "make-model": []}.get(argv[0], ["-m", MISSING])
     code, err = _cli(capsys, [*argv, *extra])
     assert code == 2
@@ -141,6 +157,7 @@ def test_serve_stops_before_loading_when_the_port_is_taken(capsys):
 ])
 def test_ignored_options_are_named(flags, warning, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "draft.gguf").write_bytes(b"")  # there: what is said is that it goes unused
     code, err = _cli(capsys, ["run", "-m", MISSING, "-p", "x", *flags])
     assert code == 1 and f"ds4-mlx: warning: {warning}" in err.splitlines()[0]
     _one_error_line(err, "run")
@@ -148,6 +165,7 @@ def test_ignored_options_are_named(flags, warning, capsys, tmp_path, monkeypatch
 
 def test_options_that_apply_are_not_warned_about(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "draft.gguf").write_bytes(b"")
     code, err = _cli(capsys, ["run", "-m", MISSING, "-p", "x", "--think-max", "--ctx", "393216", "--mtp",
                               "draft.gguf", "--mtp-draft", "2", "--temp", "0"])
     assert code == 1 and "warning" not in err
@@ -159,3 +177,53 @@ def test_a_bad_flag_from_the_console_has_no_traceback():
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     assert r.stderr == ("ds4-mlx run: error: argument -c/--ctx: expected a number of tokens from 1 to 1048576, "
                         "got '0' (`ds4-mlx run --help` lists the options)\n")
+
+
+def test_a_missing_mtp_file_is_said_before_any_warning(capsys, tmp_path, monkeypatch):
+    """`--mtp /nonexistent` without --mtp-draft would be unused, but the file's absence is the one thing said."""
+    monkeypatch.chdir(tmp_path)
+    code, err = _cli(capsys, ["run", "-m", MISSING, "-p", "x", "--mtp", "/nonexistent.gguf"])
+    assert code == 1 and "warning" not in err
+    assert _one_error_line(err, "run").endswith("no MTP file at /nonexistent.gguf: download it with "
+                                                "./download_model.sh mtp")
+
+
+@pytest.mark.parametrize("command", ["run", "tokens"])
+def test_demo_names_an_unused_model_file(command, capsys, tmp_path, monkeypatch, demo_model):
+    """--demo loads its own model: a -m beside it is said to be unused (and not opened)."""
+    import ds4_mlx.engine as engine_module
+
+    monkeypatch.chdir(tmp_path)
+    loaded = []
+
+    def refuse(path, *args, **kwargs):
+        loaded.append(path)
+        raise engine_module.ResourceError("stop here")
+
+    monkeypatch.setattr(engine_module.Engine, "load", refuse)
+    code, err = _cli(capsys, [command, "--demo", "-m", "tiny.gguf", "-p", "x"])
+    assert "ds4-mlx: warning: --demo loads the built-in demo model: -m tiny.gguf is unused" in err.splitlines()
+    assert code == (1 if command == "run" else 0)
+    assert loaded == ([demo_model] if command == "run" else [])
+    code, err = _cli(capsys, [command, "--demo", "-p", "x"])
+    assert "warning" not in err
+
+
+@pytest.mark.parametrize("host", ["256.1.1.1", "no-such-host.invalid"])
+def test_serve_says_when_the_host_cannot_be_resolved(host, capsys):
+    code, err = _cli(capsys, ["serve", "-m", MISSING, "--host", host, "--port", str(_free_port())])
+    assert code == 1
+    line = _one_error_line(err, "serve")
+    assert f"cannot listen on {host}:" in line and f"the host '{host}' cannot be resolved to an address" in line
+    assert "Unknown error" not in line
+
+
+@pytest.mark.parametrize("argv", [["tokens", "--demo", "-p", "word " * 20000], ["inspect", "{model}"]])
+def test_a_closed_pipe_ends_quietly(argv, demo_model):
+    """`ds4-mlx tokens ... | head -1`: the reader is gone before the output is written; no traceback, and the exit
+    status a shell gives a process ended by SIGPIPE."""
+    command = [sys.executable, "-m", "ds4_mlx.cli", *[a.format(model=demo_model) for a in argv]]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and err == ""

@@ -123,3 +123,40 @@ def test_ctx_must_be_positive(tmp_path, capsys):
 def test_format_bytes():
     assert [format_bytes(n) for n in (512, 2048, 3 * 2**20, int(80.76 * 2**30))] == [
         "512 B", "2.00 KiB", "3.00 MiB", "80.76 GiB"]
+
+
+def test_the_file_is_taken_positionally_or_with_m(tmp_path, capsys, monkeypatch):
+    """`inspect FILE`, `inspect -m FILE` (as every other command takes it) and, with neither, ./ds4flash.gguf."""
+    path = write(model_spec(TINY), tmp_path / "tiny.gguf")
+    rc, positional, _ = _inspect(capsys, path)
+    assert rc == 0 and "GGUF v3" in positional
+    rc, out, err = _inspect(capsys, "-m", path)
+    assert rc == 0 and err == "" and out == positional
+    rc, out, err = _inspect(capsys, path, "-m", path)
+    assert rc == 0 and out == positional
+    rc, out, err = _inspect(capsys, path, "-m", tmp_path / "other.gguf")
+    assert rc == 2 and out == "" and err.startswith("ds4-mlx inspect: error: two files given") and err.count("\n") == 1
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _inspect(capsys)
+    assert rc == 1 and "no model file at ds4flash.gguf" in err
+
+
+def test_a_main_model_given_as_mtp_is_named_as_such(tmp_path, capsys):
+    main_path = write(model_spec(TINY), tmp_path / "tiny.gguf")
+    rc, out, err = _inspect(capsys, main_path, "--mtp", main_path)
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert f"{main_path} is not an MTP file: it has no mtp.* tensors" in err
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`ds4-mlx inspect FILE | head -1`: the reader goes away before the report is written; no traceback, and the
+    exit status a shell gives a process ended by SIGPIPE."""
+    import subprocess
+    import sys
+
+    path = write(model_spec(TINY), tmp_path / "tiny.gguf")
+    proc = subprocess.Popen([sys.executable, "-m", "ds4_mlx.cli", "inspect", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # nobody reads: the first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""

@@ -49,7 +49,7 @@ from ds4_mlx.cache.kvstore import (
     text_key,
 )
 from ds4_mlx.model.cache import write_payload
-from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.factory import preset_config, write_model
 from ds4_mlx.model.weights import open_weights
 from ds4_mlx.sampling import SamplingParams
 from scripted import ScriptedCache

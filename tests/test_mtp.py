@@ -163,8 +163,11 @@ def _write_mtp(path, tensors):
 
 def test_bad_mtp_files_are_layout_errors(tmp_path, paths, weights):
     config = weights.config
+    with pytest.raises(LayoutError, match="is not an MTP file: it has no mtp.* tensors"):
+        open_mtp(paths[0], config)  # the main model given in its place
+    hc_head = [t for t in mtp_tensors(config) if t.name != "mtp.0.hc_head_base.weight"]
     with pytest.raises(LayoutError, match="tensor mtp.0.hc_head_base.weight is missing"):
-        open_mtp(paths[0], config)  # the main model is not an MTP file
+        open_mtp(_write_mtp(tmp_path / "no_hc_head.gguf", hc_head), config)
     with pytest.raises(LayoutError, match=r"mtp.0.hc_head_fn.weight has shape \[2048, 4\], expected \[1024, 4\]"):
         open_mtp(write_mtp_model(tmp_path / "small.gguf", main_preset="small"), config)
     no_bias = [t for t in mtp_tensors(config) if t.name != "mtp.0.exp_probs_b.bias"]
@@ -179,7 +182,7 @@ def test_bad_mtp_files_are_layout_errors(tmp_path, paths, weights):
 
 
 def test_engine_rejects_a_bad_mtp_file_before_loading(paths, tmp_path):
-    with pytest.raises(LayoutError, match="mtp.0"):
+    with pytest.raises(LayoutError, match="is not an MTP file"):
         Engine.load(paths[0], ctx=CTX, mtp=paths[0], mtp_draft=2)
 
 

@@ -238,7 +238,8 @@ def test_anthropic_stream_ending_inside_thinking_has_no_text_block(client, engin
     """As in ds4 (ds4_server.c, Anthropic): if the stream ends inside thinking, the thinking block is closed (with
     signature) and nothing else is sent before message_delta."""
     engine.reply = lambda req: "still thinking about it"
-    r = client.post("/v1/messages", json={"messages": USER, "max_tokens": 6, "stream": True})
+    r = client.post("/v1/messages", json={"messages": USER, "max_tokens": 6, "stream": True,
+                                          "thinking": {"type": "adaptive"}})
     events = [(e, json.loads(d)) for e, d in sse_frames(r.text)]
     starts = [d["content_block"]["type"] for e, d in events if e == "content_block_start"]
     assert starts == ["thinking"]

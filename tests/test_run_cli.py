@@ -104,8 +104,10 @@ def scripted_run(demo_model, monkeypatch, capsys):
     with GGUFFile.open(demo_model) as f:
         tokenizer = Tokenizer.from_gguf(f)
 
-    def go(text: str, *args: str, eos: bool = True):
+    def go(text: str, *args: str, eos: bool = True, name: str | None = None):
         engine, model = scripted_engine(tokenizer, text, eos=eos, ctx=4096)
+        if name is not None:
+            engine.file_facts = {"general.name": name}  # what Engine.load keeps of the file's metadata
         monkeypatch.setattr(Engine, "load", lambda *args, **kwargs: engine)
         rc = main(["run", *args])
         out, err = capsys.readouterr()
@@ -152,6 +154,72 @@ def test_demo_answers_stop_at_the_default_limit(scripted_run):
     assert rc == 0 and f"generation {DEMO_MAX_TOKENS} tokens" in err.splitlines()[-1]
     _, rc, _, err = scripted_run("word " * 400, "--demo", "-p", "hi", "--nothink", "-n", "300", eos=False)
     assert rc == 0 and "generation 300 tokens" in err.splitlines()[-1]
+
+
+RANDOM_NAME = "DeepSeek V4 Flash tiny (random weights, seed 0)"  # make-model's name for a random-weight file
+CAP_NOTE = "ds4-mlx: the model has random weights and never stops by itself: answers end after 256 tokens"
+
+
+def test_a_random_weight_file_stops_at_the_demo_limit_and_says_so(scripted_run):
+    """A make-model file with `run` is capped as --demo is (its model never writes the end token), and says so."""
+    from ds4_mlx.commands.options import DEMO_MAX_TOKENS
+
+    _, rc, _, err = scripted_run("word " * 400, "-p", "hi", "--nothink", eos=False, name=RANDOM_NAME)
+    assert rc == 0 and f"generation {DEMO_MAX_TOKENS} tokens" in err.splitlines()[-1]
+    assert err.splitlines()[0].startswith(CAP_NOTE)
+    _, rc, _, err = scripted_run("word " * 400, "-p", "hi", "--nothink", "-n", "300", eos=False, name=RANDOM_NAME)
+    assert rc == 0 and "generation 300 tokens" in err.splitlines()[-1] and "random weights" not in err
+    _, rc, _, err = scripted_run("word " * 400, "-p", "hi", "--nothink", name="DeepSeek V4 Flash")
+    assert rc == 0 and "generation 401 tokens" in err.splitlines()[-1] and "random weights" not in err  # and EOS
+
+
+def test_serve_caps_a_random_weight_model_and_says_so(demo_model, monkeypatch, capsys):
+    """`serve --demo` (or a make-model file): a request without max_tokens gets DEMO_MAX_TOKENS, not 393,216."""
+    import argparse
+
+    from ds4_mlx.commands import serve
+    from ds4_mlx.commands.options import DEMO_MAX_TOKENS
+    from ds4_mlx.model.gguf import GGUFFile
+    from ds4_mlx.tokenizer import Tokenizer
+    from scripted import scripted_engine
+
+    with GGUFFile.open(demo_model) as f:
+        tokenizer = Tokenizer.from_gguf(f)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+
+    def default_limit(name: str, *flags: str) -> int:
+        engine, _ = scripted_engine(tokenizer, "x")
+        engine.file_facts = {"general.name": name}
+        monkeypatch.setattr(Engine, "load", lambda *args, **kwargs: engine)
+        return serve.serving_engine(parser.parse_args(list(flags)), None).default_max_tokens
+
+    assert default_limit(RANDOM_NAME, "--demo") == DEMO_MAX_TOKENS
+    assert CAP_NOTE in capsys.readouterr().err
+    assert default_limit(RANDOM_NAME) == DEMO_MAX_TOKENS
+    assert CAP_NOTE in capsys.readouterr().err
+    assert default_limit(RANDOM_NAME, "-n", "1000") == 1000
+    assert default_limit("DeepSeek V4 Flash") == serve.DEFAULT_MAX_TOKENS == 393216
+    assert "random weights" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["", "\n  \n"])
+def test_an_empty_prompt_from_standard_input_is_refused(tiny_path, given):
+    r = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", "run", "-m", str(tiny_path), "-p", "-"], input=given,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "ds4-mlx run: error: the prompt from standard input is empty: there is nothing to answer\n"
+
+
+def test_a_closed_pipe_ends_the_answer_quietly(tiny_path):
+    """`ds4-mlx run ... | head -c 20`: once the reader is gone the answer stops, with no traceback, and the exit
+    status a shell gives a process ended by SIGPIPE."""
+    proc = subprocess.Popen([sys.executable, "-m", "ds4_mlx.cli", "run", "-m", str(tiny_path), "-p", "hi", "-n", "8",
+                             "--nothink", "--temp", "0", "--ctx", "256", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first token
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in err and "Error" not in err
 
 
 def test_ctrl_c_in_a_terminal_keeps_the_stats_line_and_resets_the_colour(tiny_path):
@@ -216,3 +284,20 @@ def test_example_notebook_runs(tmp_path, demo_model):
     assert demo_model.stat().st_mtime_ns == before  # the kernel used the session's demo model, not a new one
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not any(o.get("output_type") == "error" for o in outputs)
+
+
+def test_the_notebook_doc_runs_it_with_what_the_extras_install():
+    """docs/notebook.md's commands name a program the `test` extra installs beside this Python (nbclient's
+    `jupyter execute`; nbconvert is not installed), with flags it takes, on the notebook that exists."""
+    import re
+
+    text = (ROOT / "docs" / "notebook.md").read_text(encoding="utf-8")
+    commands = re.findall(r"^\.venv/bin/(jupyter execute[^#\n]*?)\s+#", text, re.M)
+    assert len(commands) == 2
+    jupyter = Path(sys.executable).parent / "jupyter"
+    usage = subprocess.run([str(jupyter), "execute", "--help"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0
+    for command in commands:
+        *flags, notebook = command.split()[2:]
+        assert (ROOT / notebook).is_file() and notebook.endswith(".ipynb")
+        assert all(f"\n{flag}\n" in usage.stdout for flag in flags)

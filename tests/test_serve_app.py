@@ -104,6 +104,7 @@ def test_models_answer_anthropic_clients_in_anthropics_shape(client):
         ("GET", "/v1/nothing", "openai"),
         ("GET", "/v1/chat/completions", "openai"),
         ("POST", "/v1/models", "openai"),
+        ("GET", "/v1/models/", "openai"),
         ("POST", "/v1/chat/completions/", "openai"),
         ("GET", "/v1/messages", "anthropic"),
         ("POST", "/v1/messages/batches", "anthropic"),

@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from ds4_mlx.chat import render_chat
+from ds4_mlx.chat import ThinkMode, render_chat
 from ds4_mlx.engine import Engine
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.weights import open_weights
@@ -310,3 +310,17 @@ def test_codex_responses_with_reasoning_items(http):
     resent = post(http, "/v1/responses", {**body, "stream": False}).json()
     assert resent["status"] == "incomplete"
     assert resent["usage"]["input_tokens_details"]["cached_tokens"] == resent["usage"]["input_tokens"]
+
+
+def test_claude_codes_own_switch_turns_thinking_off():
+    """Claude Code sends `thinking: {"type": "adaptive"}` while its thinking is on; CLAUDE_CODE_DISABLE_THINKING=1
+    leaves the field out (its effort stays). docs/server.md's rule for /v1/messages makes each do what it says."""
+    body = claude_code_body("The test in tests/test_utils.py fails. Fix it.")
+    on = anthropic.parse_messages(parse_body(encode(body)), ctx=CTX, default_model="x")
+    assert on.options.think is ThinkMode.HIGH
+    switched_off = {k: v for k, v in body.items() if k != "thinking"}
+    off = anthropic.parse_messages(parse_body(encode(switched_off)), ctx=CTX, default_model="x")
+    assert off.options.think is ThinkMode.NONE
+    disabled = {**body, "thinking": {"type": "disabled"}}  # MAX_THINKING_TOKENS=0
+    assert anthropic.parse_messages(parse_body(encode(disabled)), ctx=CTX, default_model="x").options.think \
+        is ThinkMode.NONE

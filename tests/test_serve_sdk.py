@@ -143,20 +143,27 @@ def test_openai_errors(oai):
 # anthropic
 
 
+THINK = {"type": "enabled", "budget_tokens": 1024}
+"""Anthropic's switch for thinking; without it a Messages request does not think (docs/server.md)."""
+
+
 def test_anthropic_plain_and_thinking(claude, live):
-    m = claude.messages.create(model=MODEL, max_tokens=1000, messages=USER)
+    m = claude.messages.create(model=MODEL, max_tokens=1000, messages=USER, thinking=THINK)
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking == "Thinking hard." and m.content[0].signature == m.id
     assert m.content[1].text == "Plain answer." and m.stop_reason == "end_turn" and m.id.startswith("msg_")
     m = claude.messages.create(model=MODEL, max_tokens=1000, messages=USER, thinking={"type": "disabled"})
     assert [b.type for b in m.content] == ["text"]
+    m = claude.messages.create(model=MODEL, max_tokens=1000, messages=USER)  # as Claude Code's switch sends it
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == "Plain answer."
     output_tokens = len(live.worker.engine.tokenizer.encode("Plain answer."))
     assert m.usage.output_tokens == output_tokens and m.usage.input_tokens == 0
     assert m.usage.cache_read_input_tokens + m.usage.cache_creation_input_tokens > 0
 
 
 def test_anthropic_streaming(claude):
-    with claude.messages.stream(model=MODEL, max_tokens=1000, messages=USER, system="Be brief.") as stream:
+    with claude.messages.stream(model=MODEL, max_tokens=1000, messages=USER, system="Be brief.",
+                                thinking=THINK) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == "Plain answer."
@@ -166,14 +173,15 @@ def test_anthropic_streaming(claude):
 
 
 def test_anthropic_tool_use(claude):
-    m = claude.messages.create(model=MODEL, max_tokens=1000, messages=USER, tools=ANTHROPIC_TOOLS)
+    m = claude.messages.create(model=MODEL, max_tokens=1000, messages=USER, tools=ANTHROPIC_TOOLS, thinking=THINK)
     assert m.stop_reason == "tool_use"
     assert [b.type for b in m.content] == ["thinking", "text", "tool_use", "tool_use"]
     calls = m.content[2:]
     assert [(c.name, c.input) for c in calls] == [("list_files", {"path": '/tmp & "x"', "depth": 2}),
                                                   ("read", {"name": "a.c"})]
     assert all(c.id.startswith("toolu_") for c in calls)
-    with claude.messages.stream(model=MODEL, max_tokens=1000, messages=USER, tools=ANTHROPIC_TOOLS) as stream:
+    with claude.messages.stream(model=MODEL, max_tokens=1000, messages=USER, tools=ANTHROPIC_TOOLS,
+                                thinking=THINK) as stream:
         final = stream.get_final_message()
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
         ("list_files", {"path": '/tmp & "x"', "depth": 2}), ("read", {"name": "a.c"})]

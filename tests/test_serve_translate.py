@@ -345,16 +345,23 @@ def test_anthropic_system_turns_inside_messages_render_in_place():
 @pytest.mark.parametrize(
     "fields, mode",
     [
-        ({}, ThinkMode.LOW),
+        ({}, ThinkMode.NONE),  # as in Anthropic's API: no `thinking`, no thinking
+        ({"thinking": None}, ThinkMode.NONE),
         ({"thinking": {"type": "disabled"}}, ThinkMode.NONE),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, ThinkMode.LOW),
+        ({"thinking": {"type": "adaptive"}}, ThinkMode.LOW),  # Claude Code, its thinking on
+        ({"thinking": {"type": "adaptive"}, "output_config": {"effort": "max"}}, ThinkMode.HIGH),  # ctx < 393216
+        ({"thinking": {"type": "adaptive"}, "output_config": {"effort": "none"}}, ThinkMode.NONE),
+        ({"output_config": {"effort": "high"}}, ThinkMode.NONE),  # CLAUDE_CODE_DISABLE_THINKING=1: an effort alone
+        ({"model": "deepseek-reasoner"}, ThinkMode.LOW),
+        ({"model": "deepseek-chat", "thinking": {"type": "adaptive"}}, ThinkMode.LOW),
         ({"model": "deepseek-chat"}, ThinkMode.NONE),
-        ({"output_config": {"effort": "max"}}, ThinkMode.HIGH),  # ctx 32768 < 393216
-        ({"output_config": {"effort": "none"}}, ThinkMode.NONE),
-        ({"reasoning_effort": "none", "output_config": {"effort": "high"}}, ThinkMode.NONE),
+        ({"reasoning_effort": "none", "output_config": {"effort": "high"}, "thinking": True}, ThinkMode.NONE),
     ],
 )
 def test_anthropic_thinking_control(fields, mode):
+    """The rule of docs/server.md for /v1/messages: `thinking` (enabled and adaptive on, disabled off), else the
+    model alias, else off; an effort sets the level only, and `none` turns thinking off."""
     assert messages({"messages": USER, **fields}).options.think is mode
 
 

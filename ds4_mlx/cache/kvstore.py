@@ -44,7 +44,7 @@ from typing import BinaryIO
 
 import mlx.core as mx
 
-from ..errors import CacheFileError, Ds4Error
+from ..errors import CacheFileError, Ds4Error, UsageError
 from .kvfiles import CrcReader, CrcWriter, check_directory, commit, create_temp, open_regular, remove_stale_temps
 from .kvidentity import FOOTER, Footer, ModelIdentity
 from ..model.cache import SessionCache, read_payload, write_payload
@@ -104,17 +104,17 @@ class KvCacheOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
         if self.space_mb <= 0:
-            raise Ds4Error(f"--kv-disk-space-mb must be > 0 (MiB of disk for the cache), got {self.space_mb}")
+            raise UsageError(f"--kv-disk-space-mb must be > 0 (MiB of disk for the cache), got {self.space_mb}")
         if self.min_tokens < 1:
-            raise Ds4Error(f"--kv-cache-min-tokens must be >= 1, got {self.min_tokens}")
+            raise UsageError(f"--kv-cache-min-tokens must be >= 1, got {self.min_tokens}")
         if self.cold_max_tokens != 0 and self.cold_max_tokens < self.min_tokens:
-            raise Ds4Error(f"--kv-cache-cold-max-tokens must be 0 (no cold saves) or >= --kv-cache-min-tokens "
-                           f"({self.min_tokens}), got {self.cold_max_tokens}")
+            raise UsageError(f"--kv-cache-cold-max-tokens must be 0 (no cold saves) or >= --kv-cache-min-tokens "
+                             f"({self.min_tokens}), got {self.cold_max_tokens}")
         for flag, value in (("--kv-cache-continued-interval-tokens", self.continued_interval_tokens),
                             ("--kv-cache-boundary-trim-tokens", self.boundary_trim_tokens),
                             ("--kv-cache-boundary-align-tokens", self.boundary_align_tokens)):
             if value < 0:
-                raise Ds4Error(f"{flag} must be >= 0 (0 disables it), got {value}")
+                raise UsageError(f"{flag} must be >= 0 (0 disables it), got {value}")
 
     @property
     def budget_bytes(self) -> int:

@@ -39,7 +39,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import Ds4Error, UsageError
-from .options import add_model_options, add_mtp_options, open_engine, select_backend
+from .options import (add_model_options, add_mtp_options, model_file, non_negative_int, open_engine,
+                      positive_int, select_backend)
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -84,20 +85,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic", choices=("q2", "q4", "mxfp4"),  # model/synthetic.py's SYNTHETIC_KINDS
                    help="the full published layout with q2, q4 or MXFP4 experts, built in memory (no file, no -m)")
     g.add_argument("--layers", type=int, metavar="N", help="with --synthetic: build only the first N layers (default all 43)")
-    g.add_argument("--ctx-start", type=int, default=2048, metavar="N", help="first frontier, tokens (default 2048)")
-    g.add_argument("--ctx-max", type=int, default=32768, metavar="N", help="last frontier, tokens (default 32768)")
+    g.add_argument("--ctx-start", type=positive_int, default=2048, metavar="N",
+                   help="first frontier, tokens (default 2048)")
+    g.add_argument("--ctx-max", type=positive_int, default=32768, metavar="N",
+                   help="last frontier, tokens (default 32768)")
     step = g.add_mutually_exclusive_group()
-    step.add_argument("--step-incr", type=int, metavar="N", help="frontiers every N tokens (default 2048)")
+    step.add_argument("--step-incr", type=positive_int, metavar="N", help="frontiers every N tokens (default 2048)")
     step.add_argument("--step-mul", type=float, metavar="F", help="each frontier F times the previous one")
-    g.add_argument("--gen-tokens", type=int, default=128, metavar="N",
+    g.add_argument("--gen-tokens", type=non_negative_int, default=128, metavar="N",
                    help="greedy tokens decoded at each frontier; 0 = prefill only (default 128)")
     g.add_argument("--prompt-file", type=Path, metavar="FILE",
                    help="text whose tokens are prefilled, repeated as needed (default: a built-in text)")
-    g.add_argument("--repeats", type=int, default=1, metavar="N",
+    g.add_argument("--repeats", type=positive_int, default=1, metavar="N",
                    help="walks to run; figures are the median, with min and max (default 1)")
-    g.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="tokens per prefill chunk (default the session's: 8192 on CUDA, ds4's 2048 elsewhere, or the "
-                        "whole context below that), to choose a GPU's chunk size by measurement")
+    g.add_argument("--prefill-chunk", type=positive_int, metavar="N",
+                   help="tokens per prefill chunk, to choose a GPU's chunk size by measurement (default the "
+                        "session's: 12288 on CUDA, 8192 there for a context past 65536, ds4's 2048 elsewhere, or the "
+                        "whole context when smaller; shortened where device memory is short, see --memory-limit)")
     g.add_argument("--read-back", action="store_true",
                    help="decode as sampled decoding does, reading each token back before the next step is built "
                         "(default: as greedy decoding does, each token chosen and fed on the device before it is "
@@ -139,25 +143,16 @@ class Walk:
 
 
 def plan(args: argparse.Namespace) -> Walk:
-    """Checks the measurement flags and lists the frontiers, before anything is loaded."""
-    if args.ctx_start < 1:
-        raise Ds4Error(f"--ctx-start must be >= 1, got {args.ctx_start}")
+    """Checks the measurement flags and lists the frontiers, before anything is loaded; a flag value the walk cannot
+    take is a usage error (exit 2), as argparse's own are."""
     if args.ctx_max < args.ctx_start:
-        raise Ds4Error(f"--ctx-max {args.ctx_max} is below --ctx-start {args.ctx_start}")
-    if args.step_incr is not None and args.step_incr < 1:
-        raise Ds4Error(f"--step-incr must be >= 1, got {args.step_incr}")
+        raise UsageError(f"--ctx-max {args.ctx_max} is below --ctx-start {args.ctx_start}")
     if args.step_mul is not None and not args.step_mul > 1:
-        raise Ds4Error(f"--step-mul must be > 1, got {args.step_mul}")
-    if args.gen_tokens < 0:
-        raise Ds4Error(f"--gen-tokens must be >= 0, got {args.gen_tokens}")
-    if args.repeats < 1:
-        raise Ds4Error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise Ds4Error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+        raise UsageError(f"--step-mul must be > 1, got {args.step_mul}")
     if args.layers is not None and args.synthetic is None:
-        raise Ds4Error("--layers needs --synthetic")
+        raise UsageError("--layers needs --synthetic")
     if args.synthetic is not None and args.demo:
-        raise Ds4Error("--synthetic and --demo both choose the model; give one")
+        raise UsageError("--synthetic and --demo both choose the model; give one")
     _check_mtp(args)
     frontiers = [args.ctx_start]
     while True:
@@ -171,8 +166,8 @@ def plan(args: argparse.Namespace) -> Walk:
                 args.read_back)
     if args.ctx is not None and args.ctx < walk.ctx:
         probe = f"--gen-tokens {args.gen_tokens}" if args.gen_tokens >= mtp_draft else f"--mtp-draft {mtp_draft}"
-        raise Ds4Error(f"--ctx {args.ctx} is too small for the walk: the last frontier {frontiers[-1]} + "
-                       f"{probe} need {walk.ctx}")
+        raise UsageError(f"--ctx {args.ctx} is too small for the walk: the last frontier {frontiers[-1]} + "
+                         f"{probe} need {walk.ctx}")
     return walk
 
 
@@ -504,7 +499,7 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
         else:
             args.ctx = walk.ctx
             engine = open_engine(args, speculate_anyway=True)  # its --mtp figures are measured everywhere
-            label = "demo" if args.demo else args.model.name
+            label = "demo" if args.demo else model_file(args).name
             session, tokenizer, file_bytes = engine.session, engine.tokenizer, engine.model.load_stats.file_bytes
             phases = engine.load_phases
         seconds = time.perf_counter() - t0

@@ -311,7 +311,7 @@ class Chat:
         except OSError as e:
             self.error(f"cannot write {path}: {e.strerror or e}")
             return
-        self.out.print(f"Saved {self._turn_count()} turns to {path}.")
+        self.out.print(f"Saved {self._turns()} to {path}.")
 
     def _load(self, arg: str) -> None:
         """/load FILE: a conversation kept with /save replaces the current one, with its system text and think
@@ -326,13 +326,19 @@ class Chat:
         except OSError as e:
             self.error(f"cannot read {path}: {e.strerror or e}")
             return
-        except ValueError as e:  # bad JSON (json.JSONDecodeError), bad UTF-8, or not /save's format
+        except UnicodeDecodeError as e:  # a binary file: the codec's own message names no file and no remedy
+            self.error(f"cannot load {path}: not a conversation saved by /save (not UTF-8 text: byte {e.start} is "
+                       f"{e.object[e.start]:#04x})")
+            return
+        except ValueError as e:  # bad JSON (json.JSONDecodeError), or not /save's format
             self.error(f"cannot load {path}: {e}")
             return
-        self.out.print(f"Loaded {self._turn_count()} turns from {path} (thinking mode: {self.think.value}).")
+        self.out.print(f"Loaded {self._turns()} from {path} (thinking mode: {self.think.value}).")
 
-    def _turn_count(self) -> int:
-        return self.transcript.turns.count(self.engine.tokenizer.user_id)
+    def _turns(self) -> str:
+        """How many user turns the conversation holds, in words: "1 turn", "3 turns"."""
+        n = self.transcript.turns.count(self.engine.tokenizer.user_id)
+        return f"{n} turn" if n == 1 else f"{n} turns"
 
     def _set_context(self, arg: str) -> None:
         """/ctx N: a new empty session of N tokens; the transcript stays, so the next turn prefills all of it."""
@@ -496,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
         engine,
         system=args.system,
         think=think_mode_from_args(args),
-        max_tokens=token_limit(args, DEFAULT_MAX_TOKENS),
+        max_tokens=token_limit(args, DEFAULT_MAX_TOKENS, engine),
         sampling=sampling,
         out=Console(soft_wrap=True, markup=False, highlight=False, emoji=False),
         err=Console(stderr=True, soft_wrap=True, markup=False, highlight=False, emoji=False),

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import UsageError
 from ..model.checkpoint import detect as detect_checkpoint
 from ..model.config import ModelConfig, memory_estimate
 from ..model.weights import ModelWeights, MTPWeights, open_mtp_weights, open_weights
-from .options import context_size
+from .options import DEFAULT_MODEL, context_size
 
 FORMS = {
     "affine": "Q8_0/Q4_K in MLX's quantized form: the file's {stored} + a float32 scale and bias per 32 values",
@@ -26,7 +27,9 @@ FORMS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", type=Path, help="DeepSeek V4 Flash GGUF file")
+    p.add_argument("file", type=Path, nargs="?", help=f"DeepSeek V4 Flash GGUF file (default ./{DEFAULT_MODEL})")
+    p.add_argument("-m", "--model", type=Path, metavar="FILE",
+                   help="the GGUF file, given as the other commands take it (instead of the positional FILE)")
     p.add_argument("-c", "--ctx", type=context_size, default=32768,
                    help="context size for the memory estimate (default 32768)")
     p.add_argument("--mtp", type=Path, help="MTP GGUF file to validate and count in")
@@ -115,8 +118,15 @@ def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> 
     return "\n".join(lines)
 
 
+def model_path(args: argparse.Namespace) -> Path:
+    """The file to describe: the positional one or -m's (both only when they agree), else ./ds4flash.gguf."""
+    if args.file is not None and args.model is not None and args.file != args.model:
+        raise UsageError(f"two files given, {args.file} and -m {args.model}: give one")
+    return args.file or args.model or Path(DEFAULT_MODEL)
+
+
 def run(args: argparse.Namespace) -> int:
-    with open_weights(args.file) as weights:
+    with open_weights(model_path(args)) as weights:
         mtp = open_mtp_weights(args.mtp, weights.config) if args.mtp else None
         try:
             print(describe(weights, args.ctx, mtp))

@@ -13,14 +13,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import Ds4Error, RequestError, UsageError
+from ..errors import Ds4Error, ModelFileMissing, RequestError, UsageError
 from ..model.config import FLASH
 
 DEFAULT_MODEL = "ds4flash.gguf"
 MAX_CONTEXT: int = FLASH.context_length
 """DeepSeek V4 Flash's trained context, 1,048,576 tokens: the largest --ctx accepted."""
 DEMO_MAX_TOKENS = 256
-"""Default answer length with --demo: its random model never writes an end token."""
+"""Default answer length with --demo or any random-weight file (make-model's): such a model never writes its end
+token, so without a limit an answer (or a client waiting for it) would run for the whole default."""
 
 
 def bounded_int(lo: int, hi: int | None = None, what: str = "an integer") -> Callable[[str], int]:
@@ -48,7 +49,7 @@ port_number = bounded_int(1, 65535, "a port number")
 
 def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 32768) -> None:
     """The model flags; `default_ctx` None leaves the context to the command (bench derives it)."""
-    p.add_argument("-m", "--model", type=Path, default=Path(DEFAULT_MODEL), help="GGUF file (default ./ds4flash.gguf)")
+    p.add_argument("-m", "--model", type=Path, help=f"GGUF file (default ./{DEFAULT_MODEL})")
     p.add_argument(
         "--demo",
         action="store_true",
@@ -100,20 +101,23 @@ def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-disk-dir", type=Path, metavar="DIR",
                    help="keep session checkpoints in DIR (created 0700) and reuse them across conversations and "
                         "restarts (default: off)")
-    g.add_argument("--kv-disk-space-mb", type=int, default=defaults.space_mb, metavar="N",
+    g.add_argument("--kv-disk-space-mb", type=positive_int, default=defaults.space_mb, metavar="N",
                    help=f"disk budget in MiB; the least useful checkpoints are evicted beyond it (default "
                         f"{defaults.space_mb})")
-    g.add_argument("--kv-cache-min-tokens", type=int, default=defaults.min_tokens, metavar="N",
+    g.add_argument("--kv-cache-min-tokens", type=positive_int, default=defaults.min_tokens, metavar="N",
                    help=f"never save or load checkpoints shorter than N tokens (default {defaults.min_tokens})")
-    g.add_argument("--kv-cache-cold-max-tokens", type=int, default=defaults.cold_max_tokens, metavar="N",
+    g.add_argument("--kv-cache-cold-max-tokens", type=non_negative_int, default=defaults.cold_max_tokens, metavar="N",
                    help="checkpoint first prompts of up to N tokens; loaded checkpoints longer than N are consumed "
                         f"(deleted); 0 = no cold checkpoints (default {defaults.cold_max_tokens})")
-    g.add_argument("--kv-cache-continued-interval-tokens", type=int, default=defaults.continued_interval_tokens,
-                   metavar="N", help="checkpoint a growing session every N tokens, rounded up to the alignment; "
-                                     f"0 = off (default {defaults.continued_interval_tokens})")
-    g.add_argument("--kv-cache-boundary-trim-tokens", type=int, default=defaults.boundary_trim_tokens, metavar="N",
+    g.add_argument("--kv-cache-continued-interval-tokens", type=non_negative_int,
+                   default=defaults.continued_interval_tokens, metavar="N",
+                   help="checkpoint a growing session every N tokens, rounded up to the alignment; "
+                        f"0 = off (default {defaults.continued_interval_tokens})")
+    g.add_argument("--kv-cache-boundary-trim-tokens", type=non_negative_int, default=defaults.boundary_trim_tokens,
+                   metavar="N",
                    help=f"tokens left off the end of a cold checkpoint (default {defaults.boundary_trim_tokens})")
-    g.add_argument("--kv-cache-boundary-align-tokens", type=int, default=defaults.boundary_align_tokens, metavar="N",
+    g.add_argument("--kv-cache-boundary-align-tokens", type=non_negative_int, default=defaults.boundary_align_tokens,
+                   metavar="N",
                    help=f"align cold and continued checkpoints to N tokens; 0 = off (default "
                         f"{defaults.boundary_align_tokens})")
     g.add_argument("--kv-cache-reject-different-quant", action="store_true",
@@ -138,16 +142,30 @@ def byte_size(text: str) -> int:
 
 
 def add_token_limit(p: argparse.ArgumentParser, default: int, what: str = "most tokens to generate") -> None:
-    """-n/--tokens; left unset it becomes `default`, or DEMO_MAX_TOKENS with --demo (see `token_limit`)."""
+    """-n/--tokens; left unset it becomes `default`, or DEMO_MAX_TOKENS for a random-weight model (`token_limit`)."""
     p.add_argument("-n", "--tokens", type=positive_int, metavar="N",
-                   help=f"{what} (default {default}; {DEMO_MAX_TOKENS} with --demo, whose model never stops)")
+                   help=f"{what} (default {default}; {DEMO_MAX_TOKENS} with --demo or another random-weight file "
+                        "from make-model, whose model never stops)")
 
 
-def token_limit(args: argparse.Namespace, default: int) -> int:
-    """The -n the user gave, else the command's default (DEMO_MAX_TOKENS with --demo)."""
+def token_limit(args: argparse.Namespace, default: int, engine=None) -> int:
+    """The -n the user gave, else the command's default; DEMO_MAX_TOKENS with --demo or when the loaded `engine`
+    has random weights (`open_engine` says so when it loads one)."""
     if args.tokens is not None:
         return args.tokens
-    return DEMO_MAX_TOKENS if args.demo else default
+    return DEMO_MAX_TOKENS if args.demo or (engine is not None and engine.random_weights) else default
+
+
+def model_file(args: argparse.Namespace) -> Path:
+    """-m's file, else ./ds4flash.gguf (--demo's model is chosen by `open_engine`)."""
+    return args.model if args.model is not None else Path(DEFAULT_MODEL)
+
+
+def unused_model_note(args: argparse.Namespace) -> str | None:
+    """The warning for -m given beside --demo, which loads its own model; None when there is none to give."""
+    if getattr(args, "demo", False) and getattr(args, "model", None) is not None:
+        return f"--demo loads the built-in demo model: -m {args.model} is unused"
+    return None
 
 
 def _mtp_draft(text: str) -> int:
@@ -266,7 +284,7 @@ def warn_ignored_options(args: argparse.Namespace) -> None:
     """Names the options that were given but have no effect as set (one warning line each, on stderr)."""
     from ..chat import THINK_MAX_MIN_CONTEXT
 
-    notes = []
+    notes = [note] if (note := unused_model_note(args)) is not None else []
     if getattr(args, "raw", False) and (args.system is not None or args.think is not None):
         notes.append("--raw sends the prompt as written: --system and the thinking flags are unused")
     if getattr(args, "think", None) == "max" and not getattr(args, "raw", False) and args.ctx < THINK_MAX_MIN_CONTEXT:
@@ -282,16 +300,19 @@ def warn_ignored_options(args: argparse.Namespace) -> None:
 
 
 def open_engine(args: argparse.Namespace, **opts):
-    """Loads the engine from --model, or the demo model with --demo (saying in one line what the demo is)."""
+    """Loads the engine from --model, or the demo model with --demo (saying in one line what the demo is). With
+    random weights and no -n, says that answers stop at DEMO_MAX_TOKENS (`token_limit`)."""
     from ..engine import Engine, ensure_demo_model
 
     if getattr(args, "mtp_draft", 1) > 1 and args.mtp is None:
         raise UsageError(f"--mtp-draft {args.mtp_draft} needs an MTP draft file: --mtp FILE")
+    if getattr(args, "mtp", None) is not None and not args.mtp.exists():
+        raise ModelFileMissing.mtp_at(args.mtp)  # before any warning that the file would be unused
     select_backend(args)
     if getattr(args, "kv_disk_dir", None) is not None:
         opts.setdefault("kv_cache", kv_cache_options(args))
     warn_ignored_options(args)
-    path = args.model
+    path = model_file(args)
     if args.demo:
         print(
             "ds4-mlx: --demo uses a tiny random-weight model with the real tokenizer: its text is meaningless",
@@ -306,7 +327,12 @@ def open_engine(args: argparse.Namespace, **opts):
         opts.setdefault("checkpoint", Checkpoint(args.checkpoint))
     if getattr(args, "mtp", None) is not None:
         opts.update(mtp=args.mtp, mtp_draft=args.mtp_draft, mtp_margin=args.mtp_margin)
-    return Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet, **opts)
+    engine = Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet, **opts)
+    if engine.random_weights and getattr(args, "tokens", 0) is None:
+        print(f"ds4-mlx: the model has random weights and never stops by itself: answers end after "
+              f"{DEMO_MAX_TOKENS} tokens unless a limit is given (-n N; in the server, a request's max_tokens)",
+              file=sys.stderr)
+    return engine
 
 
 def encode_cli_prompt(tokenizer, pieces) -> list[int]:

@@ -31,7 +31,7 @@ from .options import (
     writable_file,
 )
 from .terminal import AnswerPrinter, stop_on_interrupt
-from .tokens import prompt_from_args
+from .tokens import prompt_from_args, prompt_source
 
 DEFAULT_MAX_TOKENS = 50000
 DEFAULT_TOP_K = 20
@@ -80,12 +80,15 @@ def run(args: argparse.Namespace) -> int:
     prompt = prompt_from_args(args)
     if prompt is None:
         raise UsageError("give a prompt with -p TEXT or --prompt-file FILE (- reads standard input)")
+    if not prompt.strip():
+        raise UsageError(f"the prompt from {prompt_source(args)} is empty: there is nothing to answer")
     engine = open_engine(args)
     tokens = encode_cli_prompt(engine.tokenizer, _prompt_pieces(args, prompt, engine.ctx, engine.checkpoint))
     if args.dump_logprobs is not None:
         return _dump_logprobs(engine, tokens, args)
 
-    req = GenerationRequest(prompt=tokens, max_tokens=token_limit(args, DEFAULT_MAX_TOKENS), sampling=sampling)
+    req = GenerationRequest(prompt=tokens, max_tokens=token_limit(args, DEFAULT_MAX_TOKENS, engine),
+                            sampling=sampling)
     colour = "NO_COLOR" not in os.environ
     terminal = sys.stdout.isatty()
     answer = AnswerPrinter(sys.stdout, grey=terminal and colour)
@@ -143,7 +146,7 @@ def _dump_logprobs(engine, tokens: list[int], args: argparse.Namespace) -> int:
     session.reset()
     logits = session.prefill(tokens)
     steps = []
-    for step in range(min(token_limit(args, DEFAULT_MAX_TOKENS), session.room)):
+    for step in range(min(token_limit(args, DEFAULT_MAX_TOKENS, engine), session.room)):
         top = top_logprobs(logits, k)
         chosen = top[0][0]
         steps.append(

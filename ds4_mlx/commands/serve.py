@@ -13,14 +13,18 @@ from .options import (
     add_kv_cache_arguments,
     add_model_options,
     add_mtp_options,
+    add_token_limit,
     non_negative_int,
     port_number,
     positive_int,
+    token_limit,
 )
 
 if TYPE_CHECKING:
     from ..engine import Engine
 
+DEFAULT_MAX_TOKENS = 393216
+"""The answer limit of a request that sets none (ds4's), DEMO_MAX_TOKENS for a random-weight model."""
 DEFAULT_MAX_QUEUE = 64
 WRITE_TIMEOUT_SECONDS = 30
 """--write-timeout's default (serve/guard.py's, kept here so that `--help` does not import the server)."""
@@ -34,8 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also serve requests whose Host header is NAME (repeatable; '*' = any). By default only "
                         "localhost, loopback addresses and the --host address are served, so that web pages cannot "
                         "reach the server through DNS rebinding")
-    p.add_argument("-n", "--tokens", type=positive_int, default=393216,
-                   help="most tokens to generate when a request sets no limit (default 393216)")
+    add_token_limit(p, DEFAULT_MAX_TOKENS, "most tokens to generate when a request sets no limit")
     p.add_argument("--cors", action="store_true", help="allow browser clients from any origin (CORS headers)")
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                    help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
@@ -54,11 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_listen(host: str, port: int) -> None:
     """Stops before the model loads (minutes for the real one) when the address cannot be listened on: a port in
-    use, an address that is not this machine's."""
+    use, an address that is not this machine's, a name that does not resolve."""
     from ..errors import Ds4Error
 
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:  # its errno is the resolver's (EAI_*), which os.strerror does not know
+        raise Ds4Error(f"cannot listen on {host}:{port}: the host {host!r} cannot be resolved to an address "
+                       f"({e.strerror}); give an IP address or a name of this machine, e.g. 127.0.0.1") from None
+    try:
         with socket.create_server((host, port), family=family):
             pass
     except OSError as e:
@@ -69,14 +76,13 @@ def check_listen(host: str, port: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..serve.app import HttpServer, ServerOptions, create_app
     from ..serve.worker import Worker
-    from .options import kv_cache_options, open_engine
+    from .options import kv_cache_options
 
     kv_cache = kv_cache_options(args)  # validated before the model loads
     check_listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S%z", stream=sys.stderr)  # ISO 8601
-    worker = Worker(lambda: warmed(open_engine(args, default_max_tokens=args.tokens, kv_cache=kv_cache)),
-                    args.max_queue)
+    worker = Worker(lambda: warmed(serving_engine(args, kv_cache)), args.max_queue)
     engine = worker.start()
     warn_if_exposed(args.host, args.api_key)
     app = create_app(worker, ServerOptions(cors=args.cors, api_key=args.api_key or None, trace=args.trace,
@@ -86,6 +92,16 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("ds4_mlx.serve").info("model %s loaded, ctx %d", engine.model_name, engine.ctx)
     server.run()
     return 0
+
+
+def serving_engine(args: argparse.Namespace, kv_cache: object) -> Engine:
+    """The engine of the flags, whose answer limit for a request that sets none is -n, else DEFAULT_MAX_TOKENS,
+    else DEMO_MAX_TOKENS for a random-weight model (options.token_limit: the rule `run` and `chat` follow)."""
+    from .options import open_engine
+
+    engine = open_engine(args, kv_cache=kv_cache)
+    engine.default_max_tokens = token_limit(args, DEFAULT_MAX_TOKENS, engine)
+    return engine
 
 
 def warmed(engine: Engine) -> Engine:

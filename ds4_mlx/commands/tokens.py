@@ -13,14 +13,14 @@ from pathlib import Path
 from ..errors import RequestError
 from ..model.gguf import GGUFFile
 from ..tokenizer import Tokenizer
-from .options import DEFAULT_MODEL
+from .options import DEFAULT_MODEL, model_file, unused_model_note
 
 STDIN = Path("-")
 """`-p -` and `--prompt-file -`: the prompt comes from standard input."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", type=Path, default=Path(DEFAULT_MODEL), help="GGUF file (default ./ds4flash.gguf)")
+    p.add_argument("-m", "--model", type=Path, help=f"GGUF file (default ./{DEFAULT_MODEL})")
     p.add_argument("--demo", action="store_true", help="use the built-in tiny demo model's vocabulary (the real one)")
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("-p", "--prompt", help="text to tokenize; - reads it from standard input")
@@ -50,6 +50,13 @@ def prompt_from_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def prompt_source(args: argparse.Namespace) -> str:
+    """Where `prompt_from_args` read the prompt, in the words of the flags: -p, standard input, or the file."""
+    if args.prompt is not None:
+        return "standard input" if args.prompt == "-" else "-p"
+    return "standard input" if args.prompt_file == STDIN else f"--prompt-file {args.prompt_file}"
+
+
 def format_tokens(tokenizer: Tokenizer, ids: list[int]) -> str:
     """The id list on one line, then one line per token: the id right-aligned in 6 columns, two spaces, the raw
     vocab string."""
@@ -60,7 +67,9 @@ def format_tokens(tokenizer: Tokenizer, ids: list[int]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     text = prompt_from_args(args)
-    path = args.model
+    if (note := unused_model_note(args)) is not None:
+        print(f"ds4-mlx: warning: {note}", file=sys.stderr)
+    path = model_file(args)
     if args.demo:
         from ..engine import ensure_demo_model  # built on first use: only --demo pays for importing MLX
 

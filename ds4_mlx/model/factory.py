@@ -45,6 +45,9 @@ VOCAB_KINDS = ("small", "real")
 DATA_MODES = ("random", "repeated", "sparse")
 ALIGNMENT = 32
 ARCH = "deepseek4"
+RANDOM_WEIGHTS = "random weights"
+"""In the general.name of every file written here: what tells a random-weight file (which never writes its end
+token) from a real checkpoint."""
 
 Progress = Callable[[int, int], None]
 """Called with (bytes written, bytes in the file) as a file is written."""
@@ -615,7 +618,7 @@ def write_model(path: str | os.PathLike[str], preset: str = "tiny", experts: str
     vocab_kind = PRESET_VOCAB[preset] if vocab is None else vocab
     words = build_vocab(vocab_kind)
     config = replace(config, n_vocab=len(words.tokens))
-    name = "DeepSeek V4 Flash" + ("" if preset == "flash" else f" {preset}") + f" (random weights, seed {seed})"
+    name = "DeepSeek V4 Flash" + ("" if preset == "flash" else f" {preset}") + f" ({RANDOM_WEIGHTS}, seed {seed})"
     return _write_file(path, model_metadata(config, words, name), model_tensors(config, experts), seed, data, progress,
                        jobs)
 
@@ -632,7 +635,8 @@ def write_mtp_model(path: str | os.PathLike[str], main_preset: str = "tiny", exp
     _check_choice("data", data, DATA_MODES)
     if seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed}")
-    name = f"DeepSeek V4 Flash MTP{'' if main_preset == 'flash' else ' ' + main_preset} (random weights, seed {seed})"
+    preset = "" if main_preset == "flash" else f" {main_preset}"
+    name = f"DeepSeek V4 Flash MTP{preset} ({RANDOM_WEIGHTS}, seed {seed})"
     metadata = [("general.architecture", V.STRING, ARCH, None), ("general.name", V.STRING, name, None)]
     return _write_file(path, metadata, mtp_tensors(config, experts), seed, data, progress)
 

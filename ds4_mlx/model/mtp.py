@@ -42,7 +42,7 @@ from .weights import MTP_PREFIX, MTPWeights, open_mtp_weights
 def open_mtp(path: str | os.PathLike[str], config: ModelConfig) -> MTPWeights:
     """Open an MTP file and validate its layout (ds4.c) against the main model's dimensions."""
     if not os.path.exists(path):
-        raise ModelFileMissing(f"no MTP file at {path}: download it with ./download_model.sh mtp")
+        raise ModelFileMissing.mtp_at(path)
     return open_mtp_weights(path, config)
 
 

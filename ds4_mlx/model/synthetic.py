@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import Ds4Error
+from ..errors import Ds4Error, UsageError
 from . import factory
 from .config import FLASH, ModelConfig
 from .factory import TensorSpec, model_tensors, routed_expert_types, tensor_data
@@ -35,7 +35,7 @@ _LAYER = re.compile(r"^blk\.\d+\.")
 def flash_config(layers: int = FLASH.n_layer) -> ModelConfig:
     """The published hyperparameters, cut to the first `layers` layers (their compression schedule kept)."""
     if not 1 <= layers <= FLASH.n_layer:
-        raise Ds4Error(f"--layers must be between 1 and {FLASH.n_layer}, got {layers}")
+        raise UsageError(f"--layers must be between 1 and {FLASH.n_layer}, got {layers}")
     config = replace(
         FLASH,
         n_layer=layers,

@@ -228,6 +228,9 @@ def open_mtp_weights(path: str | os.PathLike[str], main_config: ModelConfig) -> 
     as in ds4)."""
     file = GGUFFile.open(path)
     try:
+        if not any(name.startswith("mtp.") for name in file.tensors):
+            raise LayoutError(f"{path} is not an MTP file: it has no mtp.* tensors (the main model file given as "
+                              f"--mtp?); the draft file comes from ./download_model.sh mtp")
         _check_layout(file, mtp_layout(main_config), prefix="mtp.")
         expert_types = [_expert_types(file, MTP_PREFIX)]
     except BaseException:

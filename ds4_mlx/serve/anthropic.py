@@ -171,7 +171,11 @@ def parse_messages(body: Body, *, ctx: int, default_model: str) -> ChatRequest:
     effort = f.raw("reasoning_effort")
     if effort is None and output_config is not None:
         effort = output_config.raw("effort")
-    think = think_mode(model, ctx, effort=effort, thinking=thinking_flag(f.raw("thinking"), "thinking"))
+    # As in Anthropic's API, a request without `thinking` does not think (unless its model is the deepseek-reasoner
+    # alias): Claude Code sends {"type": "adaptive"} while its thinking is on and omits the field when it is off
+    # (CLAUDE_CODE_DISABLE_THINKING=1), so its switch works here too.
+    think = think_mode(model, ctx, effort=effort, thinking=thinking_flag(f.raw("thinking"), "thinking"),
+                       unasked=False)
     tool_choice = f.object("tool_choice", nullable=True)
     enabled = tool_choice is None or tool_choice.raw("type") != "none"
     tools = active_tools(f, body.tool_texts, enabled=enabled)

@@ -432,6 +432,8 @@ class Server:
 
     async def model(self, request: Request, rid: str) -> Response:
         model_id = request.path_params["model_id"]
+        if not model_id:  # `/v1/models/`: a trailing slash is an unknown endpoint, as everywhere else
+            return await self.not_found(request, HTTPException(404))
         if model_id not in self._model_ids():
             raise ApiError(f"model {model_id!r} not found; this server serves {', '.join(self._model_ids())}", 404)
         if _anthropic_client(request):

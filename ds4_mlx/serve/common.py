@@ -200,19 +200,22 @@ def message_list(fields: Fields) -> list[Any]:
 
 
 def thinking_flag(value: Any, path: str) -> bool | None:
-    """An explicit `thinking` control: a boolean, or an object whose `type` is enabled/disabled; None otherwise
-    (absent, null, or another type such as "adaptive", which ds4 ignores)."""
+    """An explicit `thinking` control: a boolean, or an object whose `type` is enabled or adaptive (Anthropic's
+    "think as much as the question needs", which Claude Code sends whenever its thinking is on) or disabled; None
+    otherwise (absent, null, or an unknown type)."""
     if value is None or isinstance(value, bool):
         return value
     kind = Fields(value, path).string("type", nullable=True)
-    return {"enabled": True, "disabled": False}.get(kind or "")
+    return {"enabled": True, "adaptive": True, "disabled": False}.get(kind or "")
 
 
-def think_mode(model: str, ctx: int, *, effort: Any, thinking: bool | None) -> ThinkMode:
-    """The think mode of a request: explicit controls first, then the model alias (ds4_server.c)."""
+def think_mode(model: str, ctx: int, *, effort: Any, thinking: bool | None, unasked: bool = True) -> ThinkMode:
+    """The think mode of a request: explicit controls first, then the model alias, then `unasked`, the API's
+    default (chat.request_think_mode)."""
     if effort is not None and not isinstance(effort, str):
         raise ApiError(f"invalid request: the reasoning effort must be a string or null, got {_kind_of(effort)}")
-    return request_think_mode(model=model, thinking=thinking, effort=think_mode_from_effort(effort), ctx=ctx)
+    return request_think_mode(model=model, thinking=thinking, effort=think_mode_from_effort(effort), ctx=ctx,
+                              unasked=unasked)
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty")
