@@ -99,7 +99,7 @@ def test_honours_general_alignment(tmp_path, alignment):
 def test_tensor_info_and_block_table():
     assert {t: BLOCK_SIZES[t] for t in GGMLType} == {
         GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.Q8_0: (32, 34), GGMLType.Q2_K: (256, 84),
-        GGMLType.Q4_K: (256, 144), GGMLType.IQ2_XXS: (256, 66), GGMLType.I32: (1, 4)}
+        GGMLType.Q4_K: (256, 144), GGMLType.IQ2_XXS: (256, 66), GGMLType.I32: (1, 4), GGMLType.MXFP4: (32, 17)}
     info = TensorInfo("blk.0.ffn_gate_exps.weight", (4096, 2048, 256), GGMLType.IQ2_XXS, 0, 0)
     assert info.type_name == "IQ2_XXS" and info.row_bytes == 1056 and info.n_elements == 4096 * 2048 * 256
 
