@@ -107,7 +107,8 @@ def test_mxfp4_scales_and_nibble_order() -> None:
         block[0, 1:17] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
         got = np.array(dequantize(mx.array(block.reshape(-1)), T.MXFP4, (1, 32)))[0]
         scale = np.float32(2.0) ** (e - 127) if e else np.uint32(0x00400000).view(np.float32)
-        np.testing.assert_array_equal(got, np.concatenate([codes, codes[::-1]]) * scale)
+        with np.errstate(over="ignore"):  # at e = 254, 6 x 2^127 is past float32: infinity, as the kernel gives
+            np.testing.assert_array_equal(got, np.concatenate([codes, codes[::-1]]) * scale)
     block = np.full((1, 17), 0xF6, np.uint8)
     block[0, 0] = 127
     assert np.array(dequantize(mx.array(block.reshape(-1)), T.MXFP4, (1, 32))).sum() == -32
