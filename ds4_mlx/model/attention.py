@@ -34,6 +34,7 @@ their own there: the projections take the raw input and the norm, and fold it in
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -100,8 +101,12 @@ class Indexer:
         """The decode step's choice: the rows' indices (T, top_k) ascending and which of them are real, for queries
         at array `positions` over the whole row buffer (two kernels on GPU backends, see INDEXER_PICK: the first
         also finishes the queries). `norm` as in `queries`."""
-        return INDEXER_PICK(self.q_b(q_latent, norm=norm), proj, rows, positions, self.rope, self.quant,
-                            self.compressor.ratio, self.top_k, self.weight_scale)
+        return self.pick_raw(self.q_b(q_latent, norm=norm), proj, positions, rows)
+
+    def pick_raw(self, q: mx.array, proj: mx.array, positions: mx.array, rows: mx.array) -> tuple[mx.array, mx.array]:
+        """`pick` from q_b's output q (T, n_head * head_dim), computed already (a step's rows share its launch)."""
+        return INDEXER_PICK(q, proj, rows, positions, self.rope, self.quant, self.compressor.ratio, self.top_k,
+                            self.weight_scale)
 
 
 def finish_queries(q: mx.array, positions: mx.array, rope: RoPE, quant: RowQuant) -> mx.array:
@@ -235,10 +240,41 @@ class Attention:
         `completes`: whether this token ends a compression window, whose row (and indexer row) is then written
         to the row buffers. Before that the row is masked by position, so a step that does not complete one
         leaves the buffers as they are (no write: fewer launches); True is right for any step."""
-        # the input_projections of rms_norm(x, *norm), one launch per storage form
-        q_a, kv, *compressing = self.project(x, norm=norm)
+        out, (state,) = self.step_rows(x, position, (state,), norm, (1,), completes)
+        return out, state
+
+    def step_rows(self, x: mx.array, positions: mx.array, states: Sequence[LayerState], norm: Norm,
+                  groups: Sequence[int], completes: bool = True) -> tuple[mx.array, list[LayerState]]:
+        """`step` over B rows: inputs x (B, n_embd) at array `positions` (B,), the first groups[0] rows a token each
+        of the session whose state is states[0], the next groups[1] rows of states[1]'s, and so on; a session's
+        rows are consecutive tokens, each attending to the rows before it. The projections read all rows at once
+        (one product per weight); the raw window, the compressors and the indexer step per row against the row's
+        own session. Returns the output (B, n_embd) and each row's state, the state its session has once that row
+        is fed; a session's rows share its last row's row buffers (an earlier row's state is its session's after
+        that row: rows written later lie past its live rows)."""
+        q_a, kv, *compressing = self.project(x, norm=norm)  # the input_projections, one launch per storage form
         q_norm = (self.q_a_norm, self.eps)  # the query latents' norm, applied by q_b and the indexer's q_b
         q = self.q_b(q_a, norm=q_norm)  # normed per head and rotated by DECODE_ATTENTION
+        index_q = self.indexer.q_b(q_a, norm=q_norm) if self.indexer is not None else None
+        per_row = [q, kv, positions, *compressing, *((index_q,) if index_q is not None else ())]
+        many = x.shape[0] > 1
+        heads, rows, at = [], [], 0
+        for state, n in zip(states, groups):
+            first = len(rows)
+            for row in range(at, at + n):
+                q_r, kv_r, position, *rest = ([a[row : row + 1] for a in per_row] if many else per_row)
+                out, state = self._step_row(q_r, kv_r, position, state, rest, completes)
+                heads.append(out)
+                rows.append(state)
+            at += n
+            last = rows[-1]  # the session's rows share its last row's buffers
+            rows[first:-1] = [replace(s, comp=last.comp, index=last.index) for s in rows[first:-1]]
+        return self._project_out(mx.concatenate(heads) if many else heads[0]), rows
+
+    def _step_row(self, q: mx.array, kv: mx.array, position: mx.array, state: LayerState,
+                  compressing: list[mx.array], completes: bool) -> tuple[mx.array, LayerState]:
+        """One row of `step_rows`: its query heads (1, n_head, head_dim) and the state after it, from its products
+        q (1, H * D), kv and (compressed layers) the compressors' kv and gate, the indexer's proj and q_b output."""
         raw = self._finish_kv(kv, position, window=state.raw)  # row j holds position - window + 1 + j
         state = replace(state, raw=raw)
         picked = valid = None
@@ -247,7 +283,7 @@ class Attention:
             if self.indexer is None:
                 row, frontier = self.compressor.step(comp_kv, comp_gate, position, state.comp_frontier)
             else:  # both compressors' steps in one launch
-                index_kv, index_gate, index_proj = indexing
+                index_kv, index_gate, index_proj, index_q = indexing
                 (row, frontier), (index_row, index_frontier) = self.compressor.step_with(
                     self.indexer.compressor, comp_kv, comp_gate, state.comp_frontier, index_kv, index_gate,
                     state.index_frontier, position)
@@ -256,10 +292,10 @@ class Attention:
             if self.indexer is not None:
                 index = write_row(state.index, index_row, position, self.ratio) if completes else state.index
                 state = replace(state, index=index, index_frontier=index_frontier)
-                picked, valid = self.indexer.pick(q_a, index_proj, position, index, norm=q_norm)
+                picked, valid = self.indexer.pick_raw(index_q, index_proj, position, index)
         out = DECODE_ATTENTION(q, position, self.rope.inv_freq, raw, state.comp, picked, valid, self.sinks,
                                self.ratio, self.eps)
-        return self._project_out(out), state
+        return out, state
 
     def _compress(
         self, x: mx.array, n_past: int, state: LayerState

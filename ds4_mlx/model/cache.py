@@ -131,6 +131,13 @@ class SessionCache:
                        for state, (raw, comp_frontier, index_frontier) in zip(self.layers, point.kept)]
         self.n_tokens = point.n_tokens
 
+    def advance(self, layers: Sequence[LayerState], n_tokens: int) -> None:
+        """Takes the layer states a step left after its row at position n_tokens - 1 (Model.decode_rows): the state
+        of that many tokens, later rows of the same step left out (their rows lie past the live ones)."""
+        if not self.n_tokens < n_tokens <= self.ctx:
+            raise ValueError(f"a step from {self.n_tokens} tokens cannot leave {n_tokens} in a {self.ctx}-token cache")
+        self.layers, self.n_tokens = list(layers), n_tokens
+
     def unflatten(self, arrays: Sequence[mx.array]) -> list[LayerState]:
         """Layer states from a flat list in the order `arrays()` gives (the form a compiled step takes)."""
         return unflatten_layers(self.config, arrays)

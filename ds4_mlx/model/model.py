@@ -54,30 +54,33 @@ class Block:
     moe: MoE
     eps: float
 
-    def __call__(
-        self, residual: mx.array | PendingPost, tokens: mx.array, n_past: int | mx.array, state: LayerState,
-        ends: Collection[int] | None = None,
-    ) -> tuple[PendingPost, LayerState]:
-        """A chunk of tokens at positions n_past.., or one token at a position held in an array (decode step);
-        `ends`: the compression ratios whose windows a decode step's token ends (Attention.step's `completes`),
-        None for all of them.
+    def __call__(self, residual: mx.array | PendingPost, tokens: mx.array, n_past: int, state: LayerState
+                 ) -> tuple[PendingPost, LayerState]:
+        """A chunk of tokens at positions n_past...
 
         Takes the streams, or the previous block's FFN post still pending, and returns its own FFN post pending
         (`PendingPost.apply` makes the streams): each post is applied with the pre that follows it, which fused
         kernels do in the launches of that pre (hyper_connection.py)."""
         streams, x, post, comb = self.attn_hc.pre_after(residual)
-        decode = isinstance(n_past, mx.array)
-        if decode:  # the input projections apply attn_norm (folded into their matvecs)
-            out, state = self.attention.step(x, n_past, state, norm=(self.attn_norm, self.eps),
-                                             completes=ends is None or self.attention.ratio in ends)
-        else:
-            out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
+        out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
         streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(out, None, streams, post, comb))
-        if decode:  # the MoE's readers apply ffn_norm (folded into their kernels where all of them can)
-            routed, shared = self.moe.parts(x, tokens, norm=(self.ffn_norm, self.eps))
-        else:
-            routed, shared = self.moe.parts(rms_norm(x, self.ffn_norm, self.eps), tokens)
+        routed, shared = self.moe.parts(rms_norm(x, self.ffn_norm, self.eps), tokens)
         return PendingPost(routed, shared, streams, post, comb), state  # the update adds the two parts
+
+    def step(self, residual: mx.array | PendingPost, tokens: mx.array, positions: mx.array,
+             states: Sequence[LayerState], groups: Sequence[int], ends: Collection[int] | None = None
+             ) -> tuple[PendingPost, list[LayerState]]:
+        """A decode step's rows (Attention.step_rows): tokens (B,) at array `positions` (B,), the rows of session i
+        groups[i] consecutive tokens from its state states[i]; returns the FFN post pending and each row's state.
+        `ends`: the compression ratios whose windows the step's tokens end (their layers write a compressed row),
+        None for all of them. The input projections apply attn_norm and the MoE's readers ffn_norm, folded into
+        their matvecs where the kernels allow."""
+        streams, x, post, comb = self.attn_hc.pre_after(residual)
+        out, rows = self.attention.step_rows(x, positions, states, (self.attn_norm, self.eps), groups,
+                                             completes=ends is None or self.attention.ratio in ends)
+        streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(out, None, streams, post, comb))
+        routed, shared = self.moe.parts(x, tokens, norm=(self.ffn_norm, self.eps))
+        return PendingPost(routed, shared, streams, post, comb), rows
 
 
 class Loader:
@@ -280,22 +283,37 @@ class Model:
         Returns the final streams (1, n_hc, n_embd), the logits (n_vocab,) and the new layer states. Traced once by
         `decode` and replayed for every token; nothing here reads a value back to the host.
         """
-        streams = self.embed_streams(token)
-        layers = list(layers)
-        residual: mx.array | PendingPost = streams
-        for layer, block in enumerate(self.blocks):  # each block's last post is applied with the next one's first pre
-            residual, layers[layer] = block(residual, token, position, layers[layer], ends)
-        streams = residual.apply()
-        return streams, self.head(streams).reshape(-1), layers  # a view: no gather to replay
+        streams, logits, (layers,) = self.step_rows(token, position, (layers,), (1,), ends)
+        return streams, logits.reshape(-1), layers  # a view: no gather to replay
 
-    def embed_streams(self, token: mx.array) -> mx.array:
-        """The streams (1, n_hc, n_embd) a decode token starts as: its embedding row in every stream (one launch
-        on GPU backends where the table's rows read as they are held, kernels/decode/ends.py)."""
+    def step_rows(self, tokens: mx.array, positions: mx.array, sessions: Sequence[Sequence[LayerState]],
+                  groups: Sequence[int], ends: Collection[int] | None = None
+                  ) -> tuple[mx.array, mx.array, list[list[LayerState]]]:
+        """`step` over B rows: tokens (B,) at array `positions` (B,), the first groups[0] of them consecutive tokens
+        of the session whose layer states are sessions[0], and so on (Block.step): several sessions' next tokens
+        in one pass over the weights (batching), or one session's token and the guesses after it (speculation).
+
+        Returns the final streams (B, n_hc, n_embd), the logits (B, n_vocab) and each row's layer states: row r's
+        are its session's states once row r is fed (a session's rows share its last row's row buffers)."""
+        if sum(groups) != tokens.shape[0] or len(groups) != len(sessions):
+            raise ValueError(f"{tokens.shape[0]} rows do not split into {len(sessions)} sessions as {tuple(groups)}")
+        residual: mx.array | PendingPost = self.embed_streams(tokens)
+        rows: list[list[LayerState]] = [[] for _ in range(tokens.shape[0])]
+        for layer, block in enumerate(self.blocks):  # each block's last post is applied with the next one's first pre
+            residual, states = block.step(residual, tokens, positions, [s[layer] for s in sessions], groups, ends)
+            for row, state in zip(rows, states):
+                row.append(state)
+        streams = residual.apply()
+        return streams, self.head(streams), rows
+
+    def embed_streams(self, tokens: mx.array) -> mx.array:
+        """The streams (B, n_hc, n_embd) decode tokens (B,) start as: each one's embedding row in every stream (one
+        launch on GPU backends where the table's rows read as they are held, kernels/decode/ends.py)."""
         table = self.embedding.table
         if table is None:
-            row = self.embedding.rows(token)
-            return mx.broadcast_to(row[:, None, :], (1, self.config.n_hc, self.config.n_embd))
-        return EMBED_STREAMS(table, token, self.config.n_hc)
+            row = self.embedding.rows(tokens)
+            return mx.broadcast_to(row[:, None, :], (tokens.shape[0], self.config.n_hc, self.config.n_embd))
+        return EMBED_STREAMS(table, tokens, self.config.n_hc)
 
     def decode(self, token: int | mx.array, cache: SessionCache) -> tuple[mx.array, mx.array]:
         """Feed one token through the compiled decode step; returns (final streams (1, n_hc, n_embd), logits).
@@ -331,6 +349,59 @@ class Model:
         del flat  # once the cache holds the new state, the graph alone holds the old: buffers can be reused
         cache.layers, cache.n_tokens = cache.unflatten(arrays), cache.n_tokens + 1
         return streams, logits
+
+    def decode_rows(self, tokens: Sequence[int] | mx.array, caches: Sequence[SessionCache],
+                    groups: Sequence[int] | None = None) -> tuple[mx.array, mx.array, list[list[LayerState]]]:
+        """One compiled step over the rows `step_rows` takes: the first groups[0] tokens consecutive ones of
+        caches[0]'s session at its next positions, and so on (groups None: one token per cache). `tokens` may be an
+        int32 array still being computed, as in `decode`.
+
+        Returns the final streams (B, n_hc, n_embd), the logits (B, n_vocab) and each row's layer states; the
+        caches are left as they are: a caller keeps the rows it accepts (`SessionCache.advance`). One compiled step
+        per grouping, context sizes and kind (the windows some row ends, `ends` of each row's position together:
+        at most three kinds), traced at its first use as `decode` traces its kinds."""
+        groups = tuple(groups) if groups is not None else (1,) * len(caches)
+        ids = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
+        if len(groups) != len(caches) or sum(groups) != ids.size or ids.ndim != 1 or min(groups, default=0) < 1:
+            raise ValueError(f"{ids.size} tokens do not split into {len(caches)} sessions as {groups}")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a session's rows are one group: the same cache was given twice")
+        if not isinstance(tokens, mx.array) and not all(0 <= t < self.config.n_vocab for t in tokens):
+            raise RequestError(f"a token id is outside the vocabulary [0, {self.config.n_vocab})")
+        positions: list[int] = []
+        for cache, n in zip(caches, groups):
+            if cache.n_tokens + n > cache.ctx:
+                raise RequestError(f"{n} tokens do not fit: the cache holds {cache.n_tokens} of a {cache.ctx}-token "
+                                   "context")
+            positions += range(cache.n_tokens, cache.n_tokens + n)
+        kind = tuple(sorted({r for p in positions for r in self.ends(p)}))
+        flat = [ids, mx.array(positions, dtype=mx.int32), *(a for c in caches for a in c.arrays())]
+        ctxs = tuple(c.ctx for c in caches)
+        if registry.mode() == "reference":  # the references, eagerly
+            out = self._flat_rows(groups, kind, *flat)
+        elif (step := self._steps.get((groups, ctxs, kind))) is not None:
+            out = step(*flat)
+        else:  # a new grouping: this step eagerly (the kernels' first-use checks), then every kind traced
+            out = self._flat_rows(groups, kind, *flat)
+            for each in {self.ends(n) for n in range(math.lcm(*self.ratios))}:
+                self._steps[groups, ctxs, each] = mx.compile(partial(self._flat_rows, groups, each))
+                self._steps[groups, ctxs, each](*flat)
+        streams, logits, *arrays = out
+        counts = [LayerState.count(self.config.compress_ratio(layer)) for layer in range(self.config.n_layer)]
+        per_row, rows = sum(counts), []
+        for r in range(ids.size):
+            rows.append(unflatten_layers(self.config, arrays[r * per_row : (r + 1) * per_row]))
+        return streams, logits, rows
+
+    def _flat_rows(self, groups: tuple[int, ...], ends: tuple[int, ...], tokens: mx.array, positions: mx.array,
+                   *arrays: mx.array) -> list[mx.array]:
+        """`step_rows` over the caches' flat array lists one after another (what mx.compile traces): the final
+        streams, the logits, then each row's layer states flat."""
+        per_cache = len(arrays) // len(groups)
+        sessions = [unflatten_layers(self.config, arrays[i * per_cache : (i + 1) * per_cache])
+                    for i in range(len(groups))]
+        streams, logits, rows = self.step_rows(tokens, positions, sessions, groups, ends)
+        return [streams, logits, *(a for row in rows for state in row for a in state.arrays())]
 
     def ends(self, position: int) -> tuple[int, ...]:
         """The compression ratios whose windows the token at `position` ends: a decode step writes those layers'

@@ -81,11 +81,11 @@ from normed values dotted), and every sum is taken in another order than MLX's."
 
 
 def embed_reference(table: mx.array, token: mx.array, n_hc: int) -> mx.array:
-    """The streams (1, n_hc, D) float32 of token (1,): its row of the table (float16 or float32 values, or the
-    bytes of float16 ones: uint8 (V, 2 * D)), once per stream."""
+    """The streams (B, n_hc, D) float32 of tokens (B,): each one's row of the table (float16 or float32 values, or
+    the bytes of float16 ones: uint8 (V, 2 * D)), once per stream."""
     row = table[token]
     row = (mx.view(row, mx.float16) if row.dtype == mx.uint8 else row).astype(mx.float32)
-    return mx.broadcast_to(row[:, None, :], (1, n_hc, row.shape[-1]))
+    return mx.broadcast_to(row[:, None, :], (token.shape[0], n_hc, row.shape[-1]))
 
 
 def table_width(table: mx.array) -> int:
