@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +37,7 @@ from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
-from .session import Session, Snapshot, graphs_wanted, state_copies
+from .session import Session, Snapshot, decode_together, graphs_wanted, state_copies
 from .stop import StopStrings
 from .cache.tensordigest import tensor_digests
 from .tokenizer import StreamDecoder, Tokenizer, utf8
@@ -115,22 +115,32 @@ def check_context(config: ModelConfig, ctx: int) -> None:
         raise UsageError(f"context size must be from 1 to {limit} tokens (the model's trained context), got {ctx}")
 
 
-def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, limit: int) -> None:
-    """Stops with a clear message, before anything big is allocated, when the weights, the session state at `ctx`
-    (and the decode graphs' copy of it) and the shortest prefill chunk at the context's end do not fit under the
-    device memory `limit` (memory.py)."""
+def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, limit: int, parallel: int = 1) -> int:
+    """Stops with a clear message, before anything big is allocated, when the weights, `parallel` sessions' state
+    at `ctx` (and the decode graphs' copy of it) and the shortest prefill chunk at the context's end do not fit
+    under the device memory `limit` (memory.py). A negative `parallel` asks for up to -parallel sessions, as many
+    as fit. Returns the sessions that will run."""
     from .model.cache import session_bytes
 
     config = weights.config
 
-    def need(c: int) -> int:
+    def need(c: int, sessions: int) -> int:
         chunk = memory.chunk_transient_bytes(config, min(memory.MIN_CHUNK, c), max(0, c - memory.MIN_CHUNK))
-        return model_bytes + state_copies() * session_bytes(config, c) + chunk
+        return model_bytes + sessions * state_copies() * session_bytes(config, c) + chunk
 
-    if need(ctx) <= limit:
-        return
+    wanted = abs(parallel)
+    fit = next((n for n in range(wanted, 0, -1) if need(ctx, n) <= limit), 0)
+    if fit == wanted or (parallel < 0 and fit > 0):
+        return fit
     gib = 1024**3
-    if need(1) > limit:
+    if fit > 0:
+        raise ResourceError(
+            f"--parallel {wanted} at --ctx {ctx} needs {need(ctx, wanted) / gib:.1f} GiB (weights "
+            f"{model_bytes / gib:.1f} GiB + {wanted} x {state_copies() * session_bytes(config, ctx) / gib:.1f} GiB of "
+            f"session state + prefill working memory) but this device can hold {limit / gib:.1f} GiB; "
+            f"--parallel {fit} would fit"
+        )
+    if need(1, 1) > limit:
         raise ResourceError(
             f"the model needs {model_bytes / gib:.1f} GiB for its weights but this device can hold "
             f"{limit / gib:.1f} GiB; no context size fits"
@@ -138,16 +148,40 @@ def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, limit: int) 
     lo, hi = 1, ctx
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid - 1)
+        lo, hi = (mid, hi) if need(mid, 1) <= limit else (lo, mid - 1)
     raise ResourceError(
-        f"--ctx {ctx} needs {need(ctx) / gib:.1f} GiB (weights {model_bytes / gib:.1f} GiB + session state "
+        f"--ctx {ctx} needs {need(ctx, 1) / gib:.1f} GiB (weights {model_bytes / gib:.1f} GiB + session state "
         f"{state_copies() * session_bytes(config, ctx) / gib:.1f} GiB + prefill working memory) but this device "
         f"can hold {limit / gib:.1f} GiB; a context of {lo} tokens would fit"
     )
 
 
+@dataclass(eq=False)
+class Lane:
+    """One live session requests run on, and how far its tokens are already checkpointed to disk."""
+
+    session: Session
+    on_disk: int = 0
+    """The furthest position of the session already checkpointed to disk."""
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What `Engine.answer` yields for a token to go into a step shared with other lanes (batch.py); the step's
+    logits for the token after it are sent back."""
+
+    token: int
+
+
+class Pause:
+    """What `Engine.answer` yields between prefill chunks and tokens: the scheduler may run other lanes there."""
+
+
+PAUSE = Pause()
+
+
 class Engine:
-    """One loaded model with one live session, shared by every front end."""
+    """One loaded model with its live sessions (lanes), shared by every front end."""
 
     def __init__(
         self,
@@ -163,13 +197,17 @@ class Engine:
         mtp_margin: float = 3.0,
         kv_ram_budget: int | None = None,
         speculate_anyway: bool = False,
+        parallel: int = 1,
     ) -> None:
         """`mtp_draft` >= 2 turns on speculative greedy decoding with the `mtp` draft block: up to mtp_draft - 1
         guessed tokens are verified per model call (ds4's --mtp-draft; 1 = off), where it can pay
         (`speculation_pays`; `speculate_anyway` for the bench, which measures it everywhere). `mtp_margin` is ds4's
         --mtp-margin: a lone guess whose top-1/top-2 logit gap is below it is not verified. `kv_ram_budget` is
         the bytes in-memory checkpoints may hold (0 = none; None = what the device memory budget leaves once the
-        weights, the session's state and one prefill chunk at the context's end are counted, memory.py)."""
+        weights, the session's state and one prefill chunk at the context's end are counted, memory.py).
+        `parallel` is how many lanes (sessions) requests run on at once (the server's --parallel, batch.py)."""
+        if parallel < 1:
+            raise ValueError(f"parallel must be at least 1, got {parallel}")
         if not 1 <= mtp_draft <= MAX_MTP_DRAFT:
             raise ValueError(f"mtp_draft must be between 1 and {MAX_MTP_DRAFT}, got {mtp_draft}")
         if drafts_unused(mtp_draft, speculate_anyway):
@@ -190,9 +228,9 @@ class Engine:
         self.kv_store = kv_store
         self.mtp_draft = mtp_draft
         self.mtp_margin = mtp_margin
-        self.session = self._new_session(ctx, mtp if mtp_draft > 1 else None)
-        self._on_disk = 0  # the furthest position of the live session already checkpointed to disk
-        state = sum(a.nbytes for a in self.session.cache.arrays())
+        self.lanes = [Lane(self._new_session(ctx, mtp if mtp_draft > 1 else None)) for _ in range(parallel)]
+        """The live sessions requests run on: one for the CLI and notebooks, --parallel for the server."""
+        state = parallel * sum(a.nbytes for a in self.session.cache.arrays())
         self.budget = memory.plan(model.config, mx.get_active_memory() - state, state_copies() * state,
                                   self.session.chunk_size, ctx)
         if kv_ram_budget is None:
@@ -209,6 +247,15 @@ class Engine:
         self.checkpoint = Checkpoint.PREVIEW
         """Which checkpoint the weights are (model/checkpoint.py): it picks the reasoning-effort prefixes."""
         self.checkpoint_basis = "not loaded from a file; assumed the preview"
+
+    @property
+    def session(self) -> Session:
+        """The first lane's session: the one `generate` runs on (the notebooks' and the CLI's live session)."""
+        return self.lanes[0].session
+
+    @property
+    def parallel(self) -> int:
+        return len(self.lanes)
 
     @classmethod
     def load(
@@ -228,7 +275,8 @@ class Engine:
         Loading shows a progress bar on stderr unless `quiet` (or stderr is not a terminal). `kv_cache` turns on
         the disk KV cache (checkpoints carry the model's fingerprint and routed-expert quant bits). `mtp` is an MTP
         draft file (ds4.c) to load with it; pass `mtp_draft` >= 2 to speculate with it. `checkpoint` says which
-        checkpoint the file is (`--checkpoint`); None tells it from the file (model/checkpoint.py).
+        checkpoint the file is (`--checkpoint`); None tells it from the file (model/checkpoint.py). `parallel` is
+        the lanes requests run on at once (negative: up to that many, as many as fit beside the weights).
         """
         path = Path(path)
         if not path.exists():
@@ -247,7 +295,7 @@ class Engine:
         if drafts_unused(opts.get("mtp_draft", 1), opts.get("speculate_anyway", False)):
             mtp_weights = None  # checked, not loaded: the engine would not use it
         model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
-        check_memory(weights, model_bytes, ctx, memory.apply_limit())
+        opts["parallel"] = check_memory(weights, model_bytes, ctx, memory.apply_limit(), opts.get("parallel", 1))
         phase("open")
         with ThreadPoolExecutor(2, thread_name_prefix="ds4-mlx-beside-load") as pool:
             # built beside the weights' load, which mostly waits on its reader threads (~0.5 s of Python); the
@@ -307,6 +355,13 @@ class Engine:
             else:
                 self.session.speculate(argmax(self.session.logits), self.mtp_draft - 1, self.mtp_margin)
         self.session.reset()
+        for n in range(2, self.parallel + 1):  # the steps shared by 2..parallel lanes, compiled now
+            sessions = [lane.session for lane in self.lanes[:n]]
+            for session in sessions:
+                session.prefill(tokens[:1])
+            decode_together(sessions, [tokens[0]] * n)
+            for session in sessions:
+                session.reset()
         return time.perf_counter() - t0
 
     def set_context(self, ctx: int) -> None:
@@ -314,29 +369,31 @@ class Engine:
         from .model.cache import session_bytes
 
         check_context(self.model.config, ctx)
-        need = state_copies() * session_bytes(self.model.config, ctx)
-        room = memory.free_bytes() + state_copies() * self.session.cache.nbytes
+        need = self.parallel * state_copies() * session_bytes(self.model.config, ctx)
+        room = memory.free_bytes() + self.parallel * state_copies() * self.session.cache.nbytes
         if need > room:
             gib = 1024**3
             raise ResourceError(
                 f"ctx {ctx} needs {need / gib:.1f} GiB of session state but only {max(room, 0) / gib:.1f} GiB is "
                 f"free next to the model; the context stays at {self.ctx}"
             )
-        self.session.close()
-        self.session = self._new_session(ctx, self.session.mtp)
+        mtp = self.session.mtp
+        for lane in self.lanes:
+            lane.session.close()
+            lane.session, lane.on_disk = self._new_session(ctx, mtp), 0
         self.ctx = ctx
-        self._on_disk = 0
         self.checkpoints.clear()  # states of the old context size
 
     def reset(self) -> None:
-        """Forgets every state computed in memory: the live session and the kept checkpoints (not the disk's)."""
-        self._drop_session()
+        """Forgets every state computed in memory: the live sessions and the kept checkpoints (not the disk's)."""
+        for lane in self.lanes:
+            self._drop_session(lane)
         self.checkpoints.clear()
 
     def count_tokens(self, prompt: str) -> int:
         return len(self.tokenizer.encode(prompt))
 
-    def _reuse(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int]:
+    def _reuse(self, lane: Lane, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int]:
         """Prefix reuse (ds4_server.c): returns the effective prompt tokens and how many are already computed.
 
         The longest state that starts the prompt: the live session when it does (it wins ties: nothing to
@@ -344,32 +401,32 @@ class Engine:
         A live session that is not reused is kept as a checkpoint before it is replaced. `exact`: the caller
         gave token ids, which then must extend a checkpoint's ids too (the text of ids is not re-tokenized).
         """
-        live = self._reuse_live(prompt, tokens, exact)
+        live = self._reuse_live(lane, prompt, tokens, exact)
         kept = self.checkpoints.find(tokens, None if exact else prompt.encode("utf-8"),
                                      longer_than=live[1] if live is not None else 0)
         if live is not None and kept is None:
             self.reuse = Reuse("live", live[1])
             return live
-        miss = first_difference(self.session.tokens, tokens, self.tokenizer) if live is None else None
-        self.checkpoints.add(self.session.snapshot())
-        self._replace_session()
+        miss = first_difference(lane.session.tokens, tokens, self.tokenizer) if live is None else None
+        self.checkpoints.add(lane.session.snapshot())
+        self._replace_session(lane)
         if self.kv_store is not None:
-            loaded = self._load_from_disk(prompt, tokens, exact, kept.checkpoint.n_tokens if kept else 0)
+            loaded = self._load_from_disk(lane, prompt, tokens, exact, kept.checkpoint.n_tokens if kept else 0)
             if loaded is not None:
                 self.reuse = Reuse("disk", loaded[1], miss)
                 return loaded
         if kept is not None:
-            restored = self._restore(kept, prompt, tokens)
+            restored = self._restore(lane, kept, prompt, tokens)
             self.reuse = Reuse("ram", restored[1], miss)
             return restored
         self.reuse = Reuse("none", 0, miss)
         return tokens, 0
 
-    def _restore(self, match: Match, prompt: str, tokens: list[int]) -> tuple[list[int], int]:
+    def _restore(self, lane: Lane, match: Match, prompt: str, tokens: list[int]) -> tuple[list[int], int]:
         """Makes a kept checkpoint the live session; a text match keeps its ids and tokenizes the rest of the
         prompt text after them."""
         snapshot = self.checkpoints.use(match)
-        self.session.restore(snapshot)
+        lane.session.restore(snapshot)
         n = len(snapshot.tokens)
         log.debug("restored an in-memory checkpoint of %d tokens (%d kept)", n, len(self.checkpoints))
         if not match.by_text:
@@ -377,13 +434,13 @@ class Engine:
         rest = prompt.encode("utf-8")[len(match.checkpoint.text) :].decode("utf-8")
         return list(snapshot.tokens) + self.tokenizer.encode(rest), n
 
-    def _reuse_live(self, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int] | None:
+    def _reuse_live(self, lane: Lane, prompt: str, tokens: list[int], exact: bool) -> tuple[list[int], int] | None:
         """The live tokens are reused when they are a token prefix of the new prompt, or when the exact bytes they
         spell are a byte prefix of the prompt's UTF-8 (then only the remaining text is tokenized, never slicing
         the canonical tokens, since BPE may merge across the boundary). Bytes, not decoded text: a token run that
         spells invalid UTF-8 decodes to U+FFFD, which a prompt may also contain with other bytes. Prompts given as
         ids (`exact`) are never re-tokenized. None on a miss."""
-        live = self.session.tokens
+        live = lane.session.tokens
         if live and len(tokens) >= len(live) and tokens[: len(live)] == live:
             return tokens, len(live)
         if live and not exact:
@@ -392,13 +449,13 @@ class Engine:
                 return live + self.tokenizer.encode(rest), len(live)
         return None
 
-    def _replace_session(self) -> None:
+    def _replace_session(self, lane: Lane) -> None:
         """The live session is about to be dropped (a cache miss, a stop string, a cancelled prefill): checkpoint it
         to disk (reason evict) if it is worth keeping — a checkpoint loaded from disk may have been consumed — then
         drop it."""
-        if self.kv_store is not None and len(self.session.tokens) >= self.kv_store.options.min_tokens:
-            self._checkpoint(SaveReason.EVICT)
-        self._drop_session()
+        if self.kv_store is not None and len(lane.session.tokens) >= self.kv_store.options.min_tokens:
+            self._checkpoint(lane, SaveReason.EVICT)
+        self._drop_session(lane)
 
     def _new_session(self, ctx: int, mtp: MTP | None) -> Session:
         """A session whose prefill, short of device memory, drops the oldest RAM checkpoints first."""
@@ -406,25 +463,25 @@ class Engine:
         session.release = lambda: self.checkpoints.drop_oldest()
         return session
 
-    def _drop_session(self) -> None:
-        self.session.reset()
-        self._on_disk = 0
+    def _drop_session(self, lane: Lane) -> None:
+        lane.session.reset()
+        lane.on_disk = 0
 
     def _text_bytes(self, tokens: list[int]) -> bytes:
         """What a run of tokens spells, byte for byte: the disk cache's key space."""
         return b"".join(self.tokenizer.token_bytes(t) for t in tokens)
 
-    def _load_from_disk(self, prompt: str, tokens: list[int], exact: bool,
+    def _load_from_disk(self, lane: Lane, prompt: str, tokens: list[int], exact: bool,
                         longer_than: int = 0) -> tuple[list[int], int] | None:
         """Loads the longest disk checkpoint whose text starts the prompt into the (empty) live session, when it
         holds more than `longer_than` tokens. Its token ids are kept as they are; only the prompt text after it
         is tokenized (ds4_kvstore.c)."""
         store = self.kv_store
         data = self._text_bytes(tokens) if exact else utf8(prompt)
-        for entry in store.candidates(data, self.session.ctx):  # one that fails to load falls back to the next
+        for entry in store.candidates(data, lane.session.ctx):  # one that fails to load falls back to the next
             if entry.header.tokens <= longer_than:
                 return None  # best first: the rest are no longer
-            hit = store.load(entry, data, self.model.config, self.session.ctx)
+            hit = store.load(entry, data, self.model.config, lane.session.ctx)
             if hit is None:
                 continue
             n = len(hit.tokens)
@@ -435,49 +492,49 @@ class Engine:
                 effective = tokens
             else:
                 effective = hit.tokens + self.tokenizer.encode(data[hit.text_bytes :].decode("utf-8"))
-            if len(effective) < self.session.ctx:
+            if len(effective) < lane.session.ctx:
                 break
         else:
             return None
         store.record_hit(hit)
-        self.session.restore(Snapshot(tuple(hit.tokens), hit.cache.snapshot(), hit.logits))
-        self._on_disk = n
+        lane.session.restore(Snapshot(tuple(hit.tokens), hit.cache.snapshot(), hit.logits))
+        lane.on_disk = n
         if hit.tool_map:
             with self.tool_memory_lock:
                 for call_id, block in hit.tool_map.items():
                     self.tool_memory.remember([call_id], block)
         return effective, n
 
-    def _checkpoint(self, reason: SaveReason) -> None:
+    def _checkpoint(self, lane: Lane, reason: SaveReason) -> None:
         """Saves the live session as it is now to the disk cache, with the tool-call ids its text replays.
 
         A checkpoint that cannot be written is logged and skipped: the request it happens in still succeeds."""
-        tokens = self.session.tokens
+        tokens = lane.session.tokens
         with self.tool_memory_lock:
             tool_blocks = self.tool_memory.items()
         try:
-            saved = self.kv_store.save(self._text_bytes(tokens), self.session.cache, tokens, self.session.logits,
+            saved = self.kv_store.save(self._text_bytes(tokens), lane.session.cache, tokens, lane.session.logits,
                                        reason, tool_blocks)
         except Exception:
             log.exception("kv cache checkpoint (%s) of %d tokens failed", reason.name.lower(), len(tokens))
             return
         if saved:
-            self._on_disk = max(self._on_disk, len(tokens))
+            lane.on_disk = max(lane.on_disk, len(tokens))
 
-    def _at_boundary(self, cold_target: int | None) -> None:
+    def _at_boundary(self, lane: Lane, cold_target: int | None) -> None:
         """At a prefill chunk boundary: the cold checkpoint if this is its position, then a continued one if this
         is a frontier not yet on disk (a cold save at a frontier stands for it)."""
         if self.kv_store is None:
             return
-        if len(self.session.tokens) == cold_target:
-            self._checkpoint(SaveReason.COLD)
-        self._maybe_continued()
+        if len(lane.session.tokens) == cold_target:
+            self._checkpoint(lane, SaveReason.COLD)
+        self._maybe_continued(lane)
 
-    def _maybe_continued(self) -> None:
-        if self._at_continued_frontier():
-            self._checkpoint(SaveReason.CONTINUED)
+    def _maybe_continued(self, lane: Lane) -> None:
+        if self._at_continued_frontier(lane):
+            self._checkpoint(lane, SaveReason.CONTINUED)
 
-    def _prefill(self, tokens: list[int], start: int, cold_target: int | None) -> Iterator[tuple[int, int]]:
+    def _prefill(self, lane: Lane, tokens: list[int], start: int, cold_target: int | None) -> Iterator[tuple[int, int]]:
         """Prefills tokens[start:], yielding (done, total) after each chunk. The state at the start of the last
         message and at every chunk boundary before the end is kept in memory (the end is kept by the caller,
         once the logits are there). With the disk cache on, chunks also end at the cold checkpoint and at every
@@ -486,7 +543,7 @@ class Engine:
         stops = {len(tokens)}
         last_message = self._last_message_start(tokens)
         if last_message == start:
-            self.checkpoints.add(self.session.snapshot())
+            self.checkpoints.add(lane.session.snapshot())
         elif last_message > start:
             stops.add(last_message)
         if self.kv_store is not None:
@@ -495,10 +552,10 @@ class Engine:
                 stops.add(cold_target)
         pos = start
         for stop in sorted(stops):
-            for done, _ in self.session.prefill_steps(tokens[pos:stop]):
-                self._at_boundary(cold_target)
-                if len(self.session.tokens) < len(tokens):
-                    self.checkpoints.add(self.session.snapshot())
+            for done, _ in lane.session.prefill_steps(tokens[pos:stop]):
+                self._at_boundary(lane, cold_target)
+                if len(lane.session.tokens) < len(tokens):
+                    self.checkpoints.add(lane.session.snapshot())
                 yield pos - start + done, total
             pos = stop
 
@@ -512,27 +569,42 @@ class Engine:
         return -1
 
     def shutdown(self) -> None:
-        """Checkpoints the live session to disk (reason shutdown) for the next process, when the disk cache is on
-        and the session is long enough. The engine stays usable."""
-        if self.kv_store is not None and len(self.session.tokens) >= self.kv_store.options.min_tokens:
-            self._checkpoint(SaveReason.SHUTDOWN)
+        """Checkpoints the live sessions to disk (reason shutdown) for the next process, when the disk cache is on
+        and a session is long enough. The engine stays usable."""
+        for lane in self.lanes:
+            if self.kv_store is not None and len(lane.session.tokens) >= self.kv_store.options.min_tokens:
+                self._checkpoint(lane, SaveReason.SHUTDOWN)
 
     def generate(self, req: GenerationRequest, cancel: Callable[[], bool] | None = None) -> Iterator[Event]:
-        """Prefills what the live session lacks, then samples until a stop rule fires. Yields events; Done last."""
-        tokens, cached, cold_target = self._accept(req)
+        """Prefills what the live session lacks, then samples until a stop rule fires. Yields events; Done last.
+        One request at a time, on the first lane (the server runs several at once through batch.py)."""
+        for item in self.answer(self.lanes[0], req, cancel):
+            if not isinstance(item, (Feed, Pause)):
+                yield item
+
+    def answer(self, lane: Lane, req: GenerationRequest, cancel: Callable[[], bool] | None = None,
+               shared: Callable[[], bool] | None = None) -> Generator[Event | Feed | Pause, mx.array | None, None]:
+        """`generate` on one lane, as a scheduler (batch.py) drives it: besides the events it yields PAUSE after each
+        prefill chunk and each token, where the scheduler may run other lanes, and, while `shared()` says other
+        lanes decode too, a Feed for each token instead of stepping alone; the scheduler feeds it in a step shared
+        with them and sends back the logits for the token after it. Stepping alone, a lane decodes as `generate`
+        does (the decode graphs, tokens fed ahead, speculation)."""
+        tokens, cached, cold_target = self._accept(lane, req)
         reuse = self.reuse
         yield PromptAccepted(len(tokens), cached, reuse)
         t0 = time.perf_counter()
-        for done, total in self._prefill(tokens, cached, cold_target):
-            if total > self.session.chunk_size:
+        for done, total in self._prefill(lane, tokens, cached, cold_target):
+            if total > min(lane.session.chunk_size, lane.session.chunk_cap or lane.session.chunk_size):
                 yield PrefillProgress(done, total)
+            if shared is not None:
+                yield PAUSE
             if done < total and cancel is not None and cancel():
-                self._replace_session()
+                self._replace_session(lane)
                 yield Done("error", ParsedMessage("", ""), Usage(len(tokens), cached, 0),
                            prefill_seconds=time.perf_counter() - t0, error="cancelled", reuse=reuse)
                 return
-        self.checkpoints.add(self.session.snapshot())  # the end of the prompt: resends and regenerations land here
-        logits = self.session.logits
+        self.checkpoints.add(lane.session.snapshot())  # the end of the prompt: resends and regenerations land here
+        logits = lane.session.logits
         t1 = time.perf_counter()
 
         thinking = req.thinking if req.thinking is not None else tokens[-1] == self.tokenizer.think_id
@@ -543,7 +615,7 @@ class Engine:
         stops = StopStrings(req.stop)
         mask = req.output.start(self.tokenizer, thinking, req.tools_active) if req.output is not None else None
         limit = self.default_max_tokens if req.max_tokens is None else max(0, req.max_tokens)
-        limit = min(limit, self.session.room)
+        limit = min(limit, lane.session.room)
         generated: list[int] = []
         reasoning_tokens = 0
         text_parts: list[str] = []
@@ -565,15 +637,16 @@ class Engine:
                 if cancel is not None and cancel():
                     finish = "error"
                     break
-                if pipelined and len(generated) + 1 < limit:  # fed before it is read: not the last token
-                    token = int(self.session.feed_chosen(adjust=mask.apply if mask is not None else None).item())
+                together = shared is not None and shared()  # this token goes into a step shared with other lanes
+                if pipelined and not together and len(generated) + 1 < limit:  # fed before read: not the last token
+                    token = int(lane.session.feed_chosen(adjust=mask.apply if mask is not None else None).item())
                 else:
                     use_greedy = greedy is not None and greedy.greedy
                     if mask is not None:
                         logits = mask.apply(logits)
                     token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
                 if mask is not None and ahead and ahead[0][0] != token:  # the mask refused a draft: drop it on
-                    self.session.rewind(len(self.session.tokens) - len(ahead))
+                    lane.session.rewind(len(lane.session.tokens) - len(ahead))
                     ahead = []
                 if token == self.tokenizer.eos_id:
                     finish = "stop"
@@ -596,32 +669,36 @@ class Engine:
                 if len(generated) < limit and ahead:
                     logits = _take_ahead(ahead, token)
                 elif len(generated) < limit:
-                    checkpoint = (self.kv_store is not None and self._at_continued_frontier()
+                    checkpoint = (self.kv_store is not None and self._at_continued_frontier(lane)
                                   and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE))
-                    if self.session.fed_ahead:
-                        if not checkpoint:
-                            self.session.confirm(token)
-                            logits = self.session.logits
-                            continue
-                        self.session.take_back()  # the checkpoint holds the state before this token
-                    if checkpoint:  # continued checkpoints are not taken inside a tool block
-                        self._checkpoint(SaveReason.CONTINUED)
-                    if speculate:
-                        step = self.session.speculate(token, self._draft_room(len(generated), limit),
-                                                      self.mtp_margin, stop=(self.tokenizer.eos_id,))
-                        drafted, accepted = drafted + step.drafted, accepted + step.accepted
-                        logits = step.logits[0]
-                        ahead = [(t, step.logits[i]) for i, t in enumerate(step.tokens[1:], 1)]
+                    if lane.session.fed_ahead and not checkpoint:
+                        lane.session.confirm(token)
+                        logits = lane.session.logits
                     else:
-                        logits = self.session.decode(token)
-            if self.session.fed_ahead:  # the answer ended on a token fed before it was read: unfeed it
-                self.session.take_back()
+                        if lane.session.fed_ahead:
+                            lane.session.take_back()  # the checkpoint holds the state before this token
+                        if checkpoint:  # continued checkpoints are not taken inside a tool block
+                            self._checkpoint(lane, SaveReason.CONTINUED)
+                        if together:
+                            logits = yield Feed(token)
+                        elif speculate:
+                            step = lane.session.speculate(token, self._draft_room(lane, len(generated), limit),
+                                                          self.mtp_margin, stop=(self.tokenizer.eos_id,))
+                            drafted, accepted = drafted + step.drafted, accepted + step.accepted
+                            logits = step.logits[0]
+                            ahead = [(t, step.logits[i]) for i, t in enumerate(step.tokens[1:], 1)]
+                        else:
+                            logits = lane.session.decode(token)
+                if shared is not None and not together:
+                    yield PAUSE
+            if lane.session.fed_ahead:  # the answer ended on a token fed before it was read: unfeed it
+                lane.session.take_back()
             if ahead and not stops.hit:  # the answer ended before tokens fed ahead of it: unfeed them
-                self.session.rewind(len(self.session.tokens) - len(ahead))
+                lane.session.rewind(len(lane.session.tokens) - len(ahead))
         except Exception as exc:  # a decode failure ends the answer with finish "error" (ds4_server.c)
             log.exception("decode failed after %d tokens", len(generated))
             finish, failure = "error", f"decode failed: {exc}"
-            self._drop_session()
+            self._drop_session(lane)
         tail = decoder.flush()
         if greedy is not None:
             greedy.feed(tail)
@@ -630,7 +707,7 @@ class Engine:
         t2 = time.perf_counter()
 
         if stops.hit:
-            self._replace_session()
+            self._replace_session(lane)
         message = dsml.parse_message("".join(text_parts), thinking=thinking, tools_active=req.tools_active)
         finish = _final_finish_reason(finish, message)
         yield Done(
@@ -647,7 +724,7 @@ class Engine:
             reuse=reuse,
         )
 
-    def _accept(self, req: GenerationRequest) -> tuple[list[int], int, int | None]:
+    def _accept(self, lane: Lane, req: GenerationRequest) -> tuple[list[int], int, int | None]:
         """Tokenizes the prompt, checks that it fits, and decides what the live session (or the disk) already holds.
 
         Returns the effective prompt tokens, how many of them are already computed, and where a cold disk
@@ -660,12 +737,12 @@ class Engine:
             raise RequestError("the prompt is empty")
         if len(tokens) >= self.ctx:
             raise ContextOverflow(len(tokens), self.ctx)
-        if len(self.session.tokens) < self._on_disk:  # someone reset or replaced the session behind our back
-            self._on_disk = 0
+        if len(lane.session.tokens) < lane.on_disk:  # someone reset or replaced the session behind our back
+            lane.on_disk = 0
         canonical = tokens
-        tokens, cached = self._reuse(text, tokens, exact=not isinstance(req.prompt, str))
+        tokens, cached = self._reuse(lane, text, tokens, exact=not isinstance(req.prompt, str))
         if len(tokens) >= self.ctx:
-            self._replace_session()
+            self._replace_session(lane)
             tokens, cached = canonical, 0
             self.reuse = Reuse("none", 0, self.reuse.miss)
         cold_target = None
@@ -685,16 +762,16 @@ class Engine:
         penalties, and no MTP block (speculative decoding feeds ahead its own way)."""
         return self.session.mtp is None and _plain_greedy(sampling)
 
-    def _at_continued_frontier(self) -> bool:
-        return self.kv_store.options.is_continued_frontier(len(self.session.tokens), self._on_disk)
+    def _at_continued_frontier(self, lane: Lane) -> bool:
+        return self.kv_store.options.is_continued_frontier(len(lane.session.tokens), lane.on_disk)
 
-    def _draft_room(self, n_generated: int, limit: int) -> int:
+    def _draft_room(self, lane: Lane, n_generated: int, limit: int) -> int:
         """How many guesses a speculative step may feed after the chosen token: at most mtp_draft - 1, never a
         token plain decoding would not feed (the last of `limit` is not fed), and never past a continued disk
         checkpoint position, so that the step ends on it and the checkpoint is taken there as in plain decoding."""
         room = min(self.mtp_draft - 1, limit - n_generated - 1)
         if self.kv_store is not None:
-            n = len(self.session.tokens)
+            n = len(lane.session.tokens)
             frontiers = self.kv_store.options.frontiers_between(n, n + 1 + room)
             if frontiers:
                 room = min(room, frontiers[0] - n - 1)

@@ -111,6 +111,9 @@ class Session:
         self.ctx = ctx
         self.mtp = mtp
         self.chunk_size = prefill_chunk_for(ctx)
+        self.chunk_cap: int | None = None
+        """A bound on prefill chunks below `chunk_size` while other sessions decode (batch.py), so that their
+        tokens wait for one short chunk at most; None: none."""
         self.release: Callable[[], bool] | None = None
         """Gives device memory back when a prefill chunk would not fit (the engine drops its oldest RAM checkpoint);
         False when it has nothing left to give."""
@@ -202,7 +205,8 @@ class Session:
         """The next prefill chunk's length: `chunk_size` (or what remains), shortened to what the device memory
         budget has room for at this position (memory.py), after `release` gave back what it could. Raises
         MemoryShortage, before anything is allocated, when not even memory.MIN_CHUNK tokens fit."""
-        preferred, position, config = min(self.chunk_size, remaining), len(self.tokens), self.model.config
+        preferred = min(self.chunk_size, self.chunk_cap or self.chunk_size, remaining)
+        position, config = len(self.tokens), self.model.config
         free = memory.free_bytes()
         while memory.chunk_transient_bytes(config, preferred, position) > free:
             if self.release is None or not self.release():
@@ -477,3 +481,30 @@ class Session:
                 self.mtp_cache.reset()
             else:
                 self.mtp_cache.restore(snap.mtp)
+
+
+def decode_together(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
+    """Feeds each session its token in one step over the weights (Model.decode_rows, a row a session); returns
+    each one's logits for the token after it. Each row computes what the session's own `decode` would (up to the
+    summation order of the products over several rows); the sessions' MTP blocks follow their streams."""
+    if len(sessions) != len(tokens) or not sessions:
+        raise ValueError(f"{len(tokens)} tokens for {len(sessions)} sessions")
+    model = sessions[0].model
+    for session in sessions:
+        session._check_none_fed()
+        if session.room < 1:
+            raise RequestError(f"1 token does not fit: the session holds {len(session.tokens)} of a {session.ctx}-"
+                               "token context")
+    caches = [session.cache for session in sessions]  # handed back by any decode graph first
+    streams, logits, rows = model.decode_rows(list(tokens), caches)
+    out = []
+    for i, (session, token, cache) in enumerate(zip(sessions, tokens, caches)):
+        cache.advance(rows[i], cache.n_tokens + 1)
+        if session.mtp is not None:
+            session.mtp(mx.array([token], dtype=mx.int32), streams[i : i + 1], len(session.tokens), session.mtp_cache)
+        session.tokens.append(token)
+        session.logits = logits[i]
+        out.append(session.logits)
+    mx.eval(logits, *(a for s in sessions for a in s.cache.arrays()),
+            *(a for s in sessions if s.mtp_cache is not None for a in s.mtp_cache.arrays()))
+    return out

@@ -53,7 +53,8 @@ class ScriptedEngine(Engine):
         self.cancelled = 0
         self.shut_down = False
 
-    def generate(self, req: GenerationRequest, cancel: Callable[[], bool] | None = None) -> Iterator[Event]:
+    def answer(self, lane, req: GenerationRequest, cancel: Callable[[], bool] | None = None,
+               shared: Callable[[], bool] | None = None) -> Iterator[Event]:
         self.requests.append(req)
         self.started.set()
         if self.gate is not None:
@@ -61,12 +62,18 @@ class ScriptedEngine(Engine):
         if self.refusal is not None:
             raise self.refusal
         self.model.play(self.tokenizer.encode(self.reply(req)) + [self.tokenizer.eos_id])
-        for event in super().generate(req, cancel):
+        answer = super().answer(lane, req, cancel, shared)
+        value = None
+        while True:
+            try:
+                event = answer.send(value)
+            except StopIteration:
+                return
             if isinstance(event, PromptAccepted) and event.cached_tokens == event.prompt_tokens:
-                self.session.logits = self.model.logits()  # restored whole: the first choice is this reply's too
+                lane.session.logits = self.model.logits()  # restored whole: the first choice is this reply's too
             elif isinstance(event, Done) and event.error == "cancelled":
                 self.cancelled += 1
-            yield event
+            value = yield event
 
     def shutdown(self) -> None:
         self.shut_down = True

@@ -557,3 +557,31 @@ def test_help_states_the_prefill_chunks_the_session_takes(capsys):
     assert (f"{CUDA_PREFILL_CHUNK} on CUDA, {CUDA_DEEP_CHUNK} there for a context past {DEEP_CONTEXT}, ds4's "
             f"{DEFAULT_PREFILL_CHUNK} elsewhere") in text
     assert "shortened where device memory is short" in text
+
+
+def test_parallel_decodes_streams_together_and_leaves_the_walk_as_it_was(model_path, tmp_path, capsys):
+    """--parallel 3: each frontier's row adds the aggregate and per-stream t/s of three sessions decoding together
+    (the columns after ds4-bench's), and the walk's own figures and sessions are those of a plain walk."""
+    csv_path = tmp_path / "parallel.csv"
+    assert main(["bench", "-m", str(model_path), "--ctx-start", "16", "--ctx-max", "32", "--step-incr", "16",
+                 "--gen-tokens", "3", "--parallel", "3", "--json", "-q", "--csv", str(csv_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for row in result["frontiers"]:
+        assert row["parallel"] == 3 and row["parallel_tps"] > 0
+        assert row["parallel_stream_tps"] == pytest.approx(row["parallel_tps"] / 3, abs=1e-3)
+    with open(csv_path, newline="") as f:
+        header = next(csv.reader(f))
+    assert header[: len(CSV_COLUMNS)] == list(CSV_COLUMNS) and header[len(CSV_COLUMNS):][:3] == [
+        "parallel", "parallel_tps", "parallel_stream_tps"]
+
+
+def test_parallel_streams_feed_different_tokens_and_end_at_the_frontier(model_path):
+    from ds4_mlx.commands.bench_parallel import measure
+
+    engine = Engine.load(model_path, 128, parallel=3)
+    sessions = [lane.session for lane in engine.lanes]
+    sessions[0].prefill(list(range(5, 25)))
+    at = sessions[0].snapshot()
+    seconds = measure(sessions, at, [7, 8, 9], 4, never=engine.tokenizer.eos_id)
+    assert seconds > 0
+    assert all(s.tokens == list(range(5, 25)) for s in sessions)  # each left at the frontier

@@ -80,7 +80,8 @@ def test_models_and_health(client):
                                             "is_moderated": False}
     missing = client.get("/v1/models/gpt-4")
     assert missing.status_code == 404 and "gpt-4" in missing.json()["error"]["message"]
-    assert client.get("/health").json() == {"status": "ok", "model": MODEL, "ctx": 4096, "busy": False, "queued": 0}
+    assert client.get("/health").json() == {"status": "ok", "model": MODEL, "ctx": 4096, "parallel": 1,
+                                                "running": 0, "busy": False, "queued": 0}
 
 
 def test_models_answer_anthropic_clients_in_anthropics_shape(client):

@@ -39,6 +39,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import Ds4Error, UsageError
+from .bench_parallel import PARALLEL_COLUMNS, ParallelFigures
+from .bench_parallel import measure as measure_parallel
 from .options import (add_model_options, add_mtp_options, model_file, non_negative_int, open_engine,
                       positive_int, select_backend)
 
@@ -94,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     step.add_argument("--step-mul", type=float, metavar="F", help="each frontier F times the previous one")
     g.add_argument("--gen-tokens", type=non_negative_int, default=128, metavar="N",
                    help="greedy tokens decoded at each frontier; 0 = prefill only (default 128)")
+    g.add_argument("--parallel", type=positive_int, default=1, metavar="N",
+                   help="also decode N sessions at once at each frontier, their tokens in one step over the weights, "
+                        "and report the aggregate and per-stream t/s (default 1: the single stream alone)")
     g.add_argument("--prompt-file", type=Path, metavar="FILE",
                    help="text whose tokens are prefilled, repeated as needed (default: a built-in text)")
     g.add_argument("--repeats", type=positive_int, default=1, metavar="N",
@@ -135,6 +140,8 @@ class Walk:
     """--prefill-chunk: the session's chunk size for the walk; None keeps the session's own."""
     read_back: bool = False
     """--read-back: each decode token read back before the next step is built."""
+    parallel: int = 1
+    """--parallel N: also N sessions decoding together at each frontier (bench_parallel.py)."""
 
     @property
     def ctx(self) -> int:
@@ -163,7 +170,7 @@ def plan(args: argparse.Namespace) -> Walk:
         frontiers.append(following)
     mtp_draft = args.mtp_draft if args.mtp is not None else 0
     walk = Walk(tuple(frontiers), args.gen_tokens, args.repeats, mtp_draft, args.mtp_margin, args.prefill_chunk,
-                args.read_back)
+                args.read_back, args.parallel)
     if args.ctx is not None and args.ctx < walk.ctx:
         probe = f"--gen-tokens {args.gen_tokens}" if args.gen_tokens >= mtp_draft else f"--mtp-draft {mtp_draft}"
         raise UsageError(f"--ctx {args.ctx} is too small for the walk: the last frontier {frontiers[-1]} + "
@@ -235,10 +242,13 @@ class FrontierResult:
     gen_tps: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     mtp: MTPFigures | None = None
+    parallel: ParallelFigures | None = None
 
     def row(self) -> dict:
-        """The CSV / JSON row: medians under ds4-bench's names, then min and max, then the --mtp figures."""
+        """The CSV / JSON row: medians under ds4-bench's names, then min and max, then the --mtp and --parallel
+        figures."""
         mtp = self.mtp.row() if self.mtp is not None else {}
+        mtp |= self.parallel.row() if self.parallel is not None else {}
         return {
             "ctx_tokens": self.ctx_tokens,
             "prefill_tokens": self.prefill_tokens,
@@ -268,6 +278,8 @@ class Loaded:
     """The walk's warm-up: kernel compilation and first-use checks, paid once per process (not in the figures)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of each part of a file's load (Engine.load_phases); empty for --synthetic."""
+    others: list[Session] = field(default_factory=list)
+    """With --parallel N, the N - 1 sessions that decode beside `session`."""
 
 
 def read_prompt(path: Path | None) -> str:
@@ -329,7 +341,8 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
     previous = 0
     for frontier in walk.frontiers:
         results.append(FrontierResult(frontier, frontier - previous, walk.gen_tokens, live_kv_bytes(model, frontier),
-                                      mtp=MTPFigures(walk.mtp_draft) if walk.mtp_draft else None))
+                                      mtp=MTPFigures(walk.mtp_draft) if walk.mtp_draft else None,
+                                      parallel=ParallelFigures(walk.parallel) if walk.parallel > 1 else None))
         previous = frontier
     counts = None
     for run in range(walk.repeats):
@@ -365,6 +378,14 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
             line = (f"run {run + 1}/{walk.repeats}, ctx {result.ctx_tokens}: prefill {result.prefill_tokens} tokens "
                     f"at {result.prefill_tps[-1]:.1f} t/s, decode {walk.gen_tokens} tokens at "
                     f"{result.gen_tps[-1]:.2f} t/s")
+            if result.parallel is not None and walk.gen_tokens:
+                sessions = [session, *loaded.others]
+                firsts = [prompt[(i * 97) % len(prompt)] for i in range(len(sessions))]  # a different token each
+                with without_mtp(session):
+                    seconds = measure_parallel(sessions, at_frontier, firsts, walk.gen_tokens, loaded.tokenizer.eos_id)
+                result.parallel.aggregate_tps.append(walk.parallel * walk.gen_tokens / seconds)
+                line += (f", {walk.parallel} streams at {result.parallel.aggregate_tps[-1]:.2f} t/s in all "
+                         f"({result.parallel.aggregate_tps[-1] / walk.parallel:.2f} each)")
             if result.mtp is not None:
                 drafted, accepted = measure_mtp(session, result.mtp, walk, greedy, loaded.tokenizer.eos_id)
                 line += (f", speculative {result.mtp.spec_tps[-1]:.2f} t/s (MTP guesses accepted "
@@ -495,23 +516,26 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
         t0 = time.perf_counter()
         phases = {}
         if args.synthetic is not None:
-            label, session, tokenizer, file_bytes = _synthetic(args, walk.ctx)
+            label, sessions, tokenizer, file_bytes = _synthetic(args, walk.ctx, walk.parallel)
         else:
             args.ctx = walk.ctx
-            engine = open_engine(args, speculate_anyway=True)  # its --mtp figures are measured everywhere
+            # its --mtp figures are measured everywhere
+            engine = open_engine(args, speculate_anyway=True, parallel=walk.parallel)
             label = "demo" if args.demo else model_file(args).name
-            session, tokenizer, file_bytes = engine.session, engine.tokenizer, engine.model.load_stats.file_bytes
+            sessions = [lane.session for lane in engine.lanes]
+            tokenizer, file_bytes = engine.tokenizer, engine.model.load_stats.file_bytes
             phases = engine.load_phases
         seconds = time.perf_counter() - t0
     peaks = sampler.peaks
     host = {"peak_rss_bytes": hostmem.peak_rss(), "peak_anon_bytes_sampled": peaks.anon,
             "available_before_bytes": available_before, "min_available_bytes": peaks.min_available,
             "after_load": hostmem.status()}
+    session, *others = sessions
     return Loaded(f"{label} ({describe(session.model)})", session, tokenizer, seconds, file_bytes, host,
-                  phases=phases)
+                  phases=phases, others=others)
 
 
-def _synthetic(args: argparse.Namespace, ctx: int) -> tuple[str, Session, Tokenizer, int]:
+def _synthetic(args: argparse.Namespace, ctx: int, parallel: int) -> tuple[str, list[Session], Tokenizer, int]:
     from .. import memory
     from ..engine import check_memory
     from ..model.factory import build_vocab
@@ -525,13 +549,14 @@ def _synthetic(args: argparse.Namespace, ctx: int) -> tuple[str, Session, Tokeni
     select_backend(args)
     config = flash_config(args.layers if args.layers is not None else 43)
     weights = synthetic_weights(config, args.synthetic)
-    check_memory(weights, loaded_nbytes(weights), ctx, memory.apply_limit())
+    check_memory(weights, loaded_nbytes(weights), ctx, memory.apply_limit(), parallel)
     vocab = build_vocab("real")
     with Progress(quiet=args.quiet).bar("building", unit="bytes") as bar:
         model = Model(weights, simulate_quant=not args.no_quant_sim, progress=bar.update)
     weights.close()
     label = f"synthetic flash, {args.synthetic} experts"
-    return label, Session(model, ctx), Tokenizer(list(vocab.tokens), list(vocab.merges)), model.load_stats.file_bytes
+    sessions = [Session(model, ctx) for _ in range(parallel)]
+    return label, sessions, Tokenizer(list(vocab.tokens), list(vocab.merges)), model.load_stats.file_bytes
 
 
 def describe(model: Model) -> str:
@@ -542,7 +567,8 @@ def describe(model: Model) -> str:
 def write_csv(path: Path, results: list[FrontierResult]) -> None:
     try:
         with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS + (MTP_COLUMNS if results[0].mtp else ()))
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS + (MTP_COLUMNS if results[0].mtp else ())
+                                    + (PARALLEL_COLUMNS if results[0].parallel else ()))
             writer.writeheader()
             writer.writerows(r.row() for r in results)
     except OSError as e:
@@ -621,12 +647,15 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
                   f"anonymous {host['peak_anon_bytes_sampled'] / GIB:.2f} GiB (sampled)" + _available(host),
                   soft_wrap=True)
     table = Table()
-    for name in ("context", "prefill tokens", "prefill t/s", "decode t/s", "KV MiB", "peak GiB"):
+    streams = (f"{walk.parallel} streams t/s", "per stream t/s") if walk.parallel > 1 else ()
+    for name in ("context", "prefill tokens", "prefill t/s", "decode t/s", *streams, "KV MiB", "peak GiB"):
         table.add_column(name, justify="right")
     for r in results:
         row = r.row()
+        together = ((_spread(row, "parallel_tps", walk.repeats), f"{row['parallel_stream_tps']:.2f}")
+                    if walk.parallel > 1 else ())
         table.add_row(str(r.ctx_tokens), str(r.prefill_tokens), _spread(row, "prefill_tps", walk.repeats),
-                      _spread(row, "gen_tps", walk.repeats), f"{r.kvcache_bytes / 2**20:.1f}",
+                      _spread(row, "gen_tps", walk.repeats), *together, f"{r.kvcache_bytes / 2**20:.1f}",
                       f"{r.peak_memory_bytes / GIB:.2f}")
     console.print(table)
     console.print(f"{walk.gen_tokens} greedy tokens per probe; "

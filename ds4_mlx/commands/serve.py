@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 393216
 """The answer limit of a request that sets none (ds4's), DEMO_MAX_TOKENS for a random-weight model."""
 DEFAULT_MAX_QUEUE = 64
+DEFAULT_PARALLEL = 4
+"""--parallel's default where four sessions fit beside the weights (Engine.load picks fewer where they do not)."""
 WRITE_TIMEOUT_SECONDS = 30
 """--write-timeout's default (serve/guard.py's, kept here so that `--help` does not import the server)."""
 
@@ -45,8 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $DS4_API_KEY; none = no authentication)")
     p.add_argument("--trace", metavar="FILE",
                    help="append rendered prompts, cache decisions, generated text and tool-parser events to FILE")
+    p.add_argument("--parallel", type=positive_int, default=None, metavar="N",
+                   help="requests that run at once, each on a session of its own, their tokens decoded together "
+                        f"(default: {DEFAULT_PARALLEL}, fewer where the sessions' state at --ctx does not fit; more than "
+                        "fit is refused at start with what would)")
     p.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE,
-                   help=f"requests that may wait behind the running one; more get 429 (default {DEFAULT_MAX_QUEUE})")
+                   help=f"requests that may wait behind the running ones; more get 429 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--write-timeout", type=positive_int, default=WRITE_TIMEOUT_SECONDS, metavar="SECONDS",
                    help="a client that takes no byte of its answer for this long (once the buffers on the way are "
                         "full) is treated as disconnected: its generation stops and the worker moves on "
@@ -99,7 +105,7 @@ def serving_engine(args: argparse.Namespace, kv_cache: object) -> Engine:
     else DEMO_MAX_TOKENS for a random-weight model (options.token_limit: the rule `run` and `chat` follow)."""
     from .options import open_engine
 
-    engine = open_engine(args, kv_cache=kv_cache)
+    engine = open_engine(args, kv_cache=kv_cache, parallel=args.parallel or -DEFAULT_PARALLEL)
     engine.default_max_tokens = token_limit(args, DEFAULT_MAX_TOKENS, engine)
     return engine
 

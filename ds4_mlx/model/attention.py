@@ -258,11 +258,13 @@ class Attention:
         index_q = self.indexer.q_b(q_a, norm=q_norm) if self.indexer is not None else None
         per_row = [q, kv, positions, *compressing, *((index_q,) if index_q is not None else ())]
         many = x.shape[0] > 1
+        if many:  # each product's rows, one node a product (views)
+            per_row = list(zip(*(mx.split(a, x.shape[0]) for a in per_row)))
         heads, rows, at = [], [], 0
         for state, n in zip(states, groups):
             first = len(rows)
             for row in range(at, at + n):
-                q_r, kv_r, position, *rest = ([a[row : row + 1] for a in per_row] if many else per_row)
+                q_r, kv_r, position, *rest = per_row[row] if many else per_row
                 out, state = self._step_row(q_r, kv_r, position, state, rest, completes)
                 heads.append(out)
                 rows.append(state)

@@ -446,6 +446,7 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         return json_response({"status": "ok", "model": self.engine.model_name, "ctx": self.engine.ctx,
+                              "parallel": self.worker.parallel, "running": self.worker.running,
                               "busy": self.worker.busy, "queued": self.worker.queued})
 
     async def not_found(self, request: Request, exc: HTTPException) -> Response:

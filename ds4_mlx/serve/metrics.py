@@ -57,10 +57,10 @@ class Metrics:
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered, by API and status code.",
                                 ["api", "status"], registry=r)
-        Gauge(f"{PREFIX}_queue_length", "Generation requests waiting behind the running one.",
+        Gauge(f"{PREFIX}_queue_length", "Generation requests waiting for a free lane.",
               registry=r).set_function(lambda: worker.queued)
-        Gauge(f"{PREFIX}_running_sessions", "Generations running now (the engine runs one at a time).",
-              registry=r).set_function(lambda: int(worker.busy))
+        Gauge(f"{PREFIX}_running_sessions", "Generations running now, one a lane (--parallel at most).",
+              registry=r).set_function(lambda: worker.running)
         self.prompt = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished generations.", ["api"], registry=r)
         self.cached = Counter(f"{PREFIX}_cached_tokens", "Prompt tokens reused instead of prefilled.", ["api"],
                               registry=r)

@@ -2,9 +2,10 @@
 
 MLX evaluation happens only on this thread (the engine is even loaded here, so its arrays and streams belong
 to it). The asyncio event loop submits jobs and receives their events through `loop.call_soon_threadsafe`; it
-never waits on MLX. Jobs run one at a time in arrival order: there is one live session, and a different
-conversation replaces it. A request holds its place from before its body is read (`reserve`), so that requests
-still being read, parsed or tokenized count against the queue's bound as queued jobs do.
+never waits on MLX. Up to the engine's `parallel` jobs run at once, each on a lane of its own (batch.py: their
+tokens share each decode step); the others wait in arrival order and join as lanes free up. A request holds its
+place from before its body is read (`reserve`), so that requests still being read, parsed or tokenized count
+against the queue's bound as queued jobs do.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..events import Done, Event
+from ..batch import Batch
+from ..events import Event
 from .common import ApiError
 
 if TYPE_CHECKING:
@@ -60,8 +62,8 @@ class Job:
 
 
 class Worker:
-    """Runs jobs on one thread, in arrival order, with at most `max_queue` requests waiting behind the running one
-    (queued jobs and reserved requests still being prepared alike)."""
+    """Runs jobs on one thread, up to the engine's `parallel` at once in arrival order, with at most `max_queue`
+    requests waiting behind the running ones (queued jobs and reserved requests still being prepared alike)."""
 
     def __init__(self, load: Callable[[], Engine], max_queue: int = 64) -> None:
         if max_queue < 0:
@@ -72,7 +74,7 @@ class Worker:
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._running: Job | None = None
+        self._batch: Batch | None = None
         self._reserved = 0
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
@@ -93,18 +95,28 @@ class Worker:
         return len(self._queue)
 
     @property
+    def running(self) -> int:
+        """Jobs holding a lane now."""
+        return len(self._batch.running) if self._batch is not None else 0
+
+    @property
     def busy(self) -> bool:
-        return self._running is not None
+        return self.running > 0
+
+    @property
+    def parallel(self) -> int:
+        return self.engine.parallel if self.engine is not None else 1
 
     def _check_room(self) -> None:
-        """503 while shutting down, 429 when the queue (running, queued and reserved requests) is full."""
+        """503 while shutting down, 429 when the lanes and the queue (running, queued and reserved requests) are
+        full."""
         if self._stopping:
             raise ApiError("server shutting down", 503)
-        occupied = (self._running is not None) + len(self._queue) + self._reserved
-        if occupied > self.max_queue:
+        occupied = self.running + len(self._queue) + self._reserved
+        if occupied > self.max_queue + self.parallel - 1:
             raise ApiError(
-                f"too many requests waiting: the queue holds at most {self.max_queue} behind the running one; "
-                "retry later",
+                f"too many requests waiting: the queue holds at most {self.max_queue} behind the "
+                f"{self.parallel} running; retry later",
                 429,
             )
 
@@ -137,7 +149,7 @@ class Worker:
                     self._reserved -= 1
 
     def shutdown(self) -> None:
-        """Refuse new jobs, end the queued ones with 503 and make the running one stop at its next token."""
+        """Refuse new jobs, end the queued ones with 503 and make the running ones stop at their next token."""
         with self._cond:
             self._stopping = True
             queued, self._queue = list(self._queue), deque()
@@ -157,35 +169,24 @@ class Worker:
             return
         finally:
             self._loaded.set()
+        batch = self._batch = Batch(self.engine)
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and not batch.running and not self._stopping:
                     self._cond.wait()
-                if not self._queue:
+                if not self._queue and not batch.running:
                     break
-                job = self._running = self._queue.popleft()
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
+                while self._queue and batch.free:
+                    self._start(batch, self._queue.popleft())
+            batch.round()
         try:
             self.engine.shutdown()  # the disk KV cache keeps the live session for the next process
         except Exception:
             log.exception("saving the live session at shutdown failed")
 
-    def _run(self, job: Job) -> None:
+    def _start(self, batch: Batch, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while the job was queued
             job._post(_END)
             return
-        try:
-            for event in self.engine.generate(job.request, cancel=lambda: job.cancelled.is_set() or self._stopping):
-                if isinstance(event, Done):
-                    # the client may send its next request as soon as it has the answer: admit it
-                    with self._cond:
-                        self._running = None
-                job._post(event)
-        except Exception as e:
-            job._post(e)
-        finally:
-            job._post(_END)
+        batch.start(job.request, cancel=lambda: job.cancelled.is_set() or self._stopping, post=job._post,
+                    end=lambda: job._post(_END))

@@ -1,0 +1,168 @@
+"""Several requests at once (batch.py): every answer is the one the same request gets served alone.
+
+The demo model (random weights, the real tokenizer) answers greedy and seeded sampled requests of different
+prompt and answer lengths, alone through `Engine.generate` and together through the scheduler, whose decoding
+lanes share their steps (session.decode_together). Tokens must be equal: each row computes its own session's
+logits (to the summation order of products over several rows, tests/test_decode_rows.py), and its sampler, stop
+strings and limits are its own. Over HTTP the same holds on both APIs with requests sent at once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from ds4_mlx.batch import Batch
+from ds4_mlx.chat import Message, ThinkMode, render_chat
+from ds4_mlx.engine import Engine, GenerationRequest
+from ds4_mlx.errors import ResourceError
+from ds4_mlx.events import Done, PrefillProgress
+from ds4_mlx.sampling import SamplingParams
+from serve_support import live_server
+
+CTX = 2048
+
+
+def prompt(system: str, user: str) -> str:
+    return render_chat([Message("system", system), Message("user", user)], think=ThinkMode.NONE, ctx=CTX)
+
+
+REQUESTS = [
+    GenerationRequest(prompt("You are terse.", "Name three rivers."), max_tokens=20,
+                      sampling=SamplingParams(temperature=0)),
+    GenerationRequest(prompt("You explain code. " * 12, "What does a hash map do?"), max_tokens=33,
+                      sampling=SamplingParams(temperature=0)),
+    GenerationRequest(prompt("Answer in French.", "Bonjour"), max_tokens=9, sampling=SamplingParams(temperature=0),
+                      stop=("zzzz-never",)),
+    GenerationRequest(prompt("You write poems.", "A poem about rain."), max_tokens=27,
+                      sampling=SamplingParams(temperature=0.8, seed=1234)),
+]
+
+
+@pytest.fixture(scope="module")
+def engines(demo_model):
+    return Engine.load(demo_model, CTX, parallel=1), Engine.load(demo_model, CTX, parallel=3)
+
+
+def done(events) -> Done:
+    assert isinstance(events[-1], Done)
+    return events[-1]
+
+
+def test_requests_together_answer_as_alone(engines):
+    alone_engine, engine = engines
+    alone = [done(list(alone_engine.generate(r))) for r in REQUESTS]
+    batch = Batch(engine)
+    together = [done(events) for events in batch.run_all(REQUESTS)]
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids and t.finish_reason == a.finish_reason
+        assert t.message.content == a.message.content
+    assert batch.shared_steps > 0 and batch.shared_rows >= 2 * batch.shared_steps  # steps really were shared
+    assert batch.shared_rows > 3 * 9  # three lanes decoded together for the shortest answer at least
+    # the fourth request waited for a lane and reused none of the others' states: it still answered as alone
+    assert [len(d.token_ids) for d in together] == [r.max_tokens for r in REQUESTS]
+
+
+def test_a_prompt_prefills_in_short_chunks_while_others_decode(engines):
+    """A long prompt joining lanes that decode goes in chunks of at most `prefill_cap` tokens, one a round, and
+    answers as alone."""
+    alone_engine, engine = engines
+    long = GenerationRequest(prompt("Context. " * 200, "Summarize."), max_tokens=5,
+                             sampling=SamplingParams(temperature=0))
+    short = GenerationRequest(prompt("Hi.", "Count to ten."), max_tokens=40, sampling=SamplingParams(temperature=0))
+    engine.reset()
+    batch = Batch(engine, prefill_cap=64)
+    first: list = []
+    events: list = []
+    batch.start(short, lambda: False, first.append, lambda: None)
+    while not batch.decoding:
+        batch.round()
+    batch.start(long, lambda: False, events.append, lambda: None)
+    while batch.running:
+        batch.round()
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    assert len(progress) >= 5 and all(b.done - a.done <= 64 for a, b in zip(progress, progress[1:]))
+    want = done(list(alone_engine.generate(long)))
+    assert done(events).token_ids == want.token_ids
+    assert done(first).token_ids == done(list(alone_engine.generate(short))).token_ids
+
+
+def test_a_cancelled_request_frees_its_lane(engines):
+    _, engine = engines
+    engine.reset()
+    batch = Batch(engine)
+    stop = threading.Event()
+    got: list = []
+    batch.start(REQUESTS[1], stop.is_set, got.append, lambda: got.append("end"))
+    for _ in range(6):
+        batch.round()
+    assert batch.free == engine.parallel - 1
+    stop.set()
+    batch.round()
+    assert batch.free == engine.parallel and got[-1] == "end" and got[-2].error == "cancelled"
+
+
+def test_parallel_beyond_memory_is_refused_with_what_fits(demo_model, monkeypatch):
+    from ds4_mlx import engine as engine_module
+    from ds4_mlx.model.cache import session_bytes
+    from ds4_mlx.model.weights import open_weights
+
+    weights = open_weights(demo_model)
+    state = session_bytes(weights.config, CTX) * engine_module.state_copies()
+    from ds4_mlx import memory
+
+    chunk = memory.chunk_transient_bytes(weights.config, memory.MIN_CHUNK, CTX - memory.MIN_CHUNK)
+    limit = (10 << 20) + 2 * state + state // 2 + chunk  # weights + 2.5 sessions + the shortest chunk at the end
+    assert engine_module.check_memory(weights, 10 << 20, CTX, limit, -4) == 2  # the default: as many as fit
+    with pytest.raises(ResourceError, match="--parallel 2 would fit"):
+        engine_module.check_memory(weights, 10 << 20, CTX, limit, 3)
+
+
+def test_server_runs_requests_at_once_on_both_apis(demo_model):
+    # thinking answers sample at temperature 1 whatever the request says (as ds4's server does): off here, and
+    # one request sampled with a seed instead
+    bodies = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about cats."}],
+                                        "max_tokens": 17, "temperature": 0, "think": False}),
+              ("/v1/messages", {"messages": [{"role": "user", "content": "Describe a bridge."}],
+                                "max_tokens": 23, "temperature": 0}),
+              ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief. " * 30},
+                                                     {"role": "user", "content": "Why?"}],
+                                        "max_tokens": 11, "temperature": 0, "stream": True, "think": False}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Plan a trip."}],
+                                        "max_tokens": 30, "temperature": 0.7, "seed": 99, "think": False})]
+
+    def answers(parallel: int, at_once: bool) -> list[str]:
+        with live_server(lambda: Engine.load(demo_model, CTX, parallel=parallel)) as live, httpx.Client(base_url=live.url, timeout=120) as client:
+            def ask(i: int, out: list) -> None:
+                path, body = bodies[i]
+                out[i] = client.post(path, json={"model": "deepseek-v4-flash", **body}).text
+
+            out: list = [None] * len(bodies)
+            if at_once:
+                threads = [threading.Thread(target=ask, args=(i, out)) for i in range(len(bodies))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            else:
+                for i in range(len(bodies)):
+                    ask(i, out)
+            health = client.get("/health").json()
+            return [normalized(text) for text in out], health, live.worker._batch
+
+    alone, _, _ = answers(1, at_once=False)
+    together, health, batch = answers(4, at_once=True)
+    assert together == alone
+    assert health["parallel"] == 4 and health["running"] == 0 and health["queued"] == 0
+    assert batch.shared_steps > 0
+
+
+def normalized(text: str) -> str:
+    """A response without what differs between two servings of one answer: ids, times, token counts of reuse."""
+    import re
+
+    text = re.sub(r'"(id|created|system_fingerprint)":\s*("[^"]*"|\d+)', "", text)
+    text = re.sub(r'"(chatcmpl|msg)[-_][^"]*"', "", text)
+    return re.sub(r'"(cache_read_input_tokens|cached_tokens|prompt_tokens_details)":\s*(\{[^}]*\}|\d+)', "", text)
