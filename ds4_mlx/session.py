@@ -25,7 +25,7 @@ from .errors import RequestError
 from .kernels.machinery import registry
 from .kernels.machinery.cudagraph import DriverError
 from .kernels.machinery.nvrtc import CompileError
-from .model.cache import SessionCache, StepUndo
+from .model.cache import LayerState, SessionCache, StepUndo
 from .model.graphstep import GraphCheckError, GraphDecoder, spare_device_bytes
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
 from .model.mtp import MTP, MTPSnapshot
@@ -92,6 +92,18 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class Verified:
+    """A speculative block's verification: the state before it, its tokens, and each row's final streams, logits
+    and layer states (Model.decode_rows), from which any number of its rows can be kept."""
+
+    start: Snapshot
+    tokens: tuple[int, ...]
+    streams: mx.array
+    logits: mx.array
+    rows: list[list[LayerState]]
+
+
+@dataclass(frozen=True)
 class Speculation:
     """What one `Session.speculate` step fed: `tokens`, the given token then the accepted guesses, and `logits`
     (len(tokens), n_vocab), row i for the token after tokens[i]. `drafted` MTP guesses were compared with the
@@ -152,7 +164,7 @@ class Session:
         self.cache = self.model.new_cache(self.ctx)
         self.logits: mx.array | None = None
         self.mtp_cache = self.mtp.new_cache() if self.mtp is not None else None
-        self._block_start: Snapshot | None = None  # the state before the last speculative block, for `rewind`
+        self._block: Verified | None = None  # the last speculative block verified, for `rewind`
         # a token fed by `feed_chosen`, not yet confirmed: its undo point, or GRAPH_FED
         self._fed: tuple[StepUndo, mx.array | None] | str | None = None
 
@@ -428,42 +440,45 @@ class Session:
         return drafts, gap
 
     def _verify(self, block: list[int]) -> Speculation:
-        """Feed the block in one model call and keep block[0] plus the guesses the model's argmax agrees with."""
+        """Feed the block as the rows of one step (Model.decode_rows: every weight read once for all of them) and
+        keep block[0] plus the guesses the model's argmax agrees with. The state is the one the last kept row
+        left: the rows after it are dropped, not undone or fed again."""
         before = self.snapshot()
-        ids = mx.array(block, dtype=mx.int32)
-        streams = self.model.hidden(ids, self.cache)
-        logits = self.model.head(streams)
+        streams, logits, rows = self.model.decode_rows(block, [self.cache], groups=[len(block)])
         choices = mx.argmax(logits, axis=-1).tolist()
         n = 1
         while n < len(block) and choices[n - 1] == block[n]:
             n += 1
-        if n < len(block):
-            self.cache.restore(before.cache)
-            streams = self.model.hidden(ids[:n], self.cache)
-        self.mtp(ids[:n], streams[:n], len(self.tokens), self.mtp_cache)
-        self.tokens.extend(block[:n])
-        self.logits = logits[n - 1]
-        self._eval()
-        self._block_start = before
+        self._block = Verified(before, tuple(block), streams, logits, rows)
+        self._keep(n)
         return Speculation(tuple(block[:n]), logits[:n], drafted=len(block), accepted=n)
+
+    def _keep(self, n: int) -> None:
+        """The state after the first n rows of the last verified block, from its start."""
+        block = self._block
+        start = len(block.start.tokens)
+        self.cache.advance(block.rows[n - 1], start + n)
+        self.mtp(mx.array(block.tokens[:n], dtype=mx.int32), block.streams[:n], start, self.mtp_cache)
+        self.tokens.extend(block.tokens[:n])
+        self.logits = block.logits[n - 1]
+        self._eval()
 
     def rewind(self, n_tokens: int) -> None:
         """Forget the tokens after the first n_tokens, back to at most the start of the last speculative block.
 
         A speculative step may feed tokens a caller then does not use (its answer stops first); rewinding leaves
-        the state plain decoding would have: the block's start restored, the tokens up to n_tokens fed again.
+        the state plain decoding would have: the state the block's row at n_tokens left (its start, for none).
         """
         if n_tokens == len(self.tokens):
             return
-        start = self._block_start
-        if start is None or not len(start.tokens) <= n_tokens < len(self.tokens):
-            low = len(self.tokens) if start is None else len(start.tokens)
+        block = self._block
+        if block is None or not len(block.start.tokens) <= n_tokens < len(self.tokens):
+            low = len(self.tokens) if block is None else len(block.start.tokens)
             raise ValueError(f"can rewind to between {low} and {len(self.tokens)} tokens, not {n_tokens}")
-        tail = self.tokens[len(start.tokens) : n_tokens]
-        self.restore(start)
-        if tail:
-            self.prefill(tail)
-        self._block_start = start
+        self.restore(block.start)
+        self._block = block
+        if n_tokens > len(block.start.tokens):
+            self._keep(n_tokens - len(block.start.tokens))
 
     def snapshot(self) -> Snapshot:
         self._check_none_fed()
@@ -474,7 +489,7 @@ class Session:
         self.tokens = list(snap.tokens)
         self.cache.restore(snap.cache)
         self.logits = snap.logits
-        self._block_start = None
+        self._block = None
         self._fed = None
         if self.mtp_cache is not None:
             if snap.mtp is None:

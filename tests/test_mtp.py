@@ -111,9 +111,10 @@ def oracle(monkeypatch, sequence: list[int], wrong=lambda position: False, gap: 
 
 def count_model_calls(monkeypatch, model: Model) -> list[int]:
     """Count the main model's forward calls: chunks go through Model.hidden, single tokens through Model.decode
-    (which hands them to Model.hidden itself in the reference kernel mode)."""
+    (which hands them to Model.hidden itself in the reference kernel mode), verified blocks through
+    Model.decode_rows (their rows)."""
     calls = []
-    real_hidden, real_decode = model.hidden, model.decode
+    real_hidden, real_decode, real_rows = model.hidden, model.decode, model.decode_rows
 
     def counted(tokens, cache):
         calls.append(len(tokens))
@@ -124,8 +125,13 @@ def count_model_calls(monkeypatch, model: Model) -> list[int]:
             calls.append(1)
         return real_decode(token, cache)
 
+    def counted_rows(tokens, caches, groups=None):
+        calls.append(len(tokens))
+        return real_rows(tokens, caches, groups)
+
     monkeypatch.setattr(model, "hidden", counted)
     monkeypatch.setattr(model, "decode", counted_decode)
+    monkeypatch.setattr(model, "decode_rows", counted_rows)
     return calls
 
 
@@ -357,9 +363,9 @@ def test_speculation_keeps_disk_checkpoints_where_plain_decoding_takes_them(monk
         real = engine._checkpoint
         saved[name] = []
 
-        def record(reason, engine=engine, real=real, out=saved[name]):
-            out.append((reason, tuple(engine.session.tokens)))
-            real(reason)
+        def record(lane, reason, real=real, out=saved[name]):
+            out.append((reason, tuple(lane.session.tokens)))
+            real(lane, reason)
 
         monkeypatch.setattr(engine, "_checkpoint", record)
         assert generate(engine, prompt, max_tokens=24).token_ids == generated
