@@ -10,6 +10,7 @@ strings and limits are its own. Over HTTP the same holds on both APIs with reque
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -166,3 +167,35 @@ def normalized(text: str) -> str:
     text = re.sub(r'"(id|created|system_fingerprint)":\s*("[^"]*"|\d+)', "", text)
     text = re.sub(r'"(chatcmpl|msg)[-_][^"]*"', "", text)
     return re.sub(r'"(cache_read_input_tokens|cached_tokens|prompt_tokens_details)":\s*(\{[^}]*\}|\d+)', "", text)
+
+
+def test_lanes_queue_and_429_cover_parallel_requests(demo_model):
+    """Two lanes, one place in the queue: two long streams run, a third waits, a fourth is refused with 429; a
+    client that goes frees its lane at the next round, and the waiting request runs there."""
+    body = {"model": "deepseek-v4-flash", "stream": True, "max_tokens": 100000, "temperature": 0, "think": False,
+            "messages": [{"role": "user", "content": "Go on forever."}]}
+    with live_server(lambda: Engine.load(demo_model, CTX, parallel=2), max_queue=1) as live, \
+            httpx.Client(base_url=live.url, timeout=120) as client:
+        streams = [client.stream("POST", "/v1/chat/completions", json=body) for _ in range(2)]
+        replies = [s.__enter__() for s in streams]
+        for reply in replies:  # both are decoding: their first tokens arrived
+            next(line for line in reply.iter_lines() if line.startswith("data: "))
+        waiting: list = []
+        third = threading.Thread(target=lambda: waiting.append(client.post(
+            "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})))
+        third.start()
+        deadline = time.monotonic() + 30
+        while client.get("/health").json()["queued"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = client.get("/health").json()
+        assert (health["parallel"], health["running"], health["queued"]) == (2, 2, 1)
+        refused = client.post("/v1/chat/completions", json={**body, "stream": False})
+        assert refused.status_code == 429
+        streams[0].__exit__(None, None, None)  # the client goes: its lane runs the waiting request
+        third.join(60)
+        assert waiting and waiting[0].status_code == 200
+        assert waiting[0].json()["usage"]["completion_tokens"] == 3
+        streams[1].__exit__(None, None, None)
+        while client.get("/health").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/health").json()["running"] == 0
