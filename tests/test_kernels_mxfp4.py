@@ -17,6 +17,10 @@ import numpy as np
 import pytest
 
 from ds4_mlx.cli import main
+from ds4_mlx.kernels.decode import experts, matvec
+from ds4_mlx.kernels.decode.fused_norm import probe_norm
+from ds4_mlx.kernels.decode.matvec import TOLERANCE as MATVEC_TOLERANCE
+from ds4_mlx.kernels.decode.mxfp4_matvec import MXFP4_MATVEC
 from ds4_mlx.kernels.decode.matvec import gathered_reference
 from ds4_mlx.kernels.formats.mxfp4 import MXFP4_GATHER, mx_nbytes, to_mx
 from ds4_mlx.kernels.formats.quants import E2M1, dequantize, tensor_nbytes
@@ -28,12 +32,14 @@ from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import GGMLType
 from ds4_mlx.model.linear import ExpertBank
 from ds4_mlx.model.model import Model
-from ds4_mlx.model.moe import RoutedExperts
+from ds4_mlx.model.moe import DOWN_SUM, GATE_UP, RoutedExperts
 from ds4_mlx.model.weights import open_weights
+from emulated_cuda import emulated_build
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 T = GGMLType.MXFP4
 REASSOCIATION = 1e-5
+FLASH_GATE, FLASH_DOWN = (256, 2048, 4096), (256, 4096, 2048)
 
 
 def relative_error(got: mx.array, want: mx.array) -> float:
@@ -112,10 +118,20 @@ def test_grouped_pairs_sorted_by_expert_equal_the_reference(on_cpu):
 def test_the_first_use_check_passes_on_the_cpu(on_cpu):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert MXFP4_GATHER.enabled(T) and linear.uses_mx(T)
-    assert not linear.uses_mx(GGMLType.Q4_K)
+        assert MXFP4_GATHER.enabled(T) and linear.uses_mx(T, FLASH_GATE)
+        assert not MXFP4_MATVEC.enabled(*FLASH_GATE[1:])  # no custom kernels on the CPU
+    assert not linear.uses_mx(GGMLType.Q4_K, FLASH_GATE)
     with registry.forced_mode("reference"):
-        assert not linear.uses_mx(T)
+        assert not linear.uses_mx(T, FLASH_GATE)
+
+
+def test_gpu_backends_keep_the_banks_raw_for_the_kernels():
+    """Where the raw-block kernels are taken (planned here for CUDA and Metal: every fast path written for them
+    counts as passed), a bank stays as stored and the fused expert kernels read it."""
+    for backend in ("cuda", "metal"):
+        with registry.planning(backend):
+            assert not linear.uses_mx(T, FLASH_GATE)
+            assert GATE_UP.enabled(T, FLASH_GATE, 6, 10.0) and DOWN_SUM.enabled(T, FLASH_DOWN, 6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,3 +233,59 @@ def test_the_fast_path_gives_the_reference_logits_on_the_gpu(on_gpu, mxfp4_weigh
     with registry.forced_mode("reference"):
         want = run(Model(mxfp4_weights, simulate_quant=False), tokens)
     assert relative_error(mx.array(got), mx.array(want)) <= REASSOCIATION
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The raw-block kernels' CUDA text, run on the CPU (emulated_cuda.py; slow: it compiles with g++)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [(40, 512), (24, 2048), (20, 4096), (8, 64)], ids=str)
+def test_emulated_matvec_equals_the_reference(size, tmp_path, monkeypatch):
+    """Rows staged by 16-byte loads (2048 and 4096 values: 1088 and 2176 bytes) and by 2-byte loads (512, 64), row
+    counts that leave threadgroups partly idle, several experts and slots; as MXFP4_MATVEC launches it."""
+    monkeypatch.setattr(matvec, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(matvec, "current_backend", lambda: "cuda")
+    n_out, n_in = size
+    shape = (3, n_out, n_in)
+    blocks = random_blocks(T, 3 * n_out, n_in, seed=n_in).reshape(3, -1)
+    ids = mx.array([2, 0, 2, 1], dtype=mx.uint32)
+    x = random_activations((4, n_in), seed=n_out)
+    got = MXFP4_MATVEC.fast_path.fast(x, blocks, ids, shape)
+    want = gathered_reference(x, blocks, ids, T, shape)
+    assert np.isfinite(np.array(got)).all()  # every output row was written
+    assert relative_error(got, want) <= MATVEC_TOLERANCE
+
+
+FUSED_CASES = {  # (OUT, IN) and the (T, k) routing
+    "two_tokens": ((64, 512), [[0, 2, 2, 1], [3, 3, 0, 1]]),
+    "three_tokens": ((96, 1024), [[1, 2], [0, 0], [3, 1]]),
+    "flash_width": ((256, 4096), [[3, 0, 1, 2, 2, 1]]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_emulated_fused_expert_kernels_equal_their_references(case, normed, tmp_path, monkeypatch):
+    """GateUpSwiglu (plain, and norming x as it stages it) and DownSum over MXFP4 banks, as their FastPaths launch
+    them, against their references (the model's weighted SwiGLU and slot sum of gathered reference products), within
+    the bounds experts.py states for them."""
+    monkeypatch.setattr(experts, "build", emulated_build(tmp_path))
+    monkeypatch.setattr(experts, "current_backend", lambda: "cuda")
+    (n_out, n_in), routing = FUSED_CASES[case]
+    ids = mx.array(np.array(routing, dtype=np.int32))
+    shape = (4, n_out, n_in)
+    gate, up, down = (random_blocks(T, 4 * n_out, n_in, seed=s).reshape(4, -1) for s in (1, 2, 3))
+    norm = probe_norm(n_in, 1e-6, seed=n_in) if normed else None
+    x = random_activations((ids.shape[0], n_in), seed=4) * (4.0 if normed else 1.0)
+    w = mx.array(np.random.default_rng(5).uniform(0.1, 1.5, ids.shape).astype(np.float32))
+    args = (x, ids, w, gate, up, T, shape, 10.0, norm)
+    got, want = GATE_UP.fast_path.fast(*args), GATE_UP.fast_path.reference(*args)
+    assert np.isfinite(np.array(got)).all()
+    assert relative_error(got, want) <= experts.GATE_UP_TOLERANCE
+    h = random_activations((ids.size, n_in), seed=6)
+    got = DOWN_SUM.fast_path.fast(h, ids, down, T, shape)
+    want = DOWN_SUM.fast_path.reference(h, ids, down, T, shape)
+    assert np.isfinite(np.array(got)).all()
+    assert relative_error(got, want) <= experts.TOLERANCE
