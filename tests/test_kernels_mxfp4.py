@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +31,7 @@ from ds4_mlx.kernels.prefill.grouped import MX_GROUPED, mx_grouped, sort_by_expe
 from ds4_mlx.model import linear
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.gguf import GGMLType
+from ds4_mlx.model.graph import VIEWS, graph_nodes, ops_after_kernels
 from ds4_mlx.model.linear import ExpertBank
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP, RoutedExperts
@@ -198,9 +200,7 @@ def test_the_fast_path_gives_the_reference_logits(on_cpu, mxfp4_weights, run):
 def test_grouped_banks_equal_one_product_per_pair(on_cpu, mxfp4_weights):
     """RoutedExperts' prefill path (three grouped products) against its decode path (one gathered product per
     pair), both over the mxfp4 form, and against the reference path."""
-    prefix = "blk.2.ffn_"
-    experts = RoutedExperts(*(ExpertBank(mxfp4_weights, prefix + f"{p}_exps.weight") for p in ("gate", "up", "down")),
-                            clamp=10.0)
+    experts = mxfp4_experts(mxfp4_weights)
     n_expert, _, n_embd = experts.gate.shape
     rng = np.random.default_rng(49)
     ids = mx.array(np.stack([rng.choice(n_expert, 2, replace=False) for _ in range(40)]).astype(np.int32))
@@ -213,16 +213,66 @@ def test_grouped_banks_equal_one_product_per_pair(on_cpu, mxfp4_weights):
     assert relative_error(grouped, reference) <= REASSOCIATION
 
 
+def mxfp4_experts(weights, layer: int = 2) -> RoutedExperts:
+    prefix = f"blk.{layer}.ffn_"
+    return RoutedExperts(*(ExpertBank(weights, prefix + f"{p}_exps.weight") for p in ("gate", "up", "down")),
+                         clamp=10.0)
+
+
+def test_a_decode_step_planned_for_cuda_is_two_kernel_launches(on_cpu, mxfp4_weights):
+    """As CUDA builds it: raw banks, gate + up + SwiGLU in one launch and down + slot sum in another, no MLX op on
+    their values (what the decode graphs replay: model/graph.py's ops_after_kernels)."""
+    x = random_activations((1, mxfp4_weights.config.n_embd), seed=52)
+    ids = mx.array([[0, 3]], dtype=mx.int32)
+    w = mx.array([[0.7, 0.4]])
+    mx.eval(x, ids, w)
+    with registry.planning("cuda"):
+        experts = mxfp4_experts(mxfp4_weights)
+        assert experts.gate.raw is not None and experts.down.raw is not None
+        y = experts._gathered(x, ids, w)
+        names = Counter(name for name in graph_nodes([y]).values() if name not in VIEWS)
+        assert names == {"CustomKernel": 2} and not ops_after_kernels([y])
+
+
+def test_raw_banks_repacked_per_chunk_equal_the_reference(on_cpu, mxfp4_weights, monkeypatch):
+    """The GPUs' prefill over raw banks (each bank repacked for the chunk, dequantized into the scratch, grouped
+    GEMM), run here with the CPU admitted to the scratch path and the banks kept raw as a GPU keeps them."""
+    monkeypatch.setattr(linear, "uses_mx", lambda ggml_type, shape: False)
+    monkeypatch.setattr(MX_GROUPED[mx.float32], "backends", ("cpu",))
+    repacked = []
+    monkeypatch.setattr(linear, "mx_grouped",
+                        lambda weight, *args: repacked.append(weight) or mx_grouped(weight, *args))
+    experts = mxfp4_experts(mxfp4_weights)
+    assert experts.gate.raw is not None
+    n_expert, _, n_embd = experts.gate.shape
+    rng = np.random.default_rng(53)
+    ids = mx.array(np.stack([rng.choice(n_expert, 2, replace=False) for _ in range(40)]).astype(np.int32))
+    x = random_activations((40, n_embd), seed=54)
+    w = mx.array(rng.uniform(0.1, 1.5, (40, 2)).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MX_GROUPED[mx.float32].enabled(T)
+    got = experts._grouped(x, ids, w)
+    assert len(repacked) == 3  # gate, up and down each repacked from their raw blocks
+    with registry.forced_mode("reference"):
+        want = experts._gathered(x, ids, w)
+    assert relative_error(got, want) <= REASSOCIATION
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # On the GPU (pytest -m gpu)
 
 
 @pytest.mark.gpu
 def test_first_use_checks_pass_on_the_gpu(on_gpu):
+    """At Flash's shapes and k = 6: the raw kernels (so the banks stay raw), the scratch prefill, and the mxfp4
+    form's gather_qmm a GPU falls back to."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert MXFP4_GATHER.enabled(T)
+        assert MXFP4_MATVEC.enabled(*FLASH_GATE[1:]) and MXFP4_MATVEC.enabled(*FLASH_DOWN[1:])
+        assert GATE_UP.enabled(T, FLASH_GATE, 6, 10.0) and DOWN_SUM.enabled(T, FLASH_DOWN, 6)
         assert all(MX_GROUPED[dtype].enabled(T) for dtype in (mx.float32, mx.bfloat16))
+        assert MXFP4_GATHER.enabled(T) and not linear.uses_mx(T, FLASH_GATE)
 
 
 @pytest.mark.gpu
