@@ -15,8 +15,9 @@ else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand 
   per projection, then the grouped GEMM;
 - affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
   CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
-- MXFP4 banks in MLX's mxfp4 form (0731's MXFP4 file, formats/mxfp4.py): the same two ways, the scratch dequantized
-  straight into its type (`mx_grouped`);
+- MXFP4 banks (0731's MXFP4 file): the same two ways over MLX's mxfp4 form (formats/mxfp4.py), the scratch
+  dequantized straight into its type (`mx_grouped`). GPUs hold these banks raw for the decode kernels and repack
+  them to the mxfp4 form for each chunk (`ExpertBank.grouped`): a few MLX ops over the bank's bytes;
 - the reference (the CPU, DS4_KERNELS=reference, or a kernel that failed its check): the reference dequantizer
   over slices of experts whose float32 form is at most SLICE_BYTES, each slice a gather_mm over all pairs with the
   rows of other slices masked out. Bounded by SLICE_BYTES plus the dequantizer's temporaries; a bank that fits
