@@ -37,6 +37,7 @@ from ds4_mlx.model.model import Model
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP, RoutedExperts
 from ds4_mlx.model.weights import open_weights
 from emulated_cuda import emulated_build
+from test_emulated_model import emulating_cuda  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 T = GGMLType.MXFP4
@@ -339,3 +340,32 @@ def test_emulated_fused_expert_kernels_equal_their_references(case, normed, tmp_
     want = DOWN_SUM.fast_path.reference(h, ids, down, T, shape)
     assert np.isfinite(np.array(got)).all()
     assert relative_error(got, want) <= experts.TOLERANCE
+
+
+@pytest.mark.slow
+def test_tiny_mxfp4_model_through_the_emulated_cuda_kernels_equals_the_reference(emulating_cuda, mxfp4_weights):
+    """The GPU route end to end, as test_emulated_model.py runs the q4 model: banks held raw, an 18-token chunk's
+    experts repacked and multiplied by the grouped GEMM kernels, decode steps through the fused MXFP4 expert
+    kernels; every check made at the tiny shapes (a fallback is an error). Within 1e-4 of the largest logit, the
+    bound of that test: float32 reassociation in every kernel, through all layers."""
+    tokens = np.random.default_rng(55).integers(0, mxfp4_weights.config.n_vocab, 20).astype(np.int32)
+    model = Model(mxfp4_weights, simulate_quant=False)
+    assert model.blocks[0].moe.experts.gate.raw is not None
+
+    def logits(decode: bool) -> np.ndarray:
+        cache = model.new_cache(64)
+        model.prefill(mx.array(tokens[:18]), cache)
+        if decode:
+            return np.stack([np.array(model.decode(int(t), cache)[1]).reshape(-1) for t in tokens[18:]])
+        return np.stack([np.array(model(mx.array(tokens[i:i + 1]), cache)).reshape(-1) for i in range(18, 20)])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = logits(decode=True)
+    for fast_path in (GATE_UP.fast_path, DOWN_SUM.fast_path):  # the MXFP4 kernels were checked and taken
+        assert any(backend == "cuda" and key[0] == T and decision.fast
+                   for (backend, key), decision in fast_path.decisions().items())
+    assert MX_GROUPED[mx.float32].decisions()[("cuda", T)].fast
+    with registry.forced_mode("reference"):
+        want = logits(decode=False)
+    assert np.abs(fast - want).max() <= 1e-4 * np.abs(want).max()

@@ -17,6 +17,10 @@ first-use checks compare the repacked form's dequantized values exactly and its 
 reassociation before any bank is repacked (model/linear.py's `uses_mx`).
 
 The activations stay float32: MLX's quantized matmuls compute in the activations' type.
+
+Where the form is used (model/linear.py's `uses_mx`): the CPU, and a GPU backend whose MXFP4 kernels over raw blocks
+(kernels/decode/mxfp4_matvec.py, the fused expert kernels) failed their checks. Elsewhere GPU backends keep the
+blocks as stored for those kernels and repack a bank here only for a prefill chunk's grouped GEMM.
 """
 
 from __future__ import annotations

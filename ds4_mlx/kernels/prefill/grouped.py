@@ -356,7 +356,6 @@ AFFINE_GROUPED = {
 """Affine (Q4_K) banks as a dequantized scratch + grouped GEMM, per scratch type; key: the ggml type."""
 
 
-
 def mx_grouped(weight: MxWeight, x: mx.array, sorted_ids: mx.array, counts: mx.array | None = None) -> mx.array:
     """x[i] @ W[ids[i]].T for an MXFP4 bank in MLX's mxfp4 form: as affine banks, scratch + grouped GEMM where its
     check passed (GPUs), else gather_qmm over the sorted pairs (no scratch). counts (E,): the pairs per expert,
