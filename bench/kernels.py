@@ -46,6 +46,7 @@ from ds4_mlx.kernels.decode.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.decode.matvec import QuantMatvec, gathered_reference
 from ds4_mlx.kernels.machinery.probe import random_activations, random_blocks
 from ds4_mlx.kernels.decode.q2_k import Q2_K_MATVEC
+from ds4_mlx.kernels.decode.mxfp4_matvec import MXFP4_MATVEC
 from ds4_mlx.kernels.formats.quants import reference_matmul
 from ds4_mlx.kernels.machinery.registry import KernelFallbackWarning, current_backend
 from ds4_mlx.model.config import FLASH
@@ -371,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             timings += [
                 expert_kernel(IQ2_XXS_MATVEC, ff, embd, args),  # gate / up
                 expert_kernel(Q2_K_MATVEC, embd, ff, args),  # down
+                expert_kernel(MXFP4_MATVEC, ff, embd, args),  # 0731's MXFP4 gate / up
             ]
         if not (args.grouped_only or args.matvec_only):
             timings += [

@@ -19,6 +19,7 @@ from .options import DEFAULT_MODEL, context_size
 
 FORMS = {
     "affine": "Q8_0/Q4_K in MLX's quantized form: the file's {stored} + a float32 scale and bias per 32 values",
+    "mxfp4": "MXFP4 experts in MLX's mxfp4 form, the file's bytes reordered: {stored} in the file",
     "float16": "F16 compressor, indexer and router matrices kept as float16 for the half matvec: {stored} in the file",
     "float32": "small matrices and vectors dequantized once: {stored} in the file",
     "raw": "kept as stored, dequantized when used",

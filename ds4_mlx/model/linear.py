@@ -1,7 +1,7 @@
 """How the forward pass reads its weights: the one place that turns GGUF tensors into matrix products.
 
 Every matmul in the model is y = x @ W.T for a stored W of shape (OUT, IN) (GGUF ne = [IN, OUT], ds4.c).
-A matrix is held in one of four forms:
+A matrix is held in one of four forms (an expert bank in one of five):
 
 - affine: Q8_0 and Q4_K tensors converted at load to MLX's affine quantized layout (kernels/formats/affine.py) and
   multiplied by MLX's quantized matmuls, or for up to 8 rows (decode) and selected experts by one custom kernel on
@@ -14,13 +14,18 @@ A matrix is held in one of four forms:
   x @ W.astype(float32).T. F16 converts to float32 exactly, so both give the dense form's products up to float32
   summation order, from half its memory. Also a fast path: never taken in the reference mode at load;
 - dense: other matrices whose float32 form is at most RESIDENT_BYTES, dequantized once at load;
-- raw: the rest, kept as their GGUF blocks and dequantized per call.
+- raw: the rest, kept as their GGUF blocks and dequantized per call;
+- mxfp4: MXFP4 expert banks (0731's MXFP4 file) repacked at load to MLX's own mxfp4 layout, the same format with
+  its nibbles in another order (kernels/formats/mxfp4.py): the file's bytes exactly, dequantizing to the reference
+  values, multiplied by mx.gather_qmm. A fast path like affine, checked first; taken where the MXFP4 kernels over
+  raw blocks are not (the CPU, or a GPU where their check failed: `uses_mx`).
 
-Routed experts (ExpertBank) are affine when their type allows it, else raw, and only the experts a token selects
-are read; for a few (token, expert) pairs, raw IQ2_XXS and Q2_K experts go through the fused expert kernels
-(kernels/decode/experts.py, called by model/moe.py) or the dequant-matvec kernels (GPU only). A prefill chunk's pairs,
-sorted by expert, go through grouped GEMMs instead (`ExpertBank.grouped`, kernels/prefill/grouped.py), and projections
-of BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends (kernels/prefill/batch.py). With
+Routed experts (ExpertBank) are affine or mxfp4 when their type allows it, else raw, and only the experts a token
+selects are read; for a few (token, expert) pairs, raw IQ2_XXS, Q2_K and MXFP4 experts go through the fused expert
+kernels (kernels/decode/experts.py, called by model/moe.py) or the dequant-matvec kernels (GPU only). A prefill
+chunk's pairs, sorted by expert, go through grouped GEMMs instead (`ExpertBank.grouped`,
+kernels/prefill/grouped.py; raw MXFP4 banks repacked to the mxfp4 form for the chunk first), and projections of
+BATCH_TOKENS rows or more through dequantize + dense GEMM on GPU backends (kernels/prefill/batch.py). With
 DS4_KERNELS=reference at load every tensor takes the dense or raw form, the reference path; after loading, the
 reference mode multiplies affine tensors by their dequantized values and float16 tensors by their float32 values,
 which are the reference's.
@@ -50,14 +55,17 @@ from ds4_mlx.kernels.formats.affine import AFFINE_GATHER, AFFINE_MATMUL, BITS, A
 from ds4_mlx.kernels.decode.affine_matvec import MAX_TOKENS as AFFINE_MATVEC_TOKENS
 from ds4_mlx.kernels.decode.affine_matvec import SwigluMatvec, affine_matvec
 from ds4_mlx.kernels.decode.affine_matvec import folds as affine_folds
-from ds4_mlx.kernels.prefill.batch import BATCH_TOKENS, batch_matmul, grouped_rows_matmul
+from ds4_mlx.kernels.prefill.batch import BATCH_TOKENS, batch_matmul, grouped_rows_matmul, prefill_dtype
 from ds4_mlx.kernels.decode.fused_norm import Norm, apply
-from ds4_mlx.kernels.prefill.grouped import RAW_GROUPED, affine_grouped, pair_inputs, sliced_grouped
+from ds4_mlx.kernels.prefill.grouped import (MX_GROUPED, RAW_GROUPED, affine_grouped, mx_grouped, pair_inputs,
+                                             sliced_grouped)
 from ds4_mlx.kernels.decode.half import MAX_TOKENS as HALF_MATVEC_TOKENS
 from ds4_mlx.kernels.decode.half import folds as half_folds
 from ds4_mlx.kernels.decode.half import half_matvec, matvec_enabled
 from ds4_mlx.kernels.decode.iq2_xxs import IQ2_XXS_MATVEC
 from ds4_mlx.kernels.decode.matvec import QuantMatvec
+from ds4_mlx.kernels.decode.mxfp4_matvec import MXFP4_MATVEC
+from ds4_mlx.kernels.formats.mxfp4 import MXFP4_GATHER, MxWeight, mx_nbytes, to_mx
 from ds4_mlx.kernels.decode.q2_k import Q2_K_MATVEC
 from ds4_mlx.kernels.formats.quants import dequantize
 from ds4_mlx.model.gguf import GGMLType
@@ -70,7 +78,8 @@ if TYPE_CHECKING:
 RESIDENT_BYTES = 64 << 20
 """Matrices without an affine form whose float32 form is at most this many bytes are dequantized once at load."""
 
-MATVECS: dict[int, QuantMatvec] = {GGMLType.IQ2_XXS: IQ2_XXS_MATVEC, GGMLType.Q2_K: Q2_K_MATVEC}
+MATVECS: dict[int, QuantMatvec] = {GGMLType.IQ2_XXS: IQ2_XXS_MATVEC, GGMLType.Q2_K: Q2_K_MATVEC,
+                                   GGMLType.MXFP4: MXFP4_MATVEC}
 """Dequant-matvec kernels over raw blocks (GPU only; elsewhere, or if their check fails, they run the reference)."""
 
 
@@ -80,6 +89,15 @@ def uses_affine(ggml_type: int, expert_bank: bool = False) -> bool:
         return False
     ggml_type = GGMLType(ggml_type)
     return AFFINE_MATMUL.enabled(ggml_type) and (not expert_bank or AFFINE_GATHER.enabled(ggml_type))
+
+
+def uses_mx(ggml_type: int, shape: tuple[int, int, int]) -> bool:
+    """Whether an expert bank (E, OUT, IN) of this type is repacked to MLX's mxfp4 form here: MXFP4 banks where
+    gather_qmm passed its first-use check, except where the raw-block matvec kernel passed its own (GPU backends),
+    which keeps the bank as stored for the fused expert kernels. Other MXFP4 matrices (no published file has one)
+    stay dense or raw."""
+    return (ggml_type == GGMLType.MXFP4 and not MATVECS[GGMLType.MXFP4].enabled(*shape[1:])
+            and MXFP4_GATHER.enabled(GGMLType.MXFP4))
 
 
 HALF_LINEARS = ("compressor_kv.weight", "compressor_gate.weight", "indexer.attn_q_b.weight", "indexer.proj.weight",
@@ -96,19 +114,21 @@ def uses_half(name: str, ggml_type: int, shape: tuple[int, ...]) -> bool:
 
 
 def loaded_forms(weights: ModelWeights) -> dict[str, tuple[int, int]]:
-    """For each form tensors take once loaded ("affine", "float16", "float32", "raw"): their bytes in the file and
-    in memory, known before loading anything (`inspect` shows them; the memory check adds them up).
+    """For each form tensors take once loaded ("affine", "mxfp4", "float16", "float32", "raw"): their bytes in the
+    file and in memory, known before loading anything (`inspect` shows them; the memory check adds them up).
 
-    Affine tensors take their converted size; F16 matrices of HALF_LINEARS that fit RESIDENT_BYTES as float32
-    are held as float16 where `uses_half`; other vectors and matrices that fit are held as float32 (int32 for
-    tid2eid); everything else stays as its raw blocks.
+    Affine tensors take their converted size, MXFP4 banks where `uses_mx` their file size; F16 matrices of
+    HALF_LINEARS that fit RESIDENT_BYTES as float32 are held as float16 where `uses_half`; other vectors and
+    matrices that fit are held as float32 (int32 for tid2eid); everything else stays as its raw blocks.
     """
-    forms = {"affine": (0, 0), "float16": (0, 0), "float32": (0, 0), "raw": (0, 0)}
+    forms = {"affine": (0, 0), "mxfp4": (0, 0), "float16": (0, 0), "float32": (0, 0), "raw": (0, 0)}
     for name, info in weights.file.tensors.items():
         shape = tuple(reversed(info.shape))
         float_bytes = 4 * info.n_elements
         if uses_affine(info.ggml_type, expert_bank=len(shape) == 3):
             form, loaded = "affine", affine_nbytes(info.ggml_type, shape)
+        elif len(shape) == 3 and uses_mx(info.ggml_type, shape):
+            form, loaded = "mxfp4", mx_nbytes(shape)
         elif len(shape) == 2 and float_bytes <= RESIDENT_BYTES and uses_half(name, info.ggml_type, shape):
             form, loaded = "float16", 2 * info.n_elements
         elif len(shape) < 3 and float_bytes <= RESIDENT_BYTES:
@@ -169,6 +189,17 @@ def _affine_now(source: TensorSource, name: str, ggml_type: int, shape: tuple[in
 
     wq, scales, biases = (a.reshape(*shape[:-1], -1) for a in source.read(name, convert))
     return AffineWeight(wq, scales, biases, BITS[ggml_type])
+
+
+def _mx_now(source: TensorSource, name: str, shape: tuple[int, ...]) -> MxWeight:
+    """An MXFP4 tensor repacked to MLX's mxfp4 form at load, a batch of rows at a time."""
+
+    def convert(rows: mx.array) -> tuple[mx.array, ...]:
+        w = to_mx(rows, (rows.shape[0], shape[-1]))
+        return w.wq, w.scales
+
+    wq, scales = (a.reshape(*shape[:-1], -1) for a in source.read(name, convert))
+    return MxWeight(wq, scales)
 
 
 class Linear:
@@ -427,9 +458,12 @@ class ExpertBank:
         self.name = name
         self.shape, self.ggml_type = _stored(source, name, 3, "[IN, OUT, n_expert]")
         self._affine: AffineWeight | None = None
+        self._mx: MxWeight | None = None
         self._raw: mx.array | None = None
         if uses_affine(self.ggml_type, expert_bank=True):
             self._affine = _affine_now(source, name, self.ggml_type, self.shape)
+        elif uses_mx(self.ggml_type, self.shape):
+            self._mx = _mx_now(source, name, self.shape)
         else:
             self._raw = _raw(source, name, self.shape)
 
@@ -439,18 +473,20 @@ class ExpertBank:
 
     @property
     def nbytes(self) -> int:
-        return self._affine.nbytes if self._affine is not None else self._raw.nbytes
+        return next(w for w in (self._affine, self._mx, self._raw) if w is not None).nbytes
 
     @property
     def raw(self) -> mx.array | None:
         """The GGUF blocks (E, bytes per expert) of a bank held raw, for kernels that read several banks in one
-        launch (kernels/decode/experts.py); None for an affine bank."""
+        launch (kernels/decode/experts.py); None for an affine or mxfp4 bank."""
         return self._raw
 
     def experts(self, ids: mx.array) -> mx.array:
         """Float32 weights of the experts `ids` (K,) -> (K, OUT, IN)."""
         if self._affine is not None:
             return self._affine.take(ids).dequantize()
+        if self._mx is not None:
+            return self._mx.take(ids).dequantize()
         return dequantize(self._raw[ids], self.ggml_type, (ids.size, *self.shape[1:]))
 
     def __call__(self, x: mx.array, ids: mx.array, norm: Norm | None = None) -> mx.array:
@@ -459,6 +495,8 @@ class ExpertBank:
         if self._affine is not None and _fast():
             return affine_matvec(x, self._affine, ids, norm=norm)
         x = apply(x, norm)
+        if self._mx is not None and _fast():
+            return self._mx.gather_matmul(x, ids)
         if self._raw is not None and self.ggml_type in MATVECS:
             return MATVECS[self.ggml_type](x, self._raw, ids, self.shape)
         return (x[:, None, :] @ mx.swapaxes(self.experts(ids), 1, 2))[:, 0, :]
@@ -480,10 +518,16 @@ class ExpertBank:
         if self._raw is not None and self.ggml_type in RAW_GROUPED:
             raw = mx.depends([self._raw], [after])[0]
             return RAW_GROUPED[self.ggml_type](x, raw, sorted_ids, counts, self.shape, rows)
+        if self._raw is not None and self.ggml_type == GGMLType.MXFP4 and MX_GROUPED[prefill_dtype()].enabled(
+                GGMLType.MXFP4):  # held raw for the decode kernels (GPUs): repacked for this chunk, then the scratch
+            raw = mx.depends([self._raw], [after])[0]
+            return mx_grouped(to_mx(raw, self.shape), pair_inputs(x, rows), sorted_ids, counts)
         x = pair_inputs(x, rows)
         if self._affine is not None and _fast():
             w = self._affine
             return affine_grouped(AffineWeight(*mx.depends([w.wq, w.scales, w.biases], [after]), w.bits), x,
                                   sorted_ids, counts)
+        if self._mx is not None and _fast():
+            return mx_grouped(MxWeight(*mx.depends([self._mx.wq, self._mx.scales], [after])), x, sorted_ids, counts)
         return sliced_grouped(x, sorted_ids, self.shape,
                               lambda index, slice_after: self.experts(mx.depends([index], [slice_after, after])[0]))

@@ -7,13 +7,13 @@ computes
     h[t, i] = swiglu(x[t] @ W_gate[e].T, x[t] @ W_up[e].T, clamp) * w[t, i]     (GateUpSwiglu, one launch)
     out[t]  = sum_i h[t, i] @ W_down[e].T                                        (DownSum, one launch)
 
-over raw IQ2_XXS / Q2_K banks, where op by op it is three dequant-matvecs (matvec.py), a repeat, the SwiGLU's
+over raw IQ2_XXS / Q2_K / MXFP4 banks, where op by op it is three dequant-matvecs (matvec.py), a repeat, the SwiGLU's
 elementwise ops and a sum. Both kernels read every selected weight once and are written for memory bandwidth:
 
 - a threadgroup owns a few output rows of one token and keeps that token's activations in threadgroup memory
   (DownSum: one slot's at a time). They are stored unit by unit (a unit is the run of quants that shares its
-  scales: 32 values for IQ2_XXS, 64 for Q2_K) and swizzled by 16-byte chunk, so that the lanes of a SIMD group,
-  each reading chunk c of its own unit, hit different banks;
+  scales: 32 values for IQ2_XXS and MXFP4, 64 for Q2_K) and swizzled by 16-byte chunk, so that the lanes of a SIMD
+  group, each reading chunk c of its own unit, hit different banks;
 - its SIMD groups stage weight rows into threadgroup memory with 16-byte loads from all 32 lanes (smaller words
   where a row is not a multiple of 16 bytes): GateUpSwiglu the gate and up row of one (slot, output row) job,
   DownSum ROWS rows of the current slot's expert. The next job's (slot's) rows, and DownSum's next activations,
@@ -23,6 +23,8 @@ elementwise ops and a sum. Both kernels read every selected weight once and are 
   and sign patterns up as 4-bit fields in threadgroup tables, turns eight of them into signed magnitudes (bytes
   biased by 128) with two byte permutes, and each byte into a float with one more (ds4_magic_byte); Q2_K masks
   four 2-bit quants at once and converts them the same way;
+  MXFP4 looks its 4-bit codes up in a 16-entry threadgroup table of floats (its blocks start at odd offsets, so
+  it reads codes a byte at a time);
 - one SIMD reduction per row adds the lanes' partial sums (DownSum's run over all slots first); GateUpSwiglu's lane
   0 applies the clamped SwiGLU and the routing weight.
 
@@ -45,6 +47,7 @@ from ...model.gguf import BLOCK_SIZES, GGMLType
 from ..machinery.dialect import SIMD_WIDTH, Kernel, build
 from .fused_norm import PROBE_SCALE, Norm, apply, fits, normed_kernel, probe_norm, variant
 from .iq2_xxs import grid_codes
+from .mxfp4_matvec import E2M1_HEADER, E2M1_SETUP, half_scale
 from .matvec import gathered_reference
 from ..machinery.probe import random_activations, random_blocks
 from ..machinery.registry import FastPath, current_backend
@@ -237,7 +240,41 @@ Q2_K_UNIT = Unit(GGMLType.Q2_K, values=64,
                  x_chunk="(xu >> 2) * 64 + ((xu >> 1) & 1) * 32 + (xu & 1) * 4 + (xc >> 2) * 8 + (xc & 3)",
                  decode=_Q2_K_DECODE)
 
-UNITS = {unit.ggml_type: unit for unit in (IQ2_XXS_UNIT, Q2_K_UNIT)}
+# --------------------------------------------------------------------------------------------------------------
+# MXFP4: 17-byte blocks of 32 values, an E8M0 scale byte then 16 code bytes (mxfp4_matvec.py); a unit is one block:
+# value j (chunk j / 4) is the low nibble of code byte j, value j + 16 (chunk 4 + j / 4) its high nibble. Codes are
+# looked up in the threadgroup table of doubled E2M1 values, the block's dot product scaled once by d / 2.
+
+_MXFP4_DECODE = """
+{
+  float dot[NQ];
+  for (int q = 0; q < NQ; ++q) {
+    dot[q] = 0.0f;
+  }
+  for (int i = 0; i < 4; ++i) {
+    const float4 xl = X4(u, i);
+    const float4 xh = X4(u, i + 4);
+    for (int q = 0; q < NQ; ++q) {
+      const SHARED_MEM unsigned char* qs = mine + q * ROW_BYTES + u * 17 + 1 + 4 * i;
+      float s = dot[q];
+      s += e2m1x2[qs[0] & 15u] * xl.x + e2m1x2[qs[0] >> 4] * xh.x;
+      s += e2m1x2[qs[1] & 15u] * xl.y + e2m1x2[qs[1] >> 4] * xh.y;
+      s += e2m1x2[qs[2] & 15u] * xl.z + e2m1x2[qs[2] >> 4] * xh.z;
+      s += e2m1x2[qs[3] & 15u] * xl.w + e2m1x2[qs[3] >> 4] * xh.w;
+      dot[q] = s;
+    }
+  }
+  for (int q = 0; q < NQ; ++q) {
+    const unsigned int scale_byte = mine[q * ROW_BYTES + u * 17];
+    acc[q] += HALF_SCALE * dot[q];
+  }
+}
+""".replace("HALF_SCALE", half_scale("scale_byte"))
+
+MXFP4_UNIT = Unit(GGMLType.MXFP4, values=32, x_chunk="xu * 8 + xc", decode=_MXFP4_DECODE, setup=E2M1_SETUP,
+                  header=E2M1_HEADER, table_bytes=4 * 16)
+
+UNITS = {unit.ggml_type: unit for unit in (IQ2_XXS_UNIT, Q2_K_UNIT, MXFP4_UNIT)}
 
 # --------------------------------------------------------------------------------------------------------------
 # The two kernels. Template constants: IN, OUT, ROW_BYTES, ROW_WORDS (a row in WORDs, the staging load), UNITS (a
@@ -414,9 +451,10 @@ for (int r = 0; r < ROWS; ++r) {
 WORDS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
 
 
-def copy_word(row_bytes: int) -> int:
-    """The widest load (16, 4 or 2 bytes) that tiles a row: rows start at multiples of row_bytes."""
-    return next(size for size in WORDS if row_bytes % size == 0)
+def copy_word(row_bytes: int) -> int | None:
+    """The widest load (16, 4 or 2 bytes) that tiles a row (rows start at multiples of row_bytes); None for a row
+    of an odd number of bytes (MXFP4's 17-byte blocks, an odd number of them), which the kernels do not take."""
+    return next((size for size in WORDS if row_bytes % size == 0), None)
 
 
 def _render(skeleton: str, unit: Unit, word: int) -> str:
@@ -527,6 +565,7 @@ class GateUpSwiglu:
                 norm: Norm | None = None) -> bool:
         """Whether __call__ takes the kernel for these banks (checking it first if this is its first use)."""
         if (ggml_type not in UNITS or not fits(norm, shape[2])
+                or copy_word(row_bytes(GGMLType(ggml_type), shape[2])) is None
                 or gate_up_plan(GGMLType(ggml_type), *shape[1:], k, shared_budget(), norm is not None) is None):
             return False
         return self.fast_path.enabled(self._key(ggml_type, shape, k, clamp, norm))
@@ -601,7 +640,8 @@ class DownSum:
 
     def enabled(self, ggml_type: int, shape: tuple[int, int, int], k: int) -> bool:
         """Whether __call__ takes the kernel for this bank (checking it first if this is its first use)."""
-        if ggml_type not in UNITS or down_plan(GGMLType(ggml_type), *shape[1:], shared_budget()) is None:
+        if (ggml_type not in UNITS or copy_word(row_bytes(GGMLType(ggml_type), shape[2])) is None
+                or down_plan(GGMLType(ggml_type), *shape[1:], shared_budget()) is None):
             return False
         return self.fast_path.enabled((GGMLType(ggml_type), shape[1], shape[2], k))
 

@@ -126,19 +126,27 @@ class QuantMatvec:
         )
 
     def enabled(self, out_features: int, in_features: int) -> bool:
-        return self.fast_path.enabled((out_features, in_features))
+        """Whether __call__ takes the kernel for this shape: rows the skeleton stages (an even number of bytes, so
+        at least in 2-byte words: MXFP4's 17-byte blocks make odd rows of an odd number of blocks) and a passed
+        check."""
+        return self._row_bytes(in_features) % 2 == 0 and self.fast_path.enabled((out_features, in_features))
 
     def __call__(self, x: mx.array, blocks: mx.array, ids: mx.array, shape: tuple[int, int, int]) -> mx.array:
         """x[k] @ W[ids[k]].T (see gathered_reference), by the kernel where it passed its check."""
+        if self._row_bytes(shape[2]) % 2:
+            return self._reference(x, blocks, ids, shape)
         return self.fast_path(x, blocks, ids, shape, key=tuple(shape[1:]))
+
+    def _row_bytes(self, n_in: int) -> int:
+        block_values, block_bytes = BLOCK_SIZES[self.ggml_type]
+        return n_in // block_values * block_bytes
 
     def _reference(self, x, blocks, ids, shape) -> mx.array:
         return gathered_reference(x, blocks, ids, self.ggml_type, shape)
 
     def _kernel(self, x: mx.array, blocks: mx.array, ids: mx.array, shape: tuple[int, int, int]) -> mx.array:
         _, n_out, n_in = shape
-        block_values, block_bytes = BLOCK_SIZES[self.ggml_type]
-        row_bytes = n_in // block_values * block_bytes
+        row_bytes = self._row_bytes(n_in)
         simds, rows = launch_plan(row_bytes)
         groups = -(-n_out // (simds * rows))
         kernel = build(self.kernel, current_backend())

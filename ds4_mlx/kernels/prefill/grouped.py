@@ -15,6 +15,9 @@ else or where its check fails the SIMT kernel (grouped_gemm.py). Its right-hand 
   per projection, then the grouped GEMM;
 - affine Q4_K banks (q4 files): on a GPU the bank's `dequantize()` (cast once if the scratch is bfloat16); on the
   CPU no scratch at all, `mx.gather_qmm(..., sorted_indices=True)` directly (as fast there, and no extra memory);
+- MXFP4 banks (0731's MXFP4 file): the same two ways over MLX's mxfp4 form (formats/mxfp4.py), the scratch
+  dequantized straight into its type (`mx_grouped`). GPUs hold these banks raw for the decode kernels and repack
+  them to the mxfp4 form for each chunk (`ExpertBank.grouped`): a few MLX ops over the bank's bytes;
 - the reference (the CPU, DS4_KERNELS=reference, or a kernel that failed its check): the reference dequantizer
   over slices of experts whose float32 form is at most SLICE_BYTES, each slice a gather_mm over all pairs with the
   rows of other slices masked out. Bounded by SLICE_BYTES plus the dequantizer's temporaries; a bank that fits
@@ -43,6 +46,7 @@ import numpy as np
 
 from ...model.gguf import GGMLType
 from ..formats.affine import GROUP_SIZE, AffineWeight, to_affine
+from ..formats.mxfp4 import MxWeight, to_mx
 from .batch import BF16_TOLERANCE, DTYPES, TOLERANCE, prefill_dtype
 from .dequant import dequantize_used
 from ..tensor_cores.grouped_gemm import expert_counts, grid_fits
@@ -327,14 +331,14 @@ def affine_grouped(weight: AffineWeight, x: mx.array, sorted_ids: mx.array, coun
     return y[:, 0, :]
 
 
-def _affine_probe(ggml_type: GGMLType) -> tuple:
+def _bank_probe(ggml_type: GGMLType) -> tuple:
     shape = (5, 64, 512)
     blocks = random_blocks(ggml_type, 5 * 64, 512, seed=23).reshape(5, -1)
     ids = mx.array([0, 1, 1, 1, 3, 3, 4, 4, 4], dtype=mx.uint32)
     return random_activations((ids.size, 512), seed=24), blocks, ids, ggml_type, shape
 
 
-def _affine_reference(x, blocks, ids, ggml_type, shape) -> mx.array:
+def _bank_reference(x, blocks, ids, ggml_type, shape) -> mx.array:
     return gathered_reference(x, blocks, ids, ggml_type, shape)
 
 
@@ -345,9 +349,33 @@ def _affine_fast(dtype: mx.Dtype):
 
 
 AFFINE_GROUPED = {
-    dtype: FastPath(f"affine_grouped_{name}", _affine_reference, _affine_fast(dtype), _affine_probe,
+    dtype: FastPath(f"affine_grouped_{name}", _bank_reference, _affine_fast(dtype), _bank_probe,
                     tolerance=TOLERANCE if dtype == mx.float32 else BF16_TOLERANCE, backends=("cuda", "metal"))
     for name, dtype in DTYPES.items()
 }
 """Affine (Q4_K) banks as a dequantized scratch + grouped GEMM, per scratch type; key: the ggml type."""
 
+
+def mx_grouped(weight: MxWeight, x: mx.array, sorted_ids: mx.array, counts: mx.array | None = None) -> mx.array:
+    """x[i] @ W[ids[i]].T for an MXFP4 bank in MLX's mxfp4 form: as affine banks, scratch + grouped GEMM where its
+    check passed (GPUs), else gather_qmm over the sorted pairs (no scratch). counts (E,): the pairs per expert,
+    where known."""
+    dtype = prefill_dtype()
+    if MX_GROUPED[dtype].enabled(GGMLType.MXFP4):
+        return scratch_matmul(x, weight.dequantize(dtype), sorted_ids, counts)
+    return weight.gather_matmul(x, sorted_ids, sorted_indices=trusts_sorted_indices())
+
+
+def _mx_fast(dtype: mx.Dtype):
+    def fast(x, blocks, ids, ggml_type, shape) -> mx.array:
+        return scratch_matmul(x, to_mx(blocks, shape).dequantize(dtype), ids)
+    return fast
+
+
+MX_GROUPED = {
+    dtype: FastPath(f"mxfp4_grouped_{name}", _bank_reference, _mx_fast(dtype), _bank_probe,
+                    tolerance=TOLERANCE if dtype == mx.float32 else BF16_TOLERANCE, backends=("cuda", "metal"))
+    for name, dtype in DTYPES.items()
+}
+"""MXFP4 banks as a scratch dequantized straight into the GEMM type (exact in float32 and bfloat16:
+formats/mxfp4.py) + grouped GEMM, per scratch type; key: the ggml type."""
