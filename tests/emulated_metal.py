@@ -208,8 +208,15 @@ def mlx_arguments(kernel: Kernel) -> dict[str, object]:
     return received
 
 
+MLX_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.int32: "int32_t",
+             mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.bool_: "bool"}
+"""get_type_string for dtypes given as template arguments (`typename` parameters)."""
+
+
 def template_text(value: object) -> str:
-    """A template argument as MLX writes it (bools as 1 / 0)."""
+    """A template argument as MLX writes it (bools as 1 / 0, dtypes by their Metal type)."""
+    if isinstance(value, mx.Dtype):
+        return MLX_TYPES[value]
     return str(int(value)) if isinstance(value, bool) else str(value)
 
 
@@ -231,7 +238,8 @@ def metal_text(kernel: Kernel, template: Sequence[tuple[str, object]], inputs: S
             f"{kernel.name}: shapes, strides and ndim of inputs are not emulated")
     text = header
     if template:
-        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in template]
+        kinds = ["typename" if isinstance(v, mx.Dtype) else "bool" if isinstance(v, bool) else "int"
+                 for _, v in template]
         text += "template <" + ", ".join(f"{kind} {n}" for kind, (n, _) in zip(kinds, template)) + ">\n"
     params = []
     for i, (input_name, a) in enumerate(zip(args["input_names"], inputs, strict=True)):

@@ -9,7 +9,7 @@ The logits must equal the forced reference path's within float32 reassociation. 
 be every kernel the same calls launch when planned for Metal (registry.planning), each launch within Apple's limits
 (emulated_metal.APPLE_LIMITS), and nothing CUDA-only may be reached: no CUDA library loaded (NVRTC, the driver's
 graphs, page-locked memory all go through kernels/machinery/cudalib.py), no kernel built for CUDA, no tensor-core
-kernel. On the H200 the gpu-marked tiny-model tests do the same through MLX. Slow: ~5 minutes a backend of g++
+kernel. On the H200 the gpu-marked tiny-model tests do the same through MLX. Slow: ~2-5 minutes a case of g++
 compiles and emulation on 2 cores.
 """
 
@@ -51,7 +51,7 @@ def patch_builds(monkeypatch, build: Callable, packages=(ds4_mlx.kernels,)) -> N
                 monkeypatch.setattr(module, "build", build)
 
 
-@pytest.fixture(params=["cuda", "metal"])
+@pytest.fixture
 def emulating(request, on_cpu, monkeypatch, tmp_path) -> str:
     """Every module that asks which backend this is hears the parameter's, and every kernel build is emulated (on
     Metal, in the model's modules too: a CUDA build there fails)."""
@@ -90,8 +90,12 @@ def tensor_core_kernels() -> set[str]:
             if isinstance(value, dialect.Kernel)}
 
 
-def test_tiny_model_through_the_emulated_kernels_equals_the_reference(emulating, monkeypatch, tmp_path):
-    weights = open_weights(write_model(tmp_path / "tiny-q4.gguf", preset="tiny", experts="q4", seed=7))
+@pytest.mark.parametrize(("emulating", "experts"), [("cuda", "q4"), ("metal", "q4"), ("metal", "q2")],
+                         indirect=["emulating"])
+def test_tiny_model_through_the_emulated_kernels_equals_the_reference(emulating, experts, monkeypatch, tmp_path):
+    """q4 experts (affine matvecs, MLX's gather_qmm), and on Metal also q2's (their own dequant-matvec and dequant
+    kernels)."""
+    weights = open_weights(write_model(tmp_path / "tiny.gguf", preset="tiny", experts=experts, seed=7))
     tokens = np.random.default_rng(11).integers(0, weights.config.n_vocab, 20).astype(np.int32)
     model = Model(weights, simulate_quant=False)
 
