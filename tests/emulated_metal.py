@@ -23,7 +23,8 @@ the 32-lane SIMD width, at most 32 KB of threadgroup memory; and the text agains
 variable outside the kernel function, C's f-suffixed math functions, CUDA's words. Every launch is logged in
 LAUNCHES (kernel, threads, threadgroup bytes). What the emulation cannot say: whether Apple's compiler accepts what
 g++ does (it is stricter about address spaces), the pipeline's own thread limit (registers), timing, and the
-last bits of Metal's fast-math functions (std:: float functions here).
+last bits of Metal's math functions (std:: float functions here). bfloat16 arrays are not emulated (numpy has no
+such dtype, g++ 12 no __bf16).
 """
 
 from __future__ import annotations
