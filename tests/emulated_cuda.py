@@ -9,71 +9,43 @@ operation that not every thread reaches hangs instead of passing. The kernel is 
 CUDA kernel (inputs then outputs, element types from the arrays' dtypes, template constants at the top of the body).
 
 `emulated` runs a kernel on numpy arrays; `emulated_build` stands in for dialect.build, so that a wrapper's own
-templates and grids are what runs. Used by test_kernels_emulated.py and test_kernels_indexer.py (slow tests).
+templates and grids are what runs. The threads, barriers and lane exchange are emulated_threads.py's, shared with
+emulated_metal.py. Used by test_kernels_emulated.py, test_kernels_indexer.py and others (slow tests).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import re
-import shutil
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from ds4_mlx.kernels.machinery.dialect import CUDA, Kernel
+from emulated_threads import compile_library, numpy_dtype, runner
 
 HOST = r"""
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
-#include <vector>
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
 #define __constant__
+#define threadIdx emulated_thread
+#define blockIdx emulated_group
 struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
 struct uint2 { unsigned int x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 struct __half { unsigned short bits; };
-struct Index { unsigned int x, y, z; };
-thread_local Index threadIdx, blockIdx;
-std::barrier<>* group_barrier;
-std::barrier<>* simd_barriers[32];
-inline void ds4_barrier() { group_barrier->arrive_and_wait(); }
-inline void ds4_simd_barrier() { simd_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
-template <class T> T lane_xor(T v, int mask) {
-  static T exchange[32][32];
-  const unsigned int simd = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  exchange[simd][lane] = v;
-  ds4_simd_barrier();
-  const T other = exchange[simd][lane ^ mask];
-  ds4_simd_barrier();
-  return other;
-}
+inline void ds4_barrier() { emulated_group_barrier(); }
+inline void ds4_simd_barrier() { emulated_simd_barrier(); }
 inline float ds4_simd_xor(float v, int mask) { return lane_xor(v, mask); }
 inline int ds4_simd_xor(int v, int mask) { return lane_xor(v, mask); }
-inline float ds4_simd_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += ds4_simd_xor(v, offset);
-  return v;
-}
-inline float ds4_simd_max(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v = std::fmax(v, ds4_simd_xor(v, offset));
-  return v;
-}
+inline float ds4_simd_sum(float v) { return lane_sum(v); }
+inline float ds4_simd_max(float v) { return lane_max(v); }
 inline void ds4_atomic_add(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v); }
 inline bool ds4_last_group(const unsigned int* counter, unsigned int groups, unsigned int* flag, unsigned int tid) {
   ds4_barrier();
@@ -331,33 +303,6 @@ inline void ds4_wgmma_commit() {}
 template <int N> inline void ds4_wgmma_wait(float*) {}
 inline void ds4_fence_async_shared() {}
 
-// Threadgroups one after the other, by the same threads; a separate barrier ends each group, so a thread that
-// leaves the kernel early cannot stand in for one at the kernel's own barriers, and the next group does not touch
-// the static threadgroup memory before every thread is done with it.
-template <class Body>
-void run_groups(int groups_x, int groups_y, int threads, Body body) {
-  std::barrier<> all(threads), done(threads);
-  group_barrier = &all;
-  std::vector<std::unique_ptr<std::barrier<>>> simds;
-  for (int s = 0; s < threads / 32; ++s) {
-    simds.emplace_back(new std::barrier<>(32));
-    simd_barriers[s] = simds.back().get();
-  }
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([=, &done] {
-      threadIdx = {(unsigned)t, 0, 0};
-      for (int y = 0; y < groups_y; ++y) {
-        for (int x = 0; x < groups_x; ++x) {
-          blockIdx = {(unsigned)x, (unsigned)y, 0};
-          body();
-          done.arrive_and_wait();
-        }
-      }
-    });
-  }
-  for (auto& thread : pool) thread.join();
-}
 """
 
 
@@ -370,30 +315,6 @@ HOST += cuda_helper("ds4_byte_float") + cuda_helper("ds4_magic_byte")
 
 C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", np.dtype(np.int32): "int32_t",
            np.dtype(np.uint32): "uint32_t", np.dtype(np.uint8): "uint8_t", np.dtype(np.bool_): "bool"}
-UNWRITTEN = {"float": np.nan, "__half": np.nan, "int32_t": -1, "uint32_t": 0xFFFFFFFF, "uint8_t": 0xFF,
-             "bool": False}
-"""What outputs hold before a launch: NaN (or -1, all ones) shows a value the kernel did not write."""
-
-
-SANITIZE = ["-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get("DS4_EMULATE_ASAN") else []
-"""With DS4_EMULATE_ASAN=1 (and libasan preloaded: bench/README.md, "Spending the GPU minutes well"), kernels are
-built with AddressSanitizer, so a read or write past any input, output or threadgroup array stops the test: what
-would be an illegal memory access (or a silent wrong read) on the GPU."""
-
-
-def compile_library(source: str, directory: Path, name: str) -> ctypes.CDLL:
-    """HOST + source as a loaded shared library, compiled once per text in `directory`."""
-    if shutil.which("g++") is None:
-        pytest.fail("the emulated kernel tests need g++ (C++20)")
-    source = HOST + source
-    path = directory / f"{name}_{hashlib.sha1((source + str(SANITIZE)).encode()).hexdigest()[:12]}"
-    if not path.with_suffix(".so").exists():
-        path.with_suffix(".cpp").write_text(source)
-        build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                                *SANITIZE, str(path.with_suffix(".cpp")), "-o", str(path.with_suffix(".so"))],
-                               capture_output=True, text=True)
-        assert build.returncode == 0, build.stderr[-3000:]
-    return ctypes.CDLL(str(path.with_suffix(".so")))
 
 
 def kernel_library(kernel: Kernel, template: Mapping[str, int], types: Sequence[str], directory: Path,
@@ -404,7 +325,8 @@ def kernel_library(kernel: Kernel, template: Mapping[str, int], types: Sequence[
     params = [f"{'const ' if i < len(kernel.inputs) else ''}{c_type}* {name}"
               for i, (c_type, name) in enumerate(zip(types, kernel.inputs + kernel.outputs, strict=True))]
     dynamic = f"alignas(16) static float ds4_shared[{kernel.shared_memory // 4}];\n" if kernel.shared_memory else ""
-    source = prelude + dynamic + CUDA.render(kernel.header) + f"void emulated_kernel({', '.join(params)}) {{\n"
+    source = HOST + prelude + dynamic + CUDA.render(kernel.header)
+    source += f"void emulated_kernel({', '.join(params)}) {{\n"
     source += "".join(f"  constexpr bool {name} = {str(value).lower()};\n" if isinstance(value, bool)
                       else f"  constexpr int {name} = {value};\n" for name, value in template.items())
     source += CUDA.render(kernel.source) + "\n}\n"
@@ -419,21 +341,11 @@ def emulated(kernel: Kernel, template: Mapping[str, int], directory: Path) -> Ca
     threads per group, output dtypes (float32 unless given)) -> outputs, which start as UNWRITTEN. Inputs' dtypes
     type the signature, as MLX's do; it is compiled once per signature."""
 
-    def run(inputs: Sequence[np.ndarray], output_shapes: Sequence[tuple[int, ...]], groups: tuple[int, int],
-            threads: int, output_dtypes: Sequence[np.dtype] | None = None) -> list[np.ndarray]:
-        inputs = [np.ascontiguousarray(a) for a in inputs]
-        output_dtypes = [np.dtype(d) for d in output_dtypes or [np.float32] * len(output_shapes)]
+    def library(inputs: Sequence[np.ndarray], output_dtypes: Sequence[np.dtype]) -> ctypes.CDLL:
         types = [C_TYPES[a.dtype] for a in inputs] + [C_TYPES[d] for d in output_dtypes]
-        outputs = [np.full(shape, UNWRITTEN[C_TYPES[d]], d) for shape, d in zip(output_shapes, output_dtypes)]
-        buffers = (ctypes.c_void_p * len(types))(*[a.ctypes.data for a in inputs + outputs])
-        kernel_library(kernel, template, types, directory).launch(buffers, *groups, threads)
-        return outputs
+        return kernel_library(kernel, template, types, directory)
 
-    return run
-
-
-def numpy_dtype(dtype: mx.Dtype) -> np.dtype:
-    return np.dtype(str(dtype).rsplit(".", 1)[-1])
+    return runner(library)
 
 
 def emulated_build(directory: Path) -> Callable:

@@ -1,9 +1,10 @@
-"""Custom kernels' CUDA text run on the CPU by emulated_cuda.py (one std::thread per GPU thread), against their
-references: the dequant-matvecs (IQ2_XXS, Q2_K), the half and affine matvecs (with and without the input norm folded
-in), the hyper-connection pre, split, update and post+pre, the compressor's decode step, the FP8 KV rounding and the fused expert
-kernels (gate + up + SwiGLU, down summed over the slots). Each runs as its wrapper launches it where the wrapper
-calls `build` (emulated_build stands in), otherwise with the wrapper's templates and grid spelled out here. The
-indexer's emulated tests are in test_kernels_indexer.py.
+"""Custom kernels' CUDA and Metal texts run on the CPU by emulated_cuda.py and emulated_metal.py (one std::thread
+per GPU thread), each test once per backend, against their references: the dequant-matvecs (IQ2_XXS, Q2_K), the
+half and affine matvecs (with and without the input norm folded in), the hyper-connection pre, split, update and
+post+pre, the compressor's decode step, the FP8 KV rounding and the fused expert kernels (gate + up + SwiGLU, down
+summed over the slots). Each runs as its wrapper launches it where the wrapper calls `build` (emulated_build stands
+in), otherwise with the wrapper's templates and grid spelled out here. The indexer's emulated tests are in
+test_kernels_indexer.py.
 
 Slow (it compiles C++ with g++ -std=c++20, which must be installed); the GPU tests in test_kernels_matvec.py,
 test_kernels_half.py, test_kernels_affine_matvec.py, test_kernels_hc.py, test_kernels_compressor.py,
@@ -12,19 +13,25 @@ test_kernels_actquant.py and test_kernels_experts.py check the same kernels thro
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import sys
 from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import ds4_mlx.kernels
 from ds4_mlx.kernels.decode import affine_matvec, experts, half
 from ds4_mlx.kernels.sublayers import compressor, hc
 from ds4_mlx.kernels.sublayers.actquant import FP8_KERNEL, FP8_THREADS
 from ds4_mlx.kernels.formats.affine import to_affine
 from ds4_mlx.kernels.sublayers.compressor import LAYOUTS, STEP_KERNEL
 from ds4_mlx.kernels.sublayers.compressor import TOLERANCE as STEP_TOLERANCE
+from ds4_mlx.kernels.machinery import registry
 from ds4_mlx.kernels.machinery.dialect import Kernel
+from ds4_mlx.kernels.machinery.registry import KernelFallbackWarning
 from ds4_mlx.kernels.decode.fused_norm import Norm, apply, probe_norm
 from ds4_mlx.kernels.decode.half import HALF_MATVEC_KERNEL, SIMDS, reference, split_plan
 from ds4_mlx.kernels.decode.half import TOLERANCE as HALF_TOLERANCE
@@ -38,10 +45,34 @@ from ds4_mlx.model.gguf import BLOCK_SIZES, GGMLType
 from ds4_mlx.model.hyper_connection import mix, post_pre, pre, split, update
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP
 from ds4_mlx.model.quant_sim import kv_fp8
+import emulated_cuda
+import emulated_metal
 from emulated_cuda import emulated, emulated_build
 from test_kernels_half import random_half
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings(f"error::{KernelFallbackWarning.__module__}.KernelFallbackWarning")]
+
+BACKEND = "cuda"
+"""The backend whose text the running test emulates (set by `backend`)."""
+
+
+@pytest.fixture(autouse=True, params=["cuda", "metal"])
+def backend(request, monkeypatch) -> str:
+    """Each test once on each backend's text: `emulated`, `emulated_build` and BACKEND here are that backend's; on
+    Metal the kernels modules' wrappers build for "metal" (their launches then held to Apple's limits), while the
+    registry still answers "cpu", so that the references the tests compute stay references."""
+    module = sys.modules[__name__]
+    emulation = {"cuda": emulated_cuda, "metal": emulated_metal}[request.param]
+    monkeypatch.setattr(module, "BACKEND", request.param)
+    monkeypatch.setattr(module, "emulated", emulation.emulated)
+    monkeypatch.setattr(module, "emulated_build", emulation.emulated_build)
+    if request.param == "metal":
+        for info in pkgutil.walk_packages(ds4_mlx.kernels.__path__, "ds4_mlx.kernels."):
+            kernels_module = importlib.import_module(info.name)
+            if hasattr(kernels_module, "current_backend") and kernels_module is not registry:
+                monkeypatch.setattr(kernels_module, "current_backend", lambda: "metal")
+    return request.param
 
 
 @pytest.mark.parametrize("matvec", [IQ2_XXS_MATVEC, Q2_K_MATVEC], ids=lambda m: m.ggml_type.name)
@@ -296,7 +327,7 @@ def test_emulated_compressor_step_pair_equals_the_two_steps(ratio, widths, posit
     references leave: equal to the two references (pooled rows within the tolerance, frontiers exactly) and, bit
     for bit, to the one-compressor kernel run on each compressor (the same text, the same arithmetic)."""
     monkeypatch.setattr(compressor, "build", emulated_build(tmp_path))
-    monkeypatch.setattr(compressor, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(compressor, "current_backend", lambda: BACKEND)
     coff = 2 if ratio == 4 else 1
     steps = [[None, None, random_activations((ratio, coff * w), seed=5 + w), *random_frontier(ratio, w, w)]
              for w in widths]  # kv, score (each token's own), ape, frontier kv and score
@@ -325,7 +356,7 @@ def test_emulated_compressor_chunk_equals_the_reference(ratio, width, lengths, m
     """Chunks fed one after another as POOL_CHUNK launches them, each on the frontier the reference left: pooled rows
     within the step's tolerance, the new frontier exactly (its empty rows 0 and -inf)."""
     monkeypatch.setattr(compressor, "build", emulated_build(tmp_path))
-    monkeypatch.setattr(compressor, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(compressor, "current_backend", lambda: BACKEND)
     coff = 2 if ratio == 4 else 1
     ape = random_activations((ratio, coff * width), seed=7)
     frontier = Frontier.empty(ratio, width)
@@ -368,7 +399,7 @@ def test_emulated_fused_expert_kernels_equal_their_references(ggml_type, case, t
     """Rows staged in 2-, 4- and 16-byte words, several tokens, repeated experts, 1 to 8 SIMD groups per
     threadgroup; each kernel as its FastPath launches it (templates, grid), against the FastPath's reference."""
     monkeypatch.setattr(experts, "build", emulated_build(tmp_path))
-    monkeypatch.setattr(experts, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(experts, "current_backend", lambda: BACKEND)
     (n_out, n_in), routing = FUSED_CASES[case]
     ids = mx.array(np.array(routing, dtype=np.int32))
     shape = (4, n_out, n_in)
@@ -392,7 +423,7 @@ def test_emulated_fused_expert_gate_up_with_the_input_norm_equals_the_reference(
     """The normed gate/up kernel (x normed while staged) against rms_norm then the reference, tokens 1x to 16x away
     from unit rms (each normed by its own sum of squares), 1 to 8 SIMD groups adding their partial sums."""
     monkeypatch.setattr(experts, "build", emulated_build(tmp_path))
-    monkeypatch.setattr(experts, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(experts, "current_backend", lambda: BACKEND)
     (n_out, n_in), routing = FUSED_CASES[case]
     ids = mx.array(np.array(routing, dtype=np.int32))
     shape = (4, n_out, n_in)

@@ -20,7 +20,7 @@ share, plus a few neutral words that each dialect spells its own way:
   ds4_float(unsigned int) (reinterpret), ds4_byte_float(unsigned int w, int k) (the float 2^23 + byte k of w, so
   that subtracting 2^23 gives the byte's value exactly: one byte permute on CUDA), ds4_rint(float) (ties to even),
   ds4_div(float, float) (correctly rounded, whatever fast-math setting the backend compiles with), ds4_log1p(float)
-  (Metal has no log1p: log(1 + x) there), ds4_byte_perm(lo, hi, selector) (CUDA's __byte_perm: byte n of the result is
+  (Metal has no log1p: its prelude sums 2 atanh(x / (2 + x))'s series near 0, log(1 + x) elsewhere), ds4_byte_perm(lo, hi, selector) (CUDA's __byte_perm: byte n of the result is
   byte (selector >> 4n) & 7 of the eight bytes hi:lo; selector nibbles stay below 8) and ds4_magic_byte(word,
   j) (2^23 + byte j of word, an exact float made by one byte permute: quants become floats without an
   int-to-float conversion, which runs at a quarter of the FMA rate on NVIDIA GPUs). Also ds4_cos(float) and
@@ -417,7 +417,14 @@ inline float ds4_float(unsigned int v) { return as_type<float>(v); }
 inline float ds4_byte_float(unsigned int w, int k) { return as_type<float>(0x4B000000u | ((w >> (8 * k)) & 0xFFu)); }
 inline float ds4_rint(float v) { return metal::rint(v); }
 inline float ds4_div(float a, float b) { return metal::precise::divide(a, b); }
-inline float ds4_log1p(float v) { return metal::precise::log(1.0f + v); }
+inline float ds4_log1p(float v) {
+  if (v > -0.25f && v < 0.375f) {  // 1 + v would drop v's low bits: 2 atanh(s), s = v / (2 + v), by its series
+    const float s = metal::precise::divide(v, 2.0f + v);
+    const float s2 = s * s;
+    return 2.0f * s * (1.0f + s2 * (0.33333334f + s2 * (0.2f + s2 * (0.14285715f + s2 * 0.11111111f))));
+  }
+  return metal::precise::log(1.0f + v);
+}
 inline float ds4_cos(float v) { return metal::precise::cos(v); }
 inline float ds4_sin(float v) { return metal::precise::sin(v); }
 inline float ds4_half_to_float(unsigned short bits) { return float(as_type<half>(bits)); }
