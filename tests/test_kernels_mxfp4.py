@@ -37,7 +37,7 @@ from ds4_mlx.model.model import Model
 from ds4_mlx.model.moe import DOWN_SUM, GATE_UP, RoutedExperts
 from ds4_mlx.model.weights import open_weights
 from emulated_cuda import emulated_build
-from test_emulated_model import emulating_cuda  # noqa: F401  (a fixture)
+from test_emulated_model import emulating  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels_unforced")
 T = GGMLType.MXFP4
@@ -343,7 +343,8 @@ def test_emulated_fused_expert_kernels_equal_their_references(case, normed, tmp_
 
 
 @pytest.mark.slow
-def test_tiny_mxfp4_model_through_the_emulated_cuda_kernels_equals_the_reference(emulating_cuda, mxfp4_weights):
+@pytest.mark.parametrize("emulating", ["cuda"], indirect=True)
+def test_tiny_mxfp4_model_through_the_emulated_cuda_kernels_equals_the_reference(emulating, mxfp4_weights):
     """The GPU route end to end, as test_emulated_model.py runs the q4 model: banks held raw, an 18-token chunk's
     experts repacked and multiplied by the grouped GEMM kernels, decode steps through the fused MXFP4 expert
     kernels; every check made at the tiny shapes (a fallback is an error). Within 1e-4 of the largest logit, the
