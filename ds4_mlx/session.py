@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -498,18 +499,66 @@ class Session:
                 self.mtp_cache.restore(snap.mtp)
 
 
+ROWS_TOLERANCE = 1e-4
+"""How far (relative to the largest logit) a row of a shared step may be from the same session's own step: the
+products of several rows sum in another order than one row's (~1e-6 of the scale on the CPU); the fast paths'
+own bounds are 1e-5 each, through every layer."""
+_rows_checked: weakref.WeakKeyDictionary[Model, dict[tuple[str, int], bool]] = weakref.WeakKeyDictionary()
+"""For each model, whether a step shared by that many sessions equals their own steps on a backend (checked at
+first use)."""
+
+
+class SharedStepWarning(RuntimeWarning):
+    """A step shared by several sessions disagreed with their own steps here: they decode one at a time."""
+
+
 def decode_together(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
     """Feeds each session its token in one step over the weights (Model.decode_rows, a row a session); returns
     each one's logits for the token after it. Each row computes what the session's own `decode` would (up to the
-    summation order of the products over several rows); the sessions' MTP blocks follow their streams."""
+    summation order of the products over several rows); the sessions' MTP blocks follow their streams.
+
+    The first shared step of each row count on a backend is checked: the same tokens are also fed to copies of the
+    sessions one at a time, and a row off by more than ROWS_TOLERANCE makes that row count decode one session at a
+    time from then on (one warning), as a fast path that fails its check goes back to its reference."""
     if len(sessions) != len(tokens) or not sessions:
         raise ValueError(f"{len(tokens)} tokens for {len(sessions)} sessions")
-    model = sessions[0].model
     for session in sessions:
         session._check_none_fed()
         if session.room < 1:
             raise RequestError(f"1 token does not fit: the session holds {len(session.tokens)} of a {session.ctx}-"
                                "token context")
+    key, checked = (mx.default_device().type.name, len(sessions)), _rows_checked.setdefault(sessions[0].model, {})
+    if len(sessions) == 1 or checked.get(key) is False:
+        return [session.decode(token) for session, token in zip(sessions, tokens)]
+    if key in checked:
+        return _shared_step(sessions, tokens)
+    alone = [_alone(session, token) for session, token in zip(sessions, tokens)]
+    before = [session.snapshot() for session in sessions]
+    out = _shared_step(sessions, tokens)
+    errors = [mx.max(mx.abs(got - want)).item() / max(mx.max(mx.abs(want)).item(), 1e-30)
+              for got, want in zip(out, alone)]
+    checked[key] = max(errors) <= ROWS_TOLERANCE
+    if checked[key]:
+        return out
+    warnings.warn(f"a decode step shared by {len(sessions)} sessions differs from their own steps on {key[0]} (a "
+                  f"row off by {max(errors):.3g} of its largest logit): such sessions decode one at a time",
+                  SharedStepWarning, stacklevel=2)
+    for session, snapshot in zip(sessions, before):
+        session.restore(snapshot)
+    return [session.decode(token) for session, token in zip(sessions, tokens)]
+
+
+def _alone(session: Session, token: int) -> mx.array:
+    """The logits the session's own compiled step gives for `token`, from a copy of its state (left as it was)."""
+    cache = SessionCache(session.model.config, session.ctx)
+    cache.restore(session.cache.snapshot())
+    _, logits = session.model.decode(token, cache)
+    mx.eval(logits)
+    return logits
+
+
+def _shared_step(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
+    model = sessions[0].model
     caches = [session.cache for session in sessions]  # handed back by any decode graph first
     streams, logits, rows = model.decode_rows(list(tokens), caches)
     out = []

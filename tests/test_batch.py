@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from ds4_mlx.batch import Batch
@@ -178,8 +179,10 @@ def test_lanes_queue_and_429_cover_parallel_requests(demo_model):
             httpx.Client(base_url=live.url, timeout=120) as client:
         streams = [client.stream("POST", "/v1/chat/completions", json=body) for _ in range(2)]
         replies = [s.__enter__() for s in streams]
-        for reply in replies:  # both are decoding: their first tokens arrived
-            next(line for line in reply.iter_lines() if line.startswith("data: "))
+        lines = [reply.iter_lines() for reply in replies]  # held: a dropped iterator closes its stream
+        for it in lines:  # both are decoding: their first tokens arrived
+            while not next(it).startswith("data: "):
+                pass
         waiting: list = []
         third = threading.Thread(target=lambda: waiting.append(client.post(
             "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})))
@@ -199,3 +202,30 @@ def test_lanes_queue_and_429_cover_parallel_requests(demo_model):
         while client.get("/health").json()["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.get("/health").json()["running"] == 0
+
+
+def test_a_shared_step_that_disagrees_falls_back_to_one_session_at_a_time(demo_model):
+    """The first shared step of a row count is checked against the sessions' own steps; where a backend's kernels
+    get several rows wrong, that row count decodes one session at a time from then on (one warning), and the
+    answers are still the ones each request gets alone."""
+    import warnings
+
+    from ds4_mlx.session import SharedStepWarning
+
+    engine = Engine.load(demo_model, CTX, parallel=2)
+    real = engine.model.decode_rows
+
+    def wrong(tokens, caches, groups=None):
+        streams, logits, rows = real(tokens, caches, groups)
+        return streams, logits + 1.0 * (mx.arange(logits.shape[-1]) % 7 == 0), rows
+
+    engine.model.decode_rows = wrong
+    alone_engine = Engine.load(demo_model, CTX, parallel=1)
+    requests = REQUESTS[:2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = Batch(engine)
+        together = [done(events) for events in batch.run_all(requests)]
+    assert sum(issubclass(w.category, SharedStepWarning) for w in caught) == 1
+    for request, got in zip(requests, together):
+        assert got.token_ids == done(list(alone_engine.generate(request))).token_ids

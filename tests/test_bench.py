@@ -181,7 +181,7 @@ def test_walk_prefills_in_the_chunks_asked_for(model_path):
 def _args(**kw) -> Namespace:
     base = dict(ctx_start=2048, ctx_max=32768, step_incr=None, step_mul=None, gen_tokens=128, repeats=1,
                 layers=None, synthetic=None, demo=False, ctx=None, ops_for=None, mtp=None, mtp_draft=1,
-                mtp_margin=3.0, prefill_chunk=None, read_back=False)
+                mtp_margin=3.0, prefill_chunk=None, read_back=False, parallel=1)
     return Namespace(**(base | kw))
 
 
