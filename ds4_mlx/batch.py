@@ -7,7 +7,9 @@ The scheduler works in rounds. In a round every request moves to its next pause:
 prompt), a decoding one by one token. While two or more lanes decode, their tokens go into one step over the
 weights (session.decode_together: every dense weight read once for all rows, each row attending to its own
 session); a lane that decodes alone steps as `Engine.generate` does (the decode graphs, tokens fed ahead, MTP
-speculation), which is what a lone stream runs fastest.
+speculation), which is what a lone stream runs fastest. Where the decode graphs run, a shared step (through MLX's
+compiled step) does not yet beat the lanes' own graph steps taken in turn, so there they take those
+(`sharing_pays`).
 
 A request joins at any round on a free lane: the one whose live tokens start its prompt (the longest), else the
 one idle longest, whose state the engine keeps as a RAM checkpoint before replacing it. It leaves when its answer
@@ -26,13 +28,22 @@ import mlx.core as mx
 
 from .engine import PAUSE, Engine, Feed, GenerationRequest, Lane
 from .events import Done, Event
-from .session import decode_together
+from .session import decode_together, graphs_wanted
 from .tokenizer import utf8
 
 log = logging.getLogger("ds4_mlx.batch")
 
 PREFILL_CAP = 1024
 """Tokens a prefill chunk holds at most while other lanes decode: what their next token may wait for."""
+
+
+def sharing_pays() -> bool:
+    """Whether lanes that decode at once share their steps here: not where the decode graphs run. There a lone
+    step is one graph launch, while a shared step goes through MLX's compiled step; over 12 Flash layers on the
+    H100 one stream decodes at 391 t/s through the graphs, and 2, 4 and 8 streams sharing steps at 316, 409 and 230
+    t/s in all (bench/RESULTS.md, 2026-12-07). There the lanes take their own steps in turn, each through its own
+    graphs."""
+    return not graphs_wanted()
 
 
 @dataclass(eq=False)
@@ -57,6 +68,8 @@ class Batch:
 
     engine: Engine
     prefill_cap: int = PREFILL_CAP
+    share: bool = field(default_factory=sharing_pays)
+    """Whether decoding lanes share their steps (`sharing_pays`); otherwise each steps alone, in turn."""
     running: list[Running] = field(default_factory=list)
     shared_steps: int = 0
     """Steps shared by several lanes so far, and the rows they fed (`shared_rows`)."""
@@ -158,7 +171,7 @@ class Batch:
     def _shared(self, run: Running) -> bool:
         """Asked by a decoding answer before each token: whether it goes into a step shared with other lanes."""
         run.decoding = True
-        return self.decoding > 1
+        return self.share and self.decoding > 1
 
     def _others_decode(self, run: Running) -> bool:
         return any(other.decoding for other in self.running if other is not run)

@@ -229,3 +229,15 @@ def test_a_shared_step_that_disagrees_falls_back_to_one_session_at_a_time(demo_m
     assert sum(issubclass(w.category, SharedStepWarning) for w in caught) == 1
     for request, got in zip(requests, together):
         assert got.token_ids == done(list(alone_engine.generate(request))).token_ids
+
+
+def test_lanes_that_do_not_share_steps_take_their_own_in_turn(engines):
+    """Where shared steps do not pay (the decode graphs: batch.sharing_pays), each decoding lane takes its own step
+    a round: no step is shared, and every answer is still the one it gets alone."""
+    alone_engine, engine = engines
+    engine.reset()
+    batch = Batch(engine, share=False)
+    together = [done(events) for events in batch.run_all(REQUESTS[:3])]
+    assert batch.shared_steps == 0
+    for request, got in zip(REQUESTS[:3], together):
+        assert got.token_ids == done(list(alone_engine.generate(request))).token_ids
