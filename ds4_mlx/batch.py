@@ -28,22 +28,13 @@ import mlx.core as mx
 
 from .engine import PAUSE, Engine, Feed, GenerationRequest, Lane
 from .events import Done, Event
-from .session import decode_together, graphs_wanted
+from .session import decode_together, sharing_pays
 from .tokenizer import utf8
 
 log = logging.getLogger("ds4_mlx.batch")
 
 PREFILL_CAP = 1024
 """Tokens a prefill chunk holds at most while other lanes decode: what their next token may wait for."""
-
-
-def sharing_pays() -> bool:
-    """Whether lanes that decode at once share their steps here: not where the decode graphs run. There a lone
-    step is one graph launch, while a shared step goes through MLX's compiled step; over 12 Flash layers on the
-    H100 one stream decodes at 391 t/s through the graphs, and 2, 4 and 8 streams sharing steps at 316, 409 and 230
-    t/s in all (bench/RESULTS.md, 2026-12-07). There the lanes take their own steps in turn, each through its own
-    graphs."""
-    return not graphs_wanted()
 
 
 @dataclass(eq=False)

@@ -37,7 +37,7 @@ from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
-from .session import Session, Snapshot, decode_together, graphs_wanted, state_copies
+from .session import Session, Snapshot, decode_together, graphs_wanted, sharing_pays, state_copies
 from .stop import StopStrings
 from .cache.tensordigest import tensor_digests
 from .tokenizer import StreamDecoder, Tokenizer, utf8
@@ -344,24 +344,30 @@ class Engine:
         """Feeds a short prompt and a few greedy tokens through the live session, then empties it; returns the
         seconds taken. Why: the first use of each kernel compiles or reads it back and checks it against its
         reference, and on CUDA the first decoded token makes and checks the decode graphs (~14 s on the full
-        model, bench/RESULTS.md, 2026-12-03): a server does that before it takes requests, not inside the first."""
+        model, bench/RESULTS.md, 2026-12-03), each lane its own: a server does that before it takes requests, not
+        inside the first. Where lanes share steps, the shared step of each row count is compiled and checked too."""
         t0 = time.perf_counter()
         tokens = self.tokenizer.encode("The kernels are compiled and checked here.")[: max(1, self.ctx // 2)]
-        self.session.reset()
-        self.session.prefill(tokens)
-        for _ in range(min(3, self.session.room)):
-            if self.session.mtp is None:
-                self.session.confirm(int(self.session.feed_chosen().item()))
-            else:
-                self.session.speculate(argmax(self.session.logits), self.mtp_draft - 1, self.mtp_margin)
-        self.session.reset()
-        for n in range(2, self.parallel + 1):  # the steps shared by 2..parallel lanes, compiled now
-            sessions = [lane.session for lane in self.lanes[:n]]
-            for session in sessions:
-                session.prefill(tokens[:1])
-            decode_together(sessions, [tokens[0]] * n)
-            for session in sessions:
-                session.reset()
+        for lane in self.lanes:  # each lane's own decode graphs, where they run, are made as it first decodes
+            session = lane.session
+            session.reset()
+            session.prefill(tokens)
+            for _ in range(min(3, session.room)):
+                if session.mtp is None:
+                    session.confirm(int(session.feed_chosen().item()))
+                else:
+                    session.speculate(argmax(session.logits), self.mtp_draft - 1, self.mtp_margin)
+            session.reset()
+            if not graphs_wanted():
+                break  # the other lanes take the same compiled steps
+        if sharing_pays():
+            for n in range(2, self.parallel + 1):  # the steps shared by 2..parallel lanes, compiled now
+                sessions = [lane.session for lane in self.lanes[:n]]
+                for session in sessions:
+                    session.prefill(tokens[:1])
+                decode_together(sessions, [tokens[0]] * n)
+                for session in sessions:
+                    session.reset()
         return time.perf_counter() - t0
 
     def set_context(self, ctx: int) -> None:

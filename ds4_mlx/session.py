@@ -499,6 +499,15 @@ class Session:
                 self.mtp_cache.restore(snap.mtp)
 
 
+def sharing_pays() -> bool:
+    """Whether lanes that decode at once share their steps here: not where the decode graphs run. There a lone
+    step is one graph launch, while a shared step goes through MLX's compiled step; over 12 Flash layers on the
+    H100 one stream decodes at 391 t/s through the graphs, and 2, 4 and 8 streams sharing steps at 316, 409 and 230
+    t/s in all (bench/RESULTS.md, 2026-12-07). There the lanes take their own steps in turn, each through its own
+    graphs."""
+    return not graphs_wanted()
+
+
 ROWS_TOLERANCE = 1e-4
 """How far (relative to the largest logit) a row of a shared step may be from the same session's own step: the
 products of several rows sum in another order than one row's (~1e-6 of the scale on the CPU); the fast paths'
