@@ -252,6 +252,8 @@ class Attention:
         own session. Returns the output (B, n_embd) and each row's state, the state its session has once that row
         is fed; a session's rows share its last row's row buffers (an earlier row's state is its session's after
         that row: rows written later lie past its live rows)."""
+        if x.shape[0] > 1:  # the input norm folded into the matvecs is checked for one row only: not taken here
+            x, norm = rms_norm(x, *norm), None
         q_a, kv, *compressing = self.project(x, norm=norm)  # the input_projections, one launch per storage form
         q_norm = (self.q_a_norm, self.eps)  # the query latents' norm, applied by q_b and the indexer's q_b
         q = self.q_b(q_a, norm=q_norm)  # normed per head and rotated by DECODE_ATTENTION

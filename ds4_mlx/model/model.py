@@ -73,13 +73,16 @@ class Block:
         """A decode step's rows (Attention.step_rows): tokens (B,) at array `positions` (B,), the rows of session i
         groups[i] consecutive tokens from its state states[i]; returns the FFN post pending and each row's state.
         `ends`: the compression ratios whose windows the step's tokens end (their layers write a compressed row),
-        None for all of them. The input projections apply attn_norm and the MoE's readers ffn_norm, folded into
-        their matvecs where the kernels allow."""
+        None for all of them. For one row the input projections apply attn_norm and the MoE's readers ffn_norm,
+        folded into their matvecs where the kernels allow; several rows are normed first."""
         streams, x, post, comb = self.attn_hc.pre_after(residual)
         out, rows = self.attention.step_rows(x, positions, states, (self.attn_norm, self.eps), groups,
                                              completes=ends is None or self.attention.ratio in ends)
         streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(out, None, streams, post, comb))
-        routed, shared = self.moe.parts(x, tokens, norm=(self.ffn_norm, self.eps))
+        if tokens.shape[0] > 1:  # several rows: the norm on its own (see Attention.step_rows)
+            routed, shared = self.moe.parts(rms_norm(x, self.ffn_norm, self.eps), tokens)
+        else:
+            routed, shared = self.moe.parts(x, tokens, norm=(self.ffn_norm, self.eps))
         return PendingPost(routed, shared, streams, post, comb), rows
 
 
