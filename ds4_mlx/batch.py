@@ -42,9 +42,10 @@ class Running:
     """One request on its lane: its answer, where its events go, and what the next round sends it."""
 
     lane: Lane
-    answer: Generator[Event | Feed | object, mx.array | None, None]
     post: Callable[[Event | BaseException], None]
     end: Callable[[], None]
+    answer: Generator[Event | Feed | object, mx.array | None, None] | None = None
+    """The engine's answer on the lane, made once the request holds it (`Batch.start`)."""
     decoding: bool = False
     feed: Feed | None = None
     """The token waiting for the next shared step."""
@@ -101,7 +102,7 @@ class Batch:
         if self.free < 1:
             raise RuntimeError("no free lane")
         lane = self._choose(request)
-        run = Running(lane, None, post, end)  # type: ignore[arg-type]
+        run = Running(lane, post, end)
         run.answer = self.engine.answer(lane, request, cancel, shared=lambda: self._shared(run))
         self.running.append(run)
 
@@ -147,16 +148,20 @@ class Batch:
                 return
             if item is PAUSE:
                 return
-            run.post(item)
-            if isinstance(item, Done):  # nothing follows Done: the lane is free for the next request at once
+            if isinstance(item, Done):  # nothing follows Done: the lane is free before the client has the answer
                 run.answer.close()
-                self._finish(run)
+                self._finish(run, item)
                 return
+            run.post(item)
 
-    def _finish(self, run: Running) -> None:
+    def _finish(self, run: Running, last: Done | None = None) -> None:
+        """Frees the run's lane, then posts its last event (if any) and ends it: a client that has its answer
+        finds the lane free (/health, its next request)."""
         self.running.remove(run)
         run.lane.session.chunk_cap = None
         self._idle_since[id(run.lane)] = next(self._clock)
+        if last is not None:
+            run.post(last)
         run.end()
 
     def _shared(self, run: Running) -> bool:

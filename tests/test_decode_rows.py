@@ -48,7 +48,7 @@ def prefilled(model: Model, tokens: list[int]):
     return cache, logits
 
 
-@pytest.mark.parametrize("mode", ["fast", "reference"])
+@pytest.mark.parametrize("mode", ["fast", pytest.param("reference", marks=pytest.mark.slow)])
 def test_sessions_step_together_as_alone(model, mode):
     """Four sessions at positions around window ends (127, 128, 4k-1...) step 12 tokens together, each row's
     logits and greedy token those of its session stepping alone; the caches end equal."""
