@@ -390,10 +390,8 @@ class Model:
                 self._steps[groups, ctxs, each] = mx.compile(partial(self._flat_rows, groups, each))
                 self._steps[groups, ctxs, each](*flat)
         streams, logits, *arrays = out
-        counts = [LayerState.count(self.config.compress_ratio(layer)) for layer in range(self.config.n_layer)]
-        per_row, rows = sum(counts), []
-        for r in range(ids.size):
-            rows.append(unflatten_layers(self.config, arrays[r * per_row : (r + 1) * per_row]))
+        per_row = len(arrays) // ids.size
+        rows = [unflatten_layers(self.config, arrays[r * per_row : (r + 1) * per_row]) for r in range(ids.size)]
         return streams, logits, rows
 
     def _flat_rows(self, groups: tuple[int, ...], ends: tuple[int, ...], tokens: mx.array, positions: mx.array,
