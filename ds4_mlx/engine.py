@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,11 +33,12 @@ from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
 from .model.mtp import MTP, open_mtp
+from .model.shard import init_split
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .reuse import Reuse, first_difference
-from .sampling import Sampler, SamplingParams, argmax
-from .session import Session, Snapshot, decode_together, graphs_wanted, sharing_pays, state_copies
+from .sampling import Sampler, SamplingParams, _fresh_seed, argmax
+from .session import GRAPH_ENV, Session, Snapshot, decode_together, graphs_wanted, sharing_pays, state_copies
 from .stop import StopStrings
 from .cache.tensordigest import tensor_digests
 from .tokenizer import StreamDecoder, Tokenizer, utf8
@@ -268,6 +269,8 @@ class Engine:
         kv_cache: KvCacheOptions | None = None,
         mtp: str | os.PathLike | None = None,
         checkpoint: Checkpoint | None = None,
+        split: str | None = None,
+        split_weights: str | None = None,
         **opts,
     ) -> Engine:
         """Opens and validates a GGUF, checks that it fits with the state at `ctx`, and builds the model.
@@ -277,6 +280,8 @@ class Engine:
         draft file (ds4.c) to load with it; pass `mtp_draft` >= 2 to speculate with it. `checkpoint` says which
         checkpoint the file is (`--checkpoint`); None tells it from the file (model/checkpoint.py). `parallel` is
         the lanes requests run on at once (negative: up to that many, as many as fit beside the weights).
+        Under `mlx.launch` the model is split across the ranks (`split`: "tensor", the default, or "layers";
+        `split_weights` their shares, "3,5"; model/shard.py): each rank loads and checks the memory of its share.
         """
         path = Path(path)
         if not path.exists():
@@ -289,12 +294,17 @@ class Engine:
 
         weights = open_weights(path)
         check_context(weights.config, ctx)
+        shard = init_split(split, split_weights, weights)
+        if shard is not None:  # the decode graphs run the step of one process (model/graphstep.py)
+            os.environ[GRAPH_ENV] = "off"
+        if shard is not None and (mtp is not None or kv_cache is not None):
+            raise UsageError("a model split across ranks runs without --mtp and the disk KV cache (not yet supported)")
         if kv_cache is not None:
             check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
         mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
         if drafts_unused(opts.get("mtp_draft", 1), opts.get("speculate_anyway", False)):
             mtp_weights = None  # checked, not loaded: the engine would not use it
-        model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
+        model_bytes = loaded_nbytes(weights if shard is None else shard.weights(weights)) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
         opts["parallel"] = check_memory(weights, model_bytes, ctx, memory.apply_limit(), opts.get("parallel", 1))
         phase("open")
         with ThreadPoolExecutor(2, thread_name_prefix="ds4-mlx-beside-load") as pool:
@@ -303,7 +313,7 @@ class Engine:
             tokenizer = pool.submit(Tokenizer.from_gguf, weights.file.metadata)
             digests = pool.submit(tensor_digests, weights.file) if kv_cache is not None else None
             with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
-                model = Model(weights, simulate_quant=simulate_quant, progress=bar.update)
+                model = Model(weights, simulate_quant=simulate_quant, progress=bar.update, split=shard)
             phase("weights")
             if mtp_weights is not None:
                 with Progress(quiet).bar(f"loading {Path(mtp).name}", unit="bytes") as bar:
@@ -574,6 +584,14 @@ class Engine:
                 return i
         return -1
 
+    def _agreed(self, params: SamplingParams) -> SamplingParams:
+        """The sampling settings every rank of a split model samples with: one seed, rank 0's (each rank gets the
+        same logits, bit for bit, so each draws the same tokens); unchanged in a single process."""
+        split = self.model.split
+        if split is None or params.seed is not None:
+            return params
+        return replace(params, seed=split.agree(_fresh_seed()))
+
     def shutdown(self) -> None:
         """Checkpoints the live sessions to disk (reason shutdown) for the next process, when the disk cache is on
         and a session is long enough. The engine stays usable."""
@@ -614,7 +632,7 @@ class Engine:
         t1 = time.perf_counter()
 
         thinking = req.thinking if req.thinking is not None else tokens[-1] == self.tokenizer.think_id
-        sampler = Sampler(req.sampling)
+        sampler = Sampler(self._agreed(req.sampling))
         decoder = StreamDecoder(self.tokenizer)
         parser = dsml.StreamParser(thinking=thinking, tools_active=req.tools_active)
         greedy = dsml.GreedyTracker(thinking=thinking) if req.tools_active else None

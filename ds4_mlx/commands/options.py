@@ -67,6 +67,11 @@ def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 3276
                    help="device memory the process may hold, e.g. 70G (default: the GPU's memory less a reserve "
                         "for what MLX does not count; on the CPU 90%% of RAM); prefill chunks shrink to stay under it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    g = p.add_argument_group("several machines (under mlx.launch; docs/distributed.md)")
+    g.add_argument("--split", choices=("tensor", "layers"),
+                   help="tensor: every layer split across the ranks (default); layers: a range of layers a rank")
+    g.add_argument("--split-weights", metavar="W,W,...",
+                   help="each rank's share of the split, e.g. 3,5 (default: even)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -311,7 +316,14 @@ def open_engine(args: argparse.Namespace, **opts):
     select_backend(args)
     if getattr(args, "kv_disk_dir", None) is not None:
         opts.setdefault("kv_cache", kv_cache_options(args))
-    warn_ignored_options(args)
+    from ..model.shard import rank
+
+    if (at := rank()) != 0:  # every rank runs the command; rank 0 alone prints, the others their errors only
+        args.quiet = True
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        sys.stderr = ErrorLines(sys.stderr, f"rank {at}: ")
+    else:
+        warn_ignored_options(args)
     path = model_file(args)
     if args.demo:
         print(
@@ -327,12 +339,36 @@ def open_engine(args: argparse.Namespace, **opts):
         opts.setdefault("checkpoint", Checkpoint(args.checkpoint))
     if getattr(args, "mtp", None) is not None:
         opts.update(mtp=args.mtp, mtp_draft=args.mtp_draft, mtp_margin=args.mtp_margin)
-    engine = Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet, **opts)
+    engine = Engine.load(path, args.ctx, simulate_quant=not args.no_quant_sim, quiet=args.quiet,
+                         split=getattr(args, "split", None), split_weights=getattr(args, "split_weights", None), **opts)
     if engine.random_weights and getattr(args, "tokens", 0) is None:
         print(f"ds4-mlx: the model has random weights and never stops by itself: answers end after "
               f"{DEMO_MAX_TOKENS} tokens unless a limit is given (-n N; in the server, a request's max_tokens)",
               file=sys.stderr)
     return engine
+
+
+class ErrorLines:
+    """A text stream that passes on only the lines saying `error:` (with a prefix naming the rank) and drops the
+    rest: the standard error of a rank past 0, which runs the same command as rank 0 but need not repeat its
+    output."""
+
+    def __init__(self, stream, prefix: str) -> None:
+        self.stream, self.prefix, self.pending = stream, prefix, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            if "error:" in line:
+                self.stream.write(f"{self.prefix}{line}\n")
+                self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
 def encode_cli_prompt(tokenizer, pieces) -> list[int]:

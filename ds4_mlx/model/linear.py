@@ -122,7 +122,8 @@ def loaded_forms(weights: ModelWeights) -> dict[str, tuple[int, int]]:
     matrices that fit are held as float32 (int32 for tid2eid); everything else stays as its raw blocks.
     """
     forms = {"affine": (0, 0), "mxfp4": (0, 0), "float16": (0, 0), "float32": (0, 0), "raw": (0, 0)}
-    for name, info in weights.file.tensors.items():
+    for info in weights.tensor_infos():
+        name = info.name
         shape = tuple(reversed(info.shape))
         float_bytes = 4 * info.n_elements
         if uses_affine(info.ggml_type, expert_bank=len(shape) == 3):

@@ -36,6 +36,7 @@ from ds4_mlx.model.moe import GATHER_LIMIT, MoE, RoutedExperts, Router, SharedEx
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import RowQuant
 from ds4_mlx.model.rope import RoPE, Yarn
+from ds4_mlx.model.shard import Split
 from ds4_mlx.model.stream import Convert, LoadStats, TensorStream
 from ds4_mlx.model.weights import ModelWeights
 
@@ -53,6 +54,8 @@ class Block:
     ffn_norm: mx.array
     moe: MoE
     eps: float
+    sum: Callable[[mx.array], mx.array] | None = None
+    """The sum across ranks of the attention's and the MoE's outputs where every layer is split (model/shard.py)."""
 
     def __call__(self, residual: mx.array | PendingPost, tokens: mx.array, n_past: int, state: LayerState
                  ) -> tuple[PendingPost, LayerState]:
@@ -63,8 +66,8 @@ class Block:
         kernels do in the launches of that pre (hyper_connection.py)."""
         streams, x, post, comb = self.attn_hc.pre_after(residual)
         out, state = self.attention(rms_norm(x, self.attn_norm, self.eps), n_past, state)
-        streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(out, None, streams, post, comb))
-        routed, shared = self.moe.parts(rms_norm(x, self.ffn_norm, self.eps), tokens)
+        streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(self._sum(out), None, streams, post, comb))
+        routed, shared = self._sum_parts(*self.moe.parts(rms_norm(x, self.ffn_norm, self.eps), tokens))
         return PendingPost(routed, shared, streams, post, comb), state  # the update adds the two parts
 
     def step(self, residual: mx.array | PendingPost, tokens: mx.array, positions: mx.array,
@@ -78,12 +81,20 @@ class Block:
         streams, x, post, comb = self.attn_hc.pre_after(residual)
         out, rows = self.attention.step_rows(x, positions, states, (self.attn_norm, self.eps), groups,
                                              completes=ends is None or self.attention.ratio in ends)
-        streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(out, None, streams, post, comb))
+        streams, x, post, comb = self.ffn_hc.pre_after(PendingPost(self._sum(out), None, streams, post, comb))
         if tokens.shape[0] > 1:  # several rows: the norm on its own (see Attention.step_rows)
             routed, shared = self.moe.parts(rms_norm(x, self.ffn_norm, self.eps), tokens)
         else:
             routed, shared = self.moe.parts(x, tokens, norm=(self.ffn_norm, self.eps))
+        routed, shared = self._sum_parts(routed, shared)
         return PendingPost(routed, shared, streams, post, comb), rows
+
+    def _sum(self, out: mx.array) -> mx.array:
+        return out if self.sum is None else self.sum(out)
+
+    def _sum_parts(self, routed: mx.array, shared: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The MoE's two parts, or split across ranks their sum over the ranks (one exchange, not two)."""
+        return (routed, shared) if self.sum is None else (self.sum(routed + shared), None)
 
 
 class Loader:
@@ -141,9 +152,15 @@ class Model:
         weights: ModelWeights,
         simulate_quant: bool = True,
         progress: Callable[[int, int], None] | None = None,
+        split: Split | None = None,
     ):
-        """`progress(bytes_read, bytes_total)` follows the loading of the file's tensors (81 GB takes a while)."""
+        """`progress(bytes_read, bytes_total)` follows the loading of the file's tensors (81 GB takes a while).
+        `split`: this rank's share of a model split across the ranks of an mx.distributed group (model/shard.py);
+        only its slices are read."""
         self.config: ModelConfig = weights.config
+        self.split = split
+        self.layers = range(*split.layers) if split is not None else range(weights.config.n_layer)
+        """The layers this process runs (all of them but in a pipeline)."""
         self.simulate_quant = simulate_quant
         c = self.config
         self.main_rope = RoPE(c.n_rot, c.rope_freq_base)
@@ -152,11 +169,11 @@ class Model:
             c.compress_rope_freq_base,
             Yarn(c.rope_scaling_factor, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow),
         )
-        load = Loader(weights, progress)
+        load = Loader(split.weights(weights) if split is not None else weights, progress)
         self.embedding = load.linear("token_embd.weight")
         self.blocks = [
             self.block(load, f"blk.{layer}.", c.compress_ratio(layer), c.is_hash_layer(layer), c.swiglu_clamp[layer])
-            for layer in range(c.n_layer)
+            for layer in self.layers
         ]
         self.head_hc = HyperHead(
             fn=load.dense("output_hc_fn.weight"),
@@ -166,7 +183,7 @@ class Model:
             norm_eps=c.rms_eps,
         )
         self.output_norm = load.dense("output_norm.weight")
-        self.output = load.linear("output.weight")
+        self.output = load.linear("output.weight") if split is None else split.head(load)
         self.load_stats = load.finish()
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
@@ -178,7 +195,7 @@ class Model:
     def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
         """The block whose tensors are named `prefix` + suffix, at a compression ratio, with token-hash
         or learned (top-k) routing. Public so that the MTP block is built the same way from its own file."""
-        c = self.config
+        c = self.config if self.split is None else self.split.local()
 
         def hc(kind: str) -> HyperConnection:
             return HyperConnection(
@@ -232,7 +249,8 @@ class Model:
             ),
         )
         return Block(hc("attn"), load.dense(prefix + "attn_norm.weight"), attention, hc("ffn"),
-                     load.dense(prefix + "ffn_norm.weight"), moe, eps=c.rms_eps)
+                     load.dense(prefix + "ffn_norm.weight"), moe, eps=c.rms_eps,
+                     sum=None if self.split is None else self.split.block_sum)
 
     def new_cache(self, ctx: int) -> SessionCache:
         """Empty session state for a context of `ctx` tokens."""
@@ -259,22 +277,22 @@ class Model:
         alive at once."""
         tokens = self._check(tokens, cache)
         n_past = cache.n_tokens
-        streams = mx.broadcast_to(self.embedding.rows(tokens)[:, None, :],
-                                  (tokens.size, self.config.n_hc, self.config.n_embd))
+        shape = (tokens.size, self.config.n_hc, self.config.n_embd)
+        streams = self._enter(lambda: mx.broadcast_to(self.embedding.rows(tokens)[:, None, :], shape), shape)
         layers = list(cache.layers)
         grouped = tokens.size * self.config.n_expert_used > GATHER_LIMIT
         residual: mx.array | PendingPost = streams
         running: list[mx.array] = []
         # an input several kernels read is split into halves once (kernels/tensor_cores/halfsplit.py)
         with splits_held():
-            for layer, block in enumerate(self.blocks):
+            for layer, block in zip(self.layers, self.blocks):
                 residual, layers[layer] = block(residual, tokens, n_past, layers[layer])
                 if grouped:  # one layer ahead: this layer is queued, then the previous one waited for
                     queued = [*residual.arrays(), *layers[layer].arrays()]
                     mx.async_eval(*queued)
                     mx.eval(*running)
                     running = queued
-        streams = residual.apply()
+        streams = self._leave(residual)
         cache.layers, cache.n_tokens = layers, n_past + tokens.size
         return streams
 
@@ -300,14 +318,28 @@ class Model:
         are its session's states once row r is fed (a session's rows share its last row's row buffers)."""
         if sum(groups) != tokens.shape[0] or len(groups) != len(sessions):
             raise ValueError(f"{tokens.shape[0]} rows do not split into {len(sessions)} sessions as {tuple(groups)}")
-        residual: mx.array | PendingPost = self.embed_streams(tokens)
-        rows: list[list[LayerState]] = [[] for _ in range(tokens.shape[0])]
-        for layer, block in enumerate(self.blocks):  # each block's last post is applied with the next one's first pre
+        shape = (tokens.shape[0], self.config.n_hc, self.config.n_embd)
+        residual: mx.array | PendingPost = self._enter(lambda: self.embed_streams(tokens), shape)
+        owners = [sessions[i] for i, n in enumerate(groups) for _ in range(n)]
+        rows: list[list[LayerState]] = [list(s[: self.layers.start]) for s in owners]  # a pipeline's earlier layers
+        for layer, block in zip(self.layers, self.blocks):  # each block's last post is applied with the next one's pre
             residual, states = block.step(residual, tokens, positions, [s[layer] for s in sessions], groups, ends)
             for row, state in zip(rows, states):
                 row.append(state)
-        streams = residual.apply()
+        for row, s in zip(rows, owners):
+            row += s[self.layers.stop :]
+        streams = self._leave(residual)
         return streams, self.head(streams), rows
+
+    def _enter(self, embedded: Callable[[], mx.array], shape: tuple[int, ...]) -> mx.array:
+        """The streams the first layer this process runs reads: the tokens' embedding (`embedded()`), or in a
+        pipeline past its first rank the previous rank's streams."""
+        return embedded() if self.split is None else self.split.enter(embedded, shape)
+
+    def _leave(self, residual: mx.array | PendingPost) -> mx.array:
+        """The final streams of the layers this process runs (in a pipeline, handed on to the next rank)."""
+        streams = residual.apply() if isinstance(residual, PendingPost) else residual
+        return streams if self.split is None else self.split.leave(streams)
 
     def embed_streams(self, tokens: mx.array) -> mx.array:
         """The streams (B, n_hc, n_embd) decode tokens (B,) start as: each one's embedding row in every stream (one

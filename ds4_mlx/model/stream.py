@@ -259,7 +259,7 @@ class TensorStream:
     def _mapped_copy(self, info: TensorInfo, first: int, end: int) -> mx.array:
         """Rows [first, end) of a tensor copied from the mapped file into a new MLX array (host memory)."""
         t = time.perf_counter()
-        rows = self.weights.tensor_bytes(info.name).reshape(-1, info.row_bytes)[first:end]
+        rows = self.weights.tensor_rows(info.name, first, end)
         staged = mx.array(rows)
         self.stats.copy_seconds += time.perf_counter() - t
         return staged
@@ -311,13 +311,14 @@ class TensorStream:
             if self.weights.has(guess) and guess not in self._read:
                 return guess
         later = self._file_order[self._position[name] + 1:]
-        return next((n for n in later if n not in self._read), None)
+        return next((n for n in later if n not in self._read and self.weights.has(n)), None)
 
 
 def _pinned_reader(weights: ModelWeights) -> PinnedReader | None:
     """The page-locked path for a GGUF file on CUDA, or None (elsewhere, `DS4_LOAD=mapped`, or no CUDA runtime
     found: the mapped path then serves every tensor)."""
-    if not on_cuda() or os.environ.get("DS4_LOAD", "").lower() == "mapped" or not isinstance(weights.file, GGUFFile):
+    if (not on_cuda() or os.environ.get("DS4_LOAD", "").lower() == "mapped" or not isinstance(weights.file, GGUFFile)
+            or not weights.whole_tensors):
         return None
     try:
         return PinnedReader(weights.file.path, CudaRuntime.load())

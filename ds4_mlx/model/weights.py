@@ -139,6 +139,9 @@ def model_layout(c: ModelConfig) -> dict[str, TensorSpec]:
 class ModelWeights:
     """A validated DeepSeek V4 Flash GGUF: its config, its tensors (raw blocks, mapped lazily) and its variant."""
 
+    whole_tensors = True
+    """Whether each tensor's bytes are its bytes in the file (a rank's slices, model/shard.py, are not)."""
+
     def __init__(self, file: GGUFFile, config: ModelConfig, expert_types: list[tuple[GGMLType, GGMLType]],
                  variant: str) -> None:
         self.file = file
@@ -166,13 +169,22 @@ class ModelWeights:
         self.info(name)
         return self.file.tensor_bytes(name)
 
+    def tensor_rows(self, name: str, first: int, end: int) -> np.ndarray:
+        """Rows [first, end) of a tensor's raw blocks, (end - first, row bytes) uint8 (a view of the mapped file)."""
+        info = self.info(name)
+        return self.tensor_bytes(name).reshape(-1, info.row_bytes)[first:end]
+
+    def tensor_infos(self) -> list[TensorInfo]:
+        """The tensors a model built from these weights reads (all of the file's)."""
+        return list(self.file.tensors.values())
+
     def read(self, name: str, convert: Callable[[mx.array], Sequence[mx.array]]) -> list[mx.array]:
         """`convert` applied to the tensor's raw rows (uint8, (rows, row_bytes)), evaluated now: the tensor source
         model/linear.py reads through, without streaming (the model's Loader streams; this serves direct use)."""
         import mlx.core as mx
 
         info = self.info(name)
-        out = list(convert(mx.array(self.tensor_bytes(name).reshape(-1, info.row_bytes))))
+        out = list(convert(mx.array(self.tensor_rows(name, 0, info.nbytes // info.row_bytes))))
         mx.eval(out)
         return out
 
@@ -183,7 +195,8 @@ class ModelWeights:
         from ..kernels.formats.quants import dequantize
 
         info = self.info(name)
-        return dequantize(mx.array(self.tensor_bytes(name)), info.ggml_type, tuple(reversed(info.shape)))
+        rows = self.tensor_rows(name, 0, info.nbytes // info.row_bytes)
+        return dequantize(mx.array(rows), info.ggml_type, tuple(reversed(info.shape)))
 
     def bytes_by_type(self) -> dict[str, int]:
         """Tensor bytes per ggml type name, largest first."""

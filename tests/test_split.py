@@ -1,0 +1,151 @@
+"""The model split across ranks of MLX's ring backend on the CPU (model/shard.py) against one process.
+
+Each launch runs tests/split_script.py under `mlx.launch --backend ring` on local processes. The bound is 1e-5 on
+logits of magnitude ~5 with the activation quantisation simulation off: a split sums each layer's attention and MoE
+outputs rank by rank (partial products of float32, then one sum), where one process sums the same products in one
+matmul, so the results differ by float32 rounding in the order of the additions (~1e-6 here); every rank gets the
+same sum, so the ranks agree bit for bit. With the simulation on, that rounding can move a value across an FP8/FP4
+rounding boundary or an indexer top-k tie, which then differs by the quantisation step: those runs are compared
+between ranks only (slow). A pipeline (`layers`) adds nothing up in another order: it equals one process exactly.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.shard import ShardedWeights, Split, SplitError, shares
+from ds4_mlx.model.weights import open_weights
+
+SCRIPT = Path(__file__).with_name("split_script.py")
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+BOUND = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny layout with MXFP4 experts: hidden columns in blocks of 32, so they split over up to 8 ranks."""
+    return write_model(tmp_path_factory.mktemp("split") / "tiny.gguf", "tiny", experts="mxfp4")
+
+
+def launch(model: Path, out: Path, ranks: int, kind: str, quant: str = "exact", share: str | None = None
+           ) -> list[dict[str, np.ndarray]]:
+    """Runs the script on `ranks` local processes; each rank's logits."""
+    args = [str(model), str(out), kind, quant, *([share] if share else [])]
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--python", sys.executable, "--",
+                           str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [dict(np.load(f"{out}.{rank}.npz")) for rank in range(ranks)]
+
+
+def single(model: Path, out: Path, quant: str = "exact") -> dict[str, np.ndarray]:
+    subprocess.run([sys.executable, str(SCRIPT), str(model), str(out), "tensor", quant], check=True, timeout=300)
+    return dict(np.load(f"{out}.single.npz"))
+
+
+def assert_same(runs: list[dict[str, np.ndarray]], reference: dict[str, np.ndarray], bound: float) -> None:
+    """Every rank's logits equal the first rank's bit for bit and the reference's within `bound`."""
+    for run in runs:
+        for key, logits in reference.items():
+            assert np.array_equal(run[key], runs[0][key]), key
+            assert np.max(np.abs(run[key] - logits)) <= bound, (key, np.max(np.abs(run[key] - logits)))
+
+
+def test_tensor_split_uneven_equals_one_process(tiny: Path, tmp_path: Path):
+    reference = single(tiny, tmp_path / "one")
+    runs = launch(tiny, tmp_path / "two", 2, "tensor", share="3,5")
+    assert_same(runs, reference, BOUND)
+    exchanges, nbytes = runs[0]["exchanges"]
+    assert exchanges > 0 and nbytes > 0
+
+
+def test_layer_split_equals_one_process(tiny: Path, tmp_path: Path):
+    runs = launch(tiny, tmp_path / "two", 2, "layers")
+    assert_same(runs, single(tiny, tmp_path / "one"), 0.0)
+
+
+def test_a_failing_rank_ends_the_others(tiny: Path, tmp_path: Path):
+    """The launcher ends every rank once one exits with an error: the others, waiting in a sum, do not hang (it
+    terminates them, SIGTERM; mlx.launch 0.32 itself then exits 0, its warnings name the ranks)."""
+    start = time.monotonic()
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(SCRIPT),
+                           str(tiny), str(tmp_path / "x"), "tensor", "fail"], capture_output=True, text=True,
+                          timeout=120)
+    assert "rank 1 exited with code 3" in done.stderr and "rank 0 exited with code -15" in done.stderr
+    assert time.monotonic() - start < 60
+    assert not list(tmp_path.glob("x.*.npz"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tensor", "layers"])
+def test_three_ranks_equal_one_process(tiny: Path, tmp_path: Path, kind: str):
+    assert_same(launch(tiny, tmp_path / "three", 3, kind), single(tiny, tmp_path / "one"),
+                BOUND if kind == "tensor" else 0.0)
+
+
+@pytest.mark.slow
+def test_simulated_quantisation_ranks_agree(tiny: Path, tmp_path: Path):
+    runs = launch(tiny, tmp_path / "two", 2, "tensor", quant="simulated")
+    assert_same(runs, runs[0], 0.0)
+
+
+@pytest.mark.slow
+def test_small_layout_tensor_split(tmp_path: Path):
+    model = write_model(tmp_path / "small.gguf", "small", experts="mxfp4", vocab="small")
+    assert_same(launch(model, tmp_path / "two", 2, "tensor"), single(model, tmp_path / "one"), BOUND)
+
+
+@dataclass
+class Group:
+    """A stand-in for an mx.distributed group: a rank and a size."""
+
+    at: int
+    n: int
+
+    def rank(self) -> int:
+        return self.at
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_shares_follow_weights_and_leave_none_empty():
+    assert shares(8, [3, 5], "blocks") == [(0, 3), (3, 8)]
+    assert shares(2, [3, 5], "groups") == [(0, 1), (1, 2)]
+    assert shares(4, [1, 1, 1], "heads") == [(0, 1), (1, 2), (2, 4)]
+    with pytest.raises(SplitError, match="2 groups do not split over 3 ranks"):
+        shares(2, [1, 1, 1], "groups")
+
+
+def test_plan_refuses_what_does_not_split(tiny: Path, tmp_path: Path):
+    with open_weights(tiny) as weights:
+        with pytest.raises(SplitError, match="needs 2 positive numbers"):
+            Split.plan("tensor", Group(0, 2), weights, [1, 2, 3])
+        with pytest.raises(SplitError, match="--split must be one of"):
+            Split.plan("rows", Group(0, 2), weights)
+    q2 = write_model(tmp_path / "q2.gguf", "tiny", experts="q2")
+    with open_weights(q2) as weights:  # 256 hidden columns of Q2_K down projections: one block of 256
+        with pytest.raises(SplitError, match="1 blocks of 256 expert hidden columns do not split over 2 ranks"):
+            Split.plan("tensor", Group(1, 2), weights)
+
+
+def test_a_rank_reads_its_slices_of_the_file(tiny: Path):
+    with open_weights(tiny) as weights:
+        for rank in range(3):
+            split = Split.plan("tensor", Group(rank, 3), weights)
+            sharded = ShardedWeights(weights, split)
+            for name, cut in split.cuts().items():
+                whole = np.array(weights.array(name))
+                if cut.out is not None:
+                    whole = whole[..., cut.out[0] : cut.out[1], :] if whole.ndim > 1 else whole
+                if cut.cols is not None:
+                    whole = whole[..., cut.cols[0] : cut.cols[1]]
+                assert np.array_equal(np.array(sharded.array(name)), whole), name
+            assert sharded.nbytes < weights.nbytes
