@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,11 +33,11 @@ from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
 from .model.mtp import MTP, open_mtp
-from .model.shard import init_split
+from .model.shard import agreed, init_split
 from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .reuse import Reuse, first_difference
-from .sampling import Sampler, SamplingParams, _fresh_seed, argmax
+from .sampling import Sampler, SamplingParams, argmax
 from .session import GRAPH_ENV, Session, Snapshot, decode_together, graphs_wanted, sharing_pays, state_copies
 from .stop import StopStrings
 from .cache.tensordigest import tensor_digests
@@ -297,6 +297,7 @@ class Engine:
         shard = init_split(split, split_weights, weights)
         if shard is not None:  # the decode graphs run the step of one process (model/graphstep.py)
             os.environ[GRAPH_ENV] = "off"
+            log.info("%s", shard.describe())
         if shard is not None and (mtp is not None or kv_cache is not None):
             raise UsageError("a model split across ranks runs without --mtp and the disk KV cache (not yet supported)")
         if kv_cache is not None:
@@ -584,14 +585,6 @@ class Engine:
                 return i
         return -1
 
-    def _agreed(self, params: SamplingParams) -> SamplingParams:
-        """The sampling settings every rank of a split model samples with: one seed, rank 0's (each rank gets the
-        same logits, bit for bit, so each draws the same tokens); unchanged in a single process."""
-        split = self.model.split
-        if split is None or params.seed is not None:
-            return params
-        return replace(params, seed=split.agree(_fresh_seed()))
-
     def shutdown(self) -> None:
         """Checkpoints the live sessions to disk (reason shutdown) for the next process, when the disk cache is on
         and a session is long enough. The engine stays usable."""
@@ -632,7 +625,7 @@ class Engine:
         t1 = time.perf_counter()
 
         thinking = req.thinking if req.thinking is not None else tokens[-1] == self.tokenizer.think_id
-        sampler = Sampler(self._agreed(req.sampling))
+        sampler = Sampler(agreed(getattr(self.model, "split", None), req.sampling))  # test doubles have no split
         decoder = StreamDecoder(self.tokenizer)
         parser = dsml.StreamParser(thinking=thinking, tools_active=req.tools_active)
         greedy = dsml.GreedyTracker(thinking=thinking) if req.tools_active else None

@@ -105,7 +105,8 @@ class XorShift64Star:
         return np.float32((self.next_u64() >> 40) / 16777216.0)
 
 
-def _fresh_seed() -> int:
+def fresh_seed() -> int:
+    """The seed of a sampler given none: from the OS's random bytes and the clock."""
     return int.from_bytes(os.urandom(8), "little") ^ time.time_ns()
 
 
@@ -123,7 +124,7 @@ class Sampler:
     rng: XorShift64Star = field(init=False)
 
     def __post_init__(self) -> None:
-        seed = self.params.seed if self.params.seed is not None else _fresh_seed()
+        seed = self.params.seed if self.params.seed is not None else fresh_seed()
         self.rng = XorShift64Star(seed)
 
     def record(self, token_id: int) -> None:

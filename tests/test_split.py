@@ -83,6 +83,26 @@ def test_a_failing_rank_ends_the_others(tiny: Path, tmp_path: Path):
     assert not list(tmp_path.glob("x.*.npz"))
 
 
+@pytest.mark.parametrize("kind", ["tensor", pytest.param("layers", marks=pytest.mark.slow)])
+def test_run_under_the_launcher_answers_as_one_process(tiny: Path, kind: str):
+    """`ds4-mlx run` on two ranks prints what one process prints (rank 0 alone prints; sampling with a seed)."""
+    cli = Path(sys.executable).with_name("ds4-mlx")
+    args = ["run", "-m", str(tiny), "-p", "hello", "-n", "12", "--temp", "0.8", "--seed", "3", "--no-quant-sim",
+            "--nothink", "-q"]
+    one = subprocess.run([str(cli), *args], capture_output=True, text=True, timeout=300, check=True)
+    two = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
+                          *args, "--split", kind], capture_output=True, text=True, timeout=300)
+    assert one.stdout and two.stdout == one.stdout, two.stderr
+    assert two.stderr.count("generation 12 tokens") == 1  # rank 1's stats line is not repeated
+
+
+def test_split_outside_the_launcher_is_one_line(tiny: Path):
+    done = subprocess.run([str(Path(sys.executable).with_name("ds4-mlx")), "run", "-m", str(tiny), "-p", "hi",
+                           "--split", "tensor"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("ds4-mlx run: error: --split and --split-weights need")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tensor", "layers"])
 def test_three_ranks_equal_one_process(tiny: Path, tmp_path: Path, kind: str):

@@ -42,7 +42,7 @@ from ..errors import Ds4Error, UsageError
 from .bench_parallel import PARALLEL_COLUMNS, ParallelFigures
 from .bench_parallel import measure as measure_parallel
 from .options import (add_model_options, add_mtp_options, model_file, non_negative_int, open_engine,
-                      positive_int, select_backend)
+                      positive_int, quiet_other_ranks, select_backend)
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -541,18 +541,22 @@ def _synthetic(args: argparse.Namespace, ctx: int, parallel: int) -> tuple[str, 
     from ..model.factory import build_vocab
     from ..model.linear import loaded_nbytes
     from ..model.model import Model
+    from ..model.shard import init_split
     from ..model.synthetic import flash_config, synthetic_weights
     from ..progress import Progress
     from ..session import Session
     from ..tokenizer import Tokenizer
 
     select_backend(args)
+    quiet_other_ranks(args)
     config = flash_config(args.layers if args.layers is not None else 43)
     weights = synthetic_weights(config, args.synthetic)
-    check_memory(weights, loaded_nbytes(weights), ctx, memory.apply_limit(), parallel)
+    split = init_split(args.split, args.split_weights, weights)
+    check_memory(weights, loaded_nbytes(weights if split is None else split.weights(weights)), ctx,
+                 memory.apply_limit(), parallel)
     vocab = build_vocab("real")
     with Progress(quiet=args.quiet).bar("building", unit="bytes") as bar:
-        model = Model(weights, simulate_quant=not args.no_quant_sim, progress=bar.update)
+        model = Model(weights, simulate_quant=not args.no_quant_sim, progress=bar.update, split=split)
     weights.close()
     label = f"synthetic flash, {args.synthetic} experts"
     sessions = [Session(model, ctx) for _ in range(parallel)]

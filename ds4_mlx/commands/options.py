@@ -316,13 +316,7 @@ def open_engine(args: argparse.Namespace, **opts):
     select_backend(args)
     if getattr(args, "kv_disk_dir", None) is not None:
         opts.setdefault("kv_cache", kv_cache_options(args))
-    from ..model.shard import rank
-
-    if (at := rank()) != 0:  # every rank runs the command; rank 0 alone prints, the others their errors only
-        args.quiet = True
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-        sys.stderr = ErrorLines(sys.stderr, f"rank {at}: ")
-    else:
+    if not quiet_other_ranks(args):
         warn_ignored_options(args)
     path = model_file(args)
     if args.demo:
@@ -346,6 +340,19 @@ def open_engine(args: argparse.Namespace, **opts):
               f"{DEMO_MAX_TOKENS} tokens unless a limit is given (-n N; in the server, a request's max_tokens)",
               file=sys.stderr)
     return engine
+
+
+def quiet_other_ranks(args: argparse.Namespace) -> bool:
+    """Under mlx.launch every rank runs the command and rank 0 alone prints: on the others standard output goes
+    nowhere and standard error passes on their errors only. Whether this process is such another rank."""
+    from ..model.shard import rank
+
+    if (at := rank()) == 0:
+        return False
+    args.quiet = True
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    sys.stderr = ErrorLines(sys.stderr, f"rank {at}: ")
+    return True
 
 
 class ErrorLines:

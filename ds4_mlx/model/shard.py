@@ -37,6 +37,7 @@ from ds4_mlx.errors import UsageError
 from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.model.gguf import BLOCK_SIZES, TensorInfo
 from ds4_mlx.model.weights import ModelWeights
+from ds4_mlx.sampling import SamplingParams, fresh_seed
 
 if TYPE_CHECKING:
     from ds4_mlx.kernels.decode.fused_norm import Norm
@@ -328,6 +329,14 @@ def parse_share(text: str | None) -> list[float] | None:
     except ValueError:
         raise SplitError(f"--split-weights takes numbers separated by commas (e.g. 3,5), got {text!r}") from None
     return share
+
+
+def agreed(split: Split | None, params: SamplingParams) -> SamplingParams:
+    """The sampling settings every rank of a split model samples with: one seed, rank 0's (each rank gets the same
+    logits, bit for bit, so each draws the same tokens); unchanged in a single process or with a seed given."""
+    if split is None or params.seed is not None:
+        return params
+    return replace(params, seed=split.agree(fresh_seed()))
 
 
 def launched() -> bool:
