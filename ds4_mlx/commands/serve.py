@@ -9,6 +9,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+from ..errors import UsageError
 from .options import (
     add_kv_cache_arguments,
     add_model_options,
@@ -84,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.worker import Worker
     from .options import kv_cache_options
 
+    from ..model.shard import launched
+
+    if launched() or args.split is not None or args.split_weights is not None:
+        raise UsageError("serve does not run under mlx.launch yet (each rank would serve on its own); run, chat "
+                         "and bench do (docs/distributed.md)")
     kv_cache = kv_cache_options(args)  # validated before the model loads
     check_listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
