@@ -253,8 +253,12 @@ class Model:
                      sum=None if self.split is None else self.split.block_sum)
 
     def new_cache(self, ctx: int) -> SessionCache:
-        """Empty session state for a context of `ctx` tokens."""
-        return SessionCache(self.config, ctx)
+        """Empty session state for a context of `ctx` tokens (in a pipeline, the other ranks' layers hold no rows)."""
+        cache = SessionCache(self.config, ctx)
+        if len(self.layers) < self.config.n_layer:
+            cache.layers = [state if layer in self.layers else LayerState.empty(self.config, layer, 1)
+                            for layer, state in enumerate(cache.layers)]
+        return cache
 
     def __call__(self, tokens: mx.array, cache: SessionCache, all_logits: bool = False) -> mx.array:
         """Run tokens (T,) at positions cache.n_tokens.. and update the cache.

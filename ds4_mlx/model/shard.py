@@ -9,14 +9,15 @@
   down by input columns. Why not by expert id: a decode step's shapes are fixed (it is compiled), so a rank would
   still compute every chosen slot, masked, and one token's experts could all live on one rank; by columns every
   rank computes 1/N of each chosen expert, at any batch size, with the same shapes.
-* The LM head by vocabulary rows; each rank's logits land in a full-vocabulary array that the ranks sum.
+* The LM head by vocabulary rows; the ranks' logits are gathered into the full vocabulary on every rank.
 * The rest (embedding, hyper-connection mixes, norms, q_a, kv, router, compressors, indexer) is replicated: each
   is small per token, and every rank keeps the same cache state, so none of it needs an exchange.
 
-That is two sums across the ranks a layer (after attention, after the MoE, float32) and one for the logits.
+That is two sums across the ranks a layer (after attention, after the MoE, float32) and one gather of the logits.
 
 `--split layers` (a pipeline): each rank holds a contiguous range of layers; the hyper-connection streams go from
-one rank to the next (`send`/`recv`), the last computes the logits, and a sum hands them to every rank.
+one rank to the next (`send`/`recv`), the last computes the logits, and a sum hands them to every rank. The other
+ranks' layers hold no rows in a rank's cache (`Model.new_cache`).
 
 Slices are cut on GGUF block boundaries (`--split-weights` gives uneven shares: 3,5 is 3/8 and 5/8 of each cut
 dimension, rounded down to whole units); the loader reads only a rank's own rows and columns of the file
@@ -83,6 +84,8 @@ class Split:
     heads: tuple[int, int] = (0, 0)
     hidden: tuple[int, int] = (0, 0)
     vocab: tuple[int, int] = (0, 0)
+    vocabs: tuple[tuple[int, int], ...] = ()
+    """Every rank's vocabulary rows (tensor split): how the gathered logits are put together."""
     layers: tuple[int, int] = (0, 0)
     exchanges: int = field(default=0, repr=False)
     """Exchanges traced so far (each sum, send or recv the model built, compiled steps counted once)."""
@@ -122,8 +125,9 @@ class Split:
         if c.n_ff_exp % unit:
             raise SplitError(f"the experts' {c.n_ff_exp} hidden columns are not whole blocks of {unit}")
         lo, hi = shares(c.n_ff_exp // unit, share, f"blocks of {unit} expert hidden columns")[rank]
-        vocab = shares(c.n_vocab, share, "vocabulary rows")[rank]
-        plan = cls(kind, group, c, heads=heads, hidden=(lo * unit, hi * unit), vocab=vocab, layers=(0, c.n_layer))
+        vocabs = tuple(shares(c.n_vocab, share, "vocabulary rows"))
+        plan = cls(kind, group, c, heads=heads, hidden=(lo * unit, hi * unit), vocab=vocabs[rank], vocabs=vocabs,
+                   layers=(0, c.n_layer))
         for name, cut in plan.cuts().items():  # every column cut on block boundaries
             if cut.cols is not None and weights.has(name):
                 elements = BLOCK_SIZES[weights.info(name).ggml_type][0]
@@ -217,6 +221,15 @@ class Split:
         """What each block's attention and MoE outputs go through: the sum across ranks (tensor split)."""
         return self.sum if self.kind == "tensor" else None
 
+    def gather(self, x: mx.array) -> mx.array:
+        """Every rank's vocabulary slice of logits x (..., its rows) side by side: (..., n_vocab) on every rank.
+        The slices are padded to the longest for the gather (uneven shares) and cut back after it."""
+        longest = max(hi - lo for lo, hi in self.vocabs)
+        padded = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, longest - x.shape[-1])])
+        self._count(padded)
+        parts = mx.distributed.all_gather(padded[None], group=self.group)  # (ranks, ..., longest)
+        return mx.concatenate([parts[r, ..., : hi - lo] for r, (lo, hi) in enumerate(self.vocabs)], axis=-1)
+
     def enter(self, streams: Callable[[], mx.array], shape: tuple[int, ...]) -> mx.array:
         """The streams (T, n_hc, n_embd) this rank's first layer reads: the embedding's (`streams()`) on the first
         pipeline rank and under a tensor split, else the previous rank's."""
@@ -244,7 +257,8 @@ class Split:
 @dataclass
 class VocabHead:
     """The LM head over a rank's vocabulary rows [lo, hi) (None: none of them), called as a Linear: the logits of
-    every rank's rows, summed into one full-vocabulary array on every rank."""
+    every rank's rows on every rank, gathered (tensor split) or, from the last rank of a pipeline, summed with the
+    others' zeros."""
 
     linear: Linear | None
     lo: int
@@ -255,9 +269,10 @@ class VocabHead:
     def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
         if self.linear is None:
             local = mx.depends([mx.zeros((*x.shape[:-1], self.n_vocab), mx.float32)], [x])[0]
+        elif self.split.kind == "tensor":
+            return self.split.gather(self.linear(x, norm=norm))
         else:
-            part = self.linear(x, norm=norm)
-            local = mx.pad(part, [(0, 0)] * (part.ndim - 1) + [(self.lo, self.n_vocab - self.hi)])
+            local = self.linear(x, norm=norm)
         return self.split.sum(local)
 
 
