@@ -71,7 +71,7 @@ def add_model_options(p: argparse.ArgumentParser, default_ctx: int | None = 3276
     g.add_argument("--split", choices=("tensor", "layers"),
                    help="tensor: every layer split across the ranks (default); layers: a range of layers a rank")
     g.add_argument("--split-weights", metavar="W,W,...",
-                   help="each rank's share of the split, e.g. 3,5 (default: even)")
+                   help="each rank's share of the split, e.g. 3,5 (default: each host's device memory budget)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

@@ -19,9 +19,9 @@ That is two sums across the ranks a layer (after attention, after the MoE, float
 one rank to the next (`send`/`recv`), the last computes the logits, and a sum hands them to every rank. The other
 ranks' layers hold no rows in a rank's cache (`Model.new_cache`).
 
-Slices are cut on GGUF block boundaries (`--split-weights` gives uneven shares: 3,5 is 3/8 and 5/8 of each cut
-dimension, rounded down to whole units); the loader reads only a rank's own rows and columns of the file
-(`ShardedWeights`). Every rank runs the same program on the same tokens and gets the same logits.
+Slices are cut on GGUF block boundaries, each rank's share of a cut dimension in proportion to its host's device
+memory budget or to `--split-weights` (3,5 is 3/8 and 5/8, rounded down to whole units); the loader reads only a
+rank's own rows and columns of the file (`ShardedWeights`). Every rank runs the same program on the same tokens and gets the same logits.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Split:
     """Every rank's vocabulary rows (tensor split): how the gathered logits are put together."""
     layers: tuple[int, int] = (0, 0)
     exchanges: int = field(default=0, repr=False)
-    """Exchanges traced so far (each sum, send or recv the model built, compiled steps counted once)."""
+    """Exchanges traced so far (each sum, gather, send or recv the model built; a compiled step counts once)."""
     exchanged_bytes: int = field(default=0, repr=False)
 
     @property
@@ -110,7 +110,7 @@ class Split:
         if len(share) != n or min(share) <= 0:
             raise SplitError(f"--split-weights needs {n} positive numbers (one a rank), got {share}")
         if kind == "layers":
-            return cls(kind, group, c, layers=shares(c.n_layer, share, "layers")[rank], vocab=(0, 0))
+            return cls(kind, group, c, layers=shares(c.n_layer, share, "layers")[rank])
         hpg = c.n_head // c.o_groups
         if n <= c.o_groups:
             lo, hi = shares(c.o_groups, share, "attention output groups")[rank]
@@ -335,10 +335,8 @@ class ShardedWeights(ModelWeights):
         return sum(t.nbytes for t in self.tensor_infos())
 
 
-def parse_share(text: str | None) -> list[float] | None:
-    """`--split-weights 3,5` -> [3.0, 5.0]; None stays None (even shares)."""
-    if text is None:
-        return None
+def parse_share(text: str) -> list[float]:
+    """`--split-weights 3,5` -> [3.0, 5.0]."""
     try:
         share = [float(part) for part in text.split(",")]
     except ValueError:
@@ -373,4 +371,14 @@ def init_split(kind: str | None, share_text: str | None, weights: ModelWeights) 
             raise SplitError("--split and --split-weights need several ranks: start the command under mlx.launch "
                              "(e.g. mlx.launch --backend ring -n 2 -- ds4-mlx ...)")
         return None
-    return Split.plan(kind or "tensor", group, weights, parse_share(share_text))
+    share = parse_share(share_text) if share_text is not None else memory_shares(group)
+    return Split.plan(kind or "tensor", group, weights, share)
+
+
+def memory_shares(group: mx.distributed.Group) -> list[float]:
+    """Every rank's device memory budget (memory.py, GiB), the same list on every rank: the default shares, so that
+    a host with more memory takes more of the model and equal hosts split it evenly."""
+    from ds4_mlx import memory
+
+    mine = mx.array([memory.device_limit() / 2**30], dtype=mx.float32)
+    return [float(v) for v in np.array(mx.distributed.all_gather(mine, group=group))]
