@@ -295,17 +295,23 @@ class Engine:
         weights = open_weights(path)
         check_context(weights.config, ctx)
         shard = init_split(split, split_weights, weights)
-        if shard is not None:  # the decode graphs run the step of one process (model/graphstep.py)
+        if shard is not None:
+            if mtp is not None or kv_cache is not None or opts.get("kv_ram_budget"):
+                raise UsageError("a model split across ranks runs without --mtp, the disk KV cache and in-memory "
+                                 "checkpoints (--kv-ram-budget 0) for now: docs/distributed.md")
+            # every rank must take the same decisions: the same chunks, no checkpoints that memory would drop on
+            # one rank and not another, and not the decode graphs, which run one process's step (graphstep.py)
+            memory.agree_chunks(shard.least)
+            opts["kv_ram_budget"] = 0
             os.environ[GRAPH_ENV] = "off"
             log.info("%s", shard.describe())
-        if shard is not None and (mtp is not None or kv_cache is not None):
-            raise UsageError("a model split across ranks runs without --mtp and the disk KV cache (not yet supported)")
         if kv_cache is not None:
             check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
         mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
         if drafts_unused(opts.get("mtp_draft", 1), opts.get("speculate_anyway", False)):
             mtp_weights = None  # checked, not loaded: the engine would not use it
-        model_bytes = loaded_nbytes(weights if shard is None else shard.weights(weights)) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
+        held = weights if shard is None else shard.weights(weights)  # a rank counts its own share
+        model_bytes = loaded_nbytes(held) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
         opts["parallel"] = check_memory(weights, model_bytes, ctx, memory.apply_limit(), opts.get("parallel", 1))
         phase("open")
         with ThreadPoolExecutor(2, thread_name_prefix="ds4-mlx-beside-load") as pool:

@@ -21,12 +21,14 @@ bench/RESULTS.md, 2026-12-07), and the limit is kept here, by the engine:
   measured: the same figures stand for them.
 - `fit_chunk` picks the longest chunk, at most the session's preferred one, whose transients fit what is free; the
   session (session.py) asks it before every chunk, and when not even MIN_CHUNK tokens fit, the request is refused
-  (`MemoryShortage`: the CLI's one line, the server's 503) before anything is allocated.
+  (`MemoryShortage`: the CLI's one line, the server's 503) before anything is allocated. For a model split across
+  ranks (model/shard.py) every rank takes the shortest of the ranks' chunks (`agree_chunks`): their exchanges must
+  have the same shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -70,6 +72,7 @@ class MemoryShortage(RequestError):
 
 
 _limit: int | None = None
+_agree: Callable[[int], int] | None = None
 
 
 def set_limit(nbytes: int | None) -> None:
@@ -137,13 +140,18 @@ def chunk_transient_bytes(config: ModelConfig, chunk: int, position: int) -> int
     return int(FIXED_HEADS * 4 * config.n_vocab * config.n_embd + chunk * (per_token + ROW_BYTES * rows))
 
 
+def agree_chunks(least: Callable[[int], int] | None) -> None:
+    """Makes `fit_chunk` return `least(size)`: the smallest of the sizes every rank of a split model found."""
+    global _agree
+    _agree = least
+
+
 def fit_chunk(config: ModelConfig, preferred: int, position: int, free: int) -> int:
     """The longest chunk of at most `preferred` tokens (the preferred one, else a CHUNK_LADDER size) whose
     transients at `position` fit in `free` bytes; 0 when not even MIN_CHUNK (or `preferred`, if shorter) fits."""
-    for size in (preferred, *(s for s in CHUNK_LADDER if s < preferred)):
-        if chunk_transient_bytes(config, size, position) <= free:
-            return size
-    return 0
+    size = next((size for size in (preferred, *(s for s in CHUNK_LADDER if s < preferred))
+                 if chunk_transient_bytes(config, size, position) <= free), 0)
+    return size if _agree is None else _agree(size)
 
 
 def need_message(config: ModelConfig, chunk: int, position: int, free: int) -> str:

@@ -565,7 +565,9 @@ def _synthetic(args: argparse.Namespace, ctx: int, parallel: int) -> tuple[str, 
 
 def describe(model: Model) -> str:
     c = model.config
-    return f"{c.n_layer} layers, n_embd {c.n_embd}, {c.n_expert} experts, vocab {c.n_vocab}"
+    split = getattr(model, "split", None)  # test doubles of Model have none
+    across = "" if split is None else f", split by {split.kind} over {split.size} ranks"
+    return f"{c.n_layer} layers, n_embd {c.n_embd}, {c.n_expert} experts, vocab {c.n_vocab}{across}"
 
 
 def write_csv(path: Path, results: list[FrontierResult]) -> None:

@@ -21,7 +21,8 @@ ranks' layers hold no rows in a rank's cache (`Model.new_cache`).
 
 Slices are cut on GGUF block boundaries, each rank's share of a cut dimension in proportion to its host's device
 memory budget or to `--split-weights` (3,5 is 3/8 and 5/8, rounded down to whole units); the loader reads only a
-rank's own rows and columns of the file (`ShardedWeights`). Every rank runs the same program on the same tokens and gets the same logits.
+rank's own rows and columns of the file (`ShardedWeights`). Every rank runs the same program on the same tokens
+and gets the same logits.
 """
 
 from __future__ import annotations
@@ -215,6 +216,10 @@ class Split:
         mine = np.array([value & 0xFFFFFFFF, value >> 32 & 0xFFFFFFFF] if self.first else [0, 0], dtype=np.uint32)
         lo, hi = (int(v) for v in np.array(mx.distributed.all_sum(mx.array(mine), group=self.group)))
         return lo | hi << 32
+
+    def least(self, value: int) -> int:
+        """The smallest of every rank's `value` (a prefill chunk's length: memory.agree_chunks)."""
+        return int(mx.distributed.all_min(mx.array([value], dtype=mx.int32), group=self.group).item())
 
     @property
     def block_sum(self) -> Callable[[mx.array], mx.array] | None:
