@@ -313,6 +313,8 @@ class Engine:
         held = weights if shard is None else shard.weights(weights)  # a rank counts its own share
         model_bytes = loaded_nbytes(held) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
         opts["parallel"] = check_memory(weights, model_bytes, ctx, memory.apply_limit(), opts.get("parallel", 1))
+        if shard is not None:  # as many lanes on every rank: the fewest any rank has room for
+            opts["parallel"] = shard.least(opts["parallel"])
         phase("open")
         with ThreadPoolExecutor(2, thread_name_prefix="ds4-mlx-beside-load") as pool:
             # built beside the weights' load, which mostly waits on its reader threads (~0.5 s of Python); the

@@ -6,8 +6,8 @@ QUANT "exact" turns the activation quantisation simulation off (model.py), "simu
 "exact" where the last rank stops with status 3 once loaded (the others are then waiting in their first sum).
 
 Prefills a prompt in chunks, decodes greedily, restores a snapshot and decodes again, and takes one B-row step over
-two sessions; saves every logit it saw to OUT.<rank>.npz (OUT.single.npz for one process) and the split's exchange
-counts.
+two sessions; saves every logit it saw to OUT.<rank>.npz (OUT.single.npz for one process) and, split, the count
+and bytes of a decode step's exchanges.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def main(path: str, out: str, kind: str, quant: str, share: str | None = None) -
     _, logits = model.decode(3, cache)
     seen["after_rows"] = np.array(logits)
     name = "single" if split is None else str(split.rank)
-    if split is not None:
-        seen["exchanges"] = np.array([split.exchanges, split.exchanged_bytes])
+    if split is not None:  # the exchanges of one decode step, counted while its graph is built
+        before = split.exchanges, split.exchanged_bytes
+        model.step(mx.array([0], dtype=mx.int32), mx.array([cache.n_tokens], dtype=mx.int32), cache.layers)
+        seen["exchanges"] = np.array([split.exchanges - before[0], split.exchanged_bytes - before[1]])
     np.savez(f"{out}.{name}.npz", **seen)
 
 

@@ -61,7 +61,6 @@ USAGE = [
     (["tokens"], "one of the arguments -p/--prompt --prompt-file is required"),
     (["make-model", "x.gguf", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["make-model", "x.gguf", "--sparse", "--repeat"], "argument --repeat: not allowed with argument --sparse"),
-    (["serve", "--split", "tensor"], "serve does not run under mlx.launch yet"),
 ]
 RUNTIME = [
     *[([cmd, "--backend", "gpu"], "--backend gpu: this MLX build has no gpu backend (available: cpu)")

@@ -11,9 +11,14 @@ between ranks only (slow). A pipeline (`layers`) adds nothing up in another orde
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +46,9 @@ def launch(model: Path, out: Path, ranks: int, kind: str, quant: str = "exact", 
     args = [str(model), str(out), kind, quant, *([share] if share else [])]
     done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--python", sys.executable, "--",
                            str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return [dict(np.load(f"{out}.{rank}.npz")) for rank in range(ranks)]
+    saved = [Path(f"{out}.{rank}.npz") for rank in range(ranks)]
+    assert done.returncode == 0 and all(p.exists() for p in saved), done.stdout + done.stderr  # the launcher exits 0
+    return [dict(np.load(p)) for p in saved]
 
 
 def single(model: Path, out: Path, quant: str = "exact") -> dict[str, np.ndarray]:
@@ -62,13 +68,17 @@ def test_tensor_split_uneven_equals_one_process(tiny: Path, tmp_path: Path):
     reference = single(tiny, tmp_path / "one")
     runs = launch(tiny, tmp_path / "two", 2, "tensor", share="3,5")
     assert_same(runs, reference, BOUND)
-    exchanges, nbytes = runs[0]["exchanges"]
-    assert exchanges > 0 and nbytes > 0
+    # a decode step: 2 sums a layer of n_embd floats, one gather of the logits (512 ids as 192 + 320, padded to 320)
+    for run in runs:
+        assert run["exchanges"].tolist() == [2 * 6 + 1, 2 * 6 * 256 * 4 + 320 * 4]
 
 
 def test_layer_split_equals_one_process(tiny: Path, tmp_path: Path):
     runs = launch(tiny, tmp_path / "two", 2, "layers")
     assert_same(runs, single(tiny, tmp_path / "one"), 0.0)
+    # a decode step: the streams handed on (4 x 256 floats, sent by rank 0, received by rank 1), the logits' sum
+    for run in runs:
+        assert run["exchanges"].tolist() == [2, 4 * 256 * 4 + 512 * 4]
 
 
 def test_a_failing_rank_ends_the_others(tiny: Path, tmp_path: Path):
@@ -101,6 +111,50 @@ def test_split_outside_the_launcher_is_one_line(tiny: Path):
                            "--split", "tensor"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("ds4-mlx run: error: --split and --split-weights need")
+
+
+def _serve_answers(argv: list[str], port: int) -> list[str]:
+    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own), asks it for
+    four completions (three with a seed, one without), and ends it with SIGINT, as Ctrl+C would."""
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stderr.read().decode()
+                time.sleep(0.5)
+
+        def complete(prompt: str, seed: int | None) -> str:
+            body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.8, **({"seed": seed} if seed else {})}
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            return json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["text"]
+
+        texts = [complete(prompt, seed) for prompt, seed in (("hello there", 5), ("hello there, again", 5),
+                                                             ("hi", None), ("hello", 5))]
+        with ThreadPoolExecutor(3) as pool:  # at once: lanes decoding in shared steps (their order is the server's)
+            assert all(pool.map(lambda p: complete(p, 7), ["one", "two", "three"]))
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=60)  # every rank ends: rank 0's worker tells the others it stops
+        return texts[:2] + texts[3:]  # not the unseeded one (each run draws its seed); the one after it shows that
+        # the ranks drew the same tokens for it (a rank that had not would have left its cache apart from rank 0's)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tensor", "layers"])
+def test_serve_under_the_launcher_answers_as_one_process(tiny: Path, kind: str):
+    cli = Path(sys.executable).with_name("ds4-mlx")
+    args = ["serve", "-m", str(tiny), "--no-quant-sim", "--ctx", "512"]
+    one = _serve_answers([str(cli), *args, "--port", "18471"], 18471)
+    two = _serve_answers([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
+                          *args, "--port", "18472", "--split", kind], 18472)
+    assert one and two == one
 
 
 @pytest.mark.slow
@@ -169,3 +223,21 @@ def test_a_rank_reads_its_slices_of_the_file(tiny: Path):
                     whole = whole[..., cut.cols[0] : cut.cols[1]]
                 assert np.array_equal(np.array(sharded.array(name)), whole), name
             assert sharded.nbytes < weights.nbytes
+
+
+def test_prefill_chunks_take_the_shortest_of_the_ranks(monkeypatch):
+    """Under a split, every rank prefills a chunk of the length the most constrained rank found (memory.py)."""
+    from ds4_mlx import memory
+    from ds4_mlx.model.factory import preset_config
+
+    config = preset_config("tiny")
+    found: list[int] = []
+    monkeypatch.setattr(memory, "_agree", None)
+    assert memory.fit_chunk(config, 2048, 0, 1 << 40) == 2048
+    memory.agree_chunks(lambda size: found.append(size) or 256)  # another rank has room for 256 tokens only
+    try:
+        assert memory.fit_chunk(config, 2048, 0, 1 << 40) == 256
+    finally:
+        memory.agree_chunks(None)
+    assert found == [2048]
+

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import TYPE_CHECKING
 
-from ..errors import UsageError
 from .options import (
     add_kv_cache_arguments,
     add_model_options,
@@ -85,12 +85,17 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.worker import Worker
     from .options import kv_cache_options
 
-    from ..model.shard import launched
+    from ..model.shard import rank
+    from ..serve.relay import Relay, follow
 
-    if launched() or args.split is not None or args.split_weights is not None:
-        raise UsageError("serve does not run under mlx.launch yet (each rank would serve on its own); run, chat "
-                         "and bench do (docs/distributed.md)")
     kv_cache = kv_cache_options(args)  # validated before the model loads
+    if rank() != 0:  # under mlx.launch: rank 0 serves, the others run what its worker runs (serve/relay.py)
+        # Ctrl+C reaches every local rank: rank 0 alone decides when they stop (a rank gone first would leave rank 0
+        # waiting for it in an exchange)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        engine = warmed(serving_engine(args, kv_cache))
+        follow(engine, Relay(engine.model.split))
+        return 0
     check_listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S%z", stream=sys.stderr)  # ISO 8601

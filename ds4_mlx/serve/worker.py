@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..batch import Batch
 from ..events import Event
 from .common import ApiError
+from .relay import Relay, relay_for
 
 if TYPE_CHECKING:
     from ..engine import Engine, GenerationRequest
@@ -75,6 +76,8 @@ class Worker:
         self._cond = threading.Condition()
         self._stopping = False
         self._batch: Batch | None = None
+        self._relay: Relay | None = None
+        """Under a split model, what hands this worker's requests and rounds to the other ranks (relay.py)."""
         self._reserved = 0
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
@@ -170,23 +173,40 @@ class Worker:
         finally:
             self._loaded.set()
         batch = self._batch = Batch(self.engine)
+        relay = self._relay = relay_for(self.engine)
         while True:
             with self._cond:
                 while not self._queue and not batch.running and not self._stopping:
                     self._cond.wait()
                 if not self._queue and not batch.running:
                     break
+                started = []  # the requests the other ranks start too, under a split model
                 while self._queue and batch.free:
-                    self._start(batch, self._queue.popleft())
+                    job = self._queue.popleft()
+                    if self._start(batch, job):
+                        started.append(job.request)
+            if relay is not None:
+                relay.publish(started)
             batch.round()
+        if relay is not None:
+            relay.publish(None)
         try:
             self.engine.shutdown()  # the disk KV cache keeps the live session for the next process
         except Exception:
             log.exception("saving the live session at shutdown failed")
 
-    def _start(self, batch: Batch, job: Job) -> None:
+    def _start(self, batch: Batch, job: Job) -> bool:
+        """Starts the job on a lane; False where it ends here instead (cancelled while queued, or not relayable)."""
         if job.cancelled.is_set():  # the client left while the job was queued
             job._post(_END)
-            return
-        batch.start(job.request, cancel=lambda: job.cancelled.is_set() or self._stopping, post=job._post,
-                    end=lambda: job._post(_END))
+            return False
+        cancel = lambda: job.cancelled.is_set() or self._stopping  # noqa: E731
+        if self._relay is not None:
+            if job.request.output is not None:
+                job._post(ApiError("structured output and strict tools do not run on a model split across ranks "
+                                   "yet", 400))
+                job._post(_END)
+                return False
+            cancel = self._relay.cancel(cancel)
+        batch.start(job.request, cancel=cancel, post=job._post, end=lambda: job._post(_END))
+        return True

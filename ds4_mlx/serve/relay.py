@@ -1,0 +1,86 @@
+"""`serve` on a model split across ranks (model/shard.py): rank 0 serves HTTP, the other ranks follow its worker.
+
+Every rank holds a share of every layer, so every rank must run the same model calls in the same order. Rank 0's
+worker (worker.py) runs rounds of its Batch; before each round it hands the other ranks the requests it starts in
+that round (`Relay.publish`, as JSON, through `mx.distributed`), and each of them starts the same requests on its own
+Batch and runs the same round (`follow`), its events dropped. What is decided by time rather than by the input is
+decided by rank 0 and agreed: whether a request is cancelled (its client left, the server stops), asked by the
+engine between tokens and prefill chunks, is rank 0's answer on every rank (`Relay.flag`). A request held to a
+grammar (structured output, strict tools: `GenerationRequest.output`) is not relayed yet: it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from ..batch import Batch
+from ..engine import GenerationRequest
+from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..model.shard import Split
+
+
+class Relay:
+    """Rank 0's decisions, handed to every rank (each call is a collective: every rank makes the same calls)."""
+
+    def __init__(self, split: Split) -> None:
+        self.split = split
+
+    def _broadcast(self, data: bytes) -> bytes:
+        """Rank 0's bytes on every rank."""
+        group, first = self.split.group, self.split.first
+        size = mx.distributed.all_sum(mx.array([len(data) if first else 0], dtype=mx.int32), group=group).item()
+        mine = np.frombuffer(data, dtype=np.uint8).astype(np.int32) if first else np.zeros(size, np.int32)
+        return np.array(mx.distributed.all_sum(mx.array(mine), group=group)).astype(np.uint8).tobytes()
+
+    def publish(self, requests: list[GenerationRequest] | None) -> list[GenerationRequest] | None:
+        """Rank 0: the requests it starts before its next round (None: it stops); the other ranks pass None and get
+        rank 0's."""
+        data = json.dumps(None if requests is None else [_fields(r) for r in requests]) if self.split.first else ""
+        got = json.loads(self._broadcast(data.encode()))
+        return None if got is None else [_request(fields) for fields in got]
+
+    def flag(self, value: bool) -> bool:
+        """Rank 0's `value` on every rank (the others' is ignored)."""
+        mine = mx.array([int(value) if self.split.first else 0], dtype=mx.int32)
+        return bool(mx.distributed.all_sum(mine, group=self.split.group).item())
+
+    def cancel(self, decide: Callable[[], bool]) -> Callable[[], bool]:
+        """A request's cancel check as the engine asks it: rank 0's `decide()`, agreed."""
+        return lambda: self.flag(decide())
+
+
+def _fields(request: GenerationRequest) -> dict:
+    if request.output is not None:
+        raise ValueError("a request held to a grammar is not relayed to the other ranks")
+    return {"prompt": request.prompt, "max_tokens": request.max_tokens, "sampling": asdict(request.sampling),
+            "stop": list(request.stop), "thinking": request.thinking, "tools_active": request.tools_active}
+
+
+def _request(fields: dict) -> GenerationRequest:
+    return GenerationRequest(fields["prompt"], fields["max_tokens"], SamplingParams(**fields["sampling"]),
+                             tuple(fields["stop"]), fields["thinking"], fields["tools_active"])
+
+
+def relay_for(engine: Engine) -> Relay | None:
+    """The relay of an engine over a split model (None in a single process, or for test doubles)."""
+    split = getattr(getattr(engine, "model", None), "split", None)
+    return None if split is None else Relay(split)
+
+
+def follow(engine: Engine, relay: Relay) -> None:
+    """A rank past 0 under `serve`: runs the requests and rounds rank 0's worker runs, until rank 0 stops."""
+    batch = Batch(engine)
+    while (requests := relay.publish(None)) is not None:
+        for request in requests:
+            batch.start(request, relay.cancel(lambda: False), lambda _event: None, lambda: None)
+        batch.round()
+    engine.shutdown()
