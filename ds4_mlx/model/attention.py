@@ -43,7 +43,7 @@ from ds4_mlx.kernels.decode.attention import DecodeAttention
 from ds4_mlx.kernels.prefill.chunk_attention import ChunkAttention
 from ds4_mlx.kernels.decode.fused_norm import Norm
 from ds4_mlx.kernels.sublayers.indexer import IndexerPick
-from ds4_mlx.kernels.sublayers.rows import write_row
+from ds4_mlx.kernels.sublayers.rows import join_rows, write_row
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import FusedLinear, Linear
@@ -273,7 +273,7 @@ class Attention:
             at += n
             last = rows[-1]  # the session's rows share its last row's buffers
             rows[first:-1] = [replace(s, comp=last.comp, index=last.index) for s in rows[first:-1]]
-        return self._project_out(mx.concatenate(heads) if many else heads[0]), rows
+        return self._project_out(join_rows(heads)), rows
 
     def _step_row(self, q: mx.array, kv: mx.array, position: mx.array, state: LayerState,
                   compressing: list[mx.array], completes: bool) -> tuple[mx.array, LayerState]:
