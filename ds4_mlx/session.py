@@ -27,7 +27,7 @@ from .kernels.machinery import registry
 from .kernels.machinery.cudagraph import DriverError
 from .kernels.machinery.nvrtc import CompileError
 from .model.cache import LayerState, SessionCache, StepUndo
-from .model.graphstep import GraphCheckError, GraphDecoder, spare_device_bytes
+from .model.graphstep import GraphCheckError, GraphDecoder, JointGraphs, spare_device_bytes
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
 from .model.mtp import MTP, MTPSnapshot
 from .model.stream import on_cuda
@@ -500,12 +500,11 @@ class Session:
 
 
 def sharing_pays() -> bool:
-    """Whether lanes that decode at once share their steps here: not where the decode graphs run. There a lone
-    step is one graph launch, while a shared step goes through MLX's compiled step; over 12 Flash layers on the
-    H100 one stream decodes at 391 t/s through the graphs, and 2, 4 and 8 streams sharing steps at 316, 409 and 230
-    t/s in all (bench/RESULTS.md, 2026-12-07). There the lanes take their own steps in turn, each through its own
-    graphs."""
-    return not graphs_wanted()
+    """Whether lanes that decode at once share their steps: everywhere. Where the decode graphs run, a shared step
+    is one launch of the lanes' decoders' joint graph (model/graphstep.py `JointGraphs`); through MLX's compiled
+    step instead, 2, 4 and 8 streams over 12 Flash layers on the H100 decoded at 316, 409 and 230 t/s in all against
+    391 for one stream through its graphs (bench/RESULTS.md, 2026-12-07)."""
+    return True
 
 
 ROWS_TOLERANCE = 1e-4
@@ -540,10 +539,10 @@ def decode_together(sessions: Sequence[Session], tokens: Sequence[int]) -> list[
     if len(sessions) == 1 or checked.get(key) is False:
         return [session.decode(token) for session, token in zip(sessions, tokens)]
     if key in checked:
-        return _shared_step(sessions, tokens)
+        return _graph_step(sessions, tokens) or _shared_step(sessions, tokens)
     alone = [_alone(session, token) for session, token in zip(sessions, tokens)]
     before = [session.snapshot() for session in sessions]
-    out = _shared_step(sessions, tokens)
+    out = _graph_step(sessions, tokens) or _shared_step(sessions, tokens)
     errors = [mx.max(mx.abs(got - want)).item() / max(mx.max(mx.abs(want)).item(), 1e-30)
               for got, want in zip(out, alone)]
     checked[key] = max(errors) <= ROWS_TOLERANCE
@@ -564,6 +563,31 @@ def _alone(session: Session, token: int) -> mx.array:
     _, logits = session.model.decode(token, cache)
     mx.eval(logits)
     return logits
+
+
+def _graph_step(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array] | None:
+    """The shared step as one launch of the joint decode graph of the sessions' decoders, where each decodes
+    through its graphs (CUDA, no MTP block); None where that cannot be (the caller steps through MLX). A joint
+    graph that cannot be made or disagrees is not tried again for those decoders (one warning)."""
+    if not graphs_wanted() or any(s.mtp is not None or s._graph_failed for s in sessions):
+        return None
+    if not all(s._graph_ready(None, choosing=False) for s in sessions):
+        return None
+    decoders = [s._graph for s in sessions]
+    key = tuple(id(d) for d in decoders)
+    if key in decoders[0].joint_failed:
+        return None
+    try:
+        JointGraphs.of(decoders).launch(list(tokens))
+    except (GraphCheckError, OSError, DriverError, CompileError, ValueError, RuntimeError) as error:
+        decoders[0].joint_failed.add(key)
+        warnings.warn(f"a step shared by {len(sessions)} sessions goes through MLX's compiled step: {error}",
+                      GraphDecodeWarning, stacklevel=3)
+        return None
+    for session, token in zip(sessions, tokens):
+        session.tokens.append(token)
+        session._graph_token = None
+    return [session.logits for session in sessions]
 
 
 def _shared_step(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
