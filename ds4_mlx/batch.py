@@ -7,9 +7,8 @@ The scheduler works in rounds. In a round every request moves to its next pause:
 prompt), a decoding one by one token. While two or more lanes decode, their tokens go into one step over the
 weights (session.decode_together: every dense weight read once for all rows, each row attending to its own
 session); a lane that decodes alone steps as `Engine.generate` does (the decode graphs, tokens fed ahead, MTP
-speculation), which is what a lone stream runs fastest. Where the decode graphs run, a shared step (through MLX's
-compiled step) does not yet beat the lanes' own graph steps taken in turn, so there they take those
-(`sharing_pays`).
+speculation), which is what a lone stream runs fastest. Where the decode graphs run, the shared step is one launch
+of the lanes' joint decode graph (model/graphstep.py `JointGraphs`).
 
 A request joins at any round on a free lane: the one whose live tokens start its prompt (the longest), else the
 one idle longest, whose state the engine keeps as a RAM checkpoint before replacing it. It leaves when its answer
