@@ -5,6 +5,7 @@ itself needs the GPU."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -405,3 +406,35 @@ def test_a_shared_step_goes_through_the_decoders_joint_graph(stand_in_cuda):
     assert all(s._graph_on and s._graph.entries == 1 for s in together)  # entered once, the state kept there
     assert [s.tokens for s in together] == [s.tokens for s in alone]
     assert all(s.cache.n_tokens == a.cache.n_tokens for s, a in zip(together, alone))
+
+
+@pytest.mark.gpu
+def test_joint_graphs_decode_each_session_as_alone(monkeypatch):
+    """Three sessions at different positions decode together through their decoders' joint graphs (every kind of
+    step, windows of 4 and of 128 ending on the way; two of them alone for a while, then the three again), token
+    for token and within 1e-4 of the largest logit as each session alone through MLX's step. Four layers of Flash's
+    published layout (synthetic weights), where every fast path of a step over 2-3 rows is a kernel."""
+    from ds4_mlx.model.synthetic import flash_config, synthetic_weights
+    from ds4_mlx.session import decode_together
+
+    monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
+    model = Model(synthetic_weights(flash_config(4)))
+    prompts = [[(7 * i + 3 + s) % 5000 + 1 for i in range(n)] for s, n in enumerate((60, 100, 126))]
+    together, alone = ([Session(model, CTX) for _ in prompts] for _ in range(2))
+    for group in (together, alone):
+        for session, prompt in zip(group, prompts):
+            session.prefill(prompt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(80):
+            rows = [0, 2] if 20 <= step < 30 else [0, 1, 2]
+            tokens = [argmax(alone[i].logits) for i in rows]
+            monkeypatch.setenv("DS4_GRAPH_DECODE", "off")
+            want = [alone[i].decode(t) for i, t in zip(rows, tokens)]
+            monkeypatch.delenv("DS4_GRAPH_DECODE")
+            got = decode_together([together[i] for i in rows], tokens)
+            for g, w in zip(got, want):
+                assert mx.max(mx.abs(g - w)).item() <= 1e-4 * mx.max(mx.abs(w)).item()
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    assert all(s._graph is not None and s._graph_on for s in together)
+    assert len(together[0]._graph.joint) == 2  # the three, and two of them
