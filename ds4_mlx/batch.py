@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from .engine import PAUSE, Engine, Feed, GenerationRequest, Lane
 from .events import Done, Event
-from .session import decode_together, sharing_pays
+from .session import decode_together
 from .tokenizer import utf8
 
 log = logging.getLogger("ds4_mlx.batch")
@@ -59,8 +59,6 @@ class Batch:
 
     engine: Engine
     prefill_cap: int = PREFILL_CAP
-    share: bool = field(default_factory=sharing_pays)
-    """Whether decoding lanes share their steps (`sharing_pays`); otherwise each steps alone, in turn."""
     running: list[Running] = field(default_factory=list)
     shared_steps: int = 0
     """Steps shared by several lanes so far, and the rows they fed (`shared_rows`)."""
@@ -166,7 +164,7 @@ class Batch:
     def _shared(self, run: Running) -> bool:
         """Asked by a decoding answer before each token: whether it goes into a step shared with other lanes."""
         run.decoding = True
-        return self.share and self.decoding > 1
+        return self.decoding > 1
 
     def _others_decode(self, run: Running) -> bool:
         return any(other.decoding for other in self.running if other is not run)

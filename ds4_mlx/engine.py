@@ -37,7 +37,7 @@ from .model.weights import ModelWeights, open_weights
 from .progress import Progress
 from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
-from .session import Session, Snapshot, decode_together, graphs_wanted, sharing_pays, state_copies
+from .session import Session, Snapshot, decode_together, graphs_wanted, state_copies
 from .stop import StopStrings
 from .cache.tensordigest import tensor_digests
 from .tokenizer import StreamDecoder, Tokenizer, utf8
@@ -360,14 +360,13 @@ class Engine:
             session.reset()
             if not graphs_wanted():
                 break  # the other lanes take the same compiled steps
-        if sharing_pays():
-            for n in range(2, self.parallel + 1):  # the steps shared by 2..parallel lanes, compiled now
-                sessions = [lane.session for lane in self.lanes[:n]]
-                for session in sessions:
-                    session.prefill(tokens[:1])
-                decode_together(sessions, [tokens[0]] * n)
-                for session in sessions:
-                    session.reset()
+        for n in range(2, self.parallel + 1):  # the steps shared by 2..parallel lanes, made now
+            sessions = [lane.session for lane in self.lanes[:n]]
+            for session in sessions:
+                session.prefill(tokens[:1])
+            decode_together(sessions, [tokens[0]] * n)
+            for session in sessions:
+                session.reset()
         return time.perf_counter() - t0
 
     def set_context(self, ctx: int) -> None:

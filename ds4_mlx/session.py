@@ -499,14 +499,6 @@ class Session:
                 self.mtp_cache.restore(snap.mtp)
 
 
-def sharing_pays() -> bool:
-    """Whether lanes that decode at once share their steps: everywhere. Where the decode graphs run, a shared step
-    is one launch of the lanes' decoders' joint graph (model/graphstep.py `JointGraphs`); through MLX's compiled
-    step instead, 2, 4 and 8 streams over 12 Flash layers on the H100 decoded at 316, 409 and 230 t/s in all against
-    391 for one stream through its graphs (bench/RESULTS.md, 2026-12-07)."""
-    return True
-
-
 ROWS_TOLERANCE = 1e-4
 """How far (relative to the largest logit) a row of a shared step may be from the same session's own step: the
 products of several rows sum in another order than one row's (~1e-6 of the scale on the CPU); the fast paths'
@@ -539,10 +531,10 @@ def decode_together(sessions: Sequence[Session], tokens: Sequence[int]) -> list[
     if len(sessions) == 1 or checked.get(key) is False:
         return [session.decode(token) for session, token in zip(sessions, tokens)]
     if key in checked:
-        return _graph_step(sessions, tokens) or _shared_step(sessions, tokens)
+        return _together(sessions, tokens)
     alone = [_alone(session, token) for session, token in zip(sessions, tokens)]
     before = [session.snapshot() for session in sessions]
-    out = _graph_step(sessions, tokens) or _shared_step(sessions, tokens)
+    out = _together(sessions, tokens)
     errors = [mx.max(mx.abs(got - want)).item() / max(mx.max(mx.abs(want)).item(), 1e-30)
               for got, want in zip(out, alone)]
     checked[key] = max(errors) <= ROWS_TOLERANCE
@@ -563,6 +555,19 @@ def _alone(session: Session, token: int) -> mx.array:
     _, logits = session.model.decode(token, cache)
     mx.eval(logits)
     return logits
+
+
+def _together(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
+    """The shared step: one launch of the sessions' joint decode graph where the graphs run; where that graph
+    cannot be made (or disagreed) but each session's own can, each session's own graph step in turn (over 12 Flash
+    layers on the H100 one stream decodes at 391 t/s through its graphs, while 2, 4 and 8 streams through MLX's
+    compiled step made 316, 409 and 230 t/s in all: bench/RESULTS.md, 2026-12-07); else MLX's step over the rows."""
+    out = _graph_step(sessions, tokens)
+    if out is not None:
+        return out
+    if graphs_wanted() and not any(s.mtp is not None or s._graph_failed for s in sessions):
+        return [session.decode(token) for session, token in zip(sessions, tokens)]
+    return _shared_step(sessions, tokens)
 
 
 def _graph_step(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array] | None:

@@ -438,3 +438,30 @@ def test_joint_graphs_decode_each_session_as_alone(monkeypatch):
     assert [s.tokens for s in together] == [s.tokens for s in alone]
     assert all(s._graph is not None and s._graph_on for s in together)
     assert len(together[0]._graph.joint) == 2  # the three, and two of them
+
+
+def test_where_no_joint_graph_can_be_made_each_session_takes_its_own_graph_step(stand_in_cuda, monkeypatch):
+    """A joint graph that cannot be made (or disagrees) is not tried again for those decoders (one warning); their
+    sessions then take their own graph steps in turn, each as it would alone."""
+    from ds4_mlx.session import GraphDecodeWarning, Session, decode_together
+
+    def broken(self, tokens):
+        raise ValueError("the shared step holds MLX ops")
+
+    monkeypatch.setattr(StandInJoint, "launch", broken)
+    model = Model(open_weights(stand_in_cuda))
+    together, alone = ([Session(model, 256) for _ in range(2)] for _ in range(2))
+    for group in (together, alone):
+        for i, session in enumerate(group):
+            session.prefill([3 + i, 9, 27, 5 * i + 1])
+    with pytest.warns(GraphDecodeWarning, match="MLX ops") as caught:
+        for _ in range(3):
+            tokens = [argmax(s.logits) for s in alone]
+            with monkeypatch.context() as off:
+                off.setenv("DS4_GRAPH_DECODE", "off")
+                want = [s.decode(t) for s, t in zip(alone, tokens)]
+            got = decode_together(together, tokens)
+            assert all(mx.max(mx.abs(g - w)).item() <= 1e-5 * mx.max(mx.abs(w)).item() for g, w in zip(got, want))
+    assert len([w for w in caught if issubclass(w.category, GraphDecodeWarning)]) == 1
+    assert all(s._graph_on for s in together) and StandInJoint.launches == []  # each one's own decoder stepped
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
