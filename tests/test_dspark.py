@@ -153,3 +153,155 @@ def test_make_model_writes_the_dspark_file(tmp_path, capsys):
     assert "DSpark support file for preset tiny" in capsys.readouterr().out
     with GGUFFile.open(tmp_path / "d.gguf") as f:
         assert len(f.tensors) == 81 and f.metadata["general.architecture"] == "deepseek4-dspark"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The forward pass against an independent float32 reference
+
+
+def test_taps_are_the_mean_streams_after_the_target_layers(model, drafter):
+    tokens = mx.array([0, *range(40, 60)], dtype=mx.int32)
+    streams = model.hidden(tokens, model.new_cache(CTX))
+    chunk = model.tapped
+    assert chunk.shape == (21, 3 * model.config.n_embd)
+    np.testing.assert_allclose(np.array(chunk[:, -model.config.n_embd:]), np.array(mx.mean(streams, axis=1)),
+                               rtol=0, atol=1e-6)  # the last target is the last layer: its output is the final state
+    cache = model.new_cache(CTX)
+    model.hidden(tokens[:15], cache)
+    _, _, _ = model.decode_rows(tokens[15:].tolist(), [cache], groups=[6])
+    np.testing.assert_allclose(np.array(model.tapped), np.array(chunk[15:]), rtol=0, atol=1e-4)
+
+
+class Reference:
+    """The drafter from its description (dspark.md §2), in float64 NumPy over the dequantized weights."""
+
+    def __init__(self, dspark_weights, main_weights):
+        self.w = lambda name: np.array(dspark_weights.array(name), dtype=np.float64)
+        self.main = lambda name: np.array(main_weights.array(name), dtype=np.float64)
+        self.c = main_weights.config
+        self.spec = dspark_weights.spec
+
+    def rms(self, x, weight=None):
+        y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.c.rms_eps)
+        return y if weight is None else y * weight
+
+    def rope(self, x, positions, inverse=False):
+        n = self.c.n_rot
+        freqs = 1.0 / self.c.rope_freq_base ** (np.arange(0, n, 2) / n)
+        angle = positions[:, None] * freqs[None, :] * (-1 if inverse else 1)
+        shape = (len(positions),) + (1,) * (x.ndim - 2) + (n // 2,)
+        cos, sin = np.cos(angle).reshape(shape), np.sin(angle).reshape(shape)
+        a, b = x[..., -n::2], x[..., -n + 1::2]
+        out = x.copy()
+        out[..., -n::2], out[..., -n + 1::2] = a * cos - b * sin, a * sin + b * cos
+        return out
+
+    def hc_pre(self, h, p, kind):
+        n = self.c.n_hc
+        mix = self.rms(h.reshape(h.shape[0], -1)) @ self.w(f"{p}hc_{kind}_fn.weight").T
+        scale, base = self.w(f"{p}hc_{kind}_scale.weight"), self.w(f"{p}hc_{kind}_base.weight")
+        sig = lambda v: 1 / (1 + np.exp(-v))
+        pre = sig(mix[:, :n] * scale[0] + base[:n]) + self.c.hc_eps
+        post = 2 * sig(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+        logits = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).reshape(-1, n, n)
+        comb = np.exp(logits - logits.max(-1, keepdims=True))
+        comb = comb / comb.sum(-1, keepdims=True) + self.c.hc_eps
+        comb = comb / (comb.sum(-2, keepdims=True) + self.c.hc_eps)
+        for _ in range(self.c.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(-1, keepdims=True) + self.c.hc_eps)
+            comb = comb / (comb.sum(-2, keepdims=True) + self.c.hc_eps)
+        return (pre[:, :, None] * h).sum(1), post, comb
+
+    @staticmethod
+    def hc_post(out, h, post, comb):  # H'_c = post_c out + sum_r comb[r, c] H_r
+        return post[:, :, None] * out[:, None, :] + np.einsum("trc,trd->tcd", comb, h)
+
+    def kv(self, p, x, positions):
+        return self.rope(self.rms(x @ self.w(f"{p}attn_kv.weight").T, self.w(f"{p}attn_kv_a_norm.weight")),
+                         positions)
+
+    def attention(self, p, x, positions, context):
+        c = self.c
+        q = self.rms(x @ self.w(f"{p}attn_q_a.weight").T, self.w(f"{p}attn_q_a_norm.weight"))
+        q = self.rope(self.rms((q @ self.w(f"{p}attn_q_b.weight").T).reshape(len(x), c.n_head, c.head_dim)),
+                      positions)
+        keys = np.concatenate([context, self.kv(p, x, positions)])  # every context row and the whole block
+        scores = q @ keys.T / np.sqrt(c.head_dim)  # (B, H, N)
+        sink = self.w(f"{p}attn_sinks.weight")[None, :, None]
+        top = np.maximum(scores.max(-1, keepdims=True), sink)
+        e = np.exp(scores - top)
+        heads = self.rope((e @ keys) / (e.sum(-1, keepdims=True) + np.exp(sink - top)), positions, inverse=True)
+        groups = heads.reshape(len(x), c.o_groups, -1)
+        wo_a = self.w(f"{p}attn_output_a.weight").reshape(c.o_groups, c.o_lora_rank, -1)
+        low = np.einsum("tgi,goi->tgo", groups, wo_a).reshape(len(x), -1)
+        return low @ self.w(f"{p}attn_output_b.weight").T
+
+    def swiglu(self, x, gate, up, down):
+        g, u = np.minimum(x @ gate.T, 10.0), np.clip(x @ up.T, -10.0, 10.0)
+        return (g / (1 + np.exp(-g)) * u) @ down.T
+
+    def moe(self, p, x):
+        c = self.c
+        scores = np.sqrt(np.logaddexp(0, x @ self.w(f"{p}ffn_gate_inp.weight").T))
+        gate, up, down = (self.w(f"{p}ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
+        out = self.swiglu(x, *(self.w(f"{p}ffn_{k}_shexp.weight") for k in ("gate", "up", "down")))
+        for t in range(len(x)):
+            ids = np.argsort(-(scores[t] + self.w(f"{p}exp_probs_b.bias")))[:c.n_expert_used]
+            weights = scores[t, ids] / scores[t, ids].sum() * c.expert_weights_scale
+            for e, wt in zip(ids, weights):
+                out[t] += wt * self.swiglu(x[t:t + 1], gate[e], up[e], down[e])[0]
+        return out
+
+    def stage(self, s, h, positions, context):
+        p = f"mtp.{s}."
+        x, post, comb = self.hc_pre(h, p, "attn")
+        h = self.hc_post(self.attention(p, self.rms(x, self.w(p + "attn_norm.weight")), positions, context), h,
+                         post, comb)
+        x, post, comb = self.hc_pre(h, p, "ffn")
+        return self.hc_post(self.moe(p, self.rms(x, self.w(p + "ffn_norm.weight"))), h, post, comb)
+
+    def draft(self, features, anchor):
+        """The context rows of positions 0..len(features)-1, then the block after them: (base logits, drafts,
+        confidences)."""
+        c, spec = self.c, self.spec
+        n = len(features)
+        main_x = self.rms(features @ self.w("mtp.0.main_proj.weight").T, self.w("mtp.0.main_norm.weight"))
+        first = max(0, n - c.sliding_window)
+        context_positions = np.arange(first, n, dtype=np.float64)
+        tokens = [anchor] + [spec.noise_token] * (spec.block_size - 1)
+        positions = np.arange(n, n + spec.block_size, dtype=np.float64)
+        h = np.repeat(self.main("token_embd.weight")[tokens][:, None, :], c.n_hc, axis=1)
+        for s in range(spec.n_stages):
+            h = self.stage(s, h, positions, self.kv(f"mtp.{s}.", main_x[first:], context_positions))
+        mix = self.rms(h.reshape(len(h), -1)) @ self.w("mtp.2.hc_head_fn.weight").T
+        pre = 1 / (1 + np.exp(-(mix * self.w("mtp.2.hc_head_scale.weight")[0] + self.w("mtp.2.hc_head_base.weight"))))
+        x = ((pre + c.hc_eps)[:, :, None] * h).sum(1)
+        base = self.rms(x, self.w("mtp.2.norm.weight")) @ self.main("output.weight").T
+        w1, w2 = self.w("mtp.2.markov_head.markov_w1.weight"), self.w("mtp.2.markov_head.markov_w2.weight")
+        proj = self.w("mtp.2.confidence_head.proj.weight")[0]
+        prev, drafts, confidence = anchor, [], []
+        for k in range(spec.block_size):
+            confidence.append(1 / (1 + np.exp(-(proj @ np.concatenate([x[k], w1[prev]])))))
+            prev = int(np.argmax(base[k] + w2 @ w1[prev]))
+            drafts.append(prev)
+        return base, drafts, confidence
+
+
+@pytest.mark.parametrize("n_context", [7, 40])  # fewer rows than the 16-row window, and more
+def test_drafter_equals_the_float32_reference(paths, weights, n_context):
+    exact = Model(weights, simulate_quant=False)  # the reference has no activation quantisation
+    dspark = DSpark.load(paths[1], exact)
+    tokens = mx.array([0, *range(100, 100 + n_context - 1)], dtype=mx.int32)
+    exact.hidden(tokens, exact.new_cache(CTX))
+    features = exact.tapped
+    cache = dspark.new_cache()
+    dspark.commit(features[:3], 0, cache)  # in two parts, as a prefill then verified rows
+    dspark.commit(features[3:], 3, cache)
+    assert (cache.end, cache.n_rows) == (n_context, min(n_context, 16))
+    base, _ = dspark.logits(77, cache)
+    draft = dspark.draft(77, cache)
+    ref_base, ref_drafts, ref_confidence = Reference(open_dspark_weights(paths[1], weights.config), weights).draft(
+        np.array(features, dtype=np.float64), 77)
+    np.testing.assert_allclose(np.array(base), ref_base, rtol=0, atol=2e-4 * np.abs(ref_base).max())
+    assert draft.tokens == ref_drafts
+    np.testing.assert_allclose(draft.confidence, ref_confidence, rtol=0, atol=1e-4)
