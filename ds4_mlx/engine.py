@@ -32,8 +32,10 @@ from .model.checkpoint import detect as detect_checkpoint
 from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
-from .model.mtp import MTP, open_mtp
-from .model.weights import ModelWeights, open_weights
+from .model.dspark import DSpark, open_drafter
+from .model.dspark_file import DSparkWeights
+from .model.mtp import MTP
+from .model.weights import ModelWeights, MTPWeights, open_weights
 from .progress import Progress
 from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
@@ -57,6 +59,19 @@ def speculation_pays() -> bool:
     through MLX's chunk path, 87.8 ms over 1 token and 89.2 over 3 on the H200 (bench/RESULTS.md, 2026-12-02), so
     even every guess right gives ~34 tokens/s against the graphs' ~120 (2026-12-03)."""
     return not graphs_wanted()
+
+
+def warn_pairing(main: Checkpoint, drafter: MTPWeights | DSparkWeights, path: Path) -> None:
+    """Warns when a drafter meets main weights of the other checkpoint (it still works, with fewer drafts
+    accepted): the MTP-1 head and the June DSpark file go with the preview, `…DSpark-support-0731.gguf` with
+    0731 (the C engine's README: checkpoint-specific). A DSpark file's checkpoint is told as a main file's is."""
+    if isinstance(drafter, DSparkWeights):
+        own, basis = detect_checkpoint(drafter.file.metadata, path)
+    else:
+        own, basis = Checkpoint.PREVIEW, "MTP-1 was published for the preview only"
+    if own != main:
+        log.warning("the drafter %s is for the %s weights (%s) but the model is %s: drafts are accepted less often",
+                    path.name, own.value, basis, main.value)
 
 
 def drafts_unused(mtp_draft: int, speculate_anyway: bool) -> bool:
@@ -291,7 +306,7 @@ class Engine:
         check_context(weights.config, ctx)
         if kv_cache is not None:
             check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
-        mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
+        mtp_weights = open_drafter(mtp, weights.config) if mtp is not None else None
         if drafts_unused(opts.get("mtp_draft", 1), opts.get("speculate_anyway", False)):
             mtp_weights = None  # checked, not loaded: the engine would not use it
         model_bytes = loaded_nbytes(weights) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
@@ -307,7 +322,8 @@ class Engine:
             phase("weights")
             if mtp_weights is not None:
                 with Progress(quiet).bar(f"loading {Path(mtp).name}", unit="bytes") as bar:
-                    opts["mtp"] = MTP(mtp_weights, model, progress=bar.update)
+                    drafter = DSpark if isinstance(mtp_weights, DSparkWeights) else MTP
+                    opts["mtp"] = drafter(mtp_weights, model, progress=bar.update)
                 phase("mtp")
             tokenizer = tokenizer.result()
             digests = digests.result() if digests is not None else None
@@ -326,6 +342,8 @@ class Engine:
             types = tuple(t for pair in weights.expert_types for t in pair)
             engine.checkpoint, engine.checkpoint_basis = detect_checkpoint(metadata, path, types)
         log.info("checkpoint %s (%s)", engine.checkpoint.value, engine.checkpoint_basis)
+        if mtp_weights is not None:
+            warn_pairing(engine.checkpoint, mtp_weights, Path(mtp))
         return engine
 
     @classmethod

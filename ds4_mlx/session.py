@@ -8,6 +8,11 @@ the block's window follows the stream and its guess for the next token is always
 a token together with the block's guesses for the tokens after it in one model call, and keeps the guesses the
 model agrees with: greedy decoding that can take several tokens per call and gives the same tokens as plain
 greedy decoding.
+
+With a DSpark drafter (model/dspark.py) instead, every token the session feeds goes through the model with its
+target layers tapped, and their rows join the drafter's context windows. `speculate` drafts a block after the
+token (the anchor), verifies the anchor and the drafts as the rows of one step, keeps the longest run the model's
+argmax agrees with, and keeps the model state of the last kept row: nothing is fed again.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .kernels.machinery.nvrtc import CompileError
 from .model.cache import LayerState, SessionCache, StepUndo
 from .model.graphstep import GraphCheckError, GraphDecoder, spare_device_bytes
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
+from .model.dspark import DSpark, DSparkSnapshot
 from .model.mtp import MTP, MTPSnapshot
 from .model.stream import on_cuda
 from .sampling import argmax, device_argmax
@@ -87,8 +93,8 @@ class Snapshot:
     tokens: tuple[int, ...]
     cache: object
     logits: mx.array | None
-    mtp: MTPSnapshot | None = None
-    """The MTP block's state; None when it was not saved (ds4's disk payload has none): the block then starts a
+    mtp: MTPSnapshot | DSparkSnapshot | None = None
+    """The draft block's state; None when it was not saved (ds4's disk payload has none): the block then starts a
     new window at the next token fed."""
 
 
@@ -102,6 +108,8 @@ class Verified:
     streams: mx.array
     logits: mx.array
     rows: list[list[LayerState]]
+    features: mx.array | None = None
+    """Each row's tapped layer outputs, for a DSpark drafter's context (Model.tapped)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,7 @@ class Speculation:
 class Session:
     """One live stream of model state over a fixed context size, optionally followed by an MTP draft block."""
 
-    def __init__(self, model: Model, ctx: int, mtp: MTP | None = None) -> None:
+    def __init__(self, model: Model, ctx: int, mtp: MTP | DSpark | None = None) -> None:
         self.model = model
         self.ctx = ctx
         self.mtp = mtp
@@ -383,6 +391,8 @@ class Session:
         """Run the model (then the MTP block, on the model's final streams) over tokens at the next positions;
         returns the logits after the last one. A single token goes through the model's compiled decode step."""
         ids = mx.array(tokens, dtype=mx.int32)
+        if isinstance(self.mtp, DSpark):
+            return self._feed_tapped(tokens)
         if len(tokens) == 1:
             streams, logits = self.model.decode(tokens[0], self.cache)
         elif self.mtp is None:
@@ -392,6 +402,19 @@ class Session:
             logits = self.model.head(streams[-1:])[0]
         if self.mtp is not None:
             self.mtp(ids, streams, len(self.tokens), self.mtp_cache)
+        return logits
+
+    def _feed_tapped(self, tokens: list[int]) -> mx.array:
+        """`_feed` with a DSpark drafter: the model's taps of the tokens join its windows. A single token goes
+        through the multi-row step (which taps), a chunk through `hidden`."""
+        start = len(self.tokens)
+        if len(tokens) == 1:
+            _, logits, rows = self.model.decode_rows(tokens, [self.cache])
+            self.cache.advance(rows[0], start + 1)
+            logits = logits[0]
+        else:
+            logits = self.model.head(self.model.hidden(mx.array(tokens, dtype=mx.int32), self.cache)[-1:])[0]
+        self.mtp.commit(self.model.tapped, start, self.mtp_cache)
         return logits
 
     def _eval(self) -> None:
@@ -410,6 +433,8 @@ class Session:
         guess rolls the cache back: restore the state before the call, then feed the kept tokens again.
         Without an MTP block, or before it has seen a token, this is `decode`.
         """
+        if isinstance(self.mtp, DSpark):
+            return self._speculate_dspark(token, max_drafts, stop)
         guess = self.mtp_cache.logits if self.mtp_cache is not None else None
         if guess is None or max_drafts <= 0:
             return self._single(token, drafted=0, accepted=0)
@@ -419,6 +444,19 @@ class Session:
         if not drafts or (len(drafts) == 1 and gap < margin):
             return self._single(token, drafted=1, accepted=1)
         return self._verify([token, *drafts])
+
+    def _speculate_dspark(self, token: int, max_drafts: int, stop: Collection[int]) -> Speculation:
+        """The DSpark step (the reference alignment): `token` is the anchor, the drafter proposes up to
+        min(block_size, max_drafts) tokens after it from its windows (cut before a `stop` token), and one
+        multi-row step verifies [token, drafts...]. Counts only the drafts: `drafted` proposed, `accepted` kept."""
+        if max_drafts <= 0 or self.mtp_cache.n_rows == 0 or self.mtp_cache.end != len(self.tokens):
+            return self._single(token, drafted=0, accepted=0)
+        drafts = self.mtp.draft(token, self.mtp_cache).tokens[:max_drafts]
+        cut = next((i for i, d in enumerate(drafts) if d in stop), len(drafts))
+        if cut == 0:
+            return self._single(token, drafted=0, accepted=0)
+        step = self._verify([token, *drafts[:cut]])
+        return Speculation(step.tokens, step.logits, drafted=cut, accepted=len(step.tokens) - 1)
 
     def _single(self, token: int, drafted: int, accepted: int) -> Speculation:
         return Speculation((token,), self.decode(token)[None], drafted, accepted)
@@ -450,7 +488,7 @@ class Session:
         n = 1
         while n < len(block) and choices[n - 1] == block[n]:
             n += 1
-        self._block = Verified(before, tuple(block), streams, logits, rows)
+        self._block = Verified(before, tuple(block), streams, logits, rows, self.model.tapped)
         self._keep(n)
         return Speculation(tuple(block[:n]), logits[:n], drafted=len(block), accepted=n)
 
@@ -459,7 +497,10 @@ class Session:
         block = self._block
         start = len(block.start.tokens)
         self.cache.advance(block.rows[n - 1], start + n)
-        self.mtp(mx.array(block.tokens[:n], dtype=mx.int32), block.streams[:n], start, self.mtp_cache)
+        if isinstance(self.mtp, DSpark):
+            self.mtp.commit(block.features[:n], start, self.mtp_cache)
+        else:
+            self.mtp(mx.array(block.tokens[:n], dtype=mx.int32), block.streams[:n], start, self.mtp_cache)
         self.tokens.extend(block.tokens[:n])
         self.logits = block.logits[n - 1]
         self._eval()
@@ -573,7 +614,9 @@ def _shared_step(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.
     out = []
     for i, (session, token, cache) in enumerate(zip(sessions, tokens, caches)):
         cache.advance(rows[i], cache.n_tokens + 1)
-        if session.mtp is not None:
+        if isinstance(session.mtp, DSpark):
+            session.mtp.commit(model.tapped[i : i + 1], len(session.tokens), session.mtp_cache)
+        elif session.mtp is not None:
             session.mtp(mx.array([token], dtype=mx.int32), streams[i : i + 1], len(session.tokens), session.mtp_cache)
         session.tokens.append(token)
         session.logits = logits[i]

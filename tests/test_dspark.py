@@ -16,14 +16,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4_mlx.engine import Engine, GenerationRequest
 from ds4_mlx.errors import LayoutError
-from ds4_mlx.model.dspark import DSpark, open_drafter
+from ds4_mlx.events import Done
+from ds4_mlx.model.dspark import DSpark, Draft, accept_sampled, open_drafter
 from ds4_mlx.model.dspark_file import (aliases, dspark_metadata, dspark_tensors, open_dspark_weights, published_spec,
                                        support_kind, write_dspark_model)
 from ds4_mlx.model.factory import V, preset_config, tensor_data, write_gguf, write_model, write_mtp_model
 from ds4_mlx.model.gguf import GGUFFile
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import MTPWeights, open_weights
+from ds4_mlx.sampling import SamplingParams
+from ds4_mlx.session import Session
+from ds4_mlx.tokenizer import Tokenizer
 
 CTX = 256
 PUBLISHED_BYTES = 5_989_114_272
@@ -305,3 +310,151 @@ def test_drafter_equals_the_float32_reference(paths, weights, n_context):
     np.testing.assert_allclose(np.array(base), ref_base, rtol=0, atol=2e-4 * np.abs(ref_base).max())
     assert draft.tokens == ref_drafts
     np.testing.assert_allclose(draft.confidence, ref_confidence, rtol=0, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Speculative decoding
+
+
+PROMPTS = [
+    [0, 300, 301, 45, 67],
+    [0, 7, 7, 7, 7, 7, 7, 7, 7],
+    [0, *range(100, 131)],  # longer than the tiny model's 16-token window
+]
+GREEDY = SamplingParams(temperature=0)
+LOGITS_ATOL = 1e-4
+
+
+def generate(engine: Engine, prompt: list[int], **kw) -> Done:
+    kw.setdefault("sampling", GREEDY)
+    events = list(engine.generate(GenerationRequest(prompt=prompt, **kw)))
+    assert isinstance(events[-1], Done)
+    return events[-1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(weights):
+    return Tokenizer.from_gguf(weights.file)
+
+
+@pytest.fixture(scope="module")
+def plain_runs(model, tokenizer):
+    """Plain greedy decoding of every prompt: (generated tokens, session tokens, last logits)."""
+    engine = Engine(model, tokenizer, CTX)
+    runs = []
+    for prompt in PROMPTS:
+        done = generate(engine, prompt, max_tokens=24)
+        runs.append((done.token_ids, list(engine.session.tokens), engine.session.logits))
+    return runs
+
+
+def oracle(monkeypatch, sequence: list[int], wrong=lambda position: False) -> None:
+    """Make the drafter propose sequence[q] for the token at position q (a wrong token where `wrong(q)`); it still
+    runs its forward pass."""
+    real = DSpark.draft
+
+    def draft(self, anchor, cache, *args, **kw):
+        proposed = real(self, anchor, cache, *args, **kw)
+        at = range(cache.end + 1, cache.end + 1 + self.block_size)
+        tokens = [(sequence[q] if q < len(sequence) else 0) + (1 if wrong(q) else 0) for q in at]
+        return Draft(tokens, proposed.probs, proposed.confidence)
+
+    monkeypatch.setattr(DSpark, "draft", draft)
+
+
+def test_random_drafts_change_nothing(model, tokenizer, drafter, plain_runs):
+    engine = Engine(model, tokenizer, CTX, mtp=drafter, mtp_draft=6)
+    for prompt, (generated, fed, logits) in zip(PROMPTS, plain_runs):
+        done = generate(engine, prompt, max_tokens=24)
+        assert done.token_ids == generated and engine.session.tokens == fed
+        assert mx.allclose(engine.session.logits, logits, atol=LOGITS_ATOL)
+        assert done.mtp_drafted > 0
+
+
+@pytest.mark.parametrize("n_draft", [6, 3])
+def test_speculative_greedy_equals_plain_greedy(monkeypatch, model, tokenizer, drafter, plain_runs, n_draft):
+    for prompt, (generated, fed, logits) in zip(PROMPTS, plain_runs):
+        oracle(monkeypatch, [*prompt, *generated], wrong=lambda q: q % 4 == 0)
+        engine = Engine(model, tokenizer, CTX, mtp=drafter, mtp_draft=n_draft)
+        done = generate(engine, prompt, max_tokens=24)
+        assert done.token_ids == generated
+        assert engine.session.tokens == fed
+        assert mx.allclose(engine.session.logits, logits, atol=LOGITS_ATOL)
+        assert 0 < done.mtp_accepted < done.mtp_drafted  # right and wrong drafts both happened
+
+
+def test_right_drafts_are_all_accepted_in_six_row_steps(monkeypatch, model, tokenizer, drafter, plain_runs):
+    prompt, (generated, _, _) = PROMPTS[0], plain_runs[0]
+    oracle(monkeypatch, [*prompt, *generated])
+    rows = []
+    real_rows = model.decode_rows
+
+    def counted(tokens, caches, groups=None):
+        rows.append(len(tokens))
+        return real_rows(tokens, caches, groups)
+
+    monkeypatch.setattr(model, "decode_rows", counted)
+    done = generate(Engine(model, tokenizer, CTX, mtp=drafter, mtp_draft=6), prompt, max_tokens=24)
+    assert done.token_ids == generated
+    assert rows == [6, 6, 6, 5]  # 23 tokens fed: three full blocks, then the anchor and the 4 drafts left room for
+    assert done.mtp_accepted == done.mtp_drafted == 5 + 5 + 5 + 4
+
+
+def test_session_speculate_rewind_and_the_drafter_windows(monkeypatch, model, drafter, plain_runs):
+    prompt, (generated, _, _) = PROMPTS[2], plain_runs[2]
+    sequence = [*prompt, *generated]
+    oracle(monkeypatch, sequence, wrong=lambda q: q == len(prompt) + 3)
+    session = Session(model, CTX, drafter)
+    session.prefill(prompt)
+    assert (session.mtp_cache.end, session.mtp_cache.n_rows) == (len(prompt), 16)
+    step = session.speculate(generated[0], max_drafts=5)
+    assert step.tokens == tuple(generated[:3]) and (step.drafted, step.accepted) == (5, 2)  # the 3rd draft was wrong
+    assert session.mtp_cache.end == len(prompt) + 3
+    plain = Session(model, CTX)
+    plain.prefill(prompt)
+    for i, token in enumerate(step.tokens):
+        assert mx.allclose(step.logits[i], plain.decode(token), atol=LOGITS_ATOL)
+    # the windows equal those of a drafter that followed the accepted tokens one by one
+    followed = Session(model, CTX, drafter)
+    followed.prefill(prompt)
+    for token in step.tokens:
+        followed.decode(token)
+    for got, want in zip(session.mtp_cache.rings, followed.mtp_cache.rings):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-4)
+    session.rewind(len(prompt) + 1)
+    assert session.mtp_cache.end == len(prompt) + 1
+    step = session.speculate(generated[1], max_drafts=5, stop=(sequence[len(prompt) + 2],))
+    assert step.tokens == (generated[1],) and step.drafted == 0  # the first draft is a stop token: nothing verified
+
+
+def test_snapshots_keep_the_drafter_rows_and_a_lost_window_refills(monkeypatch, model, drafter, plain_runs):
+    prompt, (generated, _, _) = PROMPTS[1], plain_runs[1]
+    oracle(monkeypatch, [*prompt, *generated])
+    session = Session(model, CTX, drafter)
+    session.prefill(prompt)
+    saved = session.snapshot()
+    assert saved.mtp.rings[0].shape == (len(prompt), model.config.head_dim)
+    first = session.speculate(generated[0], max_drafts=5)
+    session.restore(saved)
+    assert session.speculate(generated[0], max_drafts=5).tokens == first.tokens
+    session.restore(replace(saved, mtp=None))  # as from the disk cache, which holds no drafter rows
+    step = session.speculate(generated[0], max_drafts=5)
+    assert step.tokens == (generated[0],) and step.drafted == 0  # no window yet: fed alone, which starts one
+    assert (session.mtp_cache.end, session.mtp_cache.n_rows) == (len(prompt) + 1, 1)
+    step = session.speculate(generated[1], max_drafts=5)
+    assert step.tokens == tuple(generated[1:7]) and step.accepted == 5
+
+
+def test_acceptance_rule_gives_the_target_distribution():
+    """Rejection sampling (dspark.md §3.4): whatever the drafts' distribution q, the first emitted token is
+    distributed as the target's p."""
+    rng = np.random.default_rng(3)
+    p = np.array([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = np.array([0.1, 0.2, 0.3, 0.4])
+    counts = np.zeros(4)
+    for _ in range(20000):
+        d = int(rng.choice(4, p=q))
+        kept, token = accept_sampled(p, Draft([d], q[None], [1.0]), rng)
+        counts[d if kept else token] += 1
+    np.testing.assert_allclose(counts / counts.sum(), p[0], atol=0.015)
+    assert accept_sampled(p, Draft([3], q[None], [1.0]), rng)[0] == 0  # p(3) = 0: always rejected

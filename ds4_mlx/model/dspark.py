@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import ModelFileMissing
 from .attention import attend
+from .config import ModelConfig
 from .dspark_file import DSparkWeights, open_dspark_weights, support_kind
 from .hyper_connection import HyperHead, PendingPost
 from .model import Block, Loader, Model
@@ -40,7 +41,7 @@ from .norm import rms_norm
 from .weights import MTPWeights
 
 
-def open_drafter(path: str | os.PathLike[str], main_config) -> MTPWeights | DSparkWeights:
+def open_drafter(path: str | os.PathLike[str], main_config: ModelConfig) -> MTPWeights | DSparkWeights:
     """Open and validate a --mtp file as the drafter its tensors say (the C engine's rule): MTP-1 or DSpark."""
     if not os.path.exists(path):
         raise ModelFileMissing.mtp_at(path)
@@ -53,6 +54,9 @@ class DSparkSnapshot:
 
     rings: tuple[mx.array, ...]
     end: int
+
+    def arrays(self) -> list[mx.array]:
+        return list(self.rings)
 
 
 class DSparkCache:
