@@ -364,14 +364,14 @@ def oracle(monkeypatch, sequence: list[int], wrong=lambda position: False) -> No
 
 def test_random_drafts_change_nothing(model, tokenizer, drafter, plain_runs):
     engine = Engine(model, tokenizer, CTX, mtp=drafter, mtp_draft=6)
-    for prompt, (generated, fed, logits) in zip(PROMPTS, plain_runs):
+    for prompt, (generated, fed, logits) in zip(PROMPTS[2:], plain_runs[2:]):
         done = generate(engine, prompt, max_tokens=24)
         assert done.token_ids == generated and engine.session.tokens == fed
         assert mx.allclose(engine.session.logits, logits, atol=LOGITS_ATOL)
         assert done.mtp_drafted > 0
 
 
-@pytest.mark.parametrize("n_draft", [6, 3])
+@pytest.mark.parametrize("n_draft", [6, pytest.param(3, marks=pytest.mark.slow)])
 def test_speculative_greedy_equals_plain_greedy(monkeypatch, model, tokenizer, drafter, plain_runs, n_draft):
     for prompt, (generated, fed, logits) in zip(PROMPTS, plain_runs):
         oracle(monkeypatch, [*prompt, *generated], wrong=lambda q: q % 4 == 0)
