@@ -458,3 +458,14 @@ def test_acceptance_rule_gives_the_target_distribution():
         counts[d if kept else token] += 1
     np.testing.assert_allclose(counts / counts.sum(), p[0], atol=0.015)
     assert accept_sampled(p, Draft([3], q[None], [1.0]), rng)[0] == 0  # p(3) = 0: always rejected
+
+
+def test_engine_loads_the_dspark_file_and_warns_on_the_other_checkpoint(paths, tmp_path, caplog):
+    engine = Engine.load(paths[0], ctx=CTX, mtp=paths[1], mtp_draft=6)
+    assert isinstance(engine.session.mtp, DSpark) and engine.model.taps == (3, 4, 5)
+    assert "drafts are accepted less often" not in caplog.text  # both taken for the preview
+    named = tmp_path / "DeepSeek-V4-Flash-DSpark-support-0731.gguf"
+    named.write_bytes(paths[1].read_bytes())
+    with caplog.at_level("WARNING", logger="ds4_mlx.engine"):
+        Engine.load(paths[0], ctx=CTX, mtp=named, mtp_draft=6)
+    assert "is for the 0731 weights (the file's name says 0731) but the model is preview" in caplog.text
