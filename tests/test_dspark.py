@@ -469,3 +469,21 @@ def test_engine_loads_the_dspark_file_and_warns_on_the_other_checkpoint(paths, t
     with caplog.at_level("WARNING", logger="ds4_mlx.engine"):
         Engine.load(paths[0], ctx=CTX, mtp=named, mtp_draft=6)
     assert "is for the 0731 weights (the file's name says 0731) but the model is preview" in caplog.text
+
+
+def test_sessions_sharing_a_step_keep_their_drafter_windows(model, drafter):
+    from ds4_mlx.session import decode_together
+
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    together, alone = [Session(model, CTX, drafter) for _ in prompts], [Session(model, CTX, drafter) for _ in prompts]
+    for session, other, prompt in zip(together, alone, prompts):
+        session.prefill(prompt)
+        other.prefill(prompt)
+    decode_together(together, [11, 12])
+    decode_together(together, [13, 14])
+    for session, other, tokens in zip(together, alone, ([11, 13], [12, 14])):
+        for token in tokens:
+            other.decode(token)
+        assert session.mtp_cache.end == other.mtp_cache.end == len(other.tokens)
+        for got, want in zip(session.mtp_cache.rings, other.mtp_cache.rings):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-4)
