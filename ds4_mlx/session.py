@@ -22,9 +22,10 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from . import memory
 from .errors import RequestError
@@ -34,7 +35,7 @@ from .kernels.machinery.nvrtc import CompileError
 from .model.cache import LayerState, SessionCache, StepUndo
 from .model.graphstep import GraphCheckError, GraphDecoder, spare_device_bytes
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
-from .model.dspark import DSpark, DSparkSnapshot
+from .model.dspark import DSpark, DSparkSnapshot, accept_sampled
 from .model.mtp import MTP, MTPSnapshot
 from .model.stream import on_cuda
 from .sampling import argmax, device_argmax
@@ -482,15 +483,49 @@ class Session:
         """Feed the block as the rows of one step (Model.decode_rows: every weight read once for all of them) and
         keep block[0] plus the guesses the model's argmax agrees with. The state is the one the last kept row
         left: the rows after it are dropped, not undone or fed again."""
-        before = self.snapshot()
-        streams, logits, rows = self.model.decode_rows(block, [self.cache], groups=[len(block)])
+        logits = self._verify_rows(block)
         choices = mx.argmax(logits, axis=-1).tolist()
         n = 1
         while n < len(block) and choices[n - 1] == block[n]:
             n += 1
-        self._block = Verified(before, tuple(block), streams, logits, rows, self.model.tapped)
         self._keep(n)
         return Speculation(tuple(block[:n]), logits[:n], drafted=len(block), accepted=n)
+
+    def _verify_rows(self, block: list[int]) -> mx.array:
+        """The block's rows in one step, kept as the last verified block (none of them fed yet); their logits."""
+        before = self.snapshot()
+        streams, logits, rows = self.model.decode_rows(block, [self.cache], groups=[len(block)])
+        self._block = Verified(before, tuple(block), streams, logits, rows, self.model.tapped)
+        return logits
+
+    def speculate_sampled(self, token: int, max_drafts: int, temperature: float, rng: np.random.Generator,
+                          stop: Collection[int] = ()) -> tuple[Speculation, int]:
+        """The DSpark step when sampling at `temperature` (dspark.md §3.4, rejection sampling): up to max_drafts
+        drafts, each drawn from its Markov-corrected row at that temperature, [token, drafts...] verified as one
+        step, and the drafts kept by `accept_sampled` against the model's softmax(logits / temperature) (the whole
+        vocabulary: no top-k or top-p). The state is that of the kept rows. Returns the step and the next token,
+        drawn by the rule: every emitted token is distributed as plain sampling's."""
+        def target(logits: mx.array) -> np.ndarray:
+            p = np.array(mx.softmax(logits.astype(mx.float32) / temperature, axis=-1), dtype=np.float64)
+            return p / p.sum(axis=-1, keepdims=True)
+
+        if (not isinstance(self.mtp, DSpark) or max_drafts <= 0 or self.mtp_cache.n_rows == 0
+                or self.mtp_cache.end != len(self.tokens)):
+            step = self._single(token, drafted=0, accepted=0)
+        else:
+            draft = self.mtp.draft(token, self.mtp_cache, temperature, rng)
+            k = min(max_drafts, next((i for i, d in enumerate(draft.tokens) if d in stop), len(draft.tokens)))
+            if k == 0:
+                step = self._single(token, drafted=0, accepted=0)
+            else:
+                block = [token, *draft.tokens[:k]]
+                logits = self._verify_rows(block)
+                kept, following = accept_sampled(target(logits), replace(draft, tokens=draft.tokens[:k],
+                                                                          probs=draft.probs[:k]), rng)
+                self._keep(kept + 1)
+                return Speculation(tuple(block[: kept + 1]), logits[: kept + 1], drafted=k, accepted=kept), following
+        p = target(step.logits[0])
+        return step, int(rng.choice(p.size, p=p))
 
     def _keep(self, n: int) -> None:
         """The state after the first n rows of the last verified block, from its start."""

@@ -487,3 +487,21 @@ def test_sessions_sharing_a_step_keep_their_drafter_windows(model, drafter):
         assert session.mtp_cache.end == other.mtp_cache.end == len(other.tokens)
         for got, want in zip(session.mtp_cache.rings, other.mtp_cache.rings):
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-4)
+
+
+def test_sampled_speculation_keeps_the_plain_state(monkeypatch, model, drafter, plain_runs):
+    """At a temperature this low the model's distributions are its argmax: right drafts are all kept, a wrong one
+    is rejected and the token drawn instead is the greedy one; the state is that of feeding the kept tokens."""
+    prompt, (generated, _, _) = PROMPTS[2], plain_runs[2]
+    oracle(monkeypatch, [*prompt, *generated], wrong=lambda q: q == len(prompt) + 4)
+    rng = np.random.default_rng(0)
+    session = Session(model, CTX, drafter)
+    session.prefill(prompt)
+    step, following = session.speculate_sampled(generated[0], 5, temperature=1e-3, rng=rng)
+    assert step.tokens == tuple(generated[:4]) and (step.drafted, step.accepted) == (5, 3)
+    assert following == generated[4]
+    plain = Session(model, CTX)
+    plain.prefill([*prompt, *generated[:4]])
+    assert session.tokens == plain.tokens and mx.allclose(session.logits, plain.logits, atol=LOGITS_ATOL)
+    step, following = session.speculate_sampled(following, 5, temperature=1e-3, rng=rng)
+    assert step.tokens == tuple(generated[4:10]) and following == generated[10]
