@@ -1,7 +1,7 @@
 """The DSpark support file and drafter (model/dspark_file.py, model/dspark.py), and speculative decoding with it.
 
-No published framework ships the drafter (transformers 5.23.0 has no DSpark code: its package holds no "dspark"),
-so the forward pass is held against an independent float32 NumPy reference written here from the description of
+No published framework here ships the drafter (transformers 5.23.0 has no DSpark code: its deepseek_v4 model has
+none, and its one mention of the word, in mistral_large4, drops `mtp_dspark.*` weights at load), so the forward pass is held against an independent float32 NumPy reference written here from the description of
 the reference model in ../shared/spec/dspark.md §2 (the stages, the context rows, the heads), over the file's
 weights dequantized by the GGUF reader.
 """
@@ -158,6 +158,9 @@ def test_make_model_writes_the_dspark_file(tmp_path, capsys):
     assert "DSpark support file for preset tiny" in capsys.readouterr().out
     with GGUFFile.open(tmp_path / "d.gguf") as f:
         assert len(f.tensors) == 81 and f.metadata["general.architecture"] == "deepseek4-dspark"
+    run = ["run", "-m", str(tmp_path / "m.gguf"), "-c", "128", "-p", "hi", "-n", "8", "--temp", "0", "-q"]
+    assert main(run + ["--mtp", str(tmp_path / "d.gguf"), "--mtp-draft", "6"]) == 0
+    assert "MTP guesses accepted" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -188,10 +188,11 @@ def add_mtp_options(p: argparse.ArgumentParser) -> None:
     """ds4's MTP flags (ds4_cli.c): speculative greedy decoding with the optional MTP draft file."""
     g = p.add_argument_group("MTP speculative decoding (greedy only: --temp 0)")
     g.add_argument("--mtp", type=Path, metavar="FILE",
-                   help="MTP draft file (./download_model.sh mtp) to guess tokens ahead with (default: off)")
+                   help="draft file to guess tokens ahead with, told by its tensors: 0731's DSpark support file "
+                        "(./download_model.sh ds4f-dspark) or the preview's MTP file (mtp) (default: off)")
     g.add_argument("--mtp-draft", type=_mtp_draft, default=1, metavar="N",
-                   help="tokens per model call when the guesses hold: the chosen one and up to N-1 guesses; "
-                        "1 = no speculation (default 1)")
+                   help="tokens per model call when the guesses hold: the chosen one and up to N-1 guesses (DSpark: "
+                        "at most its block of 5, so 6 takes them all); 1 = no speculation (default 1)")
     g.add_argument("--mtp-margin", type=_non_negative, default=3.0, metavar="F",
                    help="verify a lone guess only if its top-1/top-2 logit gap is at least F (default 3)")
 
