@@ -126,7 +126,8 @@ class Speculation:
 
 
 class Session:
-    """One live stream of model state over a fixed context size, optionally followed by an MTP draft block."""
+    """One live stream of model state over a fixed context size, optionally followed by a draft block (MTP-1 or
+    DSpark)."""
 
     def __init__(self, model: Model, ctx: int, mtp: MTP | DSpark | None = None) -> None:
         self.model = model
@@ -390,10 +391,11 @@ class Session:
 
     def _feed(self, tokens: list[int]) -> mx.array:
         """Run the model (then the MTP block, on the model's final streams) over tokens at the next positions;
-        returns the logits after the last one. A single token goes through the model's compiled decode step."""
-        ids = mx.array(tokens, dtype=mx.int32)
+        returns the logits after the last one. A single token goes through the model's compiled decode step.
+        With a DSpark drafter, `_feed_tapped`."""
         if isinstance(self.mtp, DSpark):
             return self._feed_tapped(tokens)
+        ids = mx.array(tokens, dtype=mx.int32)
         if len(tokens) == 1:
             streams, logits = self.model.decode(tokens[0], self.cache)
         elif self.mtp is None:
@@ -406,16 +408,17 @@ class Session:
         return logits
 
     def _feed_tapped(self, tokens: list[int]) -> mx.array:
-        """`_feed` with a DSpark drafter: the model's taps of the tokens join its windows. A single token goes
-        through the multi-row step (which taps), a chunk through `hidden`."""
-        start = len(self.tokens)
+        """`_feed` with a DSpark drafter: the model's taps of the tokens (of a chunk's last rows) join its windows.
+        A single token goes through the multi-row step (which taps), a chunk through `hidden`."""
+        end = len(self.tokens) + len(tokens)
         if len(tokens) == 1:
             _, logits, rows = self.model.decode_rows(tokens, [self.cache])
-            self.cache.advance(rows[0], start + 1)
+            self.cache.advance(rows[0], end)
             logits = logits[0]
         else:
             logits = self.model.head(self.model.hidden(mx.array(tokens, dtype=mx.int32), self.cache)[-1:])[0]
-        self.mtp.commit(self.model.tapped, start, self.mtp_cache)
+        tapped = self.model.tapped
+        self.mtp.commit(tapped, end - tapped.shape[0], self.mtp_cache)
         return logits
 
     def _eval(self) -> None:

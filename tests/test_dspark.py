@@ -168,16 +168,16 @@ def test_make_model_writes_the_dspark_file(tmp_path, capsys):
 
 
 def test_taps_are_the_mean_streams_after_the_target_layers(model, drafter):
-    tokens = mx.array([0, *range(40, 60)], dtype=mx.int32)
+    tokens = mx.array([0, *range(40, 60)], dtype=mx.int32)  # 21 tokens: a chunk taps its last 16 (the window)
     streams = model.hidden(tokens, model.new_cache(CTX))
     chunk = model.tapped
-    assert chunk.shape == (21, 3 * model.config.n_embd)
-    np.testing.assert_allclose(np.array(chunk[:, -model.config.n_embd:]), np.array(mx.mean(streams, axis=1)),
+    assert chunk.shape == (16, 3 * model.config.n_embd)
+    np.testing.assert_allclose(np.array(chunk[:, -model.config.n_embd:]), np.array(mx.mean(streams[5:], axis=1)),
                                rtol=0, atol=1e-6)  # the last target is the last layer: its output is the final state
     cache = model.new_cache(CTX)
     model.hidden(tokens[:15], cache)
     _, _, _ = model.decode_rows(tokens[15:].tolist(), [cache], groups=[6])
-    np.testing.assert_allclose(np.array(model.tapped), np.array(chunk[15:]), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.array(model.tapped), np.array(chunk[10:]), rtol=0, atol=1e-4)
 
 
 class Reference:
@@ -295,13 +295,22 @@ class Reference:
         return base, drafts, confidence
 
 
+def _tapped_rows(model: Model, tokens: mx.array) -> mx.array:
+    """The taps of every token, fed in chunks of the window (a chunk taps its last window rows)."""
+    cache, window = model.new_cache(CTX), model.config.sliding_window
+    taps = []
+    for start in range(0, tokens.size, window):
+        model.hidden(tokens[start : start + window], cache)
+        taps.append(model.tapped)
+    return mx.concatenate(taps)
+
+
 @pytest.mark.parametrize("n_context", [7, 40])  # fewer rows than the 16-row window, and more
 def test_drafter_equals_the_float32_reference(paths, weights, n_context):
     exact = Model(weights, simulate_quant=False)  # the reference has no activation quantisation
     dspark = DSpark.load(paths[1], exact)
     tokens = mx.array([0, *range(100, 100 + n_context - 1)], dtype=mx.int32)
-    exact.hidden(tokens, exact.new_cache(CTX))
-    features = exact.tapped
+    features = _tapped_rows(exact, tokens)
     cache = dspark.new_cache()
     dspark.commit(features[:3], 0, cache)  # in two parts, as a prefill then verified rows
     dspark.commit(features[3:], 3, cache)

@@ -86,8 +86,12 @@ class Block:
         return PendingPost(routed, shared, streams, post, comb), rows
 
 
-def tap(residual: PendingPost) -> mx.array:
-    """A layer's output as a DSpark drafter reads it: the mean of its hyper-connection streams (T, n_embd)."""
+def tap(residual: PendingPost, last: int | None = None) -> mx.array:
+    """A layer's output as a DSpark drafter reads it: the mean of its hyper-connection streams (T, n_embd), of
+    the `last` rows only when given."""
+    if last is not None:
+        residual = PendingPost(*(None if a is None else a[-last:] for a in (
+            residual.output, residual.addend, residual.streams, residual.post, residual.comb)))
     return mx.mean(residual.apply(), axis=1)
 
 
@@ -184,7 +188,8 @@ class Model:
         model/dspark.py); () keeps none, and the one-token `decode` never does."""
         self.tapped: mx.array | None = None
         """The last `hidden` or `decode_rows` call's taps: per row, the mean over the hyper-connection streams of
-        each tapped layer's output, side by side (T, len(taps) * n_embd)."""
+        each tapped layer's output, side by side (rows, len(taps) * n_embd). `hidden` taps its last sliding_window
+        rows only (all that a drafter's window keeps), `decode_rows` every row."""
 
     def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
         """The block whose tensors are named `prefix` + suffix, at a compression ratio, with token-hash
@@ -282,7 +287,7 @@ class Model:
             for layer, block in enumerate(self.blocks):
                 residual, layers[layer] = block(residual, tokens, n_past, layers[layer])
                 if layer in self.taps:
-                    taps.append(tap(residual))
+                    taps.append(tap(residual, self.config.sliding_window))
                 if grouped:  # one layer ahead: this layer is queued, then the previous one waited for
                     queued = [*residual.arrays(), *layers[layer].arrays()]
                     mx.async_eval(*queued)
