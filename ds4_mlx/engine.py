@@ -645,6 +645,7 @@ class Engine:
         text_parts: list[str] = []
         finish = "length"
         speculate = self._speculates(req.sampling)
+        by_stream = speculate and not _plain_greedy(req.sampling)  # DSpark drafts kept or dropped by the sampler
         # a masked greedy choice is fed ahead too (the mask is ready before it), on MLX's step, not the decode graphs
         pipelined = self._pipelines(req.sampling) and (mask is None or not graphs_wanted())
         ahead: list[tuple[int, mx.array]] = []  # fed by a speculative step before the stream chose them, with logits
@@ -669,7 +670,7 @@ class Engine:
                     if mask is not None:
                         logits = mask.apply(logits)
                     token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
-                if mask is not None and ahead and ahead[0][0] != token:  # the mask refused a draft: drop it on
+                if ahead and ahead[0][0] != token:  # the mask refused a draft, or the sampler chose another token
                     lane.session.rewind(len(lane.session.tokens) - len(ahead))
                     ahead = []
                 if token == self.tokenizer.eos_id:
@@ -692,6 +693,7 @@ class Engine:
                     break
                 if len(generated) < limit and ahead:
                     logits = _take_ahead(ahead, token)
+                    accepted += by_stream
                 elif len(generated) < limit:
                     checkpoint = (self.kv_store is not None and self._at_continued_frontier(lane)
                                   and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE))
@@ -707,7 +709,8 @@ class Engine:
                             logits = yield Feed(token)
                         elif speculate:
                             step = lane.session.speculate(token, self._draft_room(lane, len(generated), limit),
-                                                          self.mtp_margin, stop=(self.tokenizer.eos_id,))
+                                                          self.mtp_margin, stop=(self.tokenizer.eos_id,),
+                                                          keep_all=by_stream)
                             drafted, accepted = drafted + step.drafted, accepted + step.accepted
                             logits = step.logits[0]
                             ahead = [(t, step.logits[i]) for i, t in enumerate(step.tokens[1:], 1)]
@@ -777,8 +780,11 @@ class Engine:
 
     def _speculates(self, sampling: SamplingParams) -> bool:
         """Speculative decoding runs where ds4 runs it, greedy decoding (temperature 0) with --mtp-draft >= 2, and
-        here only without OpenAI penalties, which would change the greedy choice after every token."""
-        return self.session.mtp is not None and _plain_greedy(sampling)
+        with the MTP block only without OpenAI penalties, which would change the greedy choice after every token.
+        With a DSpark drafter it runs whatever the sampling: its drafts are fed and kept as long as the stream's
+        own choices (sampled, penalised, masked) take them, target-only matching (dspark.md §3.4, option A), so the
+        tokens are plain decoding's, seed for seed."""
+        return self.session.mtp is not None and (_plain_greedy(sampling) or isinstance(self.session.mtp, DSpark))
 
     def _pipelines(self, sampling: SamplingParams) -> bool:
         """Decoding feeds each token before the host reads it back (`Session.feed_chosen`: the host builds a step
@@ -818,7 +824,7 @@ def _plain_greedy(sampling: SamplingParams) -> bool:
 
 
 def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:
-    """The logits after `token`, which a speculative step already fed (it was the model's own argmax there)."""
+    """The logits after `token`, which a speculative step already fed (the stream chose it there)."""
     fed, logits = ahead.pop(0)
     if fed != token:
         raise RuntimeError(f"speculative decoding fed token {fed} where the stream chose {token}")

@@ -425,7 +425,8 @@ class Session:
         mtp_arrays = self.mtp_cache.arrays() if self.mtp_cache is not None else []
         mx.eval(self.logits, *self.cache.arrays(), *mtp_arrays)
 
-    def speculate(self, token: int, max_drafts: int, margin: float = 0.0, stop: Collection[int] = ()) -> Speculation:
+    def speculate(self, token: int, max_drafts: int, margin: float = 0.0, stop: Collection[int] = (),
+                  keep_all: bool = False) -> Speculation:
         """Feed `token`, and with it up to `max_drafts` tokens the MTP block guesses will follow, keeping the
         longest run of guesses that equal the model's own argmax (greedy decoding only).
 
@@ -435,10 +436,11 @@ class Session:
         and one model call over [token, guesses...] verifies them. A single guess whose top-1/top-2 logit gap is
         below `margin` is not worth a verification and is dropped (ds4's gate for --mtp-draft 2). A rejected
         guess rolls the cache back: restore the state before the call, then feed the kept tokens again.
-        Without an MTP block, or before it has seen a token, this is `decode`.
+        Without an MTP block, or before it has seen a token, this is `decode`. With a DSpark drafter,
+        `_speculate_dspark` (`keep_all`: see there).
         """
         if isinstance(self.mtp, DSpark):
-            return self._speculate_dspark(token, max_drafts, stop)
+            return self._speculate_dspark(token, max_drafts, stop, keep_all)
         guess = self.mtp_cache.logits if self.mtp_cache is not None else None
         if guess is None or max_drafts <= 0:
             return self._single(token, drafted=0, accepted=0)
@@ -449,17 +451,25 @@ class Session:
             return self._single(token, drafted=1, accepted=1)
         return self._verify([token, *drafts])
 
-    def _speculate_dspark(self, token: int, max_drafts: int, stop: Collection[int]) -> Speculation:
+    def _speculate_dspark(self, token: int, max_drafts: int, stop: Collection[int], keep_all: bool = False
+                          ) -> Speculation:
         """The DSpark step (the reference alignment): `token` is the anchor, the drafter proposes up to
         min(block_size, max_drafts) tokens after it from its windows (cut before a `stop` token), and one
-        multi-row step verifies [token, drafts...]. Counts only the drafts: `drafted` proposed, `accepted` kept."""
+        multi-row step verifies [token, drafts...]. Counts only the drafts: `drafted` proposed, `accepted` kept.
+        `keep_all` keeps every row for the caller to choose against (sampling: it `rewind`s at the first draft its
+        own choice differs from), and counts none accepted."""
         if max_drafts <= 0 or self.mtp_cache.n_rows == 0 or self.mtp_cache.end != len(self.tokens):
             return self._single(token, drafted=0, accepted=0)
         drafts = self.mtp.draft(token, self.mtp_cache).tokens[:max_drafts]
         cut = next((i for i, d in enumerate(drafts) if d in stop), len(drafts))
         if cut == 0:
             return self._single(token, drafted=0, accepted=0)
-        step = self._verify([token, *drafts[:cut]])
+        block = [token, *drafts[:cut]]
+        if keep_all:
+            logits = self._verify_rows(block)
+            self._keep(len(block))
+            return Speculation(tuple(block), logits, drafted=cut, accepted=0)
+        step = self._verify(block)
         return Speculation(step.tokens, step.logits, drafted=cut, accepted=len(step.tokens) - 1)
 
     def _single(self, token: int, drafted: int, accepted: int) -> Speculation:

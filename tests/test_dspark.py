@@ -519,3 +519,18 @@ def test_sampled_speculation_keeps_the_plain_state(monkeypatch, model, drafter, 
     assert session.tokens == plain.tokens and mx.allclose(session.logits, plain.logits, atol=LOGITS_ATOL)
     step, following = session.speculate_sampled(following, 5, temperature=1e-3, rng=rng)
     assert step.tokens == tuple(generated[4:10]) and following == generated[10]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.8, seed=11),
+                                      SamplingParams(temperature=0, presence_penalty=1.0)])
+def test_sampled_and_penalised_decoding_keep_drafts_the_stream_takes(monkeypatch, model, tokenizer, drafter, sampling):
+    """Target-only matching: the drafts are fed, and kept while the stream's own choices take them, so the tokens
+    are plain decoding's, seed for seed."""
+    prompt = PROMPTS[0]
+    expected = generate(Engine(model, tokenizer, CTX), prompt, max_tokens=16, sampling=sampling)
+    oracle(monkeypatch, [*prompt, *expected.token_ids], wrong=lambda q: q % 5 == 0)
+    engine = Engine(model, tokenizer, CTX, mtp=drafter, mtp_draft=6)
+    done = generate(engine, prompt, max_tokens=16, sampling=sampling)
+    assert done.token_ids == expected.token_ids
+    assert engine.session.tokens == [*prompt, *expected.token_ids[:-1]]
+    assert 0 < done.mtp_accepted < done.mtp_drafted
