@@ -9,6 +9,7 @@ weights dequantized by the GGUF reader.
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter
 from dataclasses import replace
 
@@ -534,3 +535,12 @@ def test_sampled_and_penalised_decoding_keep_drafts_the_stream_takes(monkeypatch
     assert done.token_ids == expected.token_ids
     assert engine.session.tokens == [*prompt, *expected.token_ids[:-1]]
     assert 0 < done.mtp_accepted < done.mtp_drafted
+
+
+def test_inspect_counts_the_dspark_file_in(paths, capsys):
+    from ds4_mlx.cli import main
+
+    assert main(["inspect", str(paths[0]), "--mtp", str(paths[1]), "--ctx", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "81 tensors" in out and "dspark" in out
+    assert re.search(r"mtp raw ring +24.00 KiB", out)  # 3 stages' windows of 16 rows of 128 floats
