@@ -24,7 +24,7 @@ from ds4_mlx.events import Done
 from ds4_mlx.model.dspark import DSpark, Draft, accept_sampled, open_drafter
 from ds4_mlx.model.dspark_file import (aliases, dspark_metadata, dspark_tensors, open_dspark_weights, published_spec,
                                        support_kind, write_dspark_model)
-from ds4_mlx.model.factory import V, preset_config, tensor_data, write_gguf, write_model, write_mtp_model
+from ds4_mlx.model.factory import preset_config, tensor_data, write_gguf, write_model, write_mtp_model
 from ds4_mlx.model.gguf import GGUFFile
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.weights import MTPWeights, open_weights
