@@ -7,9 +7,8 @@ The scheduler works in rounds. In a round every request moves to its next pause:
 prompt), a decoding one by one token. While two or more lanes decode, their tokens go into one step over the
 weights (session.decode_together: every dense weight read once for all rows, each row attending to its own
 session); a lane that decodes alone steps as `Engine.generate` does (the decode graphs, tokens fed ahead, MTP
-speculation), which is what a lone stream runs fastest. Where the decode graphs run, a shared step (through MLX's
-compiled step) does not yet beat the lanes' own graph steps taken in turn, so there they take those
-(`sharing_pays`).
+speculation), which is what a lone stream runs fastest. Where the decode graphs run, the shared step is one launch
+of the lanes' joint decode graph (model/graphstep.py `JointGraphs`).
 
 A request joins at any round on a free lane: the one whose live tokens start its prompt (the longest), else the
 one idle longest, whose state the engine keeps as a RAM checkpoint before replacing it. It leaves when its answer
@@ -28,7 +27,7 @@ import mlx.core as mx
 
 from .engine import PAUSE, Engine, Feed, GenerationRequest, Lane
 from .events import Done, Event
-from .session import decode_together, sharing_pays
+from .session import decode_together
 from .tokenizer import utf8
 
 log = logging.getLogger("ds4_mlx.batch")
@@ -60,8 +59,6 @@ class Batch:
 
     engine: Engine
     prefill_cap: int = PREFILL_CAP
-    share: bool = field(default_factory=sharing_pays)
-    """Whether decoding lanes share their steps (`sharing_pays`); otherwise each steps alone, in turn."""
     running: list[Running] = field(default_factory=list)
     shared_steps: int = 0
     """Steps shared by several lanes so far, and the rows they fed (`shared_rows`)."""
@@ -167,7 +164,7 @@ class Batch:
     def _shared(self, run: Running) -> bool:
         """Asked by a decoding answer before each token: whether it goes into a step shared with other lanes."""
         run.decoding = True
-        return self.share and self.decoding > 1
+        return self.decoding > 1
 
     def _others_decode(self, run: Running) -> bool:
         return any(other.decoding for other in self.running if other is not run)

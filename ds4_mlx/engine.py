@@ -32,13 +32,15 @@ from .model.checkpoint import detect as detect_checkpoint
 from .model.config import FLASH, ModelConfig
 from .model.linear import loaded_nbytes
 from .model.model import Model
-from .model.mtp import MTP, open_mtp
+from .model.dspark import DSpark, open_drafter
+from .model.dspark_file import DSparkWeights
+from .model.mtp import MTP
 from .model.shard import agreed, init_split
-from .model.weights import ModelWeights, open_weights
+from .model.weights import ModelWeights, MTPWeights, open_weights
 from .progress import Progress
 from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
-from .session import GRAPH_ENV, Session, Snapshot, decode_together, graphs_wanted, sharing_pays, state_copies
+from .session import GRAPH_ENV, Session, Snapshot, decode_together, graphs_wanted, state_copies
 from .stop import StopStrings
 from .cache.tensordigest import tensor_digests
 from .tokenizer import StreamDecoder, Tokenizer, utf8
@@ -58,6 +60,19 @@ def speculation_pays() -> bool:
     through MLX's chunk path, 87.8 ms over 1 token and 89.2 over 3 on the H200 (bench/RESULTS.md, 2026-12-02), so
     even every guess right gives ~34 tokens/s against the graphs' ~120 (2026-12-03)."""
     return not graphs_wanted()
+
+
+def warn_pairing(main: Checkpoint, drafter: MTPWeights | DSparkWeights, path: Path) -> None:
+    """Warns when a drafter meets main weights of the other checkpoint (it still works, with fewer drafts
+    accepted): the MTP-1 head and the June DSpark file go with the preview, `…DSpark-support-0731.gguf` with
+    0731 (the C engine's README: checkpoint-specific). A DSpark file's checkpoint is told as a main file's is."""
+    if isinstance(drafter, DSparkWeights):
+        own, basis = detect_checkpoint(drafter.file.metadata, path)
+    else:
+        own, basis = Checkpoint.PREVIEW, "MTP-1 was published for the preview only"
+    if own != main:
+        log.warning("the drafter %s is for the %s weights (%s) but the model is %s: drafts are accepted less often",
+                    path.name, own.value, basis, main.value)
 
 
 def drafts_unused(mtp_draft: int, speculate_anyway: bool) -> bool:
@@ -307,7 +322,7 @@ class Engine:
             log.info("%s", shard.describe())
         if kv_cache is not None:
             check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
-        mtp_weights = open_mtp(mtp, weights.config) if mtp is not None else None
+        mtp_weights = open_drafter(mtp, weights.config) if mtp is not None else None
         if drafts_unused(opts.get("mtp_draft", 1), opts.get("speculate_anyway", False)):
             mtp_weights = None  # checked, not loaded: the engine would not use it
         held = weights if shard is None else shard.weights(weights)  # a rank counts its own share
@@ -326,7 +341,8 @@ class Engine:
             phase("weights")
             if mtp_weights is not None:
                 with Progress(quiet).bar(f"loading {Path(mtp).name}", unit="bytes") as bar:
-                    opts["mtp"] = MTP(mtp_weights, model, progress=bar.update)
+                    drafter = DSpark if isinstance(mtp_weights, DSparkWeights) else MTP
+                    opts["mtp"] = drafter(mtp_weights, model, progress=bar.update)
                 phase("mtp")
             tokenizer = tokenizer.result()
             digests = digests.result() if digests is not None else None
@@ -345,6 +361,8 @@ class Engine:
             types = tuple(t for pair in weights.expert_types for t in pair)
             engine.checkpoint, engine.checkpoint_basis = detect_checkpoint(metadata, path, types)
         log.info("checkpoint %s (%s)", engine.checkpoint.value, engine.checkpoint_basis)
+        if mtp_weights is not None:
+            warn_pairing(engine.checkpoint, mtp_weights, Path(mtp))
         return engine
 
     @classmethod
@@ -379,14 +397,13 @@ class Engine:
             session.reset()
             if not graphs_wanted():
                 break  # the other lanes take the same compiled steps
-        if sharing_pays():
-            for n in range(2, self.parallel + 1):  # the steps shared by 2..parallel lanes, compiled now
-                sessions = [lane.session for lane in self.lanes[:n]]
-                for session in sessions:
-                    session.prefill(tokens[:1])
-                decode_together(sessions, [tokens[0]] * n)
-                for session in sessions:
-                    session.reset()
+        for n in range(2, self.parallel + 1):  # the steps shared by 2..parallel lanes, made now
+            sessions = [lane.session for lane in self.lanes[:n]]
+            for session in sessions:
+                session.prefill(tokens[:1])
+            decode_together(sessions, [tokens[0]] * n)
+            for session in sessions:
+                session.reset()
         return time.perf_counter() - t0
 
     def set_context(self, ctx: int) -> None:
@@ -646,6 +663,7 @@ class Engine:
         text_parts: list[str] = []
         finish = "length"
         speculate = self._speculates(req.sampling)
+        by_stream = speculate and not _plain_greedy(req.sampling)  # DSpark drafts kept or dropped by the sampler
         # a masked greedy choice is fed ahead too (the mask is ready before it), on MLX's step, not the decode graphs
         pipelined = self._pipelines(req.sampling) and (mask is None or not graphs_wanted())
         ahead: list[tuple[int, mx.array]] = []  # fed by a speculative step before the stream chose them, with logits
@@ -670,7 +688,7 @@ class Engine:
                     if mask is not None:
                         logits = mask.apply(logits)
                     token = sampler.greedy(logits) if use_greedy else sampler.sample(logits)
-                if mask is not None and ahead and ahead[0][0] != token:  # the mask refused a draft: drop it on
+                if ahead and ahead[0][0] != token:  # the mask refused a draft, or the sampler chose another token
                     lane.session.rewind(len(lane.session.tokens) - len(ahead))
                     ahead = []
                 if token == self.tokenizer.eos_id:
@@ -693,6 +711,7 @@ class Engine:
                     break
                 if len(generated) < limit and ahead:
                     logits = _take_ahead(ahead, token)
+                    accepted += by_stream
                 elif len(generated) < limit:
                     checkpoint = (self.kv_store is not None and self._at_continued_frontier(lane)
                                   and (greedy is None or greedy.state is dsml.DecodeState.OUTSIDE))
@@ -708,7 +727,8 @@ class Engine:
                             logits = yield Feed(token)
                         elif speculate:
                             step = lane.session.speculate(token, self._draft_room(lane, len(generated), limit),
-                                                          self.mtp_margin, stop=(self.tokenizer.eos_id,))
+                                                          self.mtp_margin, stop=(self.tokenizer.eos_id,),
+                                                          keep_all=by_stream)
                             drafted, accepted = drafted + step.drafted, accepted + step.accepted
                             logits = step.logits[0]
                             ahead = [(t, step.logits[i]) for i, t in enumerate(step.tokens[1:], 1)]
@@ -778,8 +798,11 @@ class Engine:
 
     def _speculates(self, sampling: SamplingParams) -> bool:
         """Speculative decoding runs where ds4 runs it, greedy decoding (temperature 0) with --mtp-draft >= 2, and
-        here only without OpenAI penalties, which would change the greedy choice after every token."""
-        return self.session.mtp is not None and _plain_greedy(sampling)
+        with the MTP block only without OpenAI penalties, which would change the greedy choice after every token.
+        With a DSpark drafter it runs whatever the sampling: its drafts are fed and kept as long as the stream's
+        own choices (sampled, penalised, masked) take them, target-only matching (dspark.md §3.4, option A), so the
+        tokens are plain decoding's, seed for seed."""
+        return self.session.mtp is not None and (_plain_greedy(sampling) or isinstance(self.session.mtp, DSpark))
 
     def _pipelines(self, sampling: SamplingParams) -> bool:
         """Decoding feeds each token before the host reads it back (`Session.feed_chosen`: the host builds a step
@@ -819,7 +842,7 @@ def _plain_greedy(sampling: SamplingParams) -> bool:
 
 
 def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:
-    """The logits after `token`, which a speculative step already fed (it was the model's own argmax there)."""
+    """The logits after `token`, which a speculative step already fed (the stream chose it there)."""
     fed, logits = ahead.pop(0)
     if fed != token:
         raise RuntimeError(f"speculative decoding fed token {fed} where the stream chose {token}")

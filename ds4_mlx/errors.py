@@ -38,7 +38,8 @@ class ModelFileMissing(Ds4Error):
     @classmethod
     def mtp_at(cls, path: object) -> ModelFileMissing:
         """The error for an absent MTP draft file (checked before anything loads, and again by the loader)."""
-        return cls(f"no MTP file at {path}: download it with ./download_model.sh mtp")
+        return cls(f"no MTP file at {path}: download one with ./download_model.sh ds4f-dspark (0731's DSpark "
+                   f"drafter) or mtp (the preview's)")
 
 
 class ResourceError(Ds4Error):

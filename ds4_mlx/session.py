@@ -8,6 +8,11 @@ the block's window follows the stream and its guess for the next token is always
 a token together with the block's guesses for the tokens after it in one model call, and keeps the guesses the
 model agrees with: greedy decoding that can take several tokens per call and gives the same tokens as plain
 greedy decoding.
+
+With a DSpark drafter (model/dspark.py) instead, every token the session feeds goes through the model with its
+target layers tapped, and their rows join the drafter's context windows. `speculate` drafts a block after the
+token (the anchor), verifies the anchor and the drafts as the rows of one step, keeps the longest run the model's
+argmax agrees with, and keeps the model state of the last kept row: nothing is fed again.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from . import memory
 from .errors import RequestError
@@ -27,8 +33,9 @@ from .kernels.machinery import registry
 from .kernels.machinery.cudagraph import DriverError
 from .kernels.machinery.nvrtc import CompileError
 from .model.cache import LayerState, SessionCache, StepUndo
-from .model.graphstep import GraphCheckError, GraphDecoder, spare_device_bytes
+from .model.graphstep import GraphCheckError, GraphDecoder, JointGraphs, spare_device_bytes
 from .model.model import DEFAULT_PREFILL_CHUNK, Model
+from .model.dspark import DSpark, DSparkSnapshot, accept_sampled
 from .model.mtp import MTP, MTPSnapshot
 from .model.stream import on_cuda
 from .sampling import argmax, device_argmax
@@ -87,8 +94,8 @@ class Snapshot:
     tokens: tuple[int, ...]
     cache: object
     logits: mx.array | None
-    mtp: MTPSnapshot | None = None
-    """The MTP block's state; None when it was not saved (ds4's disk payload has none): the block then starts a
+    mtp: MTPSnapshot | DSparkSnapshot | None = None
+    """The draft block's state; None when it was not saved (ds4's disk payload has none): the block then starts a
     new window at the next token fed."""
 
 
@@ -102,6 +109,8 @@ class Verified:
     streams: mx.array
     logits: mx.array
     rows: list[list[LayerState]]
+    features: mx.array | None = None
+    """Each row's tapped layer outputs, for a DSpark drafter's context (Model.tapped)."""
 
 
 @dataclass(frozen=True)
@@ -117,9 +126,10 @@ class Speculation:
 
 
 class Session:
-    """One live stream of model state over a fixed context size, optionally followed by an MTP draft block."""
+    """One live stream of model state over a fixed context size, optionally followed by a draft block (MTP-1 or
+    DSpark)."""
 
-    def __init__(self, model: Model, ctx: int, mtp: MTP | None = None) -> None:
+    def __init__(self, model: Model, ctx: int, mtp: MTP | DSpark | None = None) -> None:
         self.model = model
         self.ctx = ctx
         self.mtp = mtp
@@ -381,7 +391,10 @@ class Session:
 
     def _feed(self, tokens: list[int]) -> mx.array:
         """Run the model (then the MTP block, on the model's final streams) over tokens at the next positions;
-        returns the logits after the last one. A single token goes through the model's compiled decode step."""
+        returns the logits after the last one. A single token goes through the model's compiled decode step.
+        With a DSpark drafter, `_feed_tapped`."""
+        if isinstance(self.mtp, DSpark):
+            return self._feed_tapped(tokens)
         ids = mx.array(tokens, dtype=mx.int32)
         if len(tokens) == 1:
             streams, logits = self.model.decode(tokens[0], self.cache)
@@ -394,11 +407,26 @@ class Session:
             self.mtp(ids, streams, len(self.tokens), self.mtp_cache)
         return logits
 
+    def _feed_tapped(self, tokens: list[int]) -> mx.array:
+        """`_feed` with a DSpark drafter: the model's taps of the tokens (of a chunk's last rows) join its windows.
+        A single token goes through the multi-row step (which taps), a chunk through `hidden`."""
+        end = len(self.tokens) + len(tokens)
+        if len(tokens) == 1:
+            _, logits, rows = self.model.decode_rows(tokens, [self.cache])
+            self.cache.advance(rows[0], end)
+            logits = logits[0]
+        else:
+            logits = self.model.head(self.model.hidden(mx.array(tokens, dtype=mx.int32), self.cache)[-1:])[0]
+        tapped = self.model.tapped
+        self.mtp.commit(tapped, end - tapped.shape[0], self.mtp_cache)
+        return logits
+
     def _eval(self) -> None:
         mtp_arrays = self.mtp_cache.arrays() if self.mtp_cache is not None else []
         mx.eval(self.logits, *self.cache.arrays(), *mtp_arrays)
 
-    def speculate(self, token: int, max_drafts: int, margin: float = 0.0, stop: Collection[int] = ()) -> Speculation:
+    def speculate(self, token: int, max_drafts: int, margin: float = 0.0, stop: Collection[int] = (),
+                  keep_all: bool = False) -> Speculation:
         """Feed `token`, and with it up to `max_drafts` tokens the MTP block guesses will follow, keeping the
         longest run of guesses that equal the model's own argmax (greedy decoding only).
 
@@ -408,8 +436,11 @@ class Session:
         and one model call over [token, guesses...] verifies them. A single guess whose top-1/top-2 logit gap is
         below `margin` is not worth a verification and is dropped (ds4's gate for --mtp-draft 2). A rejected
         guess rolls the cache back: restore the state before the call, then feed the kept tokens again.
-        Without an MTP block, or before it has seen a token, this is `decode`.
+        Without an MTP block, or before it has seen a token, this is `decode`. With a DSpark drafter,
+        `_speculate_dspark` (`keep_all`: see there).
         """
+        if isinstance(self.mtp, DSpark):
+            return self._speculate_dspark(token, max_drafts, stop, keep_all)
         guess = self.mtp_cache.logits if self.mtp_cache is not None else None
         if guess is None or max_drafts <= 0:
             return self._single(token, drafted=0, accepted=0)
@@ -419,6 +450,27 @@ class Session:
         if not drafts or (len(drafts) == 1 and gap < margin):
             return self._single(token, drafted=1, accepted=1)
         return self._verify([token, *drafts])
+
+    def _speculate_dspark(self, token: int, max_drafts: int, stop: Collection[int], keep_all: bool = False
+                          ) -> Speculation:
+        """The DSpark step (the reference alignment): `token` is the anchor, the drafter proposes up to
+        min(block_size, max_drafts) tokens after it from its windows (cut before a `stop` token), and one
+        multi-row step verifies [token, drafts...]. Counts only the drafts: `drafted` proposed, `accepted` kept.
+        `keep_all` keeps every row for the caller to choose against (sampling: it `rewind`s at the first draft its
+        own choice differs from), and counts none accepted."""
+        if max_drafts <= 0 or self.mtp_cache.n_rows == 0 or self.mtp_cache.end != len(self.tokens):
+            return self._single(token, drafted=0, accepted=0)
+        drafts = self.mtp.draft(token, self.mtp_cache).tokens[:max_drafts]
+        cut = next((i for i, d in enumerate(drafts) if d in stop), len(drafts))
+        if cut == 0:
+            return self._single(token, drafted=0, accepted=0)
+        block = [token, *drafts[:cut]]
+        if keep_all:
+            logits = self._verify_rows(block)
+            self._keep(len(block))
+            return Speculation(tuple(block), logits, drafted=cut, accepted=0)
+        step = self._verify(block)
+        return Speculation(step.tokens, step.logits, drafted=cut, accepted=len(step.tokens) - 1)
 
     def _single(self, token: int, drafted: int, accepted: int) -> Speculation:
         return Speculation((token,), self.decode(token)[None], drafted, accepted)
@@ -444,22 +496,59 @@ class Session:
         """Feed the block as the rows of one step (Model.decode_rows: every weight read once for all of them) and
         keep block[0] plus the guesses the model's argmax agrees with. The state is the one the last kept row
         left: the rows after it are dropped, not undone or fed again."""
-        before = self.snapshot()
-        streams, logits, rows = self.model.decode_rows(block, [self.cache], groups=[len(block)])
+        logits = self._verify_rows(block)
         choices = mx.argmax(logits, axis=-1).tolist()
         n = 1
         while n < len(block) and choices[n - 1] == block[n]:
             n += 1
-        self._block = Verified(before, tuple(block), streams, logits, rows)
         self._keep(n)
         return Speculation(tuple(block[:n]), logits[:n], drafted=len(block), accepted=n)
+
+    def _verify_rows(self, block: list[int]) -> mx.array:
+        """The block's rows in one step, kept as the last verified block (none of them fed yet); their logits."""
+        before = self.snapshot()
+        streams, logits, rows = self.model.decode_rows(block, [self.cache], groups=[len(block)])
+        self._block = Verified(before, tuple(block), streams, logits, rows, self.model.tapped)
+        return logits
+
+    def speculate_sampled(self, token: int, max_drafts: int, temperature: float, rng: np.random.Generator,
+                          stop: Collection[int] = ()) -> tuple[Speculation, int]:
+        """The DSpark step when sampling at `temperature` (dspark.md §3.4, rejection sampling): up to max_drafts
+        drafts, each drawn from its Markov-corrected row at that temperature, [token, drafts...] verified as one
+        step, and the drafts kept by `accept_sampled` against the model's softmax(logits / temperature) (the whole
+        vocabulary: no top-k or top-p). The state is that of the kept rows. Returns the step and the next token,
+        drawn by the rule: every emitted token is distributed as plain sampling's."""
+        def target(logits: mx.array) -> np.ndarray:
+            p = np.array(mx.softmax(logits.astype(mx.float32) / temperature, axis=-1), dtype=np.float64)
+            return p / p.sum(axis=-1, keepdims=True)
+
+        if (not isinstance(self.mtp, DSpark) or max_drafts <= 0 or self.mtp_cache.n_rows == 0
+                or self.mtp_cache.end != len(self.tokens)):
+            step = self._single(token, drafted=0, accepted=0)
+        else:
+            draft = self.mtp.draft(token, self.mtp_cache, temperature, rng)
+            k = min(max_drafts, next((i for i, d in enumerate(draft.tokens) if d in stop), len(draft.tokens)))
+            if k == 0:
+                step = self._single(token, drafted=0, accepted=0)
+            else:
+                block = [token, *draft.tokens[:k]]
+                logits = self._verify_rows(block)
+                kept, following = accept_sampled(target(logits), replace(draft, tokens=draft.tokens[:k],
+                                                                          probs=draft.probs[:k]), rng)
+                self._keep(kept + 1)
+                return Speculation(tuple(block[: kept + 1]), logits[: kept + 1], drafted=k, accepted=kept), following
+        p = target(step.logits[0])
+        return step, int(rng.choice(p.size, p=p))
 
     def _keep(self, n: int) -> None:
         """The state after the first n rows of the last verified block, from its start."""
         block = self._block
         start = len(block.start.tokens)
         self.cache.advance(block.rows[n - 1], start + n)
-        self.mtp(mx.array(block.tokens[:n], dtype=mx.int32), block.streams[:n], start, self.mtp_cache)
+        if isinstance(self.mtp, DSpark):
+            self.mtp.commit(block.features[:n], start, self.mtp_cache)
+        else:
+            self.mtp(mx.array(block.tokens[:n], dtype=mx.int32), block.streams[:n], start, self.mtp_cache)
         self.tokens.extend(block.tokens[:n])
         self.logits = block.logits[n - 1]
         self._eval()
@@ -499,15 +588,6 @@ class Session:
                 self.mtp_cache.restore(snap.mtp)
 
 
-def sharing_pays() -> bool:
-    """Whether lanes that decode at once share their steps here: not where the decode graphs run. There a lone
-    step is one graph launch, while a shared step goes through MLX's compiled step; over 12 Flash layers on the
-    H100 one stream decodes at 391 t/s through the graphs, and 2, 4 and 8 streams sharing steps at 316, 409 and 230
-    t/s in all (bench/RESULTS.md, 2026-12-07). There the lanes take their own steps in turn, each through its own
-    graphs."""
-    return not graphs_wanted()
-
-
 ROWS_TOLERANCE = 1e-4
 """How far (relative to the largest logit) a row of a shared step may be from the same session's own step: the
 products of several rows sum in another order than one row's (~1e-6 of the scale on the CPU); the fast paths'
@@ -540,10 +620,10 @@ def decode_together(sessions: Sequence[Session], tokens: Sequence[int]) -> list[
     if len(sessions) == 1 or checked.get(key) is False:
         return [session.decode(token) for session, token in zip(sessions, tokens)]
     if key in checked:
-        return _shared_step(sessions, tokens)
+        return _together(sessions, tokens)
     alone = [_alone(session, token) for session, token in zip(sessions, tokens)]
     before = [session.snapshot() for session in sessions]
-    out = _shared_step(sessions, tokens)
+    out = _together(sessions, tokens)
     errors = [mx.max(mx.abs(got - want)).item() / max(mx.max(mx.abs(want)).item(), 1e-30)
               for got, want in zip(out, alone)]
     checked[key] = max(errors) <= ROWS_TOLERANCE
@@ -566,6 +646,44 @@ def _alone(session: Session, token: int) -> mx.array:
     return logits
 
 
+def _together(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
+    """The shared step: one launch of the sessions' joint decode graph where the graphs run; where that graph
+    cannot be made (or disagreed) but each session's own can, each session's own graph step in turn (over 12 Flash
+    layers on the H100 one stream decodes at 391 t/s through its graphs, while 2, 4 and 8 streams through MLX's
+    compiled step made 316, 409 and 230 t/s in all: bench/RESULTS.md, 2026-12-07); else MLX's step over the rows."""
+    out = _graph_step(sessions, tokens)
+    if out is not None:
+        return out
+    if graphs_wanted() and not any(s.mtp is not None or s._graph_failed for s in sessions):
+        return [session.decode(token) for session, token in zip(sessions, tokens)]
+    return _shared_step(sessions, tokens)
+
+
+def _graph_step(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array] | None:
+    """The shared step as one launch of the joint decode graph of the sessions' decoders, where each decodes
+    through its graphs (CUDA, no MTP block); None where that cannot be (the caller steps through MLX). A joint
+    graph that cannot be made or disagrees is not tried again for those decoders (one warning)."""
+    if not graphs_wanted() or any(s.mtp is not None or s._graph_failed for s in sessions):
+        return None
+    if not all(s._graph_ready(None, choosing=False) for s in sessions):
+        return None
+    decoders = [s._graph for s in sessions]
+    key = tuple(id(d) for d in decoders)
+    if key in decoders[0].joint_failed:
+        return None
+    try:
+        JointGraphs.of(decoders).launch(list(tokens))
+    except (GraphCheckError, OSError, DriverError, CompileError, ValueError, RuntimeError) as error:
+        decoders[0].joint_failed.add(key)
+        warnings.warn(f"a step shared by {len(sessions)} sessions goes through MLX's compiled step: {error}",
+                      GraphDecodeWarning, stacklevel=3)
+        return None
+    for session, token in zip(sessions, tokens):
+        session.tokens.append(token)
+        session._graph_token = None
+    return [session.logits for session in sessions]
+
+
 def _shared_step(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
     model = sessions[0].model
     caches = [session.cache for session in sessions]  # handed back by any decode graph first
@@ -573,7 +691,9 @@ def _shared_step(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.
     out = []
     for i, (session, token, cache) in enumerate(zip(sessions, tokens, caches)):
         cache.advance(rows[i], cache.n_tokens + 1)
-        if session.mtp is not None:
+        if isinstance(session.mtp, DSpark):
+            session.mtp.commit(model.tapped[i : i + 1], len(session.tokens), session.mtp_cache)
+        elif session.mtp is not None:
             session.mtp(mx.array([token], dtype=mx.int32), streams[i : i + 1], len(session.tokens), session.mtp_cache)
         session.tokens.append(token)
         session.logits = logits[i]

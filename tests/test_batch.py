@@ -167,7 +167,7 @@ def normalized(text: str) -> str:
 
     text = re.sub(r'"(id|created|system_fingerprint)":\s*("[^"]*"|\d+)', "", text)
     text = re.sub(r'"(chatcmpl|msg)[-_][^"]*"', "", text)
-    return re.sub(r'"(cache_read_input_tokens|cached_tokens|prompt_tokens_details)":\s*(\{[^}]*\}|\d+)', "", text)
+    return re.sub(r'"(cache_read_input_tokens|cache_creation_input_tokens|input_tokens|cached_tokens|prompt_tokens_details)":\s*(\{[^}]*\}|\d+)', "", text)
 
 
 def test_lanes_queue_and_429_cover_parallel_requests(demo_model):
@@ -228,16 +228,4 @@ def test_a_shared_step_that_disagrees_falls_back_to_one_session_at_a_time(demo_m
         together = [done(events) for events in batch.run_all(requests)]
     assert sum(issubclass(w.category, SharedStepWarning) for w in caught) == 1
     for request, got in zip(requests, together):
-        assert got.token_ids == done(list(alone_engine.generate(request))).token_ids
-
-
-def test_lanes_that_do_not_share_steps_take_their_own_in_turn(engines):
-    """Where shared steps do not pay (the decode graphs: batch.sharing_pays), each decoding lane takes its own step
-    a round: no step is shared, and every answer is still the one it gets alone."""
-    alone_engine, engine = engines
-    engine.reset()
-    batch = Batch(engine, share=False)
-    together = [done(events) for events in batch.run_all(REQUESTS[:3])]
-    assert batch.shared_steps == 0
-    for request, got in zip(REQUESTS[:3], together):
         assert got.token_ids == done(list(alone_engine.generate(request))).token_ids

@@ -70,8 +70,8 @@ RUNTIME = [
     (["run", "-p", "x", "--dump-logprobs", "{tmp}/nowhere/lp.json"], "--dump-logprobs: no folder {tmp}/nowhere"),
     (["run", "-p", "x", "--dump-logprobs", "{tmp}"], "--dump-logprobs {tmp} is a folder"),
     (["run", "-p", "x"], f"no model file at {MISSING}: download one with ./download_model.sh"),
-    *[([cmd, "--mtp", "/nonexistent.gguf"], "no MTP file at /nonexistent.gguf: download it with ./download_model.sh "
-                                            "mtp") for cmd in ("run", "chat", "serve")],
+    *[([cmd, "--mtp", "/nonexistent.gguf"], "no MTP file at /nonexistent.gguf: download one with ./download_model.sh "
+                                            "ds4f-dspark") for cmd in ("run", "chat", "serve")],
     (["tokens", "-p", "x"], f"no model file at {MISSING}: download one with ./download_model.sh"),
     (["inspect", MISSING], f"no model file at {MISSING}: download one with ./download_model.sh"),
 ]
@@ -184,8 +184,9 @@ def test_a_missing_mtp_file_is_said_before_any_warning(capsys, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     code, err = _cli(capsys, ["run", "-m", MISSING, "-p", "x", "--mtp", "/nonexistent.gguf"])
     assert code == 1 and "warning" not in err
-    assert _one_error_line(err, "run").endswith("no MTP file at /nonexistent.gguf: download it with "
-                                                "./download_model.sh mtp")
+    assert _one_error_line(err, "run").endswith("no MTP file at /nonexistent.gguf: download one with "
+                                                "./download_model.sh ds4f-dspark (0731's DSpark drafter) or mtp "
+                                                "(the preview's)")
 
 
 @pytest.mark.parametrize("command", ["run", "tokens"])

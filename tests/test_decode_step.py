@@ -23,14 +23,17 @@ CTX = 1024
 
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory):
+    """(preset, experts) -> a model file, written at first use (the small ones only by the slow checks)."""
     folder = tmp_path_factory.mktemp("decode-step")
-    files = {}
-    for preset in ("tiny", "small"):
-        for experts in ("q2", "q4"):
-            path = folder / f"{preset}-{experts}.gguf"
-            write_model(path, preset=preset, experts=experts, vocab="small")
-            files[preset, experts] = path
-    return files
+
+    class Files(dict):
+        def __missing__(self, key: tuple[str, str]):
+            preset, experts = key
+            self[key] = write_model(folder / f"{preset}-{experts}.gguf", preset=preset, experts=experts,
+                                    vocab="small")
+            return self[key]
+
+    return Files()
 
 
 def greedy(model: Model, prompt: list[int], mode: str) -> tuple[list[int], list[mx.array]]:
@@ -107,7 +110,7 @@ def test_tokens_chosen_and_fed_on_the_device_equal_plain_greedy_decoding(model_f
     from ds4_mlx.sampling import argmax
     from ds4_mlx.session import Session
 
-    model = Model(open_weights(model_files["small", "q2"]))
+    model = Model(open_weights(model_files["tiny", "q2"]))
     prompt = [(7 * i + 3) % (model.config.n_vocab - 1) + 1 for i in range(124)]
     plain, fed, other, control = (Session(model, CTX) for _ in range(4))
     for session in (plain, fed, other, control):

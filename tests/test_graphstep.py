@@ -5,6 +5,7 @@ itself needs the GPU."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -167,6 +168,7 @@ class StandInDecoder:
     def __init__(self, model: Model, cache, never: int | None) -> None:
         self.model, self.never, self.launched, self.entries = model, never, False, 0
         self.cache = model.new_cache(cache.ctx)
+        self.joint_failed: set = set()
 
     def enter(self, cache) -> None:
         self.cache.restore(cache.snapshot())
@@ -192,6 +194,27 @@ class StandInDecoder:
         self.closed = True
 
 
+class StandInJoint:
+    """JointGraphs' part in a shared step, played by MLX's step over the stand-in decoders' caches."""
+
+    launches: list[int] = []
+
+    def __init__(self, decoders: list[StandInDecoder]) -> None:
+        self.decoders = decoders
+
+    @classmethod
+    def of(cls, decoders: list[StandInDecoder]) -> StandInJoint:
+        return cls(decoders)
+
+    def launch(self, tokens: list[int]) -> None:
+        model = self.decoders[0].model
+        _, logits, rows = model.decode_rows(tokens, [d.cache for d in self.decoders])
+        for decoder, row, row_logits in zip(self.decoders, rows, logits):
+            decoder.cache.advance(row, decoder.cache.n_tokens + 1)
+            decoder._logits, decoder.launched = row_logits, True
+        StandInJoint.launches.append(len(tokens))
+
+
 @pytest.fixture
 def stand_in_cuda(monkeypatch, tmp_path):
     """The session as on CUDA with the graphs on by default, its decoder played by StandInDecoder with room to
@@ -201,6 +224,8 @@ def stand_in_cuda(monkeypatch, tmp_path):
     monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
     monkeypatch.setattr(session_module, "on_cuda", lambda: True)
     monkeypatch.setattr(session_module, "GraphDecoder", StandInDecoder)
+    monkeypatch.setattr(session_module, "JointGraphs", StandInJoint)
+    StandInJoint.launches.clear()
     monkeypatch.setattr(session_module, "spare_device_bytes", lambda: 1 << 40)
     path = tmp_path / "tiny.gguf"
     write_model(path, preset="tiny", experts="q2", vocab="small")
@@ -353,3 +378,90 @@ def test_small_arrays_get_copies_off_the_scalar_pool():
     for (array, copy), whole in zip(moves, holder._moved, strict=True):
         assert copy.nbytes == array.nbytes and mx.array_equal(copy, array)
         assert whole.nbytes > graphstep.SCALAR_POOL_BYTES
+
+
+def test_a_shared_step_goes_through_the_decoders_joint_graph(stand_in_cuda):
+    """Where the decode graphs run, sessions decoding together take one launch of their decoders' joint graph
+    (here a stand-in on the CPU): each session's tokens and logits are those of decoding alone, its decoder keeps
+    the state (not handed back between steps), and a plain `decode` after goes on from there."""
+    from ds4_mlx.session import Session, decode_together
+
+    model = Model(open_weights(stand_in_cuda))
+    prompts = [[(5 * i + 2 + 3 * s) % (model.config.n_vocab - 1) + 1 for i in range(30 + 7 * s)] for s in range(3)]
+    together, alone = ([Session(model, 256) for _ in prompts] for _ in range(2))
+    for group in (together, alone):
+        for session, prompt in zip(group, prompts):
+            session.prefill(prompt)
+    for step in range(4):
+        tokens = [argmax(s.logits) for s in alone]
+        want = []
+        for session, token in zip(alone, tokens):
+            with pytest.MonkeyPatch.context() as off:
+                off.setenv("DS4_GRAPH_DECODE", "off")
+                want.append(session.decode(token))
+        got = decode_together(together, tokens)
+        for g, w in zip(got, want):
+            assert mx.max(mx.abs(g - w)).item() <= 1e-5 * mx.max(mx.abs(w)).item()
+    assert StandInJoint.launches == [3, 3, 3, 3]
+    assert all(s._graph_on and s._graph.entries == 1 for s in together)  # entered once, the state kept there
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    assert all(s.cache.n_tokens == a.cache.n_tokens for s, a in zip(together, alone))
+
+
+@pytest.mark.gpu
+def test_joint_graphs_decode_each_session_as_alone(monkeypatch):
+    """Three sessions at different positions decode together through their decoders' joint graphs (every kind of
+    step, windows of 4 and of 128 ending on the way; two of them alone for a while, then the three again), token
+    for token and within 1e-4 of the largest logit as each session alone through MLX's step. Four layers of Flash's
+    published layout (synthetic weights), where every fast path of a step over 2-3 rows is a kernel."""
+    from ds4_mlx.model.synthetic import flash_config, synthetic_weights
+    from ds4_mlx.session import decode_together
+
+    monkeypatch.delenv("DS4_GRAPH_DECODE", raising=False)
+    model = Model(synthetic_weights(flash_config(4)))
+    prompts = [[(7 * i + 3 + s) % 5000 + 1 for i in range(n)] for s, n in enumerate((60, 100, 126))]
+    together, alone = ([Session(model, CTX) for _ in prompts] for _ in range(2))
+    for group in (together, alone):
+        for session, prompt in zip(group, prompts):
+            session.prefill(prompt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(80):
+            rows = [0, 2] if 20 <= step < 30 else [0, 1, 2]
+            tokens = [argmax(alone[i].logits) for i in rows]
+            monkeypatch.setenv("DS4_GRAPH_DECODE", "off")
+            want = [alone[i].decode(t) for i, t in zip(rows, tokens)]
+            monkeypatch.delenv("DS4_GRAPH_DECODE")
+            got = decode_together([together[i] for i in rows], tokens)
+            for g, w in zip(got, want):
+                assert mx.max(mx.abs(g - w)).item() <= 1e-4 * mx.max(mx.abs(w)).item()
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    assert all(s._graph is not None and s._graph_on for s in together)
+    assert len(together[0]._graph.joint) == 2  # the three, and two of them
+
+
+def test_where_no_joint_graph_can_be_made_each_session_takes_its_own_graph_step(stand_in_cuda, monkeypatch):
+    """A joint graph that cannot be made (or disagrees) is not tried again for those decoders (one warning); their
+    sessions then take their own graph steps in turn, each as it would alone."""
+    from ds4_mlx.session import GraphDecodeWarning, Session, decode_together
+
+    def broken(self, tokens):
+        raise ValueError("the shared step holds MLX ops")
+
+    monkeypatch.setattr(StandInJoint, "launch", broken)
+    model = Model(open_weights(stand_in_cuda))
+    together, alone = ([Session(model, 256) for _ in range(2)] for _ in range(2))
+    for group in (together, alone):
+        for i, session in enumerate(group):
+            session.prefill([3 + i, 9, 27, 5 * i + 1])
+    with pytest.warns(GraphDecodeWarning, match="MLX ops") as caught:
+        for _ in range(3):
+            tokens = [argmax(s.logits) for s in alone]
+            with monkeypatch.context() as off:
+                off.setenv("DS4_GRAPH_DECODE", "off")
+                want = [s.decode(t) for s, t in zip(alone, tokens)]
+            got = decode_together(together, tokens)
+            assert all(mx.max(mx.abs(g - w)).item() <= 1e-5 * mx.max(mx.abs(w)).item() for g, w in zip(got, want))
+    assert len([w for w in caught if issubclass(w.category, GraphDecodeWarning)]) == 1
+    assert all(s._graph_on for s in together) and StandInJoint.launches == []  # each one's own decoder stepped
+    assert [s.tokens for s in together] == [s.tokens for s in alone]

@@ -216,7 +216,7 @@ def test_emulated_split_decode_attention_equals_reference(on_cpu, case, splits, 
     monkeypatch.setattr(attention, "build", emulated_build(tmp_path))
     args = step_inputs(*case)
     counters = []
-    monkeypatch.setattr(DecodeAttention, "counter", staticmethod(lambda heads: counters.append(heads) or
+    monkeypatch.setattr(DecodeAttention, "counter", staticmethod(lambda heads, row=0: counters.append(heads) or
                                                                   mx.zeros((max(heads, 16),), dtype=mx.uint32)))
     got = DecodeAttention._kernel(*args, splits=splits)
     want = attend_step(*args)
@@ -232,7 +232,7 @@ def test_emulated_probe_passes(on_cpu, monkeypatch, tmp_path):
                 attention.StepShape("rows", HEADS, DIM, N_ROT, WINDOW, 128, 130, 0),  # a 16k-token context
                 attention.StepShape("picked", HEADS, DIM, N_ROT, WINDOW, 0, 0, 512)):
         args = DecodeAttention._probe(key)
-        assert within(DecodeAttention._kernel(*args), attend_step(*args))
+        assert within(DecodeAttention._kernel(*args), attend_step(*args[:-1]))  # the last: the step's row
 
 
 def test_split_heads_only_for_the_picked_rows_on_cuda():
@@ -242,3 +242,23 @@ def test_split_heads_only_for_the_picked_rows_on_cuda():
         assert [attention.splits_for(kind, HEADS) for kind in ("window", "rows", "picked")] == [1, 1, 4]
     with registry.planning("metal"):
         assert {attention.splits_for(kind, HEADS) for kind in ("window", "rows", "picked")} == {1}
+
+
+def test_a_steps_rows_count_their_split_heads_apart(tmp_path, monkeypatch):
+    """The split kernel's last-threadgroup counters are the launch's own: the rows of a step over several rows are
+    independent launches, which MLX's CUDA graphs (and cudagraph.py's) run at once, so each row has its own (with
+    one shared, the H100 gave rows off by up to 1.4 of their largest logit, changing from run to run)."""
+    path = write_model(tmp_path / "tiny.gguf", preset="tiny", experts="q2", vocab="small")
+    seen: list[tuple[int, int]] = []
+    real = DecodeAttention.counter
+    monkeypatch.setattr(DecodeAttention, "counter",
+                        staticmethod(lambda heads, row=0: seen.append((heads, row)) or real(heads, row)))
+    with registry.planning("cuda"):
+        model = Model(open_weights(path))
+        caches = [model.new_cache(256) for _ in range(3)]
+        tokens, positions = mx.array([5, 6, 7], dtype=mx.int32), mx.array([40, 41, 42], dtype=mx.int32)
+        model.step_rows(tokens, positions, [c.layers for c in caches], (1, 1, 1))
+    picked_layers = sum(1 for b in model.blocks if b.attention.indexer is not None)
+    assert picked_layers and sorted(set(seen)) == [(model.config.n_head, row) for row in range(3)]
+    assert len(seen) == 3 * picked_layers
+    assert real(model.config.n_head, 0) is not real(model.config.n_head, 1)

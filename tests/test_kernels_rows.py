@@ -152,7 +152,8 @@ def test_rows_the_kernel_does_not_take_go_to_the_reference():
     assert not rows.fits(x, positions, rope, (mx.ones((128,)), 1e-6), NONE)
 
 
-@pytest.mark.parametrize("kernel", [FINISH_KERNEL, WINDOW_KERNEL, FP8_KERNEL, FP4_KERNEL], ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", [FINISH_KERNEL, WINDOW_KERNEL, FP8_KERNEL, FP4_KERNEL, rows.join_kernel(3)],
+                         ids=lambda k: k.name)
 def test_one_definition_renders_for_cuda_and_metal(kernel):
     for target in (CUDA, METAL):
         out = rendered(kernel, target)
@@ -274,3 +275,32 @@ def test_emulated_kernel_rotates_at_the_aligned_position(monkeypatch, tmp_path):
     assert_steady(got, FINISH_ROWS.fast_path.reference(x, aligned, rope, norm, quant, half), (x, aligned, rope, norm,
                                                                                             quant, half))
     assert not mx.array_equal(aligned, positions)
+
+
+def test_join_rows_takes_other_shapes_to_concatenate(on_cpu):
+    a, b = mx.ones((1, 3, 4)), mx.zeros((1, 3, 4))
+    assert rows.join_rows([a]) is a
+    assert mx.array_equal(rows.join_rows([a, b, a]), mx.concatenate([a, b, a]))
+    mixed = [a, mx.zeros((2, 3, 4))]  # not a row each: MLX's concatenate
+    assert mx.array_equal(rows.join_rows(mixed), mx.concatenate(mixed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [2, 5])
+def test_emulated_join_kernel_equals_concatenate(count, monkeypatch, tmp_path):
+    """A step's rows' attention heads (1, 64, 512) joined in one launch, exactly as MLX's concatenate."""
+    monkeypatch.setattr(rows, "build", emulated_build(tmp_path))
+    parts = _join_parts(count)
+    assert mx.array_equal(rows._join_kernel(parts), mx.concatenate(parts))
+
+
+@pytest.mark.gpu
+def test_join_kernel_is_used_and_exact(on_gpu, kernels_unforced):
+    parts = _join_parts(4)
+    got = rows.join_rows(parts)
+    assert rows.JOIN_ROWS.decisions()[registry.current_backend(), (4, (64, 512))].fast
+    assert mx.array_equal(got, mx.concatenate(parts))
+
+
+def _join_parts(count: int) -> tuple[mx.array, ...]:
+    return tuple(mx.random.normal((1, 64, 512), key=mx.random.key(i)) for i in range(count))

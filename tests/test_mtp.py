@@ -188,7 +188,7 @@ def test_bad_mtp_files_are_layout_errors(tmp_path, paths, weights):
 
 
 def test_engine_rejects_a_bad_mtp_file_before_loading(paths, tmp_path):
-    with pytest.raises(LayoutError, match="is not an MTP file"):
+    with pytest.raises(LayoutError, match="unsupported --mtp file tiny.gguf: expected legacy MTP tensors"):
         Engine.load(paths[0], ctx=CTX, mtp=paths[0], mtp_draft=2)
 
 

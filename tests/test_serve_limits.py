@@ -49,7 +49,8 @@ def flood(url: str, path: str, n: int, results: list[int], size: int = BODY_BYTE
     return threads
 
 
-@pytest.mark.parametrize("path, max_queue", [("/v1/messages/count_tokens", 64), ("/v1/chat/completions", 16)])
+@pytest.mark.parametrize("path, max_queue", [pytest.param("/v1/messages/count_tokens", 64, marks=pytest.mark.slow),
+                                             ("/v1/chat/completions", 16)])
 def test_many_bodies_just_under_a_mib_do_not_freeze_health(path, max_queue):
     """48 concurrent 1,000,000-byte bodies made /health wait 7-10 s (every one of them parsed, rendered and
     tokenized at once, holding the GIL in turns); now 95% of /health calls answer within 0.25 s (0.2 s at the 99.5th

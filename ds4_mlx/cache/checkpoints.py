@@ -28,13 +28,13 @@ log = logging.getLogger("ds4_mlx.cache.checkpoints")
 
 
 def snapshot_arrays(snapshot: Snapshot) -> list[mx.array]:
-    """Every array a snapshot keeps alive: the cache state, the logits, and the MTP block's state."""
+    """Every array a snapshot keeps alive: the cache state, the logits, and the draft block's state."""
     arrays = list(snapshot.cache.arrays())
     if snapshot.logits is not None:
         arrays.append(snapshot.logits)
     mtp = snapshot.mtp
     if mtp is not None:
-        arrays += [a for a in (*mtp.layer.arrays(), mtp.hidden, mtp.logits) if a is not None]
+        arrays += mtp.arrays()
     return arrays
 
 

@@ -19,7 +19,9 @@ one verify call over 1 token and over N tokens (one main-model call with logits 
 `Session.speculate` makes of a token and its N - 1 guesses), one MTP draft of N - 1 guesses, each the median of a
 few calls after a warm-up, each from the frontier; then a speculative greedy probe of `--gen-tokens` tokens through
 `Session.speculate` as the engine runs it, with the share of MTP guesses the model accepted. The plain probe runs
-without the draft block, as a session loaded without --mtp does.
+without the draft block, as a session loaded without --mtp does. With a DSpark support file as --mtp the draft is
+one drafter block of min(5, N - 1) drafts after the token, and the verify call the multi-row step over the token
+and those drafts, as `Session.speculate` runs them.
 """
 
 from __future__ import annotations
@@ -198,7 +200,8 @@ class MTPFigures:
     """One frontier's --mtp figures: seconds of every timed call of every run, and the speculative probes."""
 
     draft: int
-    """--mtp-draft N: a verify call takes N tokens, a draft makes N - 1 guesses."""
+    """The tokens of a verify call: the token and its guesses (--mtp-draft N: N - 1 guesses; DSpark: at most its
+    block of 5)."""
     step_s: list[float] = field(default_factory=list)
     verify_1_s: list[float] = field(default_factory=list)
     verify_n_s: list[float] = field(default_factory=list)
@@ -443,12 +446,12 @@ def without_mtp(session: Session) -> Iterator[None]:
 
 
 def verify_call(session: Session, block: list[int]) -> mx.array:
-    """One main-model call over `block` with logits for every position, evaluated: the call `Session.speculate`
-    checks a token and its guesses with. The tokens stay in the cache; the caller restores the session."""
+    """One main-model call over `block` with logits for every position, evaluated: the multi-row step
+    `Session.speculate` checks a token and its guesses with (Model.decode_rows; the cache is left as it was)."""
     import mlx.core as mx
 
-    logits = session.model(mx.array(block, dtype=mx.int32), session.cache, all_logits=True)
-    mx.eval(logits, *session.cache.arrays())
+    _, logits, rows = session.model.decode_rows(block, [session.cache], groups=[len(block)])
+    mx.eval(logits, *rows[-1][-1].arrays())
     return logits
 
 
@@ -491,10 +494,19 @@ def measure_mtp(session: Session, figures: MTPFigures, walk: Walk, greedy: Calla
     def restore() -> None:
         session.restore(at_frontier)
 
+    from ..model.dspark import DSpark
+
     with without_mtp(session):
         figures.step_s += timed_calls(lambda: session.decode(token), restore, MTP_CALLS)
-    drafts, _ = session._draft(token, walk.mtp_draft - 1, stop=())  # the guesses speculate would verify
-    figures.draft_s += timed_calls(lambda: session._draft(token, walk.mtp_draft - 1, stop=()), restore, MTP_CALLS)
+    if isinstance(session.mtp, DSpark):  # one drafter block after the token
+        def draft() -> list[int]:
+            return session.mtp.draft(token, session.mtp_cache).tokens[: walk.mtp_draft - 1]
+    else:  # the guesses speculate would verify
+        def draft() -> list[int]:
+            return session._draft(token, walk.mtp_draft - 1, stop=())[0]
+    drafts = draft()
+    figures.draft = len(drafts) + 1
+    figures.draft_s += timed_calls(draft, restore, MTP_CALLS)
     figures.verify_1_s += timed_calls(lambda: verify_call(session, [token]), restore, MTP_CALLS)
     figures.verify_n_s += timed_calls(lambda: verify_call(session, [token, *drafts]), restore, MTP_CALLS)
     seconds, drafted, accepted = speculative_probe(session, token, walk.gen_tokens, walk.mtp_draft,

@@ -14,7 +14,9 @@ from pathlib import Path
 from ..errors import UsageError
 from ..model.checkpoint import detect as detect_checkpoint
 from ..model.config import ModelConfig, memory_estimate
-from ..model.weights import ModelWeights, MTPWeights, open_mtp_weights, open_weights
+from ..model.dspark import open_drafter
+from ..model.dspark_file import DSparkWeights
+from ..model.weights import ModelWeights, MTPWeights, open_weights
 from .options import DEFAULT_MODEL, context_size
 
 FORMS = {
@@ -33,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the GGUF file, given as the other commands take it (instead of the positional FILE)")
     p.add_argument("-c", "--ctx", type=context_size, default=32768,
                    help="context size for the memory estimate (default 32768)")
-    p.add_argument("--mtp", type=Path, help="MTP GGUF file to validate and count in")
+    p.add_argument("--mtp", type=Path, help="draft GGUF file (MTP or DSpark) to validate and count in")
 
 
 def format_bytes(n: int) -> str:
@@ -68,7 +70,7 @@ def _dims(c: ModelConfig) -> list[str]:
     ]
 
 
-def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> str:
+def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | DSparkWeights | None = None) -> str:
     """The whole report as text (the command prints it)."""
     c, f = weights.config, weights.file
     name = f.metadata.get("general.name", "?")
@@ -96,7 +98,9 @@ def describe(weights: ModelWeights, ctx: int, mtp: MTPWeights | None = None) -> 
         lines.append(f"mtp         {mtp.file.path} ({len(mtp.file.tensors)} tensors, {format_bytes(mtp.nbytes)}, "
                      f"{mtp.variant})")
         forms = {form: tuple(map(sum, zip(forms[form], extra))) for form, extra in loaded_forms(mtp).items()}
-        mtp_ring = c.sliding_window * c.head_dim * 4  # the draft block's own raw ring (ds4.c)
+        # the draft block's own raw ring (ds4.c), or a DSpark drafter's context window per stage
+        stages = mtp.spec.n_stages if isinstance(mtp, DSparkWeights) else 1
+        mtp_ring = stages * c.sliding_window * c.head_dim * 4
     weight_bytes = sum(held for _, held in forms.values())
     note = f" (beyond the trained context {c.context_length})" if c.context_length and ctx > c.context_length else ""
     lines += [
@@ -128,7 +132,7 @@ def model_path(args: argparse.Namespace) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     with open_weights(model_path(args)) as weights:
-        mtp = open_mtp_weights(args.mtp, weights.config) if args.mtp else None
+        mtp = open_drafter(args.mtp, weights.config) if args.mtp else None
         try:
             print(describe(weights, args.ctx, mtp))
         finally:

@@ -3,7 +3,8 @@
 For tests and demos without the 81 GB download: `tiny` builds in a second, `small` is a ~260 MB CPU demo with the
 real vocabulary, `flash` has exactly the published shapes (81 GB with q2 experts; `--sparse` leaves the data as a
 file hole so the layout can be inspected without writing it; `--repeat` draws 64 MB of random rows per tensor and
-repeats them, for speed tests). `--mtp` also writes a matching MTP draft file.
+repeats them, for speed tests). `--mtp` also writes a matching MTP draft file, `--dspark` a matching DSpark support
+file (the 0731 drafter, model/dspark_file.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import Ds4Error
+from ..model.dspark_file import write_dspark_model
 from ..model.factory import (EXPERT_KINDS, PRESET_VOCAB, PRESETS, REPEAT_AFTER, VOCAB_KINDS, Progress,
                              export_reference, model_tensors, mtp_tensors, preset_config, write_model,
                              write_mtp_model)
@@ -57,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtp", type=Path, metavar="MTP.gguf",
                         help="also write a random MTP draft file for this preset (Q4_K experts, as published), "
                              "for --mtp speculative decoding")
+    parser.add_argument("--dspark", type=Path, metavar="DSPARK.gguf",
+                        help="also write a random DSpark support file for this preset in the published layout "
+                             "(3 stages, block 5, Markov rank 256), for --mtp speculative decoding")
     parser.add_argument("--reference-dir", type=Path, metavar="DIR",
                         help="also write the weights dequantized to float32 under the published DeepSeek names "
                              "(model.safetensors + config.json, loadable by transformers)")
@@ -85,6 +90,16 @@ def run(args: argparse.Namespace) -> int:
         size = mtp.stat().st_size
         print(f"wrote {mtp}: {_human(size)} ({size} bytes), {len(mtp_tensors(preset_config(args.preset)))} tensors; "
               f"MTP draft block for preset {args.preset}, seed {args.seed}{note}")
+    if args.dspark:
+        try:
+            with _progress_bar(f"writing {args.dspark.name}") as progress:
+                dspark = write_dspark_model(args.dspark, main_preset=args.preset, seed=args.seed, data=data,
+                                            vocab=vocab, progress=progress)
+        except OSError as e:
+            raise Ds4Error(f"cannot write {args.dspark}: {e.strerror or e}") from e
+        size = dspark.stat().st_size
+        print(f"wrote {dspark}: {_human(size)} ({size} bytes), 81 tensors; DSpark support file for preset "
+              f"{args.preset}, seed {args.seed}{note}")
     if args.reference_dir:
         try:
             out = export_reference(path, args.reference_dir)

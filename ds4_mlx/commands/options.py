@@ -191,12 +191,13 @@ def _non_negative(text: str) -> float:
 
 def add_mtp_options(p: argparse.ArgumentParser) -> None:
     """ds4's MTP flags (ds4_cli.c): speculative greedy decoding with the optional MTP draft file."""
-    g = p.add_argument_group("MTP speculative decoding (greedy only: --temp 0)")
+    g = p.add_argument_group("speculative decoding (the MTP file: greedy only, --temp 0; DSpark: any sampling)")
     g.add_argument("--mtp", type=Path, metavar="FILE",
-                   help="MTP draft file (./download_model.sh mtp) to guess tokens ahead with (default: off)")
+                   help="draft file to guess tokens ahead with, told by its tensors: 0731's DSpark support file "
+                        "(./download_model.sh ds4f-dspark) or the preview's MTP file (mtp) (default: off)")
     g.add_argument("--mtp-draft", type=_mtp_draft, default=1, metavar="N",
-                   help="tokens per model call when the guesses hold: the chosen one and up to N-1 guesses; "
-                        "1 = no speculation (default 1)")
+                   help="tokens per model call when the guesses hold: the chosen one and up to N-1 guesses (DSpark: "
+                        "at most its block of 5, so 6 takes them all); 1 = no speculation (default 1)")
     g.add_argument("--mtp-margin", type=_non_negative, default=3.0, metavar="F",
                    help="verify a lone guess only if its top-1/top-2 logit gap is at least F (default 3)")
 
@@ -298,10 +299,23 @@ def warn_ignored_options(args: argparse.Namespace) -> None:
     if getattr(args, "mtp", None) is not None:
         if args.mtp_draft < 2:
             notes.append("--mtp without --mtp-draft N (N >= 2) does not speculate: the draft file is unused")
-        elif hasattr(args, "temp") and (args.temp > 0 or args.presence_penalty or args.frequency_penalty):
+        elif (hasattr(args, "temp") and (args.temp > 0 or args.presence_penalty or args.frequency_penalty)
+              and not _is_dspark(args.mtp)):
             notes.append("--mtp speculates only in greedy decoding (--temp 0, no penalties): it is unused here")
     for note in notes:
         print(f"ds4-mlx: warning: {note}", file=sys.stderr)
+
+
+def _is_dspark(path: Path) -> bool:
+    """Whether a --mtp file is a DSpark support file, whose drafts serve sampled decoding too (False for a file
+    that cannot be read: loading it says why)."""
+    from ..errors import GGUFError
+    from ..model.dspark_file import support_kind
+
+    try:
+        return support_kind(path) == "dspark"
+    except (OSError, GGUFError):
+        return False
 
 
 def open_engine(args: argparse.Namespace, **opts):

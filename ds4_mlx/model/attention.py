@@ -43,7 +43,7 @@ from ds4_mlx.kernels.decode.attention import DecodeAttention
 from ds4_mlx.kernels.prefill.chunk_attention import ChunkAttention
 from ds4_mlx.kernels.decode.fused_norm import Norm
 from ds4_mlx.kernels.sublayers.indexer import IndexerPick
-from ds4_mlx.kernels.sublayers.rows import write_row
+from ds4_mlx.kernels.sublayers.rows import join_rows, write_row
 from ds4_mlx.model.cache import LayerState
 from ds4_mlx.model.compressor import Compressor
 from ds4_mlx.model.linear import FusedLinear, Linear
@@ -267,17 +267,17 @@ class Attention:
             first = len(rows)
             for row in range(at, at + n):
                 q_r, kv_r, position, *rest = per_row[row] if many else per_row
-                out, state = self._step_row(q_r, kv_r, position, state, rest, completes)
+                out, state = self._step_row(q_r, kv_r, position, state, rest, completes, row)
                 heads.append(out)
                 rows.append(state)
             at += n
             last = rows[-1]  # the session's rows share its last row's buffers
             rows[first:-1] = [replace(s, comp=last.comp, index=last.index) for s in rows[first:-1]]
-        return self._project_out(mx.concatenate(heads) if many else heads[0]), rows
+        return self._project_out(join_rows(heads)), rows
 
     def _step_row(self, q: mx.array, kv: mx.array, position: mx.array, state: LayerState,
-                  compressing: list[mx.array], completes: bool) -> tuple[mx.array, LayerState]:
-        """One row of `step_rows`: its query heads (1, n_head, head_dim) and the state after it, from its products
+                  compressing: list[mx.array], completes: bool, slot: int) -> tuple[mx.array, LayerState]:
+        """Row `slot` of `step_rows`: its query heads (1, n_head, head_dim) and the state after it, from its products
         q (1, H * D), kv and (compressed layers) the compressors' kv and gate, the indexer's proj and q_b output."""
         raw = self._finish_kv(kv, position, window=state.raw)  # row j holds position - window + 1 + j
         state = replace(state, raw=raw)
@@ -298,7 +298,7 @@ class Attention:
                 state = replace(state, index=index, index_frontier=index_frontier)
                 picked, valid = self.indexer.pick_raw(index_q, index_proj, position, index)
         out = DECODE_ATTENTION(q, position, self.rope.inv_freq, raw, state.comp, picked, valid, self.sinks,
-                               self.ratio, self.eps)
+                               self.ratio, self.eps, slot)
         return out, state
 
     def _compress(

@@ -183,6 +183,9 @@ class GraphDecoder:
         self._managed: list[tuple[int, int]] = []  # the graphs' managed buffers, found when they are made
         self.position_entered = self.position_next = 0
         self.launched = False
+        self.last: tuple[mx.array, int] | None = None  # the logits (rows) the last launch wrote, and this one's row
+        self.joint: dict[tuple[int, ...], JointGraphs] = {}  # graphs of steps shared with other decoders
+        self.joint_failed: set[tuple[int, ...]] = set()  # joint graphs (their decoders' ids) that failed, led by this
 
     def enter(self, cache: SessionCache) -> None:
         """Takes a copy of the cache's state. The first entry records every kind's graph and checks it first
@@ -243,11 +246,11 @@ class GraphDecoder:
 
     def launch(self, token: int) -> None:
         """Feeds `token` at the next position (the graph of its kind)."""
-        graph, _ = self.graphs[self.model.ends(self.position_next)]
+        graph, logits = self.graphs[self.model.ends(self.position_next)]
         self.io[0], self.io[1] = token, self.position_next
         graph.launch()
         self.position_next += 1
-        self.launched = True
+        self.launched, self.last = True, (logits, 0)
 
     def chosen(self) -> int:
         """The token the last launch chose (waits for it)."""
@@ -260,8 +263,8 @@ class GraphDecoder:
     def logits(self) -> mx.array:
         """A copy of the last launch's logits (waits for it)."""
         self.synchronize()
-        _, logits = self.graphs[self.model.ends(self.position_next - 1)]
-        copy = logits * 1
+        logits, row = self.last
+        copy = logits.reshape(-1, logits.shape[-1])[row] * 1
         mx.eval(copy)
         return copy
 
@@ -341,9 +344,133 @@ class GraphDecoder:
         return logits, int(choice.item())
 
     def close(self) -> None:
+        for joint in list(self.joint.values()):
+            joint.close()
         for graph, _ in self.graphs.values():
             graph.close()
         self.graphs.clear()
         self._moved.clear()
         self.driver.destroy_stream(self.stream)
         self._free()
+
+
+def load_rows_kernel(count: int) -> Kernel:
+    """LOAD_KERNEL for `count` decoders: row i's token and position from decoder i's page-locked words."""
+    lines = "\n".join(f"tokens[{i}] = io{i}[0];\npositions[{i}] = io{i}[1];" for i in range(count))
+    return Kernel(f"ds4_graph_load_rows_{count}", tuple(f"io{i}" for i in range(count)), ("tokens", "positions"),
+                  lines)
+
+
+class JointGraphs:
+    """Steps shared by several decoders: row i of `Model.step_rows` is decoder i's next token, read from its
+    page-locked words as its own graphs read it, its greedy choice written where its own graphs write it, its new
+    state copied into its arrays: one CUDA graph a kind (`Model.ends` of the rows' positions together), recorded
+    and checked at first use, each row's logits against MLX's step over the same rows. A decoder that closes closes
+    the joint graphs it is in. Every decoder must have entered (its state is the session's), and none may have a
+    launch in flight (`launch` waits for their streams)."""
+
+    def __init__(self, decoders: Sequence[GraphDecoder]) -> None:
+        self.decoders = list(decoders)
+        self.key = tuple(id(d) for d in decoders)
+        self.graphs: dict[tuple[int, ...], tuple[ReplayGraph, mx.array]] = {}
+        for decoder in decoders:
+            decoder.joint[self.key] = self
+
+    @staticmethod
+    def of(decoders: Sequence[GraphDecoder]) -> JointGraphs:
+        """The joint graphs of these decoders (in this order), made once."""
+        key = tuple(id(d) for d in decoders)
+        return decoders[0].joint.get(key) or JointGraphs(decoders)
+
+    def kind(self) -> tuple[int, ...]:
+        return tuple(sorted({r for d in self.decoders for r in self.model.ends(d.position_next)}))
+
+    @property
+    def model(self) -> Model:
+        return self.decoders[0].model
+
+    def launch(self, tokens: Sequence[int]) -> None:
+        """Feeds decoder i `tokens[i]` at its next position, all in one graph (made and checked first if new)."""
+        for decoder in self.decoders:
+            decoder.synchronize()
+        kind = self.kind()
+        if kind not in self.graphs:
+            self._record(kind)
+            self._check(kind)
+        graph, logits = self.graphs[kind]
+        for decoder, token in zip(self.decoders, tokens):
+            decoder.io[0], decoder.io[1] = token, decoder.position_next
+        graph.launch()
+        graph.synchronize()  # each decoder's own stream runs its next launch: none may overlap this one
+        for row, decoder in enumerate(self.decoders):
+            decoder.position_next += 1
+            decoder.launched, decoder.last = True, (logits, row)
+
+    def _record(self, kind: tuple[int, ...]) -> None:
+        decoders = self.decoders
+        with nvrtc.recording() as recorded:
+            for decoder in decoders:
+                nvrtc.bind(decoder.io_stand_in, decoder.io_address)
+            tokens, positions = build(load_rows_kernel(len(decoders)), "cuda")(
+                inputs=[d.io_stand_in for d in decoders], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                output_shapes=[(len(decoders),)] * 2, output_dtypes=[mx.int32, mx.int32])
+            _, logits, rows = self.model.step_rows(tokens, positions, [d._layers() for d in decoders],
+                                                   (1,) * len(decoders), kind)
+            chosen_all = []
+            for row, decoder in enumerate(decoders):
+                never = logits.shape[-1] if decoder.never is None else decoder.never
+                (chosen,) = build(GREEDY_KERNEL, "cuda")(
+                    inputs=[logits[row]], template=[("V", logits.shape[-1]), ("NEVER", never)],
+                    grid=(GREEDY_THREADS, 1, 1), threadgroup=(GREEDY_THREADS, 1, 1),
+                    output_shapes=[(1,)], output_dtypes=[mx.int32])
+                nvrtc.bind(chosen, decoder.io_address + 8)
+                chosen_all.append(chosen)
+            new = [[a for state in layers for a in state.arrays()] for layers in rows]
+            pairs = [(a, own) for arrays, d in zip(new, decoders)
+                     for a, own, r in zip(arrays, d.state, d.ratios) if not r]
+            copy_into(*zip(*pairs))
+        ops = ops_after_kernels([*chosen_all, *(a for arrays in new for a in arrays)])
+        if ops:
+            raise ValueError(f"the shared step holds MLX ops on computed values, which a graph does not replay: "
+                             f"{dict(ops.most_common(6))}")
+        mx.eval(logits, *chosen_all, *(a for arrays in new for a in arrays))
+        bound = recorded.bound + decoders[0]._off_the_scalar_pool(recorded)
+        self.graphs[kind] = ReplayGraph(decoders[0].driver, recorded.launches, bound=bound,
+                                        stream=decoders[0].stream), logits
+
+    def _check(self, kind: tuple[int, ...], token: int = 1) -> None:
+        """One launch of the kind's graph from the decoders' states against MLX's step over the same rows; the
+        decoders' replaced arrays are put back after (a completing kind's rows lie past the live rows)."""
+        decoders = self.decoders
+        kept = [[a * 1 for a, r in zip(d.state, d.ratios) if not r] for d in decoders]
+        _, want, _ = self.model.step_rows(mx.array([token] * len(decoders), dtype=mx.int32),
+                                          mx.array([d.position_next for d in decoders], dtype=mx.int32),
+                                          [d._layers() for d in decoders], (1,) * len(decoders), kind)
+        mx.eval(want, *(a for k in kept for a in k))
+        graph, logits = self.graphs[kind]
+        for decoder in decoders:
+            decoder.io[0], decoder.io[1] = token, decoder.position_next
+        graph.launch()
+        graph.synchronize()
+        finite = mx.isfinite(want)
+        scale = mx.max(mx.abs(mx.where(finite, want, 0)), axis=-1)
+        error = mx.max(mx.abs(mx.where(finite, logits - want, 0)), axis=-1)
+        with nvrtc.recording() as recorded:
+            for d, arrays in zip(decoders, kept):
+                copy_into(arrays, [own for own, r in zip(d.state, d.ratios) if not r])
+        restore = ReplayGraph(decoders[0].driver, recorded.launches, bound=recorded.bound, stream=decoders[0].stream)
+        restore.launch()
+        restore.synchronize()
+        restore.close()
+        worst = mx.max(error / mx.maximum(scale, 1e-30)).item()
+        if not worst <= CHECK_TOLERANCE:
+            self.close()
+            raise GraphCheckError(f"the decode graph of {len(decoders)} rows, steps {kind or '()'}, differs from "
+                                  f"MLX's step (a row off by {worst:.3g} of its largest logit)")
+
+    def close(self) -> None:
+        for graph, _ in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
+        for decoder in self.decoders:
+            decoder.joint.pop(self.key, None)

@@ -97,6 +97,15 @@ class Block:
         return (routed, shared) if self.sum is None else (self.sum(routed + shared), None)
 
 
+def tap(residual: PendingPost, last: int | None = None) -> mx.array:
+    """A layer's output as a DSpark drafter reads it: the mean of its hyper-connection streams (T, n_embd), of
+    the `last` rows only when given."""
+    if last is not None:
+        residual = PendingPost(*(None if a is None else a[-last:] for a in (
+            residual.output, residual.addend, residual.streams, residual.post, residual.comb)))
+    return mx.mean(residual.apply(), axis=1)
+
+
 class Loader:
     """Streams the model's tensors into their resident form (model/stream.py) and counts the bytes they keep."""
 
@@ -191,6 +200,13 @@ class Model:
         """Compiled decode steps by cache layout (the shapes of the cache's arrays) and the windows a step ends."""
         self.ratios = tuple(sorted({c.compress_ratio(layer) for layer in range(c.n_layer)} - {0}))
         """The compression ratios of the layers (Flash: 4 and 128)."""
+        self.taps: tuple[int, ...] = ()
+        """Layers whose outputs `hidden` and `decode_rows` keep in `tapped` (a DSpark drafter's input, set by it;
+        model/dspark.py); () keeps none, and the one-token `decode` never does."""
+        self.tapped: mx.array | None = None
+        """The last `hidden` or `decode_rows` call's taps: per row, the mean over the hyper-connection streams of
+        each tapped layer's output, side by side (rows, len(taps) * n_embd). `hidden` taps its last sliding_window
+        rows only (all that a drafter's window keeps), `decode_rows` every row."""
 
     def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
         """The block whose tensors are named `prefix` + suffix, at a compression ratio, with token-hash
@@ -287,10 +303,13 @@ class Model:
         grouped = tokens.size * self.config.n_expert_used > GATHER_LIMIT
         residual: mx.array | PendingPost = streams
         running: list[mx.array] = []
+        taps: list[mx.array] = []
         # an input several kernels read is split into halves once (kernels/tensor_cores/halfsplit.py)
         with splits_held():
             for layer, block in zip(self.layers, self.blocks):
                 residual, layers[layer] = block(residual, tokens, n_past, layers[layer])
+                if layer in self.taps:
+                    taps.append(tap(residual, self.config.sliding_window))
                 if grouped:  # one layer ahead: this layer is queued, then the previous one waited for
                     queued = [*residual.arrays(), *layers[layer].arrays()]
                     mx.async_eval(*queued)
@@ -298,6 +317,7 @@ class Model:
                     running = queued
         streams = self._leave(residual)
         cache.layers, cache.n_tokens = layers, n_past + tokens.size
+        self.tapped = mx.concatenate(taps, axis=-1) if taps else None
         return streams
 
     def step(self, token: mx.array, position: mx.array, layers: Sequence[LayerState],
@@ -308,32 +328,36 @@ class Model:
         Returns the final streams (1, n_hc, n_embd), the logits (n_vocab,) and the new layer states. Traced once by
         `decode` and replayed for every token; nothing here reads a value back to the host.
         """
-        streams, logits, (layers,) = self.step_rows(token, position, (layers,), (1,), ends)
+        streams, logits, (layers,), _ = self.step_rows(token, position, (layers,), (1,), ends)
         return streams, logits.reshape(-1), layers  # a view: no gather to replay
 
     def step_rows(self, tokens: mx.array, positions: mx.array, sessions: Sequence[Sequence[LayerState]],
-                  groups: Sequence[int], ends: Collection[int] | None = None
-                  ) -> tuple[mx.array, mx.array, list[list[LayerState]]]:
+                  groups: Sequence[int], ends: Collection[int] | None = None, taps: Collection[int] = ()
+                  ) -> tuple[mx.array, mx.array, list[list[LayerState]], mx.array | None]:
         """`step` over B rows: tokens (B,) at array `positions` (B,), the first groups[0] of them consecutive tokens
         of the session whose layer states are sessions[0], and so on (Block.step): several sessions' next tokens
         in one pass over the weights (batching), or one session's token and the guesses after it (speculation).
 
-        Returns the final streams (B, n_hc, n_embd), the logits (B, n_vocab) and each row's layer states: row r's
-        are its session's states once row r is fed (a session's rows share its last row's row buffers)."""
+        Returns the final streams (B, n_hc, n_embd), the logits (B, n_vocab), each row's layer states (row r's
+        are its session's states once row r is fed: a session's rows share its last row's row buffers), and the
+        outputs of the layers in `taps` as `tapped` holds them (None without taps)."""
         if sum(groups) != tokens.shape[0] or len(groups) != len(sessions):
             raise ValueError(f"{tokens.shape[0]} rows do not split into {len(sessions)} sessions as {tuple(groups)}")
         shape = (tokens.shape[0], self.config.n_hc, self.config.n_embd)
         residual: mx.array | PendingPost = self._enter(lambda: self.embed_streams(tokens), shape)
         owners = [sessions[i] for i, n in enumerate(groups) for _ in range(n)]
         rows: list[list[LayerState]] = [list(s[: self.layers.start]) for s in owners]  # a pipeline's earlier layers
+        tapped = []
         for layer, block in zip(self.layers, self.blocks):  # each block's last post is applied with the next one's pre
             residual, states = block.step(residual, tokens, positions, [s[layer] for s in sessions], groups, ends)
             for row, state in zip(rows, states):
                 row.append(state)
+            if layer in taps:
+                tapped.append(tap(residual))
         for row, s in zip(rows, owners):
             row += s[self.layers.stop :]
         streams = self._leave(residual)
-        return streams, self.head(streams), rows
+        return streams, self.head(streams), rows, mx.concatenate(tapped, axis=-1) if tapped else None
 
     def _enter(self, embedded: Callable[[], mx.array], shape: tuple[int, ...]) -> mx.array:
         """The streams the first layer this process runs reads: the tokens' embedding (`embedded()`), or in a
@@ -415,30 +439,32 @@ class Model:
             positions += range(cache.n_tokens, cache.n_tokens + n)
         kind = tuple(sorted({r for p in positions for r in self.ends(p)}))
         flat = [ids, mx.array(positions, dtype=mx.int32), *(a for c in caches for a in c.arrays())]
-        ctxs = tuple(c.ctx for c in caches)
+        ctxs, taps = tuple(c.ctx for c in caches), self.taps
         if registry.mode() == "reference":  # the references, eagerly
-            out = self._flat_rows(groups, kind, *flat)
-        elif (step := self._steps.get((groups, ctxs, kind))) is not None:
+            out = self._flat_rows(groups, kind, taps, *flat)
+        elif (step := self._steps.get((groups, ctxs, kind, taps))) is not None:
             out = step(*flat)
         else:  # a new grouping: this step eagerly (the kernels' first-use checks), then every kind traced
-            out = self._flat_rows(groups, kind, *flat)
+            out = self._flat_rows(groups, kind, taps, *flat)
             for each in {self.ends(n) for n in range(math.lcm(*self.ratios))}:
-                self._steps[groups, ctxs, each] = mx.compile(partial(self._flat_rows, groups, each))
-                self._steps[groups, ctxs, each](*flat)
+                self._steps[groups, ctxs, each, taps] = mx.compile(partial(self._flat_rows, groups, each, taps))
+                self._steps[groups, ctxs, each, taps](*flat)
         streams, logits, *arrays = out
+        self.tapped = arrays.pop() if taps else None
         per_row = len(arrays) // ids.size
         rows = [unflatten_layers(self.config, arrays[r * per_row : (r + 1) * per_row]) for r in range(ids.size)]
         return streams, logits, rows
 
-    def _flat_rows(self, groups: tuple[int, ...], ends: tuple[int, ...], tokens: mx.array, positions: mx.array,
-                   *arrays: mx.array) -> list[mx.array]:
+    def _flat_rows(self, groups: tuple[int, ...], ends: tuple[int, ...], taps: tuple[int, ...], tokens: mx.array,
+                   positions: mx.array, *arrays: mx.array) -> list[mx.array]:
         """`step_rows` over the caches' flat array lists one after another (what mx.compile traces): the final
-        streams, the logits, then each row's layer states flat."""
+        streams, the logits, then each row's layer states flat, then the taps (if any)."""
         per_cache = len(arrays) // len(groups)
         sessions = [unflatten_layers(self.config, arrays[i * per_cache : (i + 1) * per_cache])
                     for i in range(len(groups))]
-        streams, logits, rows = self.step_rows(tokens, positions, sessions, groups, ends)
-        return [streams, logits, *(a for row in rows for state in row for a in state.arrays())]
+        streams, logits, rows, tapped = self.step_rows(tokens, positions, sessions, groups, ends, taps)
+        return [streams, logits, *(a for row in rows for state in row for a in state.arrays()),
+                *([tapped] if taps else [])]
 
     def ends(self, position: int) -> tuple[int, ...]:
         """The compression ratios whose windows the token at `position` ends: a decode step writes those layers'

@@ -24,6 +24,10 @@ WEIGHT_SUM_FLOOR = 6.103515625e-5  # ds4 divides by max(sum of selected scores, 
 GATHER_LIMIT = 32
 """At most this many (token, expert) pairs dequantize one expert copy per pair; more are sorted by expert and
 grouped."""
+FUSED_GATHER_ROWS = 8
+"""Up to this many tokens (a decode step's rows) take one product per pair however many pairs they make, where the
+fused kernels read the pairs' experts from the raw banks (no copy per pair): the grouped path's sort is built-in
+ops, which a step replayed as one CUDA graph may not hold."""
 
 
 def softplus(x: mx.array) -> mx.array:
@@ -156,14 +160,22 @@ class RoutedExperts:
 
     def __call__(self, x: mx.array, ids: mx.array, weights: mx.array, norm: Norm | None = None) -> mx.array:
         """sum_i weights[:, i] * expert_{ids[:, i]}(x) for x (T, D) (with `norm`, of rms_norm(x, *norm))."""
-        if ids.size <= GATHER_LIMIT:
+        if self._gathers(ids.shape[0], ids.shape[1], norm):
             return self._gathered(x, ids, weights, norm)
         return self._grouped(apply(x, norm), ids, weights)
+
+    def _gathers(self, tokens: int, k: int, norm: Norm | None) -> bool:
+        """Whether tokens x k pairs take one product per pair (`_gathered`) rather than the grouped path."""
+        if tokens * k <= GATHER_LIMIT:
+            return True
+        down = self.down
+        return (tokens <= FUSED_GATHER_ROWS and self._fused_gate_up(k, norm) and down.raw is not None
+                and DOWN_SUM.enabled(down.ggml_type, down.shape, k))
 
     def folds(self, x: mx.array, k: int, norm: Norm) -> bool:
         """Whether a decode call of x's rows and k slots folds x's norm into its gate and up launches: the fused
         kernel's normed variant, or the affine matvec kernel of both banks."""
-        if x.size // x.shape[-1] * k > GATHER_LIMIT:
+        if not self._gathers(x.size // x.shape[-1], k, norm):
             return False
         return self._fused_gate_up(k, norm) or (self.gate.folds(x, norm) and self.up.folds(x, norm))
 

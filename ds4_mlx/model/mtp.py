@@ -56,6 +56,9 @@ class MTPSnapshot:
     logits: mx.array | None
     hidden: mx.array | None
 
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (*self.layer.arrays(), self.hidden, self.logits) if a is not None]
+
 
 class MTPCache:
     """The MTP block's raw KV window over a run of positions origin..origin + n_tokens - 1, and its last output:

@@ -359,17 +359,18 @@ class DecodeAttention:
     norm and RoPE, the masks, the key sets as they are stored, and the output's inverse RoPE."""
 
     def __init__(self, reference: Callable[..., mx.array]):
-        self.fast_path = FastPath("decode_attention", reference, self._kernel, self._probe, tolerance=TOLERANCE,
-                                  backends=("cuda", "metal"))
+        self.fast_path = FastPath("decode_attention", lambda *args: reference(*args[:-1]), self._kernel,
+                                  self._probe, tolerance=TOLERANCE, backends=("cuda", "metal"))
 
     def __call__(self, q: mx.array, position: mx.array, inv_freq: mx.array, window: mx.array, rows: mx.array | None,
-                 picked: mx.array | None, valid: mx.array | None, sinks: mx.array, ratio: int, eps: float
-                 ) -> mx.array:
+                 picked: mx.array | None, valid: mx.array | None, sinks: mx.array, ratio: int, eps: float,
+                 row: int = 0) -> mx.array:
         """q (1, H * D): q_b's output for one token at `position` (1,) int32, before its per-head RMSNorm and its
         RoPE (angles position * inv_freq (n_rot / 2,)); the raw window (W, D), row j at position - W + 1 + j; the
         compressed rows buffer (C, D) or None, of which either the first (position + 1) // ratio are visible or,
-        with `picked` (1, P) int32, those rows where `valid` (1, P); sinks (H,) -> (1, H, D), de-rotated."""
-        return self.fast_path(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps,
+        with `picked` (1, P) int32, those rows where `valid` (1, P); sinks (H,) -> (1, H, D), de-rotated. `row`:
+        the query's row in a step over several rows, whose launches may run at once (each row its own counters)."""
+        return self.fast_path(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps, row,
                               key=self.key(inv_freq, window, rows, picked, sinks, ratio))
 
     @staticmethod
@@ -381,23 +382,24 @@ class DecodeAttention:
                          ratio if kind == "rows" else 0, rows.shape[0] if kind == "rows" else 0,
                          picked.shape[-1] if kind == "picked" else 0)
 
-    counters: dict[int, mx.array] = {}
-    """One word a head, for the split kernels (`ds4_last_group`), shared by every call with that head count: a
-    step's attention launches follow one another (each needs the layer before), so none overlap."""
+    counters: dict[tuple[int, int], mx.array] = {}
+    """One word a head, for the split kernels (`ds4_last_group`), by (head count, row of the step): one row's
+    launches follow one another (each needs the layer before), but the rows of a step over several are independent,
+    and MLX's CUDA graphs (and ours, cudagraph.py) run independent launches at once: each row counts on its own."""
 
     @staticmethod
-    def counter(heads: int) -> mx.array:
-        """The counters of `heads` heads, made once and evaluated (16 words or more: MLX keeps arrays of 8 bytes
-        or less in managed memory, where an atomic is slow; dialect.py)."""
-        if heads not in DecodeAttention.counters:
+    def counter(heads: int, row: int = 0) -> mx.array:
+        """The counters of `heads` heads for a step's row `row`, made once and evaluated (16 words or more: MLX
+        keeps arrays of 8 bytes or less in managed memory, where an atomic is slow; dialect.py)."""
+        if (heads, row) not in DecodeAttention.counters:
             counter = mx.zeros((max(heads, 16),), dtype=mx.uint32)
             mx.eval(counter)
-            DecodeAttention.counters[heads] = counter
-        return DecodeAttention.counters[heads]
+            DecodeAttention.counters[heads, row] = counter
+        return DecodeAttention.counters[heads, row]
 
     @staticmethod
-    def _kernel(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps, splits: int | None = None
-                ) -> mx.array:
+    def _kernel(q, position, inv_freq, window, rows, picked, valid, sinks, ratio, eps, row: int = 0,
+                splits: int | None = None) -> mx.array:
         heads = sinks.shape[0]
         w, d = window.shape
         n_rot = 2 * inv_freq.shape[0]
@@ -426,7 +428,7 @@ class DecodeAttention:
             )
             return out
         out, _ = build(SPLIT_KERNELS[kind], current_backend())(
-            inputs=[q, position, inv_freq, window, *extra, sinks, params, DecodeAttention.counter(heads)],
+            inputs=[q, position, inv_freq, window, *extra, sinks, params, DecodeAttention.counter(heads, row)],
             template=template + [("SPLITS", splits)],
             grid=(heads * splits * GROUPS * SIMD_WIDTH, 1, 1), threadgroup=(GROUPS * SIMD_WIDTH, 1, 1),
             output_shapes=[(1, heads, d), (heads * splits * (d + 2),)], output_dtypes=[mx.float32, mx.float32],
@@ -451,4 +453,4 @@ class DecodeAttention:
             valid = (mx.arange(n_picked) % 3 != 1)[None]
         return (random_activations((1, heads * d), seed=52) * 3.0, mx.array([position], dtype=mx.int32), inv_freq,
                 random_activations((w, d), seed=53), rows, picked, valid, random_activations((heads,), seed=54),
-                ratio, 1e-6)
+                ratio, 1e-6, 0)

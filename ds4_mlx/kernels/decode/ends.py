@@ -6,11 +6,12 @@ a norm, a matmul, a sigmoid, a product and a sum: a dozen nodes a token, each wi
 step that is to run as one CUDA graph of our own (kernels/machinery/cudagraph.py) may hold no built-in op that reads the
 token or the streams, since only custom kernels are replayed.
 
-EMBED_KERNEL: one thread per stream value, each a float16 (or float32) table value of the token's row, converted
-exactly. HEAD_KERNEL: one threadgroup of 1024 threads; each thread's share of the flattened streams gives its sum of
-squares and its dot products with the n_hc rows of fn in one pass (the norm is a scalar, so it scales the dot
-products after), SIMD sums and a pass over the SIMD groups' sums give the totals, and every thread forms the n_hc
-weights and writes its values of the weighted sum of the streams.
+Both take the B rows of a step over several rows (grid y: the row); their checks are made at the row count used.
+EMBED_KERNEL: one thread per stream value, each a float16 (or float32) table value of the row's token, converted
+exactly. HEAD_KERNEL: one threadgroup of 1024 threads a row; each thread's share of the row's flattened streams
+gives its sum of squares and its dot products with the n_hc rows of fn in one pass (the norm is a scalar, so it
+scales the dot products after), SIMD sums and a pass over the SIMD groups' sums give the totals, and every thread
+forms the n_hc weights and writes its values of the weighted sum of the streams.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from ..machinery.registry import FastPath, current_backend
 EMBED_KERNEL = Kernel("ds4_embed_streams", ("table", "token"), ("streams",), """
 const int i = GROUP_X * 256 + THREAD_IN_GROUP;
 if (i < HC * D) {
-  const size_t at = (size_t)token[0] * D + (i % D);
-  streams[i] = HALF ? ds4_half_to_float(((const GLOBAL_MEM unsigned short*)table)[at])
+  const size_t at = (size_t)token[GROUP_Y] * D + (i % D);
+  streams[(size_t)GROUP_Y * HC * D + i] = HALF ? ds4_half_to_float(((const GLOBAL_MEM unsigned short*)table)[at])
                     : ((const GLOBAL_MEM float*)table)[at];
 }
 """)
@@ -34,6 +35,8 @@ if (i < HC * D) {
 HEAD_THREADS = 1024
 HEAD_KERNEL = Kernel("ds4_hc_head", ("streams", "fn", "scale", "base", "eps"), ("out",), """
 const int t = THREAD_IN_GROUP;
+streams += (size_t)GROUP_Y * HC * D;
+out += (size_t)GROUP_Y * D;
 SHARED float sums[HC + 1][32];
 float acc[HC + 1];
 for (int h = 0; h <= HC; ++h) {
@@ -75,6 +78,8 @@ for (int i = t; i < D; i += 1024) {
 }
 """)
 
+HEAD_ROWS = 16
+"""Most tokens the head kernel takes (a decode step's rows); a prefill chunk's take HyperHead's composition."""
 HEAD_TOLERANCE = 1e-5
 """Relative to the largest output: the norm scales the dot products after they are summed (a few float32 ulps
 from normed values dotted), and every sum is taken in another order than MLX's."""
@@ -93,16 +98,16 @@ def table_width(table: mx.array) -> int:
 
 
 class EmbedStreams:
-    """The token's row as streams in one launch, where the kernel passed its check."""
+    """The tokens' rows as streams in one launch, where the kernel passed its check at that many tokens."""
 
     def __init__(self) -> None:
         self.fast_path = FastPath("embed_streams", embed_reference, self._kernel, self._probe, tolerance=0.0,
                                   backends=("cuda", "metal"))
 
     def __call__(self, table: mx.array, token: mx.array, n_hc: int) -> mx.array:
-        if table.dtype not in (mx.float16, mx.float32, mx.uint8) or token.shape != (1,):
+        if table.dtype not in (mx.float16, mx.float32, mx.uint8) or token.ndim != 1 or token.size == 0:
             return embed_reference(table, token, n_hc)
-        return self.fast_path(table, token, n_hc, key=(table_width(table), n_hc, table.dtype))
+        return self.fast_path(table, token, n_hc, key=(table_width(table), n_hc, table.dtype, token.size))
 
     @staticmethod
     def _kernel(table: mx.array, token: mx.array, n_hc: int) -> mx.array:
@@ -110,21 +115,23 @@ class EmbedStreams:
         (streams,) = build(EMBED_KERNEL, current_backend())(
             inputs=[table, token.astype(mx.int32)],
             template=[("HC", n_hc), ("D", width), ("HALF", table.dtype != mx.float32)],
-            grid=(256 * ((n_hc * width + 255) // 256), 1, 1), threadgroup=(256, 1, 1),
-            output_shapes=[(1, n_hc, width)], output_dtypes=[mx.float32])
+            grid=(256 * ((n_hc * width + 255) // 256), token.size, 1), threadgroup=(256, 1, 1),
+            output_shapes=[(token.size, n_hc, width)], output_dtypes=[mx.float32])
         return streams
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
-        width, n_hc, dtype = key
-        table = (mx.random.normal((5, width), key=mx.random.key(3)) * 3).astype(
+        width, n_hc, dtype, tokens = key
+        table = (mx.random.normal((tokens + 4, width), key=mx.random.key(3)) * 3).astype(
             mx.float32 if dtype == mx.float32 else mx.float16)
-        return (mx.view(table, mx.uint8) if dtype == mx.uint8 else table), mx.array([3], dtype=mx.int32), n_hc
+        ids = mx.array([(3 + 5 * i) % (tokens + 4) for i in range(tokens)], dtype=mx.int32)
+        return (mx.view(table, mx.uint8) if dtype == mx.uint8 else table), ids, n_hc
 
 
 class HeadCollapse:
-    """HyperHead's collapse of one token's streams in one launch, where the kernel passed its check; `reference`
-    (HyperHead's composition) takes more tokens, and the shapes the kernel does not."""
+    """HyperHead's collapse of a few tokens' streams in one launch (a threadgroup a token), where the kernel passed
+    its check at that many tokens; `reference` (HyperHead's composition) takes a prefill chunk's, and the shapes the
+    kernel does not."""
 
     def __init__(self, reference: Callable[..., mx.array]):
         self.fast_path = FastPath("hc_head", reference, self._kernel, self._probe, tolerance=HEAD_TOLERANCE,
@@ -135,10 +142,10 @@ class HeadCollapse:
         """streams (T, n_hc, D) -> (T, D)."""
         args = (streams, fn, scale, base, hc_eps, norm_eps)
         n_hc, width = streams.shape[1:]
-        if (streams.shape[0] != 1 or n_hc > 8 or any(a.dtype != mx.float32 for a in (streams, fn, scale, base))
+        if (not 0 < streams.shape[0] <= HEAD_ROWS or n_hc > 8 or any(a.dtype != mx.float32 for a in (streams, fn, scale, base))
                 or fn.shape != (n_hc, n_hc * width) or base.shape != (n_hc,)):
             return self.fast_path.reference(*args)
-        return self.fast_path(*args, key=(n_hc, width))
+        return self.fast_path(*args, key=(n_hc, width, streams.shape[0]))
 
     @staticmethod
     def _kernel(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, hc_eps: float,
@@ -147,15 +154,15 @@ class HeadCollapse:
         eps = mx.array([norm_eps, hc_eps], dtype=mx.float32)
         (out,) = build(HEAD_KERNEL, current_backend())(
             inputs=[streams, fn, scale, base, eps], template=[("HC", n_hc), ("D", width)],
-            grid=(HEAD_THREADS, 1, 1), threadgroup=(HEAD_THREADS, 1, 1),
-            output_shapes=[(1, width)], output_dtypes=[mx.float32])
+            grid=(HEAD_THREADS, streams.shape[0], 1), threadgroup=(HEAD_THREADS, 1, 1),
+            output_shapes=[(streams.shape[0], width)], output_dtypes=[mx.float32])
         return out
 
     @staticmethod
     def _probe(key: Hashable) -> tuple:
-        n_hc, width = key
+        n_hc, width, tokens = key
         k = mx.random.split(mx.random.key(5), 3)
-        streams = mx.random.normal((1, n_hc, width), key=k[0])
+        streams = mx.random.normal((tokens, n_hc, width), key=k[0]) * mx.arange(1, tokens + 1)[:, None, None]
         fn = mx.random.normal((n_hc, n_hc * width), key=k[1]) * 0.05
         return streams, fn, mx.array([0.7]), mx.random.normal((n_hc,), key=k[2]), 1e-6, 1e-6
 

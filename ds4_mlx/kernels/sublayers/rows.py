@@ -16,7 +16,8 @@ RoPE, simulate_kv_fp8 / simulate_indexer_fp4, round_to_f16).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -361,3 +362,53 @@ def write_row(rows: mx.array, row: mx.array, position: mx.array, ratio: int) -> 
         output_shapes=[rows.shape], output_dtypes=[rows.dtype])
     nvrtc.bind(out, rows)
     return out
+
+
+@cache
+def join_kernel(count: int) -> Kernel:
+    """A launch putting `count` arrays of N float32 values each one after another: row GROUP_Y of the output is
+    input GROUP_Y."""
+    cases = "\n".join(f"  case {i}: src = r{i}; break;" for i in range(count))
+    return Kernel(f"ds4_join_rows_{count}", tuple(f"r{i}" for i in range(count)), ("out",), f"""
+const GLOBAL_MEM float* src = r0;
+switch (GROUP_Y) {{
+{cases}
+}}
+const int i = GROUP_X * 256 + THREAD_IN_GROUP;
+if (i < N) {{
+  out[(size_t)GROUP_Y * N + i] = src[i];
+}}
+""")
+
+
+def _join_reference(rows: tuple[mx.array, ...]) -> mx.array:
+    return mx.concatenate(rows)
+
+
+def _join_kernel(rows: tuple[mx.array, ...]) -> mx.array:
+    n = rows[0].size
+    (out,) = build(join_kernel(len(rows)), current_backend())(
+        inputs=list(rows), template=[("N", n)], grid=(256 * ((n + 255) // 256), len(rows), 1),
+        threadgroup=(256, 1, 1), output_shapes=[(len(rows), *rows[0].shape[1:])], output_dtypes=[mx.float32])
+    return out
+
+
+def _join_probe(key: Hashable) -> tuple:
+    count, shape = key
+    return (tuple(mx.random.normal((1, *shape), key=mx.random.key(40 + i)) for i in range(count)),)
+
+
+JOIN_ROWS = FastPath("join_rows", _join_reference, _join_kernel, _join_probe, tolerance=0.0,
+                     backends=("cuda", "metal"))
+"""Rows (1, ...) of float32, several a step (a step's rows' attention heads), as one array in one launch: MLX's
+concatenate is a built-in op, which a step replayed as a CUDA graph of our own may not hold."""
+
+
+def join_rows(rows: Sequence[mx.array]) -> mx.array:
+    """mx.concatenate(rows) of arrays (1, ...) of one shape: one launch of the join kernel on GPU backends."""
+    rows = tuple(rows)
+    if len(rows) == 1:
+        return rows[0]
+    if any(r.dtype != mx.float32 or r.shape != rows[0].shape or r.shape[0] != 1 for r in rows):
+        return mx.concatenate(rows)
+    return JOIN_ROWS(rows, key=(len(rows), rows[0].shape[1:]))
