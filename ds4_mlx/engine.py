@@ -36,7 +36,7 @@ from .model.dspark import DSpark, open_drafter
 from .model.dspark_file import DSparkWeights
 from .model.mtp import MTP
 from .model.shard import agreed, init_split
-from .model.weights import ModelWeights, MTPWeights, open_weights
+from .model.weights import MTPWeights, open_weights
 from .progress import Progress
 from .reuse import Reuse, first_difference
 from .sampling import Sampler, SamplingParams, argmax
@@ -129,47 +129,6 @@ def check_context(config: ModelConfig, ctx: int) -> None:
     limit = config.context_length or FLASH.context_length
     if not 1 <= ctx <= limit:
         raise UsageError(f"context size must be from 1 to {limit} tokens (the model's trained context), got {ctx}")
-
-
-def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, limit: int, parallel: int = 1) -> int:
-    """Stops with a clear message, before anything big is allocated, when the weights, `parallel` sessions' state
-    at `ctx` (and the decode graphs' copy of it) and the shortest prefill chunk at the context's end do not fit
-    under the device memory `limit` (memory.py). A negative `parallel` asks for up to -parallel sessions, as many
-    as fit. Returns the sessions that will run."""
-    from .model.cache import session_bytes
-
-    config = weights.config
-
-    def need(c: int, sessions: int) -> int:
-        chunk = memory.chunk_transient_bytes(config, min(memory.MIN_CHUNK, c), max(0, c - memory.MIN_CHUNK))
-        return model_bytes + sessions * state_copies() * session_bytes(config, c) + chunk
-
-    wanted = abs(parallel)
-    fit = next((n for n in range(wanted, 0, -1) if need(ctx, n) <= limit), 0)
-    if fit == wanted or (parallel < 0 and fit > 0):
-        return fit
-    gib = 1024**3
-    if fit > 0:
-        raise ResourceError(
-            f"--parallel {wanted} at --ctx {ctx} needs {need(ctx, wanted) / gib:.1f} GiB (weights "
-            f"{model_bytes / gib:.1f} GiB + {wanted} x {state_copies() * session_bytes(config, ctx) / gib:.1f} GiB of "
-            f"session state + prefill working memory) but this device can hold {limit / gib:.1f} GiB; "
-            f"--parallel {fit} would fit"
-        )
-    if need(1, 1) > limit:
-        raise ResourceError(
-            f"the model needs {model_bytes / gib:.1f} GiB for its weights but this device can hold "
-            f"{limit / gib:.1f} GiB; no context size fits"
-        )
-    lo, hi = 1, ctx
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid, 1) <= limit else (lo, mid - 1)
-    raise ResourceError(
-        f"--ctx {ctx} needs {need(ctx, 1) / gib:.1f} GiB (weights {model_bytes / gib:.1f} GiB + session state "
-        f"{state_copies() * session_bytes(config, ctx) / gib:.1f} GiB + prefill working memory) but this device "
-        f"can hold {limit / gib:.1f} GiB; a context of {lo} tokens would fit"
-    )
 
 
 @dataclass(eq=False)
@@ -327,7 +286,7 @@ class Engine:
             mtp_weights = None  # checked, not loaded: the engine would not use it
         held = weights if shard is None else shard.weights(weights)  # a rank counts its own share
         model_bytes = loaded_nbytes(held) + (loaded_nbytes(mtp_weights) if mtp_weights is not None else 0)
-        opts["parallel"] = check_memory(weights, model_bytes, ctx, memory.apply_limit(), opts.get("parallel", 1))
+        opts["parallel"] = memory.check_memory(weights, model_bytes, ctx, memory.apply_limit(), opts.get("parallel", 1))
         if shard is not None:  # as many lanes on every rank: the fewest any rank has room for
             opts["parallel"] = shard.least(opts["parallel"])
         phase("open")

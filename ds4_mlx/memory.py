@@ -34,9 +34,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .errors import RequestError
+from typing import TYPE_CHECKING
+
+from .errors import RequestError, ResourceError
 from .model.config import ModelConfig
 from .model.stream import device_memory_bytes, on_cuda
+
+if TYPE_CHECKING:
+    from .model.weights import ModelWeights
 
 GIB = 1 << 30
 
@@ -189,3 +194,45 @@ def plan(config: ModelConfig, weights: int, sessions: int, chunk: int, ctx: int)
     """The budget of an engine holding `weights` and `sessions` bytes, prefilling `chunk`-token chunks up to `ctx`."""
     chunk = min(chunk, ctx)
     return Budget(device_limit(), weights, sessions, chunk_transient_bytes(config, chunk, max(0, ctx - chunk)), chunk)
+
+
+def check_memory(weights: ModelWeights, model_bytes: int, ctx: int, limit: int, parallel: int = 1) -> int:
+    """Stops with a clear message, before anything big is allocated, when the weights, `parallel` sessions' state
+    at `ctx` (and the decode graphs' copy of it) and the shortest prefill chunk at the context's end do not fit
+    under the device memory `limit` (memory.py). A negative `parallel` asks for up to -parallel sessions, as many
+    as fit. Returns the sessions that will run."""
+    from .model.cache import session_bytes
+    from .session import state_copies
+
+    config = weights.config
+
+    def need(c: int, sessions: int) -> int:
+        chunk = chunk_transient_bytes(config, min(MIN_CHUNK, c), max(0, c - MIN_CHUNK))
+        return model_bytes + sessions * state_copies() * session_bytes(config, c) + chunk
+
+    wanted = abs(parallel)
+    fit = next((n for n in range(wanted, 0, -1) if need(ctx, n) <= limit), 0)
+    if fit == wanted or (parallel < 0 and fit > 0):
+        return fit
+    gib = 1024**3
+    if fit > 0:
+        raise ResourceError(
+            f"--parallel {wanted} at --ctx {ctx} needs {need(ctx, wanted) / gib:.1f} GiB (weights "
+            f"{model_bytes / gib:.1f} GiB + {wanted} x {state_copies() * session_bytes(config, ctx) / gib:.1f} GiB of "
+            f"session state + prefill working memory) but this device can hold {limit / gib:.1f} GiB; "
+            f"--parallel {fit} would fit"
+        )
+    if need(1, 1) > limit:
+        raise ResourceError(
+            f"the model needs {model_bytes / gib:.1f} GiB for its weights but this device can hold "
+            f"{limit / gib:.1f} GiB; no context size fits"
+        )
+    lo, hi = 1, ctx
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid, 1) <= limit else (lo, mid - 1)
+    raise ResourceError(
+        f"--ctx {ctx} needs {need(ctx, 1) / gib:.1f} GiB (weights {model_bytes / gib:.1f} GiB + session state "
+        f"{state_copies() * session_bytes(config, ctx) / gib:.1f} GiB + prefill working memory) but this device "
+        f"can hold {limit / gib:.1f} GiB; a context of {lo} tokens would fit"
+    )

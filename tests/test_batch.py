@@ -117,9 +117,9 @@ def test_parallel_beyond_memory_is_refused_with_what_fits(demo_model, monkeypatc
 
     chunk = memory.chunk_transient_bytes(weights.config, memory.MIN_CHUNK, CTX - memory.MIN_CHUNK)
     limit = (10 << 20) + 2 * state + state // 2 + chunk  # weights + 2.5 sessions + the shortest chunk at the end
-    assert engine_module.check_memory(weights, 10 << 20, CTX, limit, -4) == 2  # the default: as many as fit
+    assert memory.check_memory(weights, 10 << 20, CTX, limit, -4) == 2  # the default: as many as fit
     with pytest.raises(ResourceError, match="--parallel 2 would fit"):
-        engine_module.check_memory(weights, 10 << 20, CTX, limit, 3)
+        memory.check_memory(weights, 10 << 20, CTX, limit, 3)
 
 
 def test_server_runs_requests_at_once_on_both_apis(demo_model):

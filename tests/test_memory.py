@@ -9,7 +9,8 @@ import mlx.core as mx
 import pytest
 
 from ds4_mlx import memory
-from ds4_mlx.engine import Engine, GenerationRequest, check_memory
+from ds4_mlx.engine import Engine, GenerationRequest
+from ds4_mlx.memory import check_memory
 from ds4_mlx.errors import ResourceError
 from ds4_mlx.model.config import FLASH
 from ds4_mlx.model.factory import write_model

@@ -549,7 +549,7 @@ def load(args: argparse.Namespace, walk: Walk) -> Loaded:
 
 def _synthetic(args: argparse.Namespace, ctx: int, parallel: int) -> tuple[str, list[Session], Tokenizer, int]:
     from .. import memory
-    from ..engine import check_memory
+    from ..memory import check_memory
     from ..model.factory import build_vocab
     from ..model.linear import loaded_nbytes
     from ..model.model import Model
