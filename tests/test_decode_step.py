@@ -49,7 +49,8 @@ def greedy(model: Model, prompt: list[int], mode: str) -> tuple[list[int], list[
         return tokens, rows
 
 
-COMBINATIONS = [("tiny", "q2", True), ("tiny", "q2", False), ("tiny", "q4", True), ("tiny", "q4", False),
+COMBINATIONS = [("tiny", "q2", True), pytest.param("tiny", "q2", False, marks=pytest.mark.slow), ("tiny", "q4", True),
+                pytest.param("tiny", "q4", False, marks=pytest.mark.slow),
                 pytest.param("small", "q2", True, marks=pytest.mark.slow),
                 pytest.param("small", "q4", False, marks=pytest.mark.slow)]
 """Every expert type and simulation setting on tiny; on small (8 layers, ~10x the CPU time: 79 and 47 s on a

@@ -158,7 +158,7 @@ def test_the_fingerprint_tells_models_and_settings_apart(models):
     assert a.accepts(a4, same_experts=False) and not a.accepts(a4, same_experts=True) and not a.accepts(b, False)
 
 
-@pytest.mark.parametrize("other", ["b", "tuned"])
+@pytest.mark.parametrize("other", [pytest.param("b", marks=pytest.mark.slow), "tuned"])
 def test_a_second_model_sharing_the_directory_never_loads_the_first_ones_checkpoints(models, engine_a, tmp_path,
                                                                                     caplog, other):
     """Model b (or a's fine-tune) has the shape of model a: a's payload would load into it, and its saved logits

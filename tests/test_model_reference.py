@@ -161,7 +161,7 @@ def test_small_preset_equals_transformers(files):
     assert relative_error(got, reference.logits[500:]) <= 1e-4
 
 
-@pytest.mark.parametrize("simulate_quant", [False, True])
+@pytest.mark.parametrize("simulate_quant", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_chunk_sizes_and_token_by_token_agree(weights, tokens, simulate_quant):
     model = Model(weights, simulate_quant=simulate_quant)
     seq = tokens[:150]  # crosses the first ratio-128 row (token 127); 37 ratio-4 rows > top-k 8

@@ -233,7 +233,7 @@ def test_draft_cache_snapshot_restore_and_positions(model, mtp):
 # Speculative decoding
 
 
-@pytest.mark.parametrize("n_draft", [2, 3, 4])
+@pytest.mark.parametrize("n_draft", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_speculative_greedy_equals_plain_greedy(monkeypatch, model, tokenizer, mtp, plain_runs, n_draft):
     for prompt, (generated, fed, logits) in zip(PROMPTS, plain_runs):
         oracle(monkeypatch, [*prompt, *generated], wrong=lambda q: q % 3 == 0)

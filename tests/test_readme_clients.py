@@ -45,7 +45,7 @@ def test_the_server_reference_shows_the_same_snippets():
     assert sdk_snippets((ROOT / "docs" / "server.md").read_text(encoding="utf-8")) == sdk_snippets()
 
 
-@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+@pytest.mark.parametrize("sdk", ["openai", pytest.param("anthropic", marks=pytest.mark.slow)])
 def test_sdk_snippet_runs_as_written(sdk, live, capsys):
     """Only the server's address changes (the test server listens on a free port)."""
     block = sdk_snippets()[sdk].replace(DEFAULT_URL, live.url)

@@ -34,7 +34,7 @@ def ds4(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("temp", ["0", "1e-46"])  # a temperature that is 0 in float32 is greedy too
+@pytest.mark.parametrize("temp", ["0", pytest.param("1e-46", marks=pytest.mark.slow)])  # a temperature that is 0 in float32 is greedy too
 def test_run_greedy_prints_what_the_engine_generates(tiny_path, temp):
     r = ds4("run", "-m", str(tiny_path), "-p", "Hello", "-n", "6", "--temp", temp, "--nothink", "--ctx", "256",
             "--backend", "cpu")
@@ -80,7 +80,7 @@ def test_no_prompt_is_a_clear_error(tiny_path):
     assert r.returncode == 2 and "-p TEXT" in r.stderr
 
 
-@pytest.mark.parametrize("flag", ["-p", "--prompt-file"])
+@pytest.mark.parametrize("flag", ["-p", pytest.param("--prompt-file", marks=pytest.mark.slow)])
 def test_dash_reads_the_prompt_from_standard_input(tiny_path, flag):
     flags = ["run", "-m", str(tiny_path), "-n", "4", "--temp", "0", "--nothink", "--ctx", "256"]
     piped = subprocess.run([sys.executable, "-m", "ds4_mlx.cli", *flags, flag, "-"], input="Hello there",
