@@ -97,12 +97,12 @@ def trace(model: Model, rows: int, seams: Seams) -> None:
         tokens = mx.array([5 + i for i in range(rows)], dtype=mx.int32)
         positions = mx.array([c.n_tokens for c in caches], dtype=mx.int32)
         seams.on = True
-        _, shared_logits, _ = model.step_rows(tokens, positions, [c.layers for c in caches], (1,) * rows)
+        _, shared_logits, _, _ = model.step_rows(tokens, positions, [c.layers for c in caches], (1,) * rows)
         mx.eval(shared_logits)
         shared = seams.take()
         own = []
         for i, cache in enumerate(caches):
-            _, logits, _ = model.step_rows(tokens[i : i + 1], positions[i : i + 1], [cache.layers], (1,))
+            _, logits, _, _ = model.step_rows(tokens[i : i + 1], positions[i : i + 1], [cache.layers], (1,))
             mx.eval(logits)
             own.append((seams.take(), logits))
         seams.on = False

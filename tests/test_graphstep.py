@@ -13,6 +13,7 @@ import pytest
 
 from ds4_mlx.kernels.machinery.dialect import CUDA
 from ds4_mlx.model import graphstep
+from ds4_mlx.model.cache import unflatten_layers
 from ds4_mlx.model.factory import write_model
 from ds4_mlx.model.graphstep import GREEDY_KERNEL, LOAD_KERNEL, GraphDecoder, copy_kernel
 from ds4_mlx.model.model import Model
@@ -465,3 +466,31 @@ def test_where_no_joint_graph_can_be_made_each_session_takes_its_own_graph_step(
     assert len([w for w in caught if issubclass(w.category, GraphDecodeWarning)]) == 1
     assert all(s._graph_on for s in together) and StandInJoint.launches == []  # each one's own decoder stepped
     assert [s.tokens for s in together] == [s.tokens for s in alone]
+
+
+def test_a_joint_step_with_mlx_ops_is_refused_before_any_graph(tmp_path):
+    """JointGraphs records the step over its decoders' states (their tokens loaded, each row's choice, the new
+    state copied back) and refuses it before any graph is made where it holds MLX ops: the tiny preset's learned
+    router (too few experts for the route kernel), as for one decoder."""
+    from types import SimpleNamespace
+
+    from ds4_mlx.kernels.machinery import registry
+    from ds4_mlx.model.graphstep import JointGraphs, row_ratios
+
+    path = write_model(tmp_path / "tiny.gguf", preset="tiny", experts="q2", vocab="small")
+    with registry.planning("cuda"):
+        model = Model(open_weights(path))
+        decoders = []
+        for i in range(3):
+            cache = model.new_cache(256)
+            state = list(cache.arrays())
+            decoders.append(SimpleNamespace(
+                model=model, never=None, io_stand_in=mx.zeros((4,), dtype=mx.int32), io_address=4096 * (i + 1),
+                state=state, ratios=row_ratios(cache), joint={}, position_next=40 + i,
+                _layers=lambda state=state: unflatten_layers(model.config, state)))
+        joint = JointGraphs(decoders)
+        with pytest.raises(ValueError, match="holds MLX ops on computed values"):
+            joint._record(joint.kind())
+    assert all(d.joint == {joint.key: joint} for d in decoders) and not joint.graphs
+    joint.close()
+    assert all(d.joint == {} for d in decoders)

@@ -414,7 +414,7 @@ class JointGraphs:
             tokens, positions = build(load_rows_kernel(len(decoders)), "cuda")(
                 inputs=[d.io_stand_in for d in decoders], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                 output_shapes=[(len(decoders),)] * 2, output_dtypes=[mx.int32, mx.int32])
-            _, logits, rows = self.model.step_rows(tokens, positions, [d._layers() for d in decoders],
+            _, logits, rows, _ = self.model.step_rows(tokens, positions, [d._layers() for d in decoders],
                                                    (1,) * len(decoders), kind)
             chosen_all = []
             for row, decoder in enumerate(decoders):
@@ -443,7 +443,7 @@ class JointGraphs:
         decoders' replaced arrays are put back after (a completing kind's rows lie past the live rows)."""
         decoders = self.decoders
         kept = [[a * 1 for a, r in zip(d.state, d.ratios) if not r] for d in decoders]
-        _, want, _ = self.model.step_rows(mx.array([token] * len(decoders), dtype=mx.int32),
+        _, want, _, _ = self.model.step_rows(mx.array([token] * len(decoders), dtype=mx.int32),
                                           mx.array([d.position_next for d in decoders], dtype=mx.int32),
                                           [d._layers() for d in decoders], (1,) * len(decoders), kind)
         mx.eval(want, *(a for k in kept for a in k))
