@@ -144,6 +144,20 @@ def copy_into(sources: Sequence[mx.array], targets: Sequence[mx.array], blocks: 
         nvrtc.bind(out, target)
 
 
+def copy_now(driver: Driver, stream: int, groups: Sequence[tuple[Sequence[tuple[mx.array, mx.array]], int]]
+             ) -> None:
+    """Copies now, on `stream`: each group's (source, target) pairs in one launch of `blocks` threadgroups an array,
+    through a graph run once (a target is written in place, as a decoder's graphs name it)."""
+    with nvrtc.recording() as recorded:
+        for pairs, blocks in groups:
+            if pairs:
+                copy_into(*zip(*pairs), blocks=blocks)
+    graph = ReplayGraph(driver, recorded.launches, bound=recorded.bound, stream=stream)
+    graph.launch()
+    graph.synchronize()
+    graph.close()
+
+
 def row_ratios(cache: SessionCache) -> list[int]:
     """For each of the cache's arrays, the compression ratio of its rows where it is a row buffer (written in
     place, a row a window), else 0 (an array a step replaces)."""
@@ -219,15 +233,9 @@ class GraphDecoder:
 
     def _copy_in(self, arrays: Sequence[mx.array]) -> None:
         """The cache's arrays copied into the decoder's, the row buffers (up to ~0.5 GB at 32k) by more blocks."""
-        with nvrtc.recording() as recorded:
-            for is_rows, blocks in ((False, COPY_BLOCKS), (True, ROW_COPY_BLOCKS)):
-                pairs = [(a, own) for a, own, r in zip(arrays, self.state, self.ratios) if bool(r) == is_rows]
-                if pairs:
-                    copy_into(*zip(*pairs), blocks=blocks)
-        graph = ReplayGraph(self.driver, recorded.launches, bound=recorded.bound, stream=self.stream)
-        graph.launch()
-        graph.synchronize()
-        graph.close()
+        copy_now(self.driver, self.stream, [
+            ([(a, own) for a, own, r in zip(arrays, self.state, self.ratios) if bool(r) == is_rows], blocks)
+            for is_rows, blocks in ((False, COPY_BLOCKS), (True, ROW_COPY_BLOCKS))])
 
     def _check_kind(self, kind: tuple[int, ...], token: int = 1) -> None:
         """One launch of the kind's graph at the next position against MLX's step from the same state. The row a
@@ -415,7 +423,7 @@ class JointGraphs:
                 inputs=[d.io_stand_in for d in decoders], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                 output_shapes=[(len(decoders),)] * 2, output_dtypes=[mx.int32, mx.int32])
             _, logits, rows, _ = self.model.step_rows(tokens, positions, [d._layers() for d in decoders],
-                                                   (1,) * len(decoders), kind)
+                                                      (1,) * len(decoders), kind)
             chosen_all = []
             for row, decoder in enumerate(decoders):
                 never = logits.shape[-1] if decoder.never is None else decoder.never
@@ -444,8 +452,8 @@ class JointGraphs:
         decoders = self.decoders
         kept = [[a * 1 for a, r in zip(d.state, d.ratios) if not r] for d in decoders]
         _, want, _, _ = self.model.step_rows(mx.array([token] * len(decoders), dtype=mx.int32),
-                                          mx.array([d.position_next for d in decoders], dtype=mx.int32),
-                                          [d._layers() for d in decoders], (1,) * len(decoders), kind)
+                                             mx.array([d.position_next for d in decoders], dtype=mx.int32),
+                                             [d._layers() for d in decoders], (1,) * len(decoders), kind)
         mx.eval(want, *(a for k in kept for a in k))
         graph, logits = self.graphs[kind]
         for decoder in decoders:
@@ -455,14 +463,10 @@ class JointGraphs:
         finite = mx.isfinite(want)
         scale = mx.max(mx.abs(mx.where(finite, want, 0)), axis=-1)
         error = mx.max(mx.abs(mx.where(finite, logits - want, 0)), axis=-1)
-        with nvrtc.recording() as recorded:
-            for d, arrays in zip(decoders, kept):
-                copy_into(arrays, [own for own, r in zip(d.state, d.ratios) if not r])
-        restore = ReplayGraph(decoders[0].driver, recorded.launches, bound=recorded.bound, stream=decoders[0].stream)
-        restore.launch()
-        restore.synchronize()
-        restore.close()
         worst = mx.max(error / mx.maximum(scale, 1e-30)).item()
+        copy_now(decoders[0].driver, decoders[0].stream, [
+            (list(zip(arrays, [own for own, r in zip(d.state, d.ratios) if not r])), COPY_BLOCKS)
+            for d, arrays in zip(decoders, kept)])
         if not worst <= CHECK_TOLERANCE:
             self.close()
             raise GraphCheckError(f"the decode graph of {len(decoders)} rows, steps {kind or '()'}, differs from "
