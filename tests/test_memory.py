@@ -90,7 +90,7 @@ def test_no_room_for_the_shortest_chunk_is_refused_and_loses_nothing(tiny):
     tiny.reset()
     tiny.session.prefill([5, 6, 7])
     logits = tiny.session.logits
-    with memory.limited(mx.get_active_memory()):  # nothing free
+    with memory.limited(0):  # nothing free, however much garbage is collected meanwhile
         with pytest.raises(memory.MemoryShortage, match="no room to prefill at position 3"):
             for _ in tiny.session.prefill_steps([8] * 40):
                 pass
@@ -129,7 +129,7 @@ def test_the_engine_says_its_budget_and_leaves_checkpoints_what_is_spare(tiny, c
 def test_a_request_without_room_gets_a_clear_error(tiny):
     tiny.reset()
     request = GenerationRequest(prompt="hello there", sampling=SamplingParams(temperature=0.0), max_tokens=2)
-    with memory.limited(mx.get_active_memory()):
+    with memory.limited(0):
         with pytest.raises(memory.MemoryShortage):
             list(tiny.generate(request))
 
