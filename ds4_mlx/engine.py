@@ -24,6 +24,7 @@ from .cache.checkpoints import CheckpointStore, Match
 from .constrain import Constraint
 from .errors import ContextOverflow, ModelFileMissing, RequestError, ResourceError, UsageError
 from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted, Usage
+from .cache import kvdrafter
 from .cache.kvfiles import check_directory
 from .cache.kvidentity import model_identity
 from .cache.kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
@@ -295,6 +296,8 @@ class Engine:
             # tensor digests of the model identity too (read from their cache, or hashed while the load reads)
             tokenizer = pool.submit(Tokenizer.from_gguf, weights.file.metadata)
             digests = pool.submit(tensor_digests, weights.file) if kv_cache is not None else None
+            drafter_digest = (pool.submit(kvdrafter.drafter_identity, mtp_weights)
+                       if kv_cache is not None and mtp_weights is not None else None)
             with Progress(quiet).bar(f"loading {path.name}", unit="bytes") as bar:
                 model = Model(weights, simulate_quant=simulate_quant, progress=bar.update, split=shard)
             phase("weights")
@@ -308,7 +311,8 @@ class Engine:
         phase("tokenizer")
         if kv_cache is not None:
             opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights),
-                                       model_identity(weights, simulate_quant, digests))
+                                       model_identity(weights, simulate_quant, digests),
+                                       drafter_identity=drafter_digest.result() if drafter_digest else b"")
         engine = cls(model, tokenizer, ctx, **opts)
         phase("engine")
         engine.load_phases = {name: round(b - a, 3) for name, a, b in zip(names, marks, marks[1:])}
@@ -498,7 +502,8 @@ class Engine:
         else:
             return None
         store.record_hit(hit)
-        lane.session.restore(Snapshot(tuple(hit.tokens), hit.cache.snapshot(), hit.logits))
+        drafted = kvdrafter.decode(hit.drafter_rows, lane.session, store.drafter_identity, n)
+        lane.session.restore(Snapshot(tuple(hit.tokens), hit.cache.snapshot(), hit.logits, drafted))
         lane.on_disk = n
         if hit.tool_map:
             with self.tool_memory_lock:
@@ -515,7 +520,8 @@ class Engine:
             tool_blocks = self.tool_memory.items()
         try:
             saved = self.kv_store.save(self._text_bytes(tokens), lane.session.cache, tokens, lane.session.logits,
-                                       reason, tool_blocks)
+                                       reason, tool_blocks,
+                                       kvdrafter.encode(lane.session, self.kv_store.drafter_identity))
         except Exception:
             log.exception("kv cache checkpoint (%s) of %d tokens failed", reason.name.lower(), len(tokens))
             return

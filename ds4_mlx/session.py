@@ -95,8 +95,8 @@ class Snapshot:
     cache: object
     logits: mx.array | None
     mtp: MTPSnapshot | DSparkSnapshot | None = None
-    """The draft block's state; None when it was not saved (ds4's disk payload has none): the block then starts a
-    new window at the next token fed."""
+    """The draft block's state; None when there is none to restore (a disk checkpoint without this drafter's rows,
+    cache/kvdrafter.py): the block then starts a new window at the next token fed."""
 
 
 @dataclass(frozen=True)

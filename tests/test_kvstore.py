@@ -357,7 +357,7 @@ def test_cold_checkpoint_file_bytes(loaded, tmp_path):
     assert data[52 + text_len : end] == expected.getvalue()  # same chunking, same arithmetic: the same bytes
     # bytes 20-23: the CRC-32 of text and payload; then the identity footer (no tool map: 0 bytes, CRC of b"")
     assert struct.unpack_from("<I", data, 20)[0] == h.checksum == zlib.crc32(data[52:end])
-    assert data[end:] == b"KID\x01" + ID.core + ID.experts + struct.pack("<II", 0, 0)
+    assert data[end:] == b"KID\x02" + ID.core + ID.experts + struct.pack("<IIII", 0, 0, 0, 0)
     assert d.stat().st_mode & 0o777 == 0o700 and path.stat().st_mode & 0o777 == 0o600
 
 
@@ -616,8 +616,9 @@ class RecordingStore:
         self.options = options
         self.tokenizer = tokenizer
         self.saved: list[tuple[SaveReason, int]] = []
+        self.drafter_identity = b""
 
-    def save(self, text, cache, tokens, logits, reason, tool_blocks=()) -> bool:
+    def save(self, text, cache, tokens, logits, reason, tool_blocks=(), drafter_rows=b"") -> bool:
         assert text == b"".join(self.tokenizer.token_bytes(t) for t in tokens)
         self.saved.append((reason, len(tokens)))
         return True

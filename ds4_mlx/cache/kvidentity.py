@@ -4,7 +4,11 @@ Two models of the same shape produce payloads that load into each other without 
 would even give the other model's first token. So every checkpoint carries, in a fixed-size footer at the very end
 of the file (after ds4's optional KTM trailer, which ds4 expects right after the payload):
 
-    "KID", u8 version, 16-byte core digest, 16-byte routed-experts digest, u32 KTM bytes, u32 CRC-32 of the KTM
+    "KID", u8 version (2), 16-byte core digest, 16-byte routed-experts digest, u32 KTM bytes, u32 CRC-32 of the
+    KTM, u32 drafter-rows bytes, u32 CRC-32 of the drafter rows
+
+The drafter rows (kvdrafter.py) sit between the KTM trailer and the footer. Version 1 footers (no drafter fields,
+8 bytes shorter) are still read.
 
 The core digest covers what makes the model the model apart from the quantization of its routed experts: every
 metadata key outside `general.*` and `quantize.*` (so hyperparameters and tokenizer; those two hold names, file
@@ -31,8 +35,10 @@ from ..model.weights import ModelWeights
 from .tensordigest import tensor_digests
 
 FOOTER_MAGIC = b"KID"
-FOOTER_VERSION = 1
-FOOTER = struct.Struct("<3sB16s16sII")
+FOOTER_VERSION = 2
+FOOTER = struct.Struct("<3sB16s16sIIII")
+FOOTER_V1 = struct.Struct("<3sB16s16sII")
+"""The footer before drafter rows were saved: still read."""
 _ROUTED = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _NOT_THE_MODEL = ("general.", "quantize.")
 """Metadata about the file and how it was quantized; the quantized bytes themselves are hashed."""
@@ -54,19 +60,46 @@ class Footer:
     identity: ModelIdentity
     ktm_bytes: int
     ktm_crc: int
+    drafter_bytes: int = 0
+    drafter_crc: int = 0
+    size: int = FOOTER.size
+    """Its own size in the file (a version 1 footer is shorter)."""
 
     def pack(self) -> bytes:
         return FOOTER.pack(FOOTER_MAGIC, FOOTER_VERSION, self.identity.core, self.identity.experts, self.ktm_bytes,
-                           self.ktm_crc)
+                           self.ktm_crc, self.drafter_bytes, self.drafter_crc)
 
     @classmethod
     def unpack(cls, data: bytes) -> Footer:
-        if len(data) != FOOTER.size:
-            raise CacheFileError(f"identity footer is {len(data)} bytes, expected {FOOTER.size}")
-        magic, version, core, experts, ktm_bytes, ktm_crc = FOOTER.unpack(data)
-        if magic != FOOTER_MAGIC or version != FOOTER_VERSION:
-            raise CacheFileError("no model identity footer (a file of ds4 or of another ds4-mlx version)")
-        return cls(ModelIdentity(core, experts), ktm_bytes, ktm_crc)
+        """The footer that `data` (a file's last bytes) ends with: version 2, else version 1."""
+        for layout, version in ((FOOTER, FOOTER_VERSION), (FOOTER_V1, 1)):
+            if len(data) >= layout.size:
+                magic, found, core, experts, *fields = layout.unpack(data[-layout.size:])
+                if magic == FOOTER_MAGIC and found == version:
+                    return cls(ModelIdentity(core, experts), *(*fields, 0, 0)[:4], size=layout.size)
+        raise CacheFileError("no model identity footer (a file of ds4 or of another ds4-mlx version)")
+
+    @property
+    def trailing(self) -> int:
+        """Bytes after the payload: the KTM trailer, the drafter rows and this footer."""
+        return self.ktm_bytes + self.drafter_bytes + self.size
+
+
+def feed_value(h: Any, key: str, value: Any) -> None:
+    """One metadata value, unambiguously: numeric arrays by dtype, shape and bytes, string arrays joined (the
+    tokenizer's 129280 strings in one update), nested arrays item by item, scalars by repr."""
+    h.update(key.encode() + b"\0")
+    if isinstance(value, np.ndarray):
+        h.update(f"{value.dtype.str}{value.shape}".encode() + value.tobytes())
+    elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        h.update(b"[%d]" % len(value) + "\0".join(value).encode("utf-8", "surrogatepass"))
+    elif isinstance(value, (list, tuple)):
+        h.update(b"[%d]" % len(value))
+        for item in value:
+            feed_value(h, "", item)
+    else:
+        h.update(repr(value).encode())
+    h.update(b"\0")
 
 
 def model_identity(weights: ModelWeights, simulate_quant: bool,
@@ -81,25 +114,9 @@ def model_identity(weights: ModelWeights, simulate_quant: bool,
     core.update(b"simulate_quant=%d\0" % bool(simulate_quant))
     for key in sorted(file.metadata):
         if not key.startswith(_NOT_THE_MODEL):
-            _feed_value(core, key, file.metadata[key])
+            feed_value(core, key, file.metadata[key])
     for name, info in sorted(file.tensors.items()):
         h = experts if name.endswith(_ROUTED) else core
         h.update(f"{name}\0{info.shape}\0{info.ggml_type.name}\0".encode() + digests[name])
     return ModelIdentity(core.digest(), experts.digest())
 
-
-def _feed_value(h: Any, key: str, value: Any) -> None:
-    """One metadata value, unambiguously: numeric arrays by dtype, shape and bytes, string arrays joined (the
-    tokenizer's 129280 strings in one update), nested arrays item by item, scalars by repr."""
-    h.update(key.encode() + b"\0")
-    if isinstance(value, np.ndarray):
-        h.update(f"{value.dtype.str}{value.shape}".encode() + value.tobytes())
-    elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
-        h.update(b"[%d]" % len(value) + "\0".join(value).encode("utf-8", "surrogatepass"))
-    elif isinstance(value, (list, tuple)):
-        h.update(b"[%d]" % len(value))
-        for item in value:
-            _feed_value(h, "", item)
-    else:
-        h.update(repr(value).encode())
-    h.update(b"\0")

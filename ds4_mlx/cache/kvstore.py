@@ -10,6 +10,7 @@ One file per checkpoint, named `<sha1 of the cached text>.kv`, in ds4's format (
     u32 text length, the text (the UTF-8 bytes of the cached tokens: what a later prompt must start with)
     the session payload (model/cache.py; ds4.c's format)
     optional "KTM" trailer: tool-call id -> the exact DSML block, for ids whose block is in the text
+    optional drafter rows: the MTP block's or DSpark drafter's state after the same tokens (kvdrafter.py)
     the model identity footer (kvidentity.py; not in ds4's files)
 
 Lookup is by bytes, not tokens: BPE may spell the same text differently once more text follows, so a cached
@@ -46,7 +47,7 @@ import mlx.core as mx
 
 from ..errors import CacheFileError, Ds4Error, UsageError
 from .kvfiles import CrcReader, CrcWriter, check_directory, commit, create_temp, open_regular, remove_stale_temps
-from .kvidentity import FOOTER, Footer, ModelIdentity
+from .kvidentity import FOOTER, FOOTER_V1, Footer, ModelIdentity
 from ..model.cache import SessionCache, read_payload, write_payload
 from ..model.config import ModelConfig
 from ..model.gguf import GGMLType
@@ -236,13 +237,14 @@ class KvEntry:
 @dataclass(frozen=True)
 class KvHit:
     """A checkpoint loaded for a prompt: the state after `tokens`, whose text is the prompt's first `text_bytes`
-    bytes, and the tool-call ids its KTM trailer maps."""
+    bytes, the tool-call ids its KTM trailer maps, and its drafter rows (b"" when it has none)."""
 
     entry: KvEntry
     cache: SessionCache
     tokens: list[int]
     logits: mx.array
     tool_map: dict[str, str]
+    drafter_rows: bytes = b""
 
     @property
     def text_bytes(self) -> int:
@@ -344,14 +346,16 @@ class KvStore:
     """The checkpoint files of one directory, for one model (its identity and routed-expert quant bits)."""
 
     def __init__(self, options: KvCacheOptions, quant_bits: int, identity: ModelIdentity,
-                 clock: Callable[[], float] = time.time) -> None:
-        """Raises Ds4Error for an existing directory that other users can write."""
+                 clock: Callable[[], float] = time.time, drafter_identity: bytes = b"") -> None:
+        """Raises Ds4Error for an existing directory that other users can write. `drafter_identity`: the digest
+        of the drafter file loaded with the model (kvdrafter.py), b"" without one."""
         if quant_bits not in (2, 4):
             raise ValueError(f"routed-expert quant bits must be 2 or 4, got {quant_bits}")
         self.options = options
         self.directory = options.directory
         self.quant_bits = quant_bits
         self.identity = identity
+        self.drafter_identity = drafter_identity
         self._clock = clock
         self._set_aside: dict[str, tuple[int, int, int]] = {}
         """Files logged once as unusable, by name, with the (inode, size, mtime) they had: skipped while unchanged."""
@@ -435,13 +439,13 @@ class KvStore:
             if size < end:
                 raise CacheFileError(f"file is {size} bytes, its header says at least {end}")
             footer = None
-            if size >= end + FOOTER.size:
-                f.seek(size - FOOTER.size)
+            if size >= end + FOOTER_V1.size:
+                f.seek(max(end, size - FOOTER.size))
                 try:
-                    footer = Footer.unpack(f.read(FOOTER.size))
+                    footer = Footer.unpack(f.read())
                 except CacheFileError:
                     footer = None
-                if footer is not None and size != end + footer.ktm_bytes + FOOTER.size:
+                if footer is not None and size != end + footer.trailing:
                     footer = None
         return KvEntry(path, path.name[:40].lower(), header, text_bytes, size, footer)
 
@@ -535,6 +539,7 @@ class KvStore:
                 if len(tokens) != header.tokens:
                     raise CacheFileError(f"payload holds {len(tokens)} tokens, header says {header.tokens}")
                 tool_map = self._read_tool_map(f, entry) if header.flags & FLAG_TOOL_MAP else {}
+                drafter_rows = self._read_drafter_rows(f, entry)
         except CacheFileError as e:
             self._discard(entry, str(e))
             return None
@@ -545,7 +550,7 @@ class KvStore:
         loaded = KvEntry(entry.path, entry.key, header, text_bytes, entry.size, entry.footer)
         log.info("kv cache hit text tokens=%d text=%d quant=%d load=%.1f ms file=%s", header.tokens, text_bytes,
                  header.quant_bits, (time.perf_counter() - t0) * 1e3, entry.path)
-        return KvHit(loaded, cache, tokens, logits, tool_map)
+        return KvHit(loaded, cache, tokens, logits, tool_map, drafter_rows)
 
     @staticmethod
     def _read_tool_map(f: BinaryIO, entry: KvEntry) -> dict[str, str]:
@@ -557,6 +562,17 @@ class KvStore:
         if reader.crc != entry.footer.ktm_crc:
             raise CacheFileError("tool map checksum mismatch")
         return mapping
+
+    @staticmethod
+    def _read_drafter_rows(f: BinaryIO, entry: KvEntry) -> bytes:
+        """The drafter rows (b"" when the file has none), checked against the footer's CRC."""
+        if not entry.footer.drafter_bytes:
+            return b""
+        f.seek(entry.payload_end + entry.footer.ktm_bytes)
+        data = f.read(entry.footer.drafter_bytes)
+        if len(data) != entry.footer.drafter_bytes or zlib.crc32(data) != entry.footer.drafter_crc:
+            raise CacheFileError("drafter rows checksum mismatch")
+        return data
 
     def record_hit(self, hit: KvHit) -> None:
         """After a checkpoint is used: a long one is consumed (deleted; the live session will be saved again by
@@ -609,9 +625,10 @@ class KvStore:
     # -- store --------------------------------------------------------------------------------------------------
 
     def save(self, text: bytes, cache: SessionCache, tokens: Sequence[int], logits: mx.array, reason: SaveReason,
-             tool_blocks: Iterable[tuple[str, str]] = ()) -> bool:
+             tool_blocks: Iterable[tuple[str, str]] = (), drafter_rows: bytes = b"") -> bool:
         """Write a checkpoint of `cache` (after `tokens`, whose bytes are `text`), with the tool-call ids whose DSML
-        block occurs in `text`. False (logged) when it is too short, does not fit the budget or cannot be written.
+        block occurs in `text` and the drafter's rows after the same tokens (kvdrafter.py). False (logged) when it
+        is too short, does not fit the budget or cannot be written.
 
         An existing file of this model for the same text is kept; only its tool map is refreshed.
         """
@@ -620,7 +637,7 @@ class KvStore:
             return False
         ktm = encode_tool_map(_blocks_in(text, tool_blocks))
         payload_bytes = payload_nbytes(cache)
-        size = _PREFIX + len(text) + payload_bytes + len(ktm) + FOOTER.size
+        size = _PREFIX + len(text) + payload_bytes + len(ktm) + len(drafter_rows) + FOOTER.size
         budget = self.options.budget_bytes
         if not fits_budget(size, budget):
             log.info("kv cache skipped tokens=%d reason=%s because file size %.2f MiB (+1%% slack) exceeds budget "
@@ -645,7 +662,7 @@ class KvStore:
                 writer = CrcWriter(f)
                 writer.write(text)
                 write_payload(writer, cache, tokens, logits)
-                f.write(ktm + Footer(self.identity, len(ktm), zlib.crc32(ktm)).pack())
+                f.write(ktm + drafter_rows + self._footer(ktm, drafter_rows))
                 if f.tell() != size:
                     raise RuntimeError(f"wrote {f.tell()} bytes, expected {size}: payload_nbytes is out of date")
                 f.seek(0)
@@ -689,13 +706,18 @@ class KvStore:
             pass
         return False
 
+    def _footer(self, ktm: bytes, drafter_rows: bytes) -> bytes:
+        return Footer(self.identity, len(ktm), zlib.crc32(ktm), len(drafter_rows), zlib.crc32(drafter_rows)).pack()
+
     def _rewrite_tool_map(self, path: Path, ktm: bytes) -> None:
+        """A new KTM trailer for a kept file; its drafter rows stay."""
         try:
             entry = self._read_entry(path)
             with open_regular(path, writable=True) as f:
+                drafter_rows = self._read_drafter_rows(f, entry)
                 f.truncate(entry.payload_end)
                 f.seek(entry.payload_end)
-                f.write(ktm + Footer(self.identity, len(ktm), zlib.crc32(ktm)).pack())
+                f.write(ktm + drafter_rows + self._footer(ktm, drafter_rows))
                 f.seek(0)
                 header = KvHeader.unpack(f.read(_HEADER.size))
                 f.seek(0)
