@@ -431,7 +431,8 @@ def test_mtp_figures_in_json_and_csv(mtp_walked):
     result, stderr, header, rows = mtp_walked
     assert result["ctx"] == 16 + 4
     mtp = result["mtp"]
-    assert (mtp["draft"], mtp["margin"], mtp["calls"]) == (MTP_DRAFT, 0, 2) and mtp["weights_bytes"] > 0
+    assert (mtp["drafter"], mtp["draft"], mtp["margin"], mtp["calls"]) == ("MTP", MTP_DRAFT, 0, 2)
+    assert mtp["weights_bytes"] > 0
     (f,) = result["frontiers"]
     for key in ("decode_step_ms", "verify_1_ms", "verify_n_ms", "draft_ms", "spec_tps", "gen_tps", "prefill_tps"):
         assert f[key] > 0, key

@@ -162,7 +162,13 @@ def test_make_model_writes_the_dspark_file(tmp_path, capsys):
         assert len(f.tensors) == 81 and f.metadata["general.architecture"] == "deepseek4-dspark"
     run = ["run", "-m", str(tmp_path / "m.gguf"), "-c", "128", "-p", "hi", "-n", "4", "--temp", "0", "-q"]
     assert main(run + ["--mtp", str(tmp_path / "d.gguf"), "--mtp-draft", "2"]) == 0
-    assert "MTP guesses accepted" in capsys.readouterr().err
+    assert "drafts accepted" in capsys.readouterr().err
+    bench = ["bench", "-m", str(tmp_path / "m.gguf"), "--mtp", str(tmp_path / "d.gguf"), "--mtp-draft", "6",
+             "--ctx-start", "16", "--ctx-max", "16", "--gen-tokens", "4"]
+    assert main(bench) == 0
+    out = capsys.readouterr()
+    assert "DSpark t/s" in out.out and "one DSpark draft of 5 guesses" in out.out
+    assert "DSpark guesses accepted" in out.err
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -473,6 +479,19 @@ def test_acceptance_rule_gives_the_target_distribution():
         counts[d if kept else token] += 1
     np.testing.assert_allclose(counts / counts.sum(), p[0], atol=0.015)
     assert accept_sampled(p, Draft([3], q[None], [1.0]), rng)[0] == 0  # p(3) = 0: always rejected
+
+    class Rejecting:
+        """Draws 1.0 (a draw at the top of [0, 1)), so that a draft with p = q is rejected."""
+
+        def random(self) -> float:
+            return 1.0
+
+        def choice(self, n: int, p: np.ndarray) -> int:
+            return int(rng.choice(n, p=p))
+
+    same = np.array([[0.0, 0.5, 0.5, 0.0], [0.25] * 4])  # p = q: the residual has no mass
+    kept, token = accept_sampled(same, Draft([1], same[0][None], [1.0]), Rejecting())
+    assert kept == 0 and token in (1, 2)  # drawn from p itself, not from a 0/0 distribution
 
 
 def test_engine_loads_the_dspark_file_and_warns_on_the_other_checkpoint(paths, tmp_path, caplog):

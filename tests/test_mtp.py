@@ -390,7 +390,7 @@ def test_make_model_and_run_with_mtp(tmp_path, capsys):
     assert "MTP draft block for preset tiny" in capsys.readouterr().out
     base = ["run", "-m", str(main_path), "-c", "128", "-p", "hi", "-n", "6", "--temp", "0", "-q"]
     assert main(base + ["--mtp", str(mtp_path), "--mtp-draft", "3", "--mtp-margin", "0"]) == 0
-    assert "MTP guesses accepted" in capsys.readouterr().err
+    assert "drafts accepted" in capsys.readouterr().err
     assert main(base + ["--mtp-draft", "3"]) == 2  # a usage mistake
     assert "--mtp-draft 3 needs an MTP draft file: --mtp FILE" in capsys.readouterr().err
 

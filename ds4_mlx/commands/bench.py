@@ -202,6 +202,8 @@ class MTPFigures:
     draft: int
     """The tokens of a verify call: the token and its guesses (--mtp-draft N: N - 1 guesses; DSpark: at most its
     block of 5)."""
+    drafter: str = "MTP"
+    """Which drafter the --mtp file holds: "MTP" (MTP-1) or "DSpark" (the tables' labels)."""
     step_s: list[float] = field(default_factory=list)
     verify_1_s: list[float] = field(default_factory=list)
     verify_n_s: list[float] = field(default_factory=list)
@@ -344,7 +346,7 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
     previous = 0
     for frontier in walk.frontiers:
         results.append(FrontierResult(frontier, frontier - previous, walk.gen_tokens, live_kv_bytes(model, frontier),
-                                      mtp=MTPFigures(walk.mtp_draft) if walk.mtp_draft else None,
+                                      mtp=MTPFigures(walk.mtp_draft, drafter_name(session)) if walk.mtp_draft else None,
                                       parallel=ParallelFigures(walk.parallel) if walk.parallel > 1 else None))
         previous = frontier
     counts = None
@@ -391,7 +393,7 @@ def run_walk(loaded: Loaded, walk: Walk, prompt: list[int], *, ops: bool = False
                          f"({result.parallel.aggregate_tps[-1] / walk.parallel:.2f} each)")
             if result.mtp is not None:
                 drafted, accepted = measure_mtp(session, result.mtp, walk, greedy, loaded.tokenizer.eos_id)
-                line += (f", speculative {result.mtp.spec_tps[-1]:.2f} t/s (MTP guesses accepted "
+                line += (f", speculative {result.mtp.spec_tps[-1]:.2f} t/s ({result.mtp.drafter} guesses accepted "
                          f"{accepted}/{drafted})")
             result.peak_memory_bytes = max(result.peak_memory_bytes, mx.get_peak_memory())
             say(line)
@@ -651,8 +653,8 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
     if counts is not None:
         summary["decode_ops"] = counts
     if walk.mtp_draft:
-        summary["mtp"] = {"draft": walk.mtp_draft, "margin": walk.mtp_margin, "calls": MTP_CALLS,
-                          "weights_bytes": loaded.session.mtp.nbytes}
+        summary["mtp"] = {"drafter": drafter_name(loaded.session), "draft": walk.mtp_draft,
+                          "margin": walk.mtp_margin, "calls": MTP_CALLS, "weights_bytes": loaded.session.mtp.nbytes}
     if as_json:
         print(json.dumps(summary))
         return
@@ -681,21 +683,29 @@ def report(loaded: Loaded, walk: Walk, results: list[FrontierResult], counts: di
                   + ", after a warm-up")
     if walk.mtp_draft:
         console.print(mtp_table(results, walk))
-        n = walk.mtp_draft
+        n, name = walk.mtp_draft, results[0].mtp.drafter
         guesses = f"{n - 1} guess" + ("es" if n > 2 else "")
         console.print(f"--mtp-draft {n}: ms of one compiled decode step, of one main-model call over 1 and over {n} "
-                      f"tokens (logits for each), of one MTP draft of {guesses} (medians over {MTP_CALLS} calls a "
-                      f"walk); MTP t/s: the probe through Session.speculate (margin {walk.mtp_margin:g}), and the "
-                      "share of MTP guesses the model accepted", soft_wrap=True)
+                      f"tokens (logits for each), of one {name} draft of {guesses} (medians over {MTP_CALLS} calls a "
+                      f"walk); {name} t/s: the probe through Session.speculate (margin {walk.mtp_margin:g}), and the "
+                      f"share of {name} guesses the model accepted", soft_wrap=True)
     if counts is not None:
         console.print(ops_line(counts), soft_wrap=True)
+
+
+def drafter_name(session: Session) -> str:
+    """The drafter's name in the tables: "DSpark" or "MTP" (MTP-1)."""
+    from ..model.dspark import DSpark
+
+    return "DSpark" if isinstance(session.mtp, DSpark) else "MTP"
 
 
 def mtp_table(results: list[FrontierResult], walk: Walk) -> Table:
     """The --mtp figures, one row per frontier."""
     n = walk.mtp_draft
     table = Table()
-    for name in ("context", "step ms", "verify 1 ms", f"verify {n} ms", "draft ms", "MTP t/s", "accepted"):
+    for name in ("context", "step ms", "verify 1 ms", f"verify {n} ms", "draft ms", f"{results[0].mtp.drafter} t/s",
+                 "accepted"):
         table.add_column(name, justify="right")
     for r in results:
         row = r.row()

@@ -120,11 +120,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stats_line(done) -> str:
-    """After the answer: prompt size and reuse, both speeds, MTP acceptance, and why generation ended."""
+    """After the answer: prompt size and reuse, both speeds, the drafts accepted (--mtp), and why generation ended."""
     u = done.usage
     prefill_tps = (u.prompt_tokens - u.cached_tokens) / done.prefill_seconds if done.prefill_seconds else 0.0
     gen_tps = u.completion_tokens / done.decode_seconds if done.decode_seconds else 0.0
-    mtp = f", MTP guesses accepted {done.mtp_accepted}/{done.mtp_drafted}" if done.mtp_drafted else ""
+    mtp = f", drafts accepted {done.mtp_accepted}/{done.mtp_drafted}" if done.mtp_drafted else ""
     finish = "cancelled" if done.error == "cancelled" else done.finish_reason
     return (
         f"ds4-mlx: prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), prefill {prefill_tps:.1f} t/s, "

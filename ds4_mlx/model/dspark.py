@@ -4,8 +4,10 @@ What it reads. For every position t the main model has committed, F_t is the mea
 streams of the outputs of its target layers (Flash: 40, 41, 42), side by side (Model.taps); main_x_t =
 RMSNorm(main_proj F_t; main_norm) is computed once, with stage 0's weights, and each stage s keeps its own context
 row ckv_{s,t} = RoPE_t(kv_norm_s(wkv_s main_x_t)) (K = V, the FP8 simulation of the main model's KV rows when it
-simulates) for the last `window` positions (Flash: 128). The context rows follow the reference ports: no HC-pre or
-attn_norm before wkv (the C engine applies both).
+simulates) for the last `window` positions (Flash: 128). The context rows follow DeepSeek's inference/model.py and
+every port of it: no HC-pre or attn_norm before wkv (the C engine applies both when it seeds a window, not when it
+maintains one). F_t stays float32, as the main model's activations and the C engine's taps do; the reference rounds
+it to bfloat16 and FP8-quantizes it as main_proj's input.
 
 How it drafts. With P the last committed position and the anchor a (the next token, chosen but not yet fed), a
 block of `block_size` rows [a, noise, noise, ...] at positions P+1.. is embedded with the main model's embedding,
@@ -14,10 +16,13 @@ copied into every stream, and runs once through the three stages in series. Each
 and to all the block's own rows (non-causal inside the block). Stage 2's hc_head and norm feed the main model's LM
 head: base logits U_k for the token at P+2+k. A rank-r Markov head then chains the drafts: prev_0 = a, logits_k =
 U_k + W2 W1[prev_k], d_{k+1} = pick(logits_k), prev_{k+1} = d_{k+1}; and the confidence head gives
-sigmoid(proj [x_k; W1[prev_k]]) from the pre-norm hc_head output x_k (advisory; the C engine reads it after norm).
+sigmoid(proj [x_k; W1[prev_k]]) from the pre-norm hc_head output x_k, as the reference does (the C engine reads it
+after norm). It is advisory here: the C engine (tau 0.7), DeepSpec and SGLang cut a block at its first draft below a
+threshold, which saves verify rows where each row costs; every draft is verified here.
 
-Sources: DeepSeek's DSpark paper (DeepSpec), the line-level ports of the reference model (mlx-vlm, MindStudio),
-the C engine's ds4.c, restated in prose in ../shared/spec/dspark.md §2.
+Sources: DeepSeek's DSpark paper (DeepSpec), deepseek-ai/DeepSeek-V4-Flash-0731 inference/model.py (DSparkAttention,
+the heads, the taps) and its ports (mlx-vlm, SGLang, a llama.cpp fork, MindStudio), the C engine's ds4.c and its
+converter, restated in prose in ../shared/spec/dspark.md §2.
 """
 
 from __future__ import annotations
@@ -208,17 +213,25 @@ class DSpark:
         return Draft(tokens, np.stack(probs) if probs else None, [float(c.item()) for c in confidence])
 
 
+RESIDUAL_FLOOR = 1e-8
+"""A rejected draft's residual distribution with no more mass than this is taken as empty (DeepSpec's bound)."""
+
+
 def accept_sampled(target: np.ndarray, draft: Draft, rng: np.random.Generator) -> tuple[int, int]:
     """The published acceptance rule for sampled drafts (rejection sampling, Leviathan / Chen): `target` holds the
     main model's processed distributions (k + 1, n_vocab) for the anchor row and each draft's row. Draft i is kept
     with probability min(1, p_{i-1}(d_i) / q_i(d_i)); at the first rejection the next token is drawn from
-    norm(max(0, p_{i-1} - q_i)); with all kept, from p_k. Returns (drafts kept, next token): every emitted token is
+    norm(max(0, p_{i-1} - q_i)), or from p_{i-1} itself where that residual has no mass left (p and q equal up to
+    rounding; DeepSpec's evaluator does the same). Returns (drafts kept, next token): every emitted token is
     distributed as the target's own sample."""
     for i, (token, q) in enumerate(zip(draft.tokens, draft.probs)):
         p = target[i]
         if rng.random() * q[token] < p[token]:
             continue
         rest = np.maximum(p - q, 0)
-        return i, int(rng.choice(rest.size, p=rest / rest.sum()))
+        mass = rest.sum()
+        if mass <= RESIDUAL_FLOOR:
+            rest, mass = p, p.sum()
+        return i, int(rng.choice(rest.size, p=rest / mass))
     last = target[len(draft.tokens)]
     return len(draft.tokens), int(rng.choice(last.size, p=last / last.sum()))
