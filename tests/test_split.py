@@ -157,6 +157,87 @@ def test_serve_under_the_launcher_answers_as_one_process(tiny: Path, kind: str):
     assert one and two == one
 
 
+def run_state(model: Path, out: Path, kv: Path, kind: str = "tensor", ranks: int = 1) -> list[dict[str, np.ndarray]]:
+    """split_script.py's engine run (`state`) on one process or on `ranks` local ones; each one's records."""
+    args = [str(SCRIPT), "state", str(model), str(out), kind, str(kv)]
+    if ranks == 1:
+        subprocess.run([sys.executable, *args], check=True, timeout=300)
+        return [dict(np.load(f"{out}.single.npz"))]
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--python", sys.executable, "--",
+                           *args], capture_output=True, text=True, timeout=300)
+    saved = [Path(f"{out}.{rank}.npz") for rank in range(ranks)]
+    assert all(p.exists() for p in saved), done.stdout + done.stderr
+    return [dict(np.load(p)) for p in saved]
+
+
+@pytest.mark.parametrize("kind", ["tensor", pytest.param("layers", marks=pytest.mark.slow)])
+def test_kept_states_and_held_answers_under_a_split(tiny: Path, tmp_path: Path, kind: str):
+    """RAM checkpoints taken, restored and dropped for memory on one rank, disk checkpoints written and loaded by a
+    new engine, a request held to a JSON schema relayed from rank 0: every rank keeps and answers the same, and as
+    one process does. Rank 1 has half the memory (the RAM budget is its) and lost one disk file (no rank loads it)."""
+    one = run_state(tiny, tmp_path / "one", tmp_path / "kv1")[0]
+    runs = run_state(tiny, tmp_path / "two", tmp_path / "kv2", kind, ranks=2)
+    for key in runs[0]:
+        if key != "budget":
+            assert np.array_equal(runs[0][key], runs[1][key]), key
+    budgets = [run["budget"] for run in runs]  # [the agreed budget, the rank's own spare memory]
+    assert budgets[0][0] == budgets[1][0] == budgets[1][1] < budgets[0][1]
+    assert [str(one[f"{name}.reuse"]) for name in ("fox", "other", "fox_again", "fox_disk", "other_disk")] == [
+        "none", "none", "ram", "disk", "disk"]
+    assert str(runs[0]["other_disk.reuse"]) == "none" and runs[0]["relayed"]  # rank 1 had lost that file
+    assert one["drops"] == runs[0]["drops"] == 1  # rank 0 had the memory, but dropped the checkpoint rank 1 did
+    for name in ("fox", "other", "fox_again", "fox_disk", "held"):
+        for what in ("tokens", "reuse", "kept")[: 2 if name == "held" else 3]:  # held: after other_disk's miss
+            assert np.array_equal(runs[0][f"{name}.{what}"], one[f"{name}.{what}"]), (name, what)
+        gap = np.max(np.abs(runs[0][f"{name}.logits"] - one[f"{name}.logits"]))
+        assert gap <= (BOUND if kind == "tensor" else 0.0), (name, gap)
+    for rank in range(2):  # each rank's own files
+        assert list((tmp_path / "kv2" / f"split-{kind}-2-rank{rank}").glob("*.kv"))
+
+
+def test_a_checkpoint_of_another_split_or_rank_is_refused(tiny: Path, tmp_path: Path):
+    """A disk checkpoint loads only where its identity names the same split, shares and rank."""
+    from ds4_mlx.cache.kvidentity import model_identity
+    from ds4_mlx.cache.kvstore import KvCacheOptions, KvStore, SaveReason
+    from ds4_mlx.engine import Engine, GenerationRequest
+    from ds4_mlx.sampling import SamplingParams
+
+    engine = Engine.load(tiny, 256, simulate_quant=False, kv_ram_budget=0)
+    prompt = "The quick brown fox jumps over the lazy dog. "
+    list(engine.generate(GenerationRequest(prompt, 1, SamplingParams(temperature=0))))
+    session = engine.session
+    text = engine._text_bytes(session.tokens)
+    with open_weights(tiny) as weights:
+        identities = {"one process": model_identity(weights, False)}
+        for name, kind, rank, share in (("tensor 0", "tensor", 0, None), ("tensor 1", "tensor", 1, None),
+                                        ("tensor 0 at 3,5", "tensor", 0, [3, 5]), ("layers 0", "layers", 0, None)):
+            split = Split.plan(kind, Group(rank, 2), weights, share)
+            identities[name] = model_identity(weights, False, split=split)
+    for i, (writer, identity) in enumerate(identities.items()):
+        options = KvCacheOptions(tmp_path / str(i), min_tokens=1)
+        assert KvStore(options, 4, identity).save(text, session.cache, session.tokens, session.logits,
+                                                  SaveReason.COLD)
+        for reader, other in identities.items():
+            found = KvStore(options, 4, other).candidates(text, 256)
+            assert len(found) == (reader == writer), (writer, reader)
+
+
+def test_a_held_request_is_relayed_whole():
+    """What serve hands the other ranks makes the same request, its Constraint (format, strict tools) included."""
+    from ds4_mlx.constrain import Constraint, OutputFormat
+    from ds4_mlx.engine import GenerationRequest
+    from ds4_mlx.sampling import SamplingParams
+    from ds4_mlx.serve.relay import _fields, _request
+    from ds4_mlx.toolgrammar import ToolSpec
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    tools = [ToolSpec("count", {"type": "object", "properties": {"to": {"type": "integer"}}}), ToolSpec("free")]
+    for output in (Constraint.make(OutputFormat.build("json_schema", schema, "n", "response_format"), tools),
+                   Constraint.make(None, tools), None):
+        request = GenerationRequest("hi", 5, SamplingParams(temperature=0.5, seed=3), ("x",), False, True, output)
+        assert _request(json.loads(json.dumps(_fields(request)))) == request
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tensor", "layers"])
 def test_three_ranks_equal_one_process(tiny: Path, tmp_path: Path, kind: str):
