@@ -315,7 +315,7 @@ class Engine:
         phase("tokenizer")
         if kv_cache is not None:
             opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights),
-                                       model_identity(weights, simulate_quant, digests, shard))
+                                       model_identity(weights, simulate_quant, digests, shard), held=model.layers)
         engine = cls(model, tokenizer, ctx, **opts)
         phase("engine")
         engine.load_phases = {name: round(b - a, 3) for name, a, b in zip(names, marks, marks[1:])}

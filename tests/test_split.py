@@ -18,7 +18,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +115,10 @@ def test_split_outside_the_launcher_is_one_line(tiny: Path):
     assert done.stderr.strip().splitlines()[-1].startswith("ds4-mlx run: error: --split and --split-weights need")
 
 
-def _serve_answers(argv: list[str], port: int) -> list[str]:
-    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own), asks it for
-    four completions (three with a seed, one without), and ends it with SIGINT, as Ctrl+C would."""
+@contextmanager
+def _server(argv: list[str], port: int) -> Iterator[Callable[[str, dict], dict]]:
+    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own) and gives a
+    function that posts a JSON body to a path and returns the answer; then ends it with SIGINT, as Ctrl+C would."""
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -127,23 +130,46 @@ def _serve_answers(argv: list[str], port: int) -> list[str]:
                 assert server.poll() is None and time.monotonic() < deadline, server.stderr.read().decode()
                 time.sleep(0.5)
 
+        def post(path: str, body: dict) -> dict:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+        yield post
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=60)  # every rank ends: rank 0's worker tells the others it stops
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def _serve_answers(argv: list[str], port: int) -> list[str]:
+    """Asks a server for four completions (three with a seed, one without), then three at once."""
+    with _server(argv, port) as post:
         def complete(prompt: str, seed: int | None) -> str:
             body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.8, **({"seed": seed} if seed else {})}
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
-            return json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["text"]
+            return post("/v1/completions", body)["choices"][0]["text"]
 
         texts = [complete(prompt, seed) for prompt, seed in (("hello there", 5), ("hello there, again", 5),
                                                              ("hi", None), ("hello", 5))]
         with ThreadPoolExecutor(3) as pool:  # at once: lanes decoding in shared steps (their order is the server's)
             assert all(pool.map(lambda p: complete(p, 7), ["one", "two", "three"]))
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(timeout=60)  # every rank ends: rank 0's worker tells the others it stops
-        return texts[:2] + texts[3:]  # not the unseeded one (each run draws its seed); the one after it shows that
-        # the ranks drew the same tokens for it (a rank that had not would have left its cache apart from rank 0's)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
+    return texts[:2] + texts[3:]  # not the unseeded one (each run draws its seed); the one after it shows that
+    # the ranks drew the same tokens for it (a rank that had not would have left its cache apart from rank 0's)
+
+
+def _serve_held(argv: list[str], port: int) -> list[str]:
+    """A chat answer held to a JSON schema (response_format), sampled with a seed, and a free one after it."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    with _server(argv, port) as post:
+        def chat(text: str, **extra) -> str:
+            body = {"messages": [{"role": "user", "content": text}], "model": "deepseek-chat", "max_tokens": 12,
+                    "temperature": 0.8, "seed": 4, **extra}
+            return post("/v1/chat/completions", body)["choices"][0]["message"]["content"]
+
+        return [chat("Describe a thing.", response_format={"type": "json_schema", "json_schema": {
+            "name": "thing", "schema": schema}}), chat("And another?")]
 
 
 @pytest.mark.slow
@@ -155,6 +181,17 @@ def test_serve_under_the_launcher_answers_as_one_process(tiny: Path, kind: str):
     two = _serve_answers([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
                           *args, "--port", "18472", "--split", kind], 18472)
     assert one and two == one
+
+
+@pytest.mark.slow
+def test_serve_under_the_launcher_holds_an_answer_to_a_schema(tiny: Path):
+    """A structured-output request on a split server: token for token the one process's answer."""
+    cli = Path(sys.executable).with_name("ds4-mlx")
+    args = ["serve", "-m", str(tiny), "--no-quant-sim", "--ctx", "512"]
+    one = _serve_held([str(cli), *args, "--port", "18473"], 18473)
+    two = _serve_held([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
+                       *args, "--port", "18474"], 18474)
+    assert one[0].startswith("{") and two == one
 
 
 def run_state(model: Path, out: Path, kv: Path, kind: str = "tensor", ranks: int = 1) -> list[dict[str, np.ndarray]]:
@@ -220,6 +257,41 @@ def test_a_checkpoint_of_another_split_or_rank_is_refused(tiny: Path, tmp_path: 
         for reader, other in identities.items():
             found = KvStore(options, 4, other).candidates(text, 256)
             assert len(found) == (reader == writer), (writer, reader)
+
+
+def test_a_pipeline_ranks_payload_holds_its_own_layers(tiny: Path):
+    """A pipeline rank's disk payload has the rows of its own layers only and reads back to the same state."""
+    import io
+
+    import mlx.core as mx
+
+    from ds4_mlx.cache.kvstore import payload_nbytes
+    from ds4_mlx.model.cache import LayerState, SessionCache, read_payload, write_payload
+
+    with open_weights(tiny) as weights:
+        config = weights.config
+    rng = np.random.default_rng(0)
+    whole = SessionCache(config, 64)
+    whole.n_tokens = 37
+    whole.layers = [LayerState.from_arrays([mx.array(rng.standard_normal(a.shape).astype(np.float32))
+                                            for a in state.arrays()]) for state in whole.layers]
+    sizes = []
+    for held in (range(config.n_layer), range(2, 4)):
+        cache = SessionCache(config, 64)
+        cache.n_tokens, cache.held = whole.n_tokens, held
+        cache.layers = [state if i in held else LayerState.empty(config, i, 1) for i, state in enumerate(whole.layers)]
+        out = io.BytesIO()
+        write_payload(out, cache, list(range(37)), mx.zeros(config.n_vocab))
+        assert len(out.getvalue()) == payload_nbytes(cache)
+        sizes.append(len(out.getvalue()))
+        back, tokens, _ = read_payload(io.BytesIO(out.getvalue()), config, 64, held)
+        assert tokens == list(range(37)) and back.held == held
+        again = io.BytesIO()
+        write_payload(again, back, tokens, mx.zeros(config.n_vocab))
+        assert again.getvalue() == out.getvalue()
+        shapes = [[a.shape for state in c.layers for a in state.arrays()] for c in (back, cache)]
+        assert shapes[0] == shapes[1]  # the other ranks' layers: placeholders, as Model.new_cache leaves them
+    assert sizes[1] < sizes[0]
 
 
 def test_a_held_request_is_relayed_whole():
