@@ -261,7 +261,8 @@ class Engine:
         checkpoint the file is (`--checkpoint`); None tells it from the file (model/checkpoint.py). `parallel` is
         the lanes requests run on at once (negative: up to that many, as many as fit beside the weights).
         Under `mlx.launch` the model is split across the ranks (`split`: "tensor", the default, or "layers";
-        `split_weights` their shares, "3,5"; model/shard.py): each rank loads and checks the memory of its share.
+        `split_weights` their shares, "3,5"; model/shard.py): each rank loads and checks the memory of its share,
+        and keeps its disk checkpoints in a directory of its own under `kv_cache.directory` (cache/kvsplit.py).
         """
         path = Path(path)
         if not path.exists():
