@@ -19,9 +19,9 @@ shared, as ds4 shares 2-bit and 4-bit checkpoints.
 A rank of a model split across ranks (model/shard.py) writes its own state, so its core digest also covers the
 split: its kind, the number of ranks, the rank and the slices it holds (`Split.identity`); a file of another split,
 share or rank is never loaded. The tensor digests stay the whole file's, not the rank's slices': every rank maps
-the whole file and has its digests already (cached, tensordigest.py), while digests of slices would be new per
-split and read as much (a column slice touches every row of its tensor); the whole file and the slices' bounds
-name the bytes a rank holds exactly.
+the whole file, whose digests are computed once and cached for any split (tensordigest.py), while digests of slices
+would be computed again for every split and shares and read about as much (a column slice touches every row of its
+tensor); the whole file's digests and the slices' bounds name the bytes a rank holds exactly.
 """
 
 from __future__ import annotations
