@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds4_mlx.cache.kvsplit")
 
-Attempt = Callable[[KvEntry], "tuple[KvHit, list[int]] | None"]
+Attempt = Callable[[KvEntry], tuple[KvHit, list[int]] | None]
 """Loads a candidate for the prompt: the hit and the prompt's effective tokens, or None where it does not serve."""
 
 
