@@ -780,3 +780,15 @@ class GreedyTracker:
                 self._json_in_string = not self._json_in_string
         self._pos = pos
         return DecodeState.JSON_STRING if self._json_in_string else DecodeState.JSON_STRUCTURAL
+
+
+def final_finish_reason(finish: str, message: ParsedMessage) -> str:
+    """ds4_server.c: parsed tool calls make `tool_calls`; an unterminated tool block makes `error`;
+    a closed but malformed block is returned as text and finishes `stop`."""
+    if message.error == UNTERMINATED_TOOL_CALL:
+        return "error"
+    if message.tool_calls and finish in ("stop", "tool_calls"):
+        return "tool_calls"
+    if finish == "tool_calls":
+        return "stop"
+    return finish

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,7 +28,8 @@ from .events import Done, Event, ParsedMessage, PrefillProgress, PromptAccepted,
 from .cache import kvdrafter
 from .cache.kvfiles import check_directory
 from .cache.kvidentity import model_identity
-from .cache.kvstore import KvCacheOptions, KvStore, SaveReason, routed_quant_bits
+from .cache.kvsplit import agreed_load, agreed_saved, rank_options
+from .cache.kvstore import KvCacheOptions, KvEntry, KvHit, KvStore, SaveReason, routed_quant_bits
 from .model.checkpoint import FACT_KEYS, Checkpoint
 from .model.checkpoint import detect as detect_checkpoint
 from .model.config import FLASH, ModelConfig
@@ -39,7 +41,7 @@ from .model.mtp import MTP
 from .model.shard import agreed, init_split
 from .model.weights import MTPWeights, open_weights
 from .progress import Progress
-from .reuse import Reuse, first_difference
+from .reuse import Reuse, first_difference, rest_after
 from .sampling import Sampler, SamplingParams, argmax
 from .session import GRAPH_ENV, Session, Snapshot, decode_together, graphs_wanted, state_copies
 from .stop import StopStrings
@@ -209,9 +211,13 @@ class Engine:
         state = parallel * sum(a.nbytes for a in self.session.cache.arrays())
         self.budget = memory.plan(model.config, mx.get_active_memory() - state, state_copies() * state,
                                   self.session.chunk_size, ctx)
-        if kv_ram_budget is None:
-            kv_ram_budget = self.budget.spare
-        self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes)
+        self.split = getattr(model, "split", None)  # test doubles have no split
+        """This rank's share of a model split across ranks (model/shard.py), whose kept states are agreed."""
+        kv_ram_budget = self.budget.spare if kv_ram_budget is None else kv_ram_budget
+        if self.split is not None:  # every rank keeps the same checkpoints (cache/checkpoints.py)
+            kv_ram_budget = self.split.least_of([kv_ram_budget])[0]
+        self.checkpoints = CheckpointStore(kv_ram_budget, self._text_bytes,
+                                           self.split.anywhere if self.split is not None else None)
         log.info("%s", self.budget.describe(kv_ram_budget))
         self.reuse = Reuse("none", 0)
         """Where the last prompt's reused tokens came from, and why it did not extend the live session."""
@@ -256,7 +262,8 @@ class Engine:
         checkpoint the file is (`--checkpoint`); None tells it from the file (model/checkpoint.py). `parallel` is
         the lanes requests run on at once (negative: up to that many, as many as fit beside the weights).
         Under `mlx.launch` the model is split across the ranks (`split`: "tensor", the default, or "layers";
-        `split_weights` their shares, "3,5"; model/shard.py): each rank loads and checks the memory of its share.
+        `split_weights` their shares, "3,5"; model/shard.py): each rank loads and checks the memory of its share,
+        and keeps its disk checkpoints in a directory of its own under `kv_cache.directory` (cache/kvsplit.py).
         """
         path = Path(path)
         if not path.exists():
@@ -271,17 +278,18 @@ class Engine:
         check_context(weights.config, ctx)
         shard = init_split(split, split_weights, weights)
         if shard is not None:
-            if mtp is not None or kv_cache is not None or opts.get("kv_ram_budget"):
-                raise UsageError("a model split across ranks runs without --mtp, the disk KV cache and in-memory "
-                                 "checkpoints (--kv-ram-budget 0) for now: docs/distributed.md")
-            # every rank must take the same decisions: the same chunks, no checkpoints that memory would drop on
-            # one rank and not another, and not the decode graphs, which run one process's step (graphstep.py)
+            if mtp is not None:
+                raise UsageError("a model split across ranks runs without --mtp for now: docs/distributed.md")
+            # every rank must take the same decisions: the same chunks (and RAM checkpoints, see __init__), and not
+            # the decode graphs, which run one process's step (graphstep.py); each rank has its own disk cache
             memory.agree_chunks(shard.least)
-            opts["kv_ram_budget"] = 0
             os.environ[GRAPH_ENV] = "off"
             log.info("%s", shard.describe())
         if kv_cache is not None:
             check_directory(kv_cache.directory)  # before the long load: a refused directory fails at once
+            if shard is not None:
+                kv_cache = rank_options(kv_cache, shard)
+                check_directory(kv_cache.directory)
         mtp_weights = open_drafter(mtp, weights.config) if mtp is not None else None
         if drafts_unused(opts.get("mtp_draft", 1), opts.get("speculate_anyway", False)):
             mtp_weights = None  # checked, not loaded: the engine would not use it
@@ -311,7 +319,7 @@ class Engine:
         phase("tokenizer")
         if kv_cache is not None:
             opts["kv_store"] = KvStore(kv_cache, routed_quant_bits(weights),
-                                       model_identity(weights, simulate_quant, digests),
+                                       model_identity(weights, simulate_quant, digests, shard), held=model.layers,
                                        drafter_identity=drafter_digest.result() if drafter_digest else b"")
         engine = cls(model, tokenizer, ctx, **opts)
         phase("engine")
@@ -449,7 +457,7 @@ class Engine:
         if live and len(tokens) >= len(live) and tokens[: len(live)] == live:
             return tokens, len(live)
         if live and not exact:
-            rest = _rest_after(utf8(prompt), self._text_bytes(live))
+            rest = rest_after(utf8(prompt), self._text_bytes(live))
             if rest is not None:
                 return live + self.tokenizer.encode(rest), len(live)
         return None
@@ -481,26 +489,26 @@ class Engine:
         """Loads the longest disk checkpoint whose text starts the prompt into the (empty) live session, when it
         holds more than `longer_than` tokens. Its token ids are kept as they are; only the prompt text after it
         is tokenized (ds4_kvstore.c)."""
-        store = self.kv_store
+        store, ctx = self.kv_store, lane.session.ctx
         data = self._text_bytes(tokens) if exact else utf8(prompt)
-        for entry in store.candidates(data, lane.session.ctx):  # one that fails to load falls back to the next
-            if entry.header.tokens <= longer_than:
-                return None  # best first: the rest are no longer
-            hit = store.load(entry, data, self.model.config, lane.session.ctx)
+
+        def attempt(entry: KvEntry) -> tuple[KvHit, list[int]] | None:
+            hit = store.load(entry, data, self.model.config, ctx)
             if hit is None:
-                continue
-            n = len(hit.tokens)
-            if exact:
-                if tokens[:n] != hit.tokens:
-                    log.info("kv cache hit %s not used: its tokens are not a prefix of the prompt's", entry.path)
-                    continue
-                effective = tokens
-            else:
-                effective = hit.tokens + self.tokenizer.encode(data[hit.text_bytes :].decode("utf-8"))
-            if len(effective) < lane.session.ctx:
-                break
-        else:
+                return None
+            if exact and tokens[: len(hit.tokens)] != hit.tokens:
+                log.info("kv cache hit %s not used: its tokens are not a prefix of the prompt's", entry.path)
+                return None
+            effective = tokens if exact else hit.tokens + self.tokenizer.encode(data[hit.text_bytes :].decode())
+            return (hit, effective) if len(effective) < ctx else None
+
+        # best first, one that fails to load falls back to the next; of a split model, every rank loads one or none
+        longer = takewhile(lambda entry: entry.header.tokens > longer_than, store.candidates(data, ctx))
+        found = agreed_load(self.split, longer, attempt)
+        if found is None:
             return None
+        hit, effective = found
+        n = len(hit.tokens)
         store.record_hit(hit)
         drafted = kvdrafter.decode(hit.drafter_rows, lane.session, store.drafter_identity, n)
         lane.session.restore(Snapshot(tuple(hit.tokens), hit.cache.snapshot(), hit.logits, drafted))
@@ -514,7 +522,8 @@ class Engine:
     def _checkpoint(self, lane: Lane, reason: SaveReason) -> None:
         """Saves the live session as it is now to the disk cache, with the tool-call ids its text replays.
 
-        A checkpoint that cannot be written is logged and skipped: the request it happens in still succeeds."""
+        A checkpoint that cannot be written is logged and skipped: the request it happens in still succeeds (and
+        the session counts as on disk only up to the last checkpoint that every rank saved)."""
         tokens = lane.session.tokens
         with self.tool_memory_lock:
             tool_blocks = self.tool_memory.items()
@@ -524,8 +533,8 @@ class Engine:
                                        kvdrafter.encode(lane.session, self.kv_store.drafter_identity))
         except Exception:
             log.exception("kv cache checkpoint (%s) of %d tokens failed", reason.name.lower(), len(tokens))
-            return
-        if saved:
+            saved = False
+        if agreed_saved(self.split, saved):  # of a split model: on every rank
             lane.on_disk = max(lane.on_disk, len(tokens))
 
     def _at_boundary(self, lane: Lane, cold_target: int | None) -> None:
@@ -719,7 +728,7 @@ class Engine:
         if stops.hit:
             self._replace_session(lane)
         message = dsml.parse_message("".join(text_parts), thinking=thinking, tools_active=req.tools_active)
-        finish = _final_finish_reason(finish, message)
+        finish = dsml.final_finish_reason(finish, message)
         yield Done(
             finish_reason=finish,
             message=message,
@@ -791,16 +800,6 @@ class Engine:
         return room
 
 
-def _rest_after(prompt: bytes, prefix: bytes) -> str | None:
-    """The text of `prompt` after `prefix`, if `prefix` is its byte prefix and ends on a character boundary."""
-    if not prompt.startswith(prefix):
-        return None
-    rest = prompt[len(prefix) :]
-    if rest and rest[0] & 0xC0 == 0x80:
-        return None  # the prefix ends inside a character: the rest is not text on its own
-    return rest.decode("utf-8")
-
-
 def _plain_greedy(sampling: SamplingParams) -> bool:
     """Greedy decoding with no penalty: each token is the argmax of the model's logits alone."""
     return sampling.greedy and sampling.presence_penalty == 0 and sampling.frequency_penalty == 0
@@ -812,15 +811,3 @@ def _take_ahead(ahead: list[tuple[int, mx.array]], token: int) -> mx.array:
     if fed != token:
         raise RuntimeError(f"speculative decoding fed token {fed} where the stream chose {token}")
     return logits
-
-
-def _final_finish_reason(finish: str, message: ParsedMessage) -> str:
-    """ds4_server.c: parsed tool calls make `tool_calls`; an unterminated tool block makes `error`;
-    a closed but malformed block is returned as text and finishes `stop`."""
-    if message.error == dsml.UNTERMINATED_TOOL_CALL:
-        return "error"
-    if message.tool_calls and finish in ("stop", "tool_calls"):
-        return "tool_calls"
-    if finish == "tool_calls":
-        return "stop"
-    return finish

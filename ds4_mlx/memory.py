@@ -23,7 +23,8 @@ bench/RESULTS.md, 2026-12-07), and the limit is kept here, by the engine:
   session (session.py) asks it before every chunk, and when not even MIN_CHUNK tokens fit, the request is refused
   (`MemoryShortage`: the CLI's one line, the server's 503) before anything is allocated. For a model split across
   ranks (model/shard.py) every rank takes the shortest of the ranks' chunks (`agree_chunks`): their exchanges must
-  have the same shapes.
+  have the same shapes; and a chunk that lacks room on one rank makes every rank give memory back (`lacks_room`),
+  so that they drop the same RAM checkpoints.
 """
 
 from __future__ import annotations
@@ -157,6 +158,13 @@ def fit_chunk(config: ModelConfig, preferred: int, position: int, free: int) -> 
     size = next((size for size in (preferred, *(s for s in CHUNK_LADDER if s < preferred))
                  if chunk_transient_bytes(config, size, position) <= free), 0)
     return size if _agree is None else _agree(size)
+
+
+def lacks_room(config: ModelConfig, chunk: int, position: int, free: int) -> bool:
+    """Whether a chunk's transients do not fit in `free` bytes; of a split model, on any rank (`agree_chunks`):
+    every rank then gives memory back alike (the engine drops the same RAM checkpoint on each)."""
+    lacks = chunk_transient_bytes(config, chunk, position) > free
+    return lacks if _agree is None else _agree(int(not lacks)) == 0
 
 
 def need_message(config: ModelConfig, chunk: int, position: int, free: int) -> str:

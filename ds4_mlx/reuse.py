@@ -68,3 +68,13 @@ def _ascii(text: str) -> str:
     """`text` quoted with every non-printable or non-ASCII character escaped, so that it fits an HTTP header."""
     escaped = text.encode("unicode_escape").decode("ascii").replace('"', '\\"')
     return f'"{escaped}"'
+
+
+def rest_after(prompt: bytes, prefix: bytes) -> str | None:
+    """The text of `prompt` after `prefix`, if `prefix` is its byte prefix and ends on a character boundary."""
+    if not prompt.startswith(prefix):
+        return None
+    rest = prompt[len(prefix) :]
+    if rest and rest[0] & 0xC0 == 0x80:
+        return None  # the prefix ends inside a character: the rest is not text on its own
+    return rest.decode("utf-8")

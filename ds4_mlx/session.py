@@ -231,7 +231,7 @@ class Session:
         preferred = min(self.chunk_size, self.chunk_cap or self.chunk_size, remaining)
         position, config = len(self.tokens), self.model.config
         free = memory.free_bytes()
-        while memory.chunk_transient_bytes(config, preferred, position) > free:
+        while memory.lacks_room(config, preferred, position, free):
             if self.release is None or not self.release():
                 break
             free = memory.free_bytes()

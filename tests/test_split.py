@@ -18,7 +18,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +115,10 @@ def test_split_outside_the_launcher_is_one_line(tiny: Path):
     assert done.stderr.strip().splitlines()[-1].startswith("ds4-mlx run: error: --split and --split-weights need")
 
 
-def _serve_answers(argv: list[str], port: int) -> list[str]:
-    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own), asks it for
-    four completions (three with a seed, one without), and ends it with SIGINT, as Ctrl+C would."""
+@contextmanager
+def _server(argv: list[str], port: int) -> Iterator[Callable[[str, dict], dict]]:
+    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own) and gives a
+    function that posts a JSON body to a path and returns the answer; then ends it with SIGINT, as Ctrl+C would."""
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -127,23 +130,46 @@ def _serve_answers(argv: list[str], port: int) -> list[str]:
                 assert server.poll() is None and time.monotonic() < deadline, server.stderr.read().decode()
                 time.sleep(0.5)
 
+        def post(path: str, body: dict) -> dict:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+        yield post
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=60)  # every rank ends: rank 0's worker tells the others it stops
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def _serve_answers(argv: list[str], port: int) -> list[str]:
+    """Asks a server for four completions (three with a seed, one without), then three at once."""
+    with _server(argv, port) as post:
         def complete(prompt: str, seed: int | None) -> str:
             body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.8, **({"seed": seed} if seed else {})}
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
-            return json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["text"]
+            return post("/v1/completions", body)["choices"][0]["text"]
 
         texts = [complete(prompt, seed) for prompt, seed in (("hello there", 5), ("hello there, again", 5),
                                                              ("hi", None), ("hello", 5))]
         with ThreadPoolExecutor(3) as pool:  # at once: lanes decoding in shared steps (their order is the server's)
             assert all(pool.map(lambda p: complete(p, 7), ["one", "two", "three"]))
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(timeout=60)  # every rank ends: rank 0's worker tells the others it stops
-        return texts[:2] + texts[3:]  # not the unseeded one (each run draws its seed); the one after it shows that
-        # the ranks drew the same tokens for it (a rank that had not would have left its cache apart from rank 0's)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
+    return texts[:2] + texts[3:]  # not the unseeded one (each run draws its seed); the one after it shows that
+    # the ranks drew the same tokens for it (a rank that had not would have left its cache apart from rank 0's)
+
+
+def _serve_held(argv: list[str], port: int) -> list[str]:
+    """A chat answer held to a JSON schema (response_format), sampled with a seed, and a free one after it."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    with _server(argv, port) as post:
+        def chat(text: str, **extra) -> str:
+            body = {"messages": [{"role": "user", "content": text}], "model": "deepseek-chat", "max_tokens": 12,
+                    "temperature": 0.8, "seed": 4, **extra}
+            return post("/v1/chat/completions", body)["choices"][0]["message"]["content"]
+
+        return [chat("Describe a thing.", response_format={"type": "json_schema", "json_schema": {
+            "name": "thing", "schema": schema}}), chat("And another?")]
 
 
 @pytest.mark.slow
@@ -155,6 +181,133 @@ def test_serve_under_the_launcher_answers_as_one_process(tiny: Path, kind: str):
     two = _serve_answers([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
                           *args, "--port", "18472", "--split", kind], 18472)
     assert one and two == one
+
+
+@pytest.mark.slow
+def test_serve_under_the_launcher_holds_an_answer_to_a_schema(tiny: Path):
+    """A structured-output request on a split server: token for token the one process's answer."""
+    cli = Path(sys.executable).with_name("ds4-mlx")
+    args = ["serve", "-m", str(tiny), "--no-quant-sim", "--ctx", "512"]
+    one = _serve_held([str(cli), *args, "--port", "18473"], 18473)
+    two = _serve_held([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
+                       *args, "--port", "18474"], 18474)
+    assert one[0].startswith("{") and two == one
+
+
+def run_state(model: Path, out: Path, kv: Path, kind: str = "tensor", ranks: int = 1) -> list[dict[str, np.ndarray]]:
+    """split_script.py's engine run (`state`) on one process or on `ranks` local ones; each one's records."""
+    args = [str(SCRIPT), "state", str(model), str(out), kind, str(kv)]
+    if ranks == 1:
+        subprocess.run([sys.executable, *args], check=True, timeout=300)
+        return [dict(np.load(f"{out}.single.npz"))]
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--python", sys.executable, "--",
+                           *args], capture_output=True, text=True, timeout=300)
+    saved = [Path(f"{out}.{rank}.npz") for rank in range(ranks)]
+    assert all(p.exists() for p in saved), done.stdout + done.stderr
+    return [dict(np.load(p)) for p in saved]
+
+
+@pytest.mark.parametrize("kind", ["tensor", pytest.param("layers", marks=pytest.mark.slow)])
+def test_kept_states_and_held_answers_under_a_split(tiny: Path, tmp_path: Path, kind: str):
+    """RAM checkpoints taken, restored and dropped for memory on one rank, disk checkpoints written and loaded by a
+    new engine, a request held to a JSON schema relayed from rank 0: every rank keeps and answers the same, and as
+    one process does. Rank 1 has half the memory (the RAM budget is its) and lost one disk file (no rank loads it)."""
+    one = run_state(tiny, tmp_path / "one", tmp_path / "kv1")[0]
+    runs = run_state(tiny, tmp_path / "two", tmp_path / "kv2", kind, ranks=2)
+    for key in runs[0]:
+        if key != "budget":
+            assert np.array_equal(runs[0][key], runs[1][key]), key
+    budgets = [run["budget"] for run in runs]  # [the agreed budget, the rank's own spare memory]
+    assert budgets[0][0] == budgets[1][0] == budgets[1][1] < budgets[0][1]
+    assert [str(one[f"{name}.reuse"]) for name in ("fox", "other", "fox_again", "fox_disk", "other_disk")] == [
+        "none", "none", "ram", "disk", "disk"]
+    assert str(runs[0]["other_disk.reuse"]) == "none" and runs[0]["relayed"]  # rank 1 had lost that file
+    assert one["drops"] == runs[0]["drops"] == 1  # rank 0 had the memory, but dropped the checkpoint rank 1 did
+    for name in ("fox", "other", "fox_again", "fox_disk", "held"):
+        for what in ("tokens", "reuse", "kept")[: 2 if name == "held" else 3]:  # held: after other_disk's miss
+            assert np.array_equal(runs[0][f"{name}.{what}"], one[f"{name}.{what}"]), (name, what)
+        gap = np.max(np.abs(runs[0][f"{name}.logits"] - one[f"{name}.logits"]))
+        assert gap <= (BOUND if kind == "tensor" else 0.0), (name, gap)
+    for rank in range(2):  # each rank's own files
+        assert list((tmp_path / "kv2" / f"split-{kind}-2-rank{rank}").glob("*.kv"))
+
+
+def test_a_checkpoint_of_another_split_or_rank_is_refused(tiny: Path, tmp_path: Path):
+    """A disk checkpoint loads only where its identity names the same split, shares and rank."""
+    from ds4_mlx.cache.kvidentity import model_identity
+    from ds4_mlx.cache.kvstore import KvCacheOptions, KvStore, SaveReason
+    from ds4_mlx.engine import Engine, GenerationRequest
+    from ds4_mlx.sampling import SamplingParams
+
+    engine = Engine.load(tiny, 256, simulate_quant=False, kv_ram_budget=0)
+    prompt = "The quick brown fox jumps over the lazy dog. "
+    list(engine.generate(GenerationRequest(prompt, 1, SamplingParams(temperature=0))))
+    session = engine.session
+    text = engine._text_bytes(session.tokens)
+    with open_weights(tiny) as weights:
+        identities = {"one process": model_identity(weights, False)}
+        for name, kind, rank, share in (("tensor 0", "tensor", 0, None), ("tensor 1", "tensor", 1, None),
+                                        ("tensor 0 at 3,5", "tensor", 0, [3, 5]), ("layers 0", "layers", 0, None)):
+            split = Split.plan(kind, Group(rank, 2), weights, share)
+            identities[name] = model_identity(weights, False, split=split)
+    for i, (writer, identity) in enumerate(identities.items()):
+        options = KvCacheOptions(tmp_path / str(i), min_tokens=1)
+        assert KvStore(options, 4, identity).save(text, session.cache, session.tokens, session.logits,
+                                                  SaveReason.COLD)
+        for reader, other in identities.items():
+            found = KvStore(options, 4, other).candidates(text, 256)
+            assert len(found) == (reader == writer), (writer, reader)
+
+
+def test_a_pipeline_ranks_payload_holds_its_own_layers(tiny: Path):
+    """A pipeline rank's disk payload has the rows of its own layers only and reads back to the same state."""
+    import io
+
+    import mlx.core as mx
+
+    from ds4_mlx.cache.kvstore import payload_nbytes
+    from ds4_mlx.model.cache import LayerState, SessionCache, read_payload, write_payload
+
+    with open_weights(tiny) as weights:
+        config = weights.config
+    rng = np.random.default_rng(0)
+    whole = SessionCache(config, 64)
+    whole.n_tokens = 37
+    whole.layers = [LayerState.from_arrays([mx.array(rng.standard_normal(a.shape).astype(np.float32))
+                                            for a in state.arrays()]) for state in whole.layers]
+    sizes = []
+    for held in (range(config.n_layer), range(2, 4)):
+        cache = SessionCache(config, 64)
+        cache.n_tokens, cache.held = whole.n_tokens, held
+        cache.layers = [state if i in held else LayerState.empty(config, i, 1) for i, state in enumerate(whole.layers)]
+        out = io.BytesIO()
+        write_payload(out, cache, list(range(37)), mx.zeros(config.n_vocab))
+        assert len(out.getvalue()) == payload_nbytes(cache)
+        sizes.append(len(out.getvalue()))
+        back, tokens, _ = read_payload(io.BytesIO(out.getvalue()), config, 64, held)
+        assert tokens == list(range(37)) and back.held == held
+        again = io.BytesIO()
+        write_payload(again, back, tokens, mx.zeros(config.n_vocab))
+        assert again.getvalue() == out.getvalue()
+        shapes = [[a.shape for state in c.layers for a in state.arrays()] for c in (back, cache)]
+        assert shapes[0] == shapes[1]  # the other ranks' layers: placeholders, as Model.new_cache leaves them
+    assert sizes[1] < sizes[0]
+
+
+def test_a_held_request_is_relayed_whole():
+    """What serve hands the other ranks makes the same request, its Constraint (format, strict tools) included."""
+    from ds4_mlx.constrain import Constraint, OutputFormat
+    from ds4_mlx.engine import GenerationRequest
+    from ds4_mlx.sampling import SamplingParams
+    from ds4_mlx.serve.relay import _fields, _request
+    from ds4_mlx.toolgrammar import ToolSpec
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    tools = [ToolSpec("count", {"type": "object", "properties": {"to": {"type": "integer"}}}), ToolSpec("free")]
+    for output in (Constraint.make(OutputFormat.build("json_schema", schema, "n", "response_format"), tools),
+                   Constraint.make(None, tools), None):
+        request = GenerationRequest("hi", 5, SamplingParams(temperature=0.5, seed=3), ("x",), False, True, output)
+        assert _request(json.loads(json.dumps(_fields(request)))) == request
 
 
 @pytest.mark.slow

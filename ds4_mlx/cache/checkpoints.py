@@ -12,6 +12,13 @@ Snapshots cost no copy when taken (MLX arrays are immutable), but every array a 
 they are kept within a byte budget (by default what the device memory budget leaves, memory.py), least recently
 used first out; a prefill chunk short of device memory drops the oldest first. The budget counts each array once
 however many snapshots share it (a state's arrays are shared until the layer they belong to is updated).
+
+Of a model split across ranks (model/shard.py) every rank keeps the same checkpoints, or a prompt restored on one
+rank and prefilled whole on another would send them different work: they take the same states in the same order,
+so only what is measured per rank could set them apart. The budget is the least of the ranks' (the engine agrees
+it), and whether the checkpoints exceed it is asked of every rank (`anywhere`: a pipeline rank holds the rows of
+its own layers only, so the ranks' byte counts differ); a prefill chunk short of memory on one rank drops the
+oldest on every rank (memory.lacks_room).
 """
 
 from __future__ import annotations
@@ -64,11 +71,15 @@ class Match:
 class CheckpointStore:
     """Snapshots by token sequence, within `budget_bytes`; least recently used are dropped first."""
 
-    def __init__(self, budget_bytes: int, spell: Callable[[Sequence[int]], bytes]) -> None:
+    def __init__(self, budget_bytes: int, spell: Callable[[Sequence[int]], bytes],
+                 anywhere: Callable[[bool], bool] | None = None) -> None:
+        """`spell`: the bytes of a token run; `anywhere`: whether a flag holds on any rank of a split model (None:
+        in one process, the flag itself)."""
         if budget_bytes < 0:
             raise ValueError(f"the checkpoint budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._spell = spell
+        self._anywhere = anywhere or (lambda flag: flag)
         self._items: dict[tuple[int, ...], Checkpoint] = {}
         self._clock = 0
         self.evictions = 0
@@ -109,7 +120,7 @@ class CheckpointStore:
         self._fit()
 
     def _fit(self) -> None:
-        while self._items and self.nbytes > self.budget_bytes:
+        while self._items and self._anywhere(self.nbytes > self.budget_bytes):
             key = min(self._items, key=lambda k: self._items[k].used)
             log.debug("checkpoint of %d tokens evicted (budget %d bytes)", len(key), self.budget_bytes)
             del self._items[key]

@@ -19,6 +19,13 @@ fine-tune or requantization that changes a single value is another model), plus 
 checkpoint is loaded only with the same core digest; the experts digest must also match with
 `--kv-cache-reject-different-quant`, else a checkpoint of the same model with other routed-expert quantization is
 shared, as ds4 shares 2-bit and 4-bit checkpoints.
+
+A rank of a model split across ranks (model/shard.py) writes its own state, so its core digest also covers the
+split: its kind, the number of ranks, the rank and the slices it holds (`Split.identity`); a file of another split,
+share or rank is never loaded. The tensor digests stay the whole file's, not the rank's slices': every rank maps
+the whole file, whose digests are computed once and cached for any split (tensordigest.py), while digests of slices
+would be computed again for every split and shares and read about as much (a column slice touches every row of its
+tensor); the whole file's digests and the slices' bounds name the bytes a rank holds exactly.
 """
 
 from __future__ import annotations
@@ -26,13 +33,16 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import CacheFileError
 from ..model.weights import ModelWeights
 from .tensordigest import tensor_digests
+
+if TYPE_CHECKING:
+    from ..model.shard import Split
 
 FOOTER_MAGIC = b"KID"
 FOOTER_VERSION = 2
@@ -102,16 +112,19 @@ def feed_value(h: Any, key: str, value: Any) -> None:
     h.update(b"\0")
 
 
-def model_identity(weights: ModelWeights, simulate_quant: bool,
-                   digests: dict[str, bytes] | None = None) -> ModelIdentity:
+def model_identity(weights: ModelWeights, simulate_quant: bool, digests: dict[str, bytes] | None = None,
+                   split: Split | None = None) -> ModelIdentity:
     """The fingerprint of a loaded model file and its state-changing settings (see the module docstring).
-    `digests`: the file's `tensor_digests`, when the caller computed them already (beside the load)."""
+    `digests`: the file's `tensor_digests`, when the caller computed them already (beside the load); `split`:
+    this rank's share of a split model."""
     file = weights.file
     if digests is None:
         digests = tensor_digests(file)
     core = hashlib.blake2b(digest_size=_DIGEST, person=b"ds4-mlx kv core")
     experts = hashlib.blake2b(digest_size=_DIGEST, person=b"ds4-mlx kv exps")
     core.update(b"simulate_quant=%d\0" % bool(simulate_quant))
+    if split is not None:
+        core.update(split.identity() + b"\0")
     for key in sorted(file.metadata):
         if not key.startswith(_NOT_THE_MODEL):
             feed_value(core, key, file.metadata[key])

@@ -270,6 +270,8 @@ def payload_nbytes(cache: SessionCache) -> int:
     raw_live = min(c.sliding_window, cache.ctx, cache.n_tokens)
     size = 13 * 4 + 4 * cache.n_tokens + 4 * c.n_vocab + 8 * c.n_layer
     for layer, state in enumerate(cache.layers):
+        if layer not in cache.held:
+            continue
         size += 4 * raw_live * c.head_dim
         for rows, frontier in ((state.comp, state.comp_frontier), (state.index, state.index_frontier)):
             if rows is not None:
@@ -346,9 +348,11 @@ class KvStore:
     """The checkpoint files of one directory, for one model (its identity and routed-expert quant bits)."""
 
     def __init__(self, options: KvCacheOptions, quant_bits: int, identity: ModelIdentity,
-                 clock: Callable[[], float] = time.time, drafter_identity: bytes = b"") -> None:
-        """Raises Ds4Error for an existing directory that other users can write. `drafter_identity`: the digest
-        of the drafter file loaded with the model (kvdrafter.py), b"" without one."""
+                 clock: Callable[[], float] = time.time, held: range | None = None,
+                 drafter_identity: bytes = b"") -> None:
+        """`held`: the layers whose rows the files hold (a pipeline rank's own, model/cache.py; None: all).
+        `drafter_identity`: the digest of the drafter file loaded with the model (kvdrafter.py), b"" without one.
+        Raises Ds4Error for an existing directory that other users can write."""
         if quant_bits not in (2, 4):
             raise ValueError(f"routed-expert quant bits must be 2 or 4, got {quant_bits}")
         self.options = options
@@ -357,6 +361,7 @@ class KvStore:
         self.identity = identity
         self.drafter_identity = drafter_identity
         self._clock = clock
+        self.held = held
         self._set_aside: dict[str, tuple[int, int, int]] = {}
         """Files logged once as unusable, by name, with the (inode, size, mtime) they had: skipped while unchanged."""
         self._foreign: set[str] = set()
@@ -526,7 +531,7 @@ class KvStore:
                     raise CacheFileError("cached text prefix mismatch")
                 reader = CrcReader(f, header.payload_bytes, zlib.crc32(text))
                 try:
-                    cache, tokens, logits = read_payload(reader, config, ctx)
+                    cache, tokens, logits = read_payload(reader, config, ctx, self.held)
                 except CacheFileError as e:
                     if _drained_crc(reader) == header.checksum:  # intact: made for another context, not damaged
                         log.warning("kv cache: %s does not fit this session (%s); not used", entry.path, e)

@@ -9,7 +9,10 @@ Per layer:
 Row counts and positions are derived from the token count, not stored. Every update builds new arrays and
 MLX arrays are immutable, so a snapshot is a cheap copy of references and stays valid whatever happens next.
 
-`write_payload` / `read_payload` turn the state into ds4's disk payload (ds4.c) and back.
+`write_payload` / `read_payload` turn the state into ds4's disk payload (ds4.c) and back. A pipeline rank's cache
+(model/shard.py) holds rows of its own layers only (`SessionCache.held`); its payload has their rows alone (the
+header and row counts stay whole), so it is read back only by a rank that holds the same layers: the disk cache's
+identity names the split and the rank (cache/kvidentity.py).
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class SessionCache:
         self.ctx = ctx
         self.n_tokens = 0
         self.layers = [LayerState.empty(config, layer, ctx) for layer in range(config.n_layer)]
+        self.held = range(config.n_layer)
+        """The layers whose rows this cache holds (a pipeline rank's own; the others' states are placeholders)."""
 
     def n_rows(self, layer: int) -> int:
         """Live compressed (and, on ratio-4 layers, indexer) rows of a layer."""
@@ -175,7 +180,8 @@ _HEADER = struct.Struct("<13I")
 def write_payload(f: BinaryIO, cache: SessionCache, tokens: Sequence[int], logits: mx.array) -> None:
     """Write the cache, the tokens it holds and the logits for the next token as ds4's payload, in order:
     header, token ids, logits, per-layer row counts, then per layer the raw rows (oldest first), compressed rows
-    and frontier, indexer rows and frontier. Little-endian u32 / f32 throughout."""
+    and frontier, indexer rows and frontier. Little-endian u32 / f32 throughout. Layers outside `cache.held` have
+    no rows written (a pipeline rank's payload)."""
     c = cache.config
     n = cache.n_tokens
     if len(tokens) != n:
@@ -190,6 +196,8 @@ def write_payload(f: BinaryIO, cache: SessionCache, tokens: Sequence[int], logit
     f.write(np.asarray(rows, dtype="<u4").tobytes())
     f.write(np.asarray([r if c.compress_ratio(i) == 4 else 0 for i, r in enumerate(rows)], dtype="<u4").tobytes())
     for layer, state in enumerate(cache.layers):
+        if layer not in cache.held:
+            continue
         f.write(_f32(state.raw[state.raw.shape[0] - raw_live :]))
         for buffer, frontier in ((state.comp, state.comp_frontier), (state.index, state.index_frontier)):
             if buffer is not None:
@@ -198,8 +206,10 @@ def write_payload(f: BinaryIO, cache: SessionCache, tokens: Sequence[int], logit
                 f.write(_f32(frontier.score))
 
 
-def read_payload(f: BinaryIO, config: ModelConfig, ctx: int) -> tuple[SessionCache, list[int], mx.array]:
+def read_payload(f: BinaryIO, config: ModelConfig, ctx: int, held: range | None = None
+                 ) -> tuple[SessionCache, list[int], mx.array]:
     """Read a payload into a new cache of context `ctx`; return it with its token ids and next-token logits.
+    `held`: the layers it has rows of (a pipeline rank's, as it wrote them; None: all), the others placeholders.
 
     Checks what ds4 checks: the model dimensions, a saved context no larger than `ctx`, fewer tokens than `ctx`,
     the same raw window, row counts that match the token count, and no trailing bytes. (ds4 also requires the
@@ -233,8 +243,13 @@ def read_payload(f: BinaryIO, config: ModelConfig, ctx: int) -> tuple[SessionCac
             [cache.n_rows(i) if config.compress_ratio(i) == 4 else 0 for i in range(n_layer)]]
     if counts.tolist() != want:
         raise CacheFileError(f"payload row counts {counts.tolist()} do not match {n} tokens (expected {want})")
+    if held is not None:
+        cache.held = held
     layers = []
     for layer, state in enumerate(cache.layers):
+        if layer not in cache.held:
+            layers.append(LayerState.empty(config, layer, 1))  # as Model.new_cache leaves another rank's layer
+            continue
         raw = _read_f32(f, (raw_live, config.head_dim), f"layer {layer} raw rows")
         fields = {"raw": mx.concatenate([state.raw[: state.raw.shape[0] - raw_live], raw])}
         for rows_name, frontier_name in (("comp", "comp_frontier"), ("index", "index_frontier")):

@@ -274,6 +274,7 @@ class Model:
         if len(self.layers) < self.config.n_layer:
             cache.layers = [state if layer in self.layers else LayerState.empty(self.config, layer, 1)
                             for layer, state in enumerate(cache.layers)]
+            cache.held = self.layers
         return cache
 
     def __call__(self, tokens: mx.array, cache: SessionCache, all_logits: bool = False) -> mx.array:

@@ -221,6 +221,24 @@ class Split:
         """The smallest of every rank's `value` (a prefill chunk's length: memory.agree_chunks)."""
         return int(mx.distributed.all_min(mx.array([value], dtype=mx.int32), group=self.group).item())
 
+    def least_of(self, values: Sequence[int]) -> list[int]:
+        """The smallest of every rank's value at each place, in one exchange (64-bit: byte counts fit)."""
+        return np.array(mx.distributed.all_min(mx.array(values, dtype=mx.int64), group=self.group)).tolist()
+
+    def every(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank."""
+        return self.least(int(flag)) == 1
+
+    def anywhere(self, flag: bool) -> bool:
+        """Whether `flag` holds on some rank."""
+        return not self.every(not flag)
+
+    def identity(self) -> bytes:
+        """What makes this rank's share of the model: the split, the ranks, this rank and the slices it holds (a
+        disk KV checkpoint's identity covers it, kvidentity.py)."""
+        return (f"split={self.kind} ranks={self.size} rank={self.rank} heads={self.heads} hidden={self.hidden} "
+                f"vocab={self.vocab} layers={self.layers}").encode()
+
     @property
     def block_sum(self) -> Callable[[mx.array], mx.array] | None:
         """What each block's attention and MoE outputs go through: the sum across ranks (tensor split)."""

@@ -5,8 +5,13 @@ worker (worker.py) runs rounds of its Batch; before each round it hands the othe
 that round (`Relay.publish`, as JSON, through `mx.distributed`), and each of them starts the same requests on its own
 Batch and runs the same round (`follow`), its events dropped. What is decided by time rather than by the input is
 decided by rank 0 and agreed: whether a request is cancelled (its client left, the server stops), asked by the
-engine between tokens and prefill chunks, is rank 0's answer on every rank (`Relay.flag`). A request held to a
-grammar (structured output, strict tools: `GenerationRequest.output`) is not relayed yet: it is refused.
+engine between tokens and prefill chunks, is rank 0's answer on every rank (`Relay.flag`).
+
+A request held to a grammar (structured output, strict tools: `GenerationRequest.output`, a constrain.Constraint)
+is relayed with what its Constraint holds: the answer's format (kind, schema, name, Lark rule), the tools (names,
+strict parameters) and the two grammars rank 0 compiled from them; each rank makes the same Constraint of them,
+without compiling again. Every rank gets the same logits and samples with one seed, so the same grammar gives the
+same masks and the same tokens on every rank.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..batch import Batch
+from ..constrain import Constraint, OutputFormat
 from ..engine import GenerationRequest
 from ..sampling import SamplingParams
+from ..toolgrammar import ToolSpec
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -59,15 +66,25 @@ class Relay:
 
 
 def _fields(request: GenerationRequest) -> dict:
-    if request.output is not None:
-        raise ValueError("a request held to a grammar is not relayed to the other ranks")
+    """A request as JSON: its fields, and what its Constraint holds."""
+    output = request.output
+    held = None if output is None else {
+        "answer": None if output.answer is None else asdict(output.answer),
+        "tools": [asdict(tool) for tool in output.tools], "grammar": output.grammar,
+        "answer_only": output.answer_only}
     return {"prompt": request.prompt, "max_tokens": request.max_tokens, "sampling": asdict(request.sampling),
-            "stop": list(request.stop), "thinking": request.thinking, "tools_active": request.tools_active}
+            "stop": list(request.stop), "thinking": request.thinking, "tools_active": request.tools_active,
+            "output": held}
 
 
 def _request(fields: dict) -> GenerationRequest:
+    """The request `_fields` wrote, its Constraint made again from the fields rank 0's held."""
+    held = fields["output"]
+    output = None if held is None else Constraint(
+        None if held["answer"] is None else OutputFormat(**held["answer"]),
+        tuple(ToolSpec(**tool) for tool in held["tools"]), held["grammar"], held["answer_only"])
     return GenerationRequest(fields["prompt"], fields["max_tokens"], SamplingParams(**fields["sampling"]),
-                             tuple(fields["stop"]), fields["thinking"], fields["tools_active"])
+                             tuple(fields["stop"]), fields["thinking"], fields["tools_active"], output)
 
 
 def relay_for(engine: Engine) -> Relay | None:

@@ -196,17 +196,12 @@ class Worker:
             log.exception("saving the live session at shutdown failed")
 
     def _start(self, batch: Batch, job: Job) -> bool:
-        """Starts the job on a lane; False where it ends here instead (cancelled while queued, or not relayable)."""
+        """Starts the job on a lane; False where it ends here instead (cancelled while queued)."""
         if job.cancelled.is_set():  # the client left while the job was queued
             job._post(_END)
             return False
         cancel = lambda: job.cancelled.is_set() or self._stopping  # noqa: E731
         if self._relay is not None:
-            if job.request.output is not None:
-                job._post(ApiError("structured output and strict tools do not run on a model split across ranks "
-                                   "yet", 400))
-                job._post(_END)
-                return False
             cancel = self._relay.cancel(cancel)
         batch.start(job.request, cancel=cancel, post=job._post, end=lambda: job._post(_END))
         return True
