@@ -93,6 +93,20 @@ def test_a_failing_rank_ends_the_others(tiny: Path, tmp_path: Path):
     assert not list(tmp_path.glob("x.*.npz"))
 
 
+def test_a_hung_rank_ends_the_others_with_one_line(tiny: Path, tmp_path: Path):
+    """A rank that hangs past its first decode steps: the other, waiting in its next sum, writes one line and exits
+    within the deadline (model/watchdog.py), and the launcher ends the hung one."""
+    start = time.monotonic()
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(SCRIPT),
+                           str(tiny), str(tmp_path / "x"), "tensor", "hang"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "DS4_MLX_SPLIT_TIMEOUT": "3"})
+    line = "error: rank 0: no answer from the other ranks for 3 s (a rank hung or the link is down)"
+    assert done.stderr.count(line) == 1 and "rank 0 exited with code 1" in done.stderr, done.stderr
+    assert "rank 1 exited with code -15" in done.stderr
+    assert time.monotonic() - start < 60
+    assert not list(tmp_path.glob("x.*.npz"))
+
+
 @pytest.mark.parametrize("kind", ["tensor", pytest.param("layers", marks=pytest.mark.slow)])
 def test_run_under_the_launcher_answers_as_one_process(tiny: Path, kind: str):
     """`ds4-mlx run` on two ranks prints what one process prints (rank 0 alone prints; sampling with a seed)."""

@@ -36,6 +36,7 @@ from ds4_mlx.model.moe import GATHER_LIMIT, MoE, RoutedExperts, Router, SharedEx
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import RowQuant
 from ds4_mlx.model.rope import RoPE, Yarn
+from ds4_mlx.model import watchdog
 from ds4_mlx.model.shard import Split
 from ds4_mlx.model.stream import Convert, LoadStats, TensorStream
 from ds4_mlx.model.weights import ModelWeights
@@ -178,6 +179,7 @@ class Model:
             c.compress_rope_freq_base,
             Yarn(c.rope_scaling_factor, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow),
         )
+        watchdog.pause()  # this rank's own load: no deadline (model/watchdog.py)
         load = Loader(split.weights(weights) if split is not None else weights, progress)
         self.embedding = load.linear("token_embd.weight")
         self.blocks = [
@@ -194,6 +196,7 @@ class Model:
         self.output_norm = load.dense("output_norm.weight")
         self.output = load.linear("output.weight") if split is None else split.head(load)
         self.load_stats = load.finish()
+        watchdog.beat("load")
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
         self._steps: dict[tuple, Callable[..., list[mx.array]]] = {}
@@ -296,6 +299,7 @@ class Model:
         chunk, 2026-12-03), and at most two layers' transients (a float expert scratch, kernels/prefill/grouped.py) are
         alive at once."""
         tokens = self._check(tokens, cache)
+        watchdog.beat("hidden")
         n_past = cache.n_tokens
         shape = (tokens.size, self.config.n_hc, self.config.n_embd)
         streams = self._enter(lambda: mx.broadcast_to(self.embedding.rows(tokens)[:, None, :], shape), shape)
@@ -402,6 +406,7 @@ class Model:
         # the position as (1,), the shape its readers take: no reshape of it is a node of the step
         flat = [ids, mx.array([cache.n_tokens], dtype=mx.int32), *cache.arrays()]
         step = self._steps.get((layout, ends))
+        watchdog.beat(("decode", layout) if step is None else None)
         if step is None:  # a new layout: this step eagerly, then every kind of step traced, never evaluated
             streams, logits, *arrays = self._flat_step(ends, *flat)
             for kind in {self.ends(n) for n in range(math.lcm(*self.ratios))}:
@@ -440,6 +445,7 @@ class Model:
         kind = tuple(sorted({r for p in positions for r in self.ends(p)}))
         flat = [ids, mx.array(positions, dtype=mx.int32), *(a for c in caches for a in c.arrays())]
         ctxs, taps = tuple(c.ctx for c in caches), self.taps
+        watchdog.beat(("rows", groups, ctxs, taps))
         if registry.mode() == "reference":  # the references, eagerly
             out = self._flat_rows(groups, kind, taps, *flat)
         elif (step := self._steps.get((groups, ctxs, kind, taps))) is not None:

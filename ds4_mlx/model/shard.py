@@ -37,6 +37,7 @@ import numpy as np
 
 from ds4_mlx.errors import UsageError
 from ds4_mlx.model.config import ModelConfig
+from ds4_mlx.model import watchdog
 from ds4_mlx.model.gguf import BLOCK_SIZES, TensorInfo
 from ds4_mlx.model.weights import ModelWeights
 from ds4_mlx.sampling import SamplingParams, fresh_seed
@@ -213,12 +214,14 @@ class Split:
 
     def agree(self, value: int) -> int:
         """Rank 0's 64-bit `value` on every rank (a seed that makes every rank sample the same tokens)."""
+        watchdog.beat()
         mine = np.array([value & 0xFFFFFFFF, value >> 32 & 0xFFFFFFFF] if self.first else [0, 0], dtype=np.uint32)
         lo, hi = (int(v) for v in np.array(mx.distributed.all_sum(mx.array(mine), group=self.group)))
         return lo | hi << 32
 
     def least(self, value: int) -> int:
         """The smallest of every rank's `value` (a prefill chunk's length: memory.agree_chunks)."""
+        watchdog.beat()
         return int(mx.distributed.all_min(mx.array([value], dtype=mx.int32), group=self.group).item())
 
     @property
@@ -272,6 +275,7 @@ class VocabHead:
     split: Split
 
     def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
+        watchdog.beat("head")
         if self.linear is None:
             local = mx.depends([mx.zeros((*x.shape[:-1], self.n_vocab), mx.float32)], [x])[0]
         elif self.split.kind == "tensor":
@@ -376,6 +380,7 @@ def init_split(kind: str | None, share_text: str | None, weights: ModelWeights) 
             raise SplitError("--split and --split-weights need several ranks: start the command under mlx.launch "
                              "(e.g. mlx.launch --backend ring -n 2 -- ds4-mlx ...)")
         return None
+    watchdog.start(group.rank())
     share = parse_share(share_text) if share_text is not None else memory_shares(group)
     return Split.plan(kind or "tensor", group, weights, share)
 

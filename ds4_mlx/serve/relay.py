@@ -7,6 +7,9 @@ Batch and runs the same round (`follow`), its events dropped. What is decided by
 decided by rank 0 and agreed: whether a request is cancelled (its client left, the server stops), asked by the
 engine between tokens and prefill chunks, is rank 0's answer on every rank (`Relay.flag`). A request held to a
 grammar (structured output, strict tools: `GenerationRequest.output`) is not relayed yet: it is refused.
+
+While rank 0 has nothing to run it publishes an empty round every `heartbeat` seconds, so that every rank's
+watchdog (model/watchdog.py) sees the others answer and a rank that hangs ends the run even on an idle server.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from ..batch import Batch
 from ..engine import GenerationRequest
+from ..model import watchdog
 from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,9 +37,12 @@ class Relay:
 
     def __init__(self, split: Split) -> None:
         self.split = split
+        self.heartbeat = watchdog.heartbeat()
+        """Seconds between rank 0's empty rounds while idle (None: it never publishes one, with no watchdog)."""
 
     def _broadcast(self, data: bytes) -> bytes:
         """Rank 0's bytes on every rank."""
+        watchdog.beat()
         group, first = self.split.group, self.split.first
         size = mx.distributed.all_sum(mx.array([len(data) if first else 0], dtype=mx.int32), group=group).item()
         mine = np.frombuffer(data, dtype=np.uint8).astype(np.int32) if first else np.zeros(size, np.int32)
@@ -50,6 +57,7 @@ class Relay:
 
     def flag(self, value: bool) -> bool:
         """Rank 0's `value` on every rank (the others' is ignored)."""
+        watchdog.beat()
         mine = mx.array([int(value) if self.split.first else 0], dtype=mx.int32)
         return bool(mx.distributed.all_sum(mine, group=self.split.group).item())
 
