@@ -268,10 +268,10 @@ class Engine:
 
         weights = open_weights(path)
         check_context(weights.config, ctx)
-        shard = init_split(split, split_weights, weights)
+        shard = init_split(split, split_weights, weights, drafter=mtp is not None)
         if shard is not None:
-            if mtp is not None or kv_cache is not None or opts.get("kv_ram_budget"):
-                raise UsageError("a model split across ranks runs without --mtp, the disk KV cache and in-memory "
+            if kv_cache is not None or opts.get("kv_ram_budget"):
+                raise UsageError("a model split across ranks runs without the disk KV cache and in-memory "
                                  "checkpoints (--kv-ram-budget 0) for now: docs/distributed.md")
             # every rank must take the same decisions: the same chunks, no checkpoints that memory would drop on
             # one rank and not another, and not the decode graphs, which run one process's step (graphstep.py)

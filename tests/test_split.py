@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.dspark_file import write_dspark_model
+from ds4_mlx.model.factory import write_model, write_mtp_model
 from ds4_mlx.model.shard import ShardedWeights, Split, SplitError, shares
 from ds4_mlx.model.weights import open_weights
 
@@ -105,6 +106,45 @@ def test_a_hung_rank_ends_the_others_with_one_line(tiny: Path, tmp_path: Path):
     assert "rank 1 exited with code -15" in done.stderr
     assert time.monotonic() - start < 60
     assert not list(tmp_path.glob("x.*.npz"))
+
+
+MTP_SCRIPT = SCRIPT.with_name("split_mtp_script.py")
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where tests/split_mtp_script.py saved one process's plain greedy tokens (OUT.single.json): OUT."""
+    out = tmp_path_factory.mktemp("plain") / "spec"
+    subprocess.run([sys.executable, str(MTP_SCRIPT), str(tiny), str(out)], check=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("kind", [pytest.param("mtp", marks=pytest.mark.slow), "dspark"])
+def test_speculative_greedy_under_a_split_equals_plain_greedy(tiny: Path, plain_greedy: Path, kind: str):
+    """The drafter whole on both ranks (its guesses an oracle's, some wrong: tests/split_mtp_script.py): every
+    rank emits one process's plain greedy tokens, having verified drafts and kept some of them."""
+    out = plain_greedy
+    drafter = (write_mtp_model(out.with_name("mtp.gguf"), "tiny") if kind == "mtp"
+               else write_dspark_model(out.with_name("dspark.gguf"), "tiny"))
+    plain = json.loads(Path(f"{out}.single.json").read_text())["tokens"]
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--",
+                           str(MTP_SCRIPT), str(tiny), str(out), str(drafter)], capture_output=True, text=True,
+                          timeout=300)
+    for rank in range(2):
+        path = Path(f"{out}.{rank}.json")
+        assert path.exists(), done.stdout + done.stderr
+        run = json.loads(path.read_text())
+        path.unlink()
+        assert run["tokens"] == plain and 0 < run["accepted"] < run["drafted"], run
+
+
+def test_mtp_with_a_pipeline_is_one_line(tiny: Path, tmp_path: Path):
+    cli = Path(sys.executable).with_name("ds4-mlx")
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
+                           "run", "-m", str(tiny), "-p", "hi", "--split", "layers", "--mtp",
+                           str(write_mtp_model(tmp_path / "mtp.gguf", "tiny")), "--mtp-draft", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert "error: --mtp runs with --split tensor, not --split layers" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("kind", ["tensor", pytest.param("layers", marks=pytest.mark.slow)])

@@ -102,7 +102,7 @@ class DSpark:
         self.config, self.model, self.spec = c, model, weights.spec
         load = Loader(weights, progress)
         self.stages: list[Block] = [
-            model.block(load, f"mtp.{s}.", ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1])
+            model.block(load, f"mtp.{s}.", ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1], whole=True)
             for s in range(self.spec.n_stages)
         ]
         last = f"mtp.{self.spec.n_stages - 1}."
@@ -205,6 +205,8 @@ class DSpark:
                 prev = int((rng or np.random.default_rng()).choice(p.size, p=p))
                 probs.append(p)
             tokens.append(prev)
+        if self.model.split is not None:  # rank 0's drafts: each rank adds its own Markov row to the gathered
+            tokens = self.model.split.agree_tokens(tokens)  # logits, and hosts may round a near tie apart
         return Draft(tokens, np.stack(probs) if probs else None, [float(c.item()) for c in confidence])
 
 

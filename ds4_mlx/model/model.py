@@ -211,10 +211,13 @@ class Model:
         each tapped layer's output, side by side (rows, len(taps) * n_embd). `hidden` taps its last sliding_window
         rows only (all that a drafter's window keeps), `decode_rows` every row."""
 
-    def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
+    def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float, whole: bool = False
+              ) -> Block:
         """The block whose tensors are named `prefix` + suffix, at a compression ratio, with token-hash
-        or learned (top-k) routing. Public so that the MTP block is built the same way from its own file."""
-        c = self.config if self.split is None else self.split.local()
+        or learned (top-k) routing. Public so that the drafters' blocks are built the same way from their own files:
+        `whole`, every head and expert column and no sum across ranks, as a drafter runs on every rank of a split."""
+        split = None if whole else self.split
+        c = self.config if split is None else split.local()
 
         def hc(kind: str) -> HyperConnection:
             return HyperConnection(
@@ -269,7 +272,7 @@ class Model:
         )
         return Block(hc("attn"), load.dense(prefix + "attn_norm.weight"), attention, hc("ffn"),
                      load.dense(prefix + "ffn_norm.weight"), moe, eps=c.rms_eps,
-                     sum=None if self.split is None else self.split.block_sum)
+                     sum=None if split is None else split.block_sum)
 
     def new_cache(self, ctx: int) -> SessionCache:
         """Empty session state for a context of `ctx` tokens (in a pipeline, the other ranks' layers hold no rows)."""

@@ -107,7 +107,8 @@ class MTP:
         self.enorm = load.dense(MTP_PREFIX + "enorm.weight")
         self.hnorm = load.dense(MTP_PREFIX + "hnorm.weight")
         # The published per-layer arrays carry the MTP block's clamp last; ds4 requires 10 everywhere anyway.
-        self.block = model.block(load, MTP_PREFIX, ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1])
+        self.block = model.block(load, MTP_PREFIX, ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1],
+                                 whole=True)  # on every rank of a split model, whole (model/shard.py)
         self.head_hc = HyperHead(
             fn=load.dense(MTP_PREFIX + "hc_head_fn.weight"),
             scale=load.dense(MTP_PREFIX + "hc_head_scale.weight"),

@@ -219,6 +219,12 @@ class Split:
         lo, hi = (int(v) for v in np.array(mx.distributed.all_sum(mx.array(mine), group=self.group)))
         return lo | hi << 32
 
+    def agree_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's token ids (as many on every rank) on every rank."""
+        watchdog.beat()
+        mine = mx.array(tokens if self.first else [0] * len(tokens), dtype=mx.int32)
+        return mx.distributed.all_sum(mine, group=self.group).tolist()
+
     def least(self, value: int) -> int:
         """The smallest of every rank's `value` (a prefill chunk's length: memory.agree_chunks)."""
         watchdog.beat()
@@ -371,9 +377,12 @@ def rank() -> int:
     return mx.distributed.init().rank() if launched() else 0
 
 
-def init_split(kind: str | None, share_text: str | None, weights: ModelWeights) -> Split | None:
+def init_split(kind: str | None, share_text: str | None, weights: ModelWeights, drafter: bool = False
+               ) -> Split | None:
     """This process's share under `mlx.launch` (`kind` None: tensor when launched on several ranks), or None for a
-    single process."""
+    single process. `drafter`: a drafter (--mtp) runs with the model, which a pipeline refuses: the drafter reads
+    the last layer's streams (DSpark: its target layers' outputs), which one rank (DSpark: maybe several) holds, so
+    every draft would wait for the last rank and be handed back; the tensor split runs it whole on every rank."""
     group = mx.distributed.init() if launched() else None
     if group is None or group.size() == 1:
         if kind is not None or share_text is not None:
@@ -381,6 +390,9 @@ def init_split(kind: str | None, share_text: str | None, weights: ModelWeights) 
                              "(e.g. mlx.launch --backend ring -n 2 -- ds4-mlx ...)")
         return None
     watchdog.start(group.rank())
+    if kind == "layers" and drafter:
+        raise SplitError("--mtp runs with --split tensor, not --split layers (the drafter reads the last layers' "
+                         "states, which one rank holds): docs/distributed.md")
     share = parse_share(share_text) if share_text is not None else memory_shares(group)
     return Split.plan(kind or "tensor", group, weights, share)
 

@@ -13,9 +13,9 @@ to standard error and exits with status 1 (`os._exit`: the main thread is blocke
 ends the other ranks.
 
 Between beats the rank is counted as waiting, except where it waits for something other than the ranks (`pause`,
-`idle`): its own share's load, and a line of `chat`'s input. `serve` needs no exception: the ranks past 0 wait for rank 0's
-next round, and rank 0 publishes an empty round every `heartbeat()` seconds while it has nothing to run, so an idle
-server beats on every rank and a rank 0 that hangs is noticed by the others as any rank is.
+`idle`): its own share's load, and a line of `chat`'s input. `serve` needs no exception: the ranks past 0 wait for
+rank 0's next round, and rank 0 publishes an empty round every `heartbeat()` seconds while it has nothing to run,
+so an idle server beats on every rank and a rank 0 that hangs is noticed by the others as any rank is.
 
 The deadline is `DS4_MLX_SPLIT_TIMEOUT` seconds (default 30; 0 turns the watchdog off). The first call of each
 kind (`beat` with a key not seen before: the first prefill, the first decode step of a cache layout, the first
