@@ -84,12 +84,14 @@ def test_layer_split_equals_one_process(tiny: Path, tmp_path: Path):
 
 def test_a_failing_rank_ends_the_others(tiny: Path, tmp_path: Path):
     """The launcher ends every rank once one exits with an error: the others, waiting in a sum, do not hang (it
-    terminates them, SIGTERM; mlx.launch 0.32 itself then exits 0, its warnings name the ranks)."""
+    terminates them, SIGTERM, where the ring backend has not seen the peer's socket close first and exited with
+    status 1; mlx.launch 0.32 itself then exits 0, its warnings name the ranks)."""
     start = time.monotonic()
     done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(SCRIPT),
                            str(tiny), str(tmp_path / "x"), "tensor", "fail"], capture_output=True, text=True,
                           timeout=120)
-    assert "rank 1 exited with code 3" in done.stderr and "rank 0 exited with code -15" in done.stderr
+    assert "rank 1 exited with code 3" in done.stderr
+    assert "rank 0 exited with code -15" in done.stderr or "rank 0 exited with code 1" in done.stderr
     assert time.monotonic() - start < 60
     assert not list(tmp_path.glob("x.*.npz"))
 

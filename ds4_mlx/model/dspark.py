@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelFileMissing
+from . import watchdog
 from .attention import attend
 from .config import ModelConfig
 from .dspark_file import DSparkWeights, open_dspark_weights, support_kind
@@ -100,6 +101,7 @@ class DSpark:
     def __init__(self, weights: DSparkWeights, model: Model, progress: Callable[[int, int], None] | None = None):
         c = model.config
         self.config, self.model, self.spec = c, model, weights.spec
+        watchdog.pause()  # this rank's own load: no deadline (model/watchdog.py)
         load = Loader(weights, progress)
         self.stages: list[Block] = [
             model.block(load, f"mtp.{s}.", ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1], whole=True)
@@ -116,6 +118,8 @@ class DSpark:
         self.markov_w2 = load.linear(last + "markov_head.markov_w2.weight")
         self.confidence = load.linear(last + "confidence_head.proj.weight")
         self.load_stats = load.finish()
+        if model.split is not None:
+            model.split.loaded()
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the drafter holds (the embedding and LM head are the main model's)."""
         model.taps = self.spec.target_layers

@@ -196,7 +196,8 @@ class Model:
         self.output_norm = load.dense("output_norm.weight")
         self.output = load.linear("output.weight") if split is None else split.head(load)
         self.load_stats = load.finish()
-        watchdog.beat("load")
+        if split is not None:
+            split.loaded()
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
         self._steps: dict[tuple, Callable[..., list[mx.array]]] = {}

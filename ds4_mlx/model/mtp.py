@@ -34,6 +34,7 @@ from ..errors import ModelFileMissing
 from .cache import LayerState
 from .config import ModelConfig
 from .hyper_connection import HyperHead
+from . import watchdog
 from .model import Loader, Model
 from .norm import rms_norm
 from .weights import MTP_PREFIX, MTPWeights, open_mtp_weights
@@ -101,6 +102,7 @@ class MTP:
         c = model.config
         self.config = c
         self.model = model
+        watchdog.pause()  # this rank's own load: no deadline (model/watchdog.py)
         load = Loader(weights, progress)
         self.e_proj = load.linear(MTP_PREFIX + "e_proj.weight")
         self.h_proj = load.linear(MTP_PREFIX + "h_proj.weight")
@@ -118,6 +120,8 @@ class MTP:
         )
         self.norm = load.dense(MTP_PREFIX + "norm.weight")
         self.load_stats = load.finish()
+        if model.split is not None:
+            model.split.loaded()
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the block holds in memory (the embedding and LM head are the main model's)."""
 

@@ -225,6 +225,13 @@ class Split:
         mine = mx.array(tokens if self.first else [0] * len(tokens), dtype=mx.int32)
         return mx.distributed.all_sum(mine, group=self.group).tolist()
 
+    def loaded(self) -> None:
+        """Waits until every rank has loaded its share (of the model, of a drafter): the first wait after a load,
+        given the first-use allowance, since hosts load at their disks' speeds (model/watchdog.py)."""
+        watchdog.beat(slow=True)
+        mx.eval(mx.distributed.all_sum(mx.zeros(1), group=self.group))
+        watchdog.beat()
+
     def least(self, value: int) -> int:
         """The smallest of every rank's `value` (a prefill chunk's length: memory.agree_chunks)."""
         watchdog.beat()

@@ -13,14 +13,16 @@ to standard error and exits with status 1 (`os._exit`: the main thread is blocke
 ends the other ranks.
 
 Between beats the rank is counted as waiting, except where it waits for something other than the ranks (`pause`,
-`idle`): its own share's load, and a line of `chat`'s input. `serve` needs no exception: the ranks past 0 wait for
-rank 0's next round, and rank 0 publishes an empty round every `heartbeat()` seconds while it has nothing to run,
-so an idle server beats on every rank and a rank 0 that hangs is noticed by the others as any rank is.
+`idle`): its own share's load (the model's, a drafter's; every rank then waits for the others' in `Split.loaded`),
+and a line of `chat`'s input. `serve` needs no exception: the ranks past 0 wait for rank 0's next round, and rank
+0 publishes an empty round every `heartbeat()` seconds while it has nothing to run, so an idle server beats on
+every rank and a rank 0 that hangs is noticed by the others as any rank is.
 
-The deadline is `DS4_MLX_SPLIT_TIMEOUT` seconds (default 30; 0 turns the watchdog off). The first call of each
-kind (`beat` with a key not seen before: the first prefill, the first decode step of a cache layout, the first
-step of a row grouping) and the first beat after a load get `FIRST_USE` times that: they wait for the slowest
-rank's load and for the kernels' first-use checks, which may take much longer on one rank than on another.
+The deadline is `DS4_MLX_SPLIT_TIMEOUT` seconds (default 30; 0 turns the watchdog off). The wait for the other
+ranks' loads, the start (the ranks' processes start at their hosts' pace) and the first call of each kind (`beat`
+with a key not seen before: the first prefill, the first decode step of a cache layout, the first step of a row
+grouping) get `FIRST_USE` times that: a slower disk, and the kernels' first-use checks, may take much longer on
+one rank than on another.
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ class Watchdog:
         self._lock = threading.Lock()
         self._deadline: float | None = None
         self._allowed = 0.0
-        self.beat("start")
+        self.beat(slow=True)  # the ranks' processes start at their hosts' pace
         threading.Thread(target=self._watch, name="ds4-mlx-split-watchdog", daemon=True).start()
 
-    def beat(self, key: Hashable = None) -> None:
-        """The rank made progress: the deadline moves on (by FIRST_USE deadlines for a key not seen before)."""
-        allowed = self.timeout
+    def beat(self, key: Hashable = None, slow: bool = False) -> None:
+        """The rank made progress: the deadline moves on, by FIRST_USE deadlines for a key not seen before or a
+        `slow` wait."""
         if key is not None and key not in self._seen:
             self._seen.add(key)
-            allowed *= FIRST_USE
+            slow = True
+        allowed = self.timeout * (FIRST_USE if slow else 1)
         with self._lock:
             self._deadline, self._allowed = time.monotonic() + allowed, allowed
 
@@ -101,10 +104,10 @@ def start(rank: int) -> None:
         _current = Watchdog(rank, seconds)
 
 
-def beat(key: Hashable = None) -> None:
+def beat(key: Hashable = None, slow: bool = False) -> None:
     """`Watchdog.beat` of this process's watchdog, if it has one."""
     if _current is not None:
-        _current.beat(key)
+        _current.beat(key, slow)
 
 
 def pause() -> None:
