@@ -169,9 +169,10 @@ def test_split_outside_the_launcher_is_one_line(tiny: Path):
     assert done.stderr.strip().splitlines()[-1].startswith("ds4-mlx run: error: --split and --split-weights need")
 
 
-def _serve_answers(argv: list[str], port: int) -> list[str]:
-    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own), asks it for
-    four completions (three with a seed, one without), and ends it with SIGINT, as Ctrl+C would."""
+def _serve_answers(argv: list[str], port: int, idle: float = 0.0) -> list[str]:
+    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own), leaves it
+    `idle` seconds, asks it for four completions (three with a seed, one without), and ends it with SIGINT, as
+    Ctrl+C would."""
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -182,6 +183,7 @@ def _serve_answers(argv: list[str], port: int) -> list[str]:
             except OSError:
                 assert server.poll() is None and time.monotonic() < deadline, server.stderr.read().decode()
                 time.sleep(0.5)
+        time.sleep(idle)
 
         def complete(prompt: str, seed: int | None) -> str:
             body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.8, **({"seed": seed} if seed else {})}
@@ -211,6 +213,16 @@ def test_serve_under_the_launcher_answers_as_one_process(tiny: Path, kind: str):
     two = _serve_answers([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
                           *args, "--port", "18472", "--split", kind], 18472)
     assert one and two == one
+
+
+@pytest.mark.slow
+def test_an_idle_server_outlives_a_short_deadline(tiny: Path, monkeypatch: pytest.MonkeyPatch):
+    """Idle for several deadlines, a split server's ranks stay up (rank 0's empty rounds: serve/relay.py)."""
+    monkeypatch.setenv("DS4_MLX_SPLIT_TIMEOUT", "2")
+    cli = Path(sys.executable).with_name("ds4-mlx")
+    assert all(_serve_answers([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--",
+                               str(cli), "serve", "-m", str(tiny), "--no-quant-sim", "--ctx", "512", "--port",
+                               "18473"], 18473, idle=10))
 
 
 @pytest.mark.slow
