@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -55,7 +56,7 @@ class Banks:
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name][0]
 
-    def read(self, name: str, convert) -> list[mx.array]:
+    def read(self, name: str, convert: Callable[[mx.array], tuple[mx.array, ...]]) -> list[mx.array]:
         return list(convert(self.tensors[name][1]))
 
 
@@ -70,7 +71,7 @@ def experts(banks: Banks, prefix: str, n: int, ff: int, seed: int) -> RoutedExpe
     return made
 
 
-def timed(call) -> float:
+def timed(call: Callable[[], mx.array]) -> float:
     """ms of one evaluated call."""
     start = time.perf_counter()
     mx.eval(call())
@@ -78,11 +79,11 @@ def timed(call) -> float:
 
 
 def owned(bank: RoutedExperts, x: mx.array, ids: np.ndarray, weights: np.ndarray, first: int, last: int
-          ) -> mx.array | None:
+          ) -> mx.array:
     """The id split's work of the rank holding experts [first, last): each (row, expert) pair it owns once."""
     rows, slots = np.nonzero((ids >= first) & (ids < last))
-    if rows.size == 0:
-        return None
+    if rows.size == 0:  # none of the rows chose its experts: its share of the sum is zeros
+        return mx.zeros(x.shape, mx.float32)
     pairs = bank._gathered(x[mx.array(rows)], mx.array(ids[rows, slots] - first)[:, None],
                            mx.array(weights[rows, slots])[:, None])
     return mx.zeros(x.shape, mx.float32).at[mx.array(rows)].add(pairs)

@@ -25,6 +25,7 @@ from ds4_mlx.kernels.machinery import registry
 from ds4_mlx.kernels.decode.ends import EMBED_STREAMS
 from ds4_mlx.kernels.tensor_cores.halfsplit import splits_held
 from ds4_mlx.kernels.formats.quants import dequantize
+from ds4_mlx.model import watchdog
 from ds4_mlx.model.attention import Attention, Indexer
 from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
 from ds4_mlx.model.compressor import Compressor
@@ -36,7 +37,6 @@ from ds4_mlx.model.moe import GATHER_LIMIT, MoE, RoutedExperts, Router, SharedEx
 from ds4_mlx.model.norm import rms_norm
 from ds4_mlx.model.quant_sim import RowQuant
 from ds4_mlx.model.rope import RoPE, Yarn
-from ds4_mlx.model import watchdog
 from ds4_mlx.model.shard import Split
 from ds4_mlx.model.stream import Convert, LoadStats, TensorStream
 from ds4_mlx.model.weights import ModelWeights

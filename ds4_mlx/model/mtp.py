@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import ModelFileMissing
+from . import watchdog
 from .cache import LayerState
 from .config import ModelConfig
 from .hyper_connection import HyperHead
-from . import watchdog
 from .model import Loader, Model
 from .norm import rms_norm
 from .weights import MTP_PREFIX, MTPWeights, open_mtp_weights

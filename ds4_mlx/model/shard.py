@@ -36,8 +36,8 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import UsageError
-from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.model import watchdog
+from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.model.gguf import BLOCK_SIZES, TensorInfo
 from ds4_mlx.model.weights import ModelWeights
 from ds4_mlx.sampling import SamplingParams, fresh_seed
