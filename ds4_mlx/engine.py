@@ -276,10 +276,8 @@ class Engine:
 
         weights = open_weights(path)
         check_context(weights.config, ctx)
-        shard = init_split(split, split_weights, weights)
+        shard = init_split(split, split_weights, weights, drafter=mtp is not None)
         if shard is not None:
-            if mtp is not None:
-                raise UsageError("a model split across ranks runs without --mtp for now: docs/distributed.md")
             # every rank must take the same decisions: the same chunks (and RAM checkpoints, see __init__), and not
             # the decode graphs, which run one process's step (graphstep.py); each rank has its own disk cache
             memory.agree_chunks(shard.least)

@@ -3,7 +3,9 @@
     split_script.py MODEL OUT KIND QUANT [SHARE]
 
 QUANT "exact" turns the activation quantisation simulation off (model.py), "simulated" leaves it on; "fail" is
-"exact" where the last rank stops with status 3 once loaded (the others are then waiting in their first sum).
+"exact" where the last rank stops with status 3 once loaded (the others are then waiting in their first sum);
+"hang" is "exact" where the last rank sleeps past its first decode steps, its own watchdog paused, as a rank stuck
+where nothing of it notices (model/watchdog.py).
 
 Prefills a prompt in chunks, decodes greedily, restores a snapshot and decodes again, and takes one B-row step over
 two sessions; saves every logit it saw to OUT.<rank>.npz (OUT.single.npz for one process) and, split, the count
@@ -13,12 +15,14 @@ and bytes of a decode step's exchanges.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 import ds4_mlx  # noqa: F401
+from ds4_mlx.model import watchdog
 from ds4_mlx.model.model import Model
 from ds4_mlx.model.shard import init_split, launched
 from ds4_mlx.model.weights import open_weights
@@ -45,6 +49,9 @@ def main(path: str, out: str, kind: str, quant: str, share: str | None = None) -
     token = int(np.argmax(seen[f"chunk{i}"][-1]))
     for again in ("decode", "restored"):
         if again == "restored":
+            if quant == "hang" and split is not None and split.last:
+                watchdog.pause()
+                time.sleep(3600)
             cache.restore(snapshot)
             token = int(np.argmax(seen[f"chunk{i}"][-1]))
         for step in range(STEPS):

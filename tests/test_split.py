@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4_mlx.model.factory import write_model
+from ds4_mlx.model.dspark_file import write_dspark_model
+from ds4_mlx.model.factory import write_model, write_mtp_model
 from ds4_mlx.model.shard import ShardedWeights, Split, SplitError, shares
 from ds4_mlx.model.weights import open_weights
 
@@ -85,14 +86,69 @@ def test_layer_split_equals_one_process(tiny: Path, tmp_path: Path):
 
 def test_a_failing_rank_ends_the_others(tiny: Path, tmp_path: Path):
     """The launcher ends every rank once one exits with an error: the others, waiting in a sum, do not hang (it
-    terminates them, SIGTERM; mlx.launch 0.32 itself then exits 0, its warnings name the ranks)."""
+    terminates them, SIGTERM, where the ring backend has not seen the peer's socket close first and exited with
+    status 1; mlx.launch 0.32 itself then exits 0, its warnings name the ranks)."""
     start = time.monotonic()
     done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(SCRIPT),
                            str(tiny), str(tmp_path / "x"), "tensor", "fail"], capture_output=True, text=True,
                           timeout=120)
-    assert "rank 1 exited with code 3" in done.stderr and "rank 0 exited with code -15" in done.stderr
+    assert "rank 1 exited with code 3" in done.stderr
+    assert "rank 0 exited with code -15" in done.stderr or "rank 0 exited with code 1" in done.stderr
     assert time.monotonic() - start < 60
     assert not list(tmp_path.glob("x.*.npz"))
+
+
+def test_a_hung_rank_ends_the_others_with_one_line(tiny: Path, tmp_path: Path):
+    """A rank that hangs past its first decode steps: the other, waiting in its next sum, writes one line and exits
+    within the deadline (model/watchdog.py), and the launcher ends the hung one."""
+    start = time.monotonic()
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(SCRIPT),
+                           str(tiny), str(tmp_path / "x"), "tensor", "hang"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "DS4_MLX_SPLIT_TIMEOUT": "3"})
+    line = "error: rank 0: no answer from the other ranks for 3 s (a rank hung or the link is down)"
+    assert done.stderr.count(line) == 1 and "rank 0 exited with code 1" in done.stderr, done.stderr
+    assert "rank 1 exited with code -15" in done.stderr
+    assert time.monotonic() - start < 60
+    assert not list(tmp_path.glob("x.*.npz"))
+
+
+MTP_SCRIPT = SCRIPT.with_name("split_mtp_script.py")
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where tests/split_mtp_script.py saved one process's plain greedy tokens (OUT.single.json): OUT."""
+    out = tmp_path_factory.mktemp("plain") / "spec"
+    subprocess.run([sys.executable, str(MTP_SCRIPT), str(tiny), str(out)], check=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("kind", [pytest.param("mtp", marks=pytest.mark.slow), "dspark"])
+def test_speculative_greedy_under_a_split_equals_plain_greedy(tiny: Path, plain_greedy: Path, kind: str):
+    """The drafter whole on both ranks (its guesses an oracle's, some wrong: tests/split_mtp_script.py): every
+    rank emits one process's plain greedy tokens, having verified drafts and kept some of them."""
+    out = plain_greedy
+    drafter = (write_mtp_model(out.with_name("mtp.gguf"), "tiny") if kind == "mtp"
+               else write_dspark_model(out.with_name("dspark.gguf"), "tiny"))
+    plain = json.loads(Path(f"{out}.single.json").read_text())["tokens"]
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--",
+                           str(MTP_SCRIPT), str(tiny), str(out), str(drafter)], capture_output=True, text=True,
+                          timeout=300)
+    for rank in range(2):
+        path = Path(f"{out}.{rank}.json")
+        assert path.exists(), done.stdout + done.stderr
+        run = json.loads(path.read_text())
+        path.unlink()
+        assert run["tokens"] == plain and 0 < run["accepted"] < run["drafted"], run
+
+
+def test_mtp_with_a_pipeline_is_one_line(tiny: Path, tmp_path: Path):
+    cli = Path(sys.executable).with_name("ds4-mlx")
+    done = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli),
+                           "run", "-m", str(tiny), "-p", "hi", "--split", "layers", "--mtp",
+                           str(write_mtp_model(tmp_path / "mtp.gguf", "tiny")), "--mtp-draft", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert "error: --mtp runs with --split tensor, not --split layers" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("kind", ["tensor", pytest.param("layers", marks=pytest.mark.slow)])
@@ -116,9 +172,10 @@ def test_split_outside_the_launcher_is_one_line(tiny: Path):
 
 
 @contextmanager
-def _server(argv: list[str], port: int) -> Iterator[Callable[[str, dict], dict]]:
-    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own) and gives a
-    function that posts a JSON body to a path and returns the answer; then ends it with SIGINT, as Ctrl+C would."""
+def _server(argv: list[str], port: int, idle: float = 0.0) -> Iterator[Callable[[str, dict], dict]]:
+    """Starts `argv` (a server on `port`, alone or under the launcher, in a process group of its own), leaves it
+    `idle` seconds, and gives a function that posts a JSON body to a path and returns the answer; then ends it with
+    SIGINT, as Ctrl+C would."""
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -129,6 +186,7 @@ def _server(argv: list[str], port: int) -> Iterator[Callable[[str, dict], dict]]
             except OSError:
                 assert server.poll() is None and time.monotonic() < deadline, server.stderr.read().decode()
                 time.sleep(0.5)
+        time.sleep(idle)
 
         def post(path: str, body: dict) -> dict:
             request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
@@ -308,6 +366,16 @@ def test_a_held_request_is_relayed_whole():
                    Constraint.make(None, tools), None):
         request = GenerationRequest("hi", 5, SamplingParams(temperature=0.5, seed=3), ("x",), False, True, output)
         assert _request(json.loads(json.dumps(_fields(request)))) == request
+
+
+@pytest.mark.slow
+def test_an_idle_server_outlives_a_short_deadline(tiny: Path, monkeypatch: pytest.MonkeyPatch):
+    """Idle for several deadlines, a split server's ranks stay up (rank 0's empty rounds: serve/relay.py)."""
+    monkeypatch.setenv("DS4_MLX_SPLIT_TIMEOUT", "2")
+    cli = Path(sys.executable).with_name("ds4-mlx")
+    with _server([str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", str(cli), "serve",
+                  "-m", str(tiny), "--no-quant-sim", "--ctx", "512", "--port", "18475"], 18475, idle=10) as post:
+        assert post("/v1/completions", {"prompt": "hello", "max_tokens": 4})["choices"][0]["text"]
 
 
 @pytest.mark.slow

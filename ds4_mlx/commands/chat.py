@@ -34,6 +34,7 @@ from ..chat import (
     render_cli_turn,
 )
 from ..errors import Ds4Error, RequestError
+from ..model import watchdog
 from ..model.checkpoint import Checkpoint
 from ..events import Done, PrefillProgress, ReasoningDelta, TextDelta
 from ..progress import Progress
@@ -450,7 +451,9 @@ def terminal_lines(prompt: Callable[[], str] = lambda: PROMPT) -> Iterator[str |
     leaving, and yields None; Ctrl+D leaves."""
     while True:
         try:
-            yield input(prompt())
+            with watchdog.idle():  # under a split, waiting for a line is not waiting for the other ranks
+                line = input(prompt())
+            yield line
         except KeyboardInterrupt:
             print()
             yield None
@@ -461,7 +464,11 @@ def terminal_lines(prompt: Callable[[], str] = lambda: PROMPT) -> Iterator[str |
 
 def piped_lines(stream: TextIO) -> Iterator[str]:
     """Lines from a pipe or a file, without their line ends."""
-    for line in stream:
+    while True:
+        with watchdog.idle():
+            line = stream.readline()
+        if not line:
+            return
         yield line.rstrip("\r\n")
 
 

@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelFileMissing
+from . import watchdog
 from .attention import attend
 from .config import ModelConfig
 from .dspark_file import DSparkWeights, open_dspark_weights, support_kind
@@ -105,9 +106,10 @@ class DSpark:
     def __init__(self, weights: DSparkWeights, model: Model, progress: Callable[[int, int], None] | None = None):
         c = model.config
         self.config, self.model, self.spec = c, model, weights.spec
+        watchdog.pause()  # this rank's own load: no deadline (model/watchdog.py)
         load = Loader(weights, progress)
         self.stages: list[Block] = [
-            model.block(load, f"mtp.{s}.", ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1])
+            model.block(load, f"mtp.{s}.", ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1], whole=True)
             for s in range(self.spec.n_stages)
         ]
         last = f"mtp.{self.spec.n_stages - 1}."
@@ -121,6 +123,8 @@ class DSpark:
         self.markov_w2 = load.linear(last + "markov_head.markov_w2.weight")
         self.confidence = load.linear(last + "confidence_head.proj.weight")
         self.load_stats = load.finish()
+        if model.split is not None:
+            model.split.loaded()
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the drafter holds (the embedding and LM head are the main model's)."""
         model.taps = self.spec.target_layers
@@ -210,6 +214,8 @@ class DSpark:
                 prev = int((rng or np.random.default_rng()).choice(p.size, p=p))
                 probs.append(p)
             tokens.append(prev)
+        if self.model.split is not None:  # rank 0's drafts: each rank adds its own Markov row to the gathered
+            tokens = self.model.split.agree_tokens(tokens)  # logits, and hosts may round a near tie apart
         return Draft(tokens, np.stack(probs) if probs else None, [float(c.item()) for c in confidence])
 
 

@@ -25,6 +25,7 @@ from ds4_mlx.kernels.machinery import registry
 from ds4_mlx.kernels.decode.ends import EMBED_STREAMS
 from ds4_mlx.kernels.tensor_cores.halfsplit import splits_held
 from ds4_mlx.kernels.formats.quants import dequantize
+from ds4_mlx.model import watchdog
 from ds4_mlx.model.attention import Attention, Indexer
 from ds4_mlx.model.cache import LayerState, SessionCache, unflatten_layers
 from ds4_mlx.model.compressor import Compressor
@@ -178,6 +179,7 @@ class Model:
             c.compress_rope_freq_base,
             Yarn(c.rope_scaling_factor, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow),
         )
+        watchdog.pause()  # this rank's own load: no deadline (model/watchdog.py)
         load = Loader(split.weights(weights) if split is not None else weights, progress)
         self.embedding = load.linear("token_embd.weight")
         self.blocks = [
@@ -194,6 +196,8 @@ class Model:
         self.output_norm = load.dense("output_norm.weight")
         self.output = load.linear("output.weight") if split is None else split.head(load)
         self.load_stats = load.finish()
+        if split is not None:
+            split.loaded()
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the model holds in memory (raw blocks plus matrices dequantized at load)."""
         self._steps: dict[tuple, Callable[..., list[mx.array]]] = {}
@@ -208,10 +212,13 @@ class Model:
         each tapped layer's output, side by side (rows, len(taps) * n_embd). `hidden` taps its last sliding_window
         rows only (all that a drafter's window keeps), `decode_rows` every row."""
 
-    def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float) -> Block:
+    def block(self, load: Loader, prefix: str, ratio: int, hash_routing: bool, clamp: float, whole: bool = False
+              ) -> Block:
         """The block whose tensors are named `prefix` + suffix, at a compression ratio, with token-hash
-        or learned (top-k) routing. Public so that the MTP block is built the same way from its own file."""
-        c = self.config if self.split is None else self.split.local()
+        or learned (top-k) routing. Public so that the drafters' blocks are built the same way from their own files:
+        `whole`, every head and expert column and no sum across ranks, as a drafter runs on every rank of a split."""
+        split = None if whole else self.split
+        c = self.config if split is None else split.local()
 
         def hc(kind: str) -> HyperConnection:
             return HyperConnection(
@@ -266,7 +273,7 @@ class Model:
         )
         return Block(hc("attn"), load.dense(prefix + "attn_norm.weight"), attention, hc("ffn"),
                      load.dense(prefix + "ffn_norm.weight"), moe, eps=c.rms_eps,
-                     sum=None if self.split is None else self.split.block_sum)
+                     sum=None if split is None else split.block_sum)
 
     def new_cache(self, ctx: int) -> SessionCache:
         """Empty session state for a context of `ctx` tokens (in a pipeline, the other ranks' layers hold no rows)."""
@@ -297,6 +304,7 @@ class Model:
         chunk, 2026-12-03), and at most two layers' transients (a float expert scratch, kernels/prefill/grouped.py) are
         alive at once."""
         tokens = self._check(tokens, cache)
+        watchdog.beat("hidden")
         n_past = cache.n_tokens
         shape = (tokens.size, self.config.n_hc, self.config.n_embd)
         streams = self._enter(lambda: mx.broadcast_to(self.embedding.rows(tokens)[:, None, :], shape), shape)
@@ -403,6 +411,7 @@ class Model:
         # the position as (1,), the shape its readers take: no reshape of it is a node of the step
         flat = [ids, mx.array([cache.n_tokens], dtype=mx.int32), *cache.arrays()]
         step = self._steps.get((layout, ends))
+        watchdog.beat(("decode", layout) if step is None else None)
         if step is None:  # a new layout: this step eagerly, then every kind of step traced, never evaluated
             streams, logits, *arrays = self._flat_step(ends, *flat)
             for kind in {self.ends(n) for n in range(math.lcm(*self.ratios))}:
@@ -441,6 +450,7 @@ class Model:
         kind = tuple(sorted({r for p in positions for r in self.ends(p)}))
         flat = [ids, mx.array(positions, dtype=mx.int32), *(a for c in caches for a in c.arrays())]
         ctxs, taps = tuple(c.ctx for c in caches), self.taps
+        watchdog.beat(("rows", groups, ctxs, taps))
         if registry.mode() == "reference":  # the references, eagerly
             out = self._flat_rows(groups, kind, taps, *flat)
         elif (step := self._steps.get((groups, ctxs, kind, taps))) is not None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import ModelFileMissing
+from . import watchdog
 from .cache import LayerState
 from .config import ModelConfig
 from .hyper_connection import HyperHead
@@ -101,13 +102,15 @@ class MTP:
         c = model.config
         self.config = c
         self.model = model
+        watchdog.pause()  # this rank's own load: no deadline (model/watchdog.py)
         load = Loader(weights, progress)
         self.e_proj = load.linear(MTP_PREFIX + "e_proj.weight")
         self.h_proj = load.linear(MTP_PREFIX + "h_proj.weight")
         self.enorm = load.dense(MTP_PREFIX + "enorm.weight")
         self.hnorm = load.dense(MTP_PREFIX + "hnorm.weight")
         # The published per-layer arrays carry the MTP block's clamp last; ds4 requires 10 everywhere anyway.
-        self.block = model.block(load, MTP_PREFIX, ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1])
+        self.block = model.block(load, MTP_PREFIX, ratio=0, hash_routing=False, clamp=c.swiglu_clamp[-1],
+                                 whole=True)  # on every rank of a split model, whole (model/shard.py)
         self.head_hc = HyperHead(
             fn=load.dense(MTP_PREFIX + "hc_head_fn.weight"),
             scale=load.dense(MTP_PREFIX + "hc_head_scale.weight"),
@@ -117,6 +120,8 @@ class MTP:
         )
         self.norm = load.dense(MTP_PREFIX + "norm.weight")
         self.load_stats = load.finish()
+        if model.split is not None:
+            model.split.loaded()
         self.nbytes = self.load_stats.resident_bytes
         """Bytes of weights the block holds in memory (the embedding and LM head are the main model's)."""
 

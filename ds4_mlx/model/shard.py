@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4_mlx.errors import UsageError
+from ds4_mlx.model import watchdog
 from ds4_mlx.model.config import ModelConfig
 from ds4_mlx.model.gguf import BLOCK_SIZES, TensorInfo
 from ds4_mlx.model.weights import ModelWeights
@@ -213,12 +214,27 @@ class Split:
 
     def agree(self, value: int) -> int:
         """Rank 0's 64-bit `value` on every rank (a seed that makes every rank sample the same tokens)."""
+        watchdog.beat()
         mine = np.array([value & 0xFFFFFFFF, value >> 32 & 0xFFFFFFFF] if self.first else [0, 0], dtype=np.uint32)
         lo, hi = (int(v) for v in np.array(mx.distributed.all_sum(mx.array(mine), group=self.group)))
         return lo | hi << 32
 
+    def agree_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's token ids (as many on every rank) on every rank."""
+        watchdog.beat()
+        mine = mx.array(tokens if self.first else [0] * len(tokens), dtype=mx.int32)
+        return mx.distributed.all_sum(mine, group=self.group).tolist()
+
+    def loaded(self) -> None:
+        """Waits until every rank has loaded its share (of the model, of a drafter): the first wait after a load,
+        given the first-use allowance, since hosts load at their disks' speeds (model/watchdog.py)."""
+        watchdog.beat(slow=True)
+        mx.eval(mx.distributed.all_sum(mx.zeros(1), group=self.group))
+        watchdog.beat()
+
     def least(self, value: int) -> int:
         """The smallest of every rank's `value` (a prefill chunk's length: memory.agree_chunks)."""
+        watchdog.beat()
         return int(mx.distributed.all_min(mx.array([value], dtype=mx.int32), group=self.group).item())
 
     def least_of(self, values: Sequence[int]) -> list[int]:
@@ -290,6 +306,7 @@ class VocabHead:
     split: Split
 
     def __call__(self, x: mx.array, norm: Norm | None = None) -> mx.array:
+        watchdog.beat("head")
         if self.linear is None:
             local = mx.depends([mx.zeros((*x.shape[:-1], self.n_vocab), mx.float32)], [x])[0]
         elif self.split.kind == "tensor":
@@ -385,15 +402,22 @@ def rank() -> int:
     return mx.distributed.init().rank() if launched() else 0
 
 
-def init_split(kind: str | None, share_text: str | None, weights: ModelWeights) -> Split | None:
+def init_split(kind: str | None, share_text: str | None, weights: ModelWeights, drafter: bool = False
+               ) -> Split | None:
     """This process's share under `mlx.launch` (`kind` None: tensor when launched on several ranks), or None for a
-    single process."""
+    single process. `drafter`: a drafter (--mtp) runs with the model, which a pipeline refuses: the drafter reads
+    the last layer's streams (DSpark: its target layers' outputs), which one rank (DSpark: maybe several) holds, so
+    every draft would wait for the last rank and be handed back; the tensor split runs it whole on every rank."""
     group = mx.distributed.init() if launched() else None
     if group is None or group.size() == 1:
         if kind is not None or share_text is not None:
             raise SplitError("--split and --split-weights need several ranks: start the command under mlx.launch "
                              "(e.g. mlx.launch --backend ring -n 2 -- ds4-mlx ...)")
         return None
+    watchdog.start(group.rank())
+    if kind == "layers" and drafter:
+        raise SplitError("--mtp runs with --split tensor, not --split layers (the drafter reads the last layers' "
+                         "states, which one rank holds): docs/distributed.md")
     share = parse_share(share_text) if share_text is not None else memory_shares(group)
     return Split.plan(kind or "tensor", group, weights, share)
 

@@ -12,6 +12,9 @@ is relayed with what its Constraint holds: the answer's format (kind, schema, na
 strict parameters) and the two grammars rank 0 compiled from them; each rank makes the same Constraint of them,
 without compiling again. Every rank gets the same logits and samples with one seed, so the same grammar gives the
 same masks and the same tokens on every rank.
+
+While rank 0 has nothing to run it publishes an empty round every `heartbeat` seconds, so that every rank's
+watchdog (model/watchdog.py) sees the others answer and a rank that hangs ends the run even on an idle server.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 from ..batch import Batch
 from ..constrain import Constraint, OutputFormat
 from ..engine import GenerationRequest
+from ..model import watchdog
 from ..sampling import SamplingParams
 from ..toolgrammar import ToolSpec
 
@@ -40,9 +44,12 @@ class Relay:
 
     def __init__(self, split: Split) -> None:
         self.split = split
+        self.heartbeat = watchdog.heartbeat()
+        """Seconds between rank 0's empty rounds while idle (None: it never publishes one, with no watchdog)."""
 
     def _broadcast(self, data: bytes) -> bytes:
         """Rank 0's bytes on every rank."""
+        watchdog.beat()
         group, first = self.split.group, self.split.first
         size = mx.distributed.all_sum(mx.array([len(data) if first else 0], dtype=mx.int32), group=group).item()
         mine = np.frombuffer(data, dtype=np.uint8).astype(np.int32) if first else np.zeros(size, np.int32)
@@ -57,6 +64,7 @@ class Relay:
 
     def flag(self, value: bool) -> bool:
         """Rank 0's `value` on every rank (the others' is ignored)."""
+        watchdog.beat()
         mine = mx.array([int(value) if self.split.first else 0], dtype=mx.int32)
         return bool(mx.distributed.all_sum(mine, group=self.split.group).item())
 

@@ -174,11 +174,13 @@ class Worker:
             self._loaded.set()
         batch = self._batch = Batch(self.engine)
         relay = self._relay = relay_for(self.engine)
+        heartbeat = relay.heartbeat if relay is not None else None
         while True:
             with self._cond:
                 while not self._queue and not batch.running and not self._stopping:
-                    self._cond.wait()
-                if not self._queue and not batch.running:
+                    if not self._cond.wait(heartbeat):
+                        break  # idle under a split: an empty round, so that every rank's watchdog sees rank 0
+                if self._stopping and not self._queue and not batch.running:
                     break
                 started = []  # the requests the other ranks start too, under a split model
                 while self._queue and batch.free:
