@@ -46,11 +46,21 @@ def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(autouse=True)
 def _memory_limit() -> Iterator[None]:
-    """The device memory limit measured anew after each test (a CLI test's --memory-limit holds for the process)."""
+    """The device memory limit measured anew after each test, and MLX's own limits put back as they were (a CLI
+    test's --memory-limit holds for the process; an engine's load applies it to MLX, memory.apply_limit, and MLX
+    over its limit waits for every task in flight before each new one: the tests after it would crawl)."""
+    import mlx.core as mx
+
     from ds4_mlx import memory
 
+    memory_limit = mx.set_memory_limit(0)
+    mx.set_memory_limit(memory_limit)
+    cache_limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(cache_limit)
     yield
     memory.set_limit(None)
+    mx.set_memory_limit(memory_limit)
+    mx.set_cache_limit(cache_limit)
 
 
 @pytest.fixture(scope="session")
