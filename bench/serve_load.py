@@ -103,7 +103,8 @@ def main() -> int:
     url = args.url or f"http://127.0.0.1:{args.port}"
     if args.url is None:
         server = subprocess.Popen([sys.executable, "-m", "ds4_mlx.cli", "serve", "--port", str(args.port),
-                                   "--parallel", str(args.streams), *serve_args], start_new_session=True)
+                                   "--parallel", str(args.streams + bool(args.join_tokens)), *serve_args],
+                                  start_new_session=True)  # a lane for the late request too: it must not queue
     try:
         wait_ready(url, server, 1800)
         system = TEXT * max(1, args.system_tokens // 25)

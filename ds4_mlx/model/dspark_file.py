@@ -12,6 +12,11 @@ shared). As published (`deepseek4-quantize --dspark-support`, default options):
 * types: routed experts IQ2_XXS gate/up and Q2_K down, `hc_*_fn` F16, norms, biases and HC vectors F32, every other
   2-D weight Q8_0 (the router, `main_proj`, the Markov tables and the confidence projection included).
 
+Those facts come from the converter's source (antirez/ds4 `gguf-tools/deepseek4-quantize.c`: its metadata, the
+strcmp order of the tensors, the types) and agree with the C engine's loader and the published size; the published
+file's own header was not read (no public dump of it exists), so its tensor offsets rest on the converter's
+alignment (32) and order.
+
 The C engine reads each metadata field under any of three spellings (`deepseek4.dspark.X`, `deepseek4.dspark_X`,
 `dspark.X`, first found wins), takes the stage count from the tensor names, and tells a DSpark file from a legacy MTP
 file by its tensors (`file_kind`). It never refuses a bad support file, it only leaves drafting off; here every
