@@ -3,8 +3,8 @@
 Each running request holds one lane (a live session, engine.py's Lane) and runs the engine's own `answer` there,
 so tokenizing, prefix reuse, sampling, stop rules and tool calls are the one implementation every front end uses.
 The scheduler works in rounds. In a round every request moves to its next pause: a prefilling one by one chunk
-(at most `prefill_cap` tokens while other lanes decode, so that their tokens wait for one short chunk, not a whole
-prompt), a decoding one by one token. While two or more lanes decode, their tokens go into one step over the
+(while other lanes decode, a chunk the backend runs in about `prefill_stall` seconds, at most `prefill_cap` tokens,
+so that their tokens wait for one short chunk, not a whole prompt), a decoding one by one token. While two or more lanes decode, their tokens go into one step over the
 weights (session.decode_together: every dense weight read once for all rows, each row attending to its own
 session); a lane that decodes alone steps as `Engine.generate` does (the decode graphs, tokens fed ahead, MTP
 speculation), which is what a lone stream runs fastest. Where the decode graphs run, the shared step is one launch
@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from .engine import PAUSE, Engine, Feed, GenerationRequest, Lane
+from .memory import CHUNK_LADDER
 from .events import Done, Event
 from .session import decode_together
 from .tokenizer import utf8
@@ -34,6 +36,14 @@ log = logging.getLogger("ds4_mlx.batch")
 
 PREFILL_CAP = 1024
 """Tokens a prefill chunk holds at most while other lanes decode: what their next token may wait for."""
+PREFILL_STALL = 0.5
+"""Seconds a prefill chunk should take, about, while other lanes decode. Its length is what the last chunk's rate
+runs in that time (a prefill slows with depth, so the last chunk is the nearest measure), a CHUNK_LADDER size (few
+new shapes) from MIN_CAP to `prefill_cap`: on a GPU that is the cap itself (an H200 prefills ~4,000 t/s), on a CPU
+or a small Mac a few hundred tokens."""
+MIN_CAP = 128
+"""The shortest chunk a prefill beside decoding lanes is cut to, whatever its rate: shorter ones cost more in
+launches and first-use checks than they save the other lanes."""
 
 
 @dataclass(eq=False)
@@ -59,10 +69,13 @@ class Batch:
 
     engine: Engine
     prefill_cap: int = PREFILL_CAP
+    prefill_stall: float = PREFILL_STALL
     running: list[Running] = field(default_factory=list)
     shared_steps: int = 0
     """Steps shared by several lanes so far, and the rows they fed (`shared_rows`)."""
     shared_rows: int = 0
+    prefill_rate: float | None = None
+    """Tokens a second of the last prefill chunk any lane ran (None before the first)."""
     _idle_since: dict[int, int] = field(default_factory=dict)
     _clock: itertools.count = field(default_factory=itertools.count)
 
@@ -107,8 +120,13 @@ class Batch:
         """Moves every running request to its next pause, then feeds the waiting tokens in one shared step."""
         for run in list(self.running):
             if run.feed is None:
-                run.lane.session.chunk_cap = self.prefill_cap if self._others_decode(run) else None
+                session = run.lane.session
+                session.chunk_cap = self.chunk_cap() if self._others_decode(run) else None
+                fed, start = len(session.tokens), time.perf_counter()
                 self._advance(run)
+                fed = len(session.tokens) - fed
+                if not run.decoding and fed > 1:  # one prefill chunk (a restored prefix feeds nothing)
+                    self.prefill_rate = fed / (time.perf_counter() - start)
         waiting = [run for run in self.running if run.feed is not None]
         if not waiting:
             return
@@ -122,6 +140,15 @@ class Batch:
         self.shared_steps, self.shared_rows = self.shared_steps + 1, self.shared_rows + len(waiting)
         for run, logits in zip(waiting, rows):
             run.feed, run.send = None, logits
+
+    def chunk_cap(self) -> int:
+        """The longest prefill chunk while other lanes decode: what the last chunk's rate runs in `prefill_stall`
+        seconds, a CHUNK_LADDER size from MIN_CAP to `prefill_cap` (the cap itself before any chunk ran)."""
+        if self.prefill_rate is None:
+            return self.prefill_cap
+        limit = min(self.prefill_rate * self.prefill_stall, self.prefill_cap)
+        fitting = max((size for size in CHUNK_LADDER if size <= limit), default=0)
+        return max(fitting, min(MIN_CAP, self.prefill_cap))
 
     def _advance(self, run: Running) -> None:
         """Runs the answer to its next Feed or pause, posting its events; ends it when it is done."""

@@ -229,3 +229,25 @@ def test_a_shared_step_that_disagrees_falls_back_to_one_session_at_a_time(demo_m
     assert sum(issubclass(w.category, SharedStepWarning) for w in caught) == 1
     for request, got in zip(requests, together):
         assert got.token_ids == done(list(alone_engine.generate(request))).token_ids
+
+
+def test_a_chunk_beside_decoding_lanes_takes_about_the_stall_it_may_cause(engines):
+    """The chunk cap follows the last chunk's rate: what it runs in `prefill_stall` seconds, a ladder size between
+    MIN_CAP and `prefill_cap` (the cap itself before any chunk ran)."""
+    from ds4_mlx.batch import MIN_CAP
+
+    _, engine = engines
+    batch = Batch(engine, prefill_cap=1024, prefill_stall=0.5)
+    assert batch.chunk_cap() == 1024
+    for rate, cap in ((100_000.0, 1024), (1000.0, 384), (600.0, 256), (10.0, MIN_CAP)):
+        batch.prefill_rate = rate
+        assert batch.chunk_cap() == cap, rate
+    batch.prefill_cap = 64
+    assert batch.chunk_cap() == 64  # a cap below MIN_CAP holds
+    batch.prefill_cap, batch.prefill_rate = 1024, None
+    engine.reset()
+    batch.start(GenerationRequest(prompt("Hi.", "Count to ten."), max_tokens=2, sampling=SamplingParams(temperature=0)),
+                lambda: False, lambda _: None, lambda: None)
+    while batch.running:
+        batch.round()
+    assert batch.prefill_rate is not None and batch.prefill_rate > 0  # its prefill measured, its decoding not
