@@ -382,6 +382,8 @@ class Engine:
         check_context(self.model.config, ctx)
         need = self.parallel * state_copies() * session_bytes(self.model.config, ctx)
         room = memory.free_bytes() + self.parallel * state_copies() * self.session.cache.nbytes
+        if self.split is not None:  # every rank takes the same answer: the one with the least room
+            room = self.split.least_of([room])[0]
         if need > room:
             gib = 1024**3
             raise ResourceError(

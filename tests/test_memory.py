@@ -144,3 +144,24 @@ def test_the_cli_takes_a_memory_limit(demo_model, capsys):
         main(["run", "--demo", "--memory-limit", "lots", "-p", "hi"])
     assert exit.value.code == 2
     assert "argument --memory-limit: expected a size" in capsys.readouterr().err
+
+
+def test_a_split_engine_changes_its_context_only_where_every_rank_has_room(tiny):
+    """Under a split every rank takes the same answer (chat's /ctx reaches each): the one with the least room."""
+
+    class NoRoomElsewhere:
+        """A split whose other rank has no memory free."""
+
+        def least_of(self, values: list[int]) -> list[int]:
+            return [min(0, *values) for _ in values]
+
+    tiny.reset()
+    tiny.split = NoRoomElsewhere()
+    try:
+        with pytest.raises(ResourceError, match="the context stays at 1024"):
+            tiny.set_context(512)
+    finally:
+        tiny.split = None
+    tiny.set_context(512)  # alone, this rank has the room
+    tiny.set_context(1024)
+    assert tiny.ctx == 1024
