@@ -17,8 +17,8 @@ and to all the block's own rows (non-causal inside the block). Stage 2's hc_head
 head: base logits U_k for the token at P+2+k. A rank-r Markov head then chains the drafts: prev_0 = a, logits_k =
 U_k + W2 W1[prev_k], d_{k+1} = pick(logits_k), prev_{k+1} = d_{k+1}; and the confidence head gives
 sigmoid(proj [x_k; W1[prev_k]]) from the pre-norm hc_head output x_k, as the reference does (the C engine reads it
-after norm). It is advisory here: the C engine (tau 0.7), DeepSpec and SGLang cut a block at its first draft below a
-threshold, which saves verify rows where each row costs; every draft is verified here.
+after norm). It is advisory in this engine, which verifies every draft: the C engine (tau 0.7), DeepSpec and SGLang
+cut a block at its first draft below a threshold, which saves verify rows where each row costs.
 
 Sources: DeepSeek's DSpark paper (DeepSpec), deepseek-ai/DeepSeek-V4-Flash-0731 inference/model.py (DSparkAttention,
 the heads, the taps) and its ports (mlx-vlm, SGLang, a llama.cpp fork, MindStudio), the C engine's ds4.c and its
