@@ -95,7 +95,6 @@ def decode(data: bytes, session: Session, identity: bytes, tokens: int) -> MTPSn
         log.warning("kv cache: drafter rows not used: %s", e)
         return None
     want = KIND_DSPARK if isinstance(session.mtp, DSpark) else KIND_MTP
-    expected = [a.shape for a in session.mtp_cache.snapshot().arrays()]
     if kind != want or found != identity:
         log.info("kv cache: the checkpoint's drafter rows are another drafter's; the drafter starts anew")
         return None
@@ -104,8 +103,8 @@ def decode(data: bytes, session: Session, identity: bytes, tokens: int) -> MTPSn
         return None
     if kind == KIND_DSPARK:
         snap = DSparkSnapshot(tuple(arrays), ints[0])
-        rows = {a.shape[0] for a in arrays}
-        ok = len(arrays) == len(expected) and all(a.shape[1:] == s[1:] for a, s in zip(arrays, expected)) \
+        rows, expected = {a.shape[0] for a in arrays}, session.mtp_cache.rings
+        ok = len(arrays) == len(expected) and all(a.shape[1:] == e.shape[1:] for a, e in zip(arrays, expected)) \
             and len(rows) == 1 and 0 < rows.pop() <= session.mtp_cache.window and snap.end == tokens
     else:
         raw, hidden, logits = arrays

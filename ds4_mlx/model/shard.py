@@ -239,6 +239,7 @@ class Split:
 
     def least_of(self, values: Sequence[int]) -> list[int]:
         """The smallest of every rank's value at each place, in one exchange (64-bit: byte counts fit)."""
+        watchdog.beat()
         return np.array(mx.distributed.all_min(mx.array(values, dtype=mx.int64), group=self.group)).tolist()
 
     def every(self, flag: bool) -> bool:
